@@ -1,0 +1,142 @@
+"""Tests of hfquant.memory."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from hfquant.memory import MIB, dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+
+try:
+    from _tiny import tiny_llama
+except ImportError:  # tests/ imported as a package
+    from tests._tiny import tiny_llama
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+
+
+# ---------------------------------------------------------------- RSS
+
+
+@linux_only
+def test_rss_and_peak_are_positive_and_ordered():
+    rss, peak = rss_mib(), peak_rss_mib()
+    assert isinstance(rss, float) and isinstance(peak, float)
+    assert 1 < rss <= peak
+
+
+@linux_only
+def test_peak_rss_grows_after_touching_100_mib():
+    was_reset = reset_peak_rss()
+    peak_before, rss_before = peak_rss_mib(), rss_mib()
+    x = torch.ones(100 * MIB, dtype=torch.uint8)  # ones(): every page is written
+    assert rss_mib() - rss_before > 90
+    del x
+    peak_after = peak_rss_mib()
+    # The high-water mark keeps the spike after the memory is freed.
+    assert peak_after >= rss_before + 90
+    assert peak_after >= peak_before
+    if was_reset:
+        assert peak_after - peak_before > 80
+
+
+@linux_only
+def test_reset_peak_rss_lowers_the_high_water_mark():
+    x = torch.ones(100 * MIB, dtype=torch.uint8)
+    del x
+    peak_with_spike = peak_rss_mib()
+    if not reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    assert peak_rss_mib() <= peak_with_spike
+    # Right after a reset the peak is (about) the current RSS.
+    assert peak_rss_mib() - rss_mib() < 20
+
+
+def test_rss_helpers_return_none_without_proc(monkeypatch):
+    import hfquant.memory as mem
+
+    monkeypatch.setattr(mem, "_PROC_STATUS", "/nonexistent/status")
+    monkeypatch.setattr(mem, "_PROC_CLEAR_REFS", "/nonexistent/clear_refs")
+    assert mem.rss_mib() is None
+    assert mem.peak_rss_mib() is None
+    assert mem.reset_peak_rss() is False
+
+
+# ---------------------------------------------------------------- tensor_bytes
+
+
+def test_tensor_bytes_counts_tied_embeddings_once():
+    tied = tiny_llama(tie=True)
+    untied = tiny_llama(tie=False)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    emb = tied.model.embed_tokens.weight.nbytes
+    unique = sum(p.nbytes for p in tied.parameters()) + sum(b.nbytes for b in tied.buffers())
+    assert tensor_bytes(tied) == unique
+    assert tensor_bytes(untied) == tensor_bytes(tied) + emb
+    # Naively summing every registered tensor would double count.
+    naive = sum(t.nbytes for _, t in tied.named_parameters(remove_duplicate=False))
+    assert naive > sum(p.nbytes for p in tied.parameters())
+
+
+def test_tensor_bytes_dtype_and_buffers():
+    m = tiny_llama(dtype=torch.float32)
+    half = tiny_llama(dtype=torch.bfloat16)
+    params32 = sum(p.numel() for p in m.parameters()) * 4
+    buffers = sum(b.nbytes for b in m.buffers())
+    assert tensor_bytes(m) == params32 + buffers
+    assert tensor_bytes(half) == params32 // 2 + sum(b.nbytes for b in half.buffers())
+
+
+def test_tensor_bytes_views_of_one_storage():
+    base = torch.zeros(10, 8)  # 320 bytes
+    mod = torch.nn.Module()
+    mod.a = torch.nn.Parameter(base[:5], requires_grad=False)  # rows 0-4
+    mod.b = torch.nn.Parameter(base[5:], requires_grad=False)  # rows 5-9, disjoint
+    mod.register_buffer("c", base[3:7])  # overlaps both
+    mod.register_buffer("d", base[:5])  # same range as a, different tensor object
+    assert tensor_bytes(mod) == 320
+    mod2 = torch.nn.Module()
+    mod2.register_buffer("x", base[:2])
+    mod2.register_buffer("y", base[8:])
+    # Unused middle of the storage is not counted.
+    assert tensor_bytes(mod2) == 4 * 8 * 4
+
+
+def test_tensor_bytes_transposed_view_and_iterable():
+    w = torch.zeros(16, 4, dtype=torch.int8)
+    assert tensor_bytes([w, w.t(), w]) == 64
+    assert tensor_bytes([torch.zeros(3), torch.zeros(3)]) == 24
+    with pytest.raises(TypeError):
+        tensor_bytes([1, 2])
+
+
+def test_tensor_bytes_meta_device():
+    with torch.device("meta"):
+        lin = torch.nn.Linear(8, 4)
+    assert tensor_bytes(lin) == (8 * 4 + 4) * 4
+
+
+# ---------------------------------------------------------------- dir_size_bytes
+
+
+def test_dir_size_bytes_counts_only_safetensors(tmp_path):
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 234)
+    (tmp_path / "config.json").write_text("{}" * 100)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "other.safetensors").write_bytes(b"x" * 50)
+    assert dir_size_bytes(tmp_path) == 1234
+    assert dir_size_bytes(tmp_path, "**/*.safetensors") == 1284
+    assert dir_size_bytes(tmp_path / "sub") == 50
+
+
+def test_dir_size_bytes_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        dir_size_bytes(tmp_path / "missing")
+    f = tmp_path / "f.safetensors"
+    f.write_bytes(b"")
+    with pytest.raises(NotADirectoryError):
+        dir_size_bytes(f)
+    assert dir_size_bytes(tmp_path) == 0
