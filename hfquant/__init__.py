@@ -1,0 +1,16 @@
+"""hfquant: weight-only int8/int4 quantization for Hugging Face transformers, applied while checkpoints stream in.
+
+`import hfquant` registers `quant_method="hfquant"` with transformers, so that
+`AutoModelForCausalLM.from_pretrained(path, quantization_config=hfquant.HfQuantConfig(bits=4))` quantizes on load
+and `from_pretrained(saved_path)` reloads a saved quantized checkpoint.
+"""
+
+from .config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
+from .linear import QuantLinear
+from .registration import register
+from .quantizer import HfQuantQuantizer
+
+__all__ = ["FORMAT_VERSION", "QUANT_METHOD", "HfQuantConfig", "HfQuantQuantizer", "QuantLinear", "register"]
+__version__ = "0.1.0"
+
+register()

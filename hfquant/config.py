@@ -1,0 +1,169 @@
+"""`HfQuantConfig`: what to quantize and how, validated in one place.
+
+The config is JSON-native so that it round-trips through `config.json` exactly: `to_dict()` writes every
+field with its resolved value, and `from_dict()` feeds that dict back through the same validation.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+__all__ = ["FORMAT_VERSION", "QUANT_METHOD", "HfQuantConfig", "validate_config_values", "default_group_size"]
+
+QUANT_METHOD = "hfquant"
+"""The `quant_method` string that transformers reads from `config.json` to pick our quantizer."""
+
+FORMAT_VERSION = 1
+"""Version of the on-disk layout described in `docs/format.md`. Checkpoints stamped with another version are refused."""
+
+SUPPORTED_BITS = (8, 4)
+MIN_GROUP_SIZE = 32
+MAX_GROUP_SIZE = 1024
+_ALLOWED_GROUP_SIZES = tuple(2**p for p in range(5, 11))  # 32 .. 1024
+
+_UNSET = object()
+
+
+def default_group_size(bits: int) -> int | None:
+    """The group size used when none is given: per-channel (`None`) at 8 bits, 128 at 4 bits."""
+    return None if bits == 8 else 128
+
+
+def default_symmetric(bits: int) -> bool:
+    """The symmetry used when none is given: symmetric at 8 bits (the int8 kernel has no zero point), asymmetric at 4."""
+    return bits == 8
+
+
+def validate_config_values(
+    bits: Any, group_size: Any, symmetric: Any, modules_to_not_convert: Any, format_version: Any
+) -> None:
+    """Check every field of an `HfQuantConfig`; used by the constructor, `from_dict` and the CLI.
+
+    Raises:
+        ValueError: a value is outside what is allowed; the message names the value and the allowed ones.
+        TypeError: a value has the wrong type (for example `bits="4"`).
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int, one of {list(SUPPORTED_BITS)}; got {bits!r} ({type(bits).__name__}).")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed values are {list(SUPPORTED_BITS)}.")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(
+                f"group_size must be None (one scale per output channel) or an int power of two from "
+                f"{MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}; got {group_size!r} ({type(group_size).__name__})."
+            )
+        if group_size not in _ALLOWED_GROUP_SIZES:
+            raise ValueError(
+                f"group_size={group_size!r} is not allowed; use None (per-channel) or one of "
+                f"{list(_ALLOWED_GROUP_SIZES)}."
+            )
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be True or False; got {symmetric!r} ({type(symmetric).__name__}).")
+    if not isinstance(modules_to_not_convert, list) or not all(
+        isinstance(p, str) and p for p in modules_to_not_convert
+    ):
+        raise TypeError(
+            "modules_to_not_convert must be a list of non-empty strings (whole dotted module names or fnmatch "
+            f"patterns such as 'model.layers.*.mlp.down_proj'); got {modules_to_not_convert!r}."
+        )
+    if format_version != FORMAT_VERSION:
+        raise ValueError(
+            f"format_version={format_version!r} is not readable by this hfquant, which reads format version "
+            f"{FORMAT_VERSION}; upgrade hfquant (pip install -U hfquant) or re-quantize the float checkpoint."
+        )
+
+
+class HfQuantConfig(QuantizationConfigMixin):
+    """Weight-only round-to-nearest (RTN) quantization of Linear and GPT-2 `Conv1D` layers.
+
+    Args:
+        bits: 8 or 4. Stored integers are int8 / packed 4-bit.
+        group_size: number of consecutive input features sharing one `scale` (and `zero_point`). `None` means
+            per-channel (one scale per output feature); otherwise a power of two from 32 to 1024. Defaults to
+            per-channel at 8 bits and 128 at 4 bits. A layer whose `in_features` is not divisible by the asked
+            group size uses the largest power of two >= 32 that divides it (its group size can be read back from
+            the stored scale shape); a layer with no such divisor stays in float and is logged.
+        symmetric: `True` stores signed integers with an implicit zero point; `False` (asymmetric) stores an
+            unsigned integer zero point per group. Defaults to `True` at 8 bits and `False` at 4 bits.
+        modules_to_not_convert: modules kept in float, as whole dotted names (`"lm_head"`,
+            `"model.layers.0.mlp"`), a whole-component suffix (`"down_proj"` matches `"...mlp.down_proj"` but not
+            `"...mlp.xdown_proj"`), or fnmatch patterns matched against the full dotted name
+            (`"model.layers.*.self_attn.o_proj"`). A match on a module also keeps its children in float. The output
+            embedding (lm_head) and weights tied to the input embedding are always kept in float.
+        format_version: on-disk format version; only `FORMAT_VERSION` is accepted.
+
+    Raises:
+        ValueError / TypeError: through `validate_config_values`, naming the bad value and what is allowed.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int | None = _UNSET,  # type: ignore[assignment]
+        symmetric: bool | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        format_version: int = FORMAT_VERSION,
+        quant_method: str = QUANT_METHOD,
+        **unknown: Any,
+    ):
+        if quant_method != QUANT_METHOD:
+            raise ValueError(
+                f"quant_method={quant_method!r} is not handled by HfQuantConfig, which reads only "
+                f"quant_method={QUANT_METHOD!r}."
+            )
+        if unknown:
+            raise ValueError(
+                f"Unknown HfQuantConfig field(s) {sorted(unknown)}; allowed fields are "
+                f"{sorted(['bits', 'group_size', 'symmetric', 'modules_to_not_convert', 'format_version', 'quant_method'])}."
+            )
+        if isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS:
+            if group_size is _UNSET:
+                group_size = default_group_size(bits)
+            if symmetric is None:
+                symmetric = default_symmetric(bits)
+        elif group_size is _UNSET:
+            group_size = None
+        modules = [] if modules_to_not_convert is None else modules_to_not_convert
+        if isinstance(modules, tuple):
+            modules = list(modules)
+        validate_config_values(bits, group_size, symmetric, modules, format_version)
+        self.quant_method = QUANT_METHOD
+        self.bits = bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.modules_to_not_convert = list(modules)
+        self.format_version = format_version
+
+    def validate(self) -> None:
+        """Re-check the fields (after a user changed attributes in place); raises like the constructor."""
+        validate_config_values(
+            self.bits, self.group_size, self.symmetric, self.modules_to_not_convert, self.format_version
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field with its resolved value; `HfQuantConfig.from_dict(c.to_dict()) == c`."""
+        return {
+            "quant_method": QUANT_METHOD,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+            "format_version": self.format_version,
+        }
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def __iter__(self):
+        yield from copy.deepcopy(self.to_dict()).items()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HfQuantConfig) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))

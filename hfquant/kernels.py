@@ -1,0 +1,261 @@
+"""Which matmul runs a quantized layer, and the runtime tensors each kernel needs.
+
+Kernels, all shipped by PyTorch (aten):
+  - "int8pack_mm": `torch.ops.aten._weight_int8pack_mm` (CPU, and CUDA builds that have it), int8 symmetric
+    per-channel weights, activations bf16/fp16/fp32.
+  - "int4pack_mm_cpu": `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise (group 32..256), weight
+    repacked into the CPU layout (`hfquant.packing`), scale and zero folded into one (K/g, N, 2) tensor.
+  - "int4pack_mm_cuda": `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16 activations, weight repacked with
+    `_convert_weight_to_int4pack`.
+  - "dequant": dequantize the weight to the activation dtype and call `torch.nn.functional.linear`. Covers every
+    case and is the numerical reference in tests.
+
+Both int4 kernels compute w = (q - 8) * scale + zero with a float `zero`, so an integer zero point z becomes
+zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` is the one place that decides; a kernel
+is only chosen after a small probe on the device matched the dequantize reference (`kernel_works`), so a PyTorch
+build without the op, or with a different layout, falls back to "dequant" instead of failing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from . import packing, rtn
+
+__all__ = [
+    "KERNELS",
+    "select_kernel",
+    "kernel_works",
+    "prepare_weight",
+    "restore_codes",
+    "scale_zero_for_int4",
+    "quantized_matmul",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant")
+_INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def _cuda_inner_k_tiles(in_features: int) -> int | None:
+    for tiles in (8, 4, 2):
+        if in_features % (tiles * 16) == 0:
+            return tiles
+    return None
+
+
+def _shape_fits(kernel: str, bits: int, symmetric: bool, group_size: int, in_features: int, out_features: int) -> bool:
+    if kernel == "int8pack_mm":
+        return bits == 8 and symmetric and group_size == in_features
+    if kernel == "int4pack_mm_cpu":
+        return bits == 4 and group_size in _INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0
+    if kernel == "int4pack_mm_cuda":
+        return (
+            bits == 4
+            and group_size in _INT4_KERNEL_GROUP_SIZES
+            and out_features % 8 == 0
+            and _cuda_inner_k_tiles(in_features) is not None
+        )
+    return kernel == "dequant"
+
+
+def select_kernel(
+    *, bits: int, symmetric: bool, group_size: int, in_features: int, out_features: int, device: torch.device | str
+) -> str:
+    """Name of the matmul used for a layer of this shape and format on `device` (one of `KERNELS`).
+
+    Preference: the aten kernel that fits the format and device and passed its probe, else "dequant".
+    """
+    device_type = torch.device(device).type
+    if device_type == "cpu":
+        candidates = ("int8pack_mm", "int4pack_mm_cpu")
+    elif device_type == "cuda":
+        candidates = ("int4pack_mm_cuda", "int8pack_mm")
+    else:
+        candidates = ()
+    for kernel in candidates:
+        if _shape_fits(kernel, bits, symmetric, group_size, in_features, out_features) and kernel_works(
+            kernel, str(torch.device(device))
+        ):
+            return kernel
+    return "dequant"
+
+
+def scale_zero_for_int4(
+    scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """(N, G) scale and zero point -> (G, N, 2) `dtype` tensor [scale, (8 - z) * scale] for the int4 kernels.
+
+    Symmetric 4-bit codes carry the implicit zero point 8, so their zero term is 0.
+    """
+    scale32 = scale.float()
+    zero = torch.zeros_like(scale32) if zero_point is None else (8.0 - zero_point.float()) * scale32
+    return torch.stack((scale32.t(), zero.t()), dim=-1).to(dtype).contiguous()
+
+
+def prepare_weight(kernel: str, codes_or_weight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Storage weight -> the weight tensor `kernel` reads.
+
+    Args:
+        kernel: one of `KERNELS`.
+        codes_or_weight: for 4-bit kernels the unpacked (N, K) uint8 codes; otherwise the stored weight
+            ((N, K) int8/uint8, or (N, K // 2) uint8 packed int4 for "dequant").
+    """
+    if kernel == "int4pack_mm_cpu":
+        return packing.to_cpu_int4_layout(codes_or_weight)
+    if kernel == "int4pack_mm_cuda":
+        tiles = _cuda_inner_k_tiles(in_features)
+        nibbles = _cuda_nibble_order_for(str(codes_or_weight.device))
+        packed = _pack_for_cuda(codes_or_weight, nibbles)
+        return torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
+    # aten kernels read with unaligned loads, but a tensor viewing a memory-mapped file at an odd offset is
+    # copied into our own allocation so the layer never depends on the file staying mapped.
+    if codes_or_weight.data_ptr() % 64 or not codes_or_weight.is_contiguous():
+        return codes_or_weight.contiguous().clone()
+    return codes_or_weight
+
+
+def restore_codes(kernel: str, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of `prepare_weight` for the 4-bit kernels: runtime weight -> (N, K) uint8 codes."""
+    if kernel == "int4pack_mm_cpu":
+        return packing.from_cpu_int4_layout(runtime_weight, out_features, in_features)
+    if kernel == "int4pack_mm_cuda":
+        return _unpack_cuda_by_identity(runtime_weight, out_features, in_features)
+    raise ValueError(f"kernel {kernel!r} keeps the stored layout; nothing to restore")
+
+
+def _pack_for_cuda(codes: torch.Tensor, even_high: bool) -> torch.Tensor:
+    if even_high:
+        return (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return packing.pack_int4(codes)
+
+
+def _unpack_cuda_by_identity(runtime_weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Exact unpack of the tinygemm layout: multiply the identity by the weight with scale 1 and zero 8.
+
+    Every product is an integer in [0, 15], exact in bfloat16. Done in row blocks of 1024 inputs.
+    """
+    group = 32 if k % 32 == 0 else k
+    unit = torch.empty((k // group, n, 2), dtype=torch.bfloat16, device=runtime_weight.device)
+    unit[..., 0] = 1.0
+    unit[..., 1] = 8.0
+    codes = torch.empty((n, k), dtype=torch.uint8, device=runtime_weight.device)
+    for start in range(0, k, 1024):
+        stop = min(k, start + 1024)
+        eye = torch.zeros((stop - start, k), dtype=torch.bfloat16, device=runtime_weight.device)
+        eye[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+        block = torch.ops.aten._weight_int4pack_mm(eye, runtime_weight, group, unit)  # (rows, N)
+        codes[:, start:stop] = block.t().round().to(torch.uint8)
+    return codes
+
+
+def quantized_matmul(
+    kernel: str,
+    x: torch.Tensor,
+    runtime_weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    scale_zero: torch.Tensor | None,
+    *,
+    bits: int,
+    symmetric: bool,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
+    """y = x @ w_hat.T for x (..., K) float; returns (..., N) in x's dtype.
+
+    `scale_zero` is the (G, N, 2) tensor from `scale_zero_for_int4` for the int4 kernels; `scale` (N, G) and
+    `zero_point` are the stored ones (the int8 kernel reads `scale`, "dequant" reads both).
+    """
+    shape = x.shape
+    x2d = x.reshape(-1, in_features)
+    if kernel == "int8pack_mm":
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, scale.reshape(-1).to(x.dtype))
+    elif kernel == "int4pack_mm_cpu":
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
+    elif kernel == "int4pack_mm_cuda":
+        xb = x2d.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm(xb, runtime_weight, group_size, scale_zero).to(x.dtype)
+    else:
+        codes = packing.unpack_int4(runtime_weight) if bits == 4 else runtime_weight
+        weight = rtn.dequantize_weight(codes, scale, zero_point, bits, symmetric, dtype=x.dtype)
+        y = torch.nn.functional.linear(x2d, weight)
+    return y.reshape(*shape[:-1], out_features)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Probes: a kernel is used only if it reproduces the dequantize reference on a small random layer.
+
+
+def _probe(kernel: str, device: str) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    n, k, group = 64, 256, 64
+    bits = 8 if kernel == "int8pack_mm" else 4
+    symmetric = kernel == "int8pack_mm"
+    group = k if kernel == "int8pack_mm" else group
+    weight = torch.randn((n, k), generator=generator)
+    x = torch.randn((5, k), generator=generator).to(torch.bfloat16)
+    q = rtn.quantize_weight(weight, bits, group, symmetric)
+    stored = packing.pack_int4(q.q) if bits == 4 else q.q
+    reference = quantized_matmul(
+        "dequant", x, stored, q.scale, q.zero_point, None,
+        bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
+    ).float()
+    source = q.q.to(device)
+    runtime = prepare_weight(kernel, source, k)
+    sz = scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16).to(device) if bits == 4 else None
+    y = quantized_matmul(
+        kernel, x.to(device), runtime, q.scale.to(device), None if q.zero_point is None else q.zero_point.to(device),
+        sz, bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
+    ).float().cpu()
+    close = torch.allclose(y, reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
+    if close and bits == 4:
+        close = torch.equal(restore_codes(kernel, runtime, n, k).cpu(), q.q)
+    return close
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_works(kernel: str, device: str) -> bool:
+    """True if `kernel` exists in this PyTorch build and matches the dequantize reference on `device`.
+
+    The result is cached per (kernel, device). Failures are logged at INFO level and mean "use dequant".
+    """
+    if kernel == "dequant":
+        return True
+    if kernel == "int4pack_mm_cpu" and packing.cpu_int4_layout() is None:
+        return False
+    try:
+        works = _probe(kernel, device)
+    except (RuntimeError, NotImplementedError, AttributeError) as error:
+        logger.info("kernel %s unavailable on %s: %s", kernel, device, error)
+        return False
+    if not works:
+        logger.warning("kernel %s on %s disagrees with the reference; using dequantize-then-matmul", kernel, device)
+    return works
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_nibble_order_for(device: str) -> bool:
+    """Whether `_convert_weight_to_int4pack` wants the even column in the high nibble (PyTorch >= 2.5 does)."""
+    generator = torch.Generator().manual_seed(1)
+    n, k, group = 64, 256, 64
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    tiles = _cuda_inner_k_tiles(k)
+    for even_high in (True, False):
+        try:
+            runtime = torch.ops.aten._convert_weight_to_int4pack(_pack_for_cuda(codes.to(device), even_high), tiles)
+            if torch.equal(_unpack_cuda_by_identity(runtime, n, k).cpu(), codes):
+                return even_high
+        except RuntimeError:
+            continue
+    return True

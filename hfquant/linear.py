@@ -1,0 +1,221 @@
+"""`QuantLinear`: a weight-only quantized replacement for `nn.Linear` and transformers' GPT-2 `Conv1D`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import kernels, packing, rtn
+
+__all__ = ["QuantLinear", "quantize_to_buffers"]
+
+# Rows quantized per step: the float32 copy of one step stays under this many bytes.
+_CHUNK_BYTES = 16 * 2**20
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequantize(weight).T + bias, computed by the kernel `hfquant.kernels.select_kernel` picks.
+
+    Stored tensors (registered buffers; these are exactly what `state_dict()` and the files hold, see docs/format.md):
+        weight: 8 bits symmetric: (out_features, in_features) int8 in [-127, 127];
+                8 bits asymmetric: (out_features, in_features) uint8 in [0, 255];
+                4 bits: (out_features, in_features // 2) uint8, two codes per byte, even input column in the low
+                nibble (codes in [0, 15]; symmetric codes are the signed value + 8).
+        weight_scale: (out_features, in_features // group_size) bfloat16.
+        weight_zero_point: (out_features, in_features // group_size) uint8, only when asymmetric.
+        bias: (out_features,) float parameter, when the replaced layer had one.
+
+    After `prepare_kernel()` the `weight` buffer may hold a kernel layout instead (for the CPU int4 kernel, the
+    same bytes reordered); `state_dict()` always gives back the stored layout, bit for bit.
+
+    Args:
+        in_features, out_features: as in `nn.Linear` (for a `Conv1D`, in_features = nx, out_features = nf).
+        bits: 8 or 4.
+        group_size: inputs per scale; must divide in_features (use `rtn.effective_group_size`).
+        symmetric: symmetric (no stored zero point) or asymmetric.
+        bias: whether the layer has a bias.
+        dtype: dtype of the bias and of the kernel-side scale tensors (the activation dtype).
+        device: where the buffers are allocated ("meta" while transformers builds the model).
+    Raises:
+        ValueError: group_size does not divide in_features, or 4 bits with an odd in_features.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if group_size <= 0 or in_features % group_size:
+            raise ValueError(f"group_size={group_size} does not divide in_features={in_features}")
+        if bits == 4 and in_features % 2:
+            raise ValueError(f"4-bit layers need an even in_features, got {in_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bits = bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.kernel = "dequant"
+        n_groups = in_features // group_size
+        if bits == 4:
+            weight = torch.empty((out_features, in_features // 2), dtype=torch.uint8, device=device)
+        else:
+            weight = torch.empty(
+                (out_features, in_features), dtype=torch.int8 if symmetric else torch.uint8, device=device
+            )
+        self.register_buffer("weight", weight)
+        self.register_buffer(
+            "weight_scale", torch.empty((out_features, n_groups), dtype=rtn.SCALE_DTYPE, device=device)
+        )
+        if symmetric:
+            self.weight_zero_point = None
+        else:
+            self.register_buffer(
+                "weight_zero_point", torch.empty((out_features, n_groups), dtype=torch.uint8, device=device)
+            )
+        self.register_buffer("scale_zero", None, persistent=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.compute_dtype = dtype
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int, symmetric: bool
+    ) -> "QuantLinear":
+        """Quantize a float weight (out_features, in_features) into a new layer (kernel not yet prepared)."""
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, bits, group_size, symmetric, bias is not None, weight.dtype, "meta")
+        for name, tensor in quantize_to_buffers(weight, bits, group_size, symmetric).items():
+            setattr(layer, name, tensor)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
+            f"kernel={self.kernel}"
+        )
+
+    # -- layouts ------------------------------------------------------------------------------------------------
+
+    def _codes(self) -> torch.Tensor:
+        """(N, K) unpacked codes, whatever layout `weight` is in (4 bits only)."""
+        if self.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+            return kernels.restore_codes(self.kernel, self.weight, self.out_features, self.in_features)
+        return packing.unpack_int4(self.weight)
+
+    def stored_weight(self) -> torch.Tensor:
+        """The `weight` tensor in the stored (file) layout."""
+        if self.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+            return packing.pack_int4(self._codes())
+        return self.weight
+
+    @torch.no_grad()
+    def prepare_kernel(self, dtype: torch.dtype | None = None) -> str:
+        """Pick the kernel for the current device and repack `weight` for it; returns the kernel name.
+
+        Idempotent: calling it again first restores the stored layout. `dtype` is the activation dtype the
+        int4 scale/zero tensor is built in (default: the bias dtype, else bfloat16).
+        """
+        if self.weight.device.type == "meta":
+            return self.kernel
+        stored = self.stored_weight()
+        self.kernel = "dequant"
+        self.scale_zero = None
+        if dtype is not None:
+            self.compute_dtype = dtype
+        compute_dtype = self.compute_dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
+        kernel = kernels.select_kernel(
+            bits=self.bits,
+            symmetric=self.symmetric,
+            group_size=self.group_size,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            device=self.weight.device,
+        )
+        if kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+            codes = packing.unpack_int4(stored)
+            self.weight = kernels.prepare_weight(kernel, codes, self.in_features)
+            sz_dtype = torch.bfloat16 if kernel == "int4pack_mm_cuda" else compute_dtype
+            self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
+        else:
+            self.weight = kernels.prepare_weight(kernel, stored, self.in_features)
+        self.kernel = kernel
+        return kernel
+
+    # -- state dict: always the stored layout ---------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.kernel != "dequant" and prefix + "weight" in destination:
+            destination[prefix + "weight"] = self.stored_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Loading writes the stored layout into `weight`: forget any kernel layout first.
+        if self.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+            self.weight = self.stored_weight()
+        self.kernel = "dequant"
+        self.scale_zero = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # -- compute ------------------------------------------------------------------------------------------------
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight (out_features, in_features) in `dtype` that this layer multiplies by."""
+        codes = self._codes() if self.bits == 4 else self.weight
+        return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.quantized_matmul(
+            self.kernel,
+            x,
+            self.weight,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.scale_zero,
+            bits=self.bits,
+            symmetric=self.symmetric,
+            group_size=self.group_size,
+            in_features=self.in_features,
+            out_features=self.out_features,
+        )
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+def quantize_to_buffers(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> dict[str, torch.Tensor]:
+    """Float weight (N, K) -> the stored tensors of a `QuantLinear`: {"weight", "weight_scale"[, "weight_zero_point"]}.
+
+    Works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
+    `_CHUNK_BYTES` whatever the size of the weight.
+    """
+    n, k = weight.shape
+    n_groups = k // group_size
+    device = weight.device
+    if bits == 4:
+        stored = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
+    else:
+        stored = torch.empty((n, k), dtype=torch.int8 if symmetric else torch.uint8, device=device)
+    buffers = {"weight": stored, "weight_scale": torch.empty((n, n_groups), dtype=rtn.SCALE_DTYPE, device=device)}
+    if not symmetric:
+        buffers["weight_zero_point"] = torch.empty((n, n_groups), dtype=torch.uint8, device=device)
+    step = max(1, _CHUNK_BYTES // (4 * k))
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        q = rtn.quantize_weight(weight[rows], bits, group_size, symmetric)
+        stored[rows] = packing.pack_int4(q.q) if bits == 4 else q.q
+        buffers["weight_scale"][rows] = q.scale
+        if q.zero_point is not None:
+            buffers["weight_zero_point"][rows] = q.zero_point
+    return buffers

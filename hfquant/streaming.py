@@ -1,0 +1,97 @@
+"""Keeping memory bounded while the checkpoint streams in: drop already-read checkpoint pages from the process.
+
+transformers reads safetensors shards through memory maps. Every page of a shard that was read stays mapped,
+and counted in the process's resident set, until the shard is closed at the end of loading; for a model that is
+quantized on load that would put the whole float checkpoint in RSS. After each weight is quantized,
+`release_checkpoint_pages()` asks the kernel to reclaim the resident pages of every mapped `.safetensors` file
+with `madvise(MADV_PAGEOUT)` (Linux >= 5.4). It only ever reclaims clean file pages (a page the process wrote
+to is anonymous memory and is left alone), so no data can be lost; a page that is read again is faulted back in
+from the file. Elsewhere it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+
+__all__ = ["release_checkpoint_pages", "mapped_checkpoint_ranges", "trim_heap"]
+
+logger = logging.getLogger(__name__)
+
+_MADV_PAGEOUT = 21
+_MAPS = "/proc/self/maps"
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    function = libc.madvise
+    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    function.restype = ctypes.c_int
+    return function
+
+
+def mapped_checkpoint_ranges(suffix: str = ".safetensors") -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's memory maps of files whose name ends with `suffix` (Linux only)."""
+    ranges = []
+    try:
+        with open(_MAPS, encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n").endswith(suffix):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end, fields[5].rstrip("\n")))
+    except OSError:
+        return []
+    return ranges
+
+
+_warned = False
+
+
+def release_checkpoint_pages() -> int:
+    """Reclaim the resident pages of every mapped `.safetensors` file; returns the number of bytes advised.
+
+    Safe to call at any time: data stays readable, it is re-read from the file when touched again.
+    """
+    global _warned
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    advised = 0
+    for start, end, path in mapped_checkpoint_ranges():
+        if madvise(start, end - start, _MADV_PAGEOUT) == 0:
+            advised += end - start
+        elif not _warned:
+            _warned = True
+            logger.info("madvise(MADV_PAGEOUT) refused for %s (errno %d)", path, ctypes.get_errno())
+    trim_heap()
+    return advised
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc `malloc_trim(0)`); a no-op elsewhere. About 1 ms."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim, or None. Freed float tensors leave holes in the heap that glibc keeps resident; trimming
+    returns them, so the float copy of one weight does not stay in RSS after it was quantized."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_size_t,)
+    function.restype = ctypes.c_int
+    return function
