@@ -25,8 +25,7 @@ FORMAT_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}-K{k}-N{n}" for b, g, s, k, 
 # Minimum SNR in dB of the layer output against the float layer, Gaussian weights and inputs. Uniform rounding adds
 # noise of variance step**2 / 12 per weight; with step = max|w| / 127 (int8, max|w| ~ 3 sigma over 256 inputs) that
 # is ~43 dB, with step = range / 15 (int4, range ~ 4 to 5.6 sigma) it is 19 to 22 dB (observed: 42-45 and 19-21 dB).
-# The thresholds leave 4-7 dB
-# for bfloat16 rounding and seed-to-seed spread.
+# The thresholds leave 4-7 dB for bfloat16 rounding and seed-to-seed spread.
 MIN_SNR_DB = {8: 35.0, 4: 15.0}
 
 
