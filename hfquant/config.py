@@ -71,7 +71,7 @@ def validate_config_values(
             "modules_to_not_convert must be a list of non-empty strings (whole dotted module names or fnmatch "
             f"patterns such as 'model.layers.*.mlp.down_proj'); got {modules_to_not_convert!r}."
         )
-    if format_version != FORMAT_VERSION:
+    if isinstance(format_version, bool) or not isinstance(format_version, int) or format_version != FORMAT_VERSION:
         raise ValueError(
             f"format_version={format_version!r} is not readable by this hfquant, which reads format version "
             f"{FORMAT_VERSION}; upgrade hfquant (pip install -U hfquant) or re-quantize the float checkpoint."

@@ -50,7 +50,9 @@ def _cuda_inner_k_tiles(in_features: int) -> int | None:
 
 def _shape_fits(kernel: str, bits: int, symmetric: bool, group_size: int, in_features: int, out_features: int) -> bool:
     if kernel == "int8pack_mm":
-        return bits == 8 and symmetric and group_size == in_features
+        # The bf16 path of the aten kernel reads rows in 32-byte vectors with no tail: in_features must be a
+        # multiple of 16 (it returns garbage or crashes otherwise, seen with torch 2.13).
+        return bits == 8 and symmetric and group_size == in_features and in_features % 16 == 0
     if kernel == "int4pack_mm_cpu":
         return bits == 4 and group_size in _INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0
     if kernel == "int4pack_mm_cuda":
@@ -175,8 +177,10 @@ def quantized_matmul(
     shape = x.shape
     x2d = x.reshape(-1, in_features)
     if kernel == "int8pack_mm":
-        if not x2d.is_contiguous():
-            x2d = x2d.contiguous()
+        # The aten kernel needs the activation rows 32-byte aligned (it crashes otherwise); a view at an odd
+        # offset is copied into a fresh (64-byte aligned) allocation.
+        if not x2d.is_contiguous() or x2d.data_ptr() % 64:
+            x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
         y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, scale.reshape(-1).to(x.dtype))
     elif kernel == "int4pack_mm_cpu":
         if not x2d.is_contiguous():

@@ -25,14 +25,47 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from .config import HfQuantConfig
 from .linear import QuantLinear, quantize_to_buffers
-from .replace import plan_layers, replace_with_quant_linear
+from .replace import LayerPlan, plan_layers, replace_with_quant_linear
 from .streaming import release_checkpoint_pages, trim_heap
 
-__all__ = ["HfQuantQuantizer", "HfQuantQuantize"]
+__all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model"]
 
 logger = logging.getLogger(__name__)
 
 _STORED_SUFFIXES = (".weight_scale", ".weight_zero_point")
+
+
+def plan_model(model, config: HfQuantConfig) -> tuple[list[str], list[LayerPlan]]:
+    """Skip list and per-layer plan for a (meta-device) transformers model, as quantize-on-load applies them.
+
+    The skip list is transformers' default (tied weights, output embedding, last module, `_keep_in_fp32_modules`)
+    plus `config.modules_to_not_convert`. `hfquant convert` uses the same function so both paths agree.
+    """
+    default_skips = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    skip = sorted(set(default_skips) | set(config.modules_to_not_convert))
+    return skip, plan_layers(model, config.bits, config.group_size, skip)
+
+
+@torch.no_grad()
+def _float_layer(module: QuantLinear, dtype: torch.dtype) -> nn.Module:
+    """The float layer a `QuantLinear` replaced: `nn.Linear`, or GPT-2's `Conv1D` (weight stored (in, out))."""
+    weight = module.dequantize(dtype)
+    if getattr(module, "transposed_source", False):
+        from transformers.pytorch_utils import Conv1D
+
+        layer = Conv1D(module.out_features, module.in_features).to(device=weight.device, dtype=dtype)
+        layer.weight.copy_(weight.t())
+        if module.bias is None:
+            layer.bias = None
+    else:
+        layer = nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype, device=weight.device
+        )
+        layer.weight.copy_(weight)
+    if module.bias is not None:
+        layer.bias.copy_(module.bias)
+    layer.requires_grad_(False)
+    return layer
 
 
 class HfQuantQuantize(ConversionOps):
@@ -81,10 +114,7 @@ class HfQuantQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, dtype=None, **kwargs):
         config = self.quantization_config
-        default_skips = self.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules)
-        skip = sorted(set(default_skips) | set(config.modules_to_not_convert))
-        self.modules_to_not_convert = skip
-        self.layer_plans = plan_layers(model, config.bits, config.group_size, skip)
+        self.modules_to_not_convert, self.layer_plans = plan_model(model, config)
         compute_dtype = dtype if isinstance(dtype, torch.dtype) else None
         replaced = replace_with_quant_linear(model, self.layer_plans, config.bits, config.symmetric, compute_dtype)
         if replaced == 0:
@@ -123,18 +153,15 @@ class HfQuantQuantizer(HfQuantizer):
         return model
 
     def _dequantize(self, model, dtype=None):
+        if isinstance(dtype, str):  # transformers passes `model.config.dtype`, a string after save_pretrained
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                dtype = None
         for name, module in list(model.named_modules()):
             if not isinstance(module, QuantLinear):
                 continue
             target_dtype = dtype or module.compute_dtype or torch.float32
-            linear = nn.Linear(
-                module.in_features, module.out_features, bias=module.bias is not None, dtype=target_dtype,
-                device=module.weight.device,
-            )
-            with torch.no_grad():
-                linear.weight.copy_(module.dequantize(target_dtype))
-                if module.bias is not None:
-                    linear.bias.copy_(module.bias)
+            linear = _float_layer(module, target_dtype)
             parent_name, _, child_name = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child_name, linear)
