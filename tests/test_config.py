@@ -89,15 +89,12 @@ def test_unknown_field_is_refused_naming_it():
         HfQuantConfig.from_dict(data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hfquant bug: format_version is compared with `!=` only, so True and 1.0 (== 1) pass validation and are "
-    "written to config.json as `true` / `1.0` instead of the integer 1",
-)
 @pytest.mark.parametrize("value", [True, 1.0])
 def test_format_version_must_be_the_integer(value):
-    with pytest.raises((TypeError, ValueError)):
+    # True == 1 and 1.0 == 1: a plain `!=` check would accept them and write `true` / `1.0` to config.json
+    with pytest.raises((TypeError, ValueError)) as info:
         HfQuantConfig(format_version=value)
+    assert repr(value) in str(info.value)
 
 
 def test_validate_config_values_accepts_every_allowed_combination():

@@ -136,7 +136,8 @@ def test_quantized_matmul_matches_the_dequantize_reference(case, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Inputs that are non-contiguous or start at an odd address, run in child processes (see module docstring).
+# Run in child processes (see module docstring): inputs that are non-contiguous or start at an odd address, and
+# int8 per-channel layers whose in_features is not a multiple of 16.
 
 _CHILD = r"""
 import json, sys, types
@@ -156,17 +157,19 @@ def at_offset(x, offset):
 
 
 results = []
-for (kernel, bits, symmetric, group, n, k), dtype_name, batches in spec["jobs"]:
+for (expected_kernel, bits, symmetric, group, n, k), dtype_name, batches in spec["jobs"]:
     dtype = getattr(torch, dtype_name)
+    kernel = kernels.select_kernel(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
+                                   device="cpu")
     job = f"{kernel} int{bits} g{group} N{n} K{k} {dtype_name}"
-    assert kernels.select_kernel(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
-                                 device="cpu") == kernel, job
+    assert expected_kernel is None or kernel == expected_kernel, job
     weight = torch.randn((n, k), generator=torch.Generator().manual_seed(0))
     qt = rtn.quantize_weight(weight, bits, group, symmetric)
     stored = packing.pack_int4(qt.q) if bits == 4 else qt.q
     runtime = kernels.prepare_weight(kernel, qt.q if kernel.startswith("int4pack") else stored, k)
     sz = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel.startswith("int4pack") else None
     options = dict(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n)
+    w_hat = rtn.dequantize_weight(qt.q, qt.scale, qt.zero_point, bits, symmetric).double()
 
     def run(x):
         return kernels.quantized_matmul(kernel, x, runtime, qt.scale, qt.zero_point, sz, **options)
@@ -175,8 +178,12 @@ for (kernel, bits, symmetric, group, n, k), dtype_name, batches in spec["jobs"]:
     for batch in batches:  # contiguous, aligned inputs first
         x = torch.randn((*batch, k), generator=torch.Generator().manual_seed(sum(batch))).to(dtype)
         print("running", job, batch, "contiguous", flush=True)  # the last line printed names the input of a crash
+        y = run(x)
+        exact = x.double() @ w_hat.T
+        relative_error = float((y.double() - exact).abs().max() / exact.abs().max())
+        results.append([job, batch, "contiguous", True, relative_error])
         inputs.append(x)
-        outputs.append(run(x))
+        outputs.append(y)
     for batch, x, expected in zip(batches, inputs, outputs):
         wide = torch.zeros((*batch, k + 8), dtype=dtype)
         wide[..., 8:] = x
@@ -195,32 +202,27 @@ for (kernel, bits, symmetric, group, n, k), dtype_name, batches in spec["jobs"]:
             print("running", job, batch, name, flush=True)
             got = run(variant)
             diff = float((got.float() - expected.float()).abs().max())
-            results.append([job, batch, name, bool(torch.equal(got, expected)), diff])
+            results.append([job, batch, name, bool(torch.equal(got, expected)), diff / float(expected.abs().max())])
 print("RESULT " + json.dumps(results), flush=True)
 """
 
 ALL_BATCHES = [[1], [4], [17], [2, 3]]
-# name -> jobs (case, activation dtype, batch shapes); one child per name.
+# child name -> jobs (case, activation dtype, batch shapes); a case whose kernel is None takes select_kernel's pick.
 ISOLATED = {
     "int8pack_mm-bfloat16": [(CASES[0], "bfloat16", ALL_BATCHES)],
-    # int8 per-channel with in_features not a multiple of 8 (valid at 8 bits: no packing, one group per row)
-    "int8pack_mm-K36-bfloat16": [(("int8pack_mm", 8, True, 36, 32, 36), "bfloat16", [[1], [2], [17]])],
+    # int8 per-channel layers are valid for any in_features (no packing, one group per row)
+    "int8-per-channel-K-not-multiple-of-16": [
+        ((None, 8, True, k, 32, k), dtype, [[1], [2], [17]])
+        for k, dtype in ((56, "bfloat16"), (72, "bfloat16"), (36, "bfloat16"), (33, "bfloat16"), (33, "float32"))
+    ],
     "other-kernels": [
         (CASES[0], "float32", ALL_BATCHES),
-        (("int8pack_mm", 8, True, 33, 32, 33), "float32", [[1], [2], [17]]),
         (CASES[2], "bfloat16", ALL_BATCHES),
         (CASES[3], "float32", ALL_BATCHES),
         (CASES[6], "bfloat16", ALL_BATCHES),
         (CASES[8], "bfloat16", [[1], [17]]),
     ],
 }
-
-_INT8_BF16_SEGFAULT = pytest.mark.xfail(
-    strict=True,
-    reason="hfquant bug: the int8pack_mm path passes bfloat16 activations to aten._weight_int8pack_mm as they are; "
-    "that kernel crashes (SIGSEGV) when x does not start on a 32-byte boundary or when in_features is not a "
-    "multiple of 8 with 2+ rows, and select_kernel still picks it for such layers",
-)
 
 
 @pytest.fixture(scope="module")
@@ -239,17 +241,21 @@ def children():
             process.wait()
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=_INT8_BF16_SEGFAULT) if name.startswith("int8pack_mm") else name
-        for name in ISOLATED
-    ],
-)
-def test_misaligned_or_non_contiguous_input_gives_the_same_result(children, name):
+@pytest.mark.parametrize("name", ISOLATED)
+def test_in_child_process_no_crash_correct_and_layout_independent(children, name):
+    """Exits cleanly; contiguous inputs match the float64 product (TOLERANCE); other layouts give the same result.
+
+    "Same" is bit for bit for the aten kernels (they copy or read the input as it is); the "dequant" kernel calls
+    F.linear, whose BLAS may sum in another order for an input at another alignment: there, within TOLERANCE.
+    """
     out, err = children[name].communicate(timeout=120)
     assert children[name].returncode == 0, f"child exited with {children[name].returncode}:\n{out[-800:]}{err[-2000:]}"
     results = json.loads(out.rsplit("RESULT ", 1)[1])
-    assert len(results) == 7 * sum(len(batches) for _, _, batches in ISOLATED[name])
-    for job, batch, variant, equal, max_diff in results:
-        assert equal, (job, batch, variant, max_diff)
+    assert len(results) == 8 * sum(len(batches) for _, _, batches in ISOLATED[name])
+    for job, batch, variant, equal, difference in results:
+        if variant == "contiguous":
+            assert difference <= TOLERANCE[getattr(torch, job.rsplit(" ", 1)[1])], (job, batch, difference)
+        elif job.startswith("dequant"):
+            assert difference <= TOLERANCE[getattr(torch, job.rsplit(" ", 1)[1])], (job, batch, variant, difference)
+        else:
+            assert equal, (job, batch, variant, difference)
