@@ -15,6 +15,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.replace import matches_module
 
 try:
     from conftest import auto_class, input_ids, model_output
@@ -24,7 +25,7 @@ except ImportError:  # tests/ imported as a package
 # name -> (architecture, dtype, HfQuantConfig kwargs): every stored layout, both dtypes, bias and Conv1D.
 VARIANTS = {
     "llama-int4-g32-asym-bf16": ("llama", torch.bfloat16, dict(bits=4, group_size=32)),
-    "llama_tied-int8-sym-fp32": ("llama_tied", torch.float32, dict(bits=8)),
+    "llama_tied-int8-sym-fp32": ("llama_tied", torch.float32, dict(bits=8, modules_to_not_convert=["layers.1.mlp"])),
     "gpt2-int4-g64-sym-bf16": ("gpt2", torch.bfloat16, dict(bits=4, group_size=64, symmetric=True)),
     "bert-int8-g32-asym-fp32": ("bert", torch.float32, dict(bits=8, group_size=32, symmetric=False)),
 }
@@ -152,6 +153,11 @@ def test_reload_gives_identical_logits_and_tensors(saved, name, tmp_path):
     case = saved(name)
     reloaded = case.load()
     assert reloaded.dtype == case.dtype
+    assert set(_quant_layers(reloaded)) == set(_quant_layers(case.model))  # modules_to_not_convert kept on reload
+    skipped = case.qconfig.get("modules_to_not_convert", [])
+    for pattern in skipped:
+        assert not [n for n in _quant_layers(reloaded) if matches_module(n, [pattern])]
+        assert [n for n, m in reloaded.named_modules() if type(m) is nn.Linear and matches_module(n, [pattern])]
     assert reloaded.config.quantization_config == HfQuantConfig(**case.qconfig)
     assert {n: m.kernel for n, m in _quant_layers(reloaded).items()} == {
         n: m.kernel for n, m in _quant_layers(case.model).items()
