@@ -31,7 +31,7 @@ __all__ = [
     "effective_group_size",
     "qrange",
     "compute_scale_zero_point",
-    "quantize_groups",
+    "codes_for_groups",
     "dequantize_groups",
     "quantize_weight",
     "dequantize_weight",
@@ -100,40 +100,51 @@ def compute_scale_zero_point(
     """Scale and zero point per group.
 
     Args:
-        groups: (rows, n_groups, group_size) float32.
+        groups: (rows, n_groups, group_size), any float dtype (min/max are exact in it).
     Returns:
         scale: (rows, n_groups) bfloat16, strictly positive.
-        zero_point: (rows, n_groups) int32 in [0, 2**bits - 1] when asymmetric, else None.
+        zero_point: (rows, n_groups) float32 holding integers in [0, 2**bits - 1] when asymmetric, else None.
     Raises:
         ValueError: the weight holds NaN or Inf (no meaningful scale exists).
     """
     qmin, qmax = qrange(bits, symmetric)
+    low, high = torch.aminmax(groups, dim=-1)
     if symmetric:
-        absmax = groups.abs().amax(dim=-1)
-        scale = absmax / qmax
+        scale = torch.maximum(low.float().abs(), high.float().abs()) / qmax
     else:
-        lo = groups.amin(dim=-1).clamp(max=0)
-        hi = groups.amax(dim=-1).clamp(min=0)
-        scale = (hi - lo) / (qmax - qmin)
+        low = low.float().clamp_(max=0)
+        scale = (high.float().clamp_(min=0) - low) / (qmax - qmin)
     if not torch.isfinite(scale).all():
         raise ValueError("cannot quantize a weight that contains NaN or Inf values")
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = _round_up_to_scale_dtype(scale)
     if symmetric:
         return scale, None
-    zero_point = torch.round(-lo / scale.float()).clamp(qmin, qmax).to(torch.int32)
+    zero_point = torch.round(-low / scale.float()).clamp_(qmin, qmax)
     return scale, zero_point
 
 
-def quantize_groups(
+def codes_for_groups(
     groups: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int, symmetric: bool
 ) -> torch.Tensor:
-    """q = clamp(round(w / scale) + zero_point, qmin, qmax) as int32, shape of `groups` (rows, n_groups, gs)."""
-    qmin, qmax = qrange(bits, symmetric)
-    q = torch.round(groups / scale.float().unsqueeze(-1))
-    if zero_point is not None:
-        q += zero_point.unsqueeze(-1)
-    return q.clamp_(qmin, qmax).to(torch.int32)
+    """Stored integer codes (see `QuantizedTensor`) of `groups` (rows, n_groups, gs), same shape.
+
+    q = clamp(floor(w / scale + zero_point + 1/2), qmin, qmax): round half up, computed as one fused
+    `addcdiv` on the float input (no float32 copy of a bf16 weight), then a truncating cast. The stored offset
+    (+8 for 4-bit symmetric codes, +128 then reinterpretation for int8) is folded into the same addition.
+    """
+    if symmetric:
+        offset = 8.5 if bits == 4 else 128.5  # codes v + 8 in [1, 15], or v + 128 in [1, 255] (int8 after xor)
+        low, high = (1, 15) if bits == 4 else (1, 255)
+        shift = torch.full_like(scale, offset, dtype=torch.float32)
+    else:
+        low, high = 0, 2**bits - 1
+        shift = zero_point + 0.5
+    q = torch.addcdiv(shift.unsqueeze(-1), groups, scale.float().unsqueeze(-1))
+    codes = q.clamp_(low, high).to(torch.uint8)
+    if symmetric and bits == 8:
+        return (codes ^ 0x80).view(torch.int8)  # u - 128: values in [-127, 127]
+    return codes
 
 
 def dequantize_groups(
@@ -144,15 +155,6 @@ def dequantize_groups(
     if zero_point is not None:
         values -= zero_point.to(torch.float32).unsqueeze(-1)
     return (values * scale.float().unsqueeze(-1)).to(dtype)
-
-
-def _to_codes(q: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
-    """Signed/unsigned int32 values -> the stored integer dtype described in `QuantizedTensor`."""
-    if symmetric and bits == 8:
-        return q.to(torch.int8)
-    if symmetric:  # 4-bit symmetric values [-7, 7] are stored as unsigned codes [1, 15]
-        return (q + 8).to(torch.uint8)
-    return q.to(torch.uint8)
 
 
 def _from_codes(codes: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
@@ -194,10 +196,11 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, symmetric:
     step = _rows_per_chunk(k)
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        groups = weight[rows].to(torch.float32).reshape(-1, n_groups, group_size)
+        groups = weight[rows].reshape(-1, n_groups, group_size)
+        if not groups.is_floating_point():
+            raise ValueError(f"expected a float weight, got {weight.dtype}")
         scale, zero_point = compute_scale_zero_point(groups, bits, symmetric)
-        q = quantize_groups(groups, scale, zero_point, bits, symmetric)
-        q_out[rows] = _to_codes(q.reshape(-1, k), bits, symmetric)
+        q_out[rows] = codes_for_groups(groups, scale, zero_point, bits, symmetric).reshape(-1, k)
         scale_out[rows] = scale
         if zp_out is not None:
             zp_out[rows] = zero_point.to(torch.uint8)
