@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 
@@ -31,6 +32,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """(N, K) uint8 codes in [0, 15], K even -> (N, K // 2) uint8, even column in the low nibble.
 
@@ -41,11 +45,20 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_int4 expects uint8 codes, got {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_int4 needs an even number of columns, got {codes.shape[-1]}")
+    if _LITTLE_ENDIAN and codes.is_contiguous() and codes.numel():
+        # Each pair of bytes read as one little-endian int16 is c_even | c_odd << 8; folding the high byte down by
+        # 4 bits gives c_even | c_odd << 4 in the low byte. Contiguous passes only, no strided slices.
+        pairs = codes.view(torch.int16)
+        return ((pairs | (pairs >> 4)) & 0xFF).to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int4`: (N, K // 2) uint8 -> (N, K) uint8 codes in [0, 15]."""
+    if _LITTLE_ENDIAN and packed.numel():
+        wide = packed.to(torch.int16)
+        pairs = (wide & 0x0F) | ((wide >> 4) << 8)  # little-endian bytes: c_even, c_odd
+        return pairs.view(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     low = packed & 0x0F
     high = packed >> 4
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
@@ -61,43 +74,47 @@ class CpuInt4Layout:
     def __repr__(self) -> str:
         return f"CpuInt4Layout(block_n={self.block_n}, full_blocks_halves={self.full_blocks_halves})"
 
-    def _blocks(self, n: int):
-        for start in range(0, n, self.block_n):
-            size = min(self.block_n, n - start)
-            yield start, size, self.full_blocks_halves and size == self.block_n
+    def _split(self, n: int) -> tuple[int, int]:
+        """Rows in full blocks handled together, and the size of the short last block (0 if none)."""
+        full = n - n % self.block_n
+        return full, n - full
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """(N, K) uint8 codes -> (N, K // 2) uint8 in this kernel layout. N must be a multiple of 16."""
         n, k = codes.shape
-        out = torch.empty((n * k // 2,), dtype=torch.uint8, device=codes.device)
-        offset = 0
-        for start, size, halves in self._blocks(n):
-            block = codes[start : start + size]  # (size, K)
-            if halves:
-                low, high = block[: size // 2], block[size // 2 :]
+        full, tail = self._split(n)
+        parts = []
+        if full:
+            blocks = codes[:full].view(full // self.block_n, 2, self.block_n // 2, k)
+            if self.full_blocks_halves:
+                low, high = blocks[:, 0], blocks[:, 1]
             else:
-                low, high = block[0::2], block[1::2]
-            packed = (low | (high << 4)).t()  # (K, size // 2)
-            out[offset : offset + packed.numel()] = packed.reshape(-1)
-            offset += packed.numel()
-        return out.view(n, k // 2)
+                pairs = codes[:full].view(full // self.block_n, self.block_n // 2, 2, k)
+                low, high = pairs[:, :, 0], pairs[:, :, 1]
+            parts.append((low | (high << 4)).transpose(1, 2).reshape(-1))  # (blocks, K, block_n / 2)
+        if tail:
+            pairs = codes[full:].view(tail // 2, 2, k)
+            parts.append((pairs[:, 0] | (pairs[:, 1] << 4)).t().reshape(-1))  # (K, tail / 2)
+        return torch.cat(parts).view(n, k // 2) if len(parts) > 1 else parts[0].view(n, k // 2)
 
     def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """Inverse of `pack`: (N, K // 2) uint8 in kernel layout -> (N, K) uint8 codes."""
         flat = packed.reshape(-1)
+        full, tail = self._split(n)
         codes = torch.empty((n, k), dtype=torch.uint8, device=packed.device)
-        offset = 0
-        for start, size, halves in self._blocks(n):
-            count = size * k // 2
-            block = flat[offset : offset + count].view(k, size // 2).t()  # (size // 2, K)
-            offset += count
-            low, high = block & 0x0F, block >> 4
-            if halves:
-                codes[start : start + size // 2] = low
-                codes[start + size // 2 : start + size] = high
+        if full:
+            blocks = flat[: full * k // 2].view(full // self.block_n, k, self.block_n // 2).transpose(1, 2)
+            low, high = blocks & 0x0F, blocks >> 4  # (blocks, block_n / 2, K)
+            if self.full_blocks_halves:
+                target = codes[:full].view(full // self.block_n, 2, self.block_n // 2, k)
+                target[:, 0], target[:, 1] = low, high
             else:
-                codes[start : start + size : 2] = low
-                codes[start + 1 : start + size : 2] = high
+                target = codes[:full].view(full // self.block_n, self.block_n // 2, 2, k)
+                target[:, :, 0], target[:, :, 1] = low, high
+        if tail:
+            block = flat[full * k // 2 :].view(k, tail // 2).t()
+            target = codes[full:].view(tail // 2, 2, k)
+            target[:, 0], target[:, 1] = block & 0x0F, block >> 4
         return codes
 
 
