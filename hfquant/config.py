@@ -141,6 +141,11 @@ class HfQuantConfig(QuantizationConfigMixin):
 
     def validate(self) -> None:
         """Re-check the fields (after a user changed attributes in place); raises like the constructor."""
+        if self.quant_method != QUANT_METHOD:
+            raise ValueError(
+                f"quant_method={self.quant_method!r} is not handled by HfQuantConfig, which reads only "
+                f"quant_method={QUANT_METHOD!r}."
+            )
         validate_config_values(
             self.bits, self.group_size, self.symmetric, self.modules_to_not_convert, self.format_version
         )

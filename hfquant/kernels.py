@@ -179,7 +179,10 @@ def quantized_matmul(
     if kernel == "int8pack_mm":
         # The aten kernel needs the activation rows 32-byte aligned (it crashes otherwise); a view at an odd
         # offset is copied into a fresh (64-byte aligned) allocation.
-        if not x2d.is_contiguous() or x2d.data_ptr() % 64:
+        # Under torch.compile the pointer is unknown at trace time: always hand the kernel a fresh copy there.
+        if torch.compiler.is_compiling():
+            x2d = x2d.clone(memory_format=torch.contiguous_format)
+        elif not x2d.is_contiguous() or x2d.data_ptr() % 64:
             x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
         y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, scale.reshape(-1).to(x.dtype))
     elif kernel == "int4pack_mm_cpu":

@@ -175,3 +175,8 @@ class HfQuantQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+    @property
+    def is_compileable(self) -> bool:
+        """`QuantLinear.forward` traces without graph breaks (tests/test_compile.py checks fullgraph=True)."""
+        return True
