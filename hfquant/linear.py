@@ -10,7 +10,7 @@ from . import kernels, packing, rtn
 __all__ = ["QuantLinear", "quantize_to_buffers"]
 
 # Rows quantized per step: the float32 copy of one step stays under this many bytes.
-_CHUNK_BYTES = 16 * 2**20
+_CHUNK_BYTES = 4 * 2**20
 
 
 class QuantLinear(nn.Module):

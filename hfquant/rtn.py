@@ -41,7 +41,7 @@ SCALE_DTYPE = torch.bfloat16
 """dtype of stored scales."""
 
 # Rows quantized at once: bounds the float32 working copy to about this many bytes whatever the layer size.
-_CHUNK_BYTES = 16 * 2**20
+_CHUNK_BYTES = 4 * 2**20
 
 
 class QuantizedTensor(NamedTuple):
