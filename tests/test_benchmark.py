@@ -1,0 +1,100 @@
+"""The benchmark machinery (hfquant/benchmark.py) on a tiny random Llama with --quick: JSON schema, rows for a missing
+peer and a failed worker, the table.  No timing is asserted: the numbers of a --quick run mean nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hfquant import benchmark
+
+try:
+    from _tiny import tiny_llama, tiny_tokenizer
+except ImportError:  # tests/ imported as a package
+    from tests._tiny import tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama(tie=False, dtype=torch.bfloat16).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_checkpoint, tmp_path_factory):
+    """One --quick run of bf16 and hfquant-int4 plus a peer whose module cannot be found."""
+    out = tmp_path_factory.mktemp("bench")
+    patch = pytest.MonkeyPatch()
+    patch.setitem(benchmark.METHODS, "absent-peer", ("hfquant_no_such_peer_module", "simulated missing peer"))
+    try:
+        rc = benchmark.main(
+            ["--model", str(tiny_checkpoint), "--quick", "--methods", "bf16,hfquant-int4,absent-peer",
+             "--out", str(out), "--timeout", "300"]
+        )
+    finally:
+        patch.undo()
+    return rc, out, json.loads((out / "benchmark.json").read_text())
+
+
+def test_json_schema(quick_run):
+    rc, out, data = quick_run
+    assert rc == 0, (out / "benchmark.md").read_text()
+    assert set(data) == {"meta", "bandwidth", "bound_read_gbs", "workloads"}
+    assert data["bound_read_gbs"] > 0 and {"read_gbs", "copy_gbs"} <= set(data["bandwidth"][0])
+    assert {"loadavg_start", "loadavg_end", "torch", "transformers", "peers"} <= set(data["meta"])
+    assert list(data["workloads"]) == ["model"]
+    rows = data["workloads"]["model"]["rows"]
+    assert [r["method"] for r in rows] == ["bf16", "hfquant-int4", "absent-peer"]
+    for row in rows:
+        assert set(row) == set(benchmark.ROW_KEYS), row
+    for row in rows[:2]:
+        assert row["status"] == "ok" and row["error"] is None and row["step_errors"] == {}, row
+        for key in ("load_s", "peak_rss_growth_mib", "tensor_bytes", "weight_read_bytes", "files_bytes", "prefill_ms",
+                    "decode_tok_s", "perplexity", "bound_tok_s", "bound_pct"):
+            assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
+    bf16, int4 = rows[0], rows[1]
+    assert int4["tensor_bytes"] < bf16["tensor_bytes"]
+    # Untied model: the input embedding table is not read per token, lm_head is.
+    assert bf16["weight_read_bytes"] < bf16["tensor_bytes"]
+    assert isinstance(data["workloads"]["model"]["targets"], list)
+
+
+def test_missing_peer_is_a_row(quick_run):
+    _, out, data = quick_run
+    row = data["workloads"]["model"]["rows"][2]
+    assert row["status"] == "missing"
+    assert "hfquant_no_such_peer_module" in row["error"] and "hfquant[bench]" in row["error"]
+    table = (out / "benchmark.md").read_text()
+    assert "| absent-peer | not installed: hfquant_no_such_peer_module" in table
+    assert "| hfquant-int4 | " in table and "x)" in table  # ratios against bf16
+
+
+def test_failed_worker_is_a_row(tiny_checkpoint, tmp_path):
+    """A worker killed by the timeout (no Python starts in 0.1 s) becomes an error row and exit status 1."""
+    rc = benchmark.main(["--model", str(tiny_checkpoint), "--quick", "--methods", "bf16", "--out", str(tmp_path),
+                         "--timeout", "0.1"])
+    assert rc == 1
+    row = json.loads((tmp_path / "benchmark.json").read_text())["workloads"]["model"]["rows"][0]
+    assert row["status"] == "error" and "timed out" in row["error"]
+    assert "**error:** timed out" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_unknown_method_is_refused(tiny_checkpoint, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(["--model", str(tiny_checkpoint), "--methods", "bf16,nosuch", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "nosuch" in capsys.readouterr().err
+
+
+def test_weight_bytes_per_token_tied_and_untied():
+    from hfquant.memory import tensor_bytes
+
+    for tie in (True, False):
+        model = tiny_llama(tie=tie, dtype=torch.bfloat16)
+        emb = model.get_input_embeddings().weight
+        expected = tensor_bytes(model) - (0 if tie else tensor_bytes([emb]) - emb.shape[1] * 2)
+        assert benchmark.weight_bytes_per_token(model) == expected
