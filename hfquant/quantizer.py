@@ -117,6 +117,12 @@ class HfQuantQuantizer(HfQuantizer):
         self.modules_to_not_convert, self.layer_plans = plan_model(model, config)
         compute_dtype = dtype if isinstance(dtype, torch.dtype) else None
         replaced = replace_with_quant_linear(model, self.layer_plans, config.bits, config.symmetric, compute_dtype)
+        if self.pre_quantized and kwargs.get("checkpoint_files"):
+            # A stored tensor of the wrong dtype or shape would be re-initialized at random or loaded as garbage by
+            # transformers: compare the shard headers with the skeleton first and raise a ValueError naming it.
+            from .verify import check_checkpoint_files
+
+            check_checkpoint_files(model, kwargs["checkpoint_files"], self)
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
