@@ -1,0 +1,223 @@
+"""Model cards for quantized checkpoints: metadata through huggingface_hub's `ModelCardData`, body from the Jinja
+template `model_cards/hfquant.jinja`, rendered with `ModelCard.from_template`.
+
+The card's YAML metadata has `base_model` (when known), `base_model_relation: quantized`, `library_name:
+transformers`, tags (`hfquant`, `int4` or `int8`, ...), and the license and languages of the base model's own card
+when it is at hand. Its body shows the quantization config as a table, sizes against the float model
+(`hfquant.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
+usage snippet. Every input is read from the checkpoint folder, so the card can be rendered again at any time (`hfquant
+push` does, with the repo id in the snippet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CARD_MARKER", "EVAL_FILE", "TEMPLATE_PATH", "build_card", "write_card", "is_hfquant_card", "read_base_model"]
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "model_cards" / "hfquant.jinja"
+"""The card template (`model_cards/hfquant.jinja` at the root of the hfquant source tree)."""
+CARD_MARKER = "hfquant model card"
+"""An HTML comment with this text marks a README.md that hfquant generated (and may therefore re-render)."""
+EVAL_FILE = "hfquant_eval.json"
+"""Written into a checkpoint folder by `hfquant eval`; the card shows its results."""
+_CARRIED_METADATA = ("license", "license_name", "license_link", "language")
+
+
+def read_base_model(readme: Path) -> dict[str, Any]:
+    """Metadata of an existing README.md card (empty dict when there is none or it cannot be parsed)."""
+    from huggingface_hub import ModelCard
+
+    if not readme.is_file():
+        return {}
+    try:
+        return ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
+    except (ValueError, OSError) as error:
+        logger.info("cannot read the card metadata of %s: %s", readme, error)
+        return {}
+
+
+def is_hfquant_card(readme: Path) -> bool:
+    """Whether `readme` is a card hfquant generated (those are re-rendered; a hand-written card is kept)."""
+    try:
+        return CARD_MARKER in readme.read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+_FIRST_FIELDS = ("quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert")
+
+
+def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, value) rows of the card's quantization table: the main fields first, then the others by name."""
+    rows = []
+    order = [k for k in _FIRST_FIELDS if k in qconfig] + sorted(k for k in qconfig if k not in _FIRST_FIELDS)
+    for key in order:
+        value = qconfig[key]
+        if key == "group_size" and value is None:
+            value = "per-channel (one scale per output row)"
+        elif key == "modules_to_not_convert" and not value:
+            value = "none"
+        elif isinstance(value, (list, tuple)):
+            value = ", ".join(f"`{v}`" for v in value)
+        rows.append((key, str(value)))
+    return rows
+
+
+def _auto_class(architecture: str | None) -> str:
+    if architecture and architecture.endswith(("ForCausalLM", "LMHeadModel")):
+        return "AutoModelForCausalLM"
+    return "AutoModel"
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"hfquant_version": __version__, "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__}
+
+
+def build_card(
+    folder: str | os.PathLike,
+    *,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    base_card: str | os.PathLike | None = None,
+    command: str | None = None,
+    name: str | None = None,
+    template_path: str | os.PathLike | None = None,
+):
+    """The `huggingface_hub.ModelCard` of the quantized checkpoint in `folder`.
+
+    Args:
+        folder: the quantized checkpoint (config.json with `quantization_config`, safetensors files).
+        repo_id: Hub repo id for the usage snippet; default "<your-username>/<folder name>".
+        base_model: Hub repo id of the float model; default: the `base_model` of the card already in `folder`.
+        base_card: README.md of the float model; its license and languages are carried over.
+        command: how the checkpoint was made, shown in the card; default: the `hfquant convert` command that makes
+            it from `base_model`.
+        name: the checkpoint's name (default: the folder's name; `convert` passes DST's while writing a temporary
+            folder).
+        template_path: Jinja template; default `model_cards/hfquant.jinja`.
+
+    Raises:
+        ValueError: `folder` holds no `quantization_config` of hfquant, or `base_model` is not a repo id.
+        FileNotFoundError: the template is missing (hfquant installed without its `model_cards/` folder).
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from .inspection import format_report, human_bytes, inspect_checkpoint
+
+    folder = Path(folder)
+    name = name or folder.name
+    report = inspect_checkpoint(folder)
+    qconfig = report["quantization_config"]
+    if not qconfig or qconfig.get("quant_method") != "hfquant":
+        raise ValueError(f"{folder} is not an hfquant checkpoint (config.json has no hfquant quantization_config)")
+    previous = read_base_model(folder / "README.md") if is_hfquant_card(folder / "README.md") else {}
+    base_model = base_model if base_model is not None else previous.get("base_model")
+    if base_model is not None:
+        try:
+            validate_repo_id(base_model)
+        except HFValidationError as error:
+            raise ValueError(f"base_model {base_model!r} is not a Hub repo id (org/name): {error}") from None
+    template = Path(template_path) if template_path is not None else TEMPLATE_PATH
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template {template} is missing; reinstall hfquant from its source tree")
+
+    bits = sorted({row["bits"] for row in report["quantized"]}) or [qconfig["bits"]]
+    bits_tag = "/".join(f"int{b}" for b in bits)
+    groups = sorted({row["group_size"] for row in report["quantized"]})
+    if qconfig.get("group_size") is None:
+        granularity = "one scale per output channel"
+    else:
+        granularity = f"groups of {qconfig['group_size']} inputs per scale"
+        if groups != [qconfig["group_size"]]:
+            granularity += f" (layers whose width it does not divide use {', '.join(map(str, groups))})"
+    symmetric = all(row["symmetric"] for row in report["quantized"])
+    architecture = report["architecture"]
+    carried = {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
+    carried.update({k: v for k, v in previous.items() if k in _CARRIED_METADATA and k not in carried})
+    tags = ["hfquant", *[f"int{b}" for b in bits], *[f"{b}-bit" for b in bits], "quantized", "weight-only", "rtn"]
+    card_data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation" if _auto_class(architecture) == "AutoModelForCausalLM" else None,
+        tags=tags,
+        base_model_relation="quantized" if base_model else None,
+        **carried,
+    )
+    evaluation = None
+    eval_path = folder / EVAL_FILE
+    if eval_path.is_file():
+        evaluation = json.loads(eval_path.read_text(encoding="utf-8"))
+    totals = report["totals"]
+    title = repo_id.split("/")[-1] if repo_id else name
+    if command is None:
+        command = _convert_command(base_model or "SRC", name, qconfig)
+    kwargs = dict(
+        marker=f"{CARD_MARKER}: generated from the files of this folder; edit freely, or re-render with hfquant",
+        model_name=title,
+        base_model=base_model,
+        architecture=architecture,
+        bits_text=" / ".join(f"{b}-bit integers" for b in bits),
+        bits_tag=bits_tag,
+        granularity=granularity,
+        symmetric=symmetric,
+        dtype=report["dtype"],
+        config_rows=_config_rows(qconfig),
+        float_size=human_bytes(totals["float_bytes"]),
+        quantized_size=human_bytes(totals["tensor_bytes"]),
+        ratio=f"{totals['ratio']:.2f}x" if totals["ratio"] else "n/a",
+        file_size=human_bytes(totals["file_bytes"]),
+        layer_rows=[
+            {**row, "bytes": human_bytes(row["bytes"]), "float_bytes": human_bytes(row["float_bytes"])}
+            for row in report["quantized"]
+        ],
+        float_layers=report["float_layers"],
+        evaluation=evaluation,
+        auto_class=_auto_class(architecture),
+        repo_id=repo_id or f"<your-username>/{name}",
+        command=command,
+        command_language="python" if "from_pretrained" in command else "bash",
+        **_versions(),
+    )
+    logger.debug("card for %s:\n%s", folder, format_report(report))
+    return ModelCard.from_template(card_data, template_path=str(template), **kwargs)
+
+
+def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:
+    """The `hfquant convert` command line that makes a checkpoint with `qconfig`."""
+    from .config import HfQuantConfig
+
+    defaults = HfQuantConfig(bits=qconfig["bits"]).to_dict()
+    parts = ["hfquant convert", src, dst]
+    for key, value in qconfig.items():
+        if key in ("quant_method", "format_version") or defaults.get(key) == value and key != "bits":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--" + ("asymmetric" if key == "symmetric" else f"no-{key}"))
+        elif isinstance(value, list):
+            parts += [flag, *value]
+        else:
+            parts += [flag, "none" if value is None else str(value)]
+    return " ".join(parts)
+
+
+def write_card(folder: str | os.PathLike, **kwargs) -> Path:
+    """Render the card of `folder` (arguments as `build_card`) and write it as `folder/README.md`; returns the path."""
+    card = build_card(folder, **kwargs)
+    path = Path(folder) / "README.md"
+    card.save(path)
+    return path

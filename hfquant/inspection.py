@@ -1,0 +1,263 @@
+"""`hfquant inspect`: what a checkpoint folder holds, read from the safetensors headers (no tensor is loaded).
+
+A stored tensor `X` is quantized when the files also hold `X_scale` or, for a layer weight `P.weight`,
+`P.weight_scale` (docs/format.md); its bit width and group size follow from the stored shapes and the float shape of
+`X`, which the model skeleton built on the meta device from config.json gives. Tensors are grouped by kind: the
+dotted name with layer indices replaced by `*` (`model.layers.*.mlp.down_proj`).
+
+`inspect_checkpoint(path)` returns a JSON-native report; `format_report(report)` renders it as text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["inspect_checkpoint", "format_report", "layer_kind", "human_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_FLOAT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def layer_kind(name: str) -> str:
+    """`model.layers.12.mlp.down_proj` -> `model.layers.*.mlp.down_proj` (every all-digit component becomes `*`)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """{tensor name: (safetensors dtype, shape)} from every shard's header, and the files' total size in bytes."""
+    from safetensors import safe_open
+
+    from .convert import checkpoint_tensor_files
+
+    files = checkpoint_tensor_files(folder)
+    tensors = {}
+    for path in dict.fromkeys(files.values()):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+    return tensors, sum(p.stat().st_size for p in set(files.values()))
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+
+
+def _float_skeleton(folder: Path):
+    """The float model on the meta device (no weights), or None when the architecture cannot be built here."""
+    from .convert import load_skeleton
+
+    try:
+        model, _, _ = load_skeleton(folder, "auto", None)
+    except (ValueError, OSError, ImportError, TypeError, KeyError, AttributeError) as error:
+        logger.warning("cannot build the model skeleton of %s (%s); layer shapes come from the config only", folder, error)
+        return None
+    return model
+
+
+def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str], stored: set[str]) -> list[dict]:
+    """Linear / Conv1D layers of `model` that are not quantized in the files, each with the reason."""
+    from .config import HfQuantConfig
+    from .quantizer import plan_model
+    from .replace import matches_module
+
+    plans = {}
+    user_skip: list[str] = []
+    if qconfig is not None:
+        config = HfQuantConfig.from_dict(qconfig)
+        user_skip = list(config.modules_to_not_convert)
+        _, layer_plans = plan_model(model, config)
+        plans = {plan.name: plan for plan in layer_plans}
+    tied = {t.removesuffix(".weight"): s for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()}
+    head = None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in model.named_modules():
+        if module is output:
+            head = name
+    from .replace import _linear_shape
+
+    rows = []
+    for name, module in model.named_modules():
+        if _linear_shape(module) is None or name in quantized_modules:
+            continue
+        source = tied.get(name)
+        if source is not None and f"{name}.weight" not in stored:
+            source_module = source.removesuffix(".weight")
+            state = "quantized" if source_module in quantized_modules else "float"
+            rows.append({"name": name, "reason": f"tied to {source}: stored once, {state}"})
+            continue
+        plan = plans.get(name)
+        if matches_module(name, user_skip):
+            reason = "listed in modules_to_not_convert"
+        elif name == head:
+            reason = "output embedding (lm_head), kept in float"
+        elif plan is not None and plan.group_size is None and plan.reason != "modules_to_not_convert":
+            reason = plan.reason
+        elif plan is not None and plan.group_size is None:
+            reason = "kept in float by transformers (_keep_in_fp32_modules or the model's own skip list)"
+        else:
+            reason = "stored in float although the config plans it quantized (written by another tool?)"
+        rows.append({"name": name, "reason": reason})
+    return rows
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Report on the checkpoint folder `path`: quantized and float tensors per kind, totals, config, float layers.
+
+    Returns a JSON-native dict with keys: path, architecture, dtype, quantization_config (or None), quantized (one
+    row per kind / bits / group / symmetry: count, bytes, float_bytes), float_tensors (one row per kind / dtype),
+    float_layers (Linear / Conv1D layers not quantized, grouped by kind and reason, with a count), totals
+    (tensor_bytes, file_bytes, float_bytes, ratio).
+
+    Raises:
+        FileNotFoundError: `path` has no config.json or no safetensors checkpoint.
+    """
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; PATH must be a transformers checkpoint folder")
+    config_json = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    qconfig = config_json.get("quantization_config")
+    tensors, file_bytes = _read_headers(folder)
+    float_dtype = str(config_json.get("dtype") or config_json.get("torch_dtype") or "float32")
+    float_itemsize = _FLOAT_BYTES.get(float_dtype, 4)
+
+    model = _float_skeleton(folder)
+    float_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()} if model is not None else {}
+
+    quantized: dict[tuple, dict] = {}
+    quantized_modules: set[str] = set()
+    consumed: set[str] = set()
+    for name, (dtype, shape) in tensors.items():
+        scale_name = name[: -len("weight")] + "weight_scale" if name.endswith("weight") else None
+        if scale_name not in tensors:
+            scale_name = f"{name}_scale"
+            if scale_name not in tensors:
+                continue
+        zero_name = scale_name.removesuffix("scale") + "zero_point"
+        parts = [name, scale_name] + ([zero_name] if zero_name in tensors else [])
+        consumed.update(parts)
+        module = name.rpartition(".")[0] if name.endswith(".weight") else name
+        quantized_modules.add(module)
+        scale_shape = tensors[scale_name][1]
+        groups = scale_shape[-1]
+        rows = math.prod(scale_shape) // groups
+        float_numel = math.prod(float_shapes[name]) if name in float_shapes else None
+        stored_numel = math.prod(shape)
+        if float_numel:
+            bits = 8 if stored_numel == float_numel else 4
+        else:
+            bits = int((qconfig or {}).get("bits", 8))
+            float_numel = stored_numel * 8 // bits
+        in_features = float_numel // rows
+        key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors)
+        row = quantized.setdefault(key, {"kind": key[0], "count": 0, "bits": bits, "group_size": key[2],
+                                         "symmetric": key[3], "bytes": 0, "float_bytes": 0})
+        row["count"] += 1
+        row["bytes"] += sum(_nbytes(*tensors[p]) for p in parts)
+        row["float_bytes"] += float_numel * float_itemsize
+
+    float_rows: dict[tuple, dict] = {}
+    for name, (dtype, shape) in tensors.items():
+        if name in consumed:
+            continue
+        key = (layer_kind(name), _DTYPE_NAMES.get(dtype, dtype))
+        row = float_rows.setdefault(key, {"kind": key[0], "count": 0, "dtype": key[1], "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += _nbytes(dtype, shape)
+
+    layers: dict[tuple, dict] = {}
+    if model is not None and qconfig is not None:
+        for item in _float_layer_reasons(model, qconfig, quantized_modules, set(tensors)):
+            key = (layer_kind(item["name"]), item["reason"])
+            layers.setdefault(key, {"kind": key[0], "count": 0, "reason": key[1]})["count"] += 1
+
+    tensor_bytes = sum(_nbytes(*meta) for meta in tensors.values())
+    float_bytes = sum(r["float_bytes"] for r in quantized.values()) + sum(r["bytes"] for r in float_rows.values())
+    return {
+        "path": str(folder),
+        "architecture": (config_json.get("architectures") or [None])[0],
+        "dtype": float_dtype,
+        "quantization_config": qconfig,
+        "quantized": sorted(quantized.values(), key=lambda r: _natural(r["kind"])),
+        "float_tensors": sorted(float_rows.values(), key=lambda r: _natural(r["kind"])),
+        "float_layers": sorted(layers.values(), key=lambda r: _natural(r["kind"])),
+        "totals": {
+            "tensors": len(tensors),
+            "quantized_layers": sum(r["count"] for r in quantized.values()),
+            "tensor_bytes": tensor_bytes,
+            "file_bytes": file_bytes,
+            "float_bytes": float_bytes,
+            "ratio": tensor_bytes / float_bytes if float_bytes else None,
+        },
+    }
+
+
+def _natural(text: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header)] + [line(r) for r in rows]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`."""
+    out = [f"{report['path']}: {report['architecture']}, float dtype {report['dtype']}"]
+    qconfig = report["quantization_config"]
+    if qconfig is None:
+        out.append("quantization_config: none (a float checkpoint)")
+    else:
+        out.append("quantization_config: " + ", ".join(f"{k}={v}" for k, v in qconfig.items()))
+    if report["quantized"]:
+        out.append("")
+        rows = [
+            [r["kind"], r["count"], r["bits"], r["group_size"], "yes" if r["symmetric"] else "no",
+             human_bytes(r["bytes"]), human_bytes(r["float_bytes"])]
+            for r in report["quantized"]
+        ]
+        out += _table(["quantized layers", "count", "bits", "group", "symmetric", "bytes", f"as {report['dtype']}"],
+                      rows, {1, 2, 3, 5, 6})
+    if report["float_tensors"]:
+        out.append("")
+        rows = [[r["kind"], r["count"], r["dtype"], human_bytes(r["bytes"])] for r in report["float_tensors"]]
+        out += _table(["float tensors", "count", "dtype", "bytes"], rows, {1, 3})
+    totals = report["totals"]
+    out.append("")
+    line = (f"total: {totals['tensors']} tensors, {human_bytes(totals['tensor_bytes'])} "
+            f"({human_bytes(totals['file_bytes'])} on disk)")
+    if totals["ratio"] is not None and qconfig is not None:
+        line += (f" vs {human_bytes(totals['float_bytes'])} in {report['dtype']}: {totals['ratio']:.2f}x the float "
+                 f"size ({1 / totals['ratio']:.2f}x smaller)")
+    out.append(line)
+    if report["float_layers"]:
+        out.append("")
+        out.append("Linear/Conv1D layers not quantized:")
+        for r in report["float_layers"]:
+            count = f" (x{r['count']})" if r["count"] > 1 else ""
+            out.append(f"  {r['kind']}{count}: {r['reason']}")
+    return "\n".join(out)
