@@ -156,6 +156,9 @@ class HfQuantQuantizer(HfQuantizer):
                 trim_heap()  # the replaced stored-layout tensor must not stay resident
         logger.info("hfquant kernels: %s", counts)
         release_checkpoint_pages()
+        from .hub import attach_model_card  # push_to_hub writes hfquant's model card, not transformers' generic one
+
+        attach_model_card(model)
         return model
 
     def _dequantize(self, model, dtype=None):
