@@ -113,7 +113,8 @@ def compute_scale_zero_point(
         scale = torch.maximum(low.float().abs(), high.float().abs()) / qmax
     else:
         low = low.float().clamp_(max=0)
-        scale = (high.float().clamp_(min=0) - low) / (qmax - qmin)
+        # hi/n - lo/n rather than (hi - lo)/n: the difference of two finite float32 values can overflow.
+        scale = high.float().clamp_(min=0) / (qmax - qmin) - low / (qmax - qmin)
     if not torch.isfinite(scale).all():
         raise ValueError("cannot quantize a weight that contains NaN or Inf values")
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
