@@ -1,25 +1,40 @@
 """The `hfquant` command.
 
-    hfquant quantize SRC DST [--bits 4] [--group-size 128] [--symmetric | --asymmetric] ...
+    hfquant convert SRC DST [--bits 4] [--group-size 128] [--symmetric | --asymmetric] ... [--workers N]
+    hfquant inspect PATH [--json]
+    hfquant eval PATH [--baseline SRC] [--text-file FILE]
+    hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG]
+    hfquant bench ...   (hfquant.benchmark)
 
-`quantize` loads SRC with the quantization applied on load (`from_pretrained(..., quantization_config=...)`),
-then writes a quantized checkpoint with `save_pretrained` into a temporary folder beside DST, renamed to DST at
-the end, so an interrupted run leaves DST as it was.
+`convert` quantizes a float safetensors checkpoint file to file (`hfquant.convert`), writing into a temporary folder
+beside DST renamed at the end. `inspect` reports what a checkpoint holds (`hfquant.inspection`). `eval` measures
+perplexity and decode speed, and records them for the model card (`hfquant.cards`). `push` uploads a folder to the
+Hub in one commit (`hfquant.hub`). The quantization options are the fields of `HfQuantConfig`, with its
+docstring as their help.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import inspect
+import json
 import logging
-import os
-import shutil
+import platform
+import re
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main", "build_parser", "config_from_args"]
+__all__ = ["main", "build_parser", "config_from_args", "evaluate"]
 
 logger = logging.getLogger("hfquant")
+
+DEFAULT_PROMPT = "The Python language reference describes"
+"""Prompt of the decode-speed measurement of `hfquant eval`."""
+
+_CORE_FIELDS = ("bits", "group_size", "symmetric", "modules_to_not_convert")
+_INTERNAL_FIELDS = ("self", "quant_method", "format_version")
 
 
 def _group_size(text: str) -> int | None:
@@ -33,93 +48,331 @@ def _group_size(text: str) -> int | None:
         ) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hfquant", description="Weight-only int8/int4 quantization for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    q = sub.add_parser(
-        "quantize",
-        help="quantize a float checkpoint on load and save it as a quantized checkpoint",
-        description="Load SRC (a local folder with safetensors and config.json) quantizing every Linear/Conv1D "
-        "weight as it streams in, then save the quantized checkpoint to DST.",
+def _field_docs() -> dict[str, str]:
+    """Each `HfQuantConfig` argument's description, from the `Args:` section of its docstring."""
+    from .config import HfQuantConfig
+
+    docs: dict[str, str] = {}
+    current = None
+    in_args = False
+    for line in (HfQuantConfig.__doc__ or "").splitlines():
+        stripped = line.strip()
+        if stripped == "Args:":
+            in_args = True
+            continue
+        if in_args and stripped.endswith(":") and not line.startswith(" " * 8):
+            break  # the next section (Raises:)
+        match = re.match(r"^ {8}(\w+): (.*)$", line)
+        if in_args and match:
+            current = match.group(1)
+            docs[current] = match.group(2)
+        elif in_args and current and stripped:
+            docs[current] += " " + stripped
+    return docs
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    """`--bits`, `--group-size`, `--symmetric/--asymmetric`, `--modules-to-not-convert`, and one option for every
+    other field of `HfQuantConfig` (its type from the default, its help from the docstring)."""
+    from .config import HfQuantConfig
+
+    group = parser.add_argument_group("quantization (the fields of HfQuantConfig)")
+    group.add_argument("--bits", type=int, default=4, choices=[8, 4], help="width of the stored integer weights (default 4)")
+    group.add_argument(
+        "--group-size", type=_group_size, default=argparse.SUPPRESS, metavar="N",
+        help="inputs sharing one scale: a power of two from 32 to 1024, or 'none' for one scale per output channel "
+        "(default: per-channel at 8 bits, 128 at 4 bits). A layer whose input width it does not divide uses the "
+        "largest power of two >= 32 that does",
     )
-    q.add_argument("src", help="folder of the float checkpoint")
-    q.add_argument("dst", help="output folder; must not exist unless --overwrite")
-    q.add_argument("--bits", type=int, default=4, help="8 or 4 (default 4)")
-    q.add_argument(
-        "--group-size", type=_group_size, default=argparse.SUPPRESS,
-        help="inputs per scale: a power of two from 32 to 1024, or 'none' for per-channel "
-        "(default: per-channel at 8 bits, 128 at 4 bits)",
-    )
-    sym = q.add_mutually_exclusive_group()
+    sym = group.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
-                     help="no zero point (default at 8 bits)")
+                     help="signed codes, no zero point (default at 8 bits, the only form the int8 kernel runs)")
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false",
-                     help="uint8 zero point per group (default at 4 bits)")
-    q.add_argument(
+                     help="unsigned codes with a uint8 zero point per group (default at 4 bits)")
+    group.add_argument(
         "--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
-        help="modules kept in float: dotted names, whole-component suffixes or fnmatch patterns",
+        help="modules kept in float: whole dotted names (model.layers.0.mlp), whole-component suffixes (down_proj) "
+        "or fnmatch patterns (model.layers.*.self_attn.o_proj); never substrings. The output embedding and weights "
+        "tied to the input embedding are kept in float by default",
     )
-    q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the layers left in float and of the activations (default bfloat16)")
-    q.add_argument("--max-shard-size", default="5GB", help="largest shard file, e.g. 500MB (default 5GB)")
-    q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    docs = _field_docs()
+    for name, parameter in inspect.signature(HfQuantConfig.__init__).parameters.items():
+        if name in _CORE_FIELDS or name in _INTERNAL_FIELDS or parameter.kind is parameter.VAR_KEYWORD:
+            continue
+        default = parameter.default
+        help_text = docs.get(name, name.replace("_", " ")).rstrip(".") + f" (default {default})"
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
+        else:
+            value_type = int if isinstance(default, int) else str
+            group.add_argument(flag, dest=name, type=value_type, default=argparse.SUPPRESS, metavar="VALUE",
+                               help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hfquant",
+        description="Weight-only int8/int4 round-to-nearest quantization for Hugging Face transformers: convert "
+        "checkpoints, inspect them, measure them, publish them.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what hfquant does (INFO level)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser(
+        "convert",
+        help="quantize a float safetensors checkpoint into a new folder, tensor by tensor",
+        description="Read the safetensors of SRC one tensor at a time (only the model skeleton is built, on the meta "
+        "device), quantize every Linear/Conv1D weight the quantizer plans, and write DST: shards and their index, "
+        "config.json with quantization_config, the tokenizer and other small files of SRC, and a model card as "
+        "README.md. The tensors are the ones from_pretrained(SRC, quantization_config=...) then save_pretrained "
+        "writes. DST is written into a temporary folder beside it and renamed at the end.",
+    )
+    c.add_argument("src", metavar="SRC",
+                   help="float checkpoint: a local folder (config.json + model.safetensors or shards), or a Hub repo "
+                   "id (org/name) when the Hub is reachable")
+    c.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
+    _add_config_options(c)
+    out = c.add_argument_group("output")
+    out.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                     help="load dtype, as from_pretrained(dtype=...): float tensors are stored in it and weights are "
+                     "cast to it before quantizing; auto = config.json's dtype, else the checkpoint's (default auto)")
+    out.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                     help="largest output shard, e.g. 500MB or 2GB; memory peaks near one source tensor plus one "
+                     "shard (default 5GB)")
+    out.add_argument("--workers", type=int, default=0, metavar="N",
+                     help="quantize in N worker processes of one torch thread each instead of this process "
+                     "(default 0: this process, all torch threads)")
+    out.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
+    out.add_argument("--revision", default=None,
+                     help="branch, tag or commit of SRC when it is a Hub repo id (default main)")
+    out.add_argument("--base-model", default=None, metavar="REPO_ID",
+                     help="Hub repo id of the float model, for the card's base_model (default: SRC when it is a repo "
+                     "id, or the repo of a Hub cache folder)")
+    out.add_argument("--no-card", dest="card", action="store_false", help="do not write README.md")
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+    i = sub.add_parser(
+        "inspect",
+        help="show what a checkpoint holds: quantized layers, float tensors, sizes, config",
+        description="Read the safetensors headers of PATH (no tensor is loaded) and report, per layer kind, the bits, "
+        "group size and bytes of the quantized layers, the float tensors, totals against the float size, the "
+        "quantization config, and every Linear/Conv1D layer left in float with the reason.",
+    )
+    i.add_argument("path", metavar="PATH", help="checkpoint folder")
+    i.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+
+    e = sub.add_parser(
+        "eval",
+        help="measure perplexity and decode speed, next to a float baseline",
+        description="Load PATH (and --baseline) with from_pretrained on the CPU and measure perplexity on a text "
+        "(default: CPython's own pydoc_data.topics, no download) and greedy batch-1 decode speed. The results are "
+        "saved as hfquant_eval.json in PATH and shown in its model card (README.md, if hfquant wrote it).",
+    )
+    e.add_argument("path", metavar="PATH", help="quantized checkpoint folder (a causal LM)")
+    e.add_argument("--baseline", metavar="SRC", help="float checkpoint to measure the same way (folder or repo id)")
+    e.add_argument("--text-file", type=Path, metavar="FILE", help="UTF-8 text for the perplexity instead of the built-in one")
+    e.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default all)")
+    e.add_argument("--max-length", type=int, default=512, metavar="N", help="perplexity window in tokens (default 512)")
+    e.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens generated per speed run (default 64)")
+    e.add_argument("--repeats", type=int, default=3, metavar="N", help="speed runs; the best counts (default 3)")
+    e.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the speed runs")
+    e.add_argument("--no-save", dest="save", action="store_false",
+                   help="do not write hfquant_eval.json nor update README.md")
+    e.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    p = sub.add_parser(
+        "push",
+        help="upload a checkpoint folder to the Hugging Face Hub in one commit",
+        description="Create REPO_ID if needed and commit every file of PATH to it in a single commit, with the "
+        "model card rendered for REPO_ID (a README.md that hfquant did not write is uploaded unchanged). Uses the "
+        "token of `hf auth login` or HF_TOKEN, and HF_ENDPOINT when set.",
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (from hfquant convert or save_pretrained)")
+    p.add_argument("repo_id", metavar="REPO_ID", help="model repo, org/name")
+    p.add_argument("--private", action="store_true", default=None, help="create the repo private (an existing repo keeps its visibility)")
+    p.add_argument("--revision", default=None, metavar="BRANCH", help="branch to commit to, created if missing (default main)")
+    p.add_argument("--commit-message", default=None, metavar="MSG", help="commit title (default: Upload NAME quantized with hfquant)")
+
+    b = sub.add_parser(
+        "bench", add_help=False,
+        help="benchmark hfquant against bf16 and peer libraries (hfquant bench --help lists its options)",
+        description="Run hfquant.benchmark: every method in its own process, on SmolLM2 and a random 1.2B Llama.",
+    )
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="the benchmark's own options, passed on unchanged (see hfquant bench --help)")
     return parser
 
 
 def config_from_args(args: argparse.Namespace):
-    """`HfQuantConfig` from parsed `quantize` arguments; raises the config's ValueError/TypeError on bad values."""
+    """`HfQuantConfig` from parsed `convert` arguments; raises the config's ValueError/TypeError on bad values."""
     from .config import HfQuantConfig
 
-    kwargs = {"bits": args.bits, "symmetric": args.symmetric, "modules_to_not_convert": list(args.modules_to_not_convert)}
-    if hasattr(args, "group_size"):
-        kwargs["group_size"] = args.group_size
+    kwargs: dict[str, Any] = {
+        "bits": args.bits, "symmetric": args.symmetric, "modules_to_not_convert": list(args.modules_to_not_convert),
+    }
+    for name in inspect.signature(HfQuantConfig.__init__).parameters:
+        if name not in _INTERNAL_FIELDS and name not in kwargs and hasattr(args, name):
+            kwargs[name] = getattr(args, name)
     return HfQuantConfig(**kwargs)
 
 
-def _quantize(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+# -- commands ------------------------------------------------------------------------------------------------------
 
-    from . import register
 
-    register()
-    src, dst = Path(args.src), Path(args.dst)
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+    from .inspection import human_bytes
+
     config = config_from_args(args)
-    if not (src / "config.json").is_file():
-        raise SystemExit(f"hfquant: {src} has no config.json; SRC must be a folder holding a transformers checkpoint")
-    if dst.exists() and not args.overwrite:
-        raise SystemExit(f"hfquant: {dst} exists; pass --overwrite to replace it")
-    model_config = AutoConfig.from_pretrained(src)
-    auto = AutoModelForCausalLM if any(a.endswith("ForCausalLM") for a in model_config.architectures or []) else AutoModel
-    model = auto.from_pretrained(src, quantization_config=config, dtype=getattr(torch, args.dtype), device_map="cpu")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
-        try:
-            AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
-        except (OSError, ValueError) as error:
-            logger.info("no tokenizer saved: %s", error)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {dst}")
+    result = convert(
+        args.src, args.dst, config, max_shard_size=args.max_shard_size, dtype=args.dtype, workers=args.workers,
+        overwrite=args.overwrite, revision=args.revision, base_model=args.base_model, progress=args.progress,
+        card=args.card,
+    )
+    print(
+        f"wrote {result.dst}: {result.quantized_layers} tensors quantized, {result.float_tensors} kept in float, "
+        f"{len(result.shards)} shard(s), {human_bytes(result.weight_bytes)} of tensors "
+        f"(source {human_bytes(result.source_weight_bytes)}) in {result.seconds:.1f} s"
+    )
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspection import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(args.path)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def evaluate(
+    path: str,
+    baseline: str | None = None,
+    text_file: Path | None = None,
+    max_tokens: int | None = None,
+    max_length: int = 512,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    prompt: str = DEFAULT_PROMPT,
+) -> dict[str, Any]:
+    """Perplexity and decode tokens/s of `path` (and of `baseline`), one model in memory at a time.
+
+    Returns a JSON-native dict: text (what was scored), tokens, max_length, new_tokens, device, and results (one row
+    per model: label, path, perplexity, tokens_per_second).
+
+    Raises:
+        ValueError: a model is not a causal LM, or the text is too short.
+        OSError: a path or the text file cannot be read.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .convert import resolve_source
+    from .evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
+
+    if text_file is not None:
+        text = Path(text_file).read_text(encoding="utf-8")
+        text_name = f"`{Path(text_file).name}` ({len(text)} characters)"
+    else:
+        text = reference_text()
+        text_name = (f"CPython's `pydoc_data.topics` (Python {platform.python_version()}, first "
+                     f"{DEFAULT_REFERENCE_CHARS} characters)")
+    rows, tokens = [], None
+    for role, source in (("quantized", path), ("baseline", baseline)):
+        if source is None:
+            continue
+        folder = resolve_source(source)
+        config = AutoConfig.from_pretrained(folder)
+        if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or []):
+            raise ValueError(f"{source} is a {config.architectures}, not a causal LM; eval measures causal LMs only")
+        qconfig = getattr(config, "quantization_config", None)
+        qconfig = qconfig if isinstance(qconfig, dict) else (qconfig.to_dict() if qconfig is not None else None)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+        if tokens is None:
+            tokens = int(tokenizer(text, return_tensors="pt")["input_ids"].shape[1])
+            tokens = min(tokens, max_tokens) if max_tokens else tokens
+        dtype = str(model.dtype).removeprefix("torch.")
+        kind = f"hfquant int{qconfig['bits']}" if qconfig and qconfig.get("quant_method") == "hfquant" else dtype
+        label = f"{'this model' if role == 'quantized' else Path(str(source)).name} ({kind})"
+        logger.info("measuring %s", label)
+        rows.append({
+            "label": label,
+            "path": str(source),
+            "perplexity": perplexity(model, tokenizer, text, max_length=max_length, stride=max_length, max_tokens=max_tokens),
+            "tokens_per_second": decode_tokens_per_second(model, tokenizer, prompt, new_tokens=new_tokens, repeats=repeats),
+        })
+        del model
+        gc.collect()
+    return {
+        "text": text_name, "tokens": tokens, "max_length": max_length, "new_tokens": new_tokens,
+        "device": f"CPU ({torch.get_num_threads()} threads, torch {torch.__version__})", "results": rows,
+    }
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .cards import EVAL_FILE, is_hfquant_card, write_card
+
+    measured = evaluate(args.path, args.baseline, args.text_file, args.max_tokens, args.max_length, args.new_tokens,
+                        args.repeats, args.prompt)
+    if args.json:
+        print(json.dumps(measured, indent=2))
+    else:
+        width = max(len(row["label"]) for row in measured["results"])
+        print(f"perplexity on {measured['text']}, {measured['tokens']} tokens; decode: {measured['new_tokens']} new tokens, batch 1")
+        print(f"{'model':<{width}}  {'perplexity':>10}  {'decode tok/s':>12}")
+        for row in measured["results"]:
+            print(f"{row['label']:<{width}}  {row['perplexity']:>10.3f}  {row['tokens_per_second']:>12.1f}")
+    folder = Path(args.path)
+    if args.save and folder.is_dir():
+        (folder / EVAL_FILE).write_text(json.dumps(measured, indent=2) + "\n", encoding="utf-8")
+        readme = folder / "README.md"
+        if not readme.exists() or is_hfquant_card(readme):
+            write_card(folder)
+        logger.info("saved %s and updated the card", folder / EVAL_FILE)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmark import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def _push(args: argparse.Namespace) -> int:
+    from .hub import push_folder
+
+    info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
+                       commit_message=args.commit_message)
+    print(f"pushed {args.path} to {args.repo_id}: {info.commit_url}")
+    return 0
+
+
+_COMMANDS = {"convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hfquant` console script; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark parses its own options (argparse would take its --help)
+        return _bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose:
+        logging.getLogger("hfquant").setLevel(logging.INFO)
+    from .hub import HubError
+
     try:
-        if args.command == "quantize":
-            return _quantize(args)
+        return _COMMANDS[args.command](args)
     except (ValueError, TypeError) as error:
         parser.exit(2, f"hfquant: error: {error}\n")
+    except (OSError, HubError) as error:
+        parser.exit(1, f"hfquant: error: {error}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "hfquant: interrupted (an unfinished DST is removed; an existing one is left as it was)\n")
     return 2
 
 

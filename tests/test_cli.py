@@ -1,0 +1,127 @@
+"""The `hfquant` command: every option documented, convert / inspect / eval as a user runs them, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfquant import HfQuantConfig
+from hfquant.cli import build_parser, config_from_args, main
+
+try:
+    from _tiny import tiny_tokenizer
+except ImportError:  # tests/ imported as a package
+    from tests._tiny import tiny_tokenizer
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hfquant.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(float_checkpoint, tmp_path_factory):
+    """A float tiny Llama whose 257-token vocabulary matches the byte-level test tokenizer."""
+    path = float_checkpoint("llama", torch.bfloat16, vocab_size=257)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_has_help():
+    parser = build_parser()
+    commands = _subparsers(parser)
+    assert sorted(commands) == ["bench", "convert", "eval", "inspect", "push"]
+    for name, sub in commands.items():
+        assert sub.description, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help and len(action.help) > 15, f"{name} {action.option_strings or action.dest}"
+
+
+def test_convert_options_cover_every_config_field():
+    """One option per HfQuantConfig field, so the command follows the config as it grows."""
+    import inspect
+
+    convert = _subparsers(build_parser())["convert"]
+    dests = {action.dest for action in convert._actions}
+    fields = set(inspect.signature(HfQuantConfig.__init__).parameters) - {"self", "unknown", "quant_method", "format_version"}
+    assert fields <= dests
+
+
+def test_config_from_args_defaults_and_values():
+    convert = _subparsers(build_parser())["convert"]
+    assert config_from_args(convert.parse_args(["a", "b"])) == HfQuantConfig(bits=4)
+    args = convert.parse_args(["a", "b", "--bits", "8", "--group-size", "64", "--asymmetric",
+                               "--modules-to-not-convert", "lm_head", "model.layers.*.mlp.down_proj"])
+    assert config_from_args(args) == HfQuantConfig(bits=8, group_size=64, symmetric=False,
+                                                   modules_to_not_convert=["lm_head", "model.layers.*.mlp.down_proj"])
+    assert config_from_args(convert.parse_args(["a", "b", "--group-size", "none"])).group_size is None
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["convert", "s", "d", "--bits", "3"], 2, "invalid choice: 3"),
+    (["convert", "s", "d", "--group-size", "100"], 2, "group_size=100 is not allowed"),
+    (["convert", "s", "d", "--group-size", "big"], 2, "--group-size 'big' is not an integer"),
+    (["convert", "/nonexistent/model", "d"], 1, "not a folder"),
+    (["inspect", "/nonexistent/model"], 1, "no config.json"),
+])
+def test_errors_are_one_line_with_the_fix(argv, code, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_convert_as_a_user_then_refuse_to_overwrite(llama_with_tokenizer, tmp_path, capsys):
+    result = run("convert", str(llama_with_tokenizer), "int4", "--bits", "4", "--group-size", "32",
+                 "--max-shard-size", "60KB", "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--no-progress",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("wrote int4: 14 tensors quantized")
+    out = tmp_path / "int4"
+    assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (out / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int4"]
+
+    with pytest.raises(SystemExit) as refused:
+        main(["convert", str(llama_with_tokenizer), str(out), "--no-progress"])
+    assert refused.value.code == 1
+    assert "int4 exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", str(llama_with_tokenizer), str(out), "--bits", "8", "--overwrite", "--no-progress"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int4"]
+
+
+def test_eval_records_results_in_the_card(llama_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "int8"
+    assert main(["convert", str(llama_with_tokenizer), str(out), "--bits", "8", "--no-progress"]) == 0
+    capsys.readouterr()
+    argv = ["eval", str(out), "--baseline", str(llama_with_tokenizer), "--max-tokens", "96", "--max-length", "32",
+            "--new-tokens", "4", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = json.loads((out / "hfquant_eval.json").read_text())
+    assert printed == saved
+    assert [row["label"] for row in saved["results"]] == ["this model (hfquant int8)", f"{llama_with_tokenizer.name} (bfloat16)"]
+    assert saved["tokens"] == 96
+    for row in saved["results"]:
+        assert row["perplexity"] > 1 and row["tokens_per_second"] > 0
+    # a random model: about the vocabulary size, and int8 within 1% of the float model's perplexity
+    quantized, baseline = (row["perplexity"] for row in saved["results"])
+    assert abs(quantized / baseline - 1) < 0.01
+    card = (out / "README.md").read_text()
+    assert f"| this model (hfquant int8) | {quantized:.3f} |" in card
