@@ -346,3 +346,191 @@ def test_shape_the_group_size_cannot_fit_is_refused_by_the_modules(make, error, 
     with pytest.raises(error) as info:
         make()
     _check(info, error, words)
+
+
+# -- hfquant convert (the Python API; the command's messages and exit codes are below) ------------------------------
+
+
+def _convert(src, dst, **kwargs):
+    from hfquant.convert import convert
+
+    config = kwargs.pop("config", HfQuantConfig(bits=4, group_size=32))
+    return convert(src, dst, config, progress=False, **kwargs)
+
+
+def _siblings(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture
+def float_copy(float_checkpoint, tmp_path):
+    def make(name: str = "src", sharded: bool = False) -> Path:
+        target = tmp_path / name
+        if sharded:
+            auto_class("llama").from_pretrained(float_checkpoint("llama")).save_pretrained(target, max_shard_size="40KB")
+        else:
+            shutil.copytree(float_checkpoint("llama"), target)
+        return target
+
+    return make
+
+
+def _nan_source(folder: Path) -> str:
+    key = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite(folder / "model.safetensors", key, lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))))
+    return key
+
+
+CONVERT_CASES = [
+    # (name, prepare(src folder, out folder) -> (dst, kwargs), error type, words)
+    ("SRC missing", lambda src, out: (out / "dst", {"src": out / "absent"}), FileNotFoundError,
+     ["is not a folder", "local checkpoint folder"]),
+    ("SRC is a file", lambda src, out: (out / "dst", {"src": src / "config.json"}), NotADirectoryError,
+     ["is a file", "folder that holds config.json"]),
+    ("SRC already quantized", None, ValueError, ["already quantized", "'hfquant'", "float checkpoint"]),
+    ("SRC quantized by another method", None, ValueError, ["already quantized", "'gptq'"]),
+    ("SRC shard named in the index missing", None, FileNotFoundError, ["model-00002-of-", "not in"]),
+    ("dtype not a float", lambda src, out: (out / "dst", {"dtype": "int8"}), ValueError, ["'int8'", "bfloat16"]),
+    ("max_shard_size not a size", lambda src, out: (out / "dst", {"max_shard_size": "lots"}), ValueError,
+     ["'lots'", "500MB"]),
+    ("workers negative", lambda src, out: (out / "dst", {"workers": -1}), ValueError, ["workers=-1", ">= 0"]),
+    ("DST exists", lambda src, out: (_existing(out), {}), FileExistsError, ["exists", "--overwrite"]),
+    ("DST is SRC", lambda src, out: (src, {"overwrite": True}), ValueError, ["is SRC", "another folder"]),
+]
+
+
+def _existing(out: Path) -> Path:
+    (out / "dst").mkdir()
+    (out / "dst" / "keep.txt").write_text("previous")
+    return out / "dst"
+
+
+@pytest.mark.parametrize("name, prepare, error, words", CONVERT_CASES, ids=[c[0] for c in CONVERT_CASES])
+def test_convert_refuses_bad_input_and_changes_nothing(float_copy, quantized, tmp_path, name, prepare, error, words):
+    src = float_copy()
+    out = tmp_path / "out"
+    out.mkdir()
+    kwargs = {}
+    if name == "SRC already quantized":
+        src, dst = quantized[0], out / "dst"
+    elif name == "SRC quantized by another method":
+        config = json.loads((src / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+        (src / "config.json").write_text(json.dumps(config))
+        dst = out / "dst"
+    elif name == "SRC shard named in the index missing":
+        src = float_copy("sharded", sharded=True)
+        next(src.glob("model-00002-of-*.safetensors")).unlink()
+        dst = out / "dst"
+    else:
+        dst, kwargs = prepare(src, out)
+    src = kwargs.pop("src", src)
+    before = {"src": _snapshot(src) if Path(src).is_dir() else None, "out": _snapshot(out), "siblings": _siblings(out)}
+    with pytest.raises(error) as info:
+        _convert(src, dst, **kwargs)
+    _check(info, error, words)
+    after = {"src": _snapshot(src) if Path(src).is_dir() else None, "out": _snapshot(out), "siblings": _siblings(out)}
+    assert after == before
+
+
+def test_convert_nan_weight_fails_and_leaves_nothing(float_copy, tmp_path):
+    src = float_copy()
+    _nan_source(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        _convert(src, out / "dst")
+    assert _siblings(out) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="convert passes rtn's ValueError 'cannot quantize a weight that contains NaN or Inf values' through without "
+    "the name of the tensor (or the fix: repair the float checkpoint, or keep the layer in modules_to_not_convert)",
+)
+def test_convert_nan_weight_names_the_tensor(float_copy, tmp_path):
+    src = float_copy()
+    key = _nan_source(src)
+    with pytest.raises(ValueError) as info:
+        _convert(src, tmp_path / "dst")
+    _check(info, ValueError, [key, "NaN", "modules_to_not_convert"])
+
+
+def _truncate_source(src: Path) -> None:
+    shard = src / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+
+
+def _corrupt_source(src: Path) -> None:
+    shard = src / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[9:13] = b"\xff\xfe\x00!"
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_truncate_source, _corrupt_source], ids=["truncated", "corrupt-header"])
+def test_convert_damaged_source_fails_and_leaves_nothing(float_copy, tmp_path, damage):
+    src = float_copy()
+    damage(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the type is the bug below; here: fails, writes nothing
+        _convert(src, out / "dst")
+    assert "header" in str(info.value)
+    assert _siblings(out) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="convert opens a truncated or corrupt source shard with safe_open, whose SafetensorError ('Error while "
+    "deserializing header: incomplete metadata, file not fully covered') is neither a ValueError nor names the file; "
+    "`hfquant convert` then ends in a traceback. hfquant.verify.read_header gives 'SHARD is truncated: ...'",
+)
+@pytest.mark.parametrize("damage", [_truncate_source, _corrupt_source], ids=["truncated", "corrupt-header"])
+def test_convert_damaged_source_names_the_file(float_copy, tmp_path, damage):
+    src = float_copy()
+    damage(src)
+    with pytest.raises(ValueError) as info:
+        _convert(src, tmp_path / "dst")
+    _check(info, ValueError, ["model.safetensors"])
+
+
+def test_convert_into_a_file_keeps_the_file(float_copy, tmp_path):
+    src = float_copy()
+    target = tmp_path / "model.bin"
+    target.write_text("not a folder")
+    with pytest.raises(FileExistsError):
+        _convert(src, target)
+    assert target.read_text() == "not a folder"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="convert treats a DST that is a file like an existing folder: the message says 'pass --overwrite', and "
+    "with overwrite=True the file is deleted and replaced by a folder; expected an error that DST is a file",
+)
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_convert_into_a_file_says_it_is_a_file(float_copy, tmp_path, overwrite):
+    src = float_copy()
+    target = tmp_path / "model.bin"
+    target.write_text("not a folder")
+    try:
+        with pytest.raises((NotADirectoryError, FileExistsError, ValueError)) as info:
+            _convert(src, target, overwrite=overwrite)
+        _check(info, type(info.value), [str(target), "is a file"])
+    finally:
+        assert target.is_file() and target.read_text() == "not a folder"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="convert into DST whose parent is a file fails in mkdir with FileExistsError '[Errno 17] File exists: "
+    "PARENT', which reads as if DST existed; expected an error that the parent is a file",
+)
+def test_convert_under_a_file_says_the_parent_is_a_file(float_copy, tmp_path):
+    src = float_copy()
+    parent = tmp_path / "notes.txt"
+    parent.write_text("x")
+    with pytest.raises((NotADirectoryError, FileExistsError)) as info:
+        _convert(src, parent / "dst")
+    _check(info, type(info.value), [str(parent), "is a file"])
