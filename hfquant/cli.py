@@ -4,6 +4,7 @@
     hfquant inspect PATH [--json]
     hfquant eval PATH [--baseline SRC] [--text-file FILE]
     hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG]
+    hfquant verify PATH [--write-checksums]
     hfquant bench ...   (hfquant.benchmark)
 
 `convert` quantizes a float safetensors checkpoint file to file (`hfquant.convert`), writing into a temporary folder
@@ -162,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("path", metavar="PATH", help="checkpoint folder")
     i.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+
+    v = sub.add_parser(
+        "verify",
+        help="check a quantized checkpoint against its config without loading it; exit 1 listing the problems",
+        description="Read config.json, the index and the safetensors headers of PATH (never a weight, never code) "
+        "and check that every shard the index names exists and holds its tensors, that every tensor has the name, "
+        "dtype and shape quantization_config gives it, and the sha256 sums recorded in hfquant.sha256.json.",
+    )
+    v.add_argument("path", metavar="PATH", help="checkpoint folder")
+    v.add_argument("--write-checksums", action="store_true",
+                   help="when no problem is found, record the sha256 of config.json, the index and the shards in "
+                   "hfquant.sha256.json (for a folder written by save_pretrained)")
 
     e = sub.add_parser(
         "eval",
@@ -350,7 +363,25 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "bench": _bench}
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify, write_checksums
+
+    result = verify(args.path)
+    for note in result.notes:
+        print(f"note: {note}")
+    if result.problems:
+        print(f"hfquant: {args.path}: {len(result.problems)} problem(s):", file=sys.stderr)
+        for problem in result.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 1
+    if args.write_checksums:
+        print(f"recorded sha256 sums in {write_checksums(args.path)}")
+    print(f"ok: {args.path}: {result.tensors} tensors in {result.files} file(s) match the config"
+          + (f", {result.checksums} sha256 sums match" if result.checksums else ""))
+    return 0
+
+
+_COMMANDS = {"convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "bench": _bench, "verify": _verify}
 
 
 def main(argv: list[str] | None = None) -> int:

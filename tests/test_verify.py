@@ -474,3 +474,37 @@ def test_without_the_load_check_transformers_keeps_a_wrong_dtype_or_reinitialize
 def test_sound_checkpoint_loads_with_the_check(quantized):
     model = auto_class("gpt2").from_pretrained(quantized("gpt2-int4-sym"), device_map="cpu")
     assert type(model.transformer.h[0].attn.c_attn).__name__ == "QuantLinear"
+
+
+# -- the command ------------------------------------------------------------------------------------------------------
+
+
+def test_command_lists_every_problem_and_exits_1(copy_of):
+    import subprocess
+    import sys
+
+    damaged = copy_of()
+    expected = [_scale_shape(damaged), _weight_signed(damaged)]
+    run = subprocess.run([sys.executable, "-m", "hfquant.cli", "verify", str(damaged)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert f"{damaged}: 2 problem(s):" in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 2
+    for words in expected:
+        assert any(all(w in line for w in words) for line in lines), (words, lines)
+
+
+def test_command_records_sums_of_a_sound_checkpoint(quantized, tmp_path, capsys):
+    from hfquant.cli import main
+
+    sound = tmp_path / "sound"
+    shutil.copytree(quantized("gpt2-int4-sym"), sound)
+    assert main(["verify", str(sound), "--write-checksums"]) == 0
+    assert f"ok: {sound}: {_file_tensor_count(sound)} tensors" in capsys.readouterr().out
+    recorded = sorted(json.loads((sound / SUMS_NAME).read_text())["files"])
+    assert recorded == sorted([p.name for p in sound.glob("*.safetensors")] + ["config.json", INDEX])
+    assert verify(sound).checksums == len(recorded)
+    (sound / "config.json").write_text((sound / "config.json").read_text() + " ")
+    assert main(["verify", str(sound)]) == 1
+    assert "config.json has sha256" in capsys.readouterr().err
