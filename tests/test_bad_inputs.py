@@ -534,3 +534,38 @@ def test_convert_under_a_file_says_the_parent_is_a_file(float_copy, tmp_path):
     with pytest.raises((NotADirectoryError, FileExistsError)) as info:
         _convert(src, parent / "dst")
     _check(info, type(info.value), [str(parent), "is a file"])
+
+
+# -- what `hfquant convert` prints: one line "hfquant: error: ..." and an exit status (its entry point, in-process) --
+
+COMMAND_CASES = [
+    # (name, arguments after SRC DST (or replacing them), exit status, words on stderr)
+    ("bits not allowed", ["--bits", "3"], 2, ["--bits", "invalid choice", "3"]),
+    ("group size not a power of two", ["--group-size", "48"], 2, ["group_size=48", GROUPS]),
+    ("group size not a number", ["--group-size", "big"], 2, ["--group-size", "'big'", "power of two"]),
+    ("max shard size not a size", ["--max-shard-size", "lots"], 2, ["'lots'", "500MB"]),
+    ("SRC quantized already", "quantized", 2, ["already quantized", "float checkpoint"]),
+    ("SRC missing", "missing", 1, ["is not a folder", "local checkpoint folder"]),
+    ("DST exists", "exists", 1, ["exists", "--overwrite"]),
+]
+
+
+@pytest.mark.parametrize("name, extra, status, words", COMMAND_CASES, ids=[c[0] for c in COMMAND_CASES])
+def test_command_says_what_is_wrong_in_one_line(float_checkpoint, quantized, tmp_path, capsys, name, extra, status, words):
+    from hfquant.cli import main
+
+    src, dst = float_checkpoint("llama"), tmp_path / "dst"
+    if extra == "quantized":
+        src, extra = quantized[0], []
+    elif extra == "missing":
+        src, extra = tmp_path / "absent", []
+    elif extra == "exists":
+        dst.mkdir()
+        extra = []
+    with pytest.raises(SystemExit) as info:
+        main(["convert", str(src), str(dst), "--no-progress", *extra])
+    assert info.value.code == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hfquant: error:") or err[-1].startswith("hfquant convert: error:"), err
+    assert all(w in err[-1] for w in words), err[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["dst"] if name == "DST exists" else [])
