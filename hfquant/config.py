@@ -12,7 +12,17 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-__all__ = ["FORMAT_VERSION", "QUANT_METHOD", "HfQuantConfig", "validate_config_values", "default_group_size"]
+__all__ = [
+    "FORMAT_VERSION",
+    "QUANT_METHOD",
+    "EMBEDDING_DTYPES",
+    "NORM_DTYPES",
+    "LM_HEAD_POLICIES",
+    "COMPUTE_DTYPES",
+    "HfQuantConfig",
+    "validate_config_values",
+    "default_group_size",
+]
 
 QUANT_METHOD = "hfquant"
 """The `quant_method` string that transformers reads from `config.json` to pick our quantizer."""
@@ -24,6 +34,29 @@ SUPPORTED_BITS = (8, 4)
 MIN_GROUP_SIZE = 32
 MAX_GROUP_SIZE = 1024
 _ALLOWED_GROUP_SIZES = tuple(2**p for p in range(5, 11))  # 32 .. 1024
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+EMBEDDING_DTYPES = ("auto",) + FLOAT_DTYPES + ("int8", "int4")
+"""`embedding_dtype` values: "auto" (the compute dtype), a float dtype, or int8 / int4 (`QuantEmbedding`)."""
+NORM_DTYPES = ("auto",) + FLOAT_DTYPES
+"""`norm_dtype` values: "auto" (the compute dtype) or a float dtype."""
+LM_HEAD_POLICIES = ("keep", "int8", "int4")
+"""`lm_head` values: "keep" (float, unless tied to a quantized input embedding), or int8 / int4."""
+COMPUTE_DTYPES = ("auto",) + FLOAT_DTYPES
+"""`compute_dtype` values: "auto" (the `dtype` given to `from_pretrained`) or a float dtype."""
+
+_FIELDS = (
+    "quant_method",
+    "format_version",
+    "bits",
+    "group_size",
+    "symmetric",
+    "modules_to_not_convert",
+    "embedding_dtype",
+    "norm_dtype",
+    "lm_head",
+    "compute_dtype",
+)
 
 _UNSET = object()
 
@@ -38,8 +71,25 @@ def default_symmetric(bits: int) -> bool:
     return bits == 8
 
 
+def _check_choice(field: str, value: Any, allowed: tuple[str, ...], meaning: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{field} must be a string, one of {list(allowed)} ({meaning}); got {value!r} ({type(value).__name__})."
+        )
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not allowed; use one of {list(allowed)} ({meaning}).")
+
+
 def validate_config_values(
-    bits: Any, group_size: Any, symmetric: Any, modules_to_not_convert: Any, format_version: Any
+    bits: Any,
+    group_size: Any,
+    symmetric: Any,
+    modules_to_not_convert: Any,
+    format_version: Any,
+    embedding_dtype: Any = "auto",
+    norm_dtype: Any = "auto",
+    lm_head: Any = "keep",
+    compute_dtype: Any = "auto",
 ) -> None:
     """Check every field of an `HfQuantConfig`; used by the constructor, `from_dict` and the CLI.
 
@@ -76,6 +126,15 @@ def validate_config_values(
             f"format_version={format_version!r} is not readable by this hfquant, which reads format version "
             f"{FORMAT_VERSION}; upgrade hfquant (pip install -U hfquant) or re-quantize the float checkpoint."
         )
+    _check_choice(
+        "embedding_dtype", embedding_dtype, EMBEDDING_DTYPES,
+        "'auto' keeps embeddings in the compute dtype, int8/int4 quantize them per row",
+    )
+    _check_choice("norm_dtype", norm_dtype, NORM_DTYPES, "'auto' keeps norms in the compute dtype")
+    _check_choice("lm_head", lm_head, LM_HEAD_POLICIES, "'keep' leaves the output embedding in float")
+    _check_choice(
+        "compute_dtype", compute_dtype, COMPUTE_DTYPES, "'auto' uses the dtype given to from_pretrained"
+    )
 
 
 class HfQuantConfig(QuantizationConfigMixin):
@@ -94,7 +153,22 @@ class HfQuantConfig(QuantizationConfigMixin):
             `"model.layers.0.mlp"`), a whole-component suffix (`"down_proj"` matches `"...mlp.down_proj"` but not
             `"...mlp.xdown_proj"`), or fnmatch patterns matched against the full dotted name
             (`"model.layers.*.self_attn.o_proj"`). A match on a module also keeps its children in float. The output
-            embedding (lm_head) and weights tied to the input embedding are always kept in float.
+            embedding (lm_head) and weights tied to the input embedding stay in float unless `embedding_dtype` or
+            `lm_head` asks otherwise.
+        embedding_dtype: storage of every `nn.Embedding` (input, position and token-type tables): "auto" (the compute
+            dtype, today's behaviour), "float32" / "float16" / "bfloat16", or "int8" / "int4" (`QuantEmbedding`:
+            per-row scales; int4 and int8 use the layers' `group_size` and `symmetric` when `bits` matches, else
+            that width's defaults). Lookups always return the compute dtype.
+        norm_dtype: storage and compute dtype of LayerNorm / RMSNorm layers (found by type: `nn.LayerNorm`,
+            `nn.RMSNorm` and the families' own `*LayerNorm` / `*RMSNorm` classes): "auto" or a float dtype. Their
+            output is cast back to the compute dtype.
+        lm_head: the output embedding: "keep" (float) or "int8" / "int4" (`QuantLinear`). When it is tied to the input
+            embedding both are one tensor: it is quantized if either field asks for it (asking two different formats
+            is an error) and is stored once.
+        compute_dtype: dtype of the activations and of float weights without a setting of their own (biases,
+            layers kept in float): "auto" (the `dtype` given to `from_pretrained`) or a float dtype, which then
+            overrides that `dtype`. When embeddings or norms are stored in another float dtype, a quantizer records
+            the resolved compute dtype here so that a reload restores every dtype.
         format_version: on-disk format version; only `FORMAT_VERSION` is accepted.
 
     Raises:
@@ -109,6 +183,10 @@ class HfQuantConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         format_version: int = FORMAT_VERSION,
         quant_method: str = QUANT_METHOD,
+        embedding_dtype: str = "auto",
+        norm_dtype: str = "auto",
+        lm_head: str = "keep",
+        compute_dtype: str = "auto",
         **unknown: Any,
     ):
         if quant_method != QUANT_METHOD:
@@ -119,7 +197,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         if unknown:
             raise ValueError(
                 f"Unknown HfQuantConfig field(s) {sorted(unknown)}; allowed fields are "
-                f"{sorted(['bits', 'group_size', 'symmetric', 'modules_to_not_convert', 'format_version', 'quant_method'])}."
+                f"{sorted(_FIELDS)}."
             )
         if isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS:
             if group_size is _UNSET:
@@ -131,13 +209,19 @@ class HfQuantConfig(QuantizationConfigMixin):
         modules = [] if modules_to_not_convert is None else modules_to_not_convert
         if isinstance(modules, tuple):
             modules = list(modules)
-        validate_config_values(bits, group_size, symmetric, modules, format_version)
+        validate_config_values(
+            bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype
+        )
         self.quant_method = QUANT_METHOD
         self.bits = bits
         self.group_size = group_size
         self.symmetric = symmetric
         self.modules_to_not_convert = list(modules)
         self.format_version = format_version
+        self.embedding_dtype = embedding_dtype
+        self.norm_dtype = norm_dtype
+        self.lm_head = lm_head
+        self.compute_dtype = compute_dtype
 
     def validate(self) -> None:
         """Re-check the fields (after a user changed attributes in place); raises like the constructor."""
@@ -147,7 +231,15 @@ class HfQuantConfig(QuantizationConfigMixin):
                 f"quant_method={QUANT_METHOD!r}."
             )
         validate_config_values(
-            self.bits, self.group_size, self.symmetric, self.modules_to_not_convert, self.format_version
+            self.bits,
+            self.group_size,
+            self.symmetric,
+            self.modules_to_not_convert,
+            self.format_version,
+            self.embedding_dtype,
+            self.norm_dtype,
+            self.lm_head,
+            self.compute_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,6 +251,10 @@ class HfQuantConfig(QuantizationConfigMixin):
             "symmetric": self.symmetric,
             "modules_to_not_convert": list(self.modules_to_not_convert),
             "format_version": self.format_version,
+            "embedding_dtype": self.embedding_dtype,
+            "norm_dtype": self.norm_dtype,
+            "lm_head": self.lm_head,
+            "compute_dtype": self.compute_dtype,
         }
 
     def to_json_string(self, use_diff: bool = True) -> str:
