@@ -1,0 +1,228 @@
+"""`QuantEmbedding`: an int8 / int4 replacement for `nn.Embedding` whose lookup dequantizes only the rows it gathers.
+
+The table (num_embeddings, embedding_dim) is stored exactly like a `QuantLinear` weight of out_features =
+num_embeddings and in_features = embedding_dim (docs/format.md): one row per token, scales per (row, group). A tied
+output embedding (lm_head) is therefore a `QuantLinear` over the same tensors, and the two share them in memory and
+in the file.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import packing, rtn
+from .linear import QuantLinear, quantize_to_buffers
+
+__all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
+
+
+class QuantEmbedding(nn.Module):
+    """out[..., :] = dequantize(weight[ids]) (times `embed_scale` for scaled word embeddings), in `compute_dtype`.
+
+    Stored tensors (registered buffers; exactly what `state_dict()` and the files hold, see docs/format.md):
+        weight: 8 bits symmetric: (num_embeddings, embedding_dim) int8 in [-127, 127];
+                8 bits asymmetric: (num_embeddings, embedding_dim) uint8 in [0, 255];
+                4 bits: (num_embeddings, embedding_dim // 2) uint8, two codes per byte, even column in the low nibble.
+        weight_scale: (num_embeddings, embedding_dim // group_size) bfloat16.
+        weight_zero_point: (num_embeddings, embedding_dim // group_size) uint8, only when asymmetric.
+    Example: embedding_dim 576, int4 with group 64 -> weight (V, 288) uint8, weight_scale (V, 9), zero point (V, 9).
+
+    Only the gathered rows are unpacked and dequantized: a lookup of T tokens costs T * embedding_dim work whatever
+    the vocabulary size. When the table is shared with a tied lm_head whose int4 CPU kernel repacked it
+    (`share_with`), rows are gathered from that kernel layout, so the table exists once in memory.
+
+    Args:
+        num_embeddings, embedding_dim, padding_idx: as in `nn.Embedding` (padding_idx is informational: the
+            lookup has no gradient).
+        bits, group_size, symmetric: as in `QuantLinear` (group_size must divide embedding_dim).
+        dtype: the compute dtype of the returned rows.
+        device: where the buffers are allocated ("meta" while transformers builds the model).
+        embed_scale: a float the rows are multiplied by (Gemma-style scaled word embeddings), or None.
+    Raises:
+        ValueError: group_size does not divide embedding_dim, or 4 bits with an odd embedding_dim.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+        padding_idx: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        embed_scale: float | None = None,
+    ):
+        super().__init__()
+        if group_size <= 0 or embedding_dim % group_size:
+            raise ValueError(f"group_size={group_size} does not divide embedding_dim={embedding_dim}")
+        if bits == 4 and embedding_dim % 2:
+            raise ValueError(f"4-bit embeddings need an even embedding_dim, got {embedding_dim}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.bits = bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.compute_dtype = dtype or torch.bfloat16
+        self.embed_scale = embed_scale
+        n_groups = embedding_dim // group_size
+        if bits == 4:
+            weight = torch.empty((num_embeddings, embedding_dim // 2), dtype=torch.uint8, device=device)
+        else:
+            code_dtype = torch.int8 if symmetric else torch.uint8
+            weight = torch.empty((num_embeddings, embedding_dim), dtype=code_dtype, device=device)
+        self.register_buffer("weight", weight)
+        self.register_buffer(
+            "weight_scale", torch.empty((num_embeddings, n_groups), dtype=rtn.SCALE_DTYPE, device=device)
+        )
+        if symmetric:
+            self.weight_zero_point = None
+        else:
+            self.register_buffer(
+                "weight_zero_point", torch.empty((num_embeddings, n_groups), dtype=torch.uint8, device=device)
+            )
+        # The tied lm_head whose kernel layout `weight` is, when `share_with` found one (not a submodule).
+        self._kernel_owner: QuantLinear | None = None
+
+    @property
+    def source(self) -> nn.Module | None:
+        """The float embedding module this one replaced (on the meta device; not a submodule), if known."""
+        return self.__dict__.get("_source")
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+        padding_idx: int | None = None,
+        embed_scale: float | None = None,
+    ) -> "QuantEmbedding":
+        """Quantize a float table (num_embeddings, embedding_dim) into a new module returning `weight.dtype` rows."""
+        num, dim = weight.shape
+        module = cls(num, dim, bits, group_size, symmetric, padding_idx, weight.dtype, "meta", embed_scale)
+        for name, tensor in quantize_to_buffers(weight, bits, group_size, symmetric).items():
+            setattr(module, name, tensor)
+        return module
+
+    def extra_repr(self) -> str:
+        text = (
+            f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}, "
+            f"symmetric={self.symmetric}"
+        )
+        if self.padding_idx is not None:
+            text += f", padding_idx={self.padding_idx}"
+        if self.embed_scale is not None:
+            text += f", embed_scale={self.embed_scale:g}"
+        if self._kernel_owner is not None:
+            text += f", layout={self._kernel_owner.kernel}"
+        return text
+
+    # -- sharing with a tied lm_head -------------------------------------------------------------------------------
+
+    def share_with(self, head: QuantLinear) -> str:
+        """Make this table and the tied `head` (a `QuantLinear` over the same stored tensors) one tensor in memory.
+
+        Call after `head.prepare_kernel()`. Returns how: "shared" (the kernel reads the stored layout, e.g. int8),
+        "kernel-layout" (rows are gathered from the CPU int4 kernel layout), or "copy" (a kernel layout rows cannot
+        be gathered from, e.g. CUDA int4: this module keeps its own stored-layout tensor).
+        """
+        self.weight_scale = head.weight_scale
+        self.weight_zero_point = head.weight_zero_point
+        if head.kernel == "int4pack_mm_cpu" and packing.cpu_int4_layout() is not None:
+            self.weight = head.weight
+            self._kernel_owner = head
+            return "kernel-layout"
+        if head.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+            self._kernel_owner = None
+            return "copy"
+        self.weight = head.weight
+        self._kernel_owner = None
+        return "shared"
+
+    def stored_weight(self) -> torch.Tensor:
+        """`weight` in the stored (file) layout."""
+        if self._kernel_owner is not None:
+            return self._kernel_owner.stored_weight()
+        return self.weight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._kernel_owner is not None and prefix + "weight" in destination:
+            destination[prefix + "weight"] = self.stored_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self._kernel_owner is not None:  # loading writes the stored layout: stop reading the kernel layout
+            self.weight = self.stored_weight()
+            self._kernel_owner = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # -- compute ---------------------------------------------------------------------------------------------------
+
+    def _rows_codes(self, rows: torch.Tensor) -> torch.Tensor:
+        """(R,) row indices -> (R, embedding_dim) codes (int8 values, or uint8 codes at 4 bits)."""
+        if self._kernel_owner is not None:
+            return gather_cpu_int4_rows(self.weight, rows, self.num_embeddings, self.embedding_dim)
+        gathered = self.weight.index_select(0, rows)
+        return packing.unpack_int4(gathered) if self.bits == 4 else gathered
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float table (num_embeddings, embedding_dim) in `dtype` (without `embed_scale`)."""
+        rows = torch.arange(self.num_embeddings, device=self.weight.device)
+        return rtn.dequantize_weight(
+            self._rows_codes(rows), self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = input_ids.reshape(-1)
+        zero_point = None if self.weight_zero_point is None else self.weight_zero_point.index_select(0, rows)
+        out = rtn.dequantize_weight(
+            self._rows_codes(rows),
+            self.weight_scale.index_select(0, rows),
+            zero_point,
+            self.bits,
+            self.symmetric,
+            self.compute_dtype,
+        )
+        if self.embed_scale is not None:
+            # as the float module does: the scale rounded to the activation dtype, then multiplied
+            out = out * torch.tensor(self.embed_scale, dtype=torch.float32, device=out.device).to(out.dtype)
+        return out.reshape(*input_ids.shape, self.embedding_dim)
+
+
+def gather_cpu_int4_rows(packed: torch.Tensor, rows: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes (R, K) of `rows` of an (N, K) int4 weight held in the CPU kernel layout (`hfquant.packing`).
+
+    Full blocks of `block_n` rows are stored as (K, block_n / 2) bytes; byte [k, j] holds rows j and j + block_n / 2
+    ("halves") or rows 2j and 2j + 1 ("pairs") in its low and high nibble; a short last block is always "pairs".
+    Reads R * K / 2 bytes; nothing else of the table is unpacked.
+    """
+    layout = packing.cpu_int4_layout()
+    if layout is None:
+        raise RuntimeError("the CPU int4 kernel layout is not available in this PyTorch build")
+    block = layout.block_n
+    full = n - n % block
+    flat = packed.reshape(-1)
+    columns = torch.arange(k, device=packed.device)
+    codes = torch.empty((rows.numel(), k), dtype=torch.uint8, device=packed.device)
+    in_full = rows < full
+    if bool(in_full.any()):
+        r = rows[in_full]
+        b, i = r // block, r % block
+        if layout.full_blocks_halves:
+            j, high = i % (block // 2), i >= block // 2
+        else:
+            j, high = i // 2, (i % 2) == 1
+        blocks = flat[: full * k // 2].view(full // block, k, block // 2)
+        values = blocks[b[:, None], columns[None, :], j[:, None]]
+        codes[in_full] = torch.where(high[:, None], values >> 4, values & 0x0F)
+    if not bool(in_full.all()):
+        r = rows[~in_full] - full
+        tail = flat[full * k // 2 :].view(k, (n - full) // 2)
+        values = tail[columns[None, :], (r // 2)[:, None]]
+        codes[~in_full] = torch.where(((r % 2) == 1)[:, None], values >> 4, values & 0x0F)
+    return codes
