@@ -1,4 +1,6 @@
-"""Choosing which modules to quantize and swapping them for `QuantLinear` on the (meta-device) model skeleton."""
+"""Choosing which modules to quantize and swapping them on the (meta-device) model skeleton: Linear / Conv1D layers
+for `QuantLinear`, embeddings for `QuantEmbedding`, fused MoE experts for `QuantExperts`; float embeddings and norms
+get their configured dtype here too."""
 
 from __future__ import annotations
 
@@ -12,7 +14,22 @@ from torch import nn
 from .linear import QuantLinear
 from .rtn import effective_group_size
 
-__all__ = ["LayerPlan", "matches_module", "plan_layers", "replace_with_quant_linear"]
+__all__ = [
+    "LayerPlan",
+    "ExpertsPlan",
+    "matches_module",
+    "plan_layers",
+    "plan_experts",
+    "replace_with_quant_linear",
+    "replace_tied_quant_linear",
+    "replace_with_quant_embedding",
+    "replace_with_quant_experts",
+    "embedding_kind",
+    "quantized_format",
+    "cast_float_params",
+    "torch_dtype",
+    "dtype_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +133,179 @@ def replace_with_quant_linear(
         )
         new.transposed_source = plan.transposed
         new.requires_grad_(False)
+        hide_empty_kernel_buffer(new)
         setattr(parent, child_name, new)
         replaced += 1
     return replaced
+
+
+# -- embeddings, lm_head, norms, experts: what else a model holds besides Linear layers ------------------------------
+
+QUANTIZED_STORAGE = {"int8": 8, "int4": 4}
+"""Storage names of `embedding_dtype` / `lm_head` that mean a quantized tensor, and their bit width."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"float32" / "float16" / "bfloat16" -> the torch dtype."""
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def quantized_format(
+    storage: str, bits: int, group_size: int | None, symmetric: bool
+) -> tuple[int, int | None, bool]:
+    """(bits, asked group size, symmetric) of a quantized embedding / lm_head stored as `storage` ("int8"/"int4").
+
+    With the layers' bit width it uses the layers' `group_size` and `symmetric`; otherwise that width's defaults
+    (per-row symmetric at 8 bits, group 128 asymmetric at 4 bits), as `HfQuantConfig` would pick them.
+    """
+    from .config import default_group_size, default_symmetric
+
+    storage_bits = QUANTIZED_STORAGE[storage]
+    if storage_bits == bits:
+        return bits, group_size, symmetric
+    return storage_bits, default_group_size(storage_bits), default_symmetric(storage_bits)
+
+
+def embedding_kind(module: nn.Module) -> str | None:
+    """How `QuantEmbedding` can stand in for `module`: "plain", "scaled" (lookup times `scalar_embed_scale`, the
+    Gemma/BART-style scaled word embedding), or None (not an embedding, or a subclass with its own forward, whose
+    semantics hfquant cannot know, e.g. OPT's learned positional embedding; such tables stay in float).
+    """
+    if not isinstance(module, nn.Embedding):
+        return None
+    if module.max_norm is not None or next(module.children(), None) is not None:
+        return None
+    if type(module).forward is nn.Embedding.forward:
+        return "plain"
+    if isinstance(getattr(module, "scalar_embed_scale", None), (int, float)):
+        return "scaled"
+    return None
+
+
+def cast_float_params(module: nn.Module, dtype: torch.dtype) -> None:
+    """Give the floating-point parameters of `module` (not its children) `dtype`; on the meta device this decides the
+    dtype the checkpoint tensors are loaded in."""
+    for name, param in list(module._parameters.items()):
+        if param is not None and param.is_floating_point() and param.dtype != dtype:
+            module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+
+
+def replace_with_quant_embedding(
+    model: nn.Module,
+    name: str,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    dtype: torch.dtype,
+    persistent: bool = True,
+):
+    """Swap the embedding `name` for an empty `QuantEmbedding` on the meta device and return it.
+
+    `persistent=False` makes its tensors non-persistent buffers: a tied copy whose tensors come from another module
+    after loading, so they are neither read from nor written to the checkpoint.
+    """
+    from .embedding import QuantEmbedding
+
+    old = model.get_submodule(name)
+    scale = getattr(old, "scalar_embed_scale", None) if embedding_kind(old) == "scaled" else None
+    new = QuantEmbedding(
+        old.num_embeddings, old.embedding_dim, bits, group_size, symmetric, old.padding_idx, dtype, "meta",
+        float(scale) if scale is not None else None,
+    )
+    if not persistent:
+        new._non_persistent_buffers_set.update(new._buffers)
+    new.__dict__["_source"] = old  # kept for dequantize(), not registered: no state_dict keys, no parameters
+    _set_submodule(model, name, new)
+    return new
+
+
+def replace_tied_quant_linear(
+    model: nn.Module, name: str, bits: int, group_size: int, symmetric: bool, dtype: torch.dtype | None
+) -> QuantLinear:
+    """Swap the output embedding `name` (tied to a quantized input embedding) for a `QuantLinear` whose tensors are
+    non-persistent buffers: they are the embedding's, assigned after loading, and saved once, under its name."""
+    old = model.get_submodule(name)
+    new = QuantLinear(
+        old.in_features, old.out_features, bits, group_size, symmetric, bias=old.bias is not None,
+        dtype=dtype if dtype is not None else old.weight.dtype, device="meta",
+    )
+    new._non_persistent_buffers_set.update(n for n in new._buffers if n != "bias")
+    new.requires_grad_(False)
+    hide_empty_kernel_buffer(new)
+    _set_submodule(model, name, new)
+    return new
+
+
+_KERNEL_BUFFERS = ("scale_zero",)
+
+
+def hide_empty_kernel_buffer(layer: QuantLinear) -> None:
+    """Take QuantLinear's kernel-only buffer, registered as None until `prepare_kernel`, out of the non-persistent set
+    while it is None: accelerate's dispatch with `offload_buffers=True` moves every non-persistent buffer name to the
+    execution device and fails on a None. A None buffer is never saved nor loaded either way."""
+    for name in _KERNEL_BUFFERS:
+        if name in layer._buffers and layer._buffers[name] is None:
+            layer._non_persistent_buffers_set.discard(name)
+
+
+def restore_kernel_buffers(layer: QuantLinear) -> None:
+    """Undo `hide_empty_kernel_buffer` (before `prepare_kernel` fills the buffer, which must then stay unsaved)."""
+    for name in _KERNEL_BUFFERS:
+        if name in layer._buffers:
+            layer._non_persistent_buffers_set.add(name)
+
+
+class ExpertsPlan(NamedTuple):
+    """One experts module: `shapes` {projection: (E, N, K)}, `group_sizes` {projection: g}; empty when it stays in
+    float (`reason` says why)."""
+
+    name: str
+    shapes: dict
+    group_sizes: dict
+    reason: str
+
+
+def plan_experts(model: nn.Module, bits: int, group_size: int | None, skip: Iterable[str]) -> list[ExpertsPlan]:
+    """One `ExpertsPlan` per module holding fused 3-D expert weights (transformers 5 MoE experts)."""
+    from .experts import experts_layout
+
+    skip = list(skip)
+    plans = []
+    for name, module in model.named_modules():
+        shapes, reason = experts_layout(module)
+        if not shapes:
+            continue
+        if not reason and matches_module(name, skip):
+            reason = "modules_to_not_convert"
+        group_sizes = {}
+        if not reason:
+            for projection, (_, _, k) in shapes.items():
+                group_sizes[projection] = effective_group_size(k, group_size, bits)
+                if group_sizes[projection] is None:
+                    reason = f"{projection} in_features={k} has no power-of-two divisor >= 32"
+        plans.append(ExpertsPlan(name, shapes, group_sizes if not reason else {}, reason))
+    return plans
+
+
+def replace_with_quant_experts(
+    model: nn.Module, plan: ExpertsPlan, bits: int, symmetric: bool, dtype: torch.dtype | None
+):
+    """Swap the experts module of `plan` for an empty `QuantExperts` on the meta device and return it."""
+    from .experts import QuantExperts
+
+    old = model.get_submodule(plan.name)
+    new = QuantExperts(old, plan.shapes, bits, plan.group_sizes, symmetric, dtype, "meta")
+    new.requires_grad_(False)
+    _set_submodule(model, plan.name, new)
+    return new
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child_name, module)
