@@ -548,3 +548,57 @@ def _snapshot(folder: Path) -> dict | None:
         return None
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
             if p.is_file()}
+
+
+# -- the real example model (slow) ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
+    """SmolLM2-135M: convert at 8 bits, record sha256 sums and verify; then convert at 4 bits over it, interrupted by
+    SIGINT and by SIGKILL at seeded moments of its writing: every time DST still verifies with the same sums (the same
+    bytes); a final rerun at 4 bits completes and verifies."""
+    from hfquant.example_model import build_example_model
+    from hfquant.verify import write_checksums
+
+    source = build_example_model()
+    dst = tmp_path / "out" / "dst"
+    rng = random.Random(SEED)
+
+    def command(*args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hfquant.cli", "convert", str(source), str(dst), "--no-progress", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+
+    first = command("--bits", "8", "--max-shard-size", "50MB")
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-2000:]
+    write_checksums(dst)
+    assert verify(dst).ok
+    before = _snapshot(dst)
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        process = command("--bits", "4", "--max-shard-size", "50MB", "--overwrite")
+        try:
+            deadline = time.monotonic() + 300
+            while not any(p.name.startswith(".dst.tmp-") for p in dst.parent.iterdir()):
+                assert process.poll() is None, process.communicate()
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 2.0))
+            os.killpg(process.pid, sig)
+            _, stderr = process.communicate(timeout=300)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+        assert process.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL), stderr[-2000:]
+        assert _snapshot(dst) == before
+        result = verify(dst)
+        assert result.ok and result.checksums == len(json.loads((dst / "hfquant.sha256.json").read_text())["files"])
+        leftovers = [p.name for p in dst.parent.iterdir() if p.name != "dst"]
+        assert leftovers == [] if sig == signal.SIGINT else all(n.startswith(".dst.") for n in leftovers)
+    rerun = command("--bits", "4", "--max-shard-size", "50MB", "--overwrite")
+    _, stderr = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, stderr[-2000:]
+    assert verify(dst).ok and json.loads((dst / "config.json").read_text())["quantization_config"]["bits"] == 4
