@@ -16,10 +16,10 @@ device_map="cpu", quantization_config=...)`` and measures, in this order:
 - ``tensor_bytes``: :func:`hfquant.memory.tensor_bytes` of the parameters and buffers, plus the quantization state
   tensors bitsandbytes hangs on its parameters (``SCB``, ``quant_state``), which are neither;
 - ``weight_read_bytes``: bytes read from weights per decoded token, see :func:`weight_bytes_per_token`;
-- ``prefill_ms``: median of 3 forward passes over 512 tokens (batch 1, ``use_cache=True``, ``logits_to_keep=1``
-  as in ``generate``'s prefill), after one untimed pass;
 - ``decode_tok_s``: :func:`hfquant.evaluation.decode_tokens_per_second` (batch 1, 64 greedy tokens, warm-up, best
   of 3, prefill excluded);
+- ``prefill_ms``: median of 3 forward passes over 512 tokens (batch 1, ``use_cache=True``, ``logits_to_keep=1``
+  as in ``generate``'s prefill), after one untimed pass;
 - ``perplexity`` (real workload): :func:`hfquant.evaluation.perplexity` on :func:`hfquant.evaluation.reference_text`;
 - ``files_bytes``: ``*.safetensors`` bytes written by ``save_pretrained`` (deleted afterwards unless
   ``--keep-saved``); ``files_note`` says why when the method cannot save.
@@ -30,8 +30,12 @@ dynamic=False)`` (inductor, default mode; transformers' own auto-compile only ru
 full-length ``generate`` compiles prefill and decode graphs (``compile_s``), then the same decode measurement runs
 without its short warm-up (a different cache length would recompile).
 
-The parent process measures the memory bandwidth (:func:`memory_bandwidth`) at the start and at the end of the
-run; the decode bound of a row is ``max(read bandwidth) / weight_read_bytes`` tokens/s, and ``bound_pct`` is the
+The worker rewrites its result file after every step, so a step that fails or a timeout keeps the numbers
+measured before it (the row then shows them with the error).
+
+The parent process measures the memory bandwidth (:func:`memory_bandwidth`) before each workload and at the end
+of the run, and reads every checkpoint file once before its first method so that all methods load from the page
+cache; the decode bound of a row is ``max(read bandwidth) / weight_read_bytes`` tokens/s, and ``bound_pct`` is the
 share of it that ``decode_tok_s`` reaches.  Ratios in the table are against the bf16 row of the same workload and
 run.  A peer that is not installed is a row saying so; a method that fails shows its error in its row.
 """
@@ -260,8 +264,10 @@ def _save_size(model, target: Path, keep: bool) -> tuple[int | None, str | None]
 # ----------------------------------------------------------------------------- worker (child process)
 
 
-def _measure(args, result: dict) -> None:
-    """Fill ``result`` step by step, so a late failure keeps the earlier numbers."""
+def _measure(args, result: dict, save_result) -> None:
+    """Fill ``result`` step by step, calling ``save_result()`` after each, so that a failure or a timeout keeps
+    the numbers measured before it.  Decode comes before prefill: it is the headline number, and a slow peer's
+    512-token prefill passes are the likeliest to run out of time."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -290,16 +296,19 @@ def _measure(args, result: dict) -> None:
     model.eval()
     errors: dict[str, str] = {}
     result["step_errors"] = errors
+    n_decode = sizes["decode_tokens"]
+    result["decode_tokens"] = n_decode
+    save_result()
 
     def step(name, fn):
+        print(f"step {name} ...", flush=True)
         try:
             fn()
         except Exception as exc:  # keep measuring the other steps; the row shows the error
             traceback.print_exc()
             errors[name] = f"{type(exc).__name__}: {exc}"
+        save_result()
 
-    n_decode = sizes["decode_tokens"]
-    result["decode_tokens"] = n_decode
     if args.variant == "compile":
         model.generation_config.cache_implementation = "static"
         model.forward = torch.compile(model.forward, dynamic=False)
@@ -315,15 +324,14 @@ def _measure(args, result: dict) -> None:
         step("decode", compiled_decode)
         return
 
-    result["prefill_tokens"] = prefill_ids.shape[1]
-
-    def prefill():
-        result["prefill_ms"] = _prefill_ms(model, prefill_ids, sizes["prefill_repeats"])
-
     def decode():
         result["decode_tok_s"] = decode_tokens_per_second(
             model, tokenizer, DECODE_PROMPT, new_tokens=n_decode, repeats=sizes["decode_repeats"]
         )
+
+    def prefill():
+        result["prefill_tokens"] = prefill_ids.shape[1]
+        result["prefill_ms"] = _prefill_ms(model, prefill_ids, sizes["prefill_repeats"])
 
     def ppl():
         result["perplexity"] = perplexity(model, tokenizer, reference_text(), max_tokens=sizes["ppl_tokens"])
@@ -332,8 +340,8 @@ def _measure(args, result: dict) -> None:
         target = Path(args.out) / "saved" / f"{args.workload}-{args.method}"
         result["files_bytes"], result["files_note"] = _save_size(model, target, args.keep_saved)
 
-    step("prefill", prefill)
     step("decode", decode)
+    step("prefill", prefill)
     if args.workload != "1b":
         step("perplexity", ppl)
     step("save", files)
@@ -341,14 +349,21 @@ def _measure(args, result: dict) -> None:
 
 def _run_worker(args) -> int:
     result: dict = {}
+    path = Path(args.result)
+
+    def save_result():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, path)  # a timeout kill never leaves a half-written file
+
     rc = 0
     try:
-        _measure(args, result)
+        _measure(args, result, save_result)
     except BaseException as exc:  # report everything, including KeyboardInterrupt / SystemExit
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
         rc = 1
-    Path(args.result).write_text(json.dumps(result, indent=2))
+    save_result()
     return rc
 
 
@@ -393,7 +408,7 @@ def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
         except ValueError as exc:
             data = {"error": f"unreadable result file {result_file}: {exc}"}
     if rc is None:
-        data.setdefault("error", f"timed out after {args.timeout:g} s")
+        data.setdefault("error", f"timed out after {args.timeout:g} s (the numbers shown were measured before)")
     elif rc != 0 and "error" not in data:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         data["error"] = f"worker exited with status {rc}: {tail[0]}"
@@ -614,12 +629,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"python {meta['python']}, torch {meta['torch']}, transformers {meta['transformers']}, "
           f"{meta['threads']} threads, {meta['cpus']} CPUs, load average {meta['loadavg_start']}", flush=True)
-    bandwidth = [memory_bandwidth(sizes["bandwidth_mib"], sizes["bandwidth_repeats"])]
-    print(f"memory bandwidth: read {bandwidth[0]['read_gbs']:.1f} GB/s, copy {bandwidth[0]['copy_gbs']:.1f} GB/s",
-          flush=True)
+    bandwidth: list[dict] = []
+
+    def measure_bandwidth(when: str) -> None:
+        bandwidth.append(dict(memory_bandwidth(sizes["bandwidth_mib"], sizes["bandwidth_repeats"]), when=when))
+        print(f"memory bandwidth ({when}): read {bandwidth[-1]['read_gbs']:.1f} GB/s, "
+              f"copy {bandwidth[-1]['copy_gbs']:.1f} GB/s", flush=True)
 
     results: dict[str, dict] = {}
     for workload, model in workloads.items():
+        measure_bandwidth(f"before {workload}")
         _warm_page_cache(model)
         rows = []
         results[workload] = {"model": str(model), "rows": rows}
@@ -638,14 +657,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row['status']} in {row['wall_s']:.1f} s" + (f": {row['error']}" if row["error"] else ""),
                       flush=True)
 
-    bandwidth.append(memory_bandwidth(sizes["bandwidth_mib"], sizes["bandwidth_repeats"]))
+    measure_bandwidth("end")
     read_gbs = max(b["read_gbs"] for b in bandwidth)
     meta["loadavg_end"] = _loadavg()
     report = [
-        f"Memory bandwidth (float32 sum over {sizes['bandwidth_mib']} MiB, {meta['threads']} threads): read "
-        + " / ".join(f"{b['read_gbs']:.1f}" for b in bandwidth)
-        + " GB/s (start / end; the bound uses the higher), copy "
-        + " / ".join(f"{b['copy_gbs']:.1f}" for b in bandwidth) + " GB/s.",
+        f"Memory bandwidth (float32 sum / copy of {sizes['bandwidth_mib']} MiB, best of "
+        f"{sizes['bandwidth_repeats']}, {meta['threads']} threads), read: "
+        + ", ".join(f"{b['read_gbs']:.1f} ({b['when']})" for b in bandwidth)
+        + f" GB/s, the bound uses the highest, {read_gbs:.1f}; copy (read + written bytes): "
+        + ", ".join(f"{b['copy_gbs']:.1f}" for b in bandwidth) + " GB/s.",
         f"Load average (1/5/15 min): {meta['loadavg_start']} at the start, {meta['loadavg_end']} at the end, "
         f"{meta['cpus']} CPUs.",
     ]
