@@ -84,8 +84,17 @@ class QuantEmbedding(nn.Module):
             self.register_buffer(
                 "weight_zero_point", torch.empty((num_embeddings, n_groups), dtype=torch.uint8, device=device)
             )
-        # The tied lm_head whose kernel layout `weight` is, when `share_with` found one (not a submodule).
-        self._kernel_owner: QuantLinear | None = None
+        self.set_kernel_owner(None)
+
+    @property
+    def _kernel_owner(self) -> QuantLinear | None:
+        """The tied lm_head whose kernel layout `weight` is, when `share_with` found one (kept out of the submodules,
+        so that it adds no state_dict keys and is not visited twice)."""
+        return self.__dict__.get("_kernel_owner_")
+
+    def set_kernel_owner(self, head: QuantLinear | None) -> None:
+        """Read rows from `head`'s CPU int4 kernel layout (`weight` must be `head.weight`), or stop (None)."""
+        self.__dict__["_kernel_owner_"] = head  # not `self.x = module`: nn.Module would register it
 
     @property
     def source(self) -> nn.Module | None:
@@ -135,13 +144,13 @@ class QuantEmbedding(nn.Module):
         self.weight_zero_point = head.weight_zero_point
         if head.kernel == "int4pack_mm_cpu" and packing.cpu_int4_layout() is not None:
             self.weight = head.weight
-            self._kernel_owner = head
+            self.set_kernel_owner(head)
             return "kernel-layout"
         if head.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
-            self._kernel_owner = None
+            self.set_kernel_owner(None)
             return "copy"
         self.weight = head.weight
-        self._kernel_owner = None
+        self.set_kernel_owner(None)
         return "shared"
 
     def stored_weight(self) -> torch.Tensor:
@@ -158,7 +167,7 @@ class QuantEmbedding(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self._kernel_owner is not None:  # loading writes the stored layout: stop reading the kernel layout
             self.weight = self.stored_weight()
-            self._kernel_owner = None
+            self.set_kernel_owner(None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # -- compute ---------------------------------------------------------------------------------------------------

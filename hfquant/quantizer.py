@@ -400,7 +400,7 @@ class HfQuantQuantizer(HfQuantizer):
             if isinstance(target, QuantEmbedding) and target.weight.device == source.weight.device:
                 for name in _TENSOR_NAMES:
                     setattr(target, name, getattr(source, name))
-                target._kernel_owner = source._kernel_owner
+                target.set_kernel_owner(source._kernel_owner)
 
     def _requantize_disk_offloaded(self, model) -> None:
         """Write the quantized weight of every disk-offloaded `QuantLinear` / `QuantEmbedding` into the offload folder.
