@@ -54,6 +54,12 @@ INVALID_CONFIG = [
     ("format_version", 2, ValueError, ["format_version=2", "reads format version 1", "upgrade hfquant"]),
     ("format_version", "1", ValueError, ["format_version='1'", "upgrade hfquant"]),
     ("quant_method", "gptq", ValueError, ["quant_method='gptq'", "'hfquant'"]),
+    ("embedding_dtype", "int2", ValueError, ["embedding_dtype='int2'", "'int8'", "'int4'", "'auto'"]),
+    ("embedding_dtype", 8, TypeError, ["embedding_dtype", "8", "must be a string", "'int8'"]),
+    ("norm_dtype", "int8", ValueError, ["norm_dtype='int8'", "'float32'", "'auto'"]),
+    ("lm_head", "float", ValueError, ["lm_head='float'", "'keep'", "'int4'"]),
+    ("lm_head", None, TypeError, ["lm_head", "None", "must be a string"]),
+    ("compute_dtype", "fp16", ValueError, ["compute_dtype='fp16'", "'float16'", "'auto'"]),
     ("act_order", True, ValueError, ["'act_order'", "allowed fields", "'bits'"]),
 ]
 CONFIG_IDS = [f"{field}={value!r}" for field, value, _, _ in INVALID_CONFIG]
@@ -242,6 +248,13 @@ def test_other_quantization_method_in_the_checkpoint(float_checkpoint, tmp_path)
     _check(info, ValueError, ["quant_method='gptq'", "'hfquant'"])
     problems = verify(folder).problems
     assert any("quant_method='gptq'" in p and "another method" in p for p in problems)
+
+
+def test_tied_lm_head_and_embedding_asked_in_two_formats(float_checkpoint):
+    config = HfQuantConfig(bits=4, group_size=32, lm_head="int8", embedding_dtype="int4")
+    with pytest.raises(ValueError) as info:
+        auto_class("llama_tied").from_pretrained(float_checkpoint("llama_tied"), quantization_config=config)
+    _check(info, ValueError, ["lm_head='int8'", "embedding_dtype='int4'", "tied", "tie_word_embeddings=False"])
 
 
 # -- float weights that cannot be quantized -----------------------------------------------------------------------
