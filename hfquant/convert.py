@@ -8,7 +8,7 @@ paths agree on every layer. The skeleton's `state_dict()` then gives the name, d
 tensor before any weight is read. Source tensors are read one at a time (`safe_open(...).get_tensor`), cast to the
 load dtype, quantized with `linear.quantize_to_buffers` (Conv1D weights transposed first, as on load) and released;
 an output shard is written with `safetensors.torch.save_file` as soon as its tensors are complete. Peak memory is
-about one source tensor plus one output shard.
+about one source tensor plus twice one output shard (`save_file` serializes the shard to bytes before writing).
 
 The output equals `from_pretrained(src, quantization_config=config, dtype=dtype, device_map="cpu")` followed by
 `save_pretrained(dst, max_shard_size=...)`: same tensor names (in the checkpoint's original naming), dtypes, shapes
@@ -36,7 +36,10 @@ import torch
 
 from .config import HfQuantConfig
 
-__all__ = ["ConvertResult", "convert", "resolve_source", "load_skeleton", "checkpoint_tensor_files", "publish_folder"]
+__all__ = [
+    "ConvertResult", "convert", "resolve_source", "load_skeleton", "checkpoint_tensor_files", "open_safetensors",
+    "publish_folder",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,18 @@ def resolve_source(src: str | os.PathLike, revision: str | None = None) -> Path:
     return Path(folder)
 
 
+def open_safetensors(path: str | os.PathLike):
+    """`safe_open(path)`; a damaged or truncated file raises a ValueError naming it instead of SafetensorError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as error:
+        raise ValueError(
+            f"{path} is damaged or not a safetensors file ({error}); download or save the checkpoint again"
+        ) from None
+
+
 def checkpoint_tensor_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from `model.safetensors.index.json` or the single `model.safetensors`.
 
@@ -128,9 +143,7 @@ def checkpoint_tensor_files(folder: Path) -> dict[str, Path]:
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / SAFE_WEIGHTS_NAME
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as handle:
+        with open_safetensors(single) as handle:
             return {name: single for name in handle.keys()}
     others = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     hint = f" (found {others}; convert reads safetensors only: load it with from_pretrained and save_pretrained it)" if others else ""
@@ -139,10 +152,8 @@ def checkpoint_tensor_files(folder: Path) -> dict[str, Path]:
 
 def _source_dtype(files: dict[str, Path]) -> torch.dtype:
     """dtype of the first floating tensor of the checkpoint (what `dtype="auto"` picks when config.json has none)."""
-    from safetensors import safe_open
-
     for path in dict.fromkeys(files.values()):
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
                 if dtype is not None and dtype.is_floating_point:
@@ -390,12 +401,15 @@ _QUANTIZER_STATE: dict[str, Any] = {}  # "model": meta skeleton, "op": the quant
 
 def _read(path: str, key: str) -> torch.Tensor:
     """One tensor of a safetensors file (handles stay open in this process; `_close_handles` closes them)."""
+    from safetensors import SafetensorError
+
     handle = _HANDLES.get(path)
     if handle is None:
-        from safetensors import safe_open
-
-        handle = _HANDLES[path] = safe_open(path, framework="pt")
-    return handle.get_tensor(key)
+        handle = _HANDLES[path] = open_safetensors(path)
+    try:
+        return handle.get_tensor(key)
+    except SafetensorError as error:
+        raise ValueError(f"cannot read {key} from {path} ({error}); the file is damaged, download or save it again") from None
 
 
 def _close_handles() -> None:
@@ -408,9 +422,21 @@ def _use_quantizer(model, quantizer) -> None:
 
 def _run_job(job: _QuantJob) -> dict[str, torch.Tensor]:
     """Quantize one source tensor with the quantizer's own on-load op; returns {model key: stored tensor}."""
+    op = _QUANTIZER_STATE["op"]
     tensor = _read(job.path, job.source_key).to(getattr(torch, job.dtype))
-    result = _QUANTIZER_STATE["op"].convert({job.model_key: tensor}, model=_QUANTIZER_STATE["model"])
+    try:
+        result = op.convert({job.model_key: tensor}, model=_QUANTIZER_STATE["model"])
+        # the on-load op may record a refused tensor (NaN/Inf weights) instead of raising; it is raised here by name
+        failure = getattr(op.hf_quantizer, "failed_tensors", {}).pop(job.model_key, None)
+    except ValueError as error:
+        failure = str(error)
     del tensor
+    if failure is not None:
+        module = job.model_key.rpartition(".")[0]
+        raise ValueError(
+            f"cannot quantize {job.source_key} of {Path(job.path).name}: {failure} Repair the float checkpoint, or "
+            f"keep the layer in float with modules_to_not_convert=[{module!r}] (--modules-to-not-convert {module})"
+        )
     return result
 
 
@@ -467,6 +493,7 @@ def _write_weights(outputs: list[_Output], split, folder: Path, workers: int, wo
 
     A job's results are kept until all its tensors are written (a layer's buffers may straddle two shards).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -506,7 +533,11 @@ def _write_weights(outputs: list[_Output], split, folder: Path, workers: int, wo
                     )
                 tensors[name] = tensor.contiguous()
                 written += tensor.numel() * tensor.element_size()
-            save_file(tensors, str(folder / filename), metadata={"format": "pt"})
+            try:
+                save_file(tensors, str(folder / filename), metadata={"format": "pt"})
+            except SafetensorError as error:
+                raise OSError(f"writing the shard {filename} failed ({error}); DST was not touched, free some space "
+                              "and run again") from None
             del tensors
     finally:
         results.close()
@@ -569,7 +600,7 @@ def convert(
     dst: str | os.PathLike,
     config: HfQuantConfig,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = "2GB",
     dtype: str | torch.dtype = "auto",
     workers: int = 0,
     overwrite: bool = False,
@@ -605,6 +636,11 @@ def convert(
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
+    if dst.is_file():
+        raise FileExistsError(f"DST {dst} is a file, not a checkpoint folder; pass the path of a folder to write")
+    parent = next((p for p in dst.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise NotADirectoryError(f"{parent} is a file, so DST {dst} cannot be created under it; pass a folder path")
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
     if workers < 0:

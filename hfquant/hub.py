@@ -165,6 +165,10 @@ def push_folder(
         )
     except failures as error:
         raise HubError(_explain(error, repo_id, action, api.endpoint)) from error
+    except RuntimeError as error:  # huggingface_hub wraps a failed LFS upload: "Error while uploading 'x' to the Hub."
+        if not isinstance(error.__cause__, failures):
+            raise
+        raise HubError(f"{error} {_explain(error.__cause__, repo_id, action, api.endpoint)}") from error
     logger.info("pushed %d files to %s: %s", len(operations), repo_id, info.commit_url)
     return info
 

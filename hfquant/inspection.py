@@ -45,14 +45,12 @@ def human_bytes(n: float) -> str:
 
 def _read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
     """{tensor name: (safetensors dtype, shape)} from every shard's header, and the files' total size in bytes."""
-    from safetensors import safe_open
-
-    from .convert import checkpoint_tensor_files
+    from .convert import checkpoint_tensor_files, open_safetensors
 
     files = checkpoint_tensor_files(folder)
     tensors = {}
     for path in dict.fromkeys(files.values()):
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 piece = handle.get_slice(name)
                 tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))

@@ -12,8 +12,8 @@ Endpoints (as in huggingface_hub/hf_api.py, _commit_api.py and lfs.py):
   POST /api/models/{repo}/commit/{rev}              -> NDJSON: header, then "file" (base64) and "lfsFile" lines
 
 Large files go through LFS only when the client does not use Xet: tests set HF_HUB_DISABLE_XET=1.
-`server.fail[kind] = status` makes the next requests of that kind ("create", "branch", "preupload", "lfs",
-"commit", "info") answer `status` with a JSON error, as the Hub does. The server listens on 127.0.0.1 only, rejects
+`server.fail[kind] = status` makes the next requests of that kind ("create", "branch", "preupload", "lfs" (the
+batch call), "lfs-upload" (the PUT), "commit", "info") answer `status` with a JSON error, as the Hub does. The server listens on 127.0.0.1 only, rejects
 bodies above `max_body` bytes, serves at most `max_requests` requests, and shuts itself down after `lifetime` seconds.
 """
 
@@ -116,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not match:
             self._json(404, {"error": f"no route {self.path}"})
             return
-        if self._fail("lfs"):
+        if self._fail("lfs-upload"):
             return
         if hashlib.sha256(body).hexdigest() != match.group(1):
             self._json(400, {"error": "sha256 mismatch"})

@@ -93,6 +93,7 @@ def test_handwritten_readme_is_uploaded_unchanged(hub, folder, tmp_path):
     ("commit", 401, r"commit \d+ files to me/x.*401.*HF_TOKEN"),
     ("preupload", 404, r"me/x was not found \(404"),
     ("commit", 500, r"500 \(server error\).*nothing was committed, try again later"),
+    ("lfs-upload", 403, r"Error while uploading 'model-0000\d-of-00003.safetensors'.*403 Forbidden.*write access"),
 ])
 def test_server_errors_become_clear_messages(hub, folder, kind, status, message):
     hub.state.fail[kind] = status
