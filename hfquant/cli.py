@@ -139,12 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                      help="load dtype, as from_pretrained(dtype=...): float tensors are stored in it and weights are "
                      "cast to it before quantizing; auto = config.json's dtype, else the checkpoint's (default auto)")
-    out.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                     help="largest output shard, e.g. 500MB or 2GB; memory peaks near one source tensor plus one "
-                     "shard (default 5GB)")
+    out.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+                     help="largest output shard, e.g. 500MB or 5GB. Memory peaks near one source tensor plus twice "
+                     "one shard (safetensors copies a shard to bytes as it writes it) (default 2GB)")
     out.add_argument("--workers", type=int, default=0, metavar="N",
-                     help="quantize in N worker processes of one torch thread each instead of this process "
-                     "(default 0: this process, all torch threads)")
+                     help="quantize in N worker processes of one torch thread each, overlapped with the reading and "
+                     "writing done here; each process costs about 400 MB for its own torch and skeleton "
+                     "(default 0: quantize in this process with all torch threads)")
     out.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
     out.add_argument("--revision", default=None,
                      help="branch, tag or commit of SRC when it is a Hub repo id (default main)")

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one option set, as hfquant convert's quantization options; repeat for several "
                         "(default: --bits 8 and --bits 4)")
     parser.add_argument("--out-dir", type=Path, default=Path("out/batch"), help="where the outputs go (default out/batch)")
-    parser.add_argument("--max-shard-size", default="5GB", help="as hfquant convert (default 5GB)")
+    parser.add_argument("--max-shard-size", default="2GB", help="as hfquant convert (default 2GB)")
     parser.add_argument("--workers", type=int, default=0, help="as hfquant convert (default 0)")
     parser.add_argument("--overwrite", action="store_true",
                         help="convert again when an output exists (default: keep it and only measure it)")

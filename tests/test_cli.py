@@ -125,3 +125,44 @@ def test_eval_records_results_in_the_card(llama_with_tokenizer, tmp_path, capsys
     assert abs(quantized / baseline - 1) < 0.01
     card = (out / "README.md").read_text()
     assert f"| this model (hfquant int8) | {quantized:.3f} |" in card
+
+
+@pytest.mark.slow
+def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
+    """convert, inspect, eval and push on the real SmolLM2, each through the installed command."""
+    import os
+
+    from hfquant.example_model import build_example_model
+
+    try:
+        from hub_server import HubServer
+    except ImportError:  # tests/ imported as a package
+        from tests.hub_server import HubServer
+
+    src = build_example_model()
+    hfquant = [sys.executable, "-m", "hfquant.cli"]
+
+    def user(*args: str, env=None) -> str:
+        result = subprocess.run([*hfquant, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    out = user("convert", str(src), "SmolLM2-int4", "--bits", "4", "--group-size", "128",
+               "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--no-progress")
+    assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
+    report = user("inspect", "SmolLM2-int4")
+    assert "model.layers.*.mlp.down_proj        30     4    128" in report  # K=1536: the asked group
+    assert "model.layers.*.self_attn.q_proj     30     4     64" in report  # K=576: the largest power of two dividing it
+    assert "lm_head: tied to model.embed_tokens.weight" in report
+    measured = user("eval", "SmolLM2-int4", "--max-tokens", "128", "--max-length", "64", "--new-tokens", "3",
+                    "--repeats", "1")  # the --baseline path is tested on the tiny model
+    assert "this model (hfquant int4)" in measured
+    card = (tmp_path / "SmolLM2-int4" / "README.md").read_text()
+    assert "| this model (hfquant int4) |" in card and "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    with HubServer(lifetime=300, max_body=512 * 2**20) as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test_token", "HF_HUB_DISABLE_XET": "1"}
+        user("push", "SmolLM2-int4", "me/SmolLM2-135M-Instruct-hfquant-int4", "--private", env=env)
+        remote = hub.state.files("me/SmolLM2-135M-Instruct-hfquant-int4")
+    local = tmp_path / "SmolLM2-int4"
+    assert sorted(remote) == sorted(p.name for p in local.iterdir())
+    assert remote["model.safetensors"] == (local / "model.safetensors").read_bytes()

@@ -209,3 +209,66 @@ def test_repo_id_source_offline_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a folder"):
         resolve_source("./nothing-here")
+
+
+_MEASURED_CONVERT = """
+import json, sys
+import hfquant, safetensors.torch, transformers.core_model_loading  # imported before the baseline is taken
+from hfquant.convert import convert
+from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib
+src, dst, shard = sys.argv[1:4]
+before = rss_mib()
+reset_peak_rss()
+result = convert(src, dst, hfquant.HfQuantConfig(bits=4), max_shard_size=shard, progress=False)
+print(json.dumps({"growth_mib": peak_rss_mib() - before, "seconds": result.seconds}))
+"""
+
+
+@pytest.mark.slow
+def test_smollm2_identical_to_on_load_with_bounded_memory(tmp_path):
+    """The real SmolLM2: same files as on load + save_pretrained; peak RSS growth far below the float model."""
+    import subprocess
+    import sys
+
+    from hfquant.example_model import build_example_model
+
+    src = build_example_model()
+    shard = "50MB"
+    result = subprocess.run([sys.executable, "-c", _MEASURED_CONVERT, str(src), str(tmp_path / "converted"), shard],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    kwargs = dict(quantization_config=HfQuantConfig(bits=4), dtype=torch.bfloat16, device_map="cpu")
+    auto_class("llama").from_pretrained(src, **kwargs).save_pretrained(tmp_path / "on-load", max_shard_size=shard)
+    assert_same_checkpoint(tmp_path / "on-load", tmp_path / "converted")
+
+    mib = 2**20
+    source = read_tensors(src)
+    largest = max(t.numel() * t.element_size() for t in source.values()) / mib
+    float_model = sum(t.numel() * t.element_size() for t in source.values()) / mib
+    # one source tensor, plus the shard being written twice over (save_file serializes it to bytes), plus slack
+    bound = largest + 2 * max(50e6 / mib, largest) + 32
+    assert measured["growth_mib"] < bound, measured
+    assert measured["growth_mib"] < 0.75 * float_model, measured
+
+
+def test_unusable_weights_and_paths_are_named(float_checkpoint, tmp_path):
+    """A NaN weight names the tensor and the way out; a DST that is a file, or under a file, says so."""
+    src = tmp_path / "nan-src"
+    src.mkdir()
+    original = float_checkpoint("llama")
+    (src / "config.json").write_text((original / "config.json").read_text())
+    tensors = load_file(original / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*NaN.*modules_to_not_convert"):
+        convert(src, tmp_path / "out", HfQuantConfig(bits=8), progress=False)
+    assert not (tmp_path / "out").exists()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match="is a file"):
+            convert(original, a_file, HfQuantConfig(bits=8), overwrite=overwrite, progress=False)
+    with pytest.raises(NotADirectoryError, match="notes.txt is a file"):
+        convert(original, a_file / "dst", HfQuantConfig(bits=8), progress=False)
+    assert a_file.read_text() == "x"
