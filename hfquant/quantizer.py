@@ -108,20 +108,25 @@ class HfQuantQuantize(ConversionOps):
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, list) else value
             module, tensor_name = get_module_from_name(model, key)
-            if isinstance(module, (QuantLinear, QuantEmbedding)) and tensor_name == "weight":
-                if getattr(module, "transposed_source", False):
-                    tensor = tensor.t()
-                prefix = key[: -len("weight")]
-                buffers = quantize_to_buffers(tensor, module.bits, module.group_size, module.symmetric)
-                result.update({prefix + name: buffer for name, buffer in buffers.items()})
-            elif isinstance(module, QuantExperts) and tensor_name in module.shapes:
-                buffers = quantize_experts_tensor(
-                    tensor, module.bits, module.group_sizes[tensor_name], module.symmetric
-                )
-                result.update({key + suffix: buffer for suffix, buffer in buffers.items()})
-            else:
-                result[key] = tensor
-                continue
+            try:
+                if isinstance(module, (QuantLinear, QuantEmbedding)) and tensor_name == "weight":
+                    if getattr(module, "transposed_source", False):
+                        tensor = tensor.t()
+                    prefix = key[: -len("weight")]
+                    buffers = quantize_to_buffers(tensor, module.bits, module.group_size, module.symmetric)
+                    result.update({prefix + name: buffer for name, buffer in buffers.items()})
+                elif isinstance(module, QuantExperts) and tensor_name in module.shapes:
+                    buffers = quantize_experts_tensor(
+                        tensor, module.bits, module.group_sizes[tensor_name], module.symmetric
+                    )
+                    result.update({key + suffix: buffer for suffix, buffer in buffers.items()})
+                else:
+                    result[key] = tensor
+                    continue
+            except ValueError as error:
+                # transformers would swallow this into a generic RuntimeError: remember it, raise it by name
+                # once loading is over (`_process_model_after_weight_loading`).
+                self.hf_quantizer.failed_tensors[key] = str(error)
             del tensor, value
             release_checkpoint_pages()
         return result
@@ -140,6 +145,7 @@ class HfQuantQuantizer(HfQuantizer):
     def __init__(self, quantization_config: HfQuantConfig, **kwargs):
         super().__init__(copy.deepcopy(quantization_config), **kwargs)
         self.layer_plans = []
+        self.failed_tensors: dict[str, str] = {}  # checkpoint key -> why quantizing it failed
         self.compute_dtype: torch.dtype | None = None
         self.ties: list[tuple[str, str]] = []  # (module reading the tensors, module holding them), after loading
         self.adapters: dict[str, tuple[torch.dtype, bool]] = {}  # module -> (storage dtype, cast its float inputs)
@@ -351,6 +357,14 @@ class HfQuantQuantizer(HfQuantizer):
     # -- after loading ------------------------------------------------------------------------------------------
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.failed_tensors:
+            key, message = next(iter(self.failed_tensors.items()))
+            module = key.rsplit(".", 1)[0]
+            raise ValueError(
+                f"hfquant could not quantize {key}: {message} ({len(self.failed_tensors)} tensor(s) failed: "
+                f"{sorted(self.failed_tensors)}). Fix those weights in the checkpoint, or keep the module in float "
+                f"with HfQuantConfig(modules_to_not_convert=[{module!r}])."
+            )
         dtype = self.compute_dtype or (model.dtype if model.dtype.is_floating_point else None)
         self._tie_buffers(model)
         counts: dict[str, int] = {}

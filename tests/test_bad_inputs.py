@@ -272,12 +272,6 @@ def test_nan_or_inf_weight_is_refused_by_the_math(value):
             QuantLinear.from_float(weight, None, bits, 32, symmetric)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quantize-on-load of a weight holding NaN raises transformers' RuntimeError 'We encountered some issues "
-    "during automatic conversion of the weights' (rtn's ValueError only appears in the logged load report); "
-    "expected a ValueError naming the tensor and NaN/Inf",
-)
 def test_nan_weight_when_quantizing_on_load_names_the_tensor(float_checkpoint, tmp_path):
     folder = tmp_path / "nan"
     shutil.copytree(float_checkpoint("llama"), folder)
@@ -289,14 +283,15 @@ def test_nan_weight_when_quantizing_on_load_names_the_tensor(float_checkpoint, t
 
 
 def test_nan_weight_when_quantizing_on_load_fails(float_checkpoint, tmp_path):
-    """What the user sees today (see the xfail above): a RuntimeError, and the report naming the tensor."""
+    """Inf instead of NaN: the same ValueError naming the tensor, and the checkpoint is left untouched."""
     folder = tmp_path / "nan"
     shutil.copytree(float_checkpoint("llama"), folder)
     key = "model.layers.1.self_attn.k_proj.weight"
     _rewrite(folder / "model.safetensors", key, lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"))))
     before = _snapshot(folder)
-    with pytest.raises(RuntimeError, match="conversion of the weights"):
+    with pytest.raises(ValueError) as info:
         _load(folder, quantization_config=HfQuantConfig(bits=4, group_size=32))
+    _check(info, ValueError, [key, "Inf", "modules_to_not_convert"])
     assert _snapshot(folder) == before
 
 
@@ -456,11 +451,6 @@ def test_convert_nan_weight_fails_and_leaves_nothing(float_copy, tmp_path):
     assert _siblings(out) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="convert passes rtn's ValueError 'cannot quantize a weight that contains NaN or Inf values' through without "
-    "the name of the tensor (or the fix: repair the float checkpoint, or keep the layer in modules_to_not_convert)",
-)
 def test_convert_nan_weight_names_the_tensor(float_copy, tmp_path):
     src = float_copy()
     key = _nan_source(src)
