@@ -29,7 +29,8 @@ class HubError(RuntimeError):
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [OSError]
+    """Network failures: the HTTP client's transport errors (httpx2 for huggingface_hub 2.x) and the OS's."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
     for module in ("httpx2", "httpx"):
         try:
             errors.append(__import__(module).TransportError)
