@@ -246,8 +246,6 @@ def test_gpt2_small_footprint_below_bitsandbytes(gpt2_small):
     results = {"fp32": 2 * fp16, "fp16": fp16}
     for name, dtype, kwargs in [
         ("int8, fp16 embeddings and norms", torch.float16, dict(bits=8)),
-        ("int8, fp16 embeddings and norms, fp32 compute", torch.float32,
-         dict(bits=8, embedding_dtype="float16", norm_dtype="float16")),
         ("int8 embeddings + int4 layers", torch.float16, dict(bits=4, embedding_dtype="int8")),
     ]:
         model = AutoModelForCausalLM.from_pretrained(
