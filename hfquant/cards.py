@@ -142,8 +142,10 @@ def build_card(
         granularity = "one scale per output channel"
     else:
         granularity = f"groups of {qconfig['group_size']} inputs per scale"
-        if groups != [qconfig["group_size"]]:
-            granularity += f" (layers whose width it does not divide use {', '.join(map(str, groups))})"
+        fallback = [g for g in groups if g != qconfig["group_size"]]
+        if fallback:
+            granularity += (f" ({' or '.join(map(str, fallback))} in the layers whose input width "
+                            f"{qconfig['group_size']} does not divide)")
     symmetric = all(row["symmetric"] for row in report["quantized"])
     architecture = report["architecture"]
     carried = {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
