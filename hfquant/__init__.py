@@ -6,11 +6,22 @@ and `from_pretrained(saved_path)` reloads a saved quantized checkpoint.
 """
 
 from .config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
+from .embedding import QuantEmbedding
+from .experts import QuantExperts
 from .linear import QuantLinear
 from .registration import register
 from .quantizer import HfQuantQuantizer
 
-__all__ = ["FORMAT_VERSION", "QUANT_METHOD", "HfQuantConfig", "HfQuantQuantizer", "QuantLinear", "register"]
+__all__ = [
+    "FORMAT_VERSION",
+    "QUANT_METHOD",
+    "HfQuantConfig",
+    "HfQuantQuantizer",
+    "QuantEmbedding",
+    "QuantExperts",
+    "QuantLinear",
+    "register",
+]
 __version__ = "0.1.0"
 
 register()

@@ -56,7 +56,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int4`: (N, K // 2) uint8 -> (N, K) uint8 codes in [0, 15]."""
     if _LITTLE_ENDIAN and packed.numel():
-        wide = packed.to(torch.int16)
+        wide = packed.contiguous().to(torch.int16)
         pairs = (wide & 0x0F) | ((wide >> 4) << 8)  # little-endian bytes: c_even, c_odd
         return pairs.view(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     low = packed & 0x0F

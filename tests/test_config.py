@@ -8,7 +8,10 @@ import pytest
 
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig, validate_config_values
 
-FIELDS = {"quant_method", "bits", "group_size", "symmetric", "modules_to_not_convert", "format_version"}
+FIELDS = {
+    "quant_method", "bits", "group_size", "symmetric", "modules_to_not_convert", "format_version",
+    "embedding_dtype", "norm_dtype", "lm_head", "compute_dtype",
+}
 
 # (field, bad value, error type the docstring promises: TypeError for a wrong type, ValueError for a wrong value)
 INVALID = [

@@ -142,11 +142,6 @@ def test_pack_unpack_identity(rows, half, seed, transpose):
     assert torch.equal(pack_int4(unpack_int4(raw)), raw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="packing.unpack_int4 views an int16 copy of its input as uint8, which fails on a non-contiguous input "
-    "(RuntimeError: self.stride(-1) must be 1 to view Short as Byte); it should unpack it like a contiguous one",
-)
 def test_unpack_non_contiguous():
     codes = torch.randint(0, 16, (4, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed = pack_int4(codes)
