@@ -49,6 +49,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,14 @@ QUICK = {"prefill_tokens": 32, "prefill_repeats": 1, "decode_tokens": 8, "decode
 # ----------------------------------------------------------------------------- measurements
 
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` (dotted names too, e.g. ``optimum.quanto``) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
 def quantization_config(method: str):
     """The ``quantization_config`` argument of ``from_pretrained`` for ``method`` (None for bf16).
 
@@ -116,7 +125,7 @@ def quantization_config(method: str):
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose from {', '.join(METHODS)}")
     requires = METHODS[method][0]
-    if requires is not None and importlib.util.find_spec(requires.split(".")[0]) is None:
+    if requires is not None and not _installed(requires):
         raise ImportError(f"{method} needs {requires}, which is not installed: {PIP_HINT}")
     if method == "bf16":
         return None
@@ -397,10 +406,16 @@ def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     with open(log, "w") as fh:
+        # Own process group, so that a timeout also ends what the worker started (e.g. inductor compile workers).
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout, env=env).returncode
+            rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             rc = None
+        finally:
+            if proc.poll() is None:  # timed out, or this process is being interrupted
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     data: dict = {}
     if result_file.is_file():
         try:
@@ -647,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             requires = METHODS[method][0]
             for variant in variants:
                 label = f"[{workload}] {method}" + (" +compile" if variant == "compile" else "")
-                if requires is not None and importlib.util.find_spec(requires.split(".")[0]) is None:
+                if requires is not None and not _installed(requires):
                     rows.append(_row(method, variant, status="missing", error=f"{requires} ({PIP_HINT})"))
                     print(f"{label}: {requires} not installed", flush=True)
                     continue

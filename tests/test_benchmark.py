@@ -29,7 +29,7 @@ def quick_run(tiny_checkpoint, tmp_path_factory):
     """One --quick run of bf16 and hfquant-int4 plus a peer whose module cannot be found."""
     out = tmp_path_factory.mktemp("bench")
     patch = pytest.MonkeyPatch()
-    patch.setitem(benchmark.METHODS, "absent-peer", ("hfquant_no_such_peer_module", "simulated missing peer"))
+    patch.setitem(benchmark.METHODS, "absent-peer", ("hfquant_no_such_peer.module", "simulated missing peer"))
     try:
         rc = benchmark.main(
             ["--model", str(tiny_checkpoint), "--quick", "--methods", "bf16,hfquant-int4,absent-peer",
@@ -67,9 +67,9 @@ def test_missing_peer_is_a_row(quick_run):
     _, out, data = quick_run
     row = data["workloads"]["model"]["rows"][2]
     assert row["status"] == "missing"
-    assert "hfquant_no_such_peer_module" in row["error"] and "hfquant[bench]" in row["error"]
+    assert "hfquant_no_such_peer.module" in row["error"] and "hfquant[bench]" in row["error"]
     table = (out / "benchmark.md").read_text()
-    assert "| absent-peer | not installed: hfquant_no_such_peer_module" in table
+    assert "| absent-peer | not installed: hfquant_no_such_peer.module" in table
     assert "| hfquant-int4 | " in table and "x)" in table  # ratios against bf16
 
 
