@@ -6,7 +6,8 @@ quantized on load that would put the whole float checkpoint in RSS. After each w
 `release_checkpoint_pages()` asks the kernel to reclaim the resident pages of every mapped `.safetensors` file
 with `madvise(MADV_PAGEOUT)` (Linux >= 5.4). It only ever reclaims clean file pages (a page the process wrote
 to is anonymous memory and is left alone), so no data can be lost; a page that is read again is faulted back in
-from the file. Elsewhere it does nothing.
+from the file. Elsewhere it does nothing. Pages that another process maps too (the same checkpoint loaded by two
+processes at once) are shared and are not reclaimed: the peak-RSS bound holds for one loader at a time.
 """
 
 from __future__ import annotations
