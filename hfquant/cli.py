@@ -23,7 +23,9 @@ import json
 import logging
 import platform
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -397,15 +399,47 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("hfquant").setLevel(logging.INFO)
     from .hub import HubError
 
+    interrupted: list[int] = []
+    previous = _record_sigint(interrupted)
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, TypeError) as error:
-        parser.exit(2, f"hfquant: error: {error}\n")
-    except (OSError, HubError) as error:
-        parser.exit(1, f"hfquant: error: {error}\n")
     except KeyboardInterrupt:
-        parser.exit(130, "hfquant: interrupted (an unfinished DST is removed; an existing one is left as it was)\n")
+        parser.exit(130, _INTERRUPTED)
+    except Exception as error:
+        # Ctrl-C inside some C extensions (torch, safetensors) surfaces as another exception; it is still Ctrl-C
+        if interrupted:
+            parser.exit(130, _INTERRUPTED)
+        if isinstance(error, (ValueError, TypeError)):
+            parser.exit(2, f"hfquant: error: {error}\n")
+        if isinstance(error, (OSError, HubError)):
+            parser.exit(1, f"hfquant: error: {error}\n")
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return 2
+
+
+_INTERRUPTED = "hfquant: interrupted (an unfinished DST is removed; an existing one is left as it was)\n"
+
+
+def _record_sigint(received: list[int]):
+    """Replace the default SIGINT handler by one that raises KeyboardInterrupt as it does and also appends to
+    `received`, so that an exception a C extension made out of the interrupt is still reported as one (exit status
+    130). Returns the handler to restore, or None when nothing was changed (not the main thread, or a custom
+    handler is installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+
+    def handler(signum, frame):
+        received.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    return previous
 
 
 if __name__ == "__main__":

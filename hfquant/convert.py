@@ -15,8 +15,9 @@ The output equals `from_pretrained(src, quantization_config=config, dtype=dtype,
 and bytes, the same shards and index, the same `config.json`. Tokenizer, generation config and other small files
 are copied as they are, and a model card is written as `README.md` (`hfquant.cards`).
 
-Everything is written into a temporary folder beside `dst`, renamed to `dst` at the end; an interrupted or failed
-run leaves `dst` as it was.
+Everything is written into a temporary folder beside `dst`, with the sha256 sums of its weights, config and index
+(`hfquant.sha256.json`, checked by `hfquant verify`), and renamed to `dst` in one atomic step at the end
+(`hfquant.folders`); an interrupted or failed run leaves `dst` as it was.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -34,11 +34,12 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
+from . import folders
 from .config import HfQuantConfig
+from .verify import write_checksums
 
 __all__ = [
     "ConvertResult", "convert", "resolve_source", "load_skeleton", "checkpoint_tensor_files", "open_safetensors",
-    "publish_folder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -562,27 +563,6 @@ def _copy_small_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Rename the finished `tmp` to `dst`; with `overwrite`, an existing `dst` is moved aside first, then deleted.
-
-    Raises:
-        FileExistsError: `dst` exists and `overwrite` is False.
-    """
-    if not (dst.exists() or dst.is_symlink()):
-        os.replace(tmp, dst)
-        return
-    if not overwrite:
-        raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    os.replace(dst, old / dst.name)
-    try:
-        os.replace(tmp, dst)
-    except OSError:
-        os.replace(old / dst.name, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _save_config(model, folder: Path) -> None:
     """config.json as `save_pretrained` writes it: the model's dtype (of its first float parameter) and class stamped,
     `quantization_config` included."""
@@ -671,34 +651,32 @@ def convert(
     split = _shard_plan(outputs, max_shard_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        worker_args = (str(folder), str(load_dtype).removeprefix("torch."), config.to_dict())
-        written = _write_weights(outputs, split, tmp, workers, worker_args, progress)
-        if split.is_sharded:
-            index = {
-                "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                "weight_map": split.tensor_to_filename,
-            }
-            (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _save_config(model, tmp)
-        _copy_small_files(folder, tmp)
-        if card:
-            from .cards import write_card
+        with folders.temporary_folder(dst) as tmp:  # deleted at the end: unfinished, or the version replaced
+            worker_args = (str(folder), str(load_dtype).removeprefix("torch."), config.to_dict())
+            written = _write_weights(outputs, split, tmp, workers, worker_args, progress)
+            if split.is_sharded:
+                index = {
+                    "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+                    "weight_map": split.tensor_to_filename,
+                }
+                (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            _save_config(model, tmp)
+            _copy_small_files(folder, tmp)
+            if card:
+                from .cards import write_card
 
-            write_card(
-                tmp,
-                base_model=base_model if base_model is not None else _base_model_of(src, folder),
-                base_card=folder / "README.md",
-                name=dst.name,
-            )
-        tmp.chmod(0o755)
-        publish_folder(tmp, dst, overwrite)
+                write_card(
+                    tmp,
+                    base_model=base_model if base_model is not None else _base_model_of(src, folder),
+                    base_card=folder / "README.md",
+                    name=dst.name,
+                )
+            write_checksums(tmp)
+            folders.publish_folder(tmp, dst, overwrite)
     finally:
         _close_handles()
         _QUANTIZER_STATE.clear()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     quantized = len({out.job for out in outputs if out.job is not None})
     source_bytes = sum(p.stat().st_size for p in set(files.values()))
     result = ConvertResult(

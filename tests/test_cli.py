@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +86,42 @@ def test_errors_are_one_line_with_the_fix(argv, code, message, capsys, tmp_path,
     assert exit_info.value.code == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("made_into", [ValueError, OSError, RuntimeError])
+def test_ctrl_c_that_a_c_extension_turned_into_another_error_exits_130(made_into, capsys, monkeypatch, tmp_path):
+    """torch and safetensors sometimes catch the KeyboardInterrupt raised inside their C code and raise their own
+    error instead (seen: "ValueError: could not determine the shape of object type 'torch.storage.UntypedStorage'");
+    the command still reports an interruption, exit status 130, not a bad-input error."""
+    import hfquant.cli
+
+    def interrupted_inside_c_code(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10**6):
+                pass
+        except KeyboardInterrupt:
+            raise made_into("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+        raise AssertionError("SIGINT was not delivered")
+
+    monkeypatch.setitem(hfquant.cli._COMMANDS, "inspect", interrupted_inside_c_code)
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", str(tmp_path)])
+    assert exit.value.code == 130
+    assert capsys.readouterr().err.startswith("hfquant: interrupted")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_without_ctrl_c_keeps_its_exit_status(capsys, monkeypatch, tmp_path):
+    import hfquant.cli
+
+    def bad(args):
+        raise ValueError("bits=3 is not allowed")
+
+    monkeypatch.setitem(hfquant.cli._COMMANDS, "inspect", bad)
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", str(tmp_path)])
+    assert exit.value.code == 2 and capsys.readouterr().err == "hfquant: error: bits=3 is not allowed\n"
 
 
 def test_convert_as_a_user_then_refuse_to_overwrite(llama_with_tokenizer, tmp_path, capsys):

@@ -1,0 +1,195 @@
+"""Writing a folder so that readers see it whole or not at all: a hidden temporary folder beside the destination,
+published by one atomic rename, with Ctrl-C held back over the few steps that must not be cut in two.
+
+    with temporary_folder(dst) as tmp:       # .DST.tmp-XXXXXXXX beside DST, deleted when the block ends
+        ...write everything into tmp...
+        publish_folder(tmp, dst, overwrite)  # DST is now the new folder; with overwrite, tmp holds the old one
+
+On Linux the publishing rename is `renameat2(2)`: `RENAME_NOREPLACE` into an absent DST (a DST that appeared
+meanwhile, say from a second convert, is never replaced: `FileExistsError`), `RENAME_EXCHANGE` over an existing
+one (DST is the old complete version or the new complete version at every instant, even under SIGKILL). Where the
+call or the file system lacks them, the fallback is an existence check and `os.rename`, and for an overwrite two
+renames (DST moved aside, the new folder renamed in, the old one restored on any error or Ctrl-C); a SIGKILL
+between those two renames leaves DST absent with its previous version intact in `.DST.old-*/DST`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import secrets
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["deferred_sigint", "exchange", "publish_folder", "remove_folder", "rename_noreplace", "temporary_folder"]
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+"""errno values of renameat2 when the kernel or the file system does not offer a flag: use the fallback."""
+
+
+@contextlib.contextmanager
+def deferred_sigint() -> Iterator[None]:
+    """Hold back SIGINT (Ctrl-C) until the block ends, then deliver it: the previous handler runs (by default it raises
+    `KeyboardInterrupt` at the end of the block, never inside it).
+
+    Python runs signal handlers in the main thread only, so this works there; in another thread the block runs
+    unprotected (`signal.signal` cannot be called there). SIGKILL cannot be held back by anything.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[int, object]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signum, frame = received[0]
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def temporary_folder(dst: Path) -> Iterator[Path]:
+    """Create an empty hidden folder `.{dst.name}.tmp-XXXXXXXX` beside `dst` (mode 0755), yield it, and delete it
+    (or whatever `publish_folder` swapped into its place) when the block ends, however it ends.
+
+    The folder is registered for deletion in the same Ctrl-C-proof step that creates it, and deleted with Ctrl-C held
+    back, so no interrupt can leave it behind; only SIGKILL can (a rerun ignores such leftovers; they are hidden and named after `dst`).
+
+    Raises:
+        OSError: the parent folder is missing or not writable.
+    """
+    path = None
+    try:
+        with deferred_sigint():
+            path = _create_unique(dst)
+        yield path
+    finally:
+        with deferred_sigint():  # a second Ctrl-C must not cut the cleanup short
+            remove_folder(path)
+
+
+def _create_unique(dst: Path) -> Path:
+    """mkdir a new `.{dst.name}.tmp-XXXXXXXX` beside `dst` and return it."""
+    while True:
+        path = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
+        try:
+            path.mkdir(mode=0o755)
+        except FileExistsError:
+            continue
+        path.chmod(0o755)  # mkdir's mode is reduced by the umask; the published folder should look ordinary
+        return path
+
+
+def remove_folder(path: Path | None) -> None:
+    """Delete `path` (a folder, or a symlink that replaced a folder) if it exists; errors are ignored."""
+    if path is None:
+        return
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """`renameat2(src, dst, flags)`; False when unavailable or the file system lacks the flag, else True.
+
+    Raises:
+        OSError: any other failure (`FileExistsError` for `RENAME_NOREPLACE` onto an existing path).
+    """
+    function = getattr(_libc(), "renameat2", None)
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # no C library to load by that name (not a POSIX system)
+        return None
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename the folder `src` to the absent `dst`, atomically refusing to replace anything at `dst`.
+
+    Raises:
+        FileExistsError: `dst` exists (also when it appeared after any check the caller made).
+    """
+    try:
+        if _renameat2(src, dst, _RENAME_NOREPLACE):
+            return
+        if dst.exists() or dst.is_symlink():
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        os.rename(src, dst)  # fallback; an empty DST made just now would be replaced, a non-empty one is refused
+    except OSError as error:
+        if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(
+                f"{dst} exists: it appeared while this run was writing (another convert into the same DST finished "
+                "first?); nothing was replaced. Rerun with --overwrite (overwrite=True) to replace it"
+            ) from None
+        raise
+
+
+def exchange(src: Path, dst: Path) -> None:
+    """Swap the folders `src` and `dst` (both must exist): afterwards `dst` holds what `src` held and vice versa.
+
+    Atomic with `renameat2(RENAME_EXCHANGE)`; elsewhere two renames through `.{dst.name}.old-XXXXXXXX`, with the old
+    `dst` put back if the second fails or Ctrl-C arrives between them.
+
+    Raises:
+        FileNotFoundError: `dst` or `src` does not exist.
+        OSError: a rename failed; `dst` is as it was.
+    """
+    if _renameat2(src, dst, _RENAME_EXCHANGE):
+        return
+    aside = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
+    with deferred_sigint():
+        os.rename(dst, aside)
+        try:
+            os.rename(src, dst)
+        except BaseException:
+            os.rename(aside, dst)
+            raise
+        os.rename(aside, src)
+
+
+def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Make the finished folder `tmp` appear as `dst` in one step; Ctrl-C during the step is delivered after it.
+
+    An absent `dst` is created by an atomic rename that never replaces a `dst` appearing meanwhile. An existing
+    `dst` is replaced only with `overwrite`, by swapping: afterwards `tmp` holds the previous version, for the caller
+    to delete (`temporary_folder` does).
+
+    Raises:
+        FileExistsError: `dst` exists and `overwrite` is False, or it appeared during the run (the message says so).
+        OSError: the rename failed; `dst` is as it was.
+    """
+    with deferred_sigint():
+        if not overwrite or not (dst.exists() or dst.is_symlink()):
+            if not overwrite and (dst.exists() or dst.is_symlink()):
+                raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
+            try:
+                rename_noreplace(tmp, dst)
+                return
+            except FileExistsError:
+                if not overwrite:
+                    raise
+        exchange(tmp, dst)
