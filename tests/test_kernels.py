@@ -39,7 +39,7 @@ CASES = [
     ("dequant", 4, False, 32, 8, 64),  # N=8: not a multiple of 16
 ]
 CASE_IDS = [f"{kernel}-int{bits}-{'sym' if sym else 'asym'}-g{g}-N{n}-K{k}" for kernel, bits, sym, g, n, k in CASES]
-BATCH_SHAPES = [(1,), (4,), (17,), (2, 3)]
+BATCH_SHAPES = [(1,), (4,), (17,), (2, 3), (kernels.GEMM_MIN_ROWS,), (3, 13)]  # the last two: chunked float GEMM
 
 
 def _layer(bits: int, symmetric: bool, group: int, n: int, k: int, seed: int = 0):
@@ -133,6 +133,33 @@ def test_quantized_matmul_matches_the_dequantize_reference(case, dtype):
         limit = TOLERANCE[dtype] * exact.abs().max().item()
         assert (y.double() - reference.double()).abs().max().item() <= limit, (batch, kernel)
         assert (reference.double() - exact).abs().max().item() <= limit, (batch, "dequant")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "kernel, bits, symmetric, group, n, k",
+    [("int8pack_mm", 8, True, 128, 200, 128), ("int4pack_mm_cpu", 4, False, 32, 192, 128),
+     ("int4pack_mm_cpu", 4, True, 64, 320, 256)],
+)
+def test_many_rows_run_chunk_by_chunk_and_match_the_reference(monkeypatch, dtype, kernel, bits, symmetric, group, n, k):
+    """Prefill-sized inputs take the dequantize-a-chunk + float GEMM path; with a tiny chunk budget every 64 output
+    channels are one chunk, so a wrong column offset or block order shows. Also: no big activation makes float16
+    overflow (x @ q.T with |q| up to 127 would)."""
+    monkeypatch.setattr(kernels, "_GEMM_CHUNK_BYTES", 1)
+    qt, stored = _layer(bits, symmetric, group, n, k, seed=n)
+    weight, scale_zero = _runtime(kernel, qt, stored, k, dtype)
+    options = dict(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n)
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a))
+    for scale in (1.0, 300.0):
+        x = (torch.randn((kernels.GEMM_MIN_ROWS + 5, k), generator=torch.Generator().manual_seed(1)) * scale).to(dtype)
+        y = kernels.quantized_matmul(kernel, x, weight, qt.scale, qt.zero_point, scale_zero, **options)
+        reference = kernels.quantized_matmul("dequant", x, stored, qt.scale, qt.zero_point, None, **options)
+        assert torch.isfinite(y).all()
+        limit = TOLERANCE[dtype] * reference.double().abs().max().item()
+        assert (y.double() - reference.double()).abs().max().item() <= limit
+    assert calls == []  # the aten kernels were not called
 
 
 # ---------------------------------------------------------------------------------------------------------------
