@@ -90,7 +90,7 @@ WORKLOADS = ("real", "1b")
 ROW_KEYS = (
     "method", "variant", "status", "error", "load_s", "peak_rss_growth_mib", "tensor_bytes", "weight_read_bytes",
     "files_bytes", "files_note", "prefill_ms", "prefill_tokens", "decode_tok_s", "decode_tokens", "compile_s",
-    "perplexity", "bound_tok_s", "bound_pct", "step_errors", "wall_s", "log",
+    "perplexity", "quantize_gbs", "bound_tok_s", "bound_pct", "step_errors", "wall_s", "log",
 )
 PIP_HINT = "pip install 'hfquant[bench]'"
 DECODE_PROMPT = "The history of the Roman Empire begins"
@@ -152,6 +152,58 @@ def quantization_config(method: str):
     if method == "bnb-int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+QUANTIZE_SAMPLE_LAYERS = 2
+"""Decoder layers whose Linear weights the quantization-throughput step quantizes (all of them when fewer)."""
+
+
+def quantize_gb_per_s(method: str, checkpoint: Path, layers: int = QUANTIZE_SAMPLE_LAYERS) -> float | None:
+    """Quantization throughput of `method`'s RTN alone, in GB/s (10**9 bytes of bf16 weight per second, this
+    process's torch threads): the 2-D weights of the first `layers` decoder layers of `checkpoint` (names with
+    "layers.0.", "layers.1.", ...) are read into memory first, then each is quantized as the method does on load and
+    the time of that call alone is summed. hfquant: `linear.quantize_to_buffers` with the method's config (int4
+    packing included); torchao: `quantize_` on an `nn.Linear` holding the weight. None for other methods.
+    """
+    import torch
+    from safetensors import safe_open
+
+    if not method.startswith(("hfquant-", "torchao-")):
+        return None
+    config = quantization_config(method)
+    prefixes = tuple(f"layers.{i}." for i in range(layers))
+    weights = []
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            for key in handle.keys():
+                if key.endswith(".weight") and any(p in key for p in prefixes):
+                    tensor = handle.get_tensor(key)
+                    if tensor.dim() == 2:
+                        weights.append(tensor.to(torch.bfloat16).clone())
+    if not weights:
+        return None
+    seconds = 0.0
+    if method.startswith("hfquant-"):
+        from hfquant.linear import quantize_to_buffers
+        from hfquant.rtn import effective_group_size
+
+        for weight in weights:
+            group = effective_group_size(weight.shape[1], config.group_size, config.bits)
+            if group is None:
+                continue
+            t0 = time.perf_counter()
+            quantize_to_buffers(weight, config.bits, group, config.symmetric)
+            seconds += time.perf_counter() - t0
+    else:
+        from torchao.quantization import quantize_
+
+        for weight in weights:
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            t0 = time.perf_counter()
+            quantize_(linear, config.quant_type)
+            seconds += time.perf_counter() - t0
+    return sum(w.numel() * 2 for w in weights) / seconds / GB if seconds else None
 
 
 def _side_tensors(model) -> list:
@@ -349,8 +401,12 @@ def _measure(args, result: dict, save_result) -> None:
         target = Path(args.out) / "saved" / f"{args.workload}-{args.method}"
         result["files_bytes"], result["files_note"] = _save_size(model, target, args.keep_saved)
 
+    def quantize_speed():
+        result["quantize_gbs"] = quantize_gb_per_s(args.method, Path(args.model))
+
     step("decode", decode)
     step("prefill", prefill)
+    step("quantize", quantize_speed)
     if args.workload != "1b":
         step("perplexity", ppl)
     step("save", files)
@@ -472,6 +528,7 @@ def _fmt(value, base=None, digits: int = 1, scale: float = 1.0) -> str:
 # (header, key, digits, divisor for display, ratio against bf16)
 COLUMNS = (
     ("load s", "load_s", 2, 1, True),
+    ("quantize GB/s", "quantize_gbs", 2, 1, False),
     ("peak RSS growth MiB", "peak_rss_growth_mib", 0, 1, True),
     ("tensors MiB", "tensor_bytes", 0, MIB, True),
     ("files MiB", "files_bytes", 0, MIB, True),
@@ -481,6 +538,10 @@ COLUMNS = (
     ("% of bound", "bound_pct", 0, 1, False),
     ("perplexity", "perplexity", 3, 1, True),
 )
+
+_STEP_OF = {"prefill_ms": "prefill", "decode_tok_s": "decode", "perplexity": "perplexity", "files_bytes": "save",
+            "quantize_gbs": "quantize"}
+"""Column key -> the worker step that measures it (a failed step shows its error in that cell)."""
 
 # Cells shown in '+compile' rows; the others repeat the eager row's load measurements.
 COMPILE_KEYS = ("decode_tok_s", "bound_tok_s", "bound_pct")
@@ -507,9 +568,8 @@ def render_table(rows: list[dict]) -> str:
                     cells.append("")  # measured as in the eager row (kept in the JSON)
                 elif key == "files_bytes" and r.get("files_note"):
                     cells.append(_cell(r["files_note"]))
-                elif r.get("step_errors") and key in ("prefill_ms", "decode_tok_s", "perplexity", "files_bytes"):
-                    step = {"prefill_ms": "prefill", "decode_tok_s": "decode", "perplexity": "perplexity",
-                            "files_bytes": "save"}[key]
+                elif r.get("step_errors") and key in _STEP_OF:
+                    step = _STEP_OF[key]
                     err = r["step_errors"].get(step)
                     cells.append(f"**error:** {_cell(err)[:120]}" if err else _fmt(r.get(key), b, digits, scale))
                 else:
@@ -550,6 +610,8 @@ def check_targets(rows: list[dict]) -> list[dict]:
         if bf16 and ours.get("prefill_ms") and bf16.get("prefill_ms"):
             x = ours["prefill_ms"] / bf16["prefill_ms"]
             add(f"hfquant-int{bits} prefill time <= 1.2x bf16", x, 1.2, x <= 1.2)
+        if ours.get("quantize_gbs"):
+            add(f"hfquant-int{bits} RTN quantization >= 1.5 GB/s", ours["quantize_gbs"], 1.5, ours["quantize_gbs"] >= 1.5)
         if ours.get("peak_rss_growth_mib") is not None and ours.get("tensor_bytes"):
             limit = 1.05 * ours["tensor_bytes"] / MIB + 64
             add(f"hfquant-int{bits} peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)", ours["peak_rss_growth_mib"],
@@ -728,7 +790,9 @@ def _notes(sizes: dict) -> str:
         "token (all parameters, buffers and quantization state except the unshared input embedding table, of which "
         "one row; KV cache not counted). Peak RSS growth: VmHWM - RSS before from_pretrained; bf16 weights stay "
         "memory-mapped, so it can be below their size. Files: save_pretrained *.safetensors. +compile: static "
-        "cache, torch.compile(model.forward, dynamic=False)."
+        "cache, torch.compile(model.forward, dynamic=False). Quantize GB/s: bf16 bytes of the first "
+        f"{QUANTIZE_SAMPLE_LAYERS} decoder layers' weights quantized per second by the method's own quantization call "
+        "(hfquant: RTN and int4 packing; torchao: quantize_ on an nn.Linear), reading excluded."
     )
 
 

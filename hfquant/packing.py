@@ -49,7 +49,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
         # Each pair of bytes read as one little-endian int16 is c_even | c_odd << 8; folding the high byte down by
         # 4 bits gives c_even | c_odd << 4 in the low byte. Contiguous passes only, no strided slices.
         pairs = codes.view(torch.int16)
-        return ((pairs | (pairs >> 4)) & 0xFF).to(torch.uint8)
+        return (pairs | (pairs >> 4)).to(torch.uint8)  # the integer cast keeps the low byte
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 

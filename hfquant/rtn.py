@@ -108,13 +108,14 @@ def compute_scale_zero_point(
         ValueError: the weight holds NaN or Inf (no meaningful scale exists).
     """
     qmin, qmax = qrange(bits, symmetric)
-    low, high = torch.aminmax(groups, dim=-1)
+    # amax and amin separately: torch.aminmax over a short inner dimension is ~10x slower on CPU (torch 2.13)
+    low, high = groups.amin(dim=-1).float(), groups.amax(dim=-1).float()
     if symmetric:
-        scale = torch.maximum(low.float().abs(), high.float().abs()) / qmax
+        scale = torch.maximum(low.abs(), high.abs()) / qmax
     else:
-        low = low.float().clamp_(max=0)
+        low = low.clamp_(max=0)
         # hi/n - lo/n rather than (hi - lo)/n: the difference of two finite float32 values can overflow.
-        scale = high.float().clamp_(min=0) / (qmax - qmin) - low / (qmax - qmin)
+        scale = high.clamp_(min=0) / (qmax - qmin) - low / (qmax - qmin)
     if not torch.isfinite(scale).all():
         raise ValueError("cannot quantize a weight that contains NaN or Inf values")
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -200,6 +201,9 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, symmetric:
         groups = weight[rows].reshape(-1, n_groups, group_size)
         if not groups.is_floating_point():
             raise ValueError(f"expected a float weight, got {weight.dtype}")
+        # one float32 copy of the chunk (exact): the reductions and addcdiv below then run vectorized, without
+        # converting bf16/fp16 element by element in each of them
+        groups = groups.float()
         scale, zero_point = compute_scale_zero_point(groups, bits, symmetric)
         q_out[rows] = codes_for_groups(groups, scale, zero_point, bits, symmetric).reshape(-1, k)
         scale_out[rows] = scale

@@ -58,6 +58,7 @@ def test_json_schema(quick_run):
             assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
     bf16, int4 = rows[0], rows[1]
     assert int4["tensor_bytes"] < bf16["tensor_bytes"]
+    assert bf16["quantize_gbs"] is None and int4["quantize_gbs"] > 0  # bf16 quantizes nothing
     # Untied model: the input embedding table is not read per token, lm_head is.
     assert bf16["weight_read_bytes"] < bf16["tensor_bytes"]
     assert isinstance(data["workloads"]["model"]["targets"], list)
