@@ -161,8 +161,8 @@ QUANTIZE_SAMPLE_LAYERS = 2
 def quantize_gb_per_s(method: str, checkpoint: Path, layers: int = QUANTIZE_SAMPLE_LAYERS) -> float | None:
     """Quantization throughput of `method`'s RTN alone, in GB/s (10**9 bytes of bf16 weight per second, this
     process's torch threads): the 2-D weights of the first `layers` decoder layers of `checkpoint` (names with
-    "layers.0.", "layers.1.", ...) are read into memory first, then each is quantized as the method does on load and
-    the time of that call alone is summed. hfquant: `linear.quantize_to_buffers` with the method's config (int4
+    "layers.0.", "layers.1.", ...) are read into memory first, one is quantized untimed (warm-up), then each is
+    quantized as the method does on load and the time of that call alone is summed. hfquant: `linear.quantize_to_buffers` with the method's config (int4
     packing included); torchao: `quantize_` on an `nn.Linear` holding the weight. None for other methods.
     """
     import torch
@@ -182,27 +182,28 @@ def quantize_gb_per_s(method: str, checkpoint: Path, layers: int = QUANTIZE_SAMP
                         weights.append(tensor.to(torch.bfloat16).clone())
     if not weights:
         return None
-    seconds = 0.0
     if method.startswith("hfquant-"):
         from hfquant.linear import quantize_to_buffers
         from hfquant.rtn import effective_group_size
 
-        for weight in weights:
+        def quantize(weight):
             group = effective_group_size(weight.shape[1], config.group_size, config.bits)
-            if group is None:
-                continue
-            t0 = time.perf_counter()
-            quantize_to_buffers(weight, config.bits, group, config.symmetric)
-            seconds += time.perf_counter() - t0
+            if group is not None:  # else kept in float: nothing to do, as on load
+                quantize_to_buffers(weight, config.bits, group, config.symmetric)
     else:
         from torchao.quantization import quantize_
 
-        for weight in weights:
+        def quantize(weight):
             linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
             linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-            t0 = time.perf_counter()
             quantize_(linear, config.quant_type)
-            seconds += time.perf_counter() - t0
+
+    quantize(weights[0])  # warm-up: first calls of the ops, lazy imports
+    seconds = 0.0
+    for weight in weights:
+        t0 = time.perf_counter()
+        quantize(weight)
+        seconds += time.perf_counter() - t0
     return sum(w.numel() * 2 for w in weights) / seconds / GB if seconds else None
 
 
