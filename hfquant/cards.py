@@ -21,8 +21,15 @@ __all__ = ["CARD_MARKER", "EVAL_FILE", "TEMPLATE_PATH", "build_card", "write_car
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "model_cards" / "hfquant.jinja"
-"""The card template (`model_cards/hfquant.jinja` at the root of the hfquant source tree)."""
+def _template_path() -> Path:
+    here = Path(__file__).resolve().parent
+    installed = here / "model_cards" / "hfquant.jinja"  # a wheel carries model_cards/ inside the package
+    return installed if installed.is_file() else here.parent / "model_cards" / "hfquant.jinja"
+
+
+TEMPLATE_PATH = _template_path()
+"""The card template: `model_cards/hfquant.jinja` at the root of the source tree (editable install), installed as
+`hfquant/model_cards/hfquant.jinja` by a wheel."""
 CARD_MARKER = "hfquant model card"
 """An HTML comment with this text marks a README.md that hfquant generated (and may therefore re-render)."""
 EVAL_FILE = "hfquant_eval.json"

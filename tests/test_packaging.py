@@ -1,0 +1,33 @@
+"""The wheel carries what a non-editable install needs: the package and the model card template."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_contains_the_package_and_the_card_template(tmp_path):
+    source = tmp_path / "source"  # a copy: setuptools writes build/ into the tree it builds
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("hfquant", "model_cards"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = wheels.glob("hfquant-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"hfquant/__init__.py", "hfquant/cards.py", "hfquant/quantizer.py"} <= names
+    # cards.TEMPLATE_PATH looks for it there first (the source tree's model_cards/ is not installed)
+    template = zipfile.ZipFile(wheel).read("hfquant/model_cards/hfquant.jinja")
+    assert template == (ROOT / "model_cards" / "hfquant.jinja").read_bytes()
+    assert not any(name.startswith(("tests/", "model_cards/")) for name in names)
