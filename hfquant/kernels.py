@@ -10,9 +10,10 @@ Kernels, all shipped by PyTorch (aten):
   - "dequant": dequantize the weight to the activation dtype and call `torch.nn.functional.linear`. Covers every
     case and is the numerical reference in tests.
 
-On CPU, a call with at least `GEMM_MIN_ROWS` activation rows (a prompt's prefill) does not use the int8/int4 aten
-kernels, which are built for few rows: it dequantizes output-channel chunks of the runtime weight and runs the float
-GEMM (`_dequantized_gemm`), about 1.05x (int8) and 1.3x (int4) the bf16 layer's time at 512 rows instead of 2.7x.
+On CPU, a call with at least `GEMM_MIN_ROWS[kernel]` activation rows (a prompt's prefill) does not use the int8/int4
+aten kernels, which are built for few rows: it dequantizes output-channel chunks of the runtime weight and runs the
+float GEMM (`_dequantized_gemm`), about 1.05x (int8) and 1.3x (int4) the bf16 layer's time at 512 rows instead of
+2.7x.
 
 Both int4 kernels compute w = (q - 8) * scale + zero with a float `zero`, so an integer zero point z becomes
 zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` is the one place that decides; a kernel
@@ -183,7 +184,7 @@ def quantized_matmul(
     """
     shape = x.shape
     x2d = x.reshape(-1, in_features)
-    if x2d.shape[0] >= GEMM_MIN_ROWS and x2d.device.type == "cpu" and kernel in ("int8pack_mm", "int4pack_mm_cpu"):
+    if kernel in GEMM_MIN_ROWS and x2d.shape[0] >= GEMM_MIN_ROWS[kernel] and x2d.device.type == "cpu":
         y = _dequantized_gemm(kernel, x2d, runtime_weight, scale, scale_zero, group_size, out_features)
         if y is not None:
             return y.reshape(*shape[:-1], out_features)
@@ -214,10 +215,12 @@ def quantized_matmul(
 # ---------------------------------------------------------------------------------------------------------------
 # Many rows at once (prefill): dequantize a slice of output channels at a time and run the float GEMM.
 
-GEMM_MIN_ROWS = 32
-"""From this many activation rows on, the CPU kernels' layers run as "dequantize a chunk, float GEMM" instead: the
-aten int8/int4 kernels are tuned for a few rows (decode) and take about 2.7x the bf16 GEMM's time at 512 rows
-(2048 x 2048 layer, 2 cores), while dequantizing costs a small fraction of the GEMM."""
+GEMM_MIN_ROWS = {"int8pack_mm": 32, "int4pack_mm_cpu": 128}
+"""Per CPU kernel, the activation rows from which its layers run as "dequantize a chunk, float GEMM" instead. The aten
+int8/int4 kernels cost about 0.11 ms per row on an 8192 x 2048 layer (2 AVX-512 cores, torch 2.13), about 2.7x the
+bf16 GEMM at 512 rows; the chunked path costs a fixed dequantization (about 1.3 ms for int8, 5.4 ms for int4: one
+pass to bf16, plus nibble unpacking and the group scales) plus about 0.045 ms per row. Crossovers measured: about
+20 rows (int8) and 90 rows (int4); the thresholds sit above them."""
 _CPU_INT4_BLOCKS: int | None = None
 """Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.packing`), set by
 `prepare_weight`; a plain global so that torch.compile reads it as a constant."""
@@ -234,7 +237,7 @@ def _dequantized_gemm(
     group_size: int,
     out_features: int,
 ) -> torch.Tensor | None:
-    """y = x2d @ w_hat.T for (M, K) float `x2d` with M >= `GEMM_MIN_ROWS`, from the kernel's runtime weight, computed
+    """y = x2d @ w_hat.T for (M, K) float `x2d` with M >= `GEMM_MIN_ROWS[kernel]`, from the kernel's runtime weight, computed
     chunk by chunk of output channels (`_GEMM_CHUNK_BYTES` of dequantized weight each): each chunk is dequantized to
     x's dtype and multiplied with `torch.mm` into its columns of y. Returns (M, N) in x's dtype, or None when the
     weight's layout has no chunked path (the caller then runs the kernel).

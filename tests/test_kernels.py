@@ -39,7 +39,8 @@ CASES = [
     ("dequant", 4, False, 32, 8, 64),  # N=8: not a multiple of 16
 ]
 CASE_IDS = [f"{kernel}-int{bits}-{'sym' if sym else 'asym'}-g{g}-N{n}-K{k}" for kernel, bits, sym, g, n, k in CASES]
-BATCH_SHAPES = [(1,), (4,), (17,), (2, 3), (kernels.GEMM_MIN_ROWS,), (3, 13)]  # the last two: chunked float GEMM
+PREFILL_ROWS = max(kernels.GEMM_MIN_ROWS.values())
+BATCH_SHAPES = [(1,), (4,), (17,), (2, 3), (PREFILL_ROWS,), (3, PREFILL_ROWS // 3 + 1)]  # the last two: chunked GEMM
 
 
 def _layer(bits: int, symmetric: bool, group: int, n: int, k: int, seed: int = 0):
@@ -153,7 +154,7 @@ def test_many_rows_run_chunk_by_chunk_and_match_the_reference(monkeypatch, dtype
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a))
     for scale in (1.0, 300.0):
-        x = (torch.randn((kernels.GEMM_MIN_ROWS + 5, k), generator=torch.Generator().manual_seed(1)) * scale).to(dtype)
+        x = (torch.randn((kernels.GEMM_MIN_ROWS[kernel] + 5, k), generator=torch.Generator().manual_seed(1)) * scale).to(dtype)
         y = kernels.quantized_matmul(kernel, x, weight, qt.scale, qt.zero_point, scale_zero, **options)
         reference = kernels.quantized_matmul("dequant", x, stored, qt.scale, qt.zero_point, None, **options)
         assert torch.isfinite(y).all()
