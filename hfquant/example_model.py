@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from transformers.utils import logging
+
+from . import folders
 
 logger = logging.get_logger(__name__)
 
@@ -104,9 +104,10 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
 
     The call is idempotent: when the folder already carries the completion marker
     (written last) it is returned immediately without loading anything.  Otherwise
-    the model is built in a temporary sibling folder that is moved into place with
-    :func:`os.replace`, so an interrupted build never leaves a half-written folder
-    under the final name.  Building takes ~10-30 s and ~1 GB of RAM on CPU.
+    the model is built in a temporary sibling folder that is renamed into place
+    (:func:`hfquant.folders.publish_cache_folder`), so an interrupted build never
+    leaves a half-written folder under the final name, and of two processes
+    building at once, the second keeps the first one's folder.  Building takes ~10-30 s and ~1 GB of RAM on CPU.
 
     Args:
         cache_dir: root cache folder; ``None`` means ``$HFQUANT_CACHE`` or
@@ -136,8 +137,7 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EXAMPLE_SUBDIR}.tmp-", dir=root))
-    try:
+    with folders.temporary_folder(final) as tmp:
         logger.info("Building example model from %s into %s", gguf_path, final)
         gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
@@ -152,14 +152,8 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
             model.generation_config.save_pretrained(tmp)
         del model
         (tmp / MARKER_NAME).write_text(_MARKER_CONTENT)
-        tmp.chmod(0o755)  # mkdtemp creates it 0700; the final folder should look ordinary
-        if final.exists():
-            # Incomplete leftover (no marker) from an older build: replace it.
-            logger.warning("Removing incomplete example model folder %s", final)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if final.exists() and not _is_complete(final):
+            logger.warning("Replacing incomplete example model folder %s", final)
+        folders.publish_cache_folder(tmp, final, _is_complete)
     logger.info("Example model ready at %s", final)
     return final

@@ -24,9 +24,12 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["deferred_sigint", "exchange", "publish_folder", "remove_folder", "rename_noreplace", "temporary_folder"]
+__all__ = [
+    "deferred_sigint", "exchange", "publish_cache_folder", "publish_folder", "remove_folder", "rename_noreplace",
+    "temporary_folder",
+]
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -193,3 +196,24 @@ def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
                 if not overwrite:
                     raise
         exchange(tmp, dst)
+
+
+def publish_cache_folder(tmp: Path, final: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Publish a finished cache build `tmp` as `final`, where several processes may build the same entry at once.
+
+    A complete `final` (by `is_complete`, for example a marker file written last) is kept and `tmp` is left for the
+    caller to delete: another process finished first, and its readers keep their files. An incomplete leftover at
+    `final` (an older or interrupted build) is swapped out atomically.
+
+    Raises:
+        FileExistsError: `final` appeared during the rename and is not complete (a build is publishing it now).
+        OSError: the rename failed; `final` is as it was.
+    """
+    with deferred_sigint():
+        if is_complete(final):
+            return
+        try:
+            publish_folder(tmp, final, overwrite=final.exists() or final.is_symlink())
+        except FileExistsError:
+            if not is_complete(final):
+                raise

@@ -18,12 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from transformers.utils import logging
 
+from . import folders
 from .example_model import build_example_model, default_cache_dir
 
 logger = logging.get_logger(__name__)
@@ -146,12 +145,16 @@ def build_random_llama(
     digest = hashlib.sha256(recipe_text.encode()).hexdigest()[:10]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / f"random-llama-{digest}"
-    try:
-        if (final / MARKER_NAME).read_text() == recipe_text:
-            logger.info("Using cached random Llama at %s", final)
-            return final
-    except OSError:
-        pass
+
+    def complete(folder: Path) -> bool:
+        try:
+            return (folder / MARKER_NAME).read_text() == recipe_text
+        except OSError:
+            return False
+
+    if complete(final):
+        logger.info("Using cached random Llama at %s", final)
+        return final
 
     tokenizer_src = build_example_model(root)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_src)
@@ -166,8 +169,7 @@ def build_random_llama(
     plan = _shard_plan(shapes, max_shard_bytes)
 
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
+    with folders.temporary_folder(final) as tmp:
         logger.info("Building a random Llama (%.2fB parameters) in %s", sum(map(_numel, shapes.values())) / 1e9, final)
         generator = torch.Generator().manual_seed(seed)
         weight_map: dict[str, str] = {}
@@ -186,13 +188,8 @@ def build_random_llama(
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER_NAME).write_text(recipe_text)
-        tmp.chmod(0o755)
-        if final.exists():  # incomplete leftover of an interrupted or older build
-            logger.warning("Removing incomplete random Llama folder %s", final)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if final.exists() and not complete(final):  # incomplete leftover of an interrupted or older build
+            logger.warning("Replacing incomplete random Llama folder %s", final)
+        folders.publish_cache_folder(tmp, final, complete)
     logger.info("Random Llama ready at %s", final)
     return final

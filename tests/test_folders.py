@@ -118,3 +118,31 @@ def test_ctrl_c_while_the_temporary_folder_is_removed_does_not_stop_the_removal(
         with folders.temporary_folder(dst) as tmp:
             (tmp / "file.txt").write_text("unfinished")
     assert list(tmp_path.iterdir()) == []
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "done").is_file()
+
+
+def test_cache_publishing_keeps_a_complete_entry_another_build_published_first(tmp_path):
+    final = _folder(tmp_path / "entry", "theirs")
+    (final / "done").touch()
+    with folders.temporary_folder(final) as tmp:
+        (tmp / "file.txt").write_text("ours")
+        (tmp / "done").touch()
+        folders.publish_cache_folder(tmp, final, _complete)
+    assert _contents(final) == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+
+
+@pytest.mark.parametrize("leftover", [False, True])
+def test_cache_publishing_replaces_an_incomplete_leftover_or_fills_an_absent_entry(tmp_path, leftover):
+    final = tmp_path / "entry"
+    if leftover:
+        _folder(final, "half written")  # no "done" marker
+    with folders.temporary_folder(final) as tmp:
+        (tmp / "file.txt").write_text("ours")
+        (tmp / "done").touch()
+        folders.publish_cache_folder(tmp, final, _complete)
+    assert _contents(final) == "ours" and _complete(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
