@@ -10,7 +10,7 @@ meanwhile, say from a second convert, is never replaced: `FileExistsError`), `RE
 one (DST is the old complete version or the new complete version at every instant, even under SIGKILL). Where the
 call or the file system lacks them, the fallback is an existence check and `os.rename`, and for an overwrite two
 renames (DST moved aside, the new folder renamed in, the old one restored on any error or Ctrl-C); a SIGKILL
-between those two renames leaves DST absent with its previous version intact in `.DST.old-*/DST`.
+between those two renames leaves DST absent with its previous version intact in `.DST.old-*`.
 """
 
 from __future__ import annotations

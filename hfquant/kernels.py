@@ -237,16 +237,18 @@ def _dequantized_gemm(
     group_size: int,
     out_features: int,
 ) -> torch.Tensor | None:
-    """y = x2d @ w_hat.T for (M, K) float `x2d` with M >= `GEMM_MIN_ROWS[kernel]`, from the kernel's runtime weight, computed
+    """y = x2d @ w_hat.T for (M, K) float `x2d` (M >= `GEMM_MIN_ROWS[kernel]`) from the kernel's runtime weight,
     chunk by chunk of output channels (`_GEMM_CHUNK_BYTES` of dequantized weight each): each chunk is dequantized to
     x's dtype and multiplied with `torch.mm` into its columns of y. Returns (M, N) in x's dtype, or None when the
     weight's layout has no chunked path (the caller then runs the kernel).
 
     int8 (per-channel, symmetric): y = (x @ q.T) * scale, the scale applied to the output (to the weight for float16
-    activations, whose range x @ q.T could exceed). int4 (CPU kernel layout,
-    "halves" blocks): w = q * scale + (zero - 8 * scale), the kernel's own formula, written straight into the
-    (K, chunk) layout `torch.mm` reads.
+    activations, whose range x @ q.T could exceed). int4 (CPU kernel layout, "halves" blocks): w = q * scale +
+    (zero - 8 * scale), the kernel's own formula, written straight into the (K, chunk) layout `torch.mm` reads.
     """
+    block = _CPU_INT4_BLOCKS
+    if kernel == "int4pack_mm_cpu" and (block is None or out_features % block or scale_zero is None):
+        return None
     rows, in_features = x2d.shape
     # Eager writes each chunk in place (out=); torch.compile cannot trace out= into a strided view, so there the
     # chunks are concatenated instead (inductor fuses it).
@@ -277,9 +279,6 @@ def _dequantized_gemm(
                 weight = weight * channel_scale[start:stop, None]
             product(weight.t(), start, stop)
         return result() if scale_weight else result() * channel_scale
-    block = _CPU_INT4_BLOCKS
-    if block is None or out_features % block or scale_zero is None:
-        return None
     half, groups = block // 2, in_features // group_size
     step = scale_zero[..., 0].to(x2d.dtype).contiguous()  # (G, N): w = q * step + offset
     offset = (scale_zero[..., 1].float() - 8 * scale_zero[..., 0].float()).to(x2d.dtype).contiguous()
@@ -291,15 +290,17 @@ def _dequantized_gemm(
         packed = runtime_weight[start:stop].reshape(blocks, groups, group_size, half).permute(1, 2, 0, 3)
         chunk_step = step[:, start:stop].reshape(groups, 1, blocks, block)
         chunk_offset = offset[:, start:stop].reshape(groups, 1, blocks, block)
-        low, high = slice(0, half), slice(half, block)
+        halves = ((packed & 0x0F, slice(0, half)), (packed >> 4, slice(half, block)))
         if in_place:
             weight_t = torch.empty((groups, group_size, blocks, block), dtype=x2d.dtype, device=x2d.device)
-            torch.addcmul(chunk_offset[..., low], (packed & 0x0F).to(x2d.dtype), chunk_step[..., low], out=weight_t[..., low])
-            torch.addcmul(chunk_offset[..., high], (packed >> 4).to(x2d.dtype), chunk_step[..., high], out=weight_t[..., high])
+            for nibbles, cols in halves:
+                torch.addcmul(
+                    chunk_offset[..., cols], nibbles.to(x2d.dtype), chunk_step[..., cols], out=weight_t[..., cols]
+                )
         else:
             weight_t = torch.cat(
-                (torch.addcmul(chunk_offset[..., low], (packed & 0x0F).to(x2d.dtype), chunk_step[..., low]),
-                 torch.addcmul(chunk_offset[..., high], (packed >> 4).to(x2d.dtype), chunk_step[..., high])),
+                [torch.addcmul(chunk_offset[..., cols], nibbles.to(x2d.dtype), chunk_step[..., cols])
+                 for nibbles, cols in halves],
                 dim=-1,
             )
         product(weight_t.reshape(in_features, stop - start), start, stop)
