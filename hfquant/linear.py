@@ -176,21 +176,25 @@ class QuantLinear(nn.Module):
         return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Tensors straight from the module's dicts: nn.Module.__getattr__ costs ~0.5 us per lookup, 2.5 us of the
+        # ~15 us a decode step spends in a small layer (accelerate's hooks swap tensors in these same dicts).
+        buffers = self._buffers
         y = kernels.quantized_matmul(
             self.kernel,
             x,
-            self.weight,
-            self.weight_scale,
-            self.weight_zero_point,
-            self.scale_zero,
+            buffers["weight"],
+            buffers["weight_scale"],
+            buffers.get("weight_zero_point"),
+            buffers.get("scale_zero"),
             bits=self.bits,
             symmetric=self.symmetric,
             group_size=self.group_size,
             in_features=self.in_features,
             out_features=self.out_features,
         )
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        bias = self._parameters.get("bias")
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y
 
 
