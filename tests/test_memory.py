@@ -27,15 +27,26 @@ def test_rss_and_peak_are_positive_and_ordered():
     assert 1 < rss <= peak
 
 
-@linux_only
-def test_peak_rss_grows_after_touching_100_mib():
+def _touch_100_mib() -> tuple[bool, float, float, float, float]:
     was_reset = reset_peak_rss()
     peak_before, rss_before = peak_rss_mib(), rss_mib()
     x = torch.ones(100 * MIB, dtype=torch.uint8)  # ones(): every page is written
-    assert rss_mib() - rss_before > 90
+    rss_during = rss_mib()
     del x
-    peak_after = peak_rss_mib()
-    # The high-water mark keeps the spike after the memory is freed.
+    return was_reset, peak_before, rss_before, rss_during, peak_rss_mib()
+
+
+@linux_only
+def test_peak_rss_grows_after_touching_100_mib():
+    # The kernel may reclaim other pages of this process meanwhile (file pages of checkpoints mapped by earlier
+    # tests; this VM runs DAMON reclaim), which lowers VmRSS by a few MiB to tens of MiB: up to three attempts.
+    for attempt in range(3):
+        was_reset, peak_before, rss_before, rss_during, peak_after = _touch_100_mib()
+        if rss_during - rss_before > 90:
+            break
+    assert rss_during - rss_before > 90, (rss_before, rss_during)
+    # The high-water mark keeps the spike after the memory is freed (VmHWM trails VmRSS by the kernel's lazily
+    # synced per-thread counters, a fraction of a MiB: compare with the 90 MiB step, not with rss_during itself).
     assert peak_after >= rss_before + 90
     assert peak_after >= peak_before
     if was_reset:
