@@ -11,6 +11,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _setuptools_version() -> tuple[int, ...]:
+    try:
+        from importlib.metadata import version
+
+        return tuple(int(part) for part in version("setuptools").split(".")[:2] if part.isdigit())
+    except Exception:  # not installed, or an unusual version string: use the isolated build
+        return (0,)
+
+
 def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     source = tmp_path / "source"  # a copy: setuptools writes build/ into the tree it builds
     source.mkdir()
@@ -19,8 +28,11 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     for name in ("hfquant", "model_cards"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     wheels = tmp_path / "wheels"
+    # This environment's setuptools where it builds wheels by itself (>= 70.1), else pip's isolated build, which
+    # fetches setuptools from PyPI as `pip install` does.
+    isolation = [] if _setuptools_version() < (70, 1) else ["--no-build-isolation"]
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", *isolation, "-q", "-w", str(wheels)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert build.returncode == 0, build.stderr[-2000:]
