@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import packing, rtn
-from .linear import QuantLinear, quantize_to_buffers
+from .linear import QuantLinear, empty_stored_tensors, quantize_to_buffers
 
 __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
 
@@ -68,22 +68,11 @@ class QuantEmbedding(nn.Module):
         self.symmetric = symmetric
         self.compute_dtype = dtype or torch.bfloat16
         self.embed_scale = embed_scale
-        n_groups = embedding_dim // group_size
-        if bits == 4:
-            weight = torch.empty((num_embeddings, embedding_dim // 2), dtype=torch.uint8, device=device)
-        else:
-            code_dtype = torch.int8 if symmetric else torch.uint8
-            weight = torch.empty((num_embeddings, embedding_dim), dtype=code_dtype, device=device)
-        self.register_buffer("weight", weight)
-        self.register_buffer(
-            "weight_scale", torch.empty((num_embeddings, n_groups), dtype=rtn.SCALE_DTYPE, device=device)
-        )
+        stored = empty_stored_tensors((num_embeddings,), embedding_dim, bits, group_size, symmetric, device)
+        for name, tensor in stored.items():
+            self.register_buffer(name, tensor)
         if symmetric:
             self.weight_zero_point = None
-        else:
-            self.register_buffer(
-                "weight_zero_point", torch.empty((num_embeddings, n_groups), dtype=torch.uint8, device=device)
-            )
         self.set_kernel_owner(None)
 
     @property

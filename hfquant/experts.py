@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import kernels, packing, rtn
-from .linear import quantize_to_buffers
+from .linear import empty_stored_tensors, quantize_to_buffers
 
 __all__ = ["QuantExperts", "experts_layout", "quantize_experts_tensor", "EXPERT_PROJECTIONS"]
 
@@ -107,17 +107,9 @@ class QuantExperts(nn.Module):
         self.has_gate = "gate_up_proj" in shapes
         object.__setattr__(self, "_source", source)  # not a submodule: no state_dict keys, no parameters
         for name, (e, n, k) in shapes.items():
-            groups = k // group_sizes[name]
-            if bits == 4:
-                codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=device)
-            else:
-                codes = torch.empty((e, n, k), dtype=torch.int8 if symmetric else torch.uint8, device=device)
-            self.register_buffer(name, codes)
-            self.register_buffer(f"{name}_scale", torch.empty((e, n, groups), dtype=rtn.SCALE_DTYPE, device=device))
-            if not symmetric:
-                self.register_buffer(
-                    f"{name}_zero_point", torch.empty((e, n, groups), dtype=torch.uint8, device=device)
-                )
+            stored = empty_stored_tensors((e, n), k, bits, group_sizes[name], symmetric, device)
+            for key, tensor in stored.items():  # NAME, NAME_scale[, NAME_zero_point]
+                self.register_buffer(name + key.removeprefix("weight"), tensor)
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{name}={tuple(shape)}" for name, shape in self.shapes.items())

@@ -62,23 +62,11 @@ class QuantLinear(nn.Module):
         self.group_size = group_size
         self.symmetric = symmetric
         self.kernel = "dequant"
-        n_groups = in_features // group_size
-        if bits == 4:
-            weight = torch.empty((out_features, in_features // 2), dtype=torch.uint8, device=device)
-        else:
-            weight = torch.empty(
-                (out_features, in_features), dtype=torch.int8 if symmetric else torch.uint8, device=device
-            )
-        self.register_buffer("weight", weight)
-        self.register_buffer(
-            "weight_scale", torch.empty((out_features, n_groups), dtype=rtn.SCALE_DTYPE, device=device)
-        )
+        stored = empty_stored_tensors((out_features,), in_features, bits, group_size, symmetric, device)
+        for name, tensor in stored.items():
+            self.register_buffer(name, tensor)
         if symmetric:
             self.weight_zero_point = None
-        else:
-            self.register_buffer(
-                "weight_zero_point", torch.empty((out_features, n_groups), dtype=torch.uint8, device=device)
-            )
         self.register_buffer("scale_zero", None, persistent=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -198,6 +186,29 @@ class QuantLinear(nn.Module):
         return y
 
 
+def empty_stored_tensors(
+    rows: tuple[int, ...],
+    in_features: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Uninitialized stored tensors of a quantized weight (*rows, in_features), as docs/format.md lays them out:
+    {"weight": codes (*rows, K) int8 (8-bit symmetric) or uint8, or (*rows, K // 2) uint8 packed int4,
+    "weight_scale": (*rows, K // group_size) bfloat16[, "weight_zero_point": same shape, uint8 when asymmetric]}.
+    `rows` is (N,) for a Linear or an embedding table, (E, N) for fused experts."""
+    groups = in_features // group_size
+    if bits == 4:
+        codes = torch.empty((*rows, in_features // 2), dtype=torch.uint8, device=device)
+    else:
+        codes = torch.empty((*rows, in_features), dtype=torch.int8 if symmetric else torch.uint8, device=device)
+    tensors = {"weight": codes, "weight_scale": torch.empty((*rows, groups), dtype=rtn.SCALE_DTYPE, device=device)}
+    if not symmetric:
+        tensors["weight_zero_point"] = torch.empty((*rows, groups), dtype=torch.uint8, device=device)
+    return tensors
+
+
 def quantize_to_buffers(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> dict[str, torch.Tensor]:
     """Float weight (N, K) -> the stored tensors of a `QuantLinear`: {"weight", "weight_scale"[, "weight_zero_point"]}.
 
@@ -205,15 +216,8 @@ def quantize_to_buffers(weight: torch.Tensor, bits: int, group_size: int, symmet
     `_CHUNK_BYTES` whatever the size of the weight.
     """
     n, k = weight.shape
-    n_groups = k // group_size
-    device = weight.device
-    if bits == 4:
-        stored = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
-    else:
-        stored = torch.empty((n, k), dtype=torch.int8 if symmetric else torch.uint8, device=device)
-    buffers = {"weight": stored, "weight_scale": torch.empty((n, n_groups), dtype=rtn.SCALE_DTYPE, device=device)}
-    if not symmetric:
-        buffers["weight_zero_point"] = torch.empty((n, n_groups), dtype=torch.uint8, device=device)
+    buffers = empty_stored_tensors((n,), k, bits, group_size, symmetric, weight.device)
+    stored = buffers["weight"]
     step = max(1, _CHUNK_BYTES // (4 * k))
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
