@@ -165,8 +165,9 @@ def quantize_gb_per_s(
     process's torch threads): the 2-D weights of the first `layers` decoder layers of `checkpoint` (names with
     "layers.0.", "layers.1.", ...) are read into memory first, one is quantized untimed (warm-up), then each is
     quantized as the method does on load and the time of that call alone is summed; the best of `repeats` such
-    passes is reported (as decode reports the best of its repetitions). hfquant: `linear.quantize_to_buffers` with the method's config (int4
-    packing included); torchao: `quantize_` on an `nn.Linear` holding the weight. None for other methods.
+    passes is reported (as decode reports the best of its repetitions). hfquant: `linear.quantize_to_buffers` with
+    the method's config (int4 packing included); torchao: `quantize_` on an `nn.Linear` holding the weight. None for
+    other methods.
     """
     import torch
     from safetensors import safe_open
@@ -618,7 +619,8 @@ def check_targets(rows: list[dict]) -> list[dict]:
             x = ours["prefill_ms"] / bf16["prefill_ms"]
             add(f"hfquant-int{bits} prefill time <= 1.2x bf16", x, 1.2, x <= 1.2)
         if ours.get("quantize_gbs"):
-            add(f"hfquant-int{bits} RTN quantization >= 1.5 GB/s", ours["quantize_gbs"], 1.5, ours["quantize_gbs"] >= 1.5)
+            gbs = ours["quantize_gbs"]
+            add(f"hfquant-int{bits} RTN quantization >= 1.5 GB/s", gbs, 1.5, gbs >= 1.5)
         if ours.get("peak_rss_growth_mib") is not None and ours.get("tensor_bytes"):
             limit = 1.05 * ours["tensor_bytes"] / MIB + 64
             add(f"hfquant-int{bits} peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)", ours["peak_rss_growth_mib"],

@@ -25,7 +25,10 @@ from . import folders
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["build_example_model", "default_cache_dir", "find_smollm2_gguf", "EXAMPLE_SUBDIR", "GGUF_NAME"]
+__all__ = [
+    "build_example_model", "default_cache_dir", "find_smollm2_gguf", "has_marker", "EXAMPLE_SUBDIR", "GGUF_NAME",
+    "MARKER_NAME",
+]
 
 EXAMPLE_SUBDIR = "smollm2-135m-instruct-bf16"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,10 +87,10 @@ def _require_gguf() -> None:
         )
 
 
-def _is_complete(folder: Path) -> bool:
-    marker = folder / MARKER_NAME
+def has_marker(folder: Path, content: str = _MARKER_CONTENT) -> bool:
+    """Whether `folder` holds the completion marker `MARKER_NAME` with `content` (a cache build writes it last)."""
     try:
-        return marker.read_text() == _MARKER_CONTENT
+        return (folder / MARKER_NAME).read_text() == content
     except OSError:
         return False
 
@@ -126,7 +129,7 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / EXAMPLE_SUBDIR
-    if _is_complete(final):
+    if has_marker(final):
         logger.info("Using cached example model at %s", final)
         return final
 
@@ -152,8 +155,6 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
             model.generation_config.save_pretrained(tmp)
         del model
         (tmp / MARKER_NAME).write_text(_MARKER_CONTENT)
-        if final.exists() and not _is_complete(final):
-            logger.warning("Replacing incomplete example model folder %s", final)
-        folders.publish_cache_folder(tmp, final, _is_complete)
+        folders.publish_cache_folder(tmp, final, has_marker)
     logger.info("Example model ready at %s", final)
     return final

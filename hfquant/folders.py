@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -30,6 +31,8 @@ __all__ = [
     "deferred_sigint", "exchange", "publish_cache_folder", "publish_folder", "remove_folder", "rename_noreplace",
     "temporary_folder",
 ]
+
+logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -69,7 +72,8 @@ def temporary_folder(dst: Path) -> Iterator[Path]:
     (or whatever `publish_folder` swapped into its place) when the block ends, however it ends.
 
     The folder is registered for deletion in the same Ctrl-C-proof step that creates it, and deleted with Ctrl-C held
-    back, so no interrupt can leave it behind; only SIGKILL can (a rerun ignores such leftovers; they are hidden and named after `dst`).
+    back, so no interrupt can leave it behind; only SIGKILL can (a rerun ignores such leftovers; they are hidden
+    and named after `dst`).
 
     Raises:
         OSError: the parent folder is missing or not writable.
@@ -186,13 +190,14 @@ def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
         OSError: the rename failed; `dst` is as it was.
     """
     with deferred_sigint():
-        if not overwrite or not (dst.exists() or dst.is_symlink()):
-            if not overwrite and (dst.exists() or dst.is_symlink()):
-                raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
+        exists = dst.exists() or dst.is_symlink()
+        if exists and not overwrite:
+            raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
+        if not exists:
             try:
                 rename_noreplace(tmp, dst)
                 return
-            except FileExistsError:
+            except FileExistsError:  # it appeared meanwhile: replace it only when asked to
                 if not overwrite:
                     raise
         exchange(tmp, dst)
@@ -212,6 +217,8 @@ def publish_cache_folder(tmp: Path, final: Path, is_complete: Callable[[Path], b
     with deferred_sigint():
         if is_complete(final):
             return
+        if final.exists() or final.is_symlink():
+            logger.warning("Replacing the incomplete folder %s (an interrupted or older build)", final)
         try:
             publish_folder(tmp, final, overwrite=final.exists() or final.is_symlink())
         except FileExistsError:

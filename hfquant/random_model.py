@@ -23,7 +23,7 @@ from pathlib import Path
 from transformers.utils import logging
 
 from . import folders
-from .example_model import build_example_model, default_cache_dir
+from .example_model import MARKER_NAME, build_example_model, default_cache_dir, has_marker
 
 logger = logging.get_logger(__name__)
 
@@ -31,7 +31,6 @@ __all__ = ["build_random_llama", "random_llama_config"]
 
 # Bump when the recipe changes (values, file layout) so that stale caches are rebuilt.
 _RECIPE_VERSION = 1
-MARKER_NAME = ".hfquant-complete"
 INIT_STD = 0.02
 
 
@@ -147,10 +146,7 @@ def build_random_llama(
     final = root / f"random-llama-{digest}"
 
     def complete(folder: Path) -> bool:
-        try:
-            return (folder / MARKER_NAME).read_text() == recipe_text
-        except OSError:
-            return False
+        return has_marker(folder, recipe_text)
 
     if complete(final):
         logger.info("Using cached random Llama at %s", final)
@@ -188,8 +184,6 @@ def build_random_llama(
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER_NAME).write_text(recipe_text)
-        if final.exists() and not complete(final):  # incomplete leftover of an interrupted or older build
-            logger.warning("Replacing incomplete random Llama folder %s", final)
         folders.publish_cache_folder(tmp, final, complete)
     logger.info("Random Llama ready at %s", final)
     return final
