@@ -255,6 +255,7 @@ def _dequantized_gemm(
     in_place = not torch.compiler.is_compiling()
     y = torch.empty((rows, out_features), dtype=x2d.dtype, device=x2d.device) if in_place else None
     pieces = []
+    # a multiple of 64 rows: whole blocks of the int4 CPU layout (32 or 64 rows) in every chunk
     chunk = max(64, _GEMM_CHUNK_BYTES // (x2d.element_size() * in_features)) // 64 * 64
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
@@ -282,7 +283,6 @@ def _dequantized_gemm(
     half, groups = block // 2, in_features // group_size
     step = scale_zero[..., 0].to(x2d.dtype).contiguous()  # (G, N): w = q * step + offset
     offset = (scale_zero[..., 1].float() - 8 * scale_zero[..., 0].float()).to(x2d.dtype).contiguous()
-    chunk = max(block, chunk // block * block)
     for start in range(0, out_features, chunk):
         stop = min(out_features, start + chunk)
         blocks = (stop - start) // block
