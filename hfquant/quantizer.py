@@ -12,7 +12,8 @@ Loading flow (`from_pretrained(path, quantization_config=HfQuantConfig(...))`):
      tensor is dropped before the next one is read.
   3. `_process_model_after_weight_loading`: tied modules get the input embedding's tensors, each layer picks its
      kernel and repacks for it, a tied embedding shares the lm_head's kernel tensor, and modules stored in another
-     float dtype get hooks casting their output back to the compute dtype.
+     float dtype get hooks casting their output back to the compute dtype; the `nn.Linear` layers left in float
+     become `FloatLinear`s (`hfquant.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV).
 Reloading a saved checkpoint (`config.json` has `quantization_config`) skips step 2: the stored tensors load as
 they are, with their stored dtypes.
 """
@@ -32,6 +33,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from .config import HfQuantConfig
 from .embedding import QuantEmbedding
 from .experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
+from .float_linear import restore_nn_linear, use_float_linear
 from .linear import QuantLinear, quantize_to_buffers
 from .norms import find_norms, install_dtype_adapter
 from .replace import (
@@ -380,6 +382,8 @@ class HfQuantQuantizer(HfQuantizer):
             if any(p.dtype != dtype for p in module.parameters(recurse=False) if p.is_floating_point()):
                 install_dtype_adapter(module, storage, dtype, cast_inputs)
         self._keep_expert_conversions(model)
+        # the float lm_head is the largest weight an int4 model reads per decoded token: single rows skip oneDNN
+        counts["float"] = use_float_linear(model)
         if not self.pre_quantized:
             self._requantize_disk_offloaded(model)
         _warn_offloaded_buffers(model)
@@ -460,6 +464,7 @@ class HfQuantQuantizer(HfQuantizer):
                 conversions.append(copied)
 
     def _dequantize(self, model, dtype=None):
+        restore_nn_linear(model)
         if isinstance(dtype, str):  # transformers passes `model.config.dtype`, a string after save_pretrained
             dtype = getattr(torch, dtype.removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.float_linear import FloatLinear
 from hfquant.rtn import dequantize_weight, quantize_weight
 from hfquant.verify import verify
 
@@ -324,13 +325,13 @@ def test_all_zero_group_has_scale_one_and_dequantizes_to_zeros(float_checkpoint,
 
 
 def test_layer_too_small_or_oddly_shaped_stays_in_float_and_is_logged(float_checkpoint, caplog):
-    """hidden 48 (= 16 x 3): no power-of-two group >= 32 divides it, so q/k/v/o, gate and up stay nn.Linear (logged
+    """hidden 48 (= 16 x 3): no power-of-two group >= 32 divides it, so q/k/v/o, gate and up stay float (FloatLinear; logged
     with the reason); down_proj (in 96 = 32 x 3) is quantized with group 32 instead of the 128 asked."""
     folder = float_checkpoint("llama", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     with caplog.at_level(logging.INFO, logger="hfquant"):
         model = _load(folder, quantization_config=HfQuantConfig(bits=4, group_size=128))
     layer = model.model.layers[0]
-    assert type(layer.self_attn.q_proj) is nn.Linear and type(layer.mlp.gate_proj) is nn.Linear
+    assert type(layer.self_attn.q_proj) is FloatLinear and type(layer.mlp.gate_proj) is FloatLinear
     assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.group_size == 32
     assert any(
         "model.layers.0.self_attn.q_proj" in r.getMessage() and "in_features=48" in r.getMessage() for r in caplog.records

@@ -9,6 +9,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.float_linear import FloatLinear
 from hfquant.kernels import select_kernel
 from hfquant.rtn import effective_group_size
 
@@ -90,7 +91,7 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
             assert torch.equal(loaded_state[key], value), (name, key)
 
     if arch != "bert":
-        assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == dtype
+        assert type(model.lm_head) is FloatLinear and model.lm_head.weight.dtype == dtype
         assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
         if arch in ("llama_tied", "gpt2"):
             assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
@@ -134,7 +135,7 @@ def test_in_features_without_a_group_divisor(float_checkpoint, bits, group_size)
     else:
         assert set(layers) == _expected_quantized("llama") - downs
         for name in downs:
-            assert type(model.get_submodule(name)) is nn.Linear
+            assert type(model.get_submodule(name)) is FloatLinear
         assert {layer.group_size for layer in layers.values()} == {min(group_size, 64)}  # 128 asked, 64 inputs -> 64
     ids = input_ids()
     assert _cosine(model_output(model, ids), model_output(reference, ids)) > COSINE_MIN["int8" if bits == 8 else "int4_g32"]

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.float_linear import FloatLinear
 from hfquant.replace import matches_module
 
 try:
@@ -157,7 +158,7 @@ def test_reload_gives_identical_logits_and_tensors(saved, name, tmp_path):
     skipped = case.qconfig.get("modules_to_not_convert", [])
     for pattern in skipped:
         assert not [n for n in _quant_layers(reloaded) if matches_module(n, [pattern])]
-        assert [n for n, m in reloaded.named_modules() if type(m) is nn.Linear and matches_module(n, [pattern])]
+        assert [n for n, m in reloaded.named_modules() if type(m) is FloatLinear and matches_module(n, [pattern])]
     assert reloaded.config.quantization_config == HfQuantConfig(**case.qconfig)
     assert {n: m.kernel for n, m in _quant_layers(reloaded).items()} == {
         n: m.kernel for n, m in _quant_layers(case.model).items()

@@ -1,0 +1,114 @@
+"""`FloatLinear`: the `nn.Linear` layers hfquant leaves in float (lm_head, `modules_to_not_convert`, layers without a
+group size), with a one-row product that reads a bfloat16 weight at memory speed on CPU.
+
+Why: with bfloat16 on an AVX-512 CPU, PyTorch (2.13) sends `F.linear` to oneDNN, whose matrix-vector product for a
+single activation row reads the weight at about half the memory bandwidth (measured on 2 AMD EPYC cores: a
+128256 x 2048 lm_head takes 25 ms through oneDNN, 12 ms through ATen's own bf16 GEMV, about 41 GB/s). At batch 1
+decode the float lm_head is the largest weight an int4 model reads per token, so this is where its time goes. With
+`torch.backends.mkldnn` disabled for the call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32
+accumulation): as accurate, but it sums in another order, so an output may differ from oneDNN's by one bfloat16
+rounding step (8 of 49152 outputs in a SmolLM2 lm_head test, both equally far from a float64 reference). For 2 and more rows oneDNN's GEMM is
+faster (2 rows about even, 4 rows 2x faster), so only single rows take this path. float16 and float32 gain nothing
+(oneDNN float16 and MKL float32 already run at memory speed) and keep the default path.
+
+The switch is the process-wide `torch.backends.mkldnn.enabled` flag, set for the duration of one call and restored
+(also when the call raises). Another thread multiplying matrices at that moment also skips oneDNN: same results, its
+own speed. Where the user disabled oneDNN, nothing changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["FloatLinear", "one_row_linear", "takes_one_row_path", "use_float_linear", "restore_nn_linear"]
+
+
+def takes_one_row_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `one_row_linear` (ATen's GEMV instead of oneDNN) serves x @ weight.T: one activation row on CPU,
+    bfloat16 activation and weight, and oneDNN enabled (else the default path is that GEMV already)."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.numel() == x.shape[-1]
+        and torch.backends.mkldnn.enabled
+    )
+
+
+def _linear_without_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return torch.nn.functional.linear(x, weight, bias)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+@torch.library.custom_op("hfquant::one_row_linear", mutates_args=())
+def _one_row_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _linear_without_onednn(x, weight, bias)
+
+
+@_one_row_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed by ATen's GEMV instead of oneDNN.
+
+    Args:
+        x: (..., in_features) with one row in all (x.numel() == in_features), bfloat16, CPU.
+        weight: (out_features, in_features) bfloat16, CPU.
+        bias: (out_features,) or None.
+    Returns:
+        (..., out_features) bfloat16, the dot products accumulated in float32 and rounded once (oneDNN sums in
+        another order: an output may differ from `F.linear`'s by one bfloat16 rounding step).
+
+    Under `torch.compile` it is the custom op `hfquant::one_row_linear` (inductor cannot see the flag); in eager the
+    flag is switched directly (about 1 us instead of the custom op's 7 us of dispatch). Meant for inference: under
+    torch.compile with gradients required, call `F.linear` instead (the op has no backward).
+    """
+    if torch.compiler.is_compiling():
+        return _one_row_linear_op(x, weight, bias)
+    return _linear_without_onednn(x, weight, bias)
+
+
+class FloatLinear(nn.Linear):
+    """An `nn.Linear` hfquant kept in float: same parameters and state dict as `nn.Linear`, and the same results up
+    to float32 summation order, but a single bfloat16 row on CPU runs `one_row_linear`.
+
+    hfquant turns the plain `nn.Linear` layers of a model it quantized into this class after loading
+    (`use_float_linear`) and back on `model.dequantize()` (`restore_nn_linear`).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if takes_one_row_path(x, self.weight) and not (
+            torch.compiler.is_compiling() and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        ):
+            return one_row_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def use_float_linear(model: nn.Module) -> int:
+    """Make every module of `model` whose type is exactly `nn.Linear` a `FloatLinear` (class swap in place, as
+    `torch.nn.utils.parametrize` does: parameters, ties and hooks stay). Subclasses with their own forward are left
+    alone. Returns the number of layers changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FloatLinear
+            changed += 1
+    return changed
+
+
+def restore_nn_linear(model: nn.Module) -> int:
+    """Inverse of `use_float_linear`: every `FloatLinear` of `model` becomes an `nn.Linear` again. Returns the count."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is FloatLinear:
+            module.__class__ = nn.Linear
+            changed += 1
+    return changed
