@@ -1,0 +1,123 @@
+/* Single-row int4 GEMV on the CPU int4 layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX-512 "halves" blocks).
+ *
+ *   y[n] = sum_g ( scale[g,n] * sum_{k in g} q[n,k] * x[k]  +  (zero[g,n] - 8 * scale[g,n]) * sum_{k in g} x[k] )
+ *
+ * which is x @ w.T for w[n,k] = (q[n,k] - 8) * scale[g,n] + zero[g,n], the formula of the aten kernel.
+ *
+ * Inputs (all contiguous, little-endian):
+ *   x:      (K,) bfloat16 activations.
+ *   weight: (N / 64, K, 32) uint8: for block b, input k, byte j holds q[64b + j, k] in the low nibble and
+ *           q[64b + 32 + j, k] in the high nibble (hfquant.packing, CpuInt4Layout(block_n=64, halves)).
+ *   scale_zero: (K / group, N, 2) bfloat16 [scale, zero] pairs, as hfquant.kernels.scale_zero_for_int4 makes them.
+ * Output: y (N,) bfloat16, each value accumulated in float32 and rounded once (round to nearest even).
+ *
+ * How: codes become bfloat16 through a 16-entry table (vpermw) and two inputs at a time are multiplied and summed in
+ * float32 by vdpbf16ps (AVX512-BF16), 64 outputs per block; the group's scale and offset are applied once per group.
+ * OpenMP threads split the blocks (the process's libgomp, which torch loaded first, so torch.set_num_threads holds).
+ * Each output is computed by one thread in a fixed order: results do not depend on the thread count.
+ *
+ * Requires N % 64 == 0, group even, K % group == 0, K / group <= 16384; the caller checks. Returns 0 on success.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define HFQUANT_INT4_GEMV_ABI 1
+
+int hfquant_int4_gemv_abi(void) { return HFQUANT_INT4_GEMV_ABI; }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+int hfquant_int4_gemv_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+static float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* bfloat16 bit patterns of 0..15; vpermw reads the low 5 bits of each index, so entries 16..31 are never used */
+static const uint16_t CODE_TO_BF16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                      int64_t n, int64_t k, int64_t group) {
+    if (n % 64 || group % 2 || group <= 0 || k % group || k / group > 16384) return 1;
+    const int64_t blocks = n / 64, groups = k / group;
+    float xsum[groups];
+    for (int64_t g = 0; g < groups; g++) {
+        float s = 0.0f;
+        for (int64_t i = g * group; i < (g + 1) * group; i++) s += bf16_to_float(x[i]);
+        xsum[g] = s;
+    }
+    const uint32_t *x_pairs = (const uint32_t *)x; /* (x[2i], x[2i + 1]) */
+
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512i table = _mm512_loadu_si512(CODE_TO_BF16);
+        const __m256i low_nibble = _mm256_set1_epi8(0x0F);
+        const __m512i zero_bits = _mm512_set1_epi32((int)0xFFFF0000u);
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        const uint8_t *block = weight + b * k * 32;
+        __m512 out[4];
+        for (int i = 0; i < 4; i++) out[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 acc[4];
+            for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
+                const __m256i b0 = _mm256_loadu_si256((const __m256i *)(block + i * 32));
+                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(block + (i + 1) * 32));
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x_pairs[i / 2]);
+                const __m256i l0 = _mm256_and_si256(b0, low_nibble), l1 = _mm256_and_si256(b1, low_nibble);
+                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low_nibble);
+                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low_nibble);
+                /* byte pairs (q[j, i], q[j, i + 1]); unpack works per 128-bit lane: lo = rows 0-7 | 16-23 */
+                const __m256i la = _mm256_unpacklo_epi8(l0, l1), lb = _mm256_unpackhi_epi8(l0, l1);
+                const __m256i ha = _mm256_unpacklo_epi8(h0, h1), hb = _mm256_unpackhi_epi8(h0, h1);
+                const __m256i rows[4] = {
+                    _mm256_permute2x128_si256(la, lb, 0x20), /* rows 0-15 */
+                    _mm256_permute2x128_si256(la, lb, 0x31), /* rows 16-31 */
+                    _mm256_permute2x128_si256(ha, hb, 0x20), /* rows 32-47 */
+                    _mm256_permute2x128_si256(ha, hb, 0x31), /* rows 48-63 */
+                };
+                for (int r = 0; r < 4; r++) {
+                    const __m512i codes = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(rows[r]), table);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)codes, xv);
+                }
+            }
+            const __m512 group_sum = _mm512_set1_ps(xsum[g]);
+            const uint32_t *pairs = scale_zero + g * n + b * 64;
+            for (int r = 0; r < 4; r++) {
+                const __m512i p = _mm512_loadu_si512(pairs + 16 * r);
+                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(p, zero_bits));
+                const __m512 offset = _mm512_fnmadd_ps(eight, scale, zero);
+                out[r] = _mm512_fmadd_ps(scale, acc[r], out[r]);
+                out[r] = _mm512_fmadd_ps(offset, group_sum, out[r]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            _mm256_storeu_si256((__m256i *)(y + b * 64 + 16 * r), (__m256i)_mm512_cvtneps_pbh(out[r]));
+    }
+    return 0;
+}
+
+#else
+
+int hfquant_int4_gemv_supported(void) { return 0; }
+
+int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                      int64_t n, int64_t k, int64_t group) {
+    (void)x; (void)weight; (void)scale_zero; (void)y; (void)n; (void)k; (void)group;
+    return 1;
+}
+
+#endif

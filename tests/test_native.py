@@ -1,0 +1,167 @@
+"""hfquant's own single-row int4 GEMV (hfquant.native, csrc/int4_gemv.c): accuracy against a float64 reference and
+the aten kernel, thread-count independence, dispatch from QuantLinear, and the fallbacks when it cannot be used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hfquant import QuantLinear, kernels, native, packing, rtn
+
+needs_native = pytest.mark.skipif(
+    not kernels.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
+)
+
+
+def _layer(n: int, k: int, group: int, symmetric: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, symmetric)
+    runtime = packing.to_cpu_int4_layout(q.q)
+    sz = kernels.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    return q, runtime, sz, x
+
+
+def _exact_and_magnitude(q, sz, x, group):
+    """float64 x @ w.T for the kernel's own formula w = (q - 8) * scale + zero with its bfloat16 (scale, zero) pairs
+    `sz`, and |x| @ (|q * scale| + |zero - 8 scale|).T: the size of the terms the kernel sums (its scale and offset
+    terms cancel where the weights are centred, so its rounding scales with them, not with the result)."""
+    scale = sz[..., 0].double().t().repeat_interleave(group, dim=1)  # (N, K)
+    offset = sz[..., 1].double().t().repeat_interleave(group, dim=1) - 8.0 * scale
+    codes = q.q.double()
+    exact = x.double() @ (codes * scale + offset).t()
+    magnitude = x.double().abs() @ ((codes * scale).abs() + offset.abs()).t()
+    return exact, magnitude
+
+
+@needs_native
+@pytest.mark.parametrize("n, k, group", [(64, 64, 32), (192, 576, 64), (4096, 2048, 128), (128, 8192, 256)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matches_float64_reference_and_aten(n, k, group, symmetric):
+    q, runtime, sz, x = _layer(n, k, group, symmetric)
+    y = native.int4_gemv(x, runtime, sz, group)
+    assert y.shape == (1, n) and y.dtype == torch.bfloat16
+    exact, magnitude = _exact_and_magnitude(q, sz, x, group)
+    # the scale and zero are bfloat16 in both paths (exact in float64 here); the kernel sums in float32 and rounds
+    # once to bfloat16: half a bfloat16 step (2^-8 relative) plus float32 summation error (<= 2^-16 of the terms)
+    bound = 2.0**-8 * exact.abs() + 2.0**-16 * magnitude
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz)
+    assert bool(((y.double() - aten.double()).abs() <= 2 * bound).all())
+
+
+@needs_native
+def test_wrong_nibble_order_would_be_caught():
+    """The error bound above is tight enough to notice codes read from the wrong rows."""
+    q, runtime, sz, x = _layer(128, 256, 64, False)
+    swapped = (runtime >> 4) | ((runtime & 0x0F) << 4)
+    y = native.int4_gemv(x, swapped, sz, 64)
+    exact, magnitude = _exact_and_magnitude(q, sz, x, 64)
+    assert not bool(((y.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2.0**-16 * magnitude).all())
+
+
+@needs_native
+def test_same_result_for_any_thread_count():
+    q, runtime, sz, x = _layer(1024, 1024, 128, False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.int4_gemv(x, runtime, sz, 128)
+        torch.set_num_threads(max(2, threads))
+        many = native.int4_gemv(x, runtime, sz, 128)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@needs_native
+def test_activation_at_odd_address():
+    q, runtime, sz, x = _layer(128, 256, 64, False)
+    storage = torch.empty(257, dtype=torch.bfloat16)
+    storage[1:] = x[0]
+    odd = storage[1:]
+    assert odd.data_ptr() % 4
+    assert torch.equal(native.int4_gemv(odd, runtime, sz, 64), native.int4_gemv(x, runtime, sz, 64))
+
+
+@needs_native
+def test_refuses_shapes_it_does_not_handle():
+    _, runtime, sz, x = _layer(80, 256, 64, False)
+    with pytest.raises(RuntimeError, match="N=80"):
+        native.int4_gemv(x, runtime, sz, 64)
+
+
+@needs_native
+@pytest.mark.parametrize("n", [4096, 80])
+def test_quant_linear_single_row_dispatch(n, monkeypatch):
+    """One bfloat16 row of a 64-row-aligned layer goes through the native GEMV, anything else through aten."""
+    layer = QuantLinear.from_float(torch.randn(n, 512), None, 4, 128, False)
+    layer.prepare_kernel(torch.bfloat16)
+    calls = []
+    real = native.int4_gemv
+    monkeypatch.setattr(native, "int4_gemv", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn((3, 512), dtype=torch.bfloat16)
+    rows = torch.cat([layer(x[i : i + 1]) for i in range(3)])
+    together = layer(x)
+    assert len(calls) == (3 if n % 64 == 0 else 0)
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.weight, 128, layer.scale_zero)
+    # both sum the same products in float32 in different orders and round once to bfloat16
+    tolerance = dict(rtol=2**-7, atol=2**-12 * aten.abs().max().item())
+    assert torch.allclose(rows.float(), aten.float(), **tolerance)
+    assert torch.allclose(together.float(), aten.float(), **tolerance)
+
+
+@needs_native
+def test_compiled_single_row_uses_the_same_kernel():
+    layer = QuantLinear.from_float(torch.randn(256, 512), None, 4, 128, False)
+    layer.prepare_kernel(torch.bfloat16)
+    x = torch.randn((1, 1, 512), dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    assert torch.equal(compiled, eager)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+    )
+
+
+FALLBACK = """
+    import logging, torch
+    logging.basicConfig(level=logging.INFO)
+    from hfquant import QuantLinear, kernels, native
+    layer = QuantLinear.from_float(torch.randn(128, 256), None, 4, 64, False)
+    layer.prepare_kernel(torch.bfloat16)
+    x = torch.randn((1, 256), dtype=torch.bfloat16)
+    assert native.int4_gemv_library() is None and not kernels._NATIVE_INT4
+    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.weight, 64, layer.scale_zero)
+    assert torch.equal(layer(x), expected)
+    print("fallback ok")
+"""
+
+
+def test_switched_off_by_environment():
+    result = _run(FALLBACK, HFQUANT_NATIVE="0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fallback ok" in result.stdout and "HFQUANT_NATIVE=0" in result.stderr
+
+
+def test_failed_build_falls_back_to_aten(tmp_path):
+    result = _run(FALLBACK, CC="false", HFQUANT_CACHE=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fallback ok" in result.stdout and "build failed" in result.stderr
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+
+
+def test_missing_compiler_falls_back_to_aten(tmp_path):
+    result = _run(FALLBACK, CC=str(tmp_path / "no-such-cc"), HFQUANT_CACHE=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fallback ok" in result.stdout and "no C compiler" in result.stderr
