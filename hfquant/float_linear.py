@@ -7,13 +7,13 @@ single activation row reads the weight at about half the memory bandwidth (measu
 decode the float lm_head is the largest weight an int4 model reads per token, so this is where its time goes. With
 `torch.backends.mkldnn` disabled for the call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32
 accumulation): as accurate, but it sums in another order, so an output may differ from oneDNN's by one bfloat16
-rounding step (8 of 49152 outputs in a SmolLM2 lm_head test, both equally far from a float64 reference). For 2 and more rows oneDNN's GEMM is
-faster (2 rows about even, 4 rows 2x faster), so only single rows take this path. float16 and float32 gain nothing
-(oneDNN float16 and MKL float32 already run at memory speed) and keep the default path.
+rounding step (8 of 49152 outputs in a SmolLM2 lm_head test, both equally far from a float64 reference). For 2 and
+more rows oneDNN's GEMM is faster (2 rows about even, 4 rows 2x faster), so only single rows take this path. float16
+and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory speed) and keep the default path.
 
 The switch is the process-wide `torch.backends.mkldnn.enabled` flag, set for the duration of one call and restored
-(also when the call raises). Another thread multiplying matrices at that moment also skips oneDNN: same results, its
-own speed. Where the user disabled oneDNN, nothing changes.
+(also when the call raises). Another thread multiplying matrices at that moment also skips oneDNN: the same results
+up to summation order, at that path's speed. Where the user disabled oneDNN, nothing changes.
 """
 
 from __future__ import annotations

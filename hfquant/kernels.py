@@ -205,14 +205,7 @@ def quantized_matmul(
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
-        if (
-            _NATIVE_INT4
-            and x2d.shape[0] == 1
-            and x2d.dtype == torch.bfloat16
-            and out_features % 64 == 0
-            and group_size % 2 == 0
-            and x2d.device.type == "cpu"
-        ):
+        if _NATIVE_INT4 and x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and out_features % 64 == 0:
             y = _int4_gemv_op(x2d, runtime_weight, sz, group_size) if torch.compiler.is_compiling() else (
                 native.int4_gemv(x2d, runtime_weight, sz, group_size)
             )

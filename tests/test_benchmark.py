@@ -99,3 +99,32 @@ def test_weight_bytes_per_token_tied_and_untied():
         emb = model.get_input_embeddings().weight
         expected = tensor_bytes(model) - (0 if tie else tensor_bytes([emb]) - emb.shape[1] * 2)
         assert benchmark.weight_bytes_per_token(model) == expected
+
+
+def _row(method, **numbers):
+    return {"method": method, "variant": "eager", "status": "ok", **numbers}
+
+
+@pytest.mark.parametrize("speed", [True, False])
+def test_speed_targets_only_where_asked(speed):
+    """Speed targets belong to the 1B workload; the memory bound is checked on every workload."""
+    rows = [
+        _row("bf16", decode_tok_s=10.0, prefill_ms=100.0),
+        _row("hfquant-int4", decode_tok_s=35.0, prefill_ms=110.0, quantize_gbs=2.0,
+             peak_rss_growth_mib=500.0, tensor_bytes=800 * 2**20),
+        _row("torchao-int4", decode_tok_s=30.0),
+    ]
+    checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=speed)}
+    memory = "hfquant-int4 peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)"
+    assert checks[memory]["met"] and checks[memory]["limit"] == pytest.approx(1.05 * 800 + 64)
+    speed_names = {
+        "hfquant-int4 decode >= 3.0x bf16", "hfquant-int4 decode >= 1.2x torchao-int4",
+        "hfquant-int4 prefill time <= 1.2x bf16", "hfquant-int4 RTN quantization >= 1.5 GB/s",
+    }
+    if speed:
+        assert speed_names <= checks.keys()
+        assert checks["hfquant-int4 decode >= 3.0x bf16"]["value"] == pytest.approx(3.5)
+        assert not checks["hfquant-int4 decode >= 1.2x torchao-int4"]["met"]  # 35 / 30 = 1.17
+        assert checks["hfquant-int4 prefill time <= 1.2x bf16"]["met"]
+    else:
+        assert set(checks) == {memory}
