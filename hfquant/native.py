@@ -1,13 +1,15 @@
-"""hfquant's own C kernel, built on first use: the single-row int4 GEMV (`csrc/int4_gemv.c`).
+"""hfquant's own C kernels, built on first use (`csrc/int4_cpu.c`): the single-row int4 GEMV, and the int4
+dequantization that feeds the prefill GEMM.
 
 Why our own: for one activation row (batch-1 decode) PyTorch's `_weight_int4pack_mm_for_cpu` is limited by its
 instruction count, not by memory: on 2 AVX-512 cores it reads an 8192 x 2048 int4 weight at about 23-30 GB/s where
-the memory gives about 40. `csrc/int4_gemv.c` reads the same bytes (the aten CPU layout, so nothing is repacked)
+the memory gives about 40. `csrc/int4_cpu.c` reads the same bytes (the aten CPU layout, so nothing is repacked)
 with a table lookup per code and AVX512-BF16 dot products, 1.3-1.6x faster per layer; several rows still go to the
-aten kernel (or the chunked GEMM for prefill).
+aten kernel. For prefill (`kernels._dequantized_gemm`) the same file turns a slice of output channels into the
+(K, slice) bfloat16 operand of `torch.mm` in one pass, where the torch ops took six (about 5x faster).
 
 The source ships inside the package. On first use it is compiled with the system C compiler (`$CC`, else `cc`;
-`-O3 -fopenmp`, about a second) into `<cache>/native/<hash>/int4_gemv.so`, where `<cache>` is `$HFQUANT_CACHE` or
+`-O3 -fopenmp`, about a second) into `<cache>/native/<hash>/int4_cpu.so`, where `<cache>` is `$HFQUANT_CACHE` or
 `~/.cache/hfquant` and the hash covers the source, the flags and the compiler's version line; the library is written
 under a temporary name and renamed, so concurrent first uses do not see half a file. It is loaded with ctypes and
 called with raw pointers. OpenMP resolves to the libgomp torch already loaded, so `torch.set_num_threads` applies.
@@ -30,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["int4_gemv_library", "int4_gemv"]
+__all__ = ["int4_cpu_library", "int4_gemv", "int4_dequantize_t"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.c"
+_SOURCE = Path(__file__).with_name("csrc") / "int4_cpu.c"
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-_ABI = 1
+_ABI = 2
 
 
 def _compiler() -> str | None:
@@ -57,11 +59,11 @@ def _build(compiler: str) -> Path:
     first_line = (version.splitlines() or [""])[0]
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + first_line.encode()).hexdigest()[:16]
     folder = default_cache_dir() / "native" / digest
-    library = folder / "int4_gemv.so"
+    library = folder / "int4_cpu.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=".int4_gemv-", suffix=".so", dir=folder)
+    handle, partial = tempfile.mkstemp(prefix=".int4_cpu-", suffix=".so", dir=folder)
     os.close(handle)
     try:
         subprocess.run(
@@ -75,26 +77,28 @@ def _build(compiler: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def int4_gemv_library() -> ctypes.CDLL | None:
+def int4_cpu_library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None where it cannot be used here (the reason logged at INFO level)."""
     if os.environ.get("HFQUANT_NATIVE", "1") == "0":
-        logger.info("hfquant native int4 GEMV off: HFQUANT_NATIVE=0")
+        logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=0")
         return None
     compiler = _compiler()
     if compiler is None:
-        logger.info("hfquant native int4 GEMV unavailable: no C compiler ($CC or cc); using the aten kernel")
+        logger.info("hfquant native int4 kernels unavailable: no C compiler ($CC or cc); using the aten kernel")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.info("hfquant native int4 GEMV unavailable: build failed (%s); using the aten kernel", detail)
+        logger.info("hfquant native int4 kernels unavailable: build failed (%s); using the aten kernel", detail)
         return None
-    if library.hfquant_int4_gemv_abi() != _ABI or not library.hfquant_int4_gemv_supported():
-        logger.info("hfquant native int4 GEMV unavailable: this CPU lacks AVX512-BF16; using the aten kernel")
+    if library.hfquant_int4_cpu_abi() != _ABI or not library.hfquant_int4_cpu_supported():
+        logger.info("hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16; using the aten kernel")
         return None
     library.hfquant_int4_gemv.restype = ctypes.c_int
     library.hfquant_int4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    library.hfquant_int4_dequantize_t.restype = ctypes.c_int
+    library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     return library
 
 
@@ -109,12 +113,12 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     Returns:
         (1, N) bfloat16; each output summed in float32 and rounded once.
     Raises:
-        RuntimeError: the library is unavailable or refused the shapes (callers check `int4_gemv_library()` and the
+        RuntimeError: the library is unavailable or refused the shapes (callers check `int4_cpu_library()` and the
             shapes first).
     """
-    library = int4_gemv_library()
+    library = int4_cpu_library()
     if library is None:
-        raise RuntimeError("hfquant's native int4 GEMV is unavailable on this machine")
+        raise RuntimeError("hfquant's native int4 kernels are unavailable on this machine")
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
     status = library.hfquant_int4_gemv(
@@ -126,3 +130,33 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
             "(needs N % 64 == 0, an even group size dividing K)"
         )
     return y
+
+
+def int4_dequantize_t(
+    weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, start: int, stop: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Write the transposed dequantized weight of output channels start..stop-1 into `out` and return it.
+
+    Args:
+        weight, scale_zero, group_size: as for `int4_gemv` (N = weight.shape[0], K = weight.shape[1] * 2).
+        start, stop: output channels, multiples of 64, 0 <= start < stop <= N.
+        out: (K, stop - start) contiguous bfloat16; out[k, c] = (q[start + c, k] - 8) * scale + zero, computed in
+            float32 and rounded once.
+    Raises:
+        RuntimeError: the library is unavailable, or it refused the arguments.
+    """
+    library = int4_cpu_library()
+    if library is None:
+        raise RuntimeError("hfquant's native int4 kernels are unavailable on this machine")
+    out_features, in_features = weight.shape[0], weight.shape[1] * 2
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != (in_features, stop - start):
+        raise RuntimeError(f"int4_dequantize_t needs a contiguous bfloat16 ({in_features}, {stop - start}) output")
+    status = library.hfquant_int4_dequantize_t(
+        weight.data_ptr(), scale_zero.data_ptr(), out.data_ptr(), out_features, in_features, group_size, start, stop
+    )
+    if status:
+        raise RuntimeError(
+            f"hfquant native int4 dequantization refused N={out_features}, K={in_features}, group_size={group_size}, "
+            f"channels {start}..{stop} (needs multiples of 64 within N)"
+        )
+    return out

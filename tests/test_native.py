@@ -1,5 +1,6 @@
-"""hfquant's own single-row int4 GEMV (hfquant.native, csrc/int4_gemv.c): accuracy against a float64 reference and
-the aten kernel, thread-count independence, dispatch from QuantLinear, and the fallbacks when it cannot be used."""
+"""hfquant's own int4 CPU kernels (hfquant.native, csrc/int4_cpu.c): the single-row GEMV against a float64 reference
+and the aten kernel, thread-count independence, dispatch from QuantLinear, the prefill dequantization, and the
+fallbacks when they cannot be used."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from hfquant import QuantLinear, kernels, native, packing, rtn
+from hfquant import QuantLinear, kernels, native, rtn
 
 needs_native = pytest.mark.skipif(
     not kernels.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
@@ -21,7 +22,7 @@ needs_native = pytest.mark.skipif(
 def _layer(n: int, k: int, group: int, symmetric: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, symmetric)
-    runtime = packing.to_cpu_int4_layout(q.q)
+    runtime = kernels.prepare_weight("int4pack_mm_cpu", q.q, k)  # also sets the layout globals kernels reads
     sz = kernels.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     return q, runtime, sz, x
@@ -141,7 +142,7 @@ FALLBACK = """
     layer = QuantLinear.from_float(torch.randn(128, 256), None, 4, 64, False)
     layer.prepare_kernel(torch.bfloat16)
     x = torch.randn((1, 256), dtype=torch.bfloat16)
-    assert native.int4_gemv_library() is None and not kernels._NATIVE_INT4
+    assert native.int4_cpu_library() is None and not kernels._NATIVE_INT4
     expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.weight, 64, layer.scale_zero)
     assert torch.equal(layer(x), expected)
     print("fallback ok")
@@ -165,3 +166,46 @@ def test_missing_compiler_falls_back_to_aten(tmp_path):
     result = _run(FALLBACK, CC=str(tmp_path / "no-such-cc"), HFQUANT_CACHE=str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fallback ok" in result.stdout and "no C compiler" in result.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("start, stop", [(0, 192), (64, 128), (128, 192)])
+def test_dequantize_t_gives_the_kernel_formula_transposed(start, stop):
+    q, runtime, sz, _ = _layer(192, 256, 64, False)
+    out = torch.empty((256, stop - start), dtype=torch.bfloat16)
+    native.int4_dequantize_t(runtime, sz, 64, start, stop, out)
+    scale = sz[..., 0].float().t().repeat_interleave(64, dim=1)
+    zero = sz[..., 1].float().t().repeat_interleave(64, dim=1)
+    expected = ((q.q.float() - 8) * scale + zero)[start:stop].t()
+    # computed in float32 as q * scale + (zero - 8 scale) and rounded once: at most one bfloat16 step away
+    assert bool(((out.float() - expected).abs() <= 2.0**-7 * expected.abs() + 1e-30).all())
+    assert (out.float() != expected.to(torch.bfloat16).float()).float().mean().item() < 0.01
+
+
+@needs_native
+@pytest.mark.parametrize("start, stop", [(32, 128), (0, 0), (0, 256), (128, 64)])
+def test_dequantize_t_refuses_bad_channel_ranges(start, stop):
+    _, runtime, sz, _ = _layer(192, 256, 64, False)
+    out = torch.empty((256, max(stop - start, 1)), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        native.int4_dequantize_t(runtime, sz, 64, start, stop, out)
+
+
+@needs_native
+def test_prefill_gemm_with_native_dequantization_matches_torch_ops(monkeypatch):
+    """The chunked prefill GEMM gives the same products whether its int4 chunks come from C or from torch ops."""
+    n, k = 2048 + 64, 512
+    monkeypatch.setattr(kernels, "_GEMM_CHUNK_BYTES", 2 * 1024 * 512)  # 1024-row chunks: 1024, 1024, then 64
+    q, runtime, sz, _ = _layer(n, k, 128, False)
+    x = torch.randn((200, k), dtype=torch.bfloat16)
+    calls = []
+    real = native.int4_dequantize_t
+    monkeypatch.setattr(native, "int4_dequantize_t", lambda *a: calls.append(a[3:5]) or real(*a))
+    monkeypatch.setattr(kernels, "_NATIVE_INT4", True)
+    with_c = kernels._dequantized_gemm("int4pack_mm_cpu", x, runtime, None, sz, 128, n)
+    assert calls == [(0, 1024), (1024, 2048), (2048, 2112)]
+    monkeypatch.setattr(kernels, "_NATIVE_INT4", False)
+    with_torch = kernels._dequantized_gemm("int4pack_mm_cpu", x, runtime, None, sz, 128, n)
+    assert len(calls) == 3 and with_c.shape == (200, n)
+    # weights differ by at most one bfloat16 rounding (the offset is rounded first in the torch path)
+    assert torch.allclose(with_c.float(), with_torch.float(), rtol=2**-6, atol=2**-6 * with_torch.abs().max().item())

@@ -1,5 +1,7 @@
-/* Single-row int4 GEMV on the CPU int4 layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX-512 "halves" blocks).
+/* hfquant's int4 CPU kernels on the layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX-512 "halves" blocks):
+ * hfquant_int4_gemv (one activation row) and hfquant_int4_dequantize_t (weight columns for a prefill GEMM).
  *
+ * GEMV:
  *   y[n] = sum_g ( scale[g,n] * sum_{k in g} q[n,k] * x[k]  +  (zero[g,n] - 8 * scale[g,n]) * sum_{k in g} x[k] )
  *
  * which is x @ w.T for w[n,k] = (q[n,k] - 8) * scale[g,n] + zero[g,n], the formula of the aten kernel.
@@ -21,14 +23,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#define HFQUANT_INT4_GEMV_ABI 1
+#define HFQUANT_INT4_CPU_ABI 2
 
-int hfquant_int4_gemv_abi(void) { return HFQUANT_INT4_GEMV_ABI; }
+int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-int hfquant_int4_gemv_supported(void) {
+int hfquant_int4_cpu_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
@@ -110,13 +112,65 @@ int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *
     return 0;
 }
 
+/* Dequantize: out (K, stop - start) bfloat16, row-major, out[k, c] = bf16(q[start + c, k] * scale + zero - 8 * scale)
+ * for output channels start <= n < stop (multiples of 64), i.e. the transposed weight columns torch.mm reads. Each
+ * value is computed in float32 and rounded once. Same inputs and requirements as the GEMV. Returns 0 on success. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+int hfquant_int4_dequantize_t(const uint8_t *weight, const uint32_t *scale_zero, uint16_t *out, int64_t n, int64_t k,
+                              int64_t group, int64_t start, int64_t stop) {
+    if (n % 64 || start % 64 || stop % 64 || start < 0 || stop > n || start >= stop || group <= 0 || k % group)
+        return 1;
+    const int64_t width = stop - start, groups = k / group;
+
+#pragma omp parallel for schedule(static)
+    for (int64_t b = start / 64; b < stop / 64; b++) {
+        const __m128i low_nibble = _mm_set1_epi8(0x0F);
+        const __m512i zero_bits = _mm512_set1_epi32((int)0xFFFF0000u);
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        const uint8_t *block = weight + b * k * 32;
+        uint16_t *columns = out + (b * 64 - start);
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 scale[4], offset[4];
+            const uint32_t *pairs = scale_zero + g * n + b * 64;
+            for (int r = 0; r < 4; r++) {
+                const __m512i p = _mm512_loadu_si512(pairs + 16 * r);
+                scale[r] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+                offset[r] = _mm512_fnmadd_ps(eight, scale[r], _mm512_castsi512_ps(_mm512_and_si512(p, zero_bits)));
+            }
+            for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                const __m128i lo_half = _mm_loadu_si128((const __m128i *)(block + i * 32));
+                const __m128i hi_half = _mm_loadu_si128((const __m128i *)(block + i * 32 + 16));
+                const __m128i codes[4] = {
+                    _mm_and_si128(lo_half, low_nibble),                     /* rows 0-15 */
+                    _mm_and_si128(hi_half, low_nibble),                     /* rows 16-31 */
+                    _mm_and_si128(_mm_srli_epi16(lo_half, 4), low_nibble),  /* rows 32-47 */
+                    _mm_and_si128(_mm_srli_epi16(hi_half, 4), low_nibble),  /* rows 48-63 */
+                };
+                uint16_t *row = columns + i * width;
+                for (int r = 0; r < 4; r++) {
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[r]));
+                    const __m256bh w = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q, scale[r], offset[r]));
+                    _mm256_storeu_si256((__m256i *)(row + 16 * r), (__m256i)w);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 #else
 
-int hfquant_int4_gemv_supported(void) { return 0; }
+int hfquant_int4_cpu_supported(void) { return 0; }
 
 int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
                       int64_t n, int64_t k, int64_t group) {
     (void)x; (void)weight; (void)scale_zero; (void)y; (void)n; (void)k; (void)group;
+    return 1;
+}
+
+int hfquant_int4_dequantize_t(const uint8_t *weight, const uint32_t *scale_zero, uint16_t *out, int64_t n, int64_t k,
+                              int64_t group, int64_t start, int64_t stop) {
+    (void)weight; (void)scale_zero; (void)out; (void)n; (void)k; (void)group; (void)start; (void)stop;
     return 1;
 }
 
