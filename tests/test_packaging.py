@@ -1,4 +1,5 @@
-"""The wheel carries what a non-editable install needs: the package and the model card template."""
+"""The wheel carries what a non-editable install needs: the package, the model card template and the C source of the
+native kernels."""
 
 from __future__ import annotations
 
@@ -43,3 +44,6 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     template = zipfile.ZipFile(wheel).read("hfquant/model_cards/hfquant.jinja")
     assert template == (ROOT / "model_cards" / "hfquant.jinja").read_bytes()
     assert not any(name.startswith(("tests/", "model_cards/")) for name in names)
+    # the native kernels are compiled from the shipped source on first use: without it a wheel install is slower
+    source = zipfile.ZipFile(wheel).read("hfquant/csrc/int4_cpu.c")
+    assert source == (ROOT / "hfquant" / "csrc" / "int4_cpu.c").read_bytes()
