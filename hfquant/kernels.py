@@ -15,8 +15,8 @@ Kernels (PyTorch's aten ops, and one of our own for single int4 rows):
 
 On CPU, a call with at least `GEMM_MIN_ROWS[kernel]` activation rows (a prompt's prefill) does not use the int8/int4
 aten kernels, which are built for few rows: it dequantizes output-channel chunks of the runtime weight and runs the
-float GEMM (`_dequantized_gemm`), about 1.05x (int8) and 1.3x (int4) the bf16 layer's time at 512 rows instead of
-2.7x.
+float GEMM (`_dequantized_gemm`), about 1.05x (int8) and 1.07x (int4 with hfquant's C dequantization; 1.7x with torch
+ops) the bf16 layer's time at 512 rows instead of 2.7x.
 
 Both int4 kernels compute w = (q - 8) * scale + zero with a float `zero`, so an integer zero point z becomes
 zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` is the one place that decides; a kernel
@@ -119,7 +119,7 @@ def prepare_weight(kernel: str, codes_or_weight: torch.Tensor, in_features: int)
         global _CPU_INT4_BLOCKS, _NATIVE_INT4
         layout = packing.cpu_int4_layout()
         _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
-        _NATIVE_INT4 = _CPU_INT4_BLOCKS == 64 and native_int4_works()
+        _NATIVE_INT4 = native_int4_works()  # checks the layout too
         return packing.to_cpu_int4_layout(codes_or_weight)
     if kernel == "int4pack_mm_cuda":
         tiles = _cuda_inner_k_tiles(in_features)
@@ -205,7 +205,7 @@ def quantized_matmul(
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
-        if _NATIVE_INT4 and x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and out_features % 64 == 0:
+        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features):
             y = _int4_gemv_op(x2d, runtime_weight, sz, group_size) if torch.compiler.is_compiling() else (
                 native.int4_gemv(x2d, runtime_weight, sz, group_size)
             )
@@ -227,9 +227,11 @@ def quantized_matmul(
 GEMM_MIN_ROWS = {"int8pack_mm": 32, "int4pack_mm_cpu": 128}
 """Per CPU kernel, the activation rows from which its layers run as "dequantize a chunk, float GEMM" instead. The aten
 int8/int4 kernels cost about 0.11 ms per row on an 8192 x 2048 layer (2 AVX-512 cores, torch 2.13), about 2.7x the
-bf16 GEMM at 512 rows; the chunked path costs a fixed dequantization (about 1.3 ms for int8, 5.4 ms for int4: one
-pass to bf16, plus nibble unpacking and the group scales) plus about 0.045 ms per row. Crossovers measured: about
-20 rows (int8) and 90 rows (int4); the thresholds sit above them."""
+bf16 GEMM at 512 rows; the chunked path costs a fixed dequantization (about 1.3 ms for int8, 5.4 ms for int4 with
+torch ops: one pass to bf16, plus nibble unpacking and the group scales) plus about 0.045 ms per row. Crossovers
+measured: about 20 rows (int8) and 90 rows (int4); the thresholds sit above them. hfquant's C dequantization
+(`_takes_native_int4`) brings int4's fixed cost to about 1.5 ms and its crossover to 16-32 rows on large layers
+(64-128 on 576-wide ones); the int4 threshold was not lowered for it."""
 _CPU_INT4_BLOCKS: int | None = None
 """Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.packing`), set by
 `prepare_weight`; a plain global so that torch.compile reads it as a constant."""
@@ -237,6 +239,16 @@ _NATIVE_INT4 = False
 """Whether single bfloat16 rows of "int4pack_mm_cpu" layers run hfquant's own GEMV (`hfquant.native`): set by
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
+
+
+def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:
+    """Whether hfquant's C kernels (`hfquant.native`) serve this "int4pack_mm_cpu" call: they are usable here,
+    activations and (scale, zero) pairs are bfloat16, and the layer has whole 64-row blocks."""
+    return (
+        _NATIVE_INT4 and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16 and out_features % 64 == 0
+    )
+
+
 _GEMM_CHUNK_BYTES = 4 * 2**20
 """Dequantized weight per chunk: small enough that the allocator reuses it instead of mapping fresh pages."""
 
@@ -295,10 +307,7 @@ def _dequantized_gemm(
                 weight = weight * channel_scale[start:stop, None]
             product(weight.t(), start, stop)
         return result() if scale_weight else result() * channel_scale
-    if (
-        _NATIVE_INT4 and in_place and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16
-        and out_features % 64 == 0
-    ):
+    if in_place and _takes_native_int4(x2d, scale_zero, out_features):
         # one pass of hfquant's C dequantization per chunk, into one reused buffer
         buffer = torch.empty(in_features * min(chunk, out_features), dtype=torch.bfloat16, device=x2d.device)
         for start in range(0, out_features, chunk):
@@ -387,8 +396,9 @@ def kernel_works(kernel: str, device: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def native_int4_works() -> bool:
-    """True if hfquant's native single-row int4 GEMV (`hfquant.native`) builds and loads here and matches the aten
-    CPU kernel on a small random layer (128 x 256, group 64, asymmetric) within 1% of the output range. Cached."""
+    """True if hfquant's native int4 kernels (`hfquant.native`) build and load here, the CPU layout has 64-row "halves"
+    blocks, and on a small random layer (128 x 256, group 64, asymmetric) both the single-row GEMV and x @ (the
+    dequantized weight) match the aten CPU kernel within 1% of the output range. Cached."""
     if native.int4_cpu_library() is None:
         return False
     layout = packing.cpu_int4_layout()
@@ -403,12 +413,15 @@ def native_int4_works() -> bool:
     reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
     try:
         y = native.int4_gemv(x, runtime, sz, group).float()
+        weight_t = native.int4_dequantize_t(runtime, sz, group, 0, n, torch.empty((k, n), dtype=torch.bfloat16))
     except RuntimeError as error:
-        logger.info("hfquant native int4 GEMV unusable: %s", error)
+        logger.info("hfquant native int4 kernels unusable: %s", error)
         return False
     works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    from_dequantized = (x.float() @ weight_t.float()).float()
+    works = works and torch.allclose(from_dequantized, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
     if not works:
-        logger.warning("hfquant native int4 GEMV disagrees with the aten kernel; using the aten kernel")
+        logger.warning("hfquant native int4 kernels disagree with the aten kernel; using the aten kernel")
     return works
 
 

@@ -102,6 +102,13 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     return library
 
 
+def _loaded_library() -> ctypes.CDLL:
+    library = int4_cpu_library()
+    if library is None:
+        raise RuntimeError("hfquant's native int4 kernels are unavailable on this machine")
+    return library
+
+
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """y = x @ w.T for one bfloat16 row, w = (q - 8) * scale + zero from the aten CPU int4 layout.
 
@@ -116,9 +123,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
         RuntimeError: the library is unavailable or refused the shapes (callers check `int4_cpu_library()` and the
             shapes first).
     """
-    library = int4_cpu_library()
-    if library is None:
-        raise RuntimeError("hfquant's native int4 kernels are unavailable on this machine")
+    library = _loaded_library()
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
     status = library.hfquant_int4_gemv(
@@ -145,9 +150,7 @@ def int4_dequantize_t(
     Raises:
         RuntimeError: the library is unavailable, or it refused the arguments.
     """
-    library = int4_cpu_library()
-    if library is None:
-        raise RuntimeError("hfquant's native int4 kernels are unavailable on this machine")
+    library = _loaded_library()
     out_features, in_features = weight.shape[0], weight.shape[1] * 2
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != (in_features, stop - start):
         raise RuntimeError(f"int4_dequantize_t needs a contiguous bfloat16 ({in_features}, {stop - start}) output")
