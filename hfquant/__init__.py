@@ -5,12 +5,12 @@
 and `from_pretrained(saved_path)` reloads a saved quantized checkpoint.
 """
 
-from .config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
-from .embedding import QuantEmbedding
-from .experts import QuantExperts
-from .linear import QuantLinear
-from .registration import register
-from .quantizer import HfQuantQuantizer
+from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
+from hfquant.nn.embedding import QuantEmbedding
+from hfquant.nn.experts import QuantExperts
+from hfquant.nn.linear import QuantLinear
+from hfquant.integration.registration import register
+from hfquant.integration.quantizer import HfQuantQuantizer
 
 __all__ = [
     "FORMAT_VERSION",

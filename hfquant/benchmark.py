@@ -16,11 +16,11 @@ device_map="cpu", quantization_config=...)`` and measures, in this order:
 - ``tensor_bytes``: :func:`hfquant.memory.tensor_bytes` of the parameters and buffers, plus the quantization state
   tensors bitsandbytes hangs on its parameters (``SCB``, ``quant_state``), which are neither;
 - ``weight_read_bytes``: bytes read from weights per decoded token, see :func:`weight_bytes_per_token`;
-- ``decode_tok_s``: :func:`hfquant.evaluation.decode_tokens_per_second` (batch 1, 64 greedy tokens, warm-up, best
+- ``decode_tok_s``: :func:`hfquant.commands.evaluation.decode_tokens_per_second` (batch 1, 64 greedy tokens, warm-up, best
   of 3, prefill excluded);
 - ``prefill_ms``: median of 3 forward passes over 512 tokens (batch 1, ``use_cache=True``, ``logits_to_keep=1``
   as in ``generate``'s prefill), after one untimed pass;
-- ``perplexity`` (real workload): :func:`hfquant.evaluation.perplexity` on :func:`hfquant.evaluation.reference_text`;
+- ``perplexity`` (real workload): :func:`hfquant.commands.evaluation.perplexity` on :func:`hfquant.commands.evaluation.reference_text`;
 - ``files_bytes``: ``*.safetensors`` bytes written by ``save_pretrained`` (deleted afterwards unless
   ``--keep-saved``); ``files_note`` says why when the method cannot save.
 
@@ -187,8 +187,8 @@ def quantize_gb_per_s(
     if not weights:
         return None
     if method.startswith("hfquant-"):
-        from hfquant.linear import quantize_to_buffers
-        from hfquant.rtn import effective_group_size
+        from hfquant.nn.linear import quantize_to_buffers
+        from hfquant.core.rtn import effective_group_size
 
         def quantize(weight):
             group = effective_group_size(weight.shape[1], config.group_size, config.bits)
@@ -293,7 +293,7 @@ def memory_bandwidth(size_mib: int = 1024, repeats: int = 5) -> dict:
 
 
 def _prefill_ids(tokenizer, n: int):
-    from hfquant.evaluation import reference_text
+    from hfquant.commands.evaluation import reference_text
 
     ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][:, :n]
     if ids.shape[1] < n:
@@ -340,7 +340,7 @@ def _measure(args, result: dict, save_result) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text
+    from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
     from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
     sizes = QUICK if args.quick else FULL

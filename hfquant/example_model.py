@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from . import folders
+from hfquant.checkpoint import publish as folders
 
 logger = logging.get_logger(__name__)
 
@@ -108,7 +108,7 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
     The call is idempotent: when the folder already carries the completion marker
     (written last) it is returned immediately without loading anything.  Otherwise
     the model is built in a temporary sibling folder that is renamed into place
-    (:func:`hfquant.folders.publish_cache_folder`), so an interrupted build never
+    (:func:`hfquant.checkpoint.publish.publish_cache_folder`), so an interrupted build never
     leaves a half-written folder under the final name, and of two processes
     building at once, the second keeps the first one's folder.  Building takes ~10-30 s and ~1 GB of RAM on CPU.
 

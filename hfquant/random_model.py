@@ -22,8 +22,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from . import folders
-from .example_model import MARKER_NAME, build_example_model, default_cache_dir, has_marker
+from hfquant.checkpoint import publish as folders
+from hfquant.example_model import MARKER_NAME, build_example_model, default_cache_dir, has_marker
 
 logger = logging.get_logger(__name__)
 

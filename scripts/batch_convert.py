@@ -5,9 +5,9 @@
         --out-dir out/batch [--perplexity] [--json out/batch/summary.json]
 
 Each option set is written exactly as the quantization options of `hfquant convert` (same parser, same checks). Every
-(source, option set) pair is converted with `hfquant.convert.convert` into OUT_DIR/<source name>-<options slug>, e.g.
+(source, option set) pair is converted with `hfquant.commands.convert.convert` into OUT_DIR/<source name>-<options slug>, e.g.
 `smollm2-135m-instruct-bf16-int4-g128`. `--perplexity` also measures each output and each float source on the
-built-in text (`hfquant.evaluation.reference_text`). A failed conversion is reported in the table and the others go
+built-in text (`hfquant.commands.evaluation.reference_text`). A failed conversion is reported in the table and the others go
 on; the exit code is 1 when any failed.
 """
 
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from hfquant.cli import build_parser, config_from_args
-from hfquant.convert import convert, resolve_source
-from hfquant.inspection import human_bytes
+from hfquant.commands.cli import build_parser, config_from_args
+from hfquant.commands.convert import convert, resolve_source
+from hfquant.commands.inspection import human_bytes
 
 
 def slug(config) -> str:
@@ -47,7 +47,7 @@ def perplexity_of(path: Path) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hfquant  # noqa: F401  (registers the quantizer for the quantized checkpoints)
-    from hfquant.evaluation import perplexity, reference_text
+    from hfquant.commands.evaluation import perplexity, reference_text
 
     model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

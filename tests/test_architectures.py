@@ -19,8 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.embedding import QuantEmbedding
-from hfquant.experts import QuantExperts, experts_layout
+from hfquant.nn.embedding import QuantEmbedding
+from hfquant.nn.experts import QuantExperts, experts_layout
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "architectures.md"
 CUSTOM_MODEL = Path(__file__).resolve().parent / "custom_model"
@@ -259,7 +259,7 @@ def test_unsupported_experts_layout_stays_float_with_a_warning(caplog):
 
     shapes, reason = experts_layout(TransposedExperts())
     assert shapes and "transposed" in reason
-    from hfquant.quantizer import HfQuantQuantizer
+    from hfquant.integration.quantizer import HfQuantQuantizer
 
     quantizer = HfQuantQuantizer(HfQuantConfig(bits=8), pre_quantized=False)
     quantizer.modules_to_not_convert = []

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.float_linear import FloatLinear
-from hfquant.rtn import dequantize_weight, quantize_weight
-from hfquant.verify import verify
+from hfquant.nn.float_linear import FloatLinear
+from hfquant.core.rtn import dequantize_weight, quantize_weight
+from hfquant.commands.verify import verify
 
 try:
     from conftest import auto_class, input_ids, model_output
@@ -361,7 +361,7 @@ def test_shape_the_group_size_cannot_fit_is_refused_by_the_modules(make, error, 
 
 
 def _convert(src, dst, **kwargs):
-    from hfquant.convert import convert
+    from hfquant.commands.convert import convert
 
     config = kwargs.pop("config", HfQuantConfig(bits=4, group_size=32))
     return convert(src, dst, config, progress=False, **kwargs)
@@ -531,7 +531,7 @@ COMMAND_CASES = [
 
 @pytest.mark.parametrize("name, extra, status, words", COMMAND_CASES, ids=[c[0] for c in COMMAND_CASES])
 def test_command_says_what_is_wrong_in_one_line(float_checkpoint, quantized, tmp_path, capsys, name, extra, status, words):
-    from hfquant.cli import main
+    from hfquant.commands.cli import main
 
     src, dst = float_checkpoint("llama"), tmp_path / "dst"
     if extra == "quantized":

@@ -16,7 +16,7 @@ import pytest
 _WORKER = textwrap.dedent(
     """
     import json, sys, torch
-    from hfquant.linear import quantize_to_buffers
+    from hfquant.nn.linear import quantize_to_buffers
     from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib
     bits, group_size = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)

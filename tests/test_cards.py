@@ -1,4 +1,4 @@
-"""`hfquant.cards`: the model card's metadata (through huggingface_hub's ModelCardData) and body, from the files."""
+"""`hfquant.commands.cards`: the model card's metadata (through huggingface_hub's ModelCardData) and body, from the files."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from huggingface_hub import ModelCard
 
 from hfquant import HfQuantConfig
-from hfquant.cards import EVAL_FILE, build_card, is_hfquant_card, write_card
-from hfquant.convert import convert
-from hfquant.inspection import human_bytes, inspect_checkpoint
+from hfquant.commands.cards import EVAL_FILE, build_card, is_hfquant_card, write_card
+from hfquant.commands.convert import convert
+from hfquant.commands.inspection import human_bytes, inspect_checkpoint
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hfquant import HfQuantConfig
-from hfquant.cli import build_parser, config_from_args, main
+from hfquant.commands.cli import build_parser, config_from_args, main
 
 try:
     from _tiny import tiny_tokenizer
@@ -23,7 +23,7 @@ except ImportError:  # tests/ imported as a package
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hfquant.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "hfquant.commands.cli", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd)
 
 
@@ -93,7 +93,7 @@ def test_ctrl_c_that_a_c_extension_turned_into_another_error_exits_130(made_into
     """torch and safetensors sometimes catch the KeyboardInterrupt raised inside their C code and raise their own
     error instead (seen: "ValueError: could not determine the shape of object type 'torch.storage.UntypedStorage'");
     the command still reports an interruption, exit status 130, not a bad-input error."""
-    import hfquant.cli
+    import hfquant.commands.cli
 
     def interrupted_inside_c_code(args):
         try:
@@ -104,7 +104,7 @@ def test_ctrl_c_that_a_c_extension_turned_into_another_error_exits_130(made_into
             raise made_into("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
         raise AssertionError("SIGINT was not delivered")
 
-    monkeypatch.setitem(hfquant.cli._COMMANDS, "inspect", interrupted_inside_c_code)
+    monkeypatch.setitem(hfquant.commands.cli._COMMANDS, "inspect", interrupted_inside_c_code)
     with pytest.raises(SystemExit) as exit:
         main(["inspect", str(tmp_path)])
     assert exit.value.code == 130
@@ -113,12 +113,12 @@ def test_ctrl_c_that_a_c_extension_turned_into_another_error_exits_130(made_into
 
 
 def test_an_error_without_ctrl_c_keeps_its_exit_status(capsys, monkeypatch, tmp_path):
-    import hfquant.cli
+    import hfquant.commands.cli
 
     def bad(args):
         raise ValueError("bits=3 is not allowed")
 
-    monkeypatch.setitem(hfquant.cli._COMMANDS, "inspect", bad)
+    monkeypatch.setitem(hfquant.commands.cli._COMMANDS, "inspect", bad)
     with pytest.raises(SystemExit) as exit:
         main(["inspect", str(tmp_path)])
     assert exit.value.code == 2 and capsys.readouterr().err == "hfquant: error: bits=3 is not allowed\n"
@@ -178,7 +178,7 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
         from tests.hub_server import HubServer
 
     src = build_example_model()
-    hfquant = [sys.executable, "-m", "hfquant.cli"]
+    hfquant = [sys.executable, "-m", "hfquant.commands.cli"]
 
     def user(*args: str, env=None) -> str:
         result = subprocess.run([*hfquant, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)

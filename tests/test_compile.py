@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfquant import kernels
-from hfquant.linear import QuantLinear
-from hfquant.quantizer import HfQuantQuantizer
+from hfquant.ops import kernels
+from hfquant.nn.linear import QuantLinear
+from hfquant.integration.quantizer import HfQuantQuantizer
 from hfquant.config import HfQuantConfig
 
 

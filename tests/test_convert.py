@@ -1,4 +1,4 @@
-"""`hfquant.convert`: file-to-file quantization equal to quantize-on-load + save_pretrained, written atomically."""
+"""`hfquant.commands.convert`: file-to-file quantization equal to quantize-on-load + save_pretrained, written atomically."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig
-from hfquant.convert import convert, resolve_source
+from hfquant.commands.convert import convert, resolve_source
 
 try:
     from conftest import auto_class
@@ -214,7 +214,7 @@ def test_repo_id_source_offline_gives_a_clear_error(tmp_path, monkeypatch):
 _MEASURED_CONVERT = """
 import json, sys
 import hfquant, safetensors.torch, transformers.core_model_loading  # imported before the baseline is taken
-from hfquant.convert import convert
+from hfquant.commands.convert import convert
 from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib
 src, dst, shard = sys.argv[1:4]
 before = rss_mib()

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hfquant import HfQuantConfig, QuantLinear
 from hfquant.config import COMPUTE_DTYPES, EMBEDDING_DTYPES, LM_HEAD_POLICIES, NORM_DTYPES, validate_config_values
-from hfquant.embedding import QuantEmbedding
+from hfquant.nn.embedding import QuantEmbedding
 from hfquant.memory import tensor_bytes
-from hfquant.norms import find_norms, is_norm
+from hfquant.nn.norms import find_norms, is_norm
 
 try:
     from conftest import input_ids, model_output

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hfquant import HfQuantConfig, QuantLinear, packing, rtn
-from hfquant.embedding import QuantEmbedding, gather_cpu_int4_rows
+from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
 from hfquant.memory import dir_size_bytes, tensor_bytes
 
 try:
@@ -201,7 +201,7 @@ PPL_TOKENS = 1024  # two windows of 512: enough to separate the bounds above, 2 
 def smollm2():
     from transformers import AutoTokenizer
 
-    from hfquant.evaluation import perplexity, reference_text
+    from hfquant.commands.evaluation import perplexity, reference_text
     from hfquant.example_model import build_example_model
 
     path = build_example_model()
@@ -214,7 +214,7 @@ def smollm2():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SMOLLM2))
 def test_smollm2_with_quantized_embedding(smollm2, tmp_path, name):
-    from hfquant.evaluation import perplexity, reference_text
+    from hfquant.commands.evaluation import perplexity, reference_text
 
     path, tokenizer, bf16_ppl, bf16_footprint = smollm2
     config = HfQuantConfig(**SMOLLM2[name])

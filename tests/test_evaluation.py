@@ -1,4 +1,4 @@
-"""Fast tests of hfquant.evaluation on a tiny random Llama (no checkpoint needed)."""
+"""Fast tests of hfquant.commands.evaluation on a tiny random Llama (no checkpoint needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hfquant.evaluation import (
+from hfquant.commands.evaluation import (
     DEFAULT_REFERENCE_CHARS,
     decode_tokens_per_second,
     generate_answer,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfquant.float_linear import FloatLinear, one_row_linear, restore_nn_linear, takes_one_row_path, use_float_linear
+from hfquant.nn.float_linear import FloatLinear, one_row_linear, restore_nn_linear, takes_one_row_path, use_float_linear
 
 
 def _within_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

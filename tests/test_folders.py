@@ -1,4 +1,4 @@
-"""`hfquant.folders`: the temporary folder, the atomic publishing renames, and Ctrl-C held back over them."""
+"""`hfquant.checkpoint.publish`: the temporary folder, the atomic publishing renames, and Ctrl-C held back over them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hfquant import folders
+from hfquant.checkpoint import publish as folders
 
 
 def _folder(path: Path, text: str) -> Path:

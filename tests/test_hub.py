@@ -1,4 +1,4 @@
-"""`hfquant.hub` against a local stand-in of the Hub (tests/hub_server.py): one commit, every byte, clear errors."""
+"""`hfquant.commands.hub` against a local stand-in of the Hub (tests/hub_server.py): one commit, every byte, clear errors."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hfquant import HfQuantConfig
-from hfquant.cards import CARD_MARKER
-from hfquant.convert import convert
-from hfquant.hub import HubError, push_folder
+from hfquant.commands.cards import CARD_MARKER
+from hfquant.commands.convert import convert
+from hfquant.commands.hub import HubError, push_folder
 
 try:
     from hub_server import HubServer
@@ -127,7 +127,7 @@ def test_model_push_to_hub_writes_the_hfquant_card(hub, float_checkpoint):
 
 def test_cli_push_as_a_user(hub, folder):
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test_token", "HF_HUB_DISABLE_XET": "1"}
-    command = [sys.executable, "-m", "hfquant.cli", "push", str(folder), "me/cli", "--revision", "dev",
+    command = [sys.executable, "-m", "hfquant.commands.cli", "push", str(folder), "me/cli", "--revision", "dev",
                "--commit-message", "from the cli"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -137,7 +137,7 @@ def test_cli_push_as_a_user(hub, folder):
 
 
 def test_cli_push_error_exit_code_and_message(hub, folder, capsys):
-    from hfquant.cli import main
+    from hfquant.commands.cli import main
 
     hub.state.fail["commit"] = 401
     with pytest.raises(SystemExit) as exit_info:

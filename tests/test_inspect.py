@@ -1,4 +1,4 @@
-"""`hfquant.inspection`: per-kind bits, group sizes and bytes read from the safetensors headers, float layers and why."""
+"""`hfquant.commands.inspection`: per-kind bits, group sizes and bytes read from the safetensors headers, float layers and why."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hfquant import HfQuantConfig
-from hfquant.convert import convert
-from hfquant.inspection import format_report, inspect_checkpoint, layer_kind
+from hfquant.commands.convert import convert
+from hfquant.commands.inspection import format_report, inspect_checkpoint, layer_kind
 
 LLAMA_KINDS = [f"model.layers.*.{p}" for p in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
                                                "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")]
@@ -99,7 +99,7 @@ def test_text_report_lists_every_kind(converted):
 
 
 def test_cli_json_matches_library(converted, capsys):
-    from hfquant.cli import main
+    from hfquant.commands.cli import main
 
     path = converted("llama", bits=4)
     assert main(["inspect", str(path), "--json"]) == 0

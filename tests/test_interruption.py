@@ -3,8 +3,8 @@ disk filling up, two converts racing for one DST. Each must leave DST as it was 
 version, byte for byte) or complete, leave no temporary folder after SIGINT or an error, and a rerun must succeed.
 
 The kill points are exact: a driver process imports hfquant once, then forks one child per trial; the child runs
-`hfquant.cli.main(["convert", ...])` with every file-writing operation wrapped (safetensors `save_file`, `open` for
-writing, `shutil.copyfile`, `shutil.rmtree`, `os.replace`, `os.rename`, `tempfile.mkdtemp`, and `hfquant.folders`'
+`hfquant.commands.cli.main(["convert", ...])` with every file-writing operation wrapped (safetensors `save_file`, `open` for
+writing, `shutil.copyfile`, `shutil.rmtree`, `os.replace`, `os.rename`, `tempfile.mkdtemp`, and `hfquant.checkpoint.publish`'
 creation of the temporary folder and its two publishing renames), and sends itself the signal just before or just
 after the n-th of them. A clean run logs the sequence; the points are drawn from it with a
 fixed seed. `test_real_signals_from_outside` also interrupts the real command from another process.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hfquant.verify import verify
+from hfquant.commands.verify import verify
 
 SEED = 20251121
 POINTS_PER_SIGNAL = 3  # random points per signal and scenario in the writing phase
@@ -36,9 +36,9 @@ DRIVER = r'''
 import builtins, errno, hashlib, io, json, os, shutil, signal, sys, tempfile, time, traceback
 from pathlib import Path
 
-import hfquant.cli
-import hfquant.convert  # noqa: F401  (everything convert needs is imported before forking)
-import hfquant.folders
+import hfquant.commands.cli
+import hfquant.commands.convert  # noqa: F401  (everything convert needs is imported before forking)
+import hfquant.checkpoint.publish
 import safetensors.torch
 import transformers  # noqa: F401
 from safetensors import SafetensorError
@@ -111,9 +111,9 @@ def install(action, log):
     wrap(os, "replace", "replace")
     wrap(os, "rename", "rename")
     wrap(tempfile, "mkdtemp", "mkdtemp")
-    wrap(hfquant.folders, "_create_unique", "tmpdir")  # mkdir of .DST.tmp-*
-    wrap(hfquant.folders, "rename_noreplace", "publish")  # .DST.tmp-* -> an absent DST
-    wrap(hfquant.folders, "exchange", "exchange")  # .DST.tmp-* <-> an existing DST
+    wrap(hfquant.checkpoint.publish, "_create_unique", "tmpdir")  # mkdir of .DST.tmp-*
+    wrap(hfquant.checkpoint.publish, "rename_noreplace", "publish")  # .DST.tmp-* -> an absent DST
+    wrap(hfquant.checkpoint.publish, "exchange", "exchange")  # .DST.tmp-* <-> an existing DST
     wrap(builtins, "open", "open", writing)
     io.open = builtins.open
 
@@ -133,7 +133,7 @@ def start(args, action, tag):
             os.dup2(err, 2)
             install(action, log)
             try:
-                code = hfquant.cli.main(["convert", SRC, str(DST), *args])
+                code = hfquant.commands.cli.main(["convert", SRC, str(DST), *args])
             except SystemExit as exit:
                 code = exit.code if isinstance(exit.code, int) else 1
             except KeyboardInterrupt:
@@ -490,13 +490,13 @@ def test_ctrl_c_from_a_terminal_with_a_worker(tmp_path, source):
     (what Ctrl-C in a terminal does) at a seeded random moment after its temporary folder appears: the worker and the
     command stop, DST keeps the previous version byte for byte, nothing is left beside it, exit status 130."""
     from hfquant import HfQuantConfig
-    from hfquant.convert import convert
+    from hfquant.commands.convert import convert
 
     dst = tmp_path / "out" / "dst"
     convert(source, dst, HfQuantConfig(bits=8), max_shard_size="60KB", progress=False)
     before = _snapshot(dst)
     process = subprocess.Popen(
-        [sys.executable, "-m", "hfquant.cli", "convert", str(source), str(dst), *ARGS_NEW, "--workers", "1",
+        [sys.executable, "-m", "hfquant.commands.cli", "convert", str(source), str(dst), *ARGS_NEW, "--workers", "1",
          "--overwrite"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "TQDM_DISABLE": "1"},
@@ -539,7 +539,7 @@ def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
     SIGINT and by SIGKILL at seeded moments of its writing: every time DST still verifies with the same sums (the same
     bytes); a final rerun at 4 bits completes and verifies."""
     from hfquant.example_model import build_example_model
-    from hfquant.verify import write_checksums
+    from hfquant.commands.verify import write_checksums
 
     source = build_example_model()
     dst = tmp_path / "out" / "dst"
@@ -547,7 +547,7 @@ def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
 
     def command(*args: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "hfquant.cli", "convert", str(source), str(dst), "--no-progress", *args],
+            [sys.executable, "-m", "hfquant.commands.cli", "convert", str(source), str(dst), "--no-progress", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
 

@@ -1,4 +1,4 @@
-"""Tests of hfquant.kernels: which kernel `select_kernel` picks on CPU, and each kernel against the dequantize reference.
+"""Tests of hfquant.ops.kernels: which kernel `select_kernel` picks on CPU, and each kernel against the dequantize reference.
 
 Tolerances (all relative to max |reference| of the output):
   - bfloat16 activations: 2%. The aten kernels and the reference both round the output to bfloat16 (2**-9 relative)
@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import hfquant
-from hfquant import kernels, packing, rtn
+from hfquant.ops import kernels
+from hfquant.core import packing
+from hfquant.core import rtn
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
@@ -170,12 +172,14 @@ def test_many_rows_run_chunk_by_chunk_and_match_the_reference(monkeypatch, dtype
 _CHILD = r"""
 import json, sys, types
 spec = json.loads(sys.argv[1])
-# Load hfquant.kernels without hfquant/__init__ (which imports transformers): 1.5 s per child instead of 4 s.
+# Load hfquant.ops.kernels without hfquant/__init__ (which imports transformers): 1.5 s per child instead of 4 s.
 package = types.ModuleType("hfquant")
 package.__path__ = spec["path"]
 sys.modules["hfquant"] = package
 import torch
-from hfquant import kernels, packing, rtn
+from hfquant.ops import kernels
+from hfquant.core import packing
+from hfquant.core import rtn
 
 
 def at_offset(x, offset):

@@ -1,4 +1,4 @@
-"""Tests of hfquant.linear.QuantLinear: accuracy against the float layer, stored layout, state-dict round-trips."""
+"""Tests of hfquant.nn.linear.QuantLinear: accuracy against the float layer, stored layout, state-dict round-trips."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfquant import kernels, packing, rtn
-from hfquant.linear import QuantLinear, quantize_to_buffers
+from hfquant.ops import kernels
+from hfquant.core import packing
+from hfquant.core import rtn
+from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 
 # (bits, group_size, symmetric, in_features, out_features): at least one layer for each kernel picked on CPU.
 FORMATS = [
@@ -203,7 +205,7 @@ def test_forward_on_a_layer_without_bias_is_the_dequantized_product():
 
 @pytest.mark.parametrize("bits, symmetric", [(8, True), (8, False), (4, True), (4, False)])
 def test_quantize_to_buffers_chunking_does_not_change_results(monkeypatch, bits, symmetric):
-    import hfquant.linear as linear_module
+    import hfquant.nn.linear as linear_module
 
     weight = torch.randn((45, 64), generator=torch.Generator().manual_seed(14))
     whole = quantize_to_buffers(weight, bits, 32, symmetric)

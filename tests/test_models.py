@@ -9,9 +9,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.float_linear import FloatLinear
-from hfquant.kernels import select_kernel
-from hfquant.rtn import effective_group_size
+from hfquant.nn.float_linear import FloatLinear
+from hfquant.ops.kernels import select_kernel
+from hfquant.core.rtn import effective_group_size
 
 try:
     from conftest import ARCHITECTURES, auto_class, input_ids, model_output

@@ -1,4 +1,4 @@
-"""hfquant's own int4 CPU kernels (hfquant.native, csrc/int4_cpu.c): the single-row GEMV against a float64 reference
+"""hfquant's own int4 CPU kernels (hfquant.ops.native, csrc/int4_cpu.c): the single-row GEMV against a float64 reference
 and the aten kernel, thread-count independence, dispatch from QuantLinear, the prefill dequantization, and the
 fallbacks when they cannot be used."""
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.embedding import QuantEmbedding
+from hfquant.nn.embedding import QuantEmbedding
 
 VOCAB = 512
 # Offloaded layers run dequantize-then-matmul on the tensors read back from disk, the resident ones the int8 kernel:

@@ -39,11 +39,11 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("hfquant-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"hfquant/__init__.py", "hfquant/cards.py", "hfquant/quantizer.py"} <= names
+    assert {"hfquant/__init__.py", "hfquant/commands/cards.py", "hfquant/integration/quantizer.py"} <= names
     # cards.TEMPLATE_PATH looks for it there first (the source tree's model_cards/ is not installed)
     template = zipfile.ZipFile(wheel).read("hfquant/model_cards/hfquant.jinja")
     assert template == (ROOT / "model_cards" / "hfquant.jinja").read_bytes()
     assert not any(name.startswith(("tests/", "model_cards/")) for name in names)
     # the native kernels are compiled from the shipped source on first use: without it a wheel install is slower
-    source = zipfile.ZipFile(wheel).read("hfquant/csrc/int4_cpu.c")
-    assert source == (ROOT / "hfquant" / "csrc" / "int4_cpu.c").read_bytes()
+    source = zipfile.ZipFile(wheel).read("hfquant/ops/csrc/int4_cpu.c")
+    assert source == (ROOT / "hfquant" / "ops" / "csrc" / "int4_cpu.c").read_bytes()

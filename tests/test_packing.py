@@ -1,12 +1,12 @@
-"""Tests of hfquant.packing: the plain 4-bit file layout and the CPU int4 kernel layout."""
+"""Tests of hfquant.core.packing: the plain 4-bit file layout and the CPU int4 kernel layout."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hfquant import packing
-from hfquant.packing import cpu_int4_layout, from_cpu_int4_layout, pack_int4, to_cpu_int4_layout, unpack_int4
+from hfquant.core import packing
+from hfquant.core.packing import cpu_int4_layout, from_cpu_int4_layout, pack_int4, to_cpu_int4_layout, unpack_int4
 
 _ATEN_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 needs_cpu_int4_op = pytest.mark.skipif(_ATEN_PACK is None, reason="this PyTorch build has no CPU int4 pack op")

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 from hfquant import QuantLinear
-from hfquant.packing import pack_int4, unpack_int4
-from hfquant.rtn import dequantize_weight, effective_group_size, quantize_weight
+from hfquant.core.packing import pack_int4, unpack_int4
+from hfquant.core.rtn import dequantize_weight, effective_group_size, quantize_weight
 
 # Deterministic in CI (derandomize, no example database written into the checkout), no per-example deadline (the
 # first call of a kernel may be slow).
@@ -21,7 +21,7 @@ SETTINGS = settings(
     max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
-# The bound stated in hfquant.rtn: |w - w_hat| <= scale / 2, "up to float32 rounding of the division". w / scale and
+# The bound stated in hfquant.core.rtn: |w - w_hat| <= scale / 2, "up to float32 rounding of the division". w / scale and
 # (q - z) * scale are each rounded once in float32: relative error 2**-24 of values no larger than max|w| + scale;
 # 1e-6 is 16x that. Subnormal float32 results are rounded to an absolute 2**-149, which the last term covers.
 FP32_SLACK = 1e-6

@@ -81,7 +81,7 @@ def tokenizer(example_model):
 
 @pytest.fixture(scope="module")
 def token_ids(tokenizer, tmp_path_factory) -> Path:
-    from hfquant.evaluation import reference_text
+    from hfquant.commands.evaluation import reference_text
 
     ids = tokenizer(reference_text(4000), return_tensors="pt").input_ids[:, :96]
     path = tmp_path_factory.mktemp("ids") / "ids.pt"
@@ -93,7 +93,7 @@ def token_ids(tokenizer, tmp_path_factory) -> Path:
 def bf16_perplexity(example_model, tokenizer) -> float:
     from transformers import AutoModelForCausalLM
 
-    from hfquant.evaluation import perplexity, reference_text
+    from hfquant.commands.evaluation import perplexity, reference_text
 
     model = AutoModelForCausalLM.from_pretrained(example_model, dtype=torch.bfloat16, device_map="cpu")
     value = perplexity(model, tokenizer, reference_text())
@@ -117,7 +117,7 @@ def test_perplexity_within_bound_of_bf16(quantized, tokenizer, bf16_perplexity):
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401  (registers the quantizer)
-    from hfquant.evaluation import perplexity, reference_text
+    from hfquant.commands.evaluation import perplexity, reference_text
 
     bits, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -154,7 +154,7 @@ def test_reloaded_model_runs_batches_of_1_4_17(quantized, tokenizer):
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401
-    from hfquant.evaluation import reference_text
+    from hfquant.commands.evaluation import reference_text
 
     _, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -179,7 +179,7 @@ def test_answers_a_prompt(quantized, tokenizer):
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401
-    from hfquant.evaluation import generate_answer
+    from hfquant.commands.evaluation import generate_answer
 
     _, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -1,4 +1,4 @@
-"""Tests of hfquant.replace: module selection by name, layer plans and the swap to QuantLinear."""
+"""Tests of hfquant.nn.replace: module selection by name, layer plans and the swap to QuantLinear."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.linear import QuantLinear
-from hfquant.replace import matches_module, plan_layers, replace_with_quant_linear
+from hfquant.nn.linear import QuantLinear
+from hfquant.nn.replace import matches_module, plan_layers, replace_with_quant_linear
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"

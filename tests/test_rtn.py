@@ -1,12 +1,12 @@
-"""Tests of hfquant.rtn: the half-step error bound, code ranges, special groups, group-size rule and chunking."""
+"""Tests of hfquant.core.rtn: the half-step error bound, code ranges, special groups, group-size rule and chunking."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hfquant import rtn
-from hfquant.rtn import dequantize_weight, effective_group_size, qrange, quantize_weight
+from hfquant.core import rtn
+from hfquant.core.rtn import dequantize_weight, effective_group_size, qrange, quantize_weight
 
 SHAPES = [(n, k) for n in (1, 3, 33) for k in (32, 64, 96, 576)]
 # Relative slack on top of half a step: w / scale and (q - z) * scale are each rounded once in float32

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import hfquant
 from hfquant import HfQuantConfig
-from hfquant.verify import read_header, verify
+from hfquant.commands.verify import read_header, verify
 
 try:
     from conftest import auto_class
@@ -159,7 +159,7 @@ def test_metadata_strings_are_never_interpreted(tmp_path):
 
 
 def test_json_constants_and_duplicates_are_refused(tmp_path):
-    from hfquant.verify import read_json
+    from hfquant.commands.verify import read_json
 
     for text, words in (('{"a": NaN}', "NaN"), ('{"a": Infinity}', "Infinity"), ('{"a": 1, "a": 2}', "'a' appears twice")):
         path = tmp_path / "x.json"

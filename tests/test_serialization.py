@@ -15,8 +15,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.float_linear import FloatLinear
-from hfquant.replace import matches_module
+from hfquant.nn.float_linear import FloatLinear
+from hfquant.nn.replace import matches_module
 
 try:
     from conftest import auto_class, input_ids, model_output

@@ -1,4 +1,4 @@
-"""`hfquant.verify`: a sound checkpoint passes; each damaged index, header, tensor, config or checksum is reported
+"""`hfquant.commands.verify`: a sound checkpoint passes; each damaged index, header, tensor, config or checksum is reported
 by name with its fix; and a pre-quantized `from_pretrained` of a tensor of the wrong dtype or shape fails loudly."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig
-from hfquant.verify import SUMS_NAME, read_header, verify, write_checksums
+from hfquant.commands.verify import SUMS_NAME, read_header, verify, write_checksums
 
 try:
     from conftest import auto_class
@@ -454,9 +454,9 @@ def test_pre_quantized_load_of_a_damaged_tensor_fails_naming_it(copy_of, damage,
 def test_without_the_load_check_transformers_keeps_a_wrong_dtype_or_reinitializes(copy_of, monkeypatch):
     """Why the check exists: transformers alone loads a float32 scale silently, and with ignore_mismatched_sizes
     re-initializes a scale of the wrong shape (so the layer computes garbage)."""
-    import hfquant.verify
+    import hfquant.commands.verify
 
-    monkeypatch.setattr(hfquant.verify, "check_checkpoint_files", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(hfquant.commands.verify, "check_checkpoint_files", lambda *args, **kwargs: 0)
     folder = copy_of()
     _scale_dtype(folder)
     model = auto_class("llama").from_pretrained(folder, device_map="cpu")
@@ -485,7 +485,7 @@ def test_command_lists_every_problem_and_exits_1(copy_of):
 
     damaged = copy_of()
     expected = [_scale_shape(damaged), _weight_signed(damaged)]
-    run = subprocess.run([sys.executable, "-m", "hfquant.cli", "verify", str(damaged)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "hfquant.commands.cli", "verify", str(damaged)], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 1, run.stderr
     assert f"{damaged}: 2 problem(s):" in run.stderr
@@ -496,7 +496,7 @@ def test_command_lists_every_problem_and_exits_1(copy_of):
 
 
 def test_command_records_sums_of_a_sound_checkpoint(quantized, tmp_path, capsys):
-    from hfquant.cli import main
+    from hfquant.commands.cli import main
 
     sound = tmp_path / "sound"
     shutil.copytree(quantized("gpt2-int4-sym"), sound)

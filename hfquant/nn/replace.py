@@ -11,8 +11,8 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import nn
 
-from .linear import QuantLinear
-from .rtn import effective_group_size
+from hfquant.nn.linear import QuantLinear
+from hfquant.core.rtn import effective_group_size
 
 __all__ = [
     "LayerPlan",
@@ -163,7 +163,7 @@ def quantized_format(
     With the layers' bit width it uses the layers' `group_size` and `symmetric`; otherwise that width's defaults
     (per-row symmetric at 8 bits, group 128 asymmetric at 4 bits), as `HfQuantConfig` would pick them.
     """
-    from .config import default_group_size, default_symmetric
+    from hfquant.config import default_group_size, default_symmetric
 
     storage_bits = QUANTIZED_STORAGE[storage]
     if storage_bits == bits:
@@ -209,7 +209,7 @@ def replace_with_quant_embedding(
     `persistent=False` makes its tensors non-persistent buffers: a tied copy whose tensors come from another module
     after loading, so they are neither read from nor written to the checkpoint.
     """
-    from .embedding import QuantEmbedding
+    from hfquant.nn.embedding import QuantEmbedding
 
     old = model.get_submodule(name)
     scale = getattr(old, "scalar_embed_scale", None) if embedding_kind(old) == "scaled" else None
@@ -272,7 +272,7 @@ class ExpertsPlan(NamedTuple):
 
 def plan_experts(model: nn.Module, bits: int, group_size: int | None, skip: Iterable[str]) -> list[ExpertsPlan]:
     """One `ExpertsPlan` per module holding fused 3-D expert weights (transformers 5 MoE experts)."""
-    from .experts import experts_layout
+    from hfquant.nn.experts import experts_layout
 
     skip = list(skip)
     plans = []
@@ -296,7 +296,7 @@ def replace_with_quant_experts(
     model: nn.Module, plan: ExpertsPlan, bits: int, symmetric: bool, dtype: torch.dtype | None
 ):
     """Swap the experts module of `plan` for an empty `QuantExperts` on the meta device and return it."""
-    from .experts import QuantExperts
+    from hfquant.nn.experts import QuantExperts
 
     old = model.get_submodule(plan.name)
     new = QuantExperts(old, plan.shapes, bits, plan.group_sizes, symmetric, dtype, "meta")

@@ -7,10 +7,10 @@
     hfquant verify PATH [--write-checksums]
     hfquant bench ...   (hfquant.benchmark)
 
-`convert` quantizes a float safetensors checkpoint file to file (`hfquant.convert`), writing into a temporary folder
-beside DST renamed at the end. `inspect` reports what a checkpoint holds (`hfquant.inspection`). `eval` measures
-perplexity and decode speed, and records them for the model card (`hfquant.cards`). `push` uploads a folder to the
-Hub in one commit (`hfquant.hub`). The quantization options are the fields of `HfQuantConfig`, with its
+`convert` quantizes a float safetensors checkpoint file to file (`hfquant.commands.convert`), writing into a temporary folder
+beside DST renamed at the end. `inspect` reports what a checkpoint holds (`hfquant.commands.inspection`). `eval` measures
+perplexity and decode speed, and records them for the model card (`hfquant.commands.cards`). `push` uploads a folder to the
+Hub in one commit (`hfquant.commands.hub`). The quantization options are the fields of `HfQuantConfig`, with its
 docstring as their help.
 """
 
@@ -53,7 +53,7 @@ def _group_size(text: str) -> int | None:
 
 def _field_docs() -> dict[str, str]:
     """Each `HfQuantConfig` argument's description, from the `Args:` section of its docstring."""
-    from .config import HfQuantConfig
+    from hfquant.config import HfQuantConfig
 
     docs: dict[str, str] = {}
     current = None
@@ -77,7 +77,7 @@ def _field_docs() -> dict[str, str]:
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     """`--bits`, `--group-size`, `--symmetric/--asymmetric`, `--modules-to-not-convert`, and one option for every
     other field of `HfQuantConfig` (its type from the default, its help from the docstring)."""
-    from .config import HfQuantConfig
+    from hfquant.config import HfQuantConfig
 
     group = parser.add_argument_group("quantization (the fields of HfQuantConfig)")
     group.add_argument("--bits", type=int, default=4, choices=[8, 4], help="width of the stored integer weights (default 4)")
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace):
     """`HfQuantConfig` from parsed `convert` arguments; raises the config's ValueError/TypeError on bad values."""
-    from .config import HfQuantConfig
+    from hfquant.config import HfQuantConfig
 
     kwargs: dict[str, Any] = {
         "bits": args.bits, "symmetric": args.symmetric, "modules_to_not_convert": list(args.modules_to_not_convert),
@@ -238,8 +238,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import convert
-    from .inspection import human_bytes
+    from hfquant.commands.convert import convert
+    from hfquant.commands.inspection import human_bytes
 
     config = config_from_args(args)
     result = convert(
@@ -256,7 +256,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspection import format_report, inspect_checkpoint
+    from hfquant.commands.inspection import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(args.path)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -285,8 +285,8 @@ def evaluate(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .convert import resolve_source
-    from .evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
+    from hfquant.commands.convert import resolve_source
+    from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
 
     if text_file is not None:
         text = Path(text_file).read_text(encoding="utf-8")
@@ -329,7 +329,7 @@ def evaluate(
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .cards import EVAL_FILE, is_hfquant_card, write_card
+    from hfquant.commands.cards import EVAL_FILE, is_hfquant_card, write_card
 
     measured = evaluate(args.path, args.baseline, args.text_file, args.max_tokens, args.max_length, args.new_tokens,
                         args.repeats, args.prompt)
@@ -352,13 +352,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmark import main as bench_main
+    from hfquant.benchmark import main as bench_main
 
     return bench_main(args.bench_args)
 
 
 def _push(args: argparse.Namespace) -> int:
-    from .hub import push_folder
+    from hfquant.commands.hub import push_folder
 
     info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
                        commit_message=args.commit_message)
@@ -367,7 +367,7 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify, write_checksums
+    from hfquant.commands.verify import verify, write_checksums
 
     result = verify(args.path)
     for note in result.notes:
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verbose:
         logging.getLogger("hfquant").setLevel(logging.INFO)
-    from .hub import HubError
+    from hfquant.commands.hub import HubError
 
     interrupted: list[int] = []
     previous = _record_sigint(interrupted)

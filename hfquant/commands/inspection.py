@@ -45,7 +45,7 @@ def human_bytes(n: float) -> str:
 
 def _read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
     """{tensor name: (safetensors dtype, shape)} from every shard's header, and the files' total size in bytes."""
-    from .convert import checkpoint_tensor_files, open_safetensors
+    from hfquant.commands.convert import checkpoint_tensor_files, open_safetensors
 
     files = checkpoint_tensor_files(folder)
     tensors = {}
@@ -63,7 +63,7 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 def _float_skeleton(folder: Path):
     """The float model on the meta device (no weights), or None when the architecture cannot be built here."""
-    from .convert import load_skeleton
+    from hfquant.commands.convert import load_skeleton
 
     try:
         model, _, _ = load_skeleton(folder, "auto", None)
@@ -75,9 +75,9 @@ def _float_skeleton(folder: Path):
 
 def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str], stored: set[str]) -> list[dict]:
     """Linear / Conv1D layers of `model` that are not quantized in the files, each with the reason."""
-    from .config import HfQuantConfig
-    from .quantizer import plan_model
-    from .replace import matches_module
+    from hfquant.config import HfQuantConfig
+    from hfquant.integration.quantizer import plan_model
+    from hfquant.nn.replace import matches_module
 
     plans = {}
     user_skip: list[str] = []
@@ -92,7 +92,7 @@ def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str
     for name, module in model.named_modules():
         if module is output:
             head = name
-    from .replace import _linear_shape
+    from hfquant.nn.replace import _linear_shape
 
     rows = []
     for name, module in model.named_modules():

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import kernels, packing, rtn
-from .linear import empty_stored_tensors, quantize_to_buffers
+from hfquant.ops import kernels
+from hfquant.core import packing
+from hfquant.core import rtn
+from hfquant.nn.linear import empty_stored_tensors, quantize_to_buffers
 
 __all__ = ["QuantExperts", "experts_layout", "quantize_experts_tensor", "EXPERT_PROJECTIONS"]
 

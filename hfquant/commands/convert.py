@@ -13,11 +13,11 @@ about one source tensor plus twice one output shard (`save_file` serializes the 
 The output equals `from_pretrained(src, quantization_config=config, dtype=dtype, device_map="cpu")` followed by
 `save_pretrained(dst, max_shard_size=...)`: same tensor names (in the checkpoint's original naming), dtypes, shapes
 and bytes, the same shards and index, the same `config.json`. Tokenizer, generation config and other small files
-are copied as they are, and a model card is written as `README.md` (`hfquant.cards`).
+are copied as they are, and a model card is written as `README.md` (`hfquant.commands.cards`).
 
 Everything is written into a temporary folder beside `dst`, with the sha256 sums of its weights, config and index
 (`hfquant.sha256.json`, checked by `hfquant verify`), and renamed to `dst` in one atomic step at the end
-(`hfquant.folders`); an interrupted or failed run leaves `dst` as it was.
+(`hfquant.checkpoint.publish`); an interrupted or failed run leaves `dst` as it was.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from . import folders
-from .config import HfQuantConfig
-from .verify import write_checksums
+from hfquant.checkpoint import publish as folders
+from hfquant.config import HfQuantConfig
+from hfquant.commands.verify import write_checksums
 
 __all__ = [
     "ConvertResult", "convert", "resolve_source", "load_skeleton", "checkpoint_tensor_files", "open_safetensors",
@@ -216,7 +216,7 @@ def load_skeleton(folder: Path, dtype: str | torch.dtype = "auto", quantization_
     """
     from transformers import AutoConfig
 
-    from .quantizer import HfQuantQuantizer
+    from hfquant.integration.quantizer import HfQuantQuantizer
 
     model_config = AutoConfig.from_pretrained(folder)
     try:
@@ -498,7 +498,7 @@ def _write_weights(outputs: list[_Output], split, folder: Path, workers: int, wo
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from .streaming import release_checkpoint_pages
+    from hfquant.checkpoint.streaming import release_checkpoint_pages
 
     by_name = {out.name: out for out in outputs}
     order = [by_name[name] for names in split.filename_to_tensors.values() for name in names]
@@ -664,7 +664,7 @@ def convert(
             _save_config(model, tmp)
             _copy_small_files(folder, tmp)
             if card:
-                from .cards import write_card
+                from hfquant.commands.cards import write_card
 
                 write_card(
                     tmp,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import packing, rtn
-from .linear import QuantLinear, empty_stored_tensors, quantize_to_buffers
+from hfquant.core import packing
+from hfquant.core import rtn
+from hfquant.nn.linear import QuantLinear, empty_stored_tensors, quantize_to_buffers
 
 __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
 
@@ -193,7 +194,7 @@ class QuantEmbedding(nn.Module):
 
 
 def gather_cpu_int4_rows(packed: torch.Tensor, rows: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Codes (R, K) of `rows` of an (N, K) int4 weight held in the CPU kernel layout (`hfquant.packing`).
+    """Codes (R, K) of `rows` of an (N, K) int4 weight held in the CPU kernel layout (`hfquant.core.packing`).
 
     Full blocks of `block_n` rows are stored as (K, block_n / 2) bytes; byte [k, j] holds rows j and j + block_n / 2
     ("halves") or rows 2j and 2j + 1 ("pairs") in its low and high nibble; a short last block is always "pairs".

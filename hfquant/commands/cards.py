@@ -4,7 +4,7 @@ template `model_cards/hfquant.jinja`, rendered with `ModelCard.from_template`.
 The card's YAML metadata has `base_model` (when known), `base_model_relation: quantized`, `library_name:
 transformers`, tags (`hfquant`, `int4` or `int8`, ...), and the license and languages of the base model's own card
 when it is at hand. Its body shows the quantization config as a table, sizes against the float model
-(`hfquant.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
+(`hfquant.commands.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
 usage snippet. Every input is read from the checkpoint folder, so the card can be rendered again at any time (`hfquant
 push` does, with the repo id in the snippet).
 """
@@ -22,9 +22,9 @@ __all__ = ["CARD_MARKER", "EVAL_FILE", "TEMPLATE_PATH", "build_card", "write_car
 logger = logging.getLogger(__name__)
 
 def _template_path() -> Path:
-    here = Path(__file__).resolve().parent
-    installed = here / "model_cards" / "hfquant.jinja"  # a wheel carries model_cards/ inside the package
-    return installed if installed.is_file() else here.parent / "model_cards" / "hfquant.jinja"
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "model_cards" / "hfquant.jinja"  # a wheel carries model_cards/ inside the package
+    return installed if installed.is_file() else package.parent / "model_cards" / "hfquant.jinja"
 
 
 TEMPLATE_PATH = _template_path()
@@ -87,7 +87,7 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from hfquant import __version__
 
     return {"hfquant_version": __version__, "transformers_version": transformers.__version__,
             "torch_version": torch.__version__}
@@ -123,7 +123,7 @@ def build_card(
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from .inspection import format_report, human_bytes, inspect_checkpoint
+    from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
 
     folder = Path(folder)
     name = name or folder.name
@@ -207,7 +207,7 @@ def build_card(
 
 def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:
     """The `hfquant convert` command line that makes a checkpoint with `qconfig`."""
-    from .config import HfQuantConfig
+    from hfquant.config import HfQuantConfig
 
     defaults = HfQuantConfig(bits=qconfig["bits"]).to_dict()
     parts = ["hfquant convert", src, dst]

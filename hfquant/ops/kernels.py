@@ -4,9 +4,9 @@ Kernels (PyTorch's aten ops, and one of our own for single int4 rows):
   - "int8pack_mm": `torch.ops.aten._weight_int8pack_mm` (CPU, and CUDA builds that have it), int8 symmetric
     per-channel weights, activations bf16/fp16/fp32.
   - "int4pack_mm_cpu": `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise (group 32..256), weight
-    repacked into the CPU layout (`hfquant.packing`), scale and zero folded into one (K/g, N, 2) tensor.
+    repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one (K/g, N, 2) tensor.
     A single bfloat16 row (batch-1 decode) of such a layer runs hfquant's own GEMV on the same bytes instead
-    (`hfquant.native`, built from `csrc/int4_cpu.c` on first use; 1.3-1.6x faster per layer on AVX512-BF16 CPUs),
+    (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use; 1.3-1.6x faster per layer on AVX512-BF16 CPUs),
     where it builds and matches the aten kernel (`native_int4_works`); elsewhere the aten kernel serves every row.
   - "int4pack_mm_cuda": `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16 activations, weight repacked with
     `_convert_weight_to_int4pack`.
@@ -31,7 +31,9 @@ import logging
 
 import torch
 
-from . import native, packing, rtn
+from hfquant.ops import native
+from hfquant.core import packing
+from hfquant.core import rtn
 
 __all__ = [
     "KERNELS",
@@ -233,16 +235,16 @@ measured: about 20 rows (int8) and 90 rows (int4); the thresholds sit above them
 (`_takes_native_int4`) brings int4's fixed cost to about 1.5 ms and its crossover to 16-32 rows on large layers
 (64-128 on 576-wide ones); the int4 threshold was not lowered for it."""
 _CPU_INT4_BLOCKS: int | None = None
-"""Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.packing`), set by
+"""Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.core.packing`), set by
 `prepare_weight`; a plain global so that torch.compile reads it as a constant."""
 _NATIVE_INT4 = False
-"""Whether single bfloat16 rows of "int4pack_mm_cpu" layers run hfquant's own GEMV (`hfquant.native`): set by
+"""Whether single bfloat16 rows of "int4pack_mm_cpu" layers run hfquant's own GEMV (`hfquant.ops.native`): set by
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:
-    """Whether hfquant's C kernels (`hfquant.native`) serve this "int4pack_mm_cpu" call: they are usable here,
+    """Whether hfquant's C kernels (`hfquant.ops.native`) serve this "int4pack_mm_cpu" call: they are usable here,
     activations and (scale, zero) pairs are bfloat16, and the layer has whole 64-row blocks."""
     return (
         _NATIVE_INT4 and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16 and out_features % 64 == 0
@@ -396,7 +398,7 @@ def kernel_works(kernel: str, device: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def native_int4_works() -> bool:
-    """True if hfquant's native int4 kernels (`hfquant.native`) build and load here, the CPU layout has 64-row "halves"
+    """True if hfquant's native int4 kernels (`hfquant.ops.native`) build and load here, the CPU layout has 64-row "halves"
     blocks, and on a small random layer (128 x 256, group 64, asymmetric) both the single-row GEMV and x @ (the
     dequantized weight) match the aten CPU kernel within 1% of the output range. Cached."""
     if native.int4_cpu_library() is None:

@@ -272,7 +272,7 @@ def read_quantization_config(folder: str | os.PathLike):
             `HfQuantConfig` refuses (unknown field, unknown format version, bad value); the message says which.
         TypeError: a field has the wrong type (from `HfQuantConfig`).
     """
-    from .config import QUANT_METHOD, HfQuantConfig
+    from hfquant.config import QUANT_METHOD, HfQuantConfig
 
     folder = Path(folder)
     config = read_json(folder / CONFIG_NAME)
@@ -541,7 +541,7 @@ def _skeleton(folder: Path, config_dict: dict, quant_config):
     import transformers
     from transformers import AutoConfig
 
-    from .quantizer import HfQuantQuantizer
+    from hfquant.integration.quantizer import HfQuantQuantizer
 
     architectures = config_dict.get("architectures") or []
     cls = next((getattr(transformers, name, None) for name in architectures if getattr(transformers, name, None)), None)

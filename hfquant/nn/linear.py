@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import kernels, packing, rtn
+from hfquant.ops import kernels
+from hfquant.core import packing
+from hfquant.core import rtn
 
 __all__ = ["QuantLinear", "quantize_to_buffers"]
 
@@ -14,7 +16,7 @@ _CHUNK_BYTES = 4 * 2**20
 
 
 class QuantLinear(nn.Module):
-    """y = x @ dequantize(weight).T + bias, computed by the kernel `hfquant.kernels.select_kernel` picks.
+    """y = x @ dequantize(weight).T + bias, computed by the kernel `hfquant.ops.kernels.select_kernel` picks.
 
     Stored tensors (registered buffers; these are exactly what `state_dict()` and the files hold, see docs/format.md):
         weight: 8 bits symmetric: (out_features, in_features) int8 in [-127, 127];

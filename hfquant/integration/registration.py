@@ -9,7 +9,7 @@ from transformers.quantizers.auto import (
     register_quantizer,
 )
 
-from .config import QUANT_METHOD, HfQuantConfig
+from hfquant.config import QUANT_METHOD, HfQuantConfig
 
 __all__ = ["register"]
 
@@ -20,7 +20,7 @@ def register() -> None:
     Raises:
         ValueError: another package already registered a different class under "hfquant".
     """
-    from .quantizer import HfQuantQuantizer
+    from hfquant.integration.quantizer import HfQuantQuantizer
 
     config_cls = AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD)
     if config_cls is None:

@@ -52,7 +52,7 @@ def _build(compiler: str) -> Path:
     Raises:
         OSError / subprocess.CalledProcessError / subprocess.TimeoutExpired: the build failed.
     """
-    from .example_model import default_cache_dir
+    from hfquant.example_model import default_cache_dir
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = _SOURCE.read_bytes()

@@ -13,7 +13,7 @@ Loading flow (`from_pretrained(path, quantization_config=HfQuantConfig(...))`):
   3. `_process_model_after_weight_loading`: tied modules get the input embedding's tensors, each layer picks its
      kernel and repacks for it, a tied embedding shares the lm_head's kernel tensor, and modules stored in another
      float dtype get hooks casting their output back to the compute dtype; the `nn.Linear` layers left in float
-     become `FloatLinear`s (`hfquant.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV).
+     become `FloatLinear`s (`hfquant.nn.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV).
 Reloading a saved checkpoint (`config.json` has `quantization_config`) skips step 2: the stored tensors load as
 they are, with their stored dtypes.
 """
@@ -30,13 +30,13 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from .config import HfQuantConfig
-from .embedding import QuantEmbedding
-from .experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
-from .float_linear import restore_nn_linear, use_float_linear
-from .linear import QuantLinear, quantize_to_buffers
-from .norms import find_norms, install_dtype_adapter
-from .replace import (
+from hfquant.config import HfQuantConfig
+from hfquant.nn.embedding import QuantEmbedding
+from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
+from hfquant.nn.float_linear import restore_nn_linear, use_float_linear
+from hfquant.nn.linear import QuantLinear, quantize_to_buffers
+from hfquant.nn.norms import find_norms, install_dtype_adapter
+from hfquant.nn.replace import (
     QUANTIZED_STORAGE,
     LayerPlan,
     cast_float_params,
@@ -53,8 +53,8 @@ from .replace import (
     restore_kernel_buffers,
     torch_dtype,
 )
-from .rtn import effective_group_size
-from .streaming import release_checkpoint_pages, trim_heap
+from hfquant.core.rtn import effective_group_size
+from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model"]
 
@@ -187,7 +187,7 @@ class HfQuantQuantizer(HfQuantizer):
         if self.pre_quantized and kwargs.get("checkpoint_files"):
             # A stored tensor of the wrong dtype or shape would be re-initialized at random or loaded as garbage by
             # transformers: compare the shard headers with the skeleton first and raise a ValueError naming it.
-            from .verify import check_checkpoint_files
+            from hfquant.commands.verify import check_checkpoint_files
 
             check_checkpoint_files(model, kwargs["checkpoint_files"], self)
         if replaced == 0:
@@ -389,7 +389,7 @@ class HfQuantQuantizer(HfQuantizer):
         _warn_offloaded_buffers(model)
         logger.info("hfquant kernels: %s", counts)
         release_checkpoint_pages()
-        from .hub import attach_model_card  # push_to_hub writes hfquant's model card, not transformers' generic one
+        from hfquant.commands.hub import attach_model_card  # push_to_hub writes hfquant's model card, not transformers' generic one
 
         attach_model_card(model)
         return model
