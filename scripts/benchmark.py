@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Benchmark hfquant against bf16 and the peer libraries; see hfquant/benchmark.py (same as `hfquant bench`).
+"""Benchmark hfquant against bf16 and the peer libraries; see benchmarks/benchmark.py.
+
+The benchmark lives in benchmarks/ at the repository root, outside the installed package, so this script puts the
+repository root on sys.path first (it then also finds hfquant there when it is not installed).
 
 Examples:
     python scripts/benchmark.py                                  # both workloads, all methods (long: ~1 h on 2 cores)
@@ -7,14 +10,12 @@ Examples:
     python scripts/benchmark.py --model /path/to/checkpoint --quick --methods bf16,hfquant-int4
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
-if importlib.util.find_spec("hfquant") is None:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hfquant.benchmark import main
+from benchmarks.benchmark import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -39,8 +38,8 @@ import time
 import traceback
 from pathlib import Path
 
-if importlib.util.find_spec("hfquant") is None:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repository root: benchmarks/ (the memory helpers) is never installed; hfquant is found there too when it is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 METHODS = ("bf16", "int8", "int4")
 QUESTION = "What is the capital of France?"
@@ -93,7 +92,7 @@ def worker_load(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfquant.memory import dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+    from benchmarks.memory import dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
     out = Path(args.out)
     kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}

@@ -1,14 +1,19 @@
-"""The benchmark machinery (hfquant/benchmark.py) on a tiny random Llama with --quick: JSON schema, rows for a missing
-peer and a failed worker, the table.  No timing is asserted: the numbers of a --quick run mean nothing."""
+"""The benchmark machinery (benchmarks/benchmark.py) on a tiny random Llama with --quick: JSON schema, rows for a
+missing peer and a failed worker, the table, and scripts/benchmark.py starting from any folder.  No timing is asserted:
+the numbers of a --quick run mean nothing."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from hfquant import benchmark
+from benchmarks import benchmark
 
 try:
     from _tiny import tiny_llama, tiny_tokenizer
@@ -91,8 +96,18 @@ def test_unknown_method_is_refused(tiny_checkpoint, tmp_path, capsys):
     assert "nosuch" in capsys.readouterr().err
 
 
+def test_script_help_runs_from_any_folder(tmp_path):
+    """scripts/benchmark.py finds benchmarks/ (never installed) by itself, from another working directory."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage: scripts/benchmark.py" in result.stdout and "--workload" in result.stdout
+
+
 def test_weight_bytes_per_token_tied_and_untied():
-    from hfquant.memory import tensor_bytes
+    from benchmarks.memory import tensor_bytes
 
     for tie in (True, False):
         model = tiny_llama(tie=tie, dtype=torch.bfloat16)

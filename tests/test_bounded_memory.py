@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ _WORKER = textwrap.dedent(
     """
     import json, sys, torch
     from hfquant.nn.linear import quantize_to_buffers
-    from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib
+    from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib
     bits, group_size = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
     weight = torch.empty((16384, 16384), dtype=torch.float32)  # 1 GiB
@@ -34,7 +35,8 @@ _WORKER = textwrap.dedent(
 @pytest.mark.parametrize("bits,group_size", [(8, 16384), (4, 128)], ids=["int8", "int4-g128"])
 def test_transient_memory_of_quantizing_a_1gib_weight(bits, group_size):
     result = subprocess.run(
-        [sys.executable, "-c", _WORKER, str(bits), str(group_size)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _WORKER, str(bits), str(group_size)], capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).resolve().parents[1],  # the repository root, where `-c` code finds benchmarks/
     )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])

@@ -215,7 +215,7 @@ _MEASURED_CONVERT = """
 import json, sys
 import hfquant, safetensors.torch, transformers.core_model_loading  # imported before the baseline is taken
 from hfquant.commands.convert import convert
-from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib
+from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib
 src, dst, shard = sys.argv[1:4]
 before = rss_mib()
 reset_peak_rss()
@@ -234,8 +234,9 @@ def test_smollm2_identical_to_on_load_with_bounded_memory(tmp_path):
 
     src = build_example_model()
     shard = "50MB"
+    # cwd: the repository root, where `-c` code finds benchmarks/ (not installed)
     result = subprocess.run([sys.executable, "-c", _MEASURED_CONVERT, str(src), str(tmp_path / "converted"), shard],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     kwargs = dict(quantization_config=HfQuantConfig(bits=4), dtype=torch.bfloat16, device_map="cpu")

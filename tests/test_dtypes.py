@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+from benchmarks.memory import tensor_bytes
 from hfquant import HfQuantConfig, QuantLinear
 from hfquant.config import COMPUTE_DTYPES, EMBEDDING_DTYPES, LM_HEAD_POLICIES, NORM_DTYPES, validate_config_values
 from hfquant.nn.embedding import QuantEmbedding
-from hfquant.memory import tensor_bytes
 from hfquant.nn.norms import find_norms, is_norm
 
 try:

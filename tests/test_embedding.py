@@ -12,9 +12,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from benchmarks.memory import dir_size_bytes, tensor_bytes
 from hfquant import HfQuantConfig, QuantLinear, packing, rtn
 from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
-from hfquant.memory import dir_size_bytes, tensor_bytes
 
 try:
     from conftest import input_ids, model_output

@@ -1,4 +1,4 @@
-"""Tests of hfquant.memory."""
+"""Tests of benchmarks.memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hfquant.memory import MIB, dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+from benchmarks.memory import MIB, dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
 try:
     from _tiny import tiny_llama
@@ -66,7 +66,7 @@ def test_reset_peak_rss_lowers_the_high_water_mark():
 
 
 def test_rss_helpers_return_none_without_proc(monkeypatch):
-    import hfquant.memory as mem
+    import benchmarks.memory as mem
 
     monkeypatch.setattr(mem, "_PROC_STATUS", "/nonexistent/status")
     monkeypatch.setattr(mem, "_PROC_CLEAR_REFS", "/nonexistent/clear_refs")

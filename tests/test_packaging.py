@@ -1,5 +1,5 @@
 """The wheel carries what a non-editable install needs: the package, the model card template and the C source of the
-native kernels."""
+native kernels; and no measurement tooling (benchmarks/ stays in the source checkout)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for name in ("hfquant", "model_cards"):
+    for name in ("hfquant", "model_cards", "benchmarks"):  # benchmarks/ too: the build must leave it out
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     wheels = tmp_path / "wheels"
     # This environment's setuptools where it builds wheels by itself (>= 70.1), else pip's isolated build, which
@@ -47,3 +47,6 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     # the native kernels are compiled from the shipped source on first use: without it a wheel install is slower
     source = zipfile.ZipFile(wheel).read("hfquant/ops/csrc/int4_cpu.c")
     assert source == (ROOT / "hfquant" / "ops" / "csrc" / "int4_cpu.c").read_bytes()
+    # benchmark code is not library code: no benchmark, random model or memory-measurement module anywhere
+    tooling = {"benchmark.py", "random_model.py", "memory.py"}
+    assert not [name for name in names if name.startswith("benchmarks/") or name.rsplit("/", 1)[-1] in tooling]

@@ -25,7 +25,7 @@ _LOAD_WORKER = textwrap.dedent(
     """
     import json, sys, torch
     import hfquant
-    from hfquant.memory import peak_rss_mib, rss_mib, tensor_bytes
+    from benchmarks.memory import peak_rss_mib, rss_mib, tensor_bytes
     from transformers import AutoModelForCausalLM
     src, out, bits, group_size, ids_path = sys.argv[1:6]
     ids = torch.load(ids_path)
@@ -57,7 +57,9 @@ _RELOAD_WORKER = textwrap.dedent(
 
 
 def _run(code: str, *args: str) -> None:
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900)
+    # cwd: the repository root, where `-c` code finds benchmarks/ (not installed)
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900,
+                            cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-4000:]
 
 

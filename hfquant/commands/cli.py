@@ -5,7 +5,6 @@
     hfquant eval PATH [--baseline SRC] [--text-file FILE]
     hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG]
     hfquant verify PATH [--write-checksums]
-    hfquant bench ...   (hfquant.benchmark)
 
 `convert` quantizes a float safetensors checkpoint file to file (`hfquant.commands.convert`), writing into a temporary folder
 beside DST renamed at the end. `inspect` reports what a checkpoint holds (`hfquant.commands.inspection`). `eval` measures
@@ -210,14 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", default=None, help="create the repo private (an existing repo keeps its visibility)")
     p.add_argument("--revision", default=None, metavar="BRANCH", help="branch to commit to, created if missing (default main)")
     p.add_argument("--commit-message", default=None, metavar="MSG", help="commit title (default: Upload NAME quantized with hfquant)")
-
-    b = sub.add_parser(
-        "bench", add_help=False,
-        help="benchmark hfquant against bf16 and peer libraries (hfquant bench --help lists its options)",
-        description="Run hfquant.benchmark: every method in its own process, on SmolLM2 and a random 1.2B Llama.",
-    )
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="...",
-                   help="the benchmark's own options, passed on unchanged (see hfquant bench --help)")
     return parser
 
 
@@ -351,12 +342,6 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from hfquant.benchmark import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def _push(args: argparse.Namespace) -> int:
     from hfquant.commands.hub import push_folder
 
@@ -384,15 +369,13 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "bench": _bench, "verify": _verify}
+_COMMANDS = {"convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "verify": _verify}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hfquant` console script; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # the benchmark parses its own options (argparse would take its --help)
-        return _bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verbose:

@@ -3,7 +3,7 @@
     python scripts/benchmark.py [--workload real|1b|both] [--methods bf16,hfquant-int8,...] [--compile] [--quick]
 
 Workloads: ``real`` is the SmolLM2-135M example model (:mod:`hfquant.example_model`), measured for accuracy
-(perplexity) and everything else; ``1b`` is a random-weight 1.2B Llama (:mod:`hfquant.random_model`) for speed and
+(perplexity) and everything else; ``1b`` is a random-weight 1.2B Llama (:mod:`benchmarks.random_model`) for speed and
 memory (perplexity is skipped: the weights are random).  ``--model PATH`` benchmarks one local checkpoint
 instead (workload name ``model``).
 
@@ -12,8 +12,8 @@ crash or timeout only loses that row), which loads the checkpoint with ``from_pr
 device_map="cpu", quantization_config=...)`` and measures, in this order:
 
 - ``load_s``: wall time of ``from_pretrained``;
-- ``peak_rss_growth_mib``: VmHWM after it minus RSS just before it (peak reset first, :mod:`hfquant.memory`);
-- ``tensor_bytes``: :func:`hfquant.memory.tensor_bytes` of the parameters and buffers, plus the quantization state
+- ``peak_rss_growth_mib``: VmHWM after it minus RSS just before it (peak reset first, :mod:`benchmarks.memory`);
+- ``tensor_bytes``: :func:`benchmarks.memory.tensor_bytes` of the parameters and buffers, plus the quantization state
   tensors bitsandbytes hangs on its parameters (``SCB``, ``quant_state``), which are neither;
 - ``weight_read_bytes``: bytes read from weights per decoded token, see :func:`weight_bytes_per_token`;
 - ``decode_tok_s``: :func:`hfquant.commands.evaluation.decode_tokens_per_second` (batch 1, 64 greedy tokens, warm-up, best
@@ -247,7 +247,7 @@ def weight_bytes_per_token(model) -> int:
     counted instead (a tied table is read whole by ``lm_head``).  Not counted: the KV cache (about 4.8 MB for the 1B
     workload at 74 positions, 0.2% of its bf16 weights) and activations.
     """
-    from hfquant.memory import tensor_bytes
+    from benchmarks.memory import tensor_bytes
 
     total = tensor_bytes(_all_tensors(model))
     emb = model.get_input_embeddings()
@@ -315,7 +315,7 @@ def _prefill_ms(model, ids, repeats: int) -> float:
 
 
 def _save_size(model, target: Path, keep: bool) -> tuple[int | None, str | None]:
-    from hfquant.memory import dir_size_bytes
+    from benchmarks.memory import dir_size_bytes
 
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_serializable():
@@ -341,7 +341,7 @@ def _measure(args, result: dict, save_result) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
-    from hfquant.memory import peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+    from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
     sizes = QUICK if args.quick else FULL
     kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
@@ -457,7 +457,7 @@ def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
     log = out / "logs" / f"{name}.log"
     result_file.unlink(missing_ok=True)
     cmd = [
-        sys.executable, "-m", "hfquant.benchmark",
+        sys.executable, "-m", "benchmarks.benchmark",
         "--_worker", variant, "--_method", method, "--_workload", workload, "--_result", str(result_file),
         "--model", str(model), "--out", str(out),
     ]
@@ -465,7 +465,8 @@ def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
         cmd.append("--quick")
     if args.keep_saved:
         cmd.append("--keep-saved")
-    # The child imports this package even when it is not installed (scripts/benchmark.py from a checkout).
+    # The child imports benchmarks/ from the repository root (it is never installed), and hfquant from there too
+    # when hfquant is not installed.
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
@@ -639,7 +640,7 @@ def _parse_methods(text: str, parser) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hfquant bench",
+        prog="scripts/benchmark.py",
         description="Benchmark hfquant int8/int4 against bf16 and peer libraries (torchao, optimum-quanto, "
         "bitsandbytes) on CPU: load time, peak RSS, sizes, prefill, decode speed and its memory-bandwidth "
         "bound, perplexity.  Each method runs in its own process.",
@@ -679,14 +680,14 @@ def _workloads(args) -> dict[str, Path]:
 
             paths[name] = build_example_model()
         else:
-            from hfquant.random_model import build_random_llama
+            from benchmarks.random_model import build_random_llama
 
             paths[name] = build_random_llama()
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``hfquant bench`` and ``scripts/benchmark.py``; returns 0 when no method failed."""
+    """Entry point of ``scripts/benchmark.py`` and ``python -m benchmarks.benchmark``; 0 when no method failed."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker:
