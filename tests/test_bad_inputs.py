@@ -23,9 +23,9 @@ from hfquant.core.rtn import dequantize_weight, quantize_weight
 from hfquant.commands.verify import verify
 
 try:
-    from conftest import auto_class, input_ids, model_output
+    from helpers import auto_class, input_ids, model_output
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import auto_class, input_ids, model_output
+    from tests.helpers import auto_class, input_ids, model_output
 
 GROUPS = "[32, 64, 128, 256, 512, 1024]"
 

@@ -16,15 +16,15 @@ import torch
 from benchmarks import benchmark
 
 try:
-    from _tiny import tiny_llama, tiny_tokenizer
+    from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 except ImportError:  # tests/ imported as a package
-    from tests._tiny import tiny_llama, tiny_tokenizer
+    from tests.helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
-    tiny_llama(tie=False, dtype=torch.bfloat16).save_pretrained(path)
+    tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
@@ -110,7 +110,7 @@ def test_weight_bytes_per_token_tied_and_untied():
     from benchmarks.memory import tensor_bytes
 
     for tie in (True, False):
-        model = tiny_llama(tie=tie, dtype=torch.bfloat16)
+        model = tiny_model("llama_tied" if tie else "llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB)
         emb = model.get_input_embeddings().weight
         expected = tensor_bytes(model) - (0 if tie else tensor_bytes([emb]) - emb.shape[1] * 2)
         assert benchmark.weight_bytes_per_token(model) == expected

@@ -17,9 +17,9 @@ from hfquant import HfQuantConfig
 from hfquant.commands.cli import build_parser, config_from_args, main
 
 try:
-    from _tiny import tiny_tokenizer
+    from helpers import tiny_tokenizer
 except ImportError:  # tests/ imported as a package
-    from tests._tiny import tiny_tokenizer
+    from tests.helpers import tiny_tokenizer
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -14,9 +14,9 @@ from hfquant import HfQuantConfig
 from hfquant.commands.convert import convert, resolve_source
 
 try:
-    from conftest import auto_class
+    from helpers import auto_class
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import auto_class
+    from tests.helpers import auto_class
 
 SHARD_SIZE = "40KB"  # the tiny models are 100-300 KB: several shards, and a layer's tensors may straddle two
 

@@ -17,9 +17,9 @@ from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.norms import find_norms, is_norm
 
 try:
-    from conftest import input_ids, model_output
+    from helpers import cosine_similarity, input_ids, model_output
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import input_ids, model_output
+    from tests.helpers import cosine_similarity, input_ids, model_output
 
 NEW_FIELDS = {"embedding_dtype": EMBEDDING_DTYPES, "norm_dtype": NORM_DTYPES, "lm_head": LM_HEAD_POLICIES,
               "compute_dtype": COMPUTE_DTYPES}
@@ -135,10 +135,7 @@ def test_float_embeddings_and_norms_keep_their_dtype_and_a_reload_restores_every
     ids = input_ids()
     logits = model_output(model, ids)
     assert logits.dtype == torch.float32  # the compute dtype, whatever the embeddings and norms are stored in
-    cosine = torch.nn.functional.cosine_similarity(
-        logits.double().flatten(), model_output(reference, ids).double().flatten(), dim=0
-    ).item()
-    assert cosine >= MIXED_COSINE_MIN
+    assert cosine_similarity(logits, model_output(reference, ids)) >= MIXED_COSINE_MIN
 
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]

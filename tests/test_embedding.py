@@ -17,9 +17,9 @@ from hfquant import HfQuantConfig, QuantLinear, packing, rtn
 from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
 
 try:
-    from conftest import input_ids, model_output
+    from helpers import cosine_similarity, input_ids, model_output
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import input_ids, model_output
+    from tests.helpers import cosine_similarity, input_ids, model_output
 
 FORMATS = [(8, 64, True), (8, 32, False), (4, 32, False), (4, 64, True)]
 FORMAT_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in FORMATS]
@@ -143,10 +143,7 @@ def test_tied_embedding_and_lm_head_share_one_quantized_tensor(float_checkpoint,
 
     ids = input_ids()
     logits = model_output(model, ids)
-    cosine = torch.nn.functional.cosine_similarity(
-        logits.double().flatten(), model_output(reference, ids).double().flatten(), dim=0
-    ).item()
-    assert cosine >= TIED_COSINE_MIN[name]
+    assert cosine_similarity(logits, model_output(reference, ids)) >= TIED_COSINE_MIN[name]
 
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:

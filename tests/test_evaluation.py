@@ -16,9 +16,9 @@ from hfquant.commands.evaluation import (
 )
 
 try:
-    from _tiny import tiny_llama, tiny_tokenizer
+    from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 except ImportError:  # tests/ imported as a package
-    from tests._tiny import tiny_llama, tiny_tokenizer
+    from tests.helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama(seed=0)
+    return tiny_model("llama_tied", seed=0, **TOKENIZER_VOCAB)
 
 
 def _ids(tok, text):
@@ -134,7 +134,7 @@ def test_perplexity_is_deterministic_and_restores_mode(model, tok):
 
 def test_perplexity_lower_for_a_model_that_learned_the_text(tok):
     """Sanity check of direction: a few SGD steps on the text must lower perplexity."""
-    m = tiny_llama(seed=1)
+    m = tiny_model("llama_tied", seed=1, **TOKENIZER_VOCAB)
     text = reference_text(200)
     ids = _ids(tok, text)
     before = perplexity(m, tok, text)
@@ -150,7 +150,7 @@ def test_perplexity_lower_for_a_model_that_learned_the_text(tok):
 
 
 def test_perplexity_bfloat16_model(tok):
-    m = tiny_llama(seed=0, dtype=torch.bfloat16)
+    m = tiny_model("llama_tied", seed=0, dtype=torch.bfloat16, **TOKENIZER_VOCAB)
     ppl = perplexity(m, tok, reference_text(300))
     assert math.isfinite(ppl) and ppl > 1
 

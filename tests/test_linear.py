@@ -13,6 +13,11 @@ from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 
+try:
+    from helpers import cosine_similarity
+except ImportError:  # tests/ imported as a package
+    from tests.helpers import cosine_similarity
+
 # (bits, group_size, symmetric, in_features, out_features): at least one layer for each kernel picked on CPU.
 FORMATS = [
     (8, 256, True, 256, 64),  # int8pack_mm
@@ -36,29 +41,30 @@ def _snr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     return 10 * math.log10(reference.pow(2).sum().item() / (reference - approximation).pow(2).sum().item())
 
 
-def _float_layer(in_features: int, out_features: int, seed: int, dtype=torch.float32, bias=True):
+def _float_layer(in_features: int, out_features: int, seed: int, dtype=torch.float32, bias=True, device="cpu"):
+    """Random weight and bias, drawn on the CPU (the same values on every device), then moved to `device`."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn((out_features, in_features), generator=generator).to(dtype)
-    b = torch.randn((out_features,), generator=generator).to(dtype) if bias else None
+    weight = torch.randn((out_features, in_features), generator=generator).to(device, dtype)
+    b = torch.randn((out_features,), generator=generator).to(device, dtype) if bias else None
     return weight, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_forward_is_close_to_the_float_layer(fmt, dtype):
+def test_forward_is_close_to_the_float_layer(fmt, dtype, device):
     bits, group, symmetric, k, n = fmt
-    weight, bias = _float_layer(k, n, seed=k + n, dtype=dtype)
+    weight, bias = _float_layer(k, n, seed=k + n, dtype=dtype, device=device)
     layer = QuantLinear.from_float(weight, bias, bits, group, symmetric)
-    x = torch.randn((3, 5, k), generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn((3, 5, k), generator=torch.Generator().manual_seed(1)).to(device, dtype)
     reference = F.linear(x.double(), weight.double(), bias.double())
     for stage in ("stored layout", "kernel layout"):
         if stage == "kernel layout":
             layer.prepare_kernel()
         y = layer(x)
-        assert y.dtype == dtype and y.shape == (3, 5, n)
+        assert y.dtype == dtype and y.shape == (3, 5, n) and y.device.type == device
         snr = _snr_db(reference, y)
         assert snr > MIN_SNR_DB[bits], (stage, layer.kernel, snr)
-        cosine = F.cosine_similarity(reference.flatten(), y.double().flatten(), dim=0).item()
+        cosine = cosine_similarity(reference, y)
         assert cosine > 1 - 10 ** (-MIN_SNR_DB[bits] / 10)  # 1 - cos ~ noise/signal / 2 for small noise
 
 
@@ -115,14 +121,14 @@ def test_from_float_stores_the_rtn_result(fmt):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_prepare_kernel_keeps_the_state_dict_bit_exact(fmt, bias):
+def test_prepare_kernel_keeps_the_state_dict_bit_exact(fmt, bias, device):
     bits, group, symmetric, k, n = fmt
-    weight, b = _float_layer(k, n, seed=5, dtype=torch.bfloat16, bias=bias)
+    weight, b = _float_layer(k, n, seed=5, dtype=torch.bfloat16, bias=bias, device=device)
     layer = QuantLinear.from_float(weight, b, bits, group, symmetric)
     before = {key: value.clone() for key, value in layer.state_dict().items()}
     kernel = layer.prepare_kernel()
     assert kernel == layer.kernel == kernels.select_kernel(
-        bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n, device="cpu"
+        bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n, device=device
     )
     for attempt in range(2):  # prepare_kernel is idempotent
         after = layer.state_dict()
@@ -146,16 +152,16 @@ def test_int4_kernel_layout_differs_from_the_stored_layout():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype):
+def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype, device):
     bits, group, symmetric, k, n = fmt
-    weight, bias = _float_layer(k, n, seed=7, dtype=dtype)
+    weight, bias = _float_layer(k, n, seed=7, dtype=dtype, device=device)
     original = QuantLinear.from_float(weight, bias, bits, group, symmetric)
     original.prepare_kernel()
     state = original.state_dict()
-    x = torch.randn((17, k), generator=torch.Generator().manual_seed(8)).to(dtype)
+    x = torch.randn((17, k), generator=torch.Generator().manual_seed(8)).to(device, dtype)
     expected = original(x)
 
-    fresh = QuantLinear(k, n, bits, group, symmetric, bias=True, dtype=dtype)
+    fresh = QuantLinear(k, n, bits, group, symmetric, bias=True, dtype=dtype, device=device)
     fresh.load_state_dict(state)
     assert fresh.prepare_kernel() == original.kernel
     assert torch.equal(fresh(x), expected)
@@ -166,7 +172,7 @@ def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype):
     assert torch.equal(on_meta(x), expected)
 
     # Loading into a layer that already holds a kernel layout replaces it with the stored layout first.
-    other_weight, other_bias = _float_layer(k, n, seed=9, dtype=dtype)
+    other_weight, other_bias = _float_layer(k, n, seed=9, dtype=dtype, device=device)
     prepared = QuantLinear.from_float(other_weight, other_bias, bits, group, symmetric)
     prepared.prepare_kernel()
     prepared.load_state_dict(state)
@@ -178,9 +184,9 @@ def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_dequantize_equals_rtn_dequantize_weight(fmt):
+def test_dequantize_equals_rtn_dequantize_weight(fmt, device):
     bits, group, symmetric, k, n = fmt
-    weight, _ = _float_layer(k, n, seed=10)
+    weight, _ = _float_layer(k, n, seed=10, device=device)
     layer = QuantLinear.from_float(weight, None, bits, group, symmetric)
     qt = rtn.quantize_weight(weight, bits, group, symmetric)
     for dtype in (torch.float32, torch.bfloat16):
@@ -194,12 +200,12 @@ def test_dequantize_equals_rtn_dequantize_weight(fmt):
     assert bool(((layer.dequantize() - weight).abs() <= step / 2 * (1 + 1e-6) + 1e-6 * weight.abs()).all())
 
 
-def test_forward_on_a_layer_without_bias_is_the_dequantized_product():
-    weight, _ = _float_layer(128, 32, seed=12)
+def test_forward_on_a_layer_without_bias_is_the_dequantized_product(device):
+    weight, _ = _float_layer(128, 32, seed=12, device=device)
     layer = QuantLinear.from_float(weight, None, 8, 64, False)  # "dequant" kernel
     layer.prepare_kernel()
     assert layer.bias is None
-    x = torch.randn((4, 128), generator=torch.Generator().manual_seed(13))
+    x = torch.randn((4, 128), generator=torch.Generator().manual_seed(13)).to(device)
     assert torch.equal(layer(x), F.linear(x, layer.dequantize()))
 
 

@@ -10,9 +10,9 @@ import torch
 from benchmarks.memory import MIB, dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
 try:
-    from _tiny import tiny_llama
+    from helpers import TOKENIZER_VOCAB, tiny_model
 except ImportError:  # tests/ imported as a package
-    from tests._tiny import tiny_llama
+    from tests.helpers import TOKENIZER_VOCAB, tiny_model
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
@@ -79,8 +79,8 @@ def test_rss_helpers_return_none_without_proc(monkeypatch):
 
 
 def test_tensor_bytes_counts_tied_embeddings_once():
-    tied = tiny_llama(tie=True)
-    untied = tiny_llama(tie=False)
+    tied = tiny_model("llama_tied", **TOKENIZER_VOCAB)
+    untied = tiny_model("llama", **TOKENIZER_VOCAB)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     emb = tied.model.embed_tokens.weight.nbytes
     unique = sum(p.nbytes for p in tied.parameters()) + sum(b.nbytes for b in tied.buffers())
@@ -92,8 +92,8 @@ def test_tensor_bytes_counts_tied_embeddings_once():
 
 
 def test_tensor_bytes_dtype_and_buffers():
-    m = tiny_llama(dtype=torch.float32)
-    half = tiny_llama(dtype=torch.bfloat16)
+    m = tiny_model("llama_tied", dtype=torch.float32, **TOKENIZER_VOCAB)
+    half = tiny_model("llama_tied", dtype=torch.bfloat16, **TOKENIZER_VOCAB)
     params32 = sum(p.numel() for p in m.parameters()) * 4
     buffers = sum(b.nbytes for b in m.buffers())
     assert tensor_bytes(m) == params32 + buffers

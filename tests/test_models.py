@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -14,9 +13,9 @@ from hfquant.ops.kernels import select_kernel
 from hfquant.core.rtn import effective_group_size
 
 try:
-    from conftest import ARCHITECTURES, auto_class, input_ids, model_output
+    from helpers import ARCHITECTURES, auto_class, cosine_similarity, input_ids, model_output
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import ARCHITECTURES, auto_class, input_ids, model_output
+    from tests.helpers import ARCHITECTURES, auto_class, cosine_similarity, input_ids, model_output
 
 QCONFIGS = {"int8": dict(bits=8), "int4_g32": dict(bits=4, group_size=32)}
 # Minimum cosine similarity of the quantized model's output with the float model's. Per layer the SNR is ~43 dB at
@@ -52,10 +51,6 @@ def _quant_layers(model) -> dict[str, QuantLinear]:
 
 def _float_layers(model) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and not isinstance(m, QuantLinear)}
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -99,7 +94,7 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
     ids = input_ids()
     y, y_ref = model_output(model, ids), model_output(reference, ids)
     assert y.dtype == dtype and y.shape == y_ref.shape
-    assert _cosine(y, y_ref) > COSINE_MIN[qname]
+    assert cosine_similarity(y, y_ref) > COSINE_MIN[qname]
 
 
 def test_modules_to_not_convert_are_kept_in_float(float_checkpoint):
@@ -138,7 +133,8 @@ def test_in_features_without_a_group_divisor(float_checkpoint, bits, group_size)
             assert type(model.get_submodule(name)) is FloatLinear
         assert {layer.group_size for layer in layers.values()} == {min(group_size, 64)}  # 128 asked, 64 inputs -> 64
     ids = input_ids()
-    assert _cosine(model_output(model, ids), model_output(reference, ids)) > COSINE_MIN["int8" if bits == 8 else "int4_g32"]
+    cosine = cosine_similarity(model_output(model, ids), model_output(reference, ids))
+    assert cosine > COSINE_MIN["int8" if bits == 8 else "int4_g32"]
 
 
 def test_group_size_falls_back_to_the_largest_power_of_two_divisor(float_checkpoint):

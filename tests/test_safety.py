@@ -18,9 +18,9 @@ from hfquant import HfQuantConfig
 from hfquant.commands.verify import read_header, verify
 
 try:
-    from conftest import auto_class
+    from helpers import auto_class
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import auto_class
+    from tests.helpers import auto_class
 
 PACKAGE = Path(hfquant.__file__).parent
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}

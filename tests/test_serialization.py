@@ -19,9 +19,9 @@ from hfquant.nn.float_linear import FloatLinear
 from hfquant.nn.replace import matches_module
 
 try:
-    from conftest import auto_class, input_ids, model_output
+    from helpers import auto_class, input_ids, model_output
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import auto_class, input_ids, model_output
+    from tests.helpers import auto_class, input_ids, model_output
 
 # name -> (architecture, dtype, HfQuantConfig kwargs): every stored layout, both dtypes, bias and Conv1D.
 VARIANTS = {

@@ -17,9 +17,9 @@ from hfquant import HfQuantConfig
 from hfquant.commands.verify import SUMS_NAME, read_header, verify, write_checksums
 
 try:
-    from conftest import auto_class
+    from helpers import auto_class
 except ImportError:  # tests/ imported as a package
-    from tests.conftest import auto_class
+    from tests.helpers import auto_class
 
 INDEX = "model.safetensors.index.json"
 # (architecture, dtype, HfQuantConfig kwargs, max_shard_size): every stored layout, Conv1D, bias, tied lm_head.

@@ -1,0 +1,94 @@
+"""Plain helpers shared by the tests: tiny random models and tokenizer (offline, a few hundred KB each), their inputs
+and outputs, and one measure of how close two outputs are. Fixtures live in conftest.py, which imports from here.
+
+Test modules import them as
+
+    try:
+        from helpers import tiny_model
+    except ImportError:  # tests/ imported as a package
+        from tests.helpers import tiny_model
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
+
+ARCHITECTURES = ("llama", "llama_tied", "gpt2", "bert")
+
+TOKENIZER_VOCAB = dict(
+    vocab_size=257, max_position_embeddings=1024, bos_token_id=None, eos_token_id=256, pad_token_id=256
+)
+"""Llama config overrides that match `tiny_tokenizer()`: its 257 ids (256 bytes, then <eos> = 256, also the padding
+token), no BOS token, and positions for the long texts the evaluation tests score."""
+
+
+def tiny_config(arch: str, **overrides):
+    """Config of a 2-layer model with hidden size 64 and a 256-token vocabulary; `overrides` replace any value."""
+    if arch in ("llama", "llama_tied"):
+        values = dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=arch == "llama_tied",
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        return LlamaConfig(**(values | overrides))
+    if arch == "gpt2":  # Conv1D layers, lm_head tied to wte
+        values = dict(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
+        return GPT2Config(**(values | overrides))
+    if arch == "bert":  # encoder without an output embedding, Linear layers with bias
+        values = dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64, pad_token_id=0,
+        )
+        return BertConfig(**(values | overrides))
+    raise ValueError(arch)
+
+
+def auto_class(arch: str):
+    return AutoModel if arch == "bert" else AutoModelForCausalLM
+
+
+def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """Randomly initialised model of `tiny_config(arch, **overrides)` in `dtype`, eval mode.
+
+    The weights depend only on the arguments: `torch.manual_seed(seed)` right before the model is built. With
+    `**TOKENIZER_VOCAB` a Llama reads what `tiny_tokenizer()` writes.
+    """
+    torch.manual_seed(seed)
+    return auto_class(arch).from_config(tiny_config(arch, **overrides)).to(dtype).eval()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: one token per UTF-8 byte (256) plus ``<eos>`` (id 256)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def input_ids(batch: int = 2, length: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def model_output(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a causal LM, last hidden state of an encoder."""
+    with torch.no_grad():
+        out = model(input_ids=input_ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of the angle between `a` and `b`, each flattened to one float64 vector (any shapes of equal size)."""
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
