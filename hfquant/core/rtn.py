@@ -108,7 +108,8 @@ def compute_scale_zero_point(
         ValueError: the weight holds NaN or Inf (no meaningful scale exists).
     """
     qmin, qmax = qrange(bits, symmetric)
-    # amax and amin separately: torch.aminmax over a short inner dimension is ~10x slower on CPU (torch 2.13)
+    # amax and amin separately: torch.aminmax over a short inner dimension is much slower on CPU (torch 2.13;
+    # docs/performance.md)
     low, high = groups.amin(dim=-1).float(), groups.amax(dim=-1).float()
     if symmetric:
         scale = torch.maximum(low.abs(), high.abs()) / qmax

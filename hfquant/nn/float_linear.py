@@ -2,14 +2,14 @@
 group size), with a one-row product that reads a bfloat16 weight at memory speed on CPU.
 
 Why: with bfloat16 on an AVX-512 CPU, PyTorch (2.13) sends `F.linear` to oneDNN, whose matrix-vector product for a
-single activation row reads the weight at about half the memory bandwidth (measured on 2 AMD EPYC cores: a
-128256 x 2048 lm_head takes 25 ms through oneDNN, 12 ms through ATen's own bf16 GEMV, about 41 GB/s). At batch 1
-decode the float lm_head is the largest weight an int4 model reads per token, so this is where its time goes. With
-`torch.backends.mkldnn` disabled for the call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32
-accumulation): as accurate, but it sums in another order, so an output may differ from oneDNN's by one bfloat16
-rounding step (8 of 49152 outputs in a SmolLM2 lm_head test, both equally far from a float64 reference). For 2 and
-more rows oneDNN's GEMM is faster (2 rows about even, 4 rows 2x faster), so only single rows take this path. float16
-and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory speed) and keep the default path.
+single activation row reads the weight well below the memory bandwidth, where ATen's own bf16 GEMV reads it at about
+memory speed (timings: docs/performance.md, "Float layers"). At batch 1 decode the float lm_head is the largest
+weight an int4 model reads per token, so this is where its time goes. With `torch.backends.mkldnn` disabled for the
+call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32 accumulation): as accurate, but it sums in
+another order, so an output may differ from oneDNN's by one bfloat16 rounding step (8 of 49152 outputs in a SmolLM2
+lm_head test, both equally far from a float64 reference). From 2 rows on oneDNN's GEMM is as fast or faster, so only
+single rows take this path. float16 and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory
+speed) and keep the default path.
 
 The switch is the process-wide `torch.backends.mkldnn.enabled` flag, set for the duration of one call and restored
 (also when the call raises). Another thread multiplying matrices at that moment also skips oneDNN: the same results
@@ -68,8 +68,8 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         another order: an output may differ from `F.linear`'s by one bfloat16 rounding step).
 
     Under `torch.compile` it is the custom op `hfquant::one_row_linear` (inductor cannot see the flag); in eager the
-    flag is switched directly (about 1 us instead of the custom op's 7 us of dispatch). Meant for inference: under
-    torch.compile with gradients required, call `F.linear` instead (the op has no backward).
+    flag is switched directly, which costs less than the custom op's dispatch (docs/performance.md). Meant for
+    inference: under torch.compile with gradients required, call `F.linear` instead (the op has no backward).
     """
     if torch.compiler.is_compiling():
         return _one_row_linear_op(x, weight, bias)

@@ -166,8 +166,9 @@ class QuantLinear(nn.Module):
         return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Tensors straight from the module's dicts: nn.Module.__getattr__ costs ~0.5 us per lookup, 2.5 us of the
-        # ~15 us a decode step spends in a small layer (accelerate's hooks swap tensors in these same dicts).
+        # Tensors straight from the module's dicts: nn.Module.__getattr__ falls back to a slow lookup per buffer, a
+        # sizeable share of a small layer's decode call (docs/performance.md); accelerate's hooks swap tensors in
+        # these same dicts.
         buffers = self._buffers
         y = kernels.quantized_matmul(
             self.kernel,

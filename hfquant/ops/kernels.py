@@ -5,8 +5,8 @@ Kernels (PyTorch's aten ops, and one of our own for single int4 rows):
     per-channel weights, activations bf16/fp16/fp32.
   - "int4pack_mm_cpu": `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise (group 32..256), weight
     repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one (K/g, N, 2) tensor.
-    A single bfloat16 row (batch-1 decode) of such a layer runs hfquant's own GEMV on the same bytes instead
-    (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use; 1.3-1.6x faster per layer on AVX512-BF16 CPUs),
+    The aten kernel is instruction-bound at one row, so a single bfloat16 row (batch-1 decode) of such a layer runs
+    hfquant's own GEMV on the same bytes instead (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use),
     where it builds and matches the aten kernel (`native_int4_works`); elsewhere the aten kernel serves every row.
   - "int4pack_mm_cuda": `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16 activations, weight repacked with
     `_convert_weight_to_int4pack`.
@@ -14,9 +14,9 @@ Kernels (PyTorch's aten ops, and one of our own for single int4 rows):
     case and is the numerical reference in tests.
 
 On CPU, a call with at least `GEMM_MIN_ROWS[kernel]` activation rows (a prompt's prefill) does not use the int8/int4
-aten kernels, which are built for few rows: it dequantizes output-channel chunks of the runtime weight and runs the
-float GEMM (`_dequantized_gemm`), about 1.05x (int8) and 1.07x (int4 with hfquant's C dequantization; 1.7x with torch
-ops) the bf16 layer's time at 512 rows instead of 2.7x.
+aten kernels, which are built for few rows and take several times the float GEMM's time there: it dequantizes
+output-channel chunks of the runtime weight and runs the float GEMM (`_dequantized_gemm`), close to the bf16 layer's
+time. Measured timings of every path: docs/performance.md.
 
 Both int4 kernels compute w = (q - 8) * scale + zero with a float `zero`, so an integer zero point z becomes
 zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` is the one place that decides; a kernel
@@ -228,12 +228,11 @@ def quantized_matmul(
 
 GEMM_MIN_ROWS = {"int8pack_mm": 32, "int4pack_mm_cpu": 128}
 """Per CPU kernel, the activation rows from which its layers run as "dequantize a chunk, float GEMM" instead. The aten
-int8/int4 kernels cost about 0.11 ms per row on an 8192 x 2048 layer (2 AVX-512 cores, torch 2.13), about 2.7x the
-bf16 GEMM at 512 rows; the chunked path costs a fixed dequantization (about 1.3 ms for int8, 5.4 ms for int4 with
-torch ops: one pass to bf16, plus nibble unpacking and the group scales) plus about 0.045 ms per row. Crossovers
-measured: about 20 rows (int8) and 90 rows (int4); the thresholds sit above them. hfquant's C dequantization
-(`_takes_native_int4`) brings int4's fixed cost to about 1.5 ms and its crossover to 16-32 rows on large layers
-(64-128 on 576-wide ones); the int4 threshold was not lowered for it."""
+int8/int4 kernels pay a cost per activation row several times the float GEMM's; the chunked path pays a fixed
+dequantization of the weight (larger for int4 with torch ops: nibble unpacking and group scales on top of the pass to
+the activation dtype), then the float GEMM's small cost per row. Each threshold sits above the crossover measured for
+its kernel (docs/performance.md, "Prefill"). hfquant's C dequantization (`_takes_native_int4`) lowers int4's fixed
+cost and so its crossover; the int4 threshold was not lowered for it."""
 _CPU_INT4_BLOCKS: int | None = None
 """Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.core.packing`), set by
 `prepare_weight`; a plain global so that torch.compile reads it as a constant."""
@@ -272,8 +271,8 @@ def _dequantized_gemm(
     int8 (per-channel, symmetric): y = (x @ q.T) * scale, the scale applied to the output (to the weight for float16
     activations, whose range x @ q.T could exceed). int4 (CPU kernel layout, "halves" blocks): w = q * scale +
     (zero - 8 * scale), the kernel's own formula, written straight into the (K, chunk) layout `torch.mm` reads: in one
-    pass by hfquant's C kernel where `_NATIVE_INT4` holds (bfloat16 activations, N % 64 == 0, eager; about 5x faster),
-    else by torch ops.
+    pass by hfquant's C kernel where `_NATIVE_INT4` holds (bfloat16 activations, N % 64 == 0, eager; several times
+    faster than the torch ops, docs/performance.md), else by torch ops.
     """
     block = _CPU_INT4_BLOCKS
     if kernel == "int4pack_mm_cpu" and (block is None or out_features % block or scale_zero is None):

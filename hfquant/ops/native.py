@@ -2,14 +2,14 @@
 dequantization that feeds the prefill GEMM.
 
 Why our own: for one activation row (batch-1 decode) PyTorch's `_weight_int4pack_mm_for_cpu` is limited by its
-instruction count, not by memory: on 2 AVX-512 cores it reads an 8192 x 2048 int4 weight at about 23-30 GB/s where
-the memory gives about 40. `csrc/int4_cpu.c` reads the same bytes (the aten CPU layout, so nothing is repacked)
-with a table lookup per code and AVX512-BF16 dot products, 1.3-1.6x faster per layer; several rows still go to the
-aten kernel. For prefill (`kernels._dequantized_gemm`) the same file turns a slice of output channels into the
-(K, slice) bfloat16 operand of `torch.mm` in one pass, where the torch ops took six (about 5x faster).
+instruction count, not by memory: it reads an int4 weight well below the memory bandwidth. `csrc/int4_cpu.c` reads
+the same bytes (the aten CPU layout, so nothing is repacked) with a table lookup per code and AVX512-BF16 dot
+products, closer to memory speed; several rows still go to the aten kernel. For prefill (`kernels._dequantized_gemm`)
+the same file turns a slice of output channels into the (K, slice) bfloat16 operand of `torch.mm` in one pass, where
+the torch ops took six. Measured speeds of both: docs/performance.md.
 
 The source ships inside the package. On first use it is compiled with the system C compiler (`$CC`, else `cc`;
-`-O3 -fopenmp`, about a second) into `<cache>/native/<hash>/int4_cpu.so`, where `<cache>` is `$HFQUANT_CACHE` or
+`-O3 -fopenmp`) into `<cache>/native/<hash>/int4_cpu.so`, where `<cache>` is `$HFQUANT_CACHE` or
 `~/.cache/hfquant` and the hash covers the source, the flags and the compiler's version line; the library is written
 under a temporary name and renamed, so concurrent first uses do not see half a file. It is loaded with ctypes and
 called with raw pointers. OpenMP resolves to the libgomp torch already loaded, so `torch.set_num_threads` applies.
