@@ -187,13 +187,14 @@ def quantize_gb_per_s(
     if not weights:
         return None
     if method.startswith("hfquant-"):
+        from hfquant.core.format import StoredFormat
         from hfquant.nn.linear import quantize_to_buffers
         from hfquant.core.rtn import effective_group_size
 
         def quantize(weight):
             group = effective_group_size(weight.shape[1], config.group_size, config.bits)
             if group is not None:  # else kept in float: nothing to do, as on load
-                quantize_to_buffers(weight, config.bits, group, config.symmetric)
+                quantize_to_buffers(weight, StoredFormat(config.bits, group, config.symmetric))
     else:
         from torchao.quantization import quantize_
 

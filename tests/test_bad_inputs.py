@@ -19,6 +19,7 @@ from torch import nn
 
 from hfquant import HfQuantConfig, QuantLinear
 from hfquant.nn.float_linear import FloatLinear
+from hfquant.core.format import StoredFormat
 from hfquant.core.rtn import dequantize_weight, quantize_weight
 from hfquant.commands.verify import verify
 
@@ -270,7 +271,7 @@ def test_nan_or_inf_weight_is_refused_by_the_math(value):
             quantize_weight(weight, bits, 32, symmetric)
         _check(info, ValueError, ["NaN or Inf"])
         with pytest.raises(ValueError):
-            QuantLinear.from_float(weight, None, bits, 32, symmetric)
+            QuantLinear.from_float(weight, None, StoredFormat(bits, 32, symmetric))
 
 
 def test_nan_weight_when_quantizing_on_load_names_the_tensor(float_checkpoint, tmp_path):
@@ -341,8 +342,8 @@ def test_layer_too_small_or_oddly_shaped_stays_in_float_and_is_logged(float_chec
 @pytest.mark.parametrize(
     "make, error, words",
     [
-        (lambda: QuantLinear(33, 8, 4, 33, True), ValueError, ["4-bit layers need an even in_features", "33"]),
-        (lambda: QuantLinear(48, 8, 4, 32, True), ValueError, ["group_size=32", "in_features=48"]),
+        (lambda: QuantLinear(33, 8, StoredFormat(4, 33, True)), ValueError, ["4-bit layers need an even in_features", "33"]),
+        (lambda: QuantLinear(48, 8, StoredFormat(4, 32, True)), ValueError, ["group_size=32", "in_features=48"]),
         (lambda: quantize_weight(torch.randn(4, 48), 8, 32, True), ValueError, ["group_size=32", "in_features=48"]),
         (lambda: quantize_weight(torch.randn(4, 48), 8, 0, True), ValueError, ["group_size=0", "in_features=48"]),
         (lambda: quantize_weight(torch.randn(10), 8, 10, True), ValueError, ["2-D", "(10,)"]),

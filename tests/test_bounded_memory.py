@@ -17,6 +17,7 @@ import pytest
 _WORKER = textwrap.dedent(
     """
     import json, sys, torch
+    from hfquant.core.format import StoredFormat
     from hfquant.nn.linear import quantize_to_buffers
     from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib
     bits, group_size = int(sys.argv[1]), int(sys.argv[2])
@@ -25,7 +26,7 @@ _WORKER = textwrap.dedent(
     weight.normal_(0.0, 0.02)
     assert reset_peak_rss()
     before = rss_mib()
-    buffers = quantize_to_buffers(weight, bits, group_size, symmetric=bits == 8)
+    buffers = quantize_to_buffers(weight, StoredFormat(bits, group_size, symmetric=bits == 8))
     out_mib = sum(t.numel() * t.element_size() for t in buffers.values()) / 2**20
     print(json.dumps({"transient_mib": peak_rss_mib() - before - out_mib, "out_mib": out_mib}))
     """

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfquant.core.format import StoredFormat
 from hfquant.ops import kernels
+from hfquant.ops.kernels import Kernel
 from hfquant.nn.linear import QuantLinear
 from hfquant.integration.quantizer import HfQuantQuantizer
 from hfquant.config import HfQuantConfig
@@ -13,14 +15,14 @@ from hfquant.config import HfQuantConfig
 
 @pytest.mark.parametrize(
     "bits,group_size,symmetric,kernel",
-    [(8, 512, True, "int8pack_mm"), (4, 128, False, "int4pack_mm_cpu"), (8, 128, True, "dequant")],
+    [(8, 512, True, Kernel.INT8PACK_MM), (4, 128, False, Kernel.INT4PACK_MM_CPU), (8, 128, True, Kernel.DEQUANT)],
 )
 @pytest.mark.parametrize("rows", [3, 130], ids=["decode", "prefill"])  # 130 >= kernels.GEMM_MIN_ROWS: chunked GEMM
 def test_quant_linear_compiles_without_graph_breaks(bits, group_size, symmetric, kernel, rows):
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn((256, 512), generator=generator) * 0.02).to(torch.bfloat16)
-    layer = QuantLinear.from_float(weight, None, bits, group_size, symmetric)
+    layer = QuantLinear.from_float(weight, None, StoredFormat(bits, group_size, symmetric))
     assert layer.prepare_kernel(torch.bfloat16) == kernel
     x = torch.randn((rows, 512), generator=generator).to(torch.bfloat16)
     explanation = torch._dynamo.explain(layer)(x)

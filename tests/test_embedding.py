@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.memory import dir_size_bytes, tensor_bytes
 from hfquant import HfQuantConfig, QuantLinear, packing, rtn
+from hfquant.core.format import StoredFormat
 from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
 
 try:
@@ -33,7 +34,7 @@ def _half_step(module: QuantEmbedding) -> torch.Tensor:
 @pytest.mark.parametrize("bits, group, symmetric", FORMATS, ids=FORMAT_IDS)
 def test_lookup_within_half_a_step_of_the_float_rows(bits, group, symmetric):
     table = torch.randn(300, 128, generator=torch.Generator().manual_seed(0))
-    module = QuantEmbedding.from_float(table, bits, group, symmetric)
+    module = QuantEmbedding.from_float(table, StoredFormat(bits, group, symmetric))
     ids = torch.tensor([[0, 5, 299, 5], [17, 1, 1, 298]])
     out = module(ids)
     assert out.shape == (2, 4, 128) and out.dtype == torch.float32
@@ -45,16 +46,16 @@ def test_lookup_within_half_a_step_of_the_float_rows(bits, group, symmetric):
 
 def test_odd_dimension_per_row_int8_and_one_row():
     table = torch.randn(1, 33, generator=torch.Generator().manual_seed(1))
-    module = QuantEmbedding.from_float(table, 8, 33, True)
+    module = QuantEmbedding.from_float(table, StoredFormat(8, 33, True))
     out = module(torch.zeros(3, dtype=torch.long))
     assert ((out - table).abs() <= _half_step(module) * (1 + 1e-6)).all()
     with pytest.raises(ValueError, match="33"):
-        QuantEmbedding(1, 33, 4, 33, False)  # int4 packs two codes per byte
+        QuantEmbedding(1, 33, StoredFormat(4, 33, False))  # int4 packs two codes per byte
 
 
 def test_lookup_unpacks_only_the_gathered_rows(monkeypatch):
     table = torch.randn(4096, 64, generator=torch.Generator().manual_seed(2))
-    module = QuantEmbedding.from_float(table, 4, 32, False)
+    module = QuantEmbedding.from_float(table, StoredFormat(4, 32, False))
     seen = []
     original = packing.unpack_int4
     monkeypatch.setattr(packing, "unpack_int4", lambda packed: seen.append(tuple(packed.shape)) or original(packed))
@@ -69,14 +70,14 @@ def test_lookup_unpacks_only_the_gathered_rows(monkeypatch):
 
 
 def test_stored_schema_matches_docs():
-    module = QuantEmbedding.from_float(torch.randn(49, 576), 4, 64, False)
+    module = QuantEmbedding.from_float(torch.randn(49, 576), StoredFormat(4, 64, False))
     state = module.state_dict()
     assert {k: (v.dtype, tuple(v.shape)) for k, v in state.items()} == {
         "weight": (torch.uint8, (49, 288)),
         "weight_scale": (torch.bfloat16, (49, 9)),
         "weight_zero_point": (torch.uint8, (49, 9)),
     }
-    sym = QuantEmbedding.from_float(torch.randn(49, 576), 8, 576, True).state_dict()
+    sym = QuantEmbedding.from_float(torch.randn(49, 576), StoredFormat(8, 576, True)).state_dict()
     assert {k: (v.dtype, tuple(v.shape)) for k, v in sym.items()} == {
         "weight": (torch.int8, (49, 576)),
         "weight_scale": (torch.bfloat16, (49, 1)),
@@ -85,8 +86,8 @@ def test_stored_schema_matches_docs():
 
 def test_scaled_embedding_multiplies_like_the_float_module():
     table = torch.randn(50, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    module = QuantEmbedding.from_float(table, 8, 64, True, embed_scale=64**0.5)
-    plain = QuantEmbedding.from_float(table, 8, 64, True)
+    module = QuantEmbedding.from_float(table, StoredFormat(8, 64, True), embed_scale=64**0.5)
+    plain = QuantEmbedding.from_float(table, StoredFormat(8, 64, True))
     ids = torch.arange(50)
     scale = torch.tensor(64**0.5).to(torch.bfloat16)
     assert torch.equal(module(ids), plain(ids) * scale)
@@ -106,10 +107,10 @@ def test_gather_from_cpu_int4_kernel_layout_equals_unpacking_it_all(rows):
 @pytest.mark.parametrize("bits, group, symmetric", FORMATS, ids=FORMAT_IDS)
 def test_share_with_a_tied_lm_head_keeps_one_tensor_and_the_same_lookups(bits, group, symmetric):
     table = torch.randn(256, 128, generator=torch.Generator().manual_seed(4))
-    embedding = QuantEmbedding.from_float(table, bits, group, symmetric)
+    embedding = QuantEmbedding.from_float(table, StoredFormat(bits, group, symmetric))
     ids = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(5))
     before, stored = embedding(ids), {k: v.clone() for k, v in embedding.state_dict().items()}
-    head = QuantLinear(128, 256, bits, group, symmetric, bias=False, dtype=torch.float32, device="meta")
+    head = QuantLinear(128, 256, StoredFormat(bits, group, symmetric), bias=False, dtype=torch.float32, device="meta")
     for name in ("weight", "weight_scale", "weight_zero_point"):
         setattr(head, name, getattr(embedding, name))
     head.prepare_kernel(torch.float32)

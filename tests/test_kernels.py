@@ -21,8 +21,10 @@ import torch
 
 import hfquant
 from hfquant.ops import kernels
+from hfquant.ops.kernels import Kernel
 from hfquant.core import packing
 from hfquant.core import rtn
+from hfquant.core.format import StoredFormat
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
@@ -53,33 +55,39 @@ def _layer(bits: int, symmetric: bool, group: int, n: int, k: int, seed: int = 0
 
 
 def _runtime(kernel: str, qt, stored: torch.Tensor, k: int, dtype: torch.dtype):
-    source = qt.q if kernel.startswith("int4pack") else stored
+    source = qt.q if kernel in kernels.INT4_KERNELS else stored
     weight = kernels.prepare_weight(kernel, source, k)
-    scale_zero = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel.startswith("int4pack") else None
+    scale_zero = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel in kernels.INT4_KERNELS else None
     return weight, scale_zero
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_select_kernel_on_cpu(case):
     expected, bits, symmetric, group, n, k = case
-    got = kernels.select_kernel(
-        bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n, device="cpu"
-    )
-    assert got == expected
+    got = kernels.select_kernel(StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device="cpu")
+    assert got == expected and isinstance(got, Kernel)
 
 
 def test_select_kernel_falls_back_to_dequant_without_a_working_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "kernel_works", lambda kernel, device: kernel == "dequant")
     for _, bits, symmetric, group, n, k in CASES:
         assert kernels.select_kernel(
-            bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n, device="cpu"
-        ) == "dequant"
+            StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device="cpu"
+        ) == Kernel.DEQUANT
 
 
 def test_select_kernel_on_an_unknown_device_is_dequant():
-    assert kernels.select_kernel(bits=8, symmetric=True, group_size=64, in_features=64, out_features=64,
-                                 device="meta") == "dequant"
-    assert kernels.kernel_works("dequant", "meta")
+    assert kernels.select_kernel(StoredFormat(8, 64, True), in_features=64, out_features=64, device="meta") == "dequant"
+    assert kernels.kernel_works(Kernel.DEQUANT, "meta")
+
+
+def test_kernel_names_read_as_plain_strings():
+    """Logs, module reprs and the tests compare and print kernels by their names."""
+    assert [kernel.value for kernel in Kernel] == ["int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant"]
+    assert Kernel("int4pack_mm_cpu") is Kernel.INT4PACK_MM_CPU and Kernel.INT4PACK_MM_CPU == "int4pack_mm_cpu"
+    assert str(Kernel.DEQUANT) == f"{Kernel.DEQUANT}" == "dequant" and repr(Kernel.DEQUANT) == "'dequant'"
+    assert repr({Kernel.INT8PACK_MM: 2}) == "{'int8pack_mm': 2}"
+    assert set(kernels.GEMM_MIN_ROWS) == {"int8pack_mm", "int4pack_mm_cpu"}
 
 
 def test_scale_zero_for_int4_folds_the_zero_point():
@@ -125,7 +133,7 @@ def test_quantized_matmul_matches_the_dequantize_reference(case, dtype):
     qt, stored = _layer(bits, symmetric, group, n, k, seed=n + k)
     weight, scale_zero = _runtime(kernel, qt, stored, k, dtype)
     w_hat = rtn.dequantize_weight(qt.q, qt.scale, qt.zero_point, bits, symmetric).double()
-    options = dict(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n)
+    options = dict(fmt=StoredFormat(bits, group, symmetric), in_features=k, out_features=n)
     for index, batch in enumerate(BATCH_SHAPES):
         x = torch.randn((*batch, k), generator=torch.Generator().manual_seed(index)).to(dtype)
         y = kernels.quantized_matmul(kernel, x, weight, qt.scale, qt.zero_point, scale_zero, **options)
@@ -151,7 +159,7 @@ def test_many_rows_run_chunk_by_chunk_and_match_the_reference(monkeypatch, dtype
     monkeypatch.setattr(kernels, "_GEMM_CHUNK_BYTES", 1)
     qt, stored = _layer(bits, symmetric, group, n, k, seed=n)
     weight, scale_zero = _runtime(kernel, qt, stored, k, dtype)
-    options = dict(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n)
+    options = dict(fmt=StoredFormat(bits, group, symmetric), in_features=k, out_features=n)
     calls = []
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a))
@@ -180,6 +188,7 @@ import torch
 from hfquant.ops import kernels
 from hfquant.core import packing
 from hfquant.core import rtn
+from hfquant.core.format import StoredFormat
 
 
 def at_offset(x, offset):
@@ -191,16 +200,15 @@ def at_offset(x, offset):
 results = []
 for (expected_kernel, bits, symmetric, group, n, k), dtype_name, batches in spec["jobs"]:
     dtype = getattr(torch, dtype_name)
-    kernel = kernels.select_kernel(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
-                                   device="cpu")
+    kernel = kernels.select_kernel(StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device="cpu")
     job = f"{kernel} int{bits} g{group} N{n} K{k} {dtype_name}"
     assert expected_kernel is None or kernel == expected_kernel, job
     weight = torch.randn((n, k), generator=torch.Generator().manual_seed(0))
     qt = rtn.quantize_weight(weight, bits, group, symmetric)
     stored = packing.pack_int4(qt.q) if bits == 4 else qt.q
-    runtime = kernels.prepare_weight(kernel, qt.q if kernel.startswith("int4pack") else stored, k)
-    sz = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel.startswith("int4pack") else None
-    options = dict(bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n)
+    runtime = kernels.prepare_weight(kernel, qt.q if kernel in kernels.INT4_KERNELS else stored, k)
+    sz = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel in kernels.INT4_KERNELS else None
+    options = dict(fmt=StoredFormat(bits, group, symmetric), in_features=k, out_features=n)
     w_hat = rtn.dequantize_weight(qt.q, qt.scale, qt.zero_point, bits, symmetric).double()
 
     def run(x):

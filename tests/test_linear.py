@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hfquant.ops import kernels
 from hfquant.core import packing
 from hfquant.core import rtn
+from hfquant.core.format import StoredFormat
 from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 
 try:
@@ -54,7 +55,7 @@ def _float_layer(in_features: int, out_features: int, seed: int, dtype=torch.flo
 def test_forward_is_close_to_the_float_layer(fmt, dtype, device):
     bits, group, symmetric, k, n = fmt
     weight, bias = _float_layer(k, n, seed=k + n, dtype=dtype, device=device)
-    layer = QuantLinear.from_float(weight, bias, bits, group, symmetric)
+    layer = QuantLinear.from_float(weight, bias, StoredFormat(bits, group, symmetric))
     x = torch.randn((3, 5, k), generator=torch.Generator().manual_seed(1)).to(device, dtype)
     reference = F.linear(x.double(), weight.double(), bias.double())
     for stage in ("stored layout", "kernel layout"):
@@ -77,7 +78,7 @@ def test_buffers_have_the_documented_dtypes_and_shapes():
     }
     for (bits, symmetric), (weight_shape, weight_dtype) in layout.items():
         for bias in (True, False):
-            layer = QuantLinear(96, 64, bits, 32, symmetric, bias=bias, dtype=torch.float16)
+            layer = QuantLinear(96, 64, StoredFormat(bits, 32, symmetric), bias=bias, dtype=torch.float16)
             state = layer.state_dict()
             expected = {"weight", "weight_scale"} | ({"bias"} if bias else set()) | (set() if symmetric else {"weight_zero_point"})
             assert set(state) == expected
@@ -95,19 +96,21 @@ def test_buffers_have_the_documented_dtypes_and_shapes():
 
 def test_constructor_rejects_shapes_it_cannot_store():
     with pytest.raises(ValueError, match="does not divide"):
-        QuantLinear(96, 16, 4, 64, False)
-    with pytest.raises(ValueError, match="does not divide"):
-        QuantLinear(96, 16, 8, 0, True)
+        QuantLinear(96, 16, StoredFormat(4, 64, False))
+    with pytest.raises(ValueError, match="group_size=0"):
+        QuantLinear(96, 16, StoredFormat(8, 0, True))
     with pytest.raises(ValueError, match="even"):
-        QuantLinear(33, 16, 4, 33, False)
-    QuantLinear(33, 16, 8, 33, True)  # odd in_features are fine at 8 bits
+        QuantLinear(33, 16, StoredFormat(4, 33, False))
+    QuantLinear(33, 16, StoredFormat(8, 33, True))  # odd in_features are fine at 8 bits
+    with pytest.raises(TypeError, match="StoredFormat"):
+        QuantLinear(96, 16, 4, 32, False)  # the former (bits, group_size, symmetric) arguments
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_from_float_stores_the_rtn_result(fmt):
     bits, group, symmetric, k, n = fmt
     weight, bias = _float_layer(k, n, seed=3)
-    layer = QuantLinear.from_float(weight, bias, bits, group, symmetric)
+    layer = QuantLinear.from_float(weight, bias, StoredFormat(bits, group, symmetric))
     qt = rtn.quantize_weight(weight, bits, group, symmetric)
     expected_weight = packing.pack_int4(qt.q) if bits == 4 else qt.q
     assert torch.equal(layer.weight, expected_weight)
@@ -124,11 +127,11 @@ def test_from_float_stores_the_rtn_result(fmt):
 def test_prepare_kernel_keeps_the_state_dict_bit_exact(fmt, bias, device):
     bits, group, symmetric, k, n = fmt
     weight, b = _float_layer(k, n, seed=5, dtype=torch.bfloat16, bias=bias, device=device)
-    layer = QuantLinear.from_float(weight, b, bits, group, symmetric)
+    layer = QuantLinear.from_float(weight, b, StoredFormat(bits, group, symmetric))
     before = {key: value.clone() for key, value in layer.state_dict().items()}
     kernel = layer.prepare_kernel()
     assert kernel == layer.kernel == kernels.select_kernel(
-        bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n, device=device
+        StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device=device
     )
     for attempt in range(2):  # prepare_kernel is idempotent
         after = layer.state_dict()
@@ -143,7 +146,7 @@ def test_prepare_kernel_keeps_the_state_dict_bit_exact(fmt, bias, device):
 def test_int4_kernel_layout_differs_from_the_stored_layout():
     """Guards the test above: for the CPU int4 kernel the live buffer really is reordered, so equality is not free."""
     weight, _ = _float_layer(256, 64, seed=6)
-    layer = QuantLinear.from_float(weight, None, 4, 32, False)
+    layer = QuantLinear.from_float(weight, None, StoredFormat(4, 32, False))
     stored = layer.weight.clone()
     assert layer.prepare_kernel() == "int4pack_mm_cpu"
     assert not torch.equal(layer.weight.reshape(-1), stored.reshape(-1))
@@ -155,25 +158,25 @@ def test_int4_kernel_layout_differs_from_the_stored_layout():
 def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype, device):
     bits, group, symmetric, k, n = fmt
     weight, bias = _float_layer(k, n, seed=7, dtype=dtype, device=device)
-    original = QuantLinear.from_float(weight, bias, bits, group, symmetric)
+    original = QuantLinear.from_float(weight, bias, StoredFormat(bits, group, symmetric))
     original.prepare_kernel()
     state = original.state_dict()
     x = torch.randn((17, k), generator=torch.Generator().manual_seed(8)).to(device, dtype)
     expected = original(x)
 
-    fresh = QuantLinear(k, n, bits, group, symmetric, bias=True, dtype=dtype, device=device)
+    fresh = QuantLinear(k, n, StoredFormat(bits, group, symmetric), bias=True, dtype=dtype, device=device)
     fresh.load_state_dict(state)
     assert fresh.prepare_kernel() == original.kernel
     assert torch.equal(fresh(x), expected)
 
-    on_meta = QuantLinear(k, n, bits, group, symmetric, bias=True, dtype=dtype, device="meta")
+    on_meta = QuantLinear(k, n, StoredFormat(bits, group, symmetric), bias=True, dtype=dtype, device="meta")
     on_meta.load_state_dict(state, assign=True)
     on_meta.prepare_kernel()
     assert torch.equal(on_meta(x), expected)
 
     # Loading into a layer that already holds a kernel layout replaces it with the stored layout first.
     other_weight, other_bias = _float_layer(k, n, seed=9, dtype=dtype, device=device)
-    prepared = QuantLinear.from_float(other_weight, other_bias, bits, group, symmetric)
+    prepared = QuantLinear.from_float(other_weight, other_bias, StoredFormat(bits, group, symmetric))
     prepared.prepare_kernel()
     prepared.load_state_dict(state)
     assert prepared.kernel == "dequant"
@@ -187,7 +190,7 @@ def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype, d
 def test_dequantize_equals_rtn_dequantize_weight(fmt, device):
     bits, group, symmetric, k, n = fmt
     weight, _ = _float_layer(k, n, seed=10, device=device)
-    layer = QuantLinear.from_float(weight, None, bits, group, symmetric)
+    layer = QuantLinear.from_float(weight, None, StoredFormat(bits, group, symmetric))
     qt = rtn.quantize_weight(weight, bits, group, symmetric)
     for dtype in (torch.float32, torch.bfloat16):
         expected = rtn.dequantize_weight(qt.q, qt.scale, qt.zero_point, bits, symmetric, dtype)
@@ -202,7 +205,7 @@ def test_dequantize_equals_rtn_dequantize_weight(fmt, device):
 
 def test_forward_on_a_layer_without_bias_is_the_dequantized_product(device):
     weight, _ = _float_layer(128, 32, seed=12, device=device)
-    layer = QuantLinear.from_float(weight, None, 8, 64, False)  # "dequant" kernel
+    layer = QuantLinear.from_float(weight, None, StoredFormat(8, 64, False))  # "dequant" kernel
     layer.prepare_kernel()
     assert layer.bias is None
     x = torch.randn((4, 128), generator=torch.Generator().manual_seed(13)).to(device)
@@ -214,9 +217,9 @@ def test_quantize_to_buffers_chunking_does_not_change_results(monkeypatch, bits,
     import hfquant.nn.linear as linear_module
 
     weight = torch.randn((45, 64), generator=torch.Generator().manual_seed(14))
-    whole = quantize_to_buffers(weight, bits, 32, symmetric)
+    whole = quantize_to_buffers(weight, StoredFormat(bits, 32, symmetric))
     monkeypatch.setattr(linear_module, "_CHUNK_BYTES", 4 * 64 * 4)  # 4 rows per step, the last one short
-    chunked = quantize_to_buffers(weight, bits, 32, symmetric)
+    chunked = quantize_to_buffers(weight, StoredFormat(bits, 32, symmetric))
     assert set(whole) == set(chunked) == {"weight", "weight_scale"} | (set() if symmetric else {"weight_zero_point"})
     for key in whole:
         assert torch.equal(whole[key], chunked[key]), key

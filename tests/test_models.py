@@ -76,11 +76,10 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
         assert layer.group_size == effective_group_size(k, qconfig.get("group_size"), qconfig["bits"])
         assert layer.weight.device.type == "cpu"
         assert (layer.bias is None) == (source.bias is None)
-        assert layer.kernel == select_kernel(bits=layer.bits, symmetric=layer.symmetric, group_size=layer.group_size,
-                                             in_features=k, out_features=n, device="cpu")
+        assert layer.kernel == select_kernel(layer.format, in_features=k, out_features=n, device="cpu")
         # What was quantized on load is what QuantLinear.from_float makes of the float weight: bit for bit.
         weight = source.weight.t() if transposed else source.weight
-        direct = QuantLinear.from_float(weight.detach(), source.bias, layer.bits, layer.group_size, layer.symmetric)
+        direct = QuantLinear.from_float(weight.detach(), source.bias, layer.format)
         loaded_state = layer.state_dict()
         for key, value in direct.state_dict().items():
             assert torch.equal(loaded_state[key], value), (name, key)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hfquant import QuantLinear, kernels, native, rtn
+from hfquant.core.format import StoredFormat
 
 needs_native = pytest.mark.skipif(
     not kernels.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
@@ -101,7 +102,7 @@ def test_refuses_shapes_it_does_not_handle():
 @pytest.mark.parametrize("n", [4096, 80])
 def test_quant_linear_single_row_dispatch(n, monkeypatch):
     """One bfloat16 row of a 64-row-aligned layer goes through the native GEMV, anything else through aten."""
-    layer = QuantLinear.from_float(torch.randn(n, 512), None, 4, 128, False)
+    layer = QuantLinear.from_float(torch.randn(n, 512), None, StoredFormat(4, 128, False))
     layer.prepare_kernel(torch.bfloat16)
     calls = []
     real = native.int4_gemv
@@ -119,7 +120,7 @@ def test_quant_linear_single_row_dispatch(n, monkeypatch):
 
 @needs_native
 def test_compiled_single_row_uses_the_same_kernel():
-    layer = QuantLinear.from_float(torch.randn(256, 512), None, 4, 128, False)
+    layer = QuantLinear.from_float(torch.randn(256, 512), None, StoredFormat(4, 128, False))
     layer.prepare_kernel(torch.bfloat16)
     x = torch.randn((1, 1, 512), dtype=torch.bfloat16)
     with torch.no_grad():
@@ -139,7 +140,8 @@ FALLBACK = """
     import logging, torch
     logging.basicConfig(level=logging.INFO)
     from hfquant import QuantLinear, kernels, native
-    layer = QuantLinear.from_float(torch.randn(128, 256), None, 4, 64, False)
+    from hfquant.core.format import StoredFormat
+    layer = QuantLinear.from_float(torch.randn(128, 256), None, StoredFormat(4, 64, False))
     layer.prepare_kernel(torch.bfloat16)
     x = torch.randn((1, 256), dtype=torch.bfloat16)
     assert native.int4_cpu_library() is None and not kernels._NATIVE_INT4

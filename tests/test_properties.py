@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 from hfquant import QuantLinear
+from hfquant.core.format import StoredFormat
 from hfquant.core.packing import pack_int4, unpack_int4
 from hfquant.core.rtn import dequantize_weight, effective_group_size, quantize_weight
 
@@ -165,14 +166,14 @@ def test_save_load_identity(shape, symmetric, dtype, bias, seed, prepare):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn((rows, k), generator=generator).to(torch_dtype)
     bias_tensor = torch.randn(rows, generator=generator).to(torch_dtype) if bias else None
-    layer = QuantLinear.from_float(weight, bias_tensor, bits, group, symmetric)
+    layer = QuantLinear.from_float(weight, bias_tensor, StoredFormat(bits, group, symmetric))
     stored = {name: t.clone() for name, t in layer.state_dict().items()}
     if prepare:
         layer.prepare_kernel(torch_dtype)
     blob = save(layer.state_dict())
     assert blob == save(stored)  # the kernel layout never reaches a file
     loaded = load(blob)
-    again = QuantLinear(k, rows, bits, group, symmetric, bias=bias, dtype=torch_dtype)
+    again = QuantLinear(k, rows, StoredFormat(bits, group, symmetric), bias=bias, dtype=torch_dtype)
     again.load_state_dict(loaded)
     for name, tensor in stored.items():
         assert again.state_dict()[name].dtype == tensor.dtype
@@ -191,7 +192,7 @@ def test_effective_group_size_divides_or_keeps_float(k, group, bits):
     if effective is None:
         assert (bits == 4 and k % 2) or (group is not None and (k & -k) < 32)
         with pytest.raises(ValueError):
-            QuantLinear(k, 4, bits, group if group is not None else k, True) if (bits == 4 and k % 2) else (
+            QuantLinear(k, 4, StoredFormat(bits, group if group is not None else k, True)) if (bits == 4 and k % 2) else (
                 quantize_weight(torch.zeros(1, k), bits, group, True)
             )
         return

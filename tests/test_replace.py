@@ -7,8 +7,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from hfquant.config import HfQuantConfig
+from hfquant.core.format import StoredFormat
 from hfquant.nn.linear import QuantLinear
-from hfquant.nn.replace import matches_module, plan_layers, replace_with_quant_linear
+from hfquant.nn.replace import matches_module, plan_layers, quantized_format, replace_with_quant_linear
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"
@@ -124,7 +126,7 @@ def test_plan_layers_honors_patterns_and_ancestors():
 
 def test_plan_layers_skips_modules_that_are_already_quantized():
     model = _Tiny()
-    model.layers[0].up_proj = QuantLinear(64, 128, 8, 64, True, bias=False)
+    model.layers[0].up_proj = QuantLinear(64, 128, StoredFormat(8, 64, True), bias=False)
     assert "layers.0.up_proj" not in _plans_by_name(model, 8, None, [])
 
 
@@ -159,3 +161,22 @@ def test_replace_keeps_the_layer_dtype_when_none_is_given():
     replace_with_quant_linear(model, plan_layers(model, 8, None, []), 8, True, None)
     assert model.layers[0].down_proj.bias.dtype == torch.float16
     assert model.layers[0].down_proj.compute_dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "storage, config, in_features, expected",
+    [
+        # the layers' width: their group size (resolved for the row length) and symmetry
+        ("int4", dict(bits=4, group_size=32, symmetric=True), 576, StoredFormat(4, 32, True)),
+        ("int4", dict(bits=4), 576, StoredFormat(4, 64, False)),  # group 128 asked, 576 inputs -> 64
+        ("int8", dict(bits=8), 576, StoredFormat(8, 576, True)),  # per-row
+        # another width: that width's defaults
+        ("int4", dict(bits=8), 576, StoredFormat(4, 64, False)),
+        ("int8", dict(bits=4, group_size=32), 576, StoredFormat(8, 576, True)),
+        # no group size fits: stays in float
+        ("int4", dict(bits=8), 33, None),
+        ("int8", dict(bits=8, group_size=32), 48, None),
+    ],
+)
+def test_quantized_format_of_embeddings_and_lm_head(storage, config, in_features, expected):
+    assert quantized_format(storage, HfQuantConfig(**config), in_features) == expected

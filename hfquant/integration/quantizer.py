@@ -53,7 +53,7 @@ from hfquant.nn.replace import (
     restore_kernel_buffers,
     torch_dtype,
 )
-from hfquant.core.rtn import effective_group_size
+from hfquant.core.format import StoredFormat
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model"]
@@ -115,12 +115,10 @@ class HfQuantQuantize(ConversionOps):
                     if getattr(module, "transposed_source", False):
                         tensor = tensor.t()
                     prefix = key[: -len("weight")]
-                    buffers = quantize_to_buffers(tensor, module.bits, module.group_size, module.symmetric)
+                    buffers = quantize_to_buffers(tensor, module.format)
                     result.update({prefix + name: buffer for name, buffer in buffers.items()})
                 elif isinstance(module, QuantExperts) and tensor_name in module.shapes:
-                    buffers = quantize_experts_tensor(
-                        tensor, module.bits, module.group_sizes[tensor_name], module.symmetric
-                    )
+                    buffers = quantize_experts_tensor(tensor, module.formats[tensor_name])
                     result.update({key + suffix: buffer for suffix, buffer in buffers.items()})
                 else:
                     result[key] = tensor
@@ -230,48 +228,42 @@ class HfQuantQuantizer(HfQuantizer):
             logger.warning("hfquant keeps %s in float: it is tied to %s, which is not quantized", head, head_source)
 
         count = 0
-        quantized: dict[str, tuple[int, int, bool]] = {}
+        quantized: dict[str, StoredFormat] = {}
         for name, kind in storage.items():
             module = modules[name]
             if kind in QUANTIZED_STORAGE:
-                bits, asked_group, symmetric = quantized_format(kind, config.bits, config.group_size, config.symmetric)
-                group = effective_group_size(module.embedding_dim, asked_group, bits)
-                if group is None:
+                fmt = quantized_format(kind, config, module.embedding_dim)
+                if fmt is None:
                     logger.info("hfquant keeps embedding %s in float: embedding_dim=%d has no group size",
                                 name, module.embedding_dim)
                     continue
-                replace_with_quant_embedding(model, name, bits, group, symmetric, compute)
-                quantized[name] = (bits, group, symmetric)
+                replace_with_quant_embedding(model, name, fmt, compute)
+                quantized[name] = fmt
                 count += 1
             elif kind != "auto" and torch_dtype(kind) != compute:
                 cast_float_params(module, torch_dtype(kind))
                 self.adapters[name] = (torch_dtype(kind), False)
         for target, source in tied.items():
             if source in quantized and target != head and embedding_kind(modules.get(target)) is not None:
-                bits, group, symmetric = quantized[source]
-                replace_with_quant_embedding(model, target, bits, group, symmetric, compute, persistent=False)
+                replace_with_quant_embedding(model, target, quantized[source], compute, persistent=False)
                 self.ties.append((target, source))
             elif source in self.adapters and target != head and target in modules:
                 self.adapters[target] = self.adapters[source]
 
         if head is not None and head_source in quantized:
-            bits, group, symmetric = quantized[head_source]
-            replace_tied_quant_linear(model, head, bits, group, symmetric, compute)
+            replace_tied_quant_linear(model, head, quantized[head_source], compute)
             self.ties.append((head, head_source))
             count += 1
         elif head is not None and head_source in self.adapters:
             self.adapters[head] = (self.adapters[head_source][0], True)
         elif head is not None and head_source is None and head_format and not matches_module(head, user_skip):
             module = modules[head]
-            bits, asked_group, symmetric = quantized_format(
-                head_format, config.bits, config.group_size, config.symmetric
-            )
-            group = effective_group_size(module.in_features, asked_group, bits)
-            if group is None:
+            fmt = quantized_format(head_format, config, module.in_features)
+            if fmt is None:
                 logger.info("hfquant keeps %s in float: in_features=%d has no group size", head, module.in_features)
             else:
-                plan = LayerPlan(head, module.in_features, module.out_features, group, "", False)
-                count += replace_with_quant_linear(model, [plan], bits, symmetric, compute)
+                plan = LayerPlan(head, module.in_features, module.out_features, fmt.group_size, "", False)
+                count += replace_with_quant_linear(model, [plan], fmt.bits, fmt.symmetric, compute)
         # transformers must not tie (nor mark as initialized) what now lives in buffers: the ties are ours
         tied_now = {target for target, _ in self.ties}
         if tied_now and hasattr(model, "all_tied_weights_keys"):
@@ -448,7 +440,7 @@ class HfQuantQuantizer(HfQuantizer):
                 tensor = handle.get_tensor(name).to(self.compute_dtype or torch.float32)
             if getattr(module, "transposed_source", False):
                 tensor = tensor.t()
-            buffers = quantize_to_buffers(tensor, module.bits, module.group_size, module.symmetric)
+            buffers = quantize_to_buffers(tensor, module.format)
             del tensor
             for buffer_name, buffer in buffers.items():
                 offload_weight(buffer, prefix + buffer_name, loader.save_folder, index)

@@ -13,7 +13,9 @@ from torch import nn
 
 from hfquant.core import packing
 from hfquant.core import rtn
-from hfquant.nn.linear import QuantLinear, empty_stored_tensors, quantize_to_buffers
+from hfquant.core.format import StoredFormat, require_format
+from hfquant.nn.linear import QuantLinear, quantize_to_buffers
+from hfquant.ops.kernels import INT4_KERNELS, Kernel
 
 __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
 
@@ -21,12 +23,9 @@ __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
 class QuantEmbedding(nn.Module):
     """out[..., :] = dequantize(weight[ids]) (times `embed_scale` for scaled word embeddings), in `compute_dtype`.
 
-    Stored tensors (registered buffers; exactly what `state_dict()` and the files hold, see docs/format.md):
-        weight: 8 bits symmetric: (num_embeddings, embedding_dim) int8 in [-127, 127];
-                8 bits asymmetric: (num_embeddings, embedding_dim) uint8 in [0, 255];
-                4 bits: (num_embeddings, embedding_dim // 2) uint8, two codes per byte, even column in the low nibble.
-        weight_scale: (num_embeddings, embedding_dim // group_size) bfloat16.
-        weight_zero_point: (num_embeddings, embedding_dim // group_size) uint8, only when asymmetric.
+    Stored tensors (registered buffers; exactly what `state_dict()` and the files hold, see docs/format.md): weight,
+    weight_scale[, weight_zero_point], the tensors of `fmt` for a weight (num_embeddings, embedding_dim) as
+    `StoredFormat.tensor_specs((num_embeddings,), embedding_dim)` names them.
     Example: embedding_dim 576, int4 with group 64 -> weight (V, 288) uint8, weight_scale (V, 9), zero point (V, 9).
 
     Only the gathered rows are unpacked and dequantized: a lookup of T tokens costs T * embedding_dim work whatever
@@ -36,45 +35,55 @@ class QuantEmbedding(nn.Module):
     Args:
         num_embeddings, embedding_dim, padding_idx: as in `nn.Embedding` (padding_idx is informational: the
             lookup has no gradient).
-        bits, group_size, symmetric: as in `QuantLinear` (group_size must divide embedding_dim).
+        fmt: the stored format, as in `QuantLinear` (its group size must divide embedding_dim). Read back as
+            `format`, and `bits`, `group_size`, `symmetric`.
         dtype: the compute dtype of the returned rows.
         device: where the buffers are allocated ("meta" while transformers builds the model).
         embed_scale: a float the rows are multiplied by (Gemma-style scaled word embeddings), or None.
     Raises:
         ValueError: group_size does not divide embedding_dim, or 4 bits with an odd embedding_dim.
+        TypeError: `fmt` is not a `StoredFormat`.
     """
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
-        bits: int,
-        group_size: int,
-        symmetric: bool,
+        fmt: StoredFormat,
         padding_idx: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         embed_scale: float | None = None,
     ):
         super().__init__()
-        if group_size <= 0 or embedding_dim % group_size:
-            raise ValueError(f"group_size={group_size} does not divide embedding_dim={embedding_dim}")
-        if bits == 4 and embedding_dim % 2:
+        require_format(fmt)
+        if embedding_dim % fmt.group_size:
+            raise ValueError(f"group_size={fmt.group_size} does not divide embedding_dim={embedding_dim}")
+        if fmt.bits == 4 and embedding_dim % 2:
             raise ValueError(f"4-bit embeddings need an even embedding_dim, got {embedding_dim}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.bits = bits
-        self.group_size = group_size
-        self.symmetric = symmetric
+        self.format = fmt
         self.compute_dtype = dtype or torch.bfloat16
         self.embed_scale = embed_scale
-        stored = empty_stored_tensors((num_embeddings,), embedding_dim, bits, group_size, symmetric, device)
-        for name, tensor in stored.items():
+        for name, tensor in fmt.empty((num_embeddings,), embedding_dim, device).items():
             self.register_buffer(name, tensor)
-        if symmetric:
+        if fmt.symmetric:
             self.weight_zero_point = None
         self.set_kernel_owner(None)
+
+    @property
+    def bits(self) -> int:
+        return self.format.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.format.group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.format.symmetric
 
     @property
     def _kernel_owner(self) -> QuantLinear | None:
@@ -95,16 +104,14 @@ class QuantEmbedding(nn.Module):
     def from_float(
         cls,
         weight: torch.Tensor,
-        bits: int,
-        group_size: int,
-        symmetric: bool,
+        fmt: StoredFormat,
         padding_idx: int | None = None,
         embed_scale: float | None = None,
     ) -> "QuantEmbedding":
         """Quantize a float table (num_embeddings, embedding_dim) into a new module returning `weight.dtype` rows."""
         num, dim = weight.shape
-        module = cls(num, dim, bits, group_size, symmetric, padding_idx, weight.dtype, "meta", embed_scale)
-        for name, tensor in quantize_to_buffers(weight, bits, group_size, symmetric).items():
+        module = cls(num, dim, fmt, padding_idx, weight.dtype, "meta", embed_scale)
+        for name, tensor in quantize_to_buffers(weight, fmt).items():
             setattr(module, name, tensor)
         return module
 
@@ -132,11 +139,11 @@ class QuantEmbedding(nn.Module):
         """
         self.weight_scale = head.weight_scale
         self.weight_zero_point = head.weight_zero_point
-        if head.kernel == "int4pack_mm_cpu" and packing.cpu_int4_layout() is not None:
+        if head.kernel == Kernel.INT4PACK_MM_CPU and packing.cpu_int4_layout() is not None:
             self.weight = head.weight
             self.set_kernel_owner(head)
             return "kernel-layout"
-        if head.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+        if head.kernel in INT4_KERNELS:
             self.set_kernel_owner(None)
             return "copy"
         self.weight = head.weight

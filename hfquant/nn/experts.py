@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfquant.ops import kernels
 from hfquant.core import packing
 from hfquant.core import rtn
-from hfquant.nn.linear import empty_stored_tensors, quantize_to_buffers
+from hfquant.core.format import StoredFormat, require_format
+from hfquant.nn.linear import quantize_to_buffers
+from hfquant.ops import kernels
+from hfquant.ops.kernels import Kernel
 
 __all__ = ["QuantExperts", "experts_layout", "quantize_experts_tensor", "EXPERT_PROJECTIONS"]
 
@@ -49,16 +51,15 @@ def experts_layout(module: nn.Module) -> tuple[dict[str, tuple[int, int, int]], 
     return shapes, ""
 
 
-def quantize_experts_tensor(
-    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool
-) -> dict[str, torch.Tensor]:
-    """Float (E, N, K) -> {"": codes, "_scale": scales[, "_zero_point": zero points]}, each with a leading E dim.
+def quantize_experts_tensor(weight: torch.Tensor, fmt: StoredFormat) -> dict[str, torch.Tensor]:
+    """Float (E, N, K) -> {"": codes, "_scale": scales[, "_zero_point": zero points]} in `fmt`, each with a leading E
+    dim (`fmt.tensor_specs((E, N), K)`).
 
     Rows of all experts are quantized independently (groups run along K), so this is `quantize_to_buffers` on the
     (E * N, K) view, in the same bounded row chunks.
     """
     e, n, k = weight.shape
-    buffers = quantize_to_buffers(weight.reshape(e * n, k), bits, group_size, symmetric)
+    buffers = quantize_to_buffers(weight.reshape(e * n, k), fmt)
     return {suffix: buffers[key].reshape(e, n, -1) for key, suffix in _BUFFER_SUFFIXES.items() if key in buffers}
 
 
@@ -68,10 +69,9 @@ _BUFFER_SUFFIXES = {"weight": "", "weight_scale": "_scale", "weight_zero_point":
 class QuantExperts(nn.Module):
     """The experts of one MoE layer with int8 / int4 weights; same call as the float module it replaces.
 
-    Stored tensors, for P in (`gate_up_proj` or `up_proj`, `down_proj`) of float shape (E, N, K):
-        P: 8 bits: (E, N, K) int8 (symmetric) / uint8; 4 bits: (E, N, K // 2) uint8, even column in the low nibble.
-        P_scale: (E, N, K // group_size) bfloat16.
-        P_zero_point: (E, N, K // group_size) uint8, only when asymmetric.
+    Stored tensors, for P in (`gate_up_proj` or `up_proj`, `down_proj`) of float shape (E, N, K): P, P_scale[,
+    P_zero_point], the tensors `formats[P].tensor_specs((E, N), K)` names weight, weight_scale[, weight_zero_point]
+    (e.g. at 4 bits: P (E, N, K // 2) uint8, P_scale (E, N, K // group_size) bfloat16).
     In the files each expert's slice is saved as that expert's own Linear (e.g. Mixtral `experts.3.w1.weight`,
     `.weight_scale`, `.weight_zero_point`): the model's conversion mapping splits the fused tensors on save and merges
     them on load, as it does for float checkpoints (docs/format.md).
@@ -83,25 +83,27 @@ class QuantExperts(nn.Module):
         source: the float experts module (on the meta device); kept, unregistered, for its gate function and
             attributes and to rebuild it in `dequantize_to_float`.
         shapes: {projection: (E, N, K)} from `experts_layout`.
-        bits, symmetric: as in `QuantLinear`.
-        group_sizes: {projection: group size dividing its K}.
+        formats: {projection: its stored format}, one bit width and symmetry for all (the group size, dividing the
+            projection's K, may differ). Read back as `formats`, and `bits`, `symmetric`, `group_sizes`.
         dtype: compute dtype.
+    Raises:
+        ValueError: `formats` does not cover `shapes`, or mixes bit widths or symmetries.
     """
 
     def __init__(
         self,
         source: nn.Module,
         shapes: dict[str, tuple[int, int, int]],
-        bits: int,
-        group_sizes: dict[str, int],
-        symmetric: bool,
+        formats: dict[str, StoredFormat],
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = "meta",
     ):
         super().__init__()
-        self.bits = bits
-        self.symmetric = symmetric
-        self.group_sizes = dict(group_sizes)
+        if set(formats) != set(shapes):
+            raise ValueError(f"formats for {sorted(formats)} given, but the projections are {sorted(shapes)}")
+        if len({(require_format(f).bits, f.symmetric) for f in formats.values()}) > 1:
+            raise ValueError(f"the projections of one experts module share bits and symmetric; got {formats}")
+        self.formats = dict(formats)
         self.shapes = dict(shapes)
         self.num_experts = next(iter(shapes.values()))[0]
         self.compute_dtype = dtype
@@ -109,9 +111,21 @@ class QuantExperts(nn.Module):
         self.has_gate = "gate_up_proj" in shapes
         object.__setattr__(self, "_source", source)  # not a submodule: no state_dict keys, no parameters
         for name, (e, n, k) in shapes.items():
-            stored = empty_stored_tensors((e, n), k, bits, group_sizes[name], symmetric, device)
-            for key, tensor in stored.items():  # NAME, NAME_scale[, NAME_zero_point]
+            for key, tensor in formats[name].empty((e, n), k, device).items():  # NAME, NAME_scale[, NAME_zero_point]
                 self.register_buffer(name + key.removeprefix("weight"), tensor)
+
+    @property
+    def bits(self) -> int:
+        return next(iter(self.formats.values())).bits
+
+    @property
+    def symmetric(self) -> bool:
+        return next(iter(self.formats.values())).symmetric
+
+    @property
+    def group_sizes(self) -> dict[str, int]:
+        """{projection: group size}."""
+        return {name: fmt.group_size for name, fmt in self.formats.items()}
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{name}={tuple(shape)}" for name, shape in self.shapes.items())
@@ -121,7 +135,7 @@ class QuantExperts(nn.Module):
         """Names of the stored tensors (the keys this module adds to a state dict)."""
         names = []
         for name in self.shapes:
-            names += [name, f"{name}_scale"] + ([] if self.symmetric else [f"{name}_zero_point"])
+            names += [name + key.removeprefix("weight") for key in self.formats[name].tensor_names()]
         return names
 
     # -- compute ---------------------------------------------------------------------------------------------------
@@ -134,18 +148,12 @@ class QuantExperts(nn.Module):
 
     def _project(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         _, n, k = self.shapes[name]
-        group_size = self.group_sizes[name]
+        fmt = self.formats[name]
         codes, scale, zero_point = self._expert_tensors(name, expert)
-        kernel = kernels.select_kernel(
-            bits=self.bits, symmetric=self.symmetric, group_size=group_size, in_features=k, out_features=n,
-            device=codes.device,
-        )
-        if kernel != "int8pack_mm":
-            kernel = "dequant"
-        return kernels.quantized_matmul(
-            kernel, x, codes, scale, zero_point, None,
-            bits=self.bits, symmetric=self.symmetric, group_size=group_size, in_features=k, out_features=n,
-        )
+        kernel = kernels.select_kernel(fmt, in_features=k, out_features=n, device=codes.device)
+        if kernel != Kernel.INT8PACK_MM:
+            kernel = Kernel.DEQUANT
+        return kernels.quantized_matmul(kernel, x, codes, scale, zero_point, None, fmt, in_features=k, out_features=n)
 
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float (E, N, K) tensor of projection `name` in `dtype`."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfquant.ops import kernels
 from hfquant.core import packing
 from hfquant.core import rtn
+from hfquant.core.format import StoredFormat, require_format
+from hfquant.ops import kernels
+from hfquant.ops.kernels import Kernel
 
 __all__ = ["QuantLinear", "quantize_to_buffers"]
 
@@ -19,12 +21,8 @@ class QuantLinear(nn.Module):
     """y = x @ dequantize(weight).T + bias, computed by the kernel `hfquant.ops.kernels.select_kernel` picks.
 
     Stored tensors (registered buffers; these are exactly what `state_dict()` and the files hold, see docs/format.md):
-        weight: 8 bits symmetric: (out_features, in_features) int8 in [-127, 127];
-                8 bits asymmetric: (out_features, in_features) uint8 in [0, 255];
-                4 bits: (out_features, in_features // 2) uint8, two codes per byte, even input column in the low
-                nibble (codes in [0, 15]; symmetric codes are the signed value + 8).
-        weight_scale: (out_features, in_features // group_size) bfloat16.
-        weight_zero_point: (out_features, in_features // group_size) uint8, only when asymmetric.
+        weight, weight_scale[, weight_zero_point]: the tensors of `fmt` for a weight (out_features, in_features),
+            as `StoredFormat.tensor_specs((out_features,), in_features)` names them (dtypes, shapes, nibble order).
         bias: (out_features,) float parameter, when the replaced layer had one.
 
     After `prepare_kernel()` the `weight` buffer may hold a kernel layout instead (for the CPU int4 kernel, the
@@ -32,42 +30,39 @@ class QuantLinear(nn.Module):
 
     Args:
         in_features, out_features: as in `nn.Linear` (for a `Conv1D`, in_features = nx, out_features = nf).
-        bits: 8 or 4.
-        group_size: inputs per scale; must divide in_features (use `rtn.effective_group_size`).
-        symmetric: symmetric (no stored zero point) or asymmetric.
+        fmt: the stored format (bits, group size, symmetry); its group size must divide in_features (use
+            `rtn.effective_group_size`). Read back as `format`, and `bits`, `group_size`, `symmetric`.
         bias: whether the layer has a bias.
         dtype: dtype of the bias and of the kernel-side scale tensors (the activation dtype).
         device: where the buffers are allocated ("meta" while transformers builds the model).
     Raises:
         ValueError: group_size does not divide in_features, or 4 bits with an odd in_features.
+        TypeError: `fmt` is not a `StoredFormat`.
     """
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        bits: int,
-        group_size: int,
-        symmetric: bool,
+        fmt: StoredFormat,
         bias: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if group_size <= 0 or in_features % group_size:
-            raise ValueError(f"group_size={group_size} does not divide in_features={in_features}")
-        if bits == 4 and in_features % 2:
+        require_format(fmt)
+        if in_features % fmt.group_size:
+            raise ValueError(f"group_size={fmt.group_size} does not divide in_features={in_features}")
+        if fmt.bits == 4 and in_features % 2:
             raise ValueError(f"4-bit layers need an even in_features, got {in_features}")
         self.in_features = in_features
         self.out_features = out_features
-        self.bits = bits
-        self.group_size = group_size
-        self.symmetric = symmetric
-        self.kernel = "dequant"
-        stored = empty_stored_tensors((out_features,), in_features, bits, group_size, symmetric, device)
+        self.format = fmt
+        self.kernel = Kernel.DEQUANT
+        stored = fmt.empty((out_features,), in_features, device)
         for name, tensor in stored.items():
             self.register_buffer(name, tensor)
-        if symmetric:
+        if fmt.symmetric:
             self.weight_zero_point = None
         self.register_buffer("scale_zero", None, persistent=False)
         if bias:
@@ -76,14 +71,24 @@ class QuantLinear(nn.Module):
             self.register_parameter("bias", None)
         self.compute_dtype = dtype
 
+    @property
+    def bits(self) -> int:
+        return self.format.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.format.group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.format.symmetric
+
     @classmethod
-    def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int, symmetric: bool
-    ) -> "QuantLinear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: StoredFormat) -> "QuantLinear":
         """Quantize a float weight (out_features, in_features) into a new layer (kernel not yet prepared)."""
         out_features, in_features = weight.shape
-        layer = cls(in_features, out_features, bits, group_size, symmetric, bias is not None, weight.dtype, "meta")
-        for name, tensor in quantize_to_buffers(weight, bits, group_size, symmetric).items():
+        layer = cls(in_features, out_features, fmt, bias is not None, weight.dtype, "meta")
+        for name, tensor in quantize_to_buffers(weight, fmt).items():
             setattr(layer, name, tensor)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -100,19 +105,19 @@ class QuantLinear(nn.Module):
 
     def _codes(self) -> torch.Tensor:
         """(N, K) unpacked codes, whatever layout `weight` is in (4 bits only)."""
-        if self.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+        if self.kernel in kernels.INT4_KERNELS:
             return kernels.restore_codes(self.kernel, self.weight, self.out_features, self.in_features)
         return packing.unpack_int4(self.weight)
 
     def stored_weight(self) -> torch.Tensor:
         """The `weight` tensor in the stored (file) layout."""
-        if self.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+        if self.kernel in kernels.INT4_KERNELS:
             return packing.pack_int4(self._codes())
         return self.weight
 
     @torch.no_grad()
-    def prepare_kernel(self, dtype: torch.dtype | None = None) -> str:
-        """Pick the kernel for the current device and repack `weight` for it; returns the kernel name.
+    def prepare_kernel(self, dtype: torch.dtype | None = None) -> Kernel:
+        """Pick the kernel for the current device and repack `weight` for it; returns the kernel.
 
         Idempotent: calling it again first restores the stored layout. `dtype` is the activation dtype the
         int4 scale/zero tensor is built in (default: the bias dtype, else bfloat16).
@@ -120,23 +125,18 @@ class QuantLinear(nn.Module):
         if self.weight.device.type == "meta":
             return self.kernel
         stored = self.stored_weight()
-        self.kernel = "dequant"
+        self.kernel = Kernel.DEQUANT
         self.scale_zero = None
         if dtype is not None:
             self.compute_dtype = dtype
         compute_dtype = self.compute_dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
         kernel = kernels.select_kernel(
-            bits=self.bits,
-            symmetric=self.symmetric,
-            group_size=self.group_size,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            device=self.weight.device,
+            self.format, in_features=self.in_features, out_features=self.out_features, device=self.weight.device
         )
-        if kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+        if kernel in kernels.INT4_KERNELS:
             codes = packing.unpack_int4(stored)
             self.weight = kernels.prepare_weight(kernel, codes, self.in_features)
-            sz_dtype = torch.bfloat16 if kernel == "int4pack_mm_cuda" else compute_dtype
+            sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else compute_dtype
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
         else:
             self.weight = kernels.prepare_weight(kernel, stored, self.in_features)
@@ -147,14 +147,14 @@ class QuantLinear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.kernel != "dequant" and prefix + "weight" in destination:
+        if self.kernel != Kernel.DEQUANT and prefix + "weight" in destination:
             destination[prefix + "weight"] = self.stored_weight()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Loading writes the stored layout into `weight`: forget any kernel layout first.
-        if self.kernel in ("int4pack_mm_cpu", "int4pack_mm_cuda"):
+        if self.kernel in kernels.INT4_KERNELS:
             self.weight = self.stored_weight()
-        self.kernel = "dequant"
+        self.kernel = Kernel.DEQUANT
         self.scale_zero = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -177,9 +177,7 @@ class QuantLinear(nn.Module):
             buffers["weight_scale"],
             buffers.get("weight_zero_point"),
             buffers.get("scale_zero"),
-            bits=self.bits,
-            symmetric=self.symmetric,
-            group_size=self.group_size,
+            self.format,
             in_features=self.in_features,
             out_features=self.out_features,
         )
@@ -189,43 +187,22 @@ class QuantLinear(nn.Module):
         return y
 
 
-def empty_stored_tensors(
-    rows: tuple[int, ...],
-    in_features: int,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
-    device: torch.device | str | None = None,
-) -> dict[str, torch.Tensor]:
-    """Uninitialized stored tensors of a quantized weight (*rows, in_features), as docs/format.md lays them out:
-    {"weight": codes (*rows, K) int8 (8-bit symmetric) or uint8, or (*rows, K // 2) uint8 packed int4,
-    "weight_scale": (*rows, K // group_size) bfloat16[, "weight_zero_point": same shape, uint8 when asymmetric]}.
-    `rows` is (N,) for a Linear or an embedding table, (E, N) for fused experts."""
-    groups = in_features // group_size
-    if bits == 4:
-        codes = torch.empty((*rows, in_features // 2), dtype=torch.uint8, device=device)
-    else:
-        codes = torch.empty((*rows, in_features), dtype=torch.int8 if symmetric else torch.uint8, device=device)
-    tensors = {"weight": codes, "weight_scale": torch.empty((*rows, groups), dtype=rtn.SCALE_DTYPE, device=device)}
-    if not symmetric:
-        tensors["weight_zero_point"] = torch.empty((*rows, groups), dtype=torch.uint8, device=device)
-    return tensors
-
-
-def quantize_to_buffers(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> dict[str, torch.Tensor]:
-    """Float weight (N, K) -> the stored tensors of a `QuantLinear`: {"weight", "weight_scale"[, "weight_zero_point"]}.
+def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat) -> dict[str, torch.Tensor]:
+    """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]} as
+    `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
 
     Works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight.
     """
+    require_format(fmt)
     n, k = weight.shape
-    buffers = empty_stored_tensors((n,), k, bits, group_size, symmetric, weight.device)
+    buffers = fmt.empty((n,), k, weight.device)
     stored = buffers["weight"]
     step = max(1, _CHUNK_BYTES // (4 * k))
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        q = rtn.quantize_weight(weight[rows], bits, group_size, symmetric)
-        stored[rows] = packing.pack_int4(q.q) if bits == 4 else q.q
+        q = rtn.quantize_weight(weight[rows], fmt.bits, fmt.group_size, fmt.symmetric)
+        stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
         buffers["weight_scale"][rows] = q.scale
         if q.zero_point is not None:
             buffers["weight_zero_point"][rows] = q.zero_point

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
 from hfquant.nn.linear import QuantLinear
+from hfquant.core.format import StoredFormat
 from hfquant.core.rtn import effective_group_size
+
+if TYPE_CHECKING:
+    from hfquant.config import HfQuantConfig
 
 __all__ = [
     "LayerPlan",
@@ -108,7 +112,8 @@ def plan_layers(model: nn.Module, bits: int, group_size: int | None, skip: Itera
 def replace_with_quant_linear(
     model: nn.Module, plans: list[LayerPlan], bits: int, symmetric: bool, dtype: torch.dtype | None
 ) -> int:
-    """Swap every planned layer that has a group size for an empty `QuantLinear` on the meta device.
+    """Swap every planned layer that has a group size for an empty `QuantLinear` on the meta device, stored as
+    `StoredFormat(bits, plan.group_size, symmetric)`.
 
     Returns the number of layers replaced. Layers kept in float are logged once each at INFO level.
     """
@@ -124,9 +129,7 @@ def replace_with_quant_linear(
         new = QuantLinear(
             plan.in_features,
             plan.out_features,
-            bits,
-            plan.group_size,
-            symmetric,
+            StoredFormat(bits, plan.group_size, symmetric),
             bias=old.bias is not None,
             dtype=layer_dtype,
             device="meta",
@@ -155,20 +158,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def quantized_format(
-    storage: str, bits: int, group_size: int | None, symmetric: bool
-) -> tuple[int, int | None, bool]:
-    """(bits, asked group size, symmetric) of a quantized embedding / lm_head stored as `storage` ("int8"/"int4").
+def quantized_format(storage: str, config: HfQuantConfig, in_features: int) -> StoredFormat | None:
+    """The stored format of an embedding / lm_head stored as `storage` ("int8"/"int4") whose rows have `in_features`
+    values, or None when no group size fits them (it then stays in float).
 
-    With the layers' bit width it uses the layers' `group_size` and `symmetric`; otherwise that width's defaults
-    (per-row symmetric at 8 bits, group 128 asymmetric at 4 bits), as `HfQuantConfig` would pick them.
+    With the layers' bit width (`config.bits`) it uses the layers' `group_size` and `symmetric`; otherwise that width's
+    defaults (per-row symmetric at 8 bits, group 128 asymmetric at 4 bits), as `HfQuantConfig` would pick them. The
+    group size is then resolved for `in_features` as for a layer (`rtn.effective_group_size`).
     """
     from hfquant.config import default_group_size, default_symmetric
 
-    storage_bits = QUANTIZED_STORAGE[storage]
-    if storage_bits == bits:
-        return bits, group_size, symmetric
-    return storage_bits, default_group_size(storage_bits), default_symmetric(storage_bits)
+    bits = QUANTIZED_STORAGE[storage]
+    if bits == config.bits:
+        asked_group, symmetric = config.group_size, config.symmetric
+    else:
+        asked_group, symmetric = default_group_size(bits), default_symmetric(bits)
+    group_size = effective_group_size(in_features, asked_group, bits)
+    return None if group_size is None else StoredFormat(bits, group_size, symmetric)
 
 
 def embedding_kind(module: nn.Module) -> str | None:
@@ -198,9 +204,7 @@ def cast_float_params(module: nn.Module, dtype: torch.dtype) -> None:
 def replace_with_quant_embedding(
     model: nn.Module,
     name: str,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
+    fmt: StoredFormat,
     dtype: torch.dtype,
     persistent: bool = True,
 ):
@@ -214,7 +218,7 @@ def replace_with_quant_embedding(
     old = model.get_submodule(name)
     scale = getattr(old, "scalar_embed_scale", None) if embedding_kind(old) == "scaled" else None
     new = QuantEmbedding(
-        old.num_embeddings, old.embedding_dim, bits, group_size, symmetric, old.padding_idx, dtype, "meta",
+        old.num_embeddings, old.embedding_dim, fmt, old.padding_idx, dtype, "meta",
         float(scale) if scale is not None else None,
     )
     if not persistent:
@@ -224,14 +228,12 @@ def replace_with_quant_embedding(
     return new
 
 
-def replace_tied_quant_linear(
-    model: nn.Module, name: str, bits: int, group_size: int, symmetric: bool, dtype: torch.dtype | None
-) -> QuantLinear:
+def replace_tied_quant_linear(model: nn.Module, name: str, fmt: StoredFormat, dtype: torch.dtype | None) -> QuantLinear:
     """Swap the output embedding `name` (tied to a quantized input embedding) for a `QuantLinear` whose tensors are
     non-persistent buffers: they are the embedding's, assigned after loading, and saved once, under its name."""
     old = model.get_submodule(name)
     new = QuantLinear(
-        old.in_features, old.out_features, bits, group_size, symmetric, bias=old.bias is not None,
+        old.in_features, old.out_features, fmt, bias=old.bias is not None,
         dtype=dtype if dtype is not None else old.weight.dtype, device="meta",
     )
     new._non_persistent_buffers_set.update(n for n in new._buffers if n != "bias")
@@ -295,11 +297,13 @@ def plan_experts(model: nn.Module, bits: int, group_size: int | None, skip: Iter
 def replace_with_quant_experts(
     model: nn.Module, plan: ExpertsPlan, bits: int, symmetric: bool, dtype: torch.dtype | None
 ):
-    """Swap the experts module of `plan` for an empty `QuantExperts` on the meta device and return it."""
+    """Swap the experts module of `plan` for an empty `QuantExperts` on the meta device and return it; each projection
+    is stored as `StoredFormat(bits, plan.group_sizes[projection], symmetric)`."""
     from hfquant.nn.experts import QuantExperts
 
     old = model.get_submodule(plan.name)
-    new = QuantExperts(old, plan.shapes, bits, plan.group_sizes, symmetric, dtype, "meta")
+    formats = {projection: StoredFormat(bits, group, symmetric) for projection, group in plan.group_sizes.items()}
+    new = QuantExperts(old, plan.shapes, formats, dtype, "meta")
     new.requires_grad_(False)
     _set_submodule(model, plan.name, new)
     return new

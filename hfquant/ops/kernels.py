@@ -1,17 +1,18 @@
 """Which matmul runs a quantized layer, and the runtime tensors each kernel needs.
 
-Kernels (PyTorch's aten ops, and one of our own for single int4 rows):
-  - "int8pack_mm": `torch.ops.aten._weight_int8pack_mm` (CPU, and CUDA builds that have it), int8 symmetric
-    per-channel weights, activations bf16/fp16/fp32.
-  - "int4pack_mm_cpu": `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise (group 32..256), weight
-    repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one (K/g, N, 2) tensor.
-    The aten kernel is instruction-bound at one row, so a single bfloat16 row (batch-1 decode) of such a layer runs
-    hfquant's own GEMV on the same bytes instead (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use),
-    where it builds and matches the aten kernel (`native_int4_works`); elsewhere the aten kernel serves every row.
-  - "int4pack_mm_cuda": `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16 activations, weight repacked with
-    `_convert_weight_to_int4pack`.
-  - "dequant": dequantize the weight to the activation dtype and call `torch.nn.functional.linear`. Covers every
-    case and is the numerical reference in tests.
+Kernels (`Kernel`: PyTorch's aten ops, and one of our own for single int4 rows):
+  - `Kernel.INT8PACK_MM` ("int8pack_mm"): `torch.ops.aten._weight_int8pack_mm` (CPU, and CUDA builds that have it),
+    int8 symmetric per-channel weights, activations bf16/fp16/fp32.
+  - `Kernel.INT4PACK_MM_CPU` ("int4pack_mm_cpu"): `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise
+    (group 32..256), weight repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one
+    (K/g, N, 2) tensor. The aten kernel is instruction-bound at one row, so a single bfloat16 row (batch-1 decode)
+    of such a layer runs hfquant's own GEMV on the same bytes instead (`hfquant.ops.native`, built from
+    `csrc/int4_cpu.c` on first use), where it builds and matches the aten kernel (`native_int4_works`); elsewhere
+    the aten kernel serves every row.
+  - `Kernel.INT4PACK_MM_CUDA` ("int4pack_mm_cuda"): `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16
+    activations, weight repacked with `_convert_weight_to_int4pack`.
+  - `Kernel.DEQUANT` ("dequant"): dequantize the weight to the activation dtype and call
+    `torch.nn.functional.linear`. Covers every case and is the numerical reference in tests.
 
 On CPU, a call with at least `GEMM_MIN_ROWS[kernel]` activation rows (a prompt's prefill) does not use the int8/int4
 aten kernels, which are built for few rows and take several times the float GEMM's time there: it dequantizes
@@ -21,22 +22,25 @@ time. Measured timings of every path: docs/performance.md.
 Both int4 kernels compute w = (q - 8) * scale + zero with a float `zero`, so an integer zero point z becomes
 zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` is the one place that decides; a kernel
 is only chosen after a small probe on the device matched the dequantize reference (`kernel_works`), so a PyTorch
-build without the op, or with a different layout, falls back to "dequant" instead of failing.
+build without the op, or with a different layout, falls back to `Kernel.DEQUANT` instead of failing.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 
 import torch
 
-from hfquant.ops import native
 from hfquant.core import packing
 from hfquant.core import rtn
+from hfquant.core.format import StoredFormat
+from hfquant.ops import native
 
 __all__ = [
-    "KERNELS",
+    "Kernel",
+    "INT4_KERNELS",
     "select_kernel",
     "kernel_works",
     "prepare_weight",
@@ -47,7 +51,33 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant")
+
+class Kernel(str, enum.Enum):
+    """The matmuls a quantized layer can run (see the module docstring).
+
+    A `str` enum: each member equals its value ("int8pack_mm" == Kernel.INT8PACK_MM), and str(), format() and repr()
+    give that plain value, so logs and module reprs read as the kernel names always did.
+    """
+
+    INT8PACK_MM = "int8pack_mm"
+    INT4PACK_MM_CPU = "int4pack_mm_cpu"
+    INT4PACK_MM_CUDA = "int4pack_mm_cuda"
+    DEQUANT = "dequant"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+INT4_KERNELS = (Kernel.INT4PACK_MM_CPU, Kernel.INT4PACK_MM_CUDA)
+"""The kernels that read the weight repacked into their own layout from unpacked codes (`prepare_weight`), which
+`restore_codes` undoes; the others read the stored layout."""
+
 _INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -58,43 +88,39 @@ def _cuda_inner_k_tiles(in_features: int) -> int | None:
     return None
 
 
-def _shape_fits(kernel: str, bits: int, symmetric: bool, group_size: int, in_features: int, out_features: int) -> bool:
-    if kernel == "int8pack_mm":
+def _shape_fits(kernel: Kernel, fmt: StoredFormat, in_features: int, out_features: int) -> bool:
+    if kernel == Kernel.INT8PACK_MM:
         # The bf16 path of the aten kernel reads rows in 32-byte vectors with no tail: in_features must be a
         # multiple of 16 (it returns garbage or crashes otherwise, seen with torch 2.13).
-        return bits == 8 and symmetric and group_size == in_features and in_features % 16 == 0
-    if kernel == "int4pack_mm_cpu":
-        return bits == 4 and group_size in _INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0
-    if kernel == "int4pack_mm_cuda":
+        return fmt.bits == 8 and fmt.symmetric and fmt.group_size == in_features and in_features % 16 == 0
+    if kernel == Kernel.INT4PACK_MM_CPU:
+        return fmt.bits == 4 and fmt.group_size in _INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0
+    if kernel == Kernel.INT4PACK_MM_CUDA:
         return (
-            bits == 4
-            and group_size in _INT4_KERNEL_GROUP_SIZES
+            fmt.bits == 4
+            and fmt.group_size in _INT4_KERNEL_GROUP_SIZES
             and out_features % 8 == 0
             and _cuda_inner_k_tiles(in_features) is not None
         )
-    return kernel == "dequant"
+    return kernel == Kernel.DEQUANT
 
 
-def select_kernel(
-    *, bits: int, symmetric: bool, group_size: int, in_features: int, out_features: int, device: torch.device | str
-) -> str:
-    """Name of the matmul used for a layer of this shape and format on `device` (one of `KERNELS`).
+def select_kernel(fmt: StoredFormat, *, in_features: int, out_features: int, device: torch.device | str) -> Kernel:
+    """The matmul used for a layer of this stored format and shape on `device`.
 
-    Preference: the aten kernel that fits the format and device and passed its probe, else "dequant".
+    Preference: the aten kernel that fits the format and device and passed its probe, else `Kernel.DEQUANT`.
     """
     device_type = torch.device(device).type
     if device_type == "cpu":
-        candidates = ("int8pack_mm", "int4pack_mm_cpu")
+        candidates = (Kernel.INT8PACK_MM, Kernel.INT4PACK_MM_CPU)
     elif device_type == "cuda":
-        candidates = ("int4pack_mm_cuda", "int8pack_mm")
+        candidates = (Kernel.INT4PACK_MM_CUDA, Kernel.INT8PACK_MM)
     else:
         candidates = ()
     for kernel in candidates:
-        if _shape_fits(kernel, bits, symmetric, group_size, in_features, out_features) and kernel_works(
-            kernel, str(torch.device(device))
-        ):
+        if _shape_fits(kernel, fmt, in_features, out_features) and kernel_works(kernel, str(torch.device(device))):
             return kernel
-    return "dequant"
+    return Kernel.DEQUANT
 
 
 def scale_zero_for_int4(
@@ -109,21 +135,21 @@ def scale_zero_for_int4(
     return torch.stack((scale32.t(), zero.t()), dim=-1).to(dtype).contiguous()
 
 
-def prepare_weight(kernel: str, codes_or_weight: torch.Tensor, in_features: int) -> torch.Tensor:
+def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Storage weight -> the weight tensor `kernel` reads.
 
     Args:
-        kernel: one of `KERNELS`.
-        codes_or_weight: for 4-bit kernels the unpacked (N, K) uint8 codes; otherwise the stored weight
-            ((N, K) int8/uint8, or (N, K // 2) uint8 packed int4 for "dequant").
+        kernel: a `Kernel` (or its value).
+        codes_or_weight: for the `INT4_KERNELS` the unpacked (N, K) uint8 codes; otherwise the stored weight
+            ((N, K) int8/uint8, or (N, K // 2) uint8 packed int4 for `Kernel.DEQUANT`).
     """
-    if kernel == "int4pack_mm_cpu":
+    if kernel == Kernel.INT4PACK_MM_CPU:
         global _CPU_INT4_BLOCKS, _NATIVE_INT4
         layout = packing.cpu_int4_layout()
         _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
         _NATIVE_INT4 = native_int4_works()  # checks the layout too
         return packing.to_cpu_int4_layout(codes_or_weight)
-    if kernel == "int4pack_mm_cuda":
+    if kernel == Kernel.INT4PACK_MM_CUDA:
         tiles = _cuda_inner_k_tiles(in_features)
         nibbles = _cuda_nibble_order_for(str(codes_or_weight.device))
         packed = _pack_for_cuda(codes_or_weight, nibbles)
@@ -135,11 +161,11 @@ def prepare_weight(kernel: str, codes_or_weight: torch.Tensor, in_features: int)
     return codes_or_weight
 
 
-def restore_codes(kernel: str, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """Inverse of `prepare_weight` for the 4-bit kernels: runtime weight -> (N, K) uint8 codes."""
-    if kernel == "int4pack_mm_cpu":
+def restore_codes(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of `prepare_weight` for the `INT4_KERNELS`: runtime weight -> (N, K) uint8 codes."""
+    if kernel == Kernel.INT4PACK_MM_CPU:
         return packing.from_cpu_int4_layout(runtime_weight, out_features, in_features)
-    if kernel == "int4pack_mm_cuda":
+    if kernel == Kernel.INT4PACK_MM_CUDA:
         return _unpack_cuda_by_identity(runtime_weight, out_features, in_features)
     raise ValueError(f"kernel {kernel!r} keeps the stored layout; nothing to restore")
 
@@ -170,31 +196,31 @@ def _unpack_cuda_by_identity(runtime_weight: torch.Tensor, n: int, k: int) -> to
 
 
 def quantized_matmul(
-    kernel: str,
+    kernel: Kernel,
     x: torch.Tensor,
     runtime_weight: torch.Tensor,
     scale: torch.Tensor,
     zero_point: torch.Tensor | None,
     scale_zero: torch.Tensor | None,
+    fmt: StoredFormat,
     *,
-    bits: int,
-    symmetric: bool,
-    group_size: int,
     in_features: int,
     out_features: int,
 ) -> torch.Tensor:
     """y = x @ w_hat.T for x (..., K) float; returns (..., N) in x's dtype.
 
-    `scale_zero` is the (G, N, 2) tensor from `scale_zero_for_int4` for the int4 kernels; `scale` (N, G) and
-    `zero_point` are the stored ones (the int8 kernel reads `scale`, "dequant" reads both).
+    `fmt` is the stored format of the weight. `scale_zero` is the (G, N, 2) tensor from `scale_zero_for_int4` for the
+    int4 kernels; `scale` (N, G) and `zero_point` are the stored ones (the int8 kernel reads `scale`,
+    `Kernel.DEQUANT` reads both).
     """
+    group_size = fmt.group_size
     shape = x.shape
     x2d = x.reshape(-1, in_features)
     if kernel in GEMM_MIN_ROWS and x2d.shape[0] >= GEMM_MIN_ROWS[kernel] and x2d.device.type == "cpu":
         y = _dequantized_gemm(kernel, x2d, runtime_weight, scale, scale_zero, group_size, out_features)
         if y is not None:
             return y.reshape(*shape[:-1], out_features)
-    if kernel == "int8pack_mm":
+    if kernel == Kernel.INT8PACK_MM:
         # The aten kernel needs the activation rows 32-byte aligned (it crashes otherwise); a view at an odd
         # offset is copied into a fresh (64-byte aligned) allocation.
         # Under torch.compile the pointer is unknown at trace time: always hand the kernel a fresh copy there.
@@ -203,7 +229,7 @@ def quantized_matmul(
         elif not x2d.is_contiguous() or x2d.data_ptr() % 64:
             x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
         y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, scale.reshape(-1).to(x.dtype))
-    elif kernel == "int4pack_mm_cpu":
+    elif kernel == Kernel.INT4PACK_MM_CPU:
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
@@ -213,12 +239,12 @@ def quantized_matmul(
             )
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
-    elif kernel == "int4pack_mm_cuda":
+    elif kernel == Kernel.INT4PACK_MM_CUDA:
         xb = x2d.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm(xb, runtime_weight, group_size, scale_zero).to(x.dtype)
     else:
-        codes = packing.unpack_int4(runtime_weight) if bits == 4 else runtime_weight
-        weight = rtn.dequantize_weight(codes, scale, zero_point, bits, symmetric, dtype=x.dtype)
+        codes = packing.unpack_int4(runtime_weight) if fmt.bits == 4 else runtime_weight
+        weight = rtn.dequantize_weight(codes, scale, zero_point, fmt.bits, fmt.symmetric, dtype=x.dtype)
         y = torch.nn.functional.linear(x2d, weight)
     return y.reshape(*shape[:-1], out_features)
 
@@ -226,7 +252,7 @@ def quantized_matmul(
 # ---------------------------------------------------------------------------------------------------------------
 # Many rows at once (prefill): dequantize a slice of output channels at a time and run the float GEMM.
 
-GEMM_MIN_ROWS = {"int8pack_mm": 32, "int4pack_mm_cpu": 128}
+GEMM_MIN_ROWS = {Kernel.INT8PACK_MM: 32, Kernel.INT4PACK_MM_CPU: 128}
 """Per CPU kernel, the activation rows from which its layers run as "dequantize a chunk, float GEMM" instead. The aten
 int8/int4 kernels pay a cost per activation row several times the float GEMM's; the chunked path pays a fixed
 dequantization of the weight (larger for int4 with torch ops: nibble unpacking and group scales on top of the pass to
@@ -237,14 +263,14 @@ _CPU_INT4_BLOCKS: int | None = None
 """Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.core.packing`), set by
 `prepare_weight`; a plain global so that torch.compile reads it as a constant."""
 _NATIVE_INT4 = False
-"""Whether single bfloat16 rows of "int4pack_mm_cpu" layers run hfquant's own GEMV (`hfquant.ops.native`): set by
+"""Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers run hfquant's own GEMV (`hfquant.ops.native`): set by
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:
-    """Whether hfquant's C kernels (`hfquant.ops.native`) serve this "int4pack_mm_cpu" call: they are usable here,
-    activations and (scale, zero) pairs are bfloat16, and the layer has whole 64-row blocks."""
+    """Whether hfquant's C kernels (`hfquant.ops.native`) serve this `Kernel.INT4PACK_MM_CPU` call: they are usable
+    here, activations and (scale, zero) pairs are bfloat16, and the layer has whole 64-row blocks."""
     return (
         _NATIVE_INT4 and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16 and out_features % 64 == 0
     )
@@ -255,7 +281,7 @@ _GEMM_CHUNK_BYTES = 4 * 2**20
 
 
 def _dequantized_gemm(
-    kernel: str,
+    kernel: Kernel,
     x2d: torch.Tensor,
     runtime_weight: torch.Tensor,
     scale: torch.Tensor,
@@ -275,7 +301,7 @@ def _dequantized_gemm(
     faster than the torch ops, docs/performance.md), else by torch ops.
     """
     block = _CPU_INT4_BLOCKS
-    if kernel == "int4pack_mm_cpu" and (block is None or out_features % block or scale_zero is None):
+    if kernel == Kernel.INT4PACK_MM_CPU and (block is None or out_features % block or scale_zero is None):
         return None
     rows, in_features = x2d.shape
     # Eager writes each chunk in place (out=); torch.compile cannot trace out= into a strided view, so there the
@@ -297,7 +323,7 @@ def _dequantized_gemm(
     def result() -> torch.Tensor:
         return y if in_place else torch.cat(pieces, dim=1)
 
-    if kernel == "int8pack_mm":
+    if kernel == Kernel.INT8PACK_MM:
         channel_scale = scale.reshape(-1).to(x2d.dtype)
         # float16 would overflow on x @ q.T (|q| up to 127) where x @ w_hat.T does not: scale the weight there
         scale_weight = x2d.dtype == torch.float16
@@ -348,42 +374,41 @@ def _dequantized_gemm(
 # Probes: a kernel is used only if it reproduces the dequantize reference on a small random layer.
 
 
-def _probe(kernel: str, device: str) -> bool:
+def _probe(kernel: Kernel, device: str) -> bool:
     generator = torch.Generator().manual_seed(0)
-    n, k, group = 64, 256, 64
-    bits = 8 if kernel == "int8pack_mm" else 4
-    symmetric = kernel == "int8pack_mm"
-    group = k if kernel == "int8pack_mm" else group
+    n, k = 64, 256
+    # int8: symmetric per-channel, the only format its kernel runs; int4: group 64 with a zero point
+    fmt = StoredFormat(8, k, True) if kernel == Kernel.INT8PACK_MM else StoredFormat(4, 64, False)
     weight = torch.randn((n, k), generator=generator)
     x = torch.randn((5, k), generator=generator).to(torch.bfloat16)
-    q = rtn.quantize_weight(weight, bits, group, symmetric)
-    stored = packing.pack_int4(q.q) if bits == 4 else q.q
+    q = rtn.quantize_weight(weight, fmt.bits, fmt.group_size, fmt.symmetric)
+    stored = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
     reference = quantized_matmul(
-        "dequant", x, stored, q.scale, q.zero_point, None,
-        bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
+        Kernel.DEQUANT, x, stored, q.scale, q.zero_point, None, fmt, in_features=k, out_features=n
     ).float()
     source = q.q.to(device)
     runtime = prepare_weight(kernel, source, k)
-    sz = scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16).to(device) if bits == 4 else None
+    sz = scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16).to(device) if fmt.bits == 4 else None
     y = quantized_matmul(
         kernel, x.to(device), runtime, q.scale.to(device), None if q.zero_point is None else q.zero_point.to(device),
-        sz, bits=bits, symmetric=symmetric, group_size=group, in_features=k, out_features=n,
+        sz, fmt, in_features=k, out_features=n,
     ).float().cpu()
     close = torch.allclose(y, reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
-    if close and bits == 4:
+    if close and fmt.bits == 4:
         close = torch.equal(restore_codes(kernel, runtime, n, k).cpu(), q.q)
     return close
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_works(kernel: str, device: str) -> bool:
+def kernel_works(kernel: Kernel, device: str) -> bool:
     """True if `kernel` exists in this PyTorch build and matches the dequantize reference on `device`.
 
-    The result is cached per (kernel, device). Failures are logged at INFO level and mean "use dequant".
+    The result is cached per (kernel, device). Failures are logged at INFO level and mean "use `Kernel.DEQUANT`".
     """
-    if kernel == "dequant":
+    kernel = Kernel(kernel)
+    if kernel == Kernel.DEQUANT:
         return True
-    if kernel == "int4pack_mm_cpu" and packing.cpu_int4_layout() is None:
+    if kernel == Kernel.INT4PACK_MM_CPU and packing.cpu_int4_layout() is None:
         return False
     try:
         works = _probe(kernel, device)

@@ -1,0 +1,150 @@
+"""The stored format of a quantized weight: one value (`StoredFormat`) that names its tensors, dtypes and shapes once.
+
+Every quantized module (`QuantLinear`, `QuantEmbedding`, `QuantExperts`), the quantization on load and the checkpoint
+checks read the layout from here; docs/format.md describes the same layout for the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from hfquant.core import rtn
+
+__all__ = ["Method", "StoredFormat", "SUPPORTED_BITS", "require_format"]
+
+SUPPORTED_BITS = (8, 4)
+"""Bit widths a weight can be stored in."""
+
+
+class Method(str, enum.Enum):
+    """How the integer codes were computed from the float weight. The stored tensors do not depend on it."""
+
+    RTN = "rtn"
+    """Round-to-nearest with min/max scales (`hfquant.core.rtn`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredFormat:
+    """Bit width, group size and symmetry of one quantized weight, and the tensors they store it in.
+
+    A weight of shape (*rows, K) (K = in_features; `rows` is (N,) for a Linear layer or an embedding table of N rows,
+    (E, N) for E fused experts) is stored as (docs/format.md):
+
+        weight: 8 bits symmetric: (*rows, K) int8, values q in [-127, 127];
+                8 bits asymmetric: (*rows, K) uint8, q in [0, 255];
+                4 bits: (*rows, K // 2) uint8, two codes per byte, the even input column in the low nibble:
+                byte [n, j] = c[n, 2j] | c[n, 2j + 1] << 4 with codes c in [0, 15] (symmetric codes are the signed
+                value v in [-7, 7] plus 8).
+        weight_scale: (*rows, K // group_size) bfloat16 (`rtn.SCALE_DTYPE`), one scale > 0 per (row, group).
+        weight_zero_point: (*rows, K // group_size) uint8, one integer zero point z per (row, group); only when
+                asymmetric (symmetric weights have the implicit zero 0 at 8 bits, code 8 at 4 bits).
+
+    Element (n, k) dequantizes to w = (q[n, k] - z[n, k // group_size]) * scale[n, k // group_size].
+
+    Worked example (4 bits, asymmetric, one group of 4): weights [-0.3, 0.0, 0.45, 0.1] give lo = -0.3, hi = 0.45,
+    scale = (0.45 - (-0.3)) / 15 = 0.05, zero point z = round(0.3 / 0.05) = 6, codes round(w / scale) + z =
+    [0, 6, 15, 8], stored bytes [0x60, 0x8F] (0 | 6 << 4, 15 | 8 << 4); code 0 dequantizes to (0 - 6) * 0.05 = -0.3.
+    `StoredFormat(4, 4, False).tensor_specs((1,), 4)` is {"weight": (uint8, (1, 2)), "weight_scale": (bfloat16,
+    (1, 1)), "weight_zero_point": (uint8, (1, 1))}.
+
+    Args:
+        bits: 8 or 4.
+        group_size: consecutive input features sharing one scale (and zero point), > 0. A layer's resolved group size
+            (`rtn.effective_group_size`), never None: per-channel is group_size = in_features.
+        symmetric: signed codes with an implicit zero point, or unsigned codes with a stored zero point.
+        method: how the codes were computed (only `Method.RTN` today); a string such as "rtn" is converted.
+    Raises:
+        ValueError: bits not 4 or 8, group_size not positive, or an unknown method (naming the value and what is
+            allowed).
+        TypeError: a field of the wrong type (e.g. bits="4", symmetric=None).
+    """
+
+    bits: int
+    group_size: int
+    symmetric: bool
+    method: Method = Method.RTN
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"bits must be an int, one of {list(SUPPORTED_BITS)}; got {self.bits!r}")
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={self.bits!r} is not supported; allowed values are {list(SUPPORTED_BITS)}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+            raise TypeError(
+                f"group_size must be a positive int (inputs per scale; per-channel is group_size = in_features); "
+                f"got {self.group_size!r}"
+            )
+        if self.group_size <= 0:
+            raise ValueError(
+                f"group_size={self.group_size} is not allowed; it must be a positive number of inputs per scale"
+            )
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"symmetric must be True or False; got {self.symmetric!r}")
+        if not isinstance(self.method, Method):
+            try:
+                object.__setattr__(self, "method", Method(self.method))
+            except ValueError:
+                allowed = [m.value for m in Method]
+                raise ValueError(f"method={self.method!r} is not supported; allowed values are {allowed}") from None
+
+    # -- the stored tensors ----------------------------------------------------------------------------------------
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """dtype of the stored `weight`: int8 for 8-bit symmetric codes, else uint8 (packed nibbles at 4 bits)."""
+        return torch.int8 if (self.bits == 8 and self.symmetric) else torch.uint8
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """("weight", "weight_scale"[, "weight_zero_point"]): the stored tensors, in the order `tensor_specs` gives."""
+        return ("weight", "weight_scale") if self.symmetric else ("weight", "weight_scale", "weight_zero_point")
+
+    def tensor_specs(self, rows: tuple[int, ...], in_features: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """{name: (dtype, shape)} of the stored tensors of a weight (*rows, in_features) (see the class docstring).
+
+        Raises:
+            ValueError: group_size does not divide in_features, or 4 bits with an odd in_features.
+        """
+        if in_features % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide in_features={in_features}")
+        if self.bits == 4 and in_features % 2:
+            raise ValueError(f"4-bit weights need an even in_features, got {in_features}")
+        rows = tuple(rows)
+        codes = in_features // 2 if self.bits == 4 else in_features
+        groups = (*rows, in_features // self.group_size)
+        specs = {"weight": (self.code_dtype, (*rows, codes)), "weight_scale": (rtn.SCALE_DTYPE, groups)}
+        if not self.symmetric:
+            specs["weight_zero_point"] = (torch.uint8, groups)
+        return specs
+
+    def empty(
+        self, rows: tuple[int, ...], in_features: int, device: torch.device | str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Uninitialized stored tensors of a weight (*rows, in_features), as `tensor_specs` gives them, on `device`."""
+        return {
+            name: torch.empty(shape, dtype=dtype, device=device)
+            for name, (dtype, shape) in self.tensor_specs(rows, in_features).items()
+        }
+
+    def describe(self) -> str:
+        """"4-bit, group size 32, asymmetric": the format in words, for messages."""
+        return f"{self.bits}-bit, group size {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}"
+
+
+def require_format(fmt: object) -> StoredFormat:
+    """`fmt` itself when it is a `StoredFormat`, else a TypeError saying what to pass (modules that took bits,
+    group_size and symmetric as three arguments now take one `StoredFormat`)."""
+    if not isinstance(fmt, StoredFormat):
+        raise TypeError(
+            "expected a hfquant.core.format.StoredFormat for the stored format, e.g. "
+            f"StoredFormat(bits=4, group_size=128, symmetric=False); got {fmt!r}"
+        )
+    return fmt
