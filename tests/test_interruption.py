@@ -539,7 +539,7 @@ def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
     SIGINT and by SIGKILL at seeded moments of its writing: every time DST still verifies with the same sums (the same
     bytes); a final rerun at 4 bits completes and verifies."""
     from hfquant.example_model import build_example_model
-    from hfquant.commands.verify import write_checksums
+    from hfquant.checkpoint.checksums import write_checksums
 
     source = build_example_model()
     dst = tmp_path / "out" / "dst"

@@ -12,7 +12,9 @@ import textwrap
 import pytest
 import torch
 
-from hfquant import QuantLinear, kernels, native, rtn
+from hfquant import QuantLinear
+from hfquant.core import rtn
+from hfquant.ops import kernels, native
 from hfquant.core.format import StoredFormat
 
 needs_native = pytest.mark.skipif(
@@ -139,7 +141,8 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 FALLBACK = """
     import logging, torch
     logging.basicConfig(level=logging.INFO)
-    from hfquant import QuantLinear, kernels, native
+    from hfquant import QuantLinear
+    from hfquant.ops import kernels, native
     from hfquant.core.format import StoredFormat
     layer = QuantLinear.from_float(torch.randn(128, 256), None, StoredFormat(4, 64, False))
     layer.prepare_kernel(torch.bfloat16)

@@ -17,6 +17,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
+from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.version import __version__
+
 __all__ = ["CARD_MARKER", "EVAL_FILE", "TEMPLATE_PATH", "build_card", "write_card", "is_hfquant_card", "read_base_model"]
 
 logger = logging.getLogger(__name__)
@@ -39,7 +48,6 @@ _CARRIED_METADATA = ("license", "license_name", "license_link", "language")
 
 def read_base_model(readme: Path) -> dict[str, Any]:
     """Metadata of an existing README.md card (empty dict when there is none or it cannot be parsed)."""
-    from huggingface_hub import ModelCard
 
     if not readme.is_file():
         return {}
@@ -58,13 +66,10 @@ def is_hfquant_card(readme: Path) -> bool:
         return False
 
 
-_FIRST_FIELDS = ("quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert")
-
-
 def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
-    """(field, value) rows of the card's quantization table: the main fields first, then the others by name."""
+    """(field, value) rows of the card's quantization table, in `hfquant.config.FIELDS` order."""
     rows = []
-    order = [k for k in _FIRST_FIELDS if k in qconfig] + sorted(k for k in qconfig if k not in _FIRST_FIELDS)
+    order = [k for k in FIELD_NAMES if k in qconfig] + sorted(k for k in qconfig if k not in FIELD_NAMES)
     for key in order:
         value = qconfig[key]
         if key == "group_size" and value is None:
@@ -84,10 +89,6 @@ def _auto_class(architecture: str | None) -> str:
 
 
 def _versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    from hfquant import __version__
 
     return {"hfquant_version": __version__, "transformers_version": transformers.__version__,
             "torch_version": torch.__version__}
@@ -120,10 +121,6 @@ def build_card(
         ValueError: `folder` holds no `quantization_config` of hfquant, or `base_model` is not a repo id.
         FileNotFoundError: the template is missing (hfquant installed without its `model_cards/` folder).
     """
-    from huggingface_hub import ModelCard, ModelCardData
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
 
     folder = Path(folder)
     name = name or folder.name
@@ -207,8 +204,6 @@ def build_card(
 
 def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:
     """The `hfquant convert` command line that makes a checkpoint with `qconfig`."""
-    from hfquant.config import HfQuantConfig
-
     defaults = HfQuantConfig(bits=qconfig["bits"]).to_dict()
     parts = ["hfquant convert", src, dst]
     for key, value in qconfig.items():

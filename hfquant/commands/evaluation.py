@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pydoc_data.topics import topics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -64,8 +64,6 @@ def reference_text(n_chars: int = DEFAULT_REFERENCE_CHARS, offset: int = 0) -> s
         raise ValueError(f"n_chars must be positive, got {n_chars}")
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    from pydoc_data.topics import topics
-
     corpus = _REFERENCE_SEPARATOR.join(topics[key] for key in sorted(topics))
     if offset + n_chars > len(corpus):
         raise ValueError(

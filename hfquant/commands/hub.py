@@ -19,6 +19,13 @@ import types
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RevisionNotFoundError
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from hfquant.commands.cards import build_card, is_hfquant_card, read_base_model
+from hfquant.commands.convert import base_model_of
+
 __all__ = ["HubError", "push_folder", "attach_model_card", "push_model_to_hub"]
 
 logger = logging.getLogger(__name__)
@@ -41,7 +48,6 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 def _explain(error: Exception, repo_id: str, action: str, endpoint: str) -> str:
     """A message for a failed Hub call: what failed, the status, and what to do."""
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RevisionNotFoundError
 
     if isinstance(error, OfflineModeIsEnabled):
         return f"cannot {action}: huggingface_hub is in offline mode (HF_HUB_OFFLINE=1); unset it to push"
@@ -70,7 +76,6 @@ def _explain(error: Exception, repo_id: str, action: str, endpoint: str) -> str:
 
 def _operations(folder: Path, readme: bytes | None) -> list:
     """One `CommitOperationAdd` per file of `folder` (hidden files and folders left out), README.md from `readme`."""
-    from huggingface_hub import CommitOperationAdd
 
     operations = []
     for path in sorted(folder.rglob("*")):
@@ -122,11 +127,6 @@ def push_folder(
         ValueError: `repo_id` is not a valid repo id.
         HubError: the Hub refused or failed (401, 403, 404, 5xx, unreachable), with the fix in the message.
     """
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from hfquant.commands.cards import build_card, is_hfquant_card
 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
@@ -186,10 +186,6 @@ def attach_model_card(model) -> None:
 
 def _loaded_from(model) -> tuple[str | None, str | None]:
     """(base model repo id, path or id the model was loaded from) of a model quantized on load or reloaded."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from hfquant.commands.cards import is_hfquant_card, read_base_model
-    from hfquant.commands.convert import _base_model_of
 
     source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None) or None
     if not source:
@@ -199,7 +195,7 @@ def _loaded_from(model) -> tuple[str | None, str | None]:
         readme = folder / "README.md"
         if is_hfquant_card(readme):  # a reloaded hfquant checkpoint: its card names the float model
             return read_base_model(readme).get("base_model"), source
-        return _base_model_of(source, folder), source
+        return base_model_of(source, folder), source
     try:
         validate_repo_id(source)
     except HFValidationError:

@@ -10,7 +10,6 @@ dotted name with layer indices replaced by `*` (`model.layers.*.mlp.down_proj`).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,15 +17,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_headers, read_json, tensor_files
+from hfquant.config import HfQuantConfig
+from hfquant.core.dtypes import dtype_name, torch_dtype
+from hfquant.integration.quantizer import plan_model
+from hfquant.integration.skeleton import build_skeleton
+from hfquant.nn.replace import linear_shape, matches_module
+
 __all__ = ["inspect_checkpoint", "format_report", "layer_kind", "human_bytes"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-                "I8": 1, "U8": 1, "BOOL": 1}
-_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-_FLOAT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def layer_kind(name: str) -> str:
@@ -43,30 +44,19 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def _read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
-    """{tensor name: (safetensors dtype, shape)} from every shard's header, and the files' total size in bytes."""
-    from hfquant.commands.convert import checkpoint_tensor_files, open_safetensors
-
-    files = checkpoint_tensor_files(folder)
+def _read_headers(folder: Path) -> tuple[dict[str, TensorHeader], int]:
+    """{tensor name: header} from every shard's header, and the files' total size in bytes."""
+    files = tensor_files(folder)
     tensors = {}
     for path in dict.fromkeys(files.values()):
-        with open_safetensors(path) as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+        tensors.update(read_headers(path))
     return tensors, sum(p.stat().st_size for p in set(files.values()))
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
 
 
 def _float_skeleton(folder: Path):
     """The float model on the meta device (no weights), or None when the architecture cannot be built here."""
-    from hfquant.commands.convert import load_skeleton
-
     try:
-        model, _, _ = load_skeleton(folder, "auto", None)
+        model, _, _ = build_skeleton(folder, "auto", None)
     except (ValueError, OSError, ImportError, TypeError, KeyError, AttributeError) as error:
         logger.warning("cannot build the model skeleton of %s (%s); layer shapes come from the config only", folder, error)
         return None
@@ -75,10 +65,6 @@ def _float_skeleton(folder: Path):
 
 def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str], stored: set[str]) -> list[dict]:
     """Linear / Conv1D layers of `model` that are not quantized in the files, each with the reason."""
-    from hfquant.config import HfQuantConfig
-    from hfquant.integration.quantizer import plan_model
-    from hfquant.nn.replace import matches_module
-
     plans = {}
     user_skip: list[str] = []
     if qconfig is not None:
@@ -92,11 +78,9 @@ def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str
     for name, module in model.named_modules():
         if module is output:
             head = name
-    from hfquant.nn.replace import _linear_shape
-
     rows = []
     for name, module in model.named_modules():
-        if _linear_shape(module) is None or name in quantized_modules:
+        if linear_shape(module) is None or name in quantized_modules:
             continue
         source = tied.get(name)
         if source is not None and f"{name}.weight" not in stored:
@@ -131,13 +115,16 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: `path` has no config.json or no safetensors checkpoint.
     """
     folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file():
+    if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; PATH must be a transformers checkpoint folder")
-    config_json = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config_json = read_json(folder / CONFIG_NAME)
     qconfig = config_json.get("quantization_config")
     tensors, file_bytes = _read_headers(folder)
     float_dtype = str(config_json.get("dtype") or config_json.get("torch_dtype") or "float32")
-    float_itemsize = _FLOAT_BYTES.get(float_dtype, 4)
+    try:
+        float_itemsize = torch_dtype(float_dtype).itemsize
+    except ValueError:
+        float_itemsize = 4
 
     model = _float_skeleton(folder)
     float_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()} if model is not None else {}
@@ -145,7 +132,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     quantized: dict[tuple, dict] = {}
     quantized_modules: set[str] = set()
     consumed: set[str] = set()
-    for name, (dtype, shape) in tensors.items():
+    for name, header in tensors.items():
         scale_name = name[: -len("weight")] + "weight_scale" if name.endswith("weight") else None
         if scale_name not in tensors:
             scale_name = f"{name}_scale"
@@ -156,11 +143,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         consumed.update(parts)
         module = name.rpartition(".")[0] if name.endswith(".weight") else name
         quantized_modules.add(module)
-        scale_shape = tensors[scale_name][1]
+        scale_shape = tensors[scale_name].shape
         groups = scale_shape[-1]
         rows = math.prod(scale_shape) // groups
         float_numel = math.prod(float_shapes[name]) if name in float_shapes else None
-        stored_numel = math.prod(shape)
+        stored_numel = math.prod(header.shape)
         if float_numel:
             bits = 8 if stored_numel == float_numel else 4
         else:
@@ -171,17 +158,17 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         row = quantized.setdefault(key, {"kind": key[0], "count": 0, "bits": bits, "group_size": key[2],
                                          "symmetric": key[3], "bytes": 0, "float_bytes": 0})
         row["count"] += 1
-        row["bytes"] += sum(_nbytes(*tensors[p]) for p in parts)
+        row["bytes"] += sum(tensors[p].nbytes for p in parts)
         row["float_bytes"] += float_numel * float_itemsize
 
     float_rows: dict[tuple, dict] = {}
-    for name, (dtype, shape) in tensors.items():
+    for name, header in tensors.items():
         if name in consumed:
             continue
-        key = (layer_kind(name), _DTYPE_NAMES.get(dtype, dtype))
+        key = (layer_kind(name), dtype_name(header.dtype))
         row = float_rows.setdefault(key, {"kind": key[0], "count": 0, "dtype": key[1], "bytes": 0})
         row["count"] += 1
-        row["bytes"] += _nbytes(dtype, shape)
+        row["bytes"] += header.nbytes
 
     layers: dict[tuple, dict] = {}
     if model is not None and qconfig is not None:
@@ -189,7 +176,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             key = (layer_kind(item["name"]), item["reason"])
             layers.setdefault(key, {"kind": key[0], "count": 0, "reason": key[1]})["count"] += 1
 
-    tensor_bytes = sum(_nbytes(*meta) for meta in tensors.values())
+    tensor_bytes = sum(header.nbytes for header in tensors.values())
     float_bytes = sum(r["float_bytes"] for r in quantized.values()) + sum(r["bytes"] for r in float_rows.values())
     return {
         "path": str(folder),

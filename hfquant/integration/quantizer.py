@@ -22,41 +22,45 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps
+from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.integrations.accelerate import offload_weight
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from hfquant.config import HfQuantConfig
+from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_headers, read_tensor
+from hfquant.checkpoint.schema import problem_text, schema_problems
+from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
+from hfquant.config import QUANT_METHOD, HfQuantConfig
+from hfquant.core.dtypes import dtype_name, torch_dtype
+from hfquant.integration.conversions import model_key_map
+from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
 from hfquant.nn.float_linear import restore_nn_linear, use_float_linear
 from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 from hfquant.nn.norms import find_norms, install_dtype_adapter
 from hfquant.nn.replace import (
-    QUANTIZED_STORAGE,
     LayerPlan,
     cast_float_params,
-    dtype_name,
-    embedding_kind,
     matches_module,
     plan_experts,
     plan_layers,
-    quantized_format,
-    replace_tied_quant_linear,
-    replace_with_quant_embedding,
     replace_with_quant_experts,
     replace_with_quant_linear,
     restore_kernel_buffers,
-    torch_dtype,
 )
-from hfquant.core.format import StoredFormat
-from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 
-__all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model"]
+__all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "check_stored_tensors", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,28 +79,6 @@ def plan_model(model, config: HfQuantConfig) -> tuple[list[str], list[LayerPlan]
     default_skips = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
     skip = sorted(set(default_skips) | set(config.modules_to_not_convert))
     return skip, plan_layers(model, config.bits, config.group_size, skip)
-
-
-@torch.no_grad()
-def _float_layer(module: QuantLinear, dtype: torch.dtype) -> nn.Module:
-    """The float layer a `QuantLinear` replaced: `nn.Linear`, or GPT-2's `Conv1D` (weight stored (in, out))."""
-    weight = module.dequantize(dtype)
-    if getattr(module, "transposed_source", False):
-        from transformers.pytorch_utils import Conv1D
-
-        layer = Conv1D(module.out_features, module.in_features).to(device=weight.device, dtype=dtype)
-        layer.weight.copy_(weight.t())
-        if module.bias is None:
-            layer.bias = None
-    else:
-        layer = nn.Linear(
-            module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype, device=weight.device
-        )
-        layer.weight.copy_(weight)
-    if module.bias is not None:
-        layer.bias.copy_(module.bias)
-    layer.requires_grad_(False)
-    return layer
 
 
 class HfQuantQuantize(ConversionOps):
@@ -141,6 +123,10 @@ class HfQuantQuantizer(HfQuantizer):
 
     requires_calibration = False
     quantization_config: HfQuantConfig
+    loaded_model_hooks: tuple[Callable[[nn.Module], None], ...] = ()
+    """Called with every model this quantizer loaded, once its kernels are ready. `import hfquant` adds
+    `hfquant.commands.hub.attach_model_card` (so that `push_to_hub` sends hfquant's card): the integration layer itself
+    never imports the Hub or the cards."""
 
     def __init__(self, quantization_config: HfQuantConfig, **kwargs):
         super().__init__(copy.deepcopy(quantization_config), **kwargs)
@@ -171,8 +157,8 @@ class HfQuantQuantizer(HfQuantizer):
         compute = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
         self.compute_dtype = compute
         self.modules_to_not_convert, self.layer_plans = plan_model(model, config)
-        head = _module_name(model, _output_embeddings(model))
-        replaced = self._plan_embeddings_and_head(model, compute)
+        head = module_name(model, output_embeddings(model))
+        replaced = plan_embeddings_and_head(model, config, compute, self.adapters, self.ties)
         if head is not None and not isinstance(model.get_submodule(head), nn.Linear):  # lm_head was planned above
             self.layer_plans = [plan for plan in self.layer_plans if plan.name != head]
         replaced += replace_with_quant_linear(model, self.layer_plans, config.bits, config.symmetric, compute)
@@ -185,92 +171,10 @@ class HfQuantQuantizer(HfQuantizer):
         if self.pre_quantized and kwargs.get("checkpoint_files"):
             # A stored tensor of the wrong dtype or shape would be re-initialized at random or loaded as garbage by
             # transformers: compare the shard headers with the skeleton first and raise a ValueError naming it.
-            from hfquant.commands.verify import check_checkpoint_files
-
-            check_checkpoint_files(model, kwargs["checkpoint_files"], self)
+            check_stored_tensors(model, kwargs["checkpoint_files"], self)
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
-
-    def _plan_embeddings_and_head(self, model, compute: torch.dtype) -> int:
-        """Embeddings (`embedding_dtype`) and the output embedding (`lm_head`); returns the modules quantized."""
-        config = self.quantization_config
-        user_skip = config.modules_to_not_convert
-        modules = dict(model.named_modules())
-        tied_params = dict(getattr(model, "all_tied_weights_keys", None) or {})
-        tied = {
-            t.removesuffix(".weight"): s.removesuffix(".weight")
-            for t, s in tied_params.items() if t.endswith(".weight") and s.endswith(".weight")
-        }
-        head = _module_name(model, _output_embeddings(model))
-        embeddings = [
-            name for name, module in modules.items()
-            if embedding_kind(module) is not None and not matches_module(name, user_skip)
-        ]
-        # storage of each embedding that holds its own tensor; tied copies follow their source
-        storage = {name: config.embedding_dtype for name in embeddings if name not in tied}
-        head_format = None if config.lm_head == "keep" else config.lm_head
-        head_source = tied.get(head) if head is not None else None
-        if head_source is not None and head_source in storage:
-            asked = config.embedding_dtype
-            if head_format is not None and asked != "auto" and asked != head_format:
-                raise ValueError(
-                    f"lm_head={config.lm_head!r} and embedding_dtype={asked!r} conflict: {head} is tied to "
-                    f"{head_source}, so they are one tensor; give both the same int8/int4 value, or untie them "
-                    "(config tie_word_embeddings=False) to store them differently."
-                )
-            if asked not in QUANTIZED_STORAGE and head_format is not None:
-                storage[head_source] = head_format
-                logger.info("hfquant: %s is tied to %s, which is stored as %s with it", head, head_source, head_format)
-            elif asked in QUANTIZED_STORAGE:
-                logger.info("hfquant: %s is tied to %s and reads its %s tensor", head, head_source, asked)
-        elif head_source is not None and head_format is not None:
-            logger.warning("hfquant keeps %s in float: it is tied to %s, which is not quantized", head, head_source)
-
-        count = 0
-        quantized: dict[str, StoredFormat] = {}
-        for name, kind in storage.items():
-            module = modules[name]
-            if kind in QUANTIZED_STORAGE:
-                fmt = quantized_format(kind, config, module.embedding_dim)
-                if fmt is None:
-                    logger.info("hfquant keeps embedding %s in float: embedding_dim=%d has no group size",
-                                name, module.embedding_dim)
-                    continue
-                replace_with_quant_embedding(model, name, fmt, compute)
-                quantized[name] = fmt
-                count += 1
-            elif kind != "auto" and torch_dtype(kind) != compute:
-                cast_float_params(module, torch_dtype(kind))
-                self.adapters[name] = (torch_dtype(kind), False)
-        for target, source in tied.items():
-            if source in quantized and target != head and embedding_kind(modules.get(target)) is not None:
-                replace_with_quant_embedding(model, target, quantized[source], compute, persistent=False)
-                self.ties.append((target, source))
-            elif source in self.adapters and target != head and target in modules:
-                self.adapters[target] = self.adapters[source]
-
-        if head is not None and head_source in quantized:
-            replace_tied_quant_linear(model, head, quantized[head_source], compute)
-            self.ties.append((head, head_source))
-            count += 1
-        elif head is not None and head_source in self.adapters:
-            self.adapters[head] = (self.adapters[head_source][0], True)
-        elif head is not None and head_source is None and head_format and not matches_module(head, user_skip):
-            module = modules[head]
-            fmt = quantized_format(head_format, config, module.in_features)
-            if fmt is None:
-                logger.info("hfquant keeps %s in float: in_features=%d has no group size", head, module.in_features)
-            else:
-                plan = LayerPlan(head, module.in_features, module.out_features, fmt.group_size, "", False)
-                count += replace_with_quant_linear(model, [plan], fmt.bits, fmt.symmetric, compute)
-        # transformers must not tie (nor mark as initialized) what now lives in buffers: the ties are ours
-        tied_now = {target for target, _ in self.ties}
-        if tied_now and hasattr(model, "all_tied_weights_keys"):
-            model.all_tied_weights_keys = {
-                t: s for t, s in model.all_tied_weights_keys.items() if t.rpartition(".")[0] not in tied_now
-            }
-        return count
 
     def _plan_experts(self, model, compute: torch.dtype) -> int:
         config = self.quantization_config
@@ -322,8 +226,6 @@ class HfQuantQuantizer(HfQuantizer):
         """Add, for each model converter that merges per-expert weights into a `QuantExperts` tensor, copies that
         merge (on load) and split (on save) its scales and zero points the same way: on disk every expert keeps the
         layout of a quantized Linear (`experts.3.w1.weight`, `.weight_scale`, `.weight_zero_point`)."""
-        from transformers.core_model_loading import WeightConverter
-
         updated = super().update_weight_conversions(weight_conversions, model)
         experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
         if not experts:
@@ -381,9 +283,8 @@ class HfQuantQuantizer(HfQuantizer):
         _warn_offloaded_buffers(model)
         logger.info("hfquant kernels: %s", counts)
         release_checkpoint_pages()
-        from hfquant.commands.hub import attach_model_card  # push_to_hub writes hfquant's model card, not transformers' generic one
-
-        attach_model_card(model)
+        for hook in self.loaded_model_hooks:
+            hook(model)
         return model
 
     def _tie_buffers(self, model) -> None:
@@ -420,9 +321,6 @@ class HfQuantQuantizer(HfQuantizer):
         float weight back as int8. Each such weight is read again, one at a time, quantized as on load and saved with
         transformers' `offload_weight`; the index entry then names the quantized file (scales were saved on load).
         """
-        from safetensors import safe_open
-        from transformers.integrations.accelerate import offload_weight
-
         for module in model.modules():
             hook = getattr(module, "_hf_hook", None)
             weights_map = getattr(hook, "weights_map", None)
@@ -433,11 +331,11 @@ class HfQuantQuantizer(HfQuantizer):
             entry = index.get(prefix + "weight")
             if entry is None or entry.get("safetensors_file") is None:
                 continue
-            with safe_open(entry["safetensors_file"], framework="pt") as handle:
-                name = entry.get("weight_name", prefix + "weight")
-                if not handle.get_slice(name).get_dtype().startswith(("F", "BF")):
+            path, name = entry["safetensors_file"], entry.get("weight_name", prefix + "weight")
+            with open_safetensors(path) as handle:
+                if not SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()].is_floating_point:
                     continue  # already the quantized tensor
-                tensor = handle.get_tensor(name).to(self.compute_dtype or torch.float32)
+                tensor = read_tensor(handle, path, name).to(self.compute_dtype or torch.float32)
             if getattr(module, "transposed_source", False):
                 tensor = tensor.t()
             buffers = quantize_to_buffers(tensor, module.format)
@@ -458,15 +356,16 @@ class HfQuantQuantizer(HfQuantizer):
     def _dequantize(self, model, dtype=None):
         restore_nn_linear(model)
         if isinstance(dtype, str):  # transformers passes `model.config.dtype`, a string after save_pretrained
-            dtype = getattr(torch, dtype.removeprefix("torch."), None)
-            if not isinstance(dtype, torch.dtype):
+            try:
+                dtype = torch_dtype(dtype)
+            except ValueError:
                 dtype = None
         for name, module in list(model.named_modules()):
             if isinstance(module, QuantLinear):
                 target_dtype = dtype or module.compute_dtype or torch.float32
-                new = _float_layer(module, target_dtype)
+                new = module.dequantize_to_float(target_dtype)
             elif isinstance(module, QuantEmbedding):
-                new = _float_embedding(module, dtype or module.compute_dtype)
+                new = module.dequantize_to_float(dtype or module.compute_dtype)
             elif isinstance(module, QuantExperts):
                 new = module.dequantize_to_float(dtype or module.compute_dtype or torch.float32)
             else:
@@ -493,33 +392,6 @@ class HfQuantQuantizer(HfQuantizer):
         return True
 
 
-def _output_embeddings(model):
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return head if isinstance(head, nn.Linear) else None
-
-
-def _module_name(model, module) -> str | None:
-    if module is None:
-        return None
-    return next((name for name, m in model.named_modules() if m is module), None)
-
-
-@torch.no_grad()
-def _float_embedding(module: QuantEmbedding, dtype: torch.dtype) -> nn.Embedding:
-    """The float embedding a `QuantEmbedding` replaced (same class: a scaled word embedding stays one)."""
-    weight = module.dequantize(dtype)
-    layer = module.source
-    if layer is None:
-        layer = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, device="meta")
-    layer.weight = nn.Parameter(weight, requires_grad=False)
-    if module.embed_scale is not None and isinstance(layer._buffers.get("embed_scale"), torch.Tensor):
-        layer.embed_scale = torch.tensor(module.embed_scale, device=weight.device)
-    return layer
-
-
 def _warn_offloaded_buffers(model) -> None:
     """Quantized tensors are buffers: accelerate leaves them in RAM unless `offload_buffers=True` is passed."""
     device_map = getattr(model, "hf_device_map", None) or {}
@@ -539,3 +411,40 @@ def _warn_offloaded_buffers(model) -> None:
                 "offload_buffers=True to from_pretrained to offload them too", name or "the model", resident[0],
             )
             return
+
+
+def check_stored_tensors(model, files, quantizer: HfQuantQuantizer) -> int:
+    """Compare hfquant's stored tensors in the safetensors `files` with the prepared skeleton `model` before a
+    pre-quantized load; returns the tensors compared.
+
+    Raises:
+        ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix.
+    """
+    tensors = {}
+    for file in files:
+        if not str(file).endswith(".safetensors"):
+            raise ValueError(f"{file} is not a safetensors file; hfquant checkpoints are stored as safetensors only")
+        for key, header in read_headers(file).items():
+            tensors.setdefault(key, header)
+    problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
+    if problems:
+        raise ValueError(problem_text(problems))
+    return compared
+
+
+def register() -> None:
+    """Register `HfQuantConfig` and `HfQuantQuantizer` with transformers under `quant_method="hfquant"`; idempotent.
+
+    Raises:
+        ValueError: another package already registered a different class under "hfquant".
+    """
+    config_cls = AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD)
+    if config_cls is None:
+        register_quantization_config(QUANT_METHOD)(HfQuantConfig)
+    elif config_cls is not HfQuantConfig:
+        raise ValueError(f"quant_method {QUANT_METHOD!r} is already registered by {config_cls!r}")
+    quantizer_cls = AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
+    if quantizer_cls is None:
+        register_quantizer(QUANT_METHOD)(HfQuantQuantizer)
+    elif quantizer_cls is not HfQuantQuantizer:
+        raise ValueError(f"quant_method {QUANT_METHOD!r} is already registered by {quantizer_cls!r}")

@@ -183,6 +183,19 @@ class QuantEmbedding(nn.Module):
             self._rows_codes(rows), self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype
         )
 
+    @torch.no_grad()
+    def dequantize_to_float(self, dtype: torch.dtype) -> nn.Embedding:
+        """The float embedding this one replaced (same class: a scaled word embedding stays one), its table
+        dequantized to `dtype`."""
+        weight = self.dequantize(dtype)
+        layer = self.source
+        if layer is None:
+            layer = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, device="meta")
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        if self.embed_scale is not None and isinstance(layer._buffers.get("embed_scale"), torch.Tensor):
+            layer.embed_scale = torch.tensor(self.embed_scale, device=weight.device)
+        return layer
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = input_ids.reshape(-1)
         zero_point = None if self.weight_zero_point is None else self.weight_zero_point.index_select(0, rows)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from hfquant.core import packing
-from hfquant.core import rtn
+from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat, require_format
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
@@ -164,6 +164,25 @@ class QuantLinear(nn.Module):
         """The float weight (out_features, in_features) in `dtype` that this layer multiplies by."""
         codes = self._codes() if self.bits == 4 else self.weight
         return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
+
+    @torch.no_grad()
+    def dequantize_to_float(self, dtype: torch.dtype) -> nn.Module:
+        """The float layer this one replaced, weights dequantized to `dtype`: `nn.Linear`, or GPT-2's `Conv1D`
+        (weight stored (in_features, out_features)) when `transposed_source` is set."""
+        weight = self.dequantize(dtype)
+        if getattr(self, "transposed_source", False):
+            layer = Conv1D(self.out_features, self.in_features).to(device=weight.device, dtype=dtype)
+            layer.weight.copy_(weight.t())
+            if self.bias is None:
+                layer.bias = None
+        else:
+            layer = nn.Linear(
+                self.in_features, self.out_features, bias=self.bias is not None, dtype=dtype, device=weight.device
+            )
+            layer.weight.copy_(weight)
+        if self.bias is not None:
+            layer.bias.copy_(self.bias)
+        return layer.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Tensors straight from the module's dicts: nn.Module.__getattr__ falls back to a slow lookup per buffer, a

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import TYPE_CHECKING, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from hfquant.nn.linear import QuantLinear
+from hfquant.config import HfQuantConfig, default_group_size, default_symmetric
 from hfquant.core.format import StoredFormat
 from hfquant.core.rtn import effective_group_size
-
-if TYPE_CHECKING:
-    from hfquant.config import HfQuantConfig
+from hfquant.nn.embedding import QuantEmbedding
+from hfquant.nn.experts import QuantExperts, experts_layout
+from hfquant.nn.linear import QuantLinear
 
 __all__ = [
     "LayerPlan",
@@ -31,19 +32,9 @@ __all__ = [
     "embedding_kind",
     "quantized_format",
     "cast_float_params",
-    "torch_dtype",
-    "dtype_name",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _conv1d_class():
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers always has it
-        return None
-    return Conv1D
 
 
 def matches_module(name: str, patterns: Iterable[str]) -> bool:
@@ -76,12 +67,11 @@ class LayerPlan(NamedTuple):
     transposed: bool
 
 
-def _linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
+def linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
     """(in_features, out_features, transposed) of a Linear or Conv1D, else None."""
-    conv1d = _conv1d_class()
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
-    if conv1d is not None and isinstance(module, conv1d):
+    if isinstance(module, Conv1D):
         return module.weight.shape[0], module.weight.shape[1], True
     return None
 
@@ -91,7 +81,7 @@ def plan_layers(model: nn.Module, bits: int, group_size: int | None, skip: Itera
     skip = list(skip)
     plans = []
     for name, module in model.named_modules():
-        shape = _linear_shape(module)
+        shape = linear_shape(module)
         if shape is None or isinstance(module, QuantLinear):
             continue
         in_features, out_features, transposed = shape
@@ -148,16 +138,6 @@ QUANTIZED_STORAGE = {"int8": 8, "int4": 4}
 """Storage names of `embedding_dtype` / `lm_head` that mean a quantized tensor, and their bit width."""
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """"float32" / "float16" / "bfloat16" -> the torch dtype."""
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
-
-
 def quantized_format(storage: str, config: HfQuantConfig, in_features: int) -> StoredFormat | None:
     """The stored format of an embedding / lm_head stored as `storage` ("int8"/"int4") whose rows have `in_features`
     values, or None when no group size fits them (it then stays in float).
@@ -166,8 +146,6 @@ def quantized_format(storage: str, config: HfQuantConfig, in_features: int) -> S
     defaults (per-row symmetric at 8 bits, group 128 asymmetric at 4 bits), as `HfQuantConfig` would pick them. The
     group size is then resolved for `in_features` as for a layer (`rtn.effective_group_size`).
     """
-    from hfquant.config import default_group_size, default_symmetric
-
     bits = QUANTIZED_STORAGE[storage]
     if bits == config.bits:
         asked_group, symmetric = config.group_size, config.symmetric
@@ -213,8 +191,6 @@ def replace_with_quant_embedding(
     `persistent=False` makes its tensors non-persistent buffers: a tied copy whose tensors come from another module
     after loading, so they are neither read from nor written to the checkpoint.
     """
-    from hfquant.nn.embedding import QuantEmbedding
-
     old = model.get_submodule(name)
     scale = getattr(old, "scalar_embed_scale", None) if embedding_kind(old) == "scaled" else None
     new = QuantEmbedding(
@@ -274,8 +250,6 @@ class ExpertsPlan(NamedTuple):
 
 def plan_experts(model: nn.Module, bits: int, group_size: int | None, skip: Iterable[str]) -> list[ExpertsPlan]:
     """One `ExpertsPlan` per module holding fused 3-D expert weights (transformers 5 MoE experts)."""
-    from hfquant.nn.experts import experts_layout
-
     skip = list(skip)
     plans = []
     for name, module in model.named_modules():
@@ -299,8 +273,6 @@ def replace_with_quant_experts(
 ):
     """Swap the experts module of `plan` for an empty `QuantExperts` on the meta device and return it; each projection
     is stored as `StoredFormat(bits, plan.group_sizes[projection], symmetric)`."""
-    from hfquant.nn.experts import QuantExperts
-
     old = model.get_submodule(plan.name)
     formats = {projection: StoredFormat(bits, group, symmetric) for projection, group in plan.group_sizes.items()}
     new = QuantExperts(old, plan.shapes, formats, dtype, "meta")

@@ -466,7 +466,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_siz
 def _cuda_nibble_order_for(device: str) -> bool:
     """Whether `_convert_weight_to_int4pack` wants the even column in the high nibble (PyTorch >= 2.5 does)."""
     generator = torch.Generator().manual_seed(1)
-    n, k, group = 64, 256, 64
+    n, k = 64, 256
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
     tiles = _cuda_inner_k_tiles(k)
     for even_high in (True, False):

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from hfquant.core import paths
+
 __all__ = ["int4_cpu_library", "int4_gemv", "int4_dequantize_t"]
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,11 @@ def _build(compiler: str) -> Path:
     Raises:
         OSError / subprocess.CalledProcessError / subprocess.TimeoutExpired: the build failed.
     """
-    from hfquant.example_model import default_cache_dir
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = _SOURCE.read_bytes()
     first_line = (version.splitlines() or [""])[0]
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + first_line.encode()).hexdigest()[:16]
-    folder = default_cache_dir() / "native" / digest
+    folder = paths.cache_dir() / "native" / digest
     library = folder / "int4_cpu.so"
     if library.exists():
         return library

@@ -1,0 +1,249 @@
+"""Reading checkpoint folders: the file names, strict JSON, the shard index, and safetensors through `safe_open` only.
+
+A checkpoint folder is untrusted input. Nothing here runs code or unpickles: JSON is parsed without NaN/Infinity and
+without repeated keys, under a size limit; a shard name from the index must be a plain file name inside the folder
+(no `/`, `..` or absolute path); safetensors headers and tensors are read by the safetensors library, which checks
+that the header is JSON, every dtype known, the offsets contiguous and sized for their shapes, and the file exactly
+as long as the header says. Its errors come out as `ValueError`s naming the file and the fix.
+
+`SAFETENSORS_DTYPES` is the one table between safetensors dtype codes ("BF16") and torch dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hfquant.core.dtypes import dtype_name
+
+__all__ = [
+    "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
+    "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
+    "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index",
+]
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".pb", ".tflite")
+"""Weight files of any framework; hfquant reads only the safetensors ones."""
+MAX_JSON_BYTES = 64 * 2**20
+"""Largest config.json / index / manifest read, in bytes."""
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    code: getattr(torch, name)
+    for code, name in {
+        "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "F16": "float16",
+        "BF16": "bfloat16", "U32": "uint32", "I32": "int32", "F32": "float32", "U64": "uint64", "I64": "int64",
+        "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+    }.items()
+    if hasattr(torch, name)
+}
+"""safetensors dtype code -> torch dtype (codes this torch has no dtype for are left out)."""
+_INDEX_FIELDS = {"metadata", "weight_map"}
+_DAMAGED = "the file is damaged (an interrupted copy or download, or an edit): copy or download it again"
+
+
+class TensorHeader(NamedTuple):
+    """One tensor as a safetensors header describes it: torch dtype, shape, and the name of the file holding it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        """'bfloat16 (64, 4)'."""
+        return f"{dtype_name(self.dtype)} {shape_text(self.shape)}"
+
+
+def shape_text(shape: Iterable[int]) -> str:
+    """(64, 4) -> '(64, 4)'; (32,) -> '(32)'."""
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+# -- JSON, strictly ----------------------------------------------------------------------------------------------
+
+
+def _pairs_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def read_json(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file of at most `limit` bytes, refusing NaN/Infinity and repeated keys.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: larger than `limit`, not UTF-8, not JSON, or a key repeated; the message names the file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > limit:
+        raise ValueError(f"{path.name} is {size} bytes, more than the {limit} a JSON file of a checkpoint may have")
+    try:
+        text = path.read_bytes().decode("utf-8")
+        return json.loads(text, object_pairs_hook=_pairs_without_duplicates, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path.name} is not valid JSON ({error}); restore it from the original checkpoint") from None
+
+
+# -- the index ---------------------------------------------------------------------------------------------------
+
+
+def is_plain_file_name(value: Any) -> bool:
+    """Whether `value` names a file directly inside a folder: a non-empty string without '/', '\\', NUL, '.' or '..'."""
+    return (
+        isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\\" not in value
+        and "\x00" not in value
+    )
+
+
+def read_index(folder: str | os.PathLike) -> dict[str, str]:
+    """`weight_map` of `model.safetensors.index.json`: tensor name -> shard file name (a plain name in the folder).
+
+    Raises:
+        ValueError: not JSON, unknown top-level fields, or a weight_map that is not {tensor: plain file name}; a
+            `../` or absolute path is refused here, for every reader.
+    """
+    index = read_json(Path(folder) / INDEX_NAME)
+    if not isinstance(index, dict) or "weight_map" not in index or not set(index) <= _INDEX_FIELDS:
+        found = sorted(index) if isinstance(index, dict) else type(index).__name__
+        raise ValueError(
+            f"{INDEX_NAME} must be an object with the fields {sorted(_INDEX_FIELDS)} (weight_map required); found "
+            f"{found}. Restore it from the original checkpoint"
+        )
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{INDEX_NAME}: weight_map must map tensor names to shard file names; restore the index")
+    for tensor, file in weight_map.items():
+        if not is_plain_file_name(file):
+            raise ValueError(
+                f"{INDEX_NAME} maps {tensor!r} to {file!r}, which is not a file name inside the checkpoint folder; "
+                "the index may only name shards beside it: restore the index"
+            )
+    return weight_map
+
+
+def tensor_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from `model.safetensors.index.json` or the single `model.safetensors`.
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint in `folder` (the message says what was found instead), or the
+            index names a shard that is missing.
+        ValueError: the index is malformed or names a path outside the folder (`read_index`).
+    """
+    folder = Path(folder)
+    if (folder / INDEX_NAME).is_file():
+        weight_map = read_index(folder)
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{folder / INDEX_NAME} names shard(s) {missing} that are not in {folder}")
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / SINGLE_NAME
+    if single.is_file():
+        return {name: single for name in read_headers(single)}
+    others = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    hint = f" (found {others}; hfquant reads safetensors only: load it with from_pretrained and save_pretrained it)" if others else ""
+    raise FileNotFoundError(f"{folder} has no {SINGLE_NAME} or {INDEX_NAME}{hint}")
+
+
+# -- safetensors -------------------------------------------------------------------------------------------------
+
+
+def open_safetensors(path: str | os.PathLike):
+    """`safetensors.safe_open(path, framework="pt")`.
+
+    Raises:
+        ValueError: the file is truncated, padded, or its header is corrupt (as safetensors judges it), naming the
+            file and the fix.
+    """
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}); {_DAMAGED}") from None
+
+
+def read_headers(path: str | os.PathLike) -> dict[str, TensorHeader]:
+    """Name -> `TensorHeader` of every tensor of one safetensors file, from its header only (no tensor data read).
+
+    Raises:
+        ValueError: as `open_safetensors`, or a dtype this torch does not know, naming the tensor.
+    """
+    path = Path(path)
+    tensors = {}
+    with open_safetensors(path) as handle:
+        for name in handle.keys():
+            piece = handle.get_slice(name)
+            code = piece.get_dtype()
+            if code not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {code!r}, which hfquant cannot read")
+            tensors[name] = TensorHeader(SAFETENSORS_DTYPES[code], tuple(piece.get_shape()), path.name)
+    return tensors
+
+
+def read_tensor(handle, path: str | os.PathLike, name: str) -> torch.Tensor:
+    """Tensor `name` from an open `safe_open` handle of `path`.
+
+    Raises:
+        ValueError: the tensor cannot be read (missing, or its bytes damaged), naming it, the file and the fix.
+    """
+
+    try:
+        return handle.get_tensor(name)
+    except SafetensorError as error:
+        raise ValueError(f"cannot read {name} from {path} ({error}); {_DAMAGED}") from None
+
+
+def first_float_dtype(files: Iterable[str | os.PathLike]) -> torch.dtype:
+    """dtype of the first floating tensor of the files (what `dtype="auto"` picks when config.json names none);
+    float32 when there is none."""
+    for path in dict.fromkeys(str(f) for f in files):
+        for header in read_headers(path).values():
+            if header.dtype.is_floating_point:
+                return header.dtype
+    return torch.float32
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+
+def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Write `tensors` (contiguous) as one safetensors file with transformers' `{"format": "pt"}` metadata.
+
+    Raises:
+        OSError: the file could not be written (a full disk, say), naming it.
+    """
+    try:
+        safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as error:
+        raise OSError(f"writing the shard {Path(path).name} failed ({error}); free some space and run again") from None
+
+
+def write_index(folder: str | os.PathLike, weight_map: dict[str, str], metadata: dict[str, Any]) -> Path:
+    """Write `model.safetensors.index.json` ({"metadata", "weight_map"}, keys sorted) into `folder`; returns its path."""
+    path = Path(folder) / INDEX_NAME
+    index = {"metadata": metadata, "weight_map": weight_map}
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
