@@ -17,16 +17,27 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import logging
 import platform
-import re
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from hfquant.checkpoint.checksums import write_checksums
+from hfquant.commands.cards import EVAL_FILE, is_hfquant_card, write_card
+from hfquant.commands.convert import convert, resolve_source
+from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
+from hfquant.commands.hub import HubError, push_folder
+from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
+from hfquant.commands.verify import verify
+from hfquant.config import FIELD_NAMES, FIELDS, ConfigField, HfQuantConfig
+from hfquant.core.dtypes import dtype_name
 
 __all__ = ["main", "build_parser", "config_from_args", "evaluate"]
 
@@ -35,8 +46,13 @@ logger = logging.getLogger("hfquant")
 DEFAULT_PROMPT = "The Python language reference describes"
 """Prompt of the decode-speed measurement of `hfquant eval`."""
 
-_CORE_FIELDS = ("bits", "group_size", "symmetric", "modules_to_not_convert")
-_INTERNAL_FIELDS = ("self", "quant_method", "format_version")
+_OPTIONS_OF_THEIR_OWN = ("quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert")
+"""Config fields that are not plain `--field VALUE` options: fixed, or spelled --symmetric/--asymmetric, or several
+values; every other field of `hfquant.config.FIELDS` becomes `--field-name VALUE` with its help and choices."""
+
+
+def _field(name: str) -> ConfigField:
+    return next(field for field in FIELDS if field.name == name)
 
 
 def _group_size(text: str) -> int | None:
@@ -50,67 +66,30 @@ def _group_size(text: str) -> int | None:
         ) from None
 
 
-def _field_docs() -> dict[str, str]:
-    """Each `HfQuantConfig` argument's description, from the `Args:` section of its docstring."""
-    from hfquant.config import HfQuantConfig
-
-    docs: dict[str, str] = {}
-    current = None
-    in_args = False
-    for line in (HfQuantConfig.__doc__ or "").splitlines():
-        stripped = line.strip()
-        if stripped == "Args:":
-            in_args = True
-            continue
-        if in_args and stripped.endswith(":") and not line.startswith(" " * 8):
-            break  # the next section (Raises:)
-        match = re.match(r"^ {8}(\w+): (.*)$", line)
-        if in_args and match:
-            current = match.group(1)
-            docs[current] = match.group(2)
-        elif in_args and current and stripped:
-            docs[current] += " " + stripped
-    return docs
-
-
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    """`--bits`, `--group-size`, `--symmetric/--asymmetric`, `--modules-to-not-convert`, and one option for every
-    other field of `HfQuantConfig` (its type from the default, its help from the docstring)."""
-    from hfquant.config import HfQuantConfig
-
+    """`--bits`, `--group-size`, `--symmetric/--asymmetric`, `--modules-to-not-convert`, and `--NAME VALUE` for every
+    other field of `hfquant.config.FIELDS`, with its help and allowed values. A value left out keeps the config's
+    default (argparse.SUPPRESS), so `HfQuantConfig` applies its own defaults and validation."""
     group = parser.add_argument_group("quantization (the fields of HfQuantConfig)")
-    group.add_argument("--bits", type=int, default=4, choices=[8, 4], help="width of the stored integer weights (default 4)")
-    group.add_argument(
-        "--group-size", type=_group_size, default=argparse.SUPPRESS, metavar="N",
-        help="inputs sharing one scale: a power of two from 32 to 1024, or 'none' for one scale per output channel "
-        "(default: per-channel at 8 bits, 128 at 4 bits). A layer whose input width it does not divide uses the "
-        "largest power of two >= 32 that does",
-    )
+    group.add_argument("--bits", type=int, default=4, choices=list(_field("bits").choices),
+                       help=f"{_field('bits').help} (default 4)")
+    group.add_argument("--group-size", type=_group_size, default=argparse.SUPPRESS, metavar="N",
+                       help=_field("group_size").help.replace("None", "'none'"))
     sym = group.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
                      help="signed codes, no zero point (default at 8 bits, the only form the int8 kernel runs)")
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false",
                      help="unsigned codes with a uint8 zero point per group (default at 4 bits)")
-    group.add_argument(
-        "--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
-        help="modules kept in float: whole dotted names (model.layers.0.mlp), whole-component suffixes (down_proj) "
-        "or fnmatch patterns (model.layers.*.self_attn.o_proj); never substrings. The output embedding and weights "
-        "tied to the input embedding are kept in float by default",
-    )
-    docs = _field_docs()
-    for name, parameter in inspect.signature(HfQuantConfig.__init__).parameters.items():
-        if name in _CORE_FIELDS or name in _INTERNAL_FIELDS or parameter.kind is parameter.VAR_KEYWORD:
+    group.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
+                       help=_field("modules_to_not_convert").help)
+    defaults = HfQuantConfig().to_dict()
+    for field in FIELDS:
+        if field.name in _OPTIONS_OF_THEIR_OWN:
             continue
-        default = parameter.default
-        help_text = docs.get(name, name.replace("_", " ")).rstrip(".") + f" (default {default})"
-        flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=help_text)
-        else:
-            value_type = int if isinstance(default, int) else str
-            group.add_argument(flag, dest=name, type=value_type, default=argparse.SUPPRESS, metavar="VALUE",
-                               help=help_text)
+        group.add_argument(
+            "--" + field.name.replace("_", "-"), dest=field.name, default=argparse.SUPPRESS, metavar="VALUE",
+            help=f"{field.help}; one of {', '.join(map(str, field.choices))} (default {defaults[field.name]})",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,15 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace) -> HfQuantConfig:
     """`HfQuantConfig` from parsed `convert` arguments; raises the config's ValueError/TypeError on bad values."""
-    from hfquant.config import HfQuantConfig
-
     kwargs: dict[str, Any] = {
         "bits": args.bits, "symmetric": args.symmetric, "modules_to_not_convert": list(args.modules_to_not_convert),
     }
-    for name in inspect.signature(HfQuantConfig.__init__).parameters:
-        if name not in _INTERNAL_FIELDS and name not in kwargs and hasattr(args, name):
+    for name in FIELD_NAMES:
+        if name not in kwargs and hasattr(args, name):
             kwargs[name] = getattr(args, name)
     return HfQuantConfig(**kwargs)
 
@@ -229,9 +206,6 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from hfquant.commands.convert import convert
-    from hfquant.commands.inspection import human_bytes
-
     config = config_from_args(args)
     result = convert(
         args.src, args.dst, config, max_shard_size=args.max_shard_size, dtype=args.dtype, workers=args.workers,
@@ -247,8 +221,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from hfquant.commands.inspection import format_report, inspect_checkpoint
-
     report = inspect_checkpoint(args.path)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
@@ -273,12 +245,6 @@ def evaluate(
         ValueError: a model is not a causal LM, or the text is too short.
         OSError: a path or the text file cannot be read.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from hfquant.commands.convert import resolve_source
-    from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
-
     if text_file is not None:
         text = Path(text_file).read_text(encoding="utf-8")
         text_name = f"`{Path(text_file).name}` ({len(text)} characters)"
@@ -301,7 +267,7 @@ def evaluate(
         if tokens is None:
             tokens = int(tokenizer(text, return_tensors="pt")["input_ids"].shape[1])
             tokens = min(tokens, max_tokens) if max_tokens else tokens
-        dtype = str(model.dtype).removeprefix("torch.")
+        dtype = dtype_name(model.dtype)
         kind = f"hfquant int{qconfig['bits']}" if qconfig and qconfig.get("quant_method") == "hfquant" else dtype
         label = f"{'this model' if role == 'quantized' else Path(str(source)).name} ({kind})"
         logger.info("measuring %s", label)
@@ -320,8 +286,6 @@ def evaluate(
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from hfquant.commands.cards import EVAL_FILE, is_hfquant_card, write_card
-
     measured = evaluate(args.path, args.baseline, args.text_file, args.max_tokens, args.max_length, args.new_tokens,
                         args.repeats, args.prompt)
     if args.json:
@@ -343,8 +307,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from hfquant.commands.hub import push_folder
-
     info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
                        commit_message=args.commit_message)
     print(f"pushed {args.path} to {args.repo_id}: {info.commit_url}")
@@ -352,8 +314,6 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from hfquant.commands.verify import verify, write_checksums
-
     result = verify(args.path)
     for note in result.notes:
         print(f"note: {note}")
@@ -380,8 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verbose:
         logging.getLogger("hfquant").setLevel(logging.INFO)
-    from hfquant.commands.hub import HubError
-
     interrupted: list[int] = []
     previous = _record_sigint(interrupted)
     try:
