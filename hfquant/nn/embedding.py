@@ -14,13 +14,13 @@ from torch import nn
 from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat, require_format
-from hfquant.nn.linear import QuantLinear, quantize_to_buffers
+from hfquant.nn.linear import QuantLinear, StoredWeight, quantize_to_buffers
 from hfquant.ops.kernels import INT4_KERNELS, Kernel
 
 __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(StoredWeight):
     """out[..., :] = dequantize(weight[ids]) (times `embed_scale` for scaled word embeddings), in `compute_dtype`.
 
     Stored tensors (registered buffers; exactly what `state_dict()` and the files hold, see docs/format.md): weight,
@@ -55,35 +55,18 @@ class QuantEmbedding(nn.Module):
         device: torch.device | str | None = None,
         embed_scale: float | None = None,
     ):
-        super().__init__()
         require_format(fmt)
         if embedding_dim % fmt.group_size:
             raise ValueError(f"group_size={fmt.group_size} does not divide embedding_dim={embedding_dim}")
         if fmt.bits == 4 and embedding_dim % 2:
             raise ValueError(f"4-bit embeddings need an even embedding_dim, got {embedding_dim}")
+        super().__init__(fmt, (num_embeddings,), embedding_dim, device)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.format = fmt
         self.compute_dtype = dtype or torch.bfloat16
         self.embed_scale = embed_scale
-        for name, tensor in fmt.empty((num_embeddings,), embedding_dim, device).items():
-            self.register_buffer(name, tensor)
-        if fmt.symmetric:
-            self.weight_zero_point = None
         self.set_kernel_owner(None)
-
-    @property
-    def bits(self) -> int:
-        return self.format.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.format.group_size
-
-    @property
-    def symmetric(self) -> bool:
-        return self.format.symmetric
 
     @property
     def _kernel_owner(self) -> QuantLinear | None:

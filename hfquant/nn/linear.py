@@ -11,13 +11,45 @@ from hfquant.core.format import StoredFormat, require_format
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
-__all__ = ["QuantLinear", "quantize_to_buffers"]
+__all__ = ["StoredWeight", "QuantLinear", "quantize_to_buffers"]
 
 # Rows quantized per step: the float32 copy of one step stays under this many bytes.
 _CHUNK_BYTES = 4 * 2**20
 
 
-class QuantLinear(nn.Module):
+class StoredWeight(nn.Module):
+    """Base of hfquant's quantized modules: a `format` (`StoredFormat`) and its stored tensors as registered buffers
+    ("weight", "weight_scale" and, when asymmetric, "weight_zero_point"; `weight_zero_point` is None otherwise).
+
+    Args:
+        fmt: the stored format.
+        rows: leading dimensions of the weight, (out_features,) for a layer or (num_embeddings,) for a table.
+        in_features: the dimension the groups run along.
+        device: where the (uninitialized) buffers are allocated.
+    """
+
+    def __init__(self, fmt: StoredFormat, rows: tuple[int, ...], in_features: int, device: torch.device | str | None):
+        super().__init__()
+        self.format = fmt
+        for name, tensor in fmt.empty(rows, in_features, device).items():
+            self.register_buffer(name, tensor)
+        if fmt.symmetric:
+            self.weight_zero_point = None
+
+    @property
+    def bits(self) -> int:
+        return self.format.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.format.group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.format.symmetric
+
+
+class QuantLinear(StoredWeight):
     """y = x @ dequantize(weight).T + bias, computed by the kernel `hfquant.ops.kernels.select_kernel` picks.
 
     Stored tensors (registered buffers; these are exactly what `state_dict()` and the files hold, see docs/format.md):
@@ -49,39 +81,21 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
-        super().__init__()
         require_format(fmt)
         if in_features % fmt.group_size:
             raise ValueError(f"group_size={fmt.group_size} does not divide in_features={in_features}")
         if fmt.bits == 4 and in_features % 2:
             raise ValueError(f"4-bit layers need an even in_features, got {in_features}")
+        super().__init__(fmt, (out_features,), in_features, device)
         self.in_features = in_features
         self.out_features = out_features
-        self.format = fmt
         self.kernel = Kernel.DEQUANT
-        stored = fmt.empty((out_features,), in_features, device)
-        for name, tensor in stored.items():
-            self.register_buffer(name, tensor)
-        if fmt.symmetric:
-            self.weight_zero_point = None
         self.register_buffer("scale_zero", None, persistent=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
         self.compute_dtype = dtype
-
-    @property
-    def bits(self) -> int:
-        return self.format.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.format.group_size
-
-    @property
-    def symmetric(self) -> bool:
-        return self.format.symmetric
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: StoredFormat) -> "QuantLinear":
