@@ -47,6 +47,9 @@ LM_HEAD_POLICIES = ("keep", "int8", "int4")
 """`lm_head` values: "keep" (float, unless tied to a quantized input embedding), or int8 / int4."""
 COMPUTE_DTYPES = ("auto",) + FLOAT_DTYPES
 """`compute_dtype` values: "auto" (the `dtype` given to `from_pretrained`) or a float dtype."""
+METHODS = ("rtn", "sinq")
+"""`method` values: "rtn" (round-to-nearest) or "sinq" (RTN after a Sinkhorn-normalized column scale, arXiv 2509.22944;
+the column scale is stored beside the layer)."""
 
 
 
@@ -63,6 +66,9 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("quant_method", f"always {QUANT_METHOD!r}: what transformers reads to pick this quantizer"),
     ConfigField("format_version", f"on-disk format version; only {FORMAT_VERSION} is read"),
     ConfigField("bits", "width of the stored integer weights", SUPPORTED_BITS),
+    ConfigField("method", "how Linear weights are quantized: 'rtn' (round-to-nearest) or 'sinq' (round-to-nearest after "
+                "a per-column scale balanced by Sinkhorn iterations, stored as weight_col_scale; calibration-free, "
+                "more accurate at 4 bits)", METHODS),
     ConfigField(
         "group_size",
         f"inputs sharing one scale: a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, or None for one scale "
@@ -119,6 +125,7 @@ def validate_config_values(
     norm_dtype: Any = "auto",
     lm_head: Any = "keep",
     compute_dtype: Any = "auto",
+    method: Any = "rtn",
 ) -> None:
     """Check every field of an `HfQuantConfig`; used by the constructor, `from_dict` and the CLI.
 
@@ -164,6 +171,7 @@ def validate_config_values(
     _check_choice(
         "compute_dtype", compute_dtype, COMPUTE_DTYPES, "'auto' uses the dtype given to from_pretrained"
     )
+    _check_choice("method", method, METHODS, "'rtn' is round-to-nearest, 'sinq' adds a per-column scale")
 
 
 class HfQuantConfig(QuantizationConfigMixin):
@@ -198,6 +206,10 @@ class HfQuantConfig(QuantizationConfigMixin):
             layers kept in float): "auto" (the `dtype` given to `from_pretrained`) or a float dtype, which then
             overrides that `dtype`. When embeddings or norms are stored in another float dtype, a quantizer records
             the resolved compute dtype here so that a reload restores every dtype.
+        method: how Linear / Conv1D weights are quantized: "rtn" (round-to-nearest, the default) or "sinq"
+            (`hfquant.core.sinq`: the weight divided by a per-input-column scale from Sinkhorn-normalized balancing,
+            Müller et al. 2025, arXiv 2509.22944, then RTN; the column scale is stored as `weight_col_scale`).
+            Embeddings, a quantized lm_head and MoE experts always use RTN.
         format_version: on-disk format version; only `FORMAT_VERSION` is accepted.
 
     Raises:
@@ -216,6 +228,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         norm_dtype: str = "auto",
         lm_head: str = "keep",
         compute_dtype: str = "auto",
+        method: str = "rtn",
         **unknown: Any,
     ):
         if quant_method != QUANT_METHOD:
@@ -239,7 +252,8 @@ class HfQuantConfig(QuantizationConfigMixin):
         if isinstance(modules, tuple):
             modules = list(modules)
         validate_config_values(
-            bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype
+            bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype,
+            method,
         )
         self.quant_method = QUANT_METHOD
         self.bits = bits
@@ -251,6 +265,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         self.norm_dtype = norm_dtype
         self.lm_head = lm_head
         self.compute_dtype = compute_dtype
+        self.method = method
 
     def validate(self) -> None:
         """Re-check the fields (after a user changed attributes in place); raises like the constructor."""

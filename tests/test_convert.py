@@ -27,6 +27,8 @@ CASES = {
     "llama-int4-default-group-skip": ("llama", torch.bfloat16, None, dict(bits=4, modules_to_not_convert=["o_proj"])),
     "gpt2-conv1d-int4-g64-sym-fp32-as-bf16": ("gpt2", torch.float32, torch.bfloat16, dict(bits=4, group_size=64, symmetric=True)),
     "bert-int8-g32-asym-fp32": ("bert", torch.float32, None, dict(bits=8, group_size=32, symmetric=False)),
+    "llama-int4-g32-sinq-bf16": ("llama", torch.bfloat16, None, dict(bits=4, group_size=32, method="sinq")),
+    "gpt2-conv1d-int8-sinq-fp32": ("gpt2", torch.float32, None, dict(bits=8, method="sinq")),
 }
 
 

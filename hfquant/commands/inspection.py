@@ -139,7 +139,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             if scale_name not in tensors:
                 continue
         zero_name = scale_name.removesuffix("scale") + "zero_point"
-        parts = [name, scale_name] + ([zero_name] if zero_name in tensors else [])
+        col_name = scale_name.removesuffix("scale") + "col_scale"  # SINQ's column scale
+        parts = [name, scale_name] + [n for n in (zero_name, col_name) if n in tensors]
         consumed.update(parts)
         module = name.rpartition(".")[0] if name.endswith(".weight") else name
         quantized_modules.add(module)
@@ -154,9 +155,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             bits = int((qconfig or {}).get("bits", 8))
             float_numel = stored_numel * 8 // bits
         in_features = float_numel // rows
-        key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors)
+        method = "sinq" if col_name in tensors else "rtn"
+        key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors, method)
         row = quantized.setdefault(key, {"kind": key[0], "count": 0, "bits": bits, "group_size": key[2],
-                                         "symmetric": key[3], "bytes": 0, "float_bytes": 0})
+                                         "symmetric": key[3], "method": method, "bytes": 0, "float_bytes": 0})
         row["count"] += 1
         row["bytes"] += sum(tensors[p].nbytes for p in parts)
         row["float_bytes"] += float_numel * float_itemsize
@@ -221,12 +223,12 @@ def format_report(report: dict[str, Any]) -> str:
     if report["quantized"]:
         out.append("")
         rows = [
-            [r["kind"], r["count"], r["bits"], r["group_size"], "yes" if r["symmetric"] else "no",
+            [r["kind"], r["count"], r["bits"], r["group_size"], "yes" if r["symmetric"] else "no", r["method"],
              human_bytes(r["bytes"]), human_bytes(r["float_bytes"])]
             for r in report["quantized"]
         ]
-        out += _table(["quantized layers", "count", "bits", "group", "symmetric", "bytes", f"as {report['dtype']}"],
-                      rows, {1, 2, 3, 5, 6})
+        header = ["quantized layers", "count", "bits", "group", "symmetric", "method", "bytes", f"as {report['dtype']}"]
+        out += _table(header, rows, {1, 2, 3, 6, 7})
     if report["float_tensors"]:
         out.append("")
         rows = [[r["kind"], r["count"], r["dtype"], human_bytes(r["bytes"])] for r in report["float_tensors"]]

@@ -20,10 +20,12 @@ SUPPORTED_BITS = (8, 4)
 
 
 class Method(str, enum.Enum):
-    """How the integer codes were computed from the float weight. The stored tensors do not depend on it."""
+    """How the integer codes were computed from the float weight (docs/format.md)."""
 
     RTN = "rtn"
     """Round-to-nearest with min/max scales (`hfquant.core.rtn`)."""
+    SINQ = "sinq"
+    """RTN of the weight divided by a SINQ column scale (`hfquant.core.sinq`), stored as `weight_col_scale`."""
 
     def __str__(self) -> str:
         return self.value
@@ -47,8 +49,10 @@ class StoredFormat:
         weight_scale: (*rows, K // group_size) bfloat16 (`rtn.SCALE_DTYPE`), one scale > 0 per (row, group).
         weight_zero_point: (*rows, K // group_size) uint8, one integer zero point z per (row, group); only when
                 asymmetric (symmetric weights have the implicit zero 0 at 8 bits, code 8 at 4 bits).
+        weight_col_scale: (*rows[:-1], K) bfloat16, one scale c > 0 per input column; only with `Method.SINQ`.
 
-    Element (n, k) dequantizes to w = (q[n, k] - z[n, k // group_size]) * scale[n, k // group_size].
+    Element (n, k) dequantizes to w = (q[n, k] - z[n, k // group_size]) * scale[n, k // group_size], times c[k] with
+    `Method.SINQ`.
 
     Worked example (4 bits, asymmetric, one group of 4): weights [-0.3, 0.0, 0.45, 0.1] give lo = -0.3, hi = 0.45,
     scale = (0.45 - (-0.3)) / 15 = 0.05, zero point z = round(0.3 / 0.05) = 6, codes round(w / scale) + z =
@@ -61,7 +65,7 @@ class StoredFormat:
         group_size: consecutive input features sharing one scale (and zero point), > 0. A layer's resolved group size
             (`rtn.effective_group_size`), never None: per-channel is group_size = in_features.
         symmetric: signed codes with an implicit zero point, or unsigned codes with a stored zero point.
-        method: how the codes were computed (only `Method.RTN` today); a string such as "rtn" is converted.
+        method: how the codes were computed (`Method.RTN` or `Method.SINQ`); a string such as "rtn" is converted.
     Raises:
         ValueError: bits not 4 or 8, group_size not positive, or an unknown method (naming the value and what is
             allowed).
@@ -104,8 +108,10 @@ class StoredFormat:
         return torch.int8 if (self.bits == 8 and self.symmetric) else torch.uint8
 
     def tensor_names(self) -> tuple[str, ...]:
-        """("weight", "weight_scale"[, "weight_zero_point"]): the stored tensors, in the order `tensor_specs` gives."""
-        return ("weight", "weight_scale") if self.symmetric else ("weight", "weight_scale", "weight_zero_point")
+        """("weight", "weight_scale"[, "weight_zero_point"][, "weight_col_scale"]): the stored tensors, in the order
+        `tensor_specs` gives."""
+        names = ("weight", "weight_scale") + (() if self.symmetric else ("weight_zero_point",))
+        return names + (("weight_col_scale",) if self.method is Method.SINQ else ())
 
     def tensor_specs(self, rows: tuple[int, ...], in_features: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{name: (dtype, shape)} of the stored tensors of a weight (*rows, in_features) (see the class docstring).
@@ -123,6 +129,8 @@ class StoredFormat:
         specs = {"weight": (self.code_dtype, (*rows, codes)), "weight_scale": (rtn.SCALE_DTYPE, groups)}
         if not self.symmetric:
             specs["weight_zero_point"] = (torch.uint8, groups)
+        if self.method is Method.SINQ:
+            specs["weight_col_scale"] = (rtn.SCALE_DTYPE, (*rows[:-1], in_features))
         return specs
 
     def empty(
@@ -135,8 +143,9 @@ class StoredFormat:
         }
 
     def describe(self) -> str:
-        """"4-bit, group size 32, asymmetric": the format in words, for messages."""
-        return f"{self.bits}-bit, group size {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}"
+        """"4-bit, group size 32, asymmetric" (", SINQ" added for that method): the format in words, for messages."""
+        text = f"{self.bits}-bit, group size {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}"
+        return text + (", SINQ" if self.method is Method.SINQ else "")
 
 
 def require_format(fmt: object) -> StoredFormat:

@@ -64,7 +64,7 @@ __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "check_stored_te
 
 logger = logging.getLogger(__name__)
 
-_STORED_SUFFIXES = (".weight_scale", ".weight_zero_point") + tuple(
+_STORED_SUFFIXES = (".weight_scale", ".weight_zero_point", ".weight_col_scale") + tuple(
     f"{name}{suffix}" for name in EXPERT_PROJECTIONS for suffix in ("_scale", "_zero_point")
 )
 _TENSOR_NAMES = ("weight", "weight_scale", "weight_zero_point")
@@ -161,7 +161,9 @@ class HfQuantQuantizer(HfQuantizer):
         replaced = plan_embeddings_and_head(model, config, compute, self.adapters, self.ties)
         if head is not None and not isinstance(model.get_submodule(head), nn.Linear):  # lm_head was planned above
             self.layer_plans = [plan for plan in self.layer_plans if plan.name != head]
-        replaced += replace_with_quant_linear(model, self.layer_plans, config.bits, config.symmetric, compute)
+        replaced += replace_with_quant_linear(
+            model, self.layer_plans, config.bits, config.symmetric, compute, config.method
+        )
         replaced += self._plan_experts(model, compute)
         self._plan_norms(model, compute)
         if self.adapters and config.compute_dtype == "auto":

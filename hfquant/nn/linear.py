@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.core import packing, rtn
-from hfquant.core.format import StoredFormat, require_format
+from hfquant.core import packing, rtn, sinq
+from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
@@ -112,7 +112,7 @@ class QuantLinear(StoredWeight):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
-            f"kernel={self.kernel}"
+            f"kernel={self.kernel}" + (f", method={self.format.method}" if self.format.method is not Method.RTN else "")
         )
 
     # -- layouts ------------------------------------------------------------------------------------------------
@@ -177,7 +177,13 @@ class QuantLinear(StoredWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight (out_features, in_features) in `dtype` that this layer multiplies by."""
         codes = self._codes() if self.bits == 4 else self.weight
-        return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
+        col_scale = self._buffers.get("weight_col_scale")
+        if col_scale is None:
+            return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
+        weight = rtn.dequantize_weight(
+            codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, torch.float32
+        )
+        return (weight * col_scale.float()).to(dtype)
 
     @torch.no_grad()
     def dequantize_to_float(self, dtype: torch.dtype) -> nn.Module:
@@ -203,6 +209,9 @@ class QuantLinear(StoredWeight):
         # sizeable share of a small layer's decode call (docs/performance.md); accelerate's hooks swap tensors in
         # these same dicts.
         buffers = self._buffers
+        col_scale = buffers.get("weight_col_scale")  # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
+        if col_scale is not None:
+            x = x * col_scale.to(x.dtype)
         y = kernels.quantized_matmul(
             self.kernel,
             x,
@@ -221,20 +230,29 @@ class QuantLinear(StoredWeight):
 
 
 def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat) -> dict[str, torch.Tensor]:
-    """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]} as
-    `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
+    """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]
+    [, "weight_col_scale"]} as `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
 
-    Works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
-    `_CHUNK_BYTES` whatever the size of the weight.
+    RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
+    `_CHUNK_BYTES` whatever the size of the weight; `Method.SINQ` first computes the column scale c on a float32 copy
+    of the whole weight (`hfquant.core.sinq`) and quantizes w / c.
+
+    Raises:
+        ValueError: the weight holds NaN or Inf values.
     """
     require_format(fmt)
     n, k = weight.shape
     buffers = fmt.empty((n,), k, weight.device)
+    col_scale = None
+    if fmt.method is Method.SINQ:
+        col_scale = sinq.column_scale(weight, fmt.group_size).to(weight.device)
+        buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
     step = max(1, _CHUNK_BYTES // (4 * k))
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        q = rtn.quantize_weight(weight[rows], fmt.bits, fmt.group_size, fmt.symmetric)
+        chunk = weight[rows] if col_scale is None else weight[rows].float() / col_scale
+        q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric)
         stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
         buffers["weight_scale"][rows] = q.scale
         if q.zero_point is not None:

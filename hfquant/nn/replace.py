@@ -13,7 +13,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant.config import HfQuantConfig, default_group_size, default_symmetric
-from hfquant.core.format import StoredFormat
+from hfquant.core.format import Method, StoredFormat
 from hfquant.core.rtn import effective_group_size
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, experts_layout
@@ -100,10 +100,15 @@ def plan_layers(model: nn.Module, bits: int, group_size: int | None, skip: Itera
 
 
 def replace_with_quant_linear(
-    model: nn.Module, plans: list[LayerPlan], bits: int, symmetric: bool, dtype: torch.dtype | None
+    model: nn.Module,
+    plans: list[LayerPlan],
+    bits: int,
+    symmetric: bool,
+    dtype: torch.dtype | None,
+    method: Method | str = Method.RTN,
 ) -> int:
     """Swap every planned layer that has a group size for an empty `QuantLinear` on the meta device, stored as
-    `StoredFormat(bits, plan.group_size, symmetric)`.
+    `StoredFormat(bits, plan.group_size, symmetric, method)`.
 
     Returns the number of layers replaced. Layers kept in float are logged once each at INFO level.
     """
@@ -119,7 +124,7 @@ def replace_with_quant_linear(
         new = QuantLinear(
             plan.in_features,
             plan.out_features,
-            StoredFormat(bits, plan.group_size, symmetric),
+            StoredFormat(bits, plan.group_size, symmetric, method),
             bias=old.bias is not None,
             dtype=layer_dtype,
             device="meta",
