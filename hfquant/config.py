@@ -7,8 +7,9 @@ field with its resolved value, and `from_dict()` feeds that dict back through th
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -24,6 +25,7 @@ __all__ = [
     "FIELD_NAMES",
     "HfQuantConfig",
     "validate_config_values",
+    "matches_module",
     "default_group_size",
 ]
 
@@ -77,6 +79,10 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField("symmetric", "signed codes without zero point (default at 8 bits) or unsigned codes with a uint8 "
                 "zero point per group (default at 4 bits)"),
+    ConfigField("module_overrides", "per-module settings, {pattern: {bits, group_size, symmetric, method}} "
+                "(any subset): Linear layers matching a pattern (the rules of modules_to_not_convert; the first "
+                "matching pattern wins) use these values instead of the config's, e.g. {\"v_proj\": {\"bits\": 8}}; "
+                "a bits override without group_size / symmetric takes that width's defaults"),
     ConfigField("modules_to_not_convert", "modules kept in float: whole dotted names (model.layers.0.mlp), "
                 "whole-component suffixes (down_proj) or fnmatch patterns (model.layers.*.self_attn.o_proj); never "
                 "substrings. The output embedding and weights tied to the input embedding are kept in float by default"),
@@ -106,6 +112,29 @@ def default_symmetric(bits: int) -> bool:
     return bits == 8
 
 
+OVERRIDE_KEYS = ("bits", "group_size", "symmetric", "method")
+"""The settings a `module_overrides` entry may give."""
+
+
+def matches_module(name: str, patterns: Iterable[str]) -> bool:
+    """Whether module `name` (full dotted name) or one of its ancestors is selected by `patterns`.
+
+    A pattern selects a module when it equals the full dotted name, equals a whole-component suffix of it
+    ("down_proj" selects "model.layers.0.mlp.down_proj", never "model.layers.0.mlp.xdown_proj" or
+    "lm_head_norm" for "lm_head"), or matches the full name as an fnmatch pattern ("model.layers.*.mlp.*").
+    Substrings never match.
+    """
+    parts = name.split(".")
+    candidates = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        for candidate in candidates:
+            if candidate == pattern or candidate.endswith("." + pattern):
+                return True
+            if any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(candidate, pattern):
+                return True
+    return False
+
+
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...], meaning: str) -> None:
     if not isinstance(value, str):
         raise TypeError(
@@ -126,6 +155,7 @@ def validate_config_values(
     lm_head: Any = "keep",
     compute_dtype: Any = "auto",
     method: Any = "rtn",
+    module_overrides: Any = None,
 ) -> None:
     """Check every field of an `HfQuantConfig`; used by the constructor, `from_dict` and the CLI.
 
@@ -172,6 +202,29 @@ def validate_config_values(
         "compute_dtype", compute_dtype, COMPUTE_DTYPES, "'auto' uses the dtype given to from_pretrained"
     )
     _check_choice("method", method, METHODS, "'rtn' is round-to-nearest, 'sinq' adds a per-column scale")
+    _check_overrides({} if module_overrides is None else module_overrides)
+
+
+def _check_overrides(overrides: Any) -> None:
+    example = '{"v_proj": {"bits": 8}}'
+    if not isinstance(overrides, dict):
+        raise TypeError(f"module_overrides must map module patterns to settings, e.g. {example}; got {overrides!r}.")
+    for pattern, settings in overrides.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"module_overrides keys must be non-empty module patterns, e.g. {example}; got {pattern!r}.")
+        if not isinstance(settings, dict) or not set(settings) <= set(OVERRIDE_KEYS):
+            found = sorted(settings) if isinstance(settings, dict) else settings
+            raise ValueError(
+                f"module_overrides[{pattern!r}] must be a dict with some of the keys {list(OVERRIDE_KEYS)}; got {found!r}."
+            )
+        try:
+            bits = settings.get("bits", 8)
+            validate_config_values(
+                bits, settings.get("group_size", default_group_size(bits) if bits in SUPPORTED_BITS else None),
+                settings.get("symmetric", True), [], FORMAT_VERSION, method=settings.get("method", "rtn"),
+            )
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"module_overrides[{pattern!r}]: {error}") from None
 
 
 class HfQuantConfig(QuantizationConfigMixin):
@@ -206,6 +259,12 @@ class HfQuantConfig(QuantizationConfigMixin):
             layers kept in float): "auto" (the `dtype` given to `from_pretrained`) or a float dtype, which then
             overrides that `dtype`. When embeddings or norms are stored in another float dtype, a quantizer records
             the resolved compute dtype here so that a reload restores every dtype.
+        module_overrides: per-module settings, {pattern: {"bits", "group_size", "symmetric", "method"}} with any subset
+            of those keys: a Linear / Conv1D layer selected by a pattern (the rules of `modules_to_not_convert`; the
+            first matching pattern wins) is stored with these values instead of the config's; a `bits` differing from
+            the config's without `group_size` / `symmetric` takes that width's defaults. Example:
+            `{"v_proj": {"bits": 8}}` keeps every value projection in int8 (per-channel, symmetric). See
+            `layer_settings`. Embeddings, the lm_head and MoE experts follow their own fields.
         method: how Linear / Conv1D weights are quantized: "rtn" (round-to-nearest, the default) or "sinq"
             (`hfquant.core.sinq`: the weight divided by a per-input-column scale from Sinkhorn-normalized balancing,
             Müller et al. 2025, arXiv 2509.22944, then RTN; the column scale is stored as `weight_col_scale`).
@@ -229,6 +288,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         lm_head: str = "keep",
         compute_dtype: str = "auto",
         method: str = "rtn",
+        module_overrides: dict[str, dict[str, Any]] | None = None,
         **unknown: Any,
     ):
         if quant_method != QUANT_METHOD:
@@ -253,7 +313,7 @@ class HfQuantConfig(QuantizationConfigMixin):
             modules = list(modules)
         validate_config_values(
             bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype,
-            method,
+            method, module_overrides,
         )
         self.quant_method = QUANT_METHOD
         self.bits = bits
@@ -266,6 +326,22 @@ class HfQuantConfig(QuantizationConfigMixin):
         self.lm_head = lm_head
         self.compute_dtype = compute_dtype
         self.method = method
+        self.module_overrides = {p: dict(s) for p, s in (module_overrides or {}).items()}
+
+    def layer_settings(self, name: str) -> tuple[int, int | None, bool, str]:
+        """(bits, asked group size, symmetric, method) of the Linear layer `name` (full dotted name): the first
+        `module_overrides` entry whose pattern selects it, completed by the config's own values (at the config's bit
+        width) or that width's defaults (`default_group_size`, `default_symmetric`); the config's values when no
+        pattern selects it. The group size is the asked one: a layer resolves it for its width
+        (`rtn.effective_group_size`)."""
+        for pattern, settings in self.module_overrides.items():
+            if matches_module(name, [pattern]):
+                bits = settings.get("bits", self.bits)
+                same = bits == self.bits
+                group_size = settings.get("group_size", self.group_size if same else default_group_size(bits))
+                symmetric = settings.get("symmetric", self.symmetric if same else default_symmetric(bits))
+                return bits, group_size, symmetric, settings.get("method", self.method)
+        return self.bits, self.group_size, self.symmetric, self.method
 
     def validate(self) -> None:
         """Re-check the fields (after a user changed attributes in place); raises like the constructor."""
@@ -278,7 +354,7 @@ class HfQuantConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         """Every field with its resolved value; `HfQuantConfig.from_dict(c.to_dict()) == c`."""
-        return {name: copy.copy(getattr(self, name)) for name in FIELD_NAMES}
+        return {name: copy.deepcopy(getattr(self, name)) for name in FIELD_NAMES}
 
     def to_json_string(self, use_diff: bool = True) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

@@ -70,12 +70,17 @@ def test_config_from_args_defaults_and_values():
     assert config_from_args(args) == HfQuantConfig(bits=8, group_size=64, symmetric=False,
                                                    modules_to_not_convert=["lm_head", "model.layers.*.mlp.down_proj"])
     assert config_from_args(convert.parse_args(["a", "b", "--group-size", "none"])).group_size is None
+    args = convert.parse_args(["a", "b", "--method", "sinq", "--module-overrides", '{"v_proj": {"bits": 8}}'])
+    assert config_from_args(args) == HfQuantConfig(bits=4, method="sinq", module_overrides={"v_proj": {"bits": 8}})
 
 
 @pytest.mark.parametrize("argv,code,message", [
     (["convert", "s", "d", "--bits", "3"], 2, "invalid choice: 3"),
     (["convert", "s", "d", "--group-size", "100"], 2, "group_size=100 is not allowed"),
     (["convert", "s", "d", "--group-size", "big"], 2, "--group-size 'big' is not an integer"),
+    (["convert", "s", "d", "--method", "awq"], 2, "method='awq' is not allowed"),
+    (["convert", "s", "d", "--module-overrides", "{v_proj"], 2, "--module-overrides '{v_proj' is not JSON"),
+    (["convert", "s", "d", "--module-overrides", '{"v_proj": {"bits": 3}}'], 2, "module_overrides['v_proj']: bits=3"),
     (["convert", "/nonexistent/model", "d"], 1, "not a folder"),
     (["inspect", "/nonexistent/model"], 1, "no config.json"),
 ])

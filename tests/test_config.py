@@ -10,7 +10,7 @@ from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig, validate
 
 FIELDS = {
     "quant_method", "bits", "group_size", "symmetric", "modules_to_not_convert", "format_version",
-    "embedding_dtype", "norm_dtype", "lm_head", "compute_dtype",
+    "embedding_dtype", "norm_dtype", "lm_head", "compute_dtype", "method", "module_overrides",
 }
 
 # (field, bad value, error type the docstring promises: TypeError for a wrong type, ValueError for a wrong value)
@@ -139,6 +139,7 @@ CONFIGS = [
     dict(bits=4, group_size=32, symmetric=True),
     dict(bits=4, group_size=None),
     dict(bits=4, group_size=1024, modules_to_not_convert=["lm_head", "model.layers.*.mlp.down_proj"]),
+    dict(bits=4, method="sinq", module_overrides={"v_proj": {"bits": 8}, "*.o_proj": {"group_size": 64}}),
 ]
 
 

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.config import HfQuantConfig
+from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.format import StoredFormat
 from hfquant.nn.linear import QuantLinear
-from hfquant.nn.replace import matches_module, plan_layers, quantized_format, replace_with_quant_linear
+from hfquant.nn.replace import plan_layers, quantized_format, replace_with_quant_linear
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"
@@ -89,8 +89,8 @@ class _Tiny(nn.Module):
         self.lm_head = nn.Linear(64, 100, bias=False)
 
 
-def _plans_by_name(model, bits, group, skip):
-    return {plan.name: plan for plan in plan_layers(model, bits, group, skip)}
+def _plans_by_name(model, bits, group, skip, **config):
+    return {plan.name: plan for plan in plan_layers(model, HfQuantConfig(bits=bits, group_size=group, **config), skip)}
 
 
 def test_plan_layers_covers_every_linear_and_conv1d():
@@ -98,8 +98,8 @@ def test_plan_layers_covers_every_linear_and_conv1d():
     expected_names = {f"layers.{i}.{child}" for i in (0, 1) for child in ("up_proj", "down_proj", "odd", "c_attn")}
     assert set(plans) == expected_names | {"lm_head"}
     assert plans["lm_head"].group_size is None and plans["lm_head"].reason == "modules_to_not_convert"
-    assert plans["layers.0.up_proj"][1:] == (64, 128, 32, "", False)
-    assert plans["layers.1.down_proj"][1:] == (128, 64, 32, "", False)
+    assert plans["layers.0.up_proj"][1:] == (64, 128, StoredFormat(4, 32, False), "", False)
+    assert plans["layers.1.down_proj"][1:] == (128, 64, StoredFormat(4, 32, False), "", False)
     conv = plans["layers.0.c_attn"]
     assert (conv.in_features, conv.out_features, conv.group_size, conv.transposed) == (64, 96, 32, True)
     odd = plans["layers.0.odd"]
@@ -133,8 +133,8 @@ def test_plan_layers_skips_modules_that_are_already_quantized():
 @pytest.mark.parametrize("bits, symmetric", [(8, True), (4, False)])
 def test_replace_with_quant_linear_swaps_planned_layers_on_meta(bits, symmetric):
     model = _Tiny()
-    plans = plan_layers(model, bits, 32, ["lm_head"])
-    replaced = replace_with_quant_linear(model, plans, bits, symmetric, torch.bfloat16)
+    plans = plan_layers(model, HfQuantConfig(bits=bits, group_size=32, symmetric=symmetric), ["lm_head"])
+    replaced = replace_with_quant_linear(model, plans, torch.bfloat16)
     assert replaced == 6  # up_proj, down_proj, c_attn in each of the two blocks
     for i in (0, 1):
         block = model.layers[i]
@@ -158,7 +158,7 @@ def test_replace_with_quant_linear_swaps_planned_layers_on_meta(bits, symmetric)
 
 def test_replace_keeps_the_layer_dtype_when_none_is_given():
     model = _Tiny().to(torch.float16)
-    replace_with_quant_linear(model, plan_layers(model, 8, None, []), 8, True, None)
+    replace_with_quant_linear(model, plan_layers(model, HfQuantConfig(bits=8), []), None)
     assert model.layers[0].down_proj.bias.dtype == torch.float16
     assert model.layers[0].down_proj.compute_dtype == torch.float16
 
@@ -180,3 +180,28 @@ def test_replace_keeps_the_layer_dtype_when_none_is_given():
 )
 def test_quantized_format_of_embeddings_and_lm_head(storage, config, in_features, expected):
     assert quantized_format(storage, HfQuantConfig(**config), in_features) == expected
+
+
+def test_module_overrides_give_matching_layers_their_own_format():
+    """The first matching pattern wins; a bits override alone takes that width's defaults (int8: per-channel,
+    symmetric); keys it leaves out keep the config's values at the config's width; modules_to_not_convert wins."""
+    overrides = {"layers.1.down_proj": {"method": "sinq"}, "down_proj": {"bits": 8}, "c_attn": {"group_size": 64}}
+    plans = _plans_by_name(_Tiny(), 4, 32, ["layers.1.up_proj"], module_overrides=overrides)
+    assert plans["layers.0.down_proj"].format == StoredFormat(8, 128, True)  # per-channel: group = in_features
+    assert plans["layers.1.down_proj"].format == StoredFormat(4, 32, False, "sinq")
+    assert plans["layers.0.c_attn"].format == StoredFormat(4, 64, False)
+    assert plans["layers.0.up_proj"].format == StoredFormat(4, 32, False)
+    assert plans["layers.1.up_proj"].format is None
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"v_proj": {"bits": 3}}, ["module_overrides['v_proj']", "bits=3"]),
+    ({"v_proj": {"group": 64}}, ["module_overrides['v_proj']", "'group'", "bits"]),
+    ({"v_proj": {"method": "gptq"}}, ["module_overrides['v_proj']", "method='gptq'"]),
+    ({"": {"bits": 8}}, ["non-empty module patterns"]),
+    (["v_proj"], ["must map module patterns"]),
+])
+def test_bad_module_overrides_are_named(overrides, words):
+    with pytest.raises((TypeError, ValueError)) as info:
+        HfQuantConfig(bits=4, module_overrides=overrides)
+    assert all(w in str(info.value) for w in words), str(info.value)

@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
 from hfquant.nn.float_linear import FloatLinear
-from hfquant.nn.replace import matches_module
+from hfquant.config import matches_module
 
 try:
     from helpers import auto_class, input_ids, model_output

@@ -46,7 +46,9 @@ logger = logging.getLogger("hfquant")
 DEFAULT_PROMPT = "The Python language reference describes"
 """Prompt of the decode-speed measurement of `hfquant eval`."""
 
-_OPTIONS_OF_THEIR_OWN = ("quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert")
+_OPTIONS_OF_THEIR_OWN = (
+    "quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert", "module_overrides",
+)
 """Config fields that are not plain `--field VALUE` options: fixed, or spelled --symmetric/--asymmetric, or several
 values; every other field of `hfquant.config.FIELDS` becomes `--field-name VALUE` with its help and choices."""
 
@@ -66,6 +68,15 @@ def _group_size(text: str) -> int | None:
         ) from None
 
 
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"--module-overrides {text!r} is not JSON ({error}); write e.g. '{{\"v_proj\": {{\"bits\": 8}}}}'"
+        ) from None
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     """`--bits`, `--group-size`, `--symmetric/--asymmetric`, `--modules-to-not-convert`, and `--NAME VALUE` for every
     other field of `hfquant.config.FIELDS`, with its help and allowed values. A value left out keeps the config's
@@ -82,6 +93,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                      help="unsigned codes with a uint8 zero point per group (default at 4 bits)")
     group.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
                        help=_field("modules_to_not_convert").help)
+    group.add_argument("--module-overrides", type=_json_object, default=argparse.SUPPRESS, metavar="JSON",
+                       help=_field("module_overrides").help + " (a JSON object)")
     defaults = HfQuantConfig().to_dict()
     for field in FIELDS:
         if field.name in _OPTIONS_OF_THEIR_OWN:

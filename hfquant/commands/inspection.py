@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_headers, read_json, tensor_files
-from hfquant.config import HfQuantConfig
+from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration.quantizer import plan_model
 from hfquant.integration.skeleton import build_skeleton
-from hfquant.nn.replace import linear_shape, matches_module
+from hfquant.nn.replace import linear_shape
 
 __all__ = ["inspect_checkpoint", "format_report", "layer_kind", "human_bytes"]
 

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from hfquant.config import HfQuantConfig
+from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import torch_dtype
 from hfquant.core.format import StoredFormat
 from hfquant.nn.replace import (
@@ -20,7 +20,6 @@ from hfquant.nn.replace import (
     LayerPlan,
     cast_float_params,
     embedding_kind,
-    matches_module,
     quantized_format,
     replace_tied_quant_linear,
     replace_with_quant_embedding,
@@ -117,8 +116,8 @@ def plan_embeddings_and_head(
         if fmt is None:
             logger.info("hfquant keeps %s in float: in_features=%d has no group size", head, module.in_features)
         else:
-            plan = LayerPlan(head, module.in_features, module.out_features, fmt.group_size, "", False)
-            count += replace_with_quant_linear(model, [plan], fmt.bits, fmt.symmetric, compute)
+            plan = LayerPlan(head, module.in_features, module.out_features, fmt, "", False)
+            count += replace_with_quant_linear(model, [plan], compute)
     # transformers must not tie (nor mark as initialized) what now lives in buffers: the ties are ours
     tied_now = {target for target, _ in ties}
     if tied_now and hasattr(model, "all_tied_weights_keys"):

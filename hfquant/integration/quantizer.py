@@ -40,7 +40,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_headers, read_tensor
 from hfquant.checkpoint.schema import problem_text, schema_problems
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
-from hfquant.config import QUANT_METHOD, HfQuantConfig
+from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration.conversions import model_key_map
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
@@ -52,7 +52,6 @@ from hfquant.nn.norms import find_norms, install_dtype_adapter
 from hfquant.nn.replace import (
     LayerPlan,
     cast_float_params,
-    matches_module,
     plan_experts,
     plan_layers,
     replace_with_quant_experts,
@@ -78,7 +77,7 @@ def plan_model(model, config: HfQuantConfig) -> tuple[list[str], list[LayerPlan]
     """
     default_skips = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
     skip = sorted(set(default_skips) | set(config.modules_to_not_convert))
-    return skip, plan_layers(model, config.bits, config.group_size, skip)
+    return skip, plan_layers(model, config, skip)
 
 
 class HfQuantQuantize(ConversionOps):
@@ -161,9 +160,7 @@ class HfQuantQuantizer(HfQuantizer):
         replaced = plan_embeddings_and_head(model, config, compute, self.adapters, self.ties)
         if head is not None and not isinstance(model.get_submodule(head), nn.Linear):  # lm_head was planned above
             self.layer_plans = [plan for plan in self.layer_plans if plan.name != head]
-        replaced += replace_with_quant_linear(
-            model, self.layer_plans, config.bits, config.symmetric, compute, config.method
-        )
+        replaced += replace_with_quant_linear(model, self.layer_plans, compute)
         replaced += self._plan_experts(model, compute)
         self._plan_norms(model, compute)
         if self.adapters and config.compute_dtype == "auto":

@@ -4,7 +4,6 @@ get their configured dtype here too."""
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from typing import Iterable, NamedTuple
 
@@ -12,8 +11,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.config import HfQuantConfig, default_group_size, default_symmetric
-from hfquant.core.format import Method, StoredFormat
+from hfquant.config import HfQuantConfig, default_group_size, default_symmetric, matches_module
+from hfquant.core.format import StoredFormat
 from hfquant.core.rtn import effective_group_size
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, experts_layout
@@ -37,34 +36,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def matches_module(name: str, patterns: Iterable[str]) -> bool:
-    """Whether module `name` (full dotted name) or one of its ancestors is selected by `patterns`.
-
-    A pattern selects a module when it equals the full dotted name, equals a whole-component suffix of it
-    ("down_proj" selects "model.layers.0.mlp.down_proj", never "model.layers.0.mlp.xdown_proj" or
-    "lm_head_norm" for "lm_head"), or matches the full name as an fnmatch pattern ("model.layers.*.mlp.*").
-    Substrings never match.
-    """
-    parts = name.split(".")
-    candidates = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    for pattern in patterns:
-        for candidate in candidates:
-            if candidate == pattern or candidate.endswith("." + pattern):
-                return True
-            if any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(candidate, pattern):
-                return True
-    return False
-
-
 class LayerPlan(NamedTuple):
-    """What happens to one Linear/Conv1D layer: `group_size` is None when it stays in float (`reason` says why)."""
+    """What happens to one Linear/Conv1D layer: its stored `format`, or None when it stays in float (`reason` says
+    why)."""
 
     name: str
     in_features: int
     out_features: int
-    group_size: int | None
+    format: StoredFormat | None
     reason: str
     transposed: bool
+
+    @property
+    def group_size(self) -> int | None:
+        """The layer's resolved group size, None when it stays in float."""
+        return None if self.format is None else self.format.group_size
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -76,8 +62,10 @@ def linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
-def plan_layers(model: nn.Module, bits: int, group_size: int | None, skip: Iterable[str]) -> list[LayerPlan]:
-    """One `LayerPlan` per Linear/Conv1D module of `model`, deciding quantized or float and the group size."""
+def plan_layers(model: nn.Module, config: HfQuantConfig, skip: Iterable[str]) -> list[LayerPlan]:
+    """One `LayerPlan` per Linear/Conv1D module of `model`: float when `skip` selects it (`matches_module`), else its
+    stored format from `config.layer_settings(name)` (the config's, or a `module_overrides` entry's) with the group
+    size resolved for its width (`rtn.effective_group_size`), or float when no group size fits."""
     skip = list(skip)
     plans = []
     for name, module in model.named_modules():
@@ -88,6 +76,7 @@ def plan_layers(model: nn.Module, bits: int, group_size: int | None, skip: Itera
         if matches_module(name, skip):
             plans.append(LayerPlan(name, in_features, out_features, None, "modules_to_not_convert", transposed))
             continue
+        bits, group_size, symmetric, method = config.layer_settings(name)
         effective = effective_group_size(in_features, group_size, bits)
         if effective is None:
             reason = f"in_features={in_features} has no power-of-two divisor >= 32" + (
@@ -95,26 +84,20 @@ def plan_layers(model: nn.Module, bits: int, group_size: int | None, skip: Itera
             )
             plans.append(LayerPlan(name, in_features, out_features, None, reason, transposed))
             continue
-        plans.append(LayerPlan(name, in_features, out_features, effective, "", transposed))
+        fmt = StoredFormat(bits, effective, symmetric, method)
+        plans.append(LayerPlan(name, in_features, out_features, fmt, "", transposed))
     return plans
 
 
-def replace_with_quant_linear(
-    model: nn.Module,
-    plans: list[LayerPlan],
-    bits: int,
-    symmetric: bool,
-    dtype: torch.dtype | None,
-    method: Method | str = Method.RTN,
-) -> int:
-    """Swap every planned layer that has a group size for an empty `QuantLinear` on the meta device, stored as
-    `StoredFormat(bits, plan.group_size, symmetric, method)`.
+def replace_with_quant_linear(model: nn.Module, plans: list[LayerPlan], dtype: torch.dtype | None) -> int:
+    """Swap every planned layer that has a format for an empty `QuantLinear` on the meta device, stored in
+    `plan.format`.
 
     Returns the number of layers replaced. Layers kept in float are logged once each at INFO level.
     """
     replaced = 0
     for plan in plans:
-        if plan.group_size is None:
+        if plan.format is None:
             logger.info("hfquant keeps %s in float: %s", plan.name, plan.reason)
             continue
         parent_name, _, child_name = plan.name.rpartition(".")
@@ -124,7 +107,7 @@ def replace_with_quant_linear(
         new = QuantLinear(
             plan.in_features,
             plan.out_features,
-            StoredFormat(bits, plan.group_size, symmetric, method),
+            plan.format,
             bias=old.bias is not None,
             dtype=layer_dtype,
             device="meta",
