@@ -65,7 +65,8 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     old = {"quant_method": "hfquant", "format_version": 1, "bits": 4, "group_size": 128, "symmetric": False,
            "modules_to_not_convert": []}
     assert HfQuantConfig.from_dict(old) == config
-    assert set(config.to_dict()) == set(old) | set(NEW_FIELDS)
+    assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {"method", "module_overrides"}
+    assert (config.method, config.module_overrides) == ("rtn", {})  # what a config.json without them holds
 
 
 def test_defaults_leave_embeddings_norms_and_lm_head_in_the_load_dtype(float_checkpoint):

@@ -102,7 +102,7 @@ def test_describe_and_value_semantics():
         ((16, 32, True), ValueError, ["bits=16", "[8, 4]"]),
         ((4, 0, False), ValueError, ["group_size=0", "positive"]),
         ((4, -32, False), ValueError, ["group_size=-32", "positive"]),
-        ((4, 32, False, "gptq"), ValueError, ["method='gptq'", "['rtn']"]),
+        ((4, 32, False, "gptq"), ValueError, ["method='gptq'", "['rtn', 'sinq']"]),
         (("4", 32, False), TypeError, ["bits", "'4'"]),
         ((4, None, False), TypeError, ["group_size", "None", "in_features"]),
         ((4, 32, None), TypeError, ["symmetric", "None"]),
