@@ -283,6 +283,22 @@ def _zero_point_missing(folder):
     return [key, "missing from the checkpoint files", "uninitialized"]
 
 
+def _scale_nan(folder):
+    _rewrite(folder, SCALE, lambda t: t.index_fill(1, torch.tensor([2]), float("nan")))
+    return [SCALE, "impossible scale value", "nan", "finite and > 0"]
+
+
+def _scale_zero(folder):
+    _rewrite(folder, SCALE, lambda t: t.index_fill(0, torch.tensor([5]), 0.0))
+    return [SCALE, "impossible scale value", "first: 0.0 at index (5, 0)"]
+
+
+def _zero_point_too_large(folder):
+    key = SCALE.replace("weight_scale", "weight_zero_point")
+    _rewrite(folder, key, lambda t: t.index_fill(0, torch.tensor([3]), 16))
+    return [key, "zero point(s) above 15", "at 4 bits"]
+
+
 def _float_shape(folder):
     key = "model.layers.0.input_layernorm.weight"
     _rewrite(folder, key, lambda t: t[:32])
@@ -377,6 +393,9 @@ DAMAGES = {
     "weight signed": _weight_signed,
     "weight float": _weight_float,
     "zero point missing": _zero_point_missing,
+    "scale NaN": _scale_nan,
+    "scale zero": _scale_zero,
+    "zero point above the codes": _zero_point_too_large,
     "float tensor shape": _float_shape,
     "unexpected tensor": _unexpected_tensor,
     "no quantization_config": _config_edit(_no_quantization),
@@ -433,7 +452,7 @@ def test_custom_architecture_is_not_imported_and_only_files_are_checked(copy_of)
 # -- the same checks at load time ---------------------------------------------------------------------------------
 
 LOAD_DAMAGES = ["scale dtype", "scale shape", "weight signed", "weight float", "zero point missing", "truncated shard",
-                "header not JSON", "config bits not the files'"]
+                "header not JSON", "config bits not the files'", "scale NaN", "scale zero", "zero point above the codes"]
 
 
 @pytest.mark.parametrize("damage", LOAD_DAMAGES)
@@ -453,6 +472,8 @@ def test_without_the_load_check_transformers_keeps_a_wrong_dtype_or_reinitialize
     import hfquant.integration.quantizer
 
     monkeypatch.setattr(hfquant.integration.quantizer, "check_stored_tensors", lambda *args, **kwargs: 0)
+    # the value check would catch the re-initialized (zero) scale too: this test shows transformers without both
+    monkeypatch.setattr(hfquant.integration.quantizer, "_stored_value_problems", lambda model: [])
     folder = copy_of()
     _scale_dtype(folder)
     model = auto_class("llama").from_pretrained(folder, device_map="cpu")

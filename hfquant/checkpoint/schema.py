@@ -14,12 +14,13 @@ from __future__ import annotations
 import re
 from typing import Iterable, NamedTuple
 
+import torch
 from torch import nn
 
 from hfquant.checkpoint.files import TensorHeader, shape_text
 from hfquant.core.dtypes import dtype_name
 
-__all__ = ["Expected", "expected_tensors", "schema_problems", "problem_text"]
+__all__ = ["Expected", "expected_tensors", "schema_problems", "value_problem", "problem_text"]
 
 _FIX = (
     "the file does not match quantization_config in config.json: it was written by another tool or version, or "
@@ -151,9 +152,37 @@ def schema_problems(
     return problems, compared
 
 
-def problem_text(problems: Iterable[str], limit: int = 20) -> str:
-    """One error message listing at most `limit` problems."""
+_VALUES_FIX = (
+    "the file is damaged or was edited (a layer computing with it would give NaN or garbage): copy it again, or "
+    "quantize the float checkpoint again"
+)
+
+
+def value_problem(key: str, tensor: torch.Tensor, bits: int) -> str | None:
+    """What is impossible in the stored tensor `key` of a `bits`-bit hfquant layer, or None when nothing is.
+
+    A scale (a name ending in "scale": `weight_scale`, SINQ's `weight_col_scale`, the experts' `*_scale`) must be
+    finite and > 0; a zero point (a name ending in "zero_point") must lie in [0, 2**bits - 1]. Scales are a small
+    fraction of a checkpoint's bytes, so this is cheap next to loading it.
+    """
+    if key.endswith("scale") and tensor.is_floating_point():
+        bad = ~(torch.isfinite(tensor) & (tensor > 0))
+        kind = "scale value(s); scales must be finite and > 0"
+    elif key.endswith("zero_point"):
+        bad = tensor.to(torch.int32) > 2**bits - 1
+        kind = f"zero point(s) above {2**bits - 1}, the largest code at {bits} bits"
+    else:
+        return None
+    if not bad.any():
+        return None
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    first = tensor[index].item()
+    return f"{key} holds {int(bad.sum())} impossible {kind} (first: {first} at index {index}); {_VALUES_FIX}"
+
+
+def problem_text(problems: Iterable[str], limit: int = 20, what: str = "does not match its config") -> str:
+    """One error message listing at most `limit` problems: "the hfquant checkpoint {what} (N problems): ..."."""
     problems = list(problems)
     lines = problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
     count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-    return f"the hfquant checkpoint does not match its config ({count}):\n  " + "\n  ".join(lines)
+    return f"the hfquant checkpoint {what} ({count}):\n  " + "\n  ".join(lines)

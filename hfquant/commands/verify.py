@@ -9,11 +9,12 @@ Only JSON and safetensors headers are read, never pickle and never code from the
    every tensor it maps is in that shard, every tensor of a shard is in the index, no tensor is in two shards.
 3. Every shard's header, read with `safe_open`: the safetensors library refuses a truncated or padded file, a
    header that is not JSON, unknown dtypes and offsets that do not tile the data.
-4. The schema (`hfquant.checkpoint.schema`): the model skeleton is built on the meta device from `config.json` (a
+4. The schema and the values (`hfquant.checkpoint.schema`): the model skeleton is built on the meta device from `config.json` (a
    transformers class only, `trust_remote_code=False`) and hfquant's quantizer swaps its layers exactly as a reload
    does. Every stored tensor of an hfquant module must be in the files with exactly the dtype and shape the config
    gives; every other tensor must have the model's shape; a model tensor absent from the files (and not tied to one
-   that is present), or a file tensor the model does not have, is a problem.
+   that is present), or a file tensor the model does not have, is a problem. Every stored scale must be finite and
+   > 0, every zero point within the codes of its bit width (these small tensors are read; the codes are not).
 5. Checksums, when recorded (`hfquant.checkpoint.checksums`).
 """
 
@@ -25,9 +26,18 @@ from typing import NamedTuple
 
 from hfquant.checkpoint.checksums import SUMS_NAME, checksum_problems
 from hfquant.checkpoint.files import (
-    CONFIG_NAME, INDEX_NAME, SINGLE_NAME, WEIGHT_SUFFIXES, TensorHeader, read_headers, read_index, read_json,
+    CONFIG_NAME,
+    INDEX_NAME,
+    SINGLE_NAME,
+    WEIGHT_SUFFIXES,
+    TensorHeader,
+    open_safetensors,
+    read_headers,
+    read_index,
+    read_json,
+    read_tensor,
 )
-from hfquant.checkpoint.schema import schema_problems
+from hfquant.checkpoint.schema import schema_problems, value_problem
 from hfquant.config import QUANT_METHOD, HfQuantConfig
 from hfquant.integration.conversions import model_key_map
 from hfquant.integration.skeleton import build_skeleton
@@ -140,6 +150,30 @@ def _checkpoint_headers(folder: Path, problems: list[str]) -> tuple[dict[str, Te
     return tensors, read
 
 
+def _value_problems(folder: Path, model, tensors: dict[str, TensorHeader], key_map: dict[str, str | None]) -> list[str]:
+    """`value_problem` of every stored scale and zero point of an hfquant module, read from the files."""
+    wanted: dict[str, list[tuple[str, int]]] = {}  # shard -> [(file key, bits)]
+    for file_key, header in tensors.items():
+        model_key = key_map.get(file_key)
+        if model_key is None or not model_key.endswith(("scale", "zero_point")):
+            continue
+        module = model.get_submodule(model_key.rpartition(".")[0])
+        if type(module).__module__.split(".")[0] == "hfquant" and hasattr(module, "bits"):
+            wanted.setdefault(header.file, []).append((file_key, module.bits))
+    problems = []
+    for shard, keys in sorted(wanted.items()):
+        path = folder / shard
+        try:
+            with open_safetensors(path) as handle:
+                for key, bits in keys:
+                    problem = value_problem(key, read_tensor(handle, path, key), bits)
+                    if problem is not None:
+                        problems.append(f"{problem} (in {shard})")
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
+
+
 def verify(path: str | os.PathLike) -> VerifyResult:
     """Check the quantized checkpoint folder `path` (see the module docstring); nothing is loaded or executed.
 
@@ -174,7 +208,7 @@ def verify(path: str | os.PathLike) -> VerifyResult:
         else:
             key_map = model_key_map(model, tensors, quantizer)
             schema, compared = schema_problems(model, tensors, key_map, loading=False)
-            problems += schema
+            problems += schema + _value_problems(folder, model, tensors, key_map)
     sums, checksummed = checksum_problems(folder)
     problems += sums
     if not (folder / SUMS_NAME).is_file():

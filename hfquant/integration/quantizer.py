@@ -38,7 +38,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_headers, read_tensor
-from hfquant.checkpoint.schema import problem_text, schema_problems
+from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
@@ -252,6 +252,11 @@ class HfQuantQuantizer(HfQuantizer):
     # -- after loading ------------------------------------------------------------------------------------------
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.pre_quantized:
+            # one NaN or zero scale would turn every logit NaN, silently: refuse the impossible values by name
+            problems = _stored_value_problems(model)
+            if problems:
+                raise ValueError(problem_text(problems, what="holds impossible values"))
         if self.failed_tensors:
             key, message = next(iter(self.failed_tensors.items()))
             module = key.rsplit(".", 1)[0]
@@ -389,6 +394,21 @@ class HfQuantQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """`QuantLinear.forward` traces without graph breaks (tests/test_compile.py checks fullgraph=True)."""
         return True
+
+
+def _stored_value_problems(model) -> list[str]:
+    """`value_problem` of every stored (persistent, loaded) scale and zero point of hfquant's modules in `model`."""
+    problems = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (QuantLinear, QuantEmbedding, QuantExperts)):
+            continue
+        for buffer_name, tensor in module._buffers.items():
+            if tensor is None or tensor.device.type == "meta" or buffer_name in module._non_persistent_buffers_set:
+                continue
+            problem = value_problem(f"{name}.{buffer_name}" if name else buffer_name, tensor, module.bits)
+            if problem is not None:
+                problems.append(problem)
+    return problems
 
 
 def _warn_offloaded_buffers(model) -> None:
