@@ -550,3 +550,32 @@ def test_command_says_what_is_wrong_in_one_line(float_checkpoint, quantized, tmp
     assert err[-1].startswith("hfquant: error:") or err[-1].startswith("hfquant convert: error:"), err
     assert all(w in err[-1] for w in words), err[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == (["dst"] if name == "DST exists" else [])
+
+
+# -- a float checkpoint missing the weight of a layer hfquant quantizes ---------------------------------------------
+
+
+@pytest.mark.parametrize("arch,key", [
+    ("llama", "model.layers.1.mlp.up_proj.weight"),
+    ("gpt2", "transformer.h.0.attn.c_attn.weight"),
+])
+def test_quantize_on_load_and_convert_refuse_a_missing_weight(float_checkpoint, tmp_path, arch, key):
+    """Its buffers would keep the uninitialized memory they were allocated with: both paths name the tensor."""
+    from hfquant.commands.convert import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(float_checkpoint(arch), src)
+    tensors = load_file(src / "model.safetensors")
+    del tensors[key]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    module = key.removesuffix(".weight")
+    with pytest.raises(ValueError) as info:
+        auto_class(arch).from_pretrained(src, quantization_config=HfQuantConfig(bits=4, group_size=32), device_map="cpu")
+    assert key in str(info.value) and "uninitialized" in str(info.value) and module in str(info.value)
+    with pytest.raises(ValueError, match=f"has no tensor for {module}.weight") as info:
+        convert(src, tmp_path / "dst", HfQuantConfig(bits=4, group_size=32), progress=False)
+    assert f"--modules-to-not-convert {module}" in str(info.value)
+    assert not (tmp_path / "dst").exists()
+    # keeping it in float loads (transformers initializes the missing float weight and warns, as without hfquant)
+    config = HfQuantConfig(bits=4, group_size=32, modules_to_not_convert=[module])
+    auto_class(arch).from_pretrained(src, quantization_config=config, device_map="cpu")

@@ -469,11 +469,11 @@ def test_pre_quantized_load_of_a_damaged_tensor_fails_naming_it(copy_of, damage,
 def test_without_the_load_check_transformers_keeps_a_wrong_dtype_or_reinitializes(copy_of, monkeypatch):
     """Why the check exists: transformers alone loads a float32 scale silently, and with ignore_mismatched_sizes
     re-initializes a scale of the wrong shape (so the layer computes garbage)."""
-    import hfquant.integration.quantizer
+    import hfquant.integration.checks
 
-    monkeypatch.setattr(hfquant.integration.quantizer, "check_stored_tensors", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(hfquant.integration.checks, "check_stored_tensors", lambda *args, **kwargs: 0)
     # the value check would catch the re-initialized (zero) scale too: this test shows transformers without both
-    monkeypatch.setattr(hfquant.integration.quantizer, "_stored_value_problems", lambda model: [])
+    monkeypatch.setattr(hfquant.integration.checks, "stored_value_problems", lambda model: [])
     folder = copy_of()
     _scale_dtype(folder)
     model = auto_class("llama").from_pretrained(folder, device_map="cpu")

@@ -361,6 +361,13 @@ def convert(
     model, load_dtype, quantizer = build_skeleton(folder, dtype, config)
     _use_quantizer(model, quantizer)
     outputs, missing = plan_outputs(model, quantizer, load_dtype, files)
+    unquantizable = [key for key in missing if key.endswith(("weight", "weight_scale")) and _is_quantized(model, key)]
+    if unquantizable:
+        raise ValueError(
+            f"{folder} has no tensor for {unquantizable[0].rpartition('.')[0]}.weight, so there is nothing to quantize "
+            "into that layer (from_pretrained would refuse it too); use the complete float checkpoint, or keep it in "
+            f"float with --modules-to-not-convert {unquantizable[0].rpartition('.')[0]}"
+        )
     if missing:
         logger.warning(
             "%s has no tensor for %d model tensor(s) (%s%s); from_pretrained would initialize them, convert leaves "
@@ -398,6 +405,12 @@ def convert(
     )
     logger.info("converted %s -> %s: %d layers quantized in %.1f s", src, dst, quantized, result.seconds)
     return result
+
+
+def _is_quantized(model, key: str) -> bool:
+    """Whether the model tensor `key` belongs to one of hfquant's quantized modules."""
+    module = model.get_submodule(key.rpartition(".")[0])
+    return type(module).__module__.split(".")[0] == "hfquant"
 
 
 _HUB_CACHE_PATH = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[0-9a-f]+/?$")

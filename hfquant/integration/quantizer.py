@@ -37,12 +37,12 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_headers, read_tensor
-from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
+from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_tensor
+from hfquant.checkpoint.schema import problem_text
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
-from hfquant.integration.conversions import model_key_map
+from hfquant.integration import checks
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
@@ -59,7 +59,7 @@ from hfquant.nn.replace import (
     restore_kernel_buffers,
 )
 
-__all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "check_stored_tensors", "register"]
+__all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +98,11 @@ class HfQuantQuantize(ConversionOps):
                     prefix = key[: -len("weight")]
                     buffers = quantize_to_buffers(tensor, module.format)
                     result.update({prefix + name: buffer for name, buffer in buffers.items()})
+                    self.hf_quantizer.quantized_keys.add(key)
                 elif isinstance(module, QuantExperts) and tensor_name in module.shapes:
                     buffers = quantize_experts_tensor(tensor, module.formats[tensor_name])
                     result.update({key + suffix: buffer for suffix, buffer in buffers.items()})
+                    self.hf_quantizer.quantized_keys.add(key)
                 else:
                     result[key] = tensor
                     continue
@@ -131,6 +133,7 @@ class HfQuantQuantizer(HfQuantizer):
         super().__init__(copy.deepcopy(quantization_config), **kwargs)
         self.layer_plans = []
         self.failed_tensors: dict[str, str] = {}  # checkpoint key -> why quantizing it failed
+        self.quantized_keys: set[str] = set()  # model keys of the float tensors quantized on load
         self.compute_dtype: torch.dtype | None = None
         self.ties: list[tuple[str, str]] = []  # (module reading the tensors, module holding them), after loading
         self.adapters: dict[str, tuple[torch.dtype, bool]] = {}  # module -> (storage dtype, cast its float inputs)
@@ -170,7 +173,7 @@ class HfQuantQuantizer(HfQuantizer):
         if self.pre_quantized and kwargs.get("checkpoint_files"):
             # A stored tensor of the wrong dtype or shape would be re-initialized at random or loaded as garbage by
             # transformers: compare the shard headers with the skeleton first and raise a ValueError naming it.
-            check_stored_tensors(model, kwargs["checkpoint_files"], self)
+            checks.check_stored_tensors(model, kwargs["checkpoint_files"], self)
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
@@ -252,11 +255,6 @@ class HfQuantQuantizer(HfQuantizer):
     # -- after loading ------------------------------------------------------------------------------------------
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if self.pre_quantized:
-            # one NaN or zero scale would turn every logit NaN, silently: refuse the impossible values by name
-            problems = _stored_value_problems(model)
-            if problems:
-                raise ValueError(problem_text(problems, what="holds impossible values"))
         if self.failed_tensors:
             key, message = next(iter(self.failed_tensors.items()))
             module = key.rsplit(".", 1)[0]
@@ -265,6 +263,20 @@ class HfQuantQuantizer(HfQuantizer):
                 f"{sorted(self.failed_tensors)}). Fix those weights in the checkpoint, or keep the module in float "
                 f"with HfQuantConfig(modules_to_not_convert=[{module!r}])."
             )
+        if self.pre_quantized:
+            # one NaN or zero scale would turn every logit NaN, silently: refuse the impossible values by name
+            problems = checks.stored_value_problems(model)
+            if problems:
+                raise ValueError(problem_text(problems, what="holds impossible values"))
+        else:
+            never = sorted(set(checks.weights_to_quantize(model)) - self.quantized_keys)
+            if never:  # their buffers still hold the uninitialized memory they were allocated with
+                more = f" and {len(never) - 1} more ({never})" if len(never) > 1 else ""
+                raise ValueError(
+                    f"the checkpoint has no tensor for {never[0]}{more}, so hfquant had nothing to quantize into that "
+                    "layer (it would compute with uninitialized memory): use the complete float checkpoint, or keep "
+                    f"the module in float with HfQuantConfig(modules_to_not_convert=[{never[0].rpartition('.')[0]!r}])"
+                )
         dtype = self.compute_dtype or (model.dtype if model.dtype.is_floating_point else None)
         self._tie_buffers(model)
         counts: dict[str, int] = {}
@@ -284,7 +296,7 @@ class HfQuantQuantizer(HfQuantizer):
         counts["float"] = use_float_linear(model)
         if not self.pre_quantized:
             self._requantize_disk_offloaded(model)
-        _warn_offloaded_buffers(model)
+        checks.warn_offloaded_buffers(model)
         logger.info("hfquant kernels: %s", counts)
         release_checkpoint_pages()
         for hook in self.loaded_model_hooks:
@@ -394,61 +406,6 @@ class HfQuantQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """`QuantLinear.forward` traces without graph breaks (tests/test_compile.py checks fullgraph=True)."""
         return True
-
-
-def _stored_value_problems(model) -> list[str]:
-    """`value_problem` of every stored (persistent, loaded) scale and zero point of hfquant's modules in `model`."""
-    problems = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (QuantLinear, QuantEmbedding, QuantExperts)):
-            continue
-        for buffer_name, tensor in module._buffers.items():
-            if tensor is None or tensor.device.type == "meta" or buffer_name in module._non_persistent_buffers_set:
-                continue
-            problem = value_problem(f"{name}.{buffer_name}" if name else buffer_name, tensor, module.bits)
-            if problem is not None:
-                problems.append(problem)
-    return problems
-
-
-def _warn_offloaded_buffers(model) -> None:
-    """Quantized tensors are buffers: accelerate leaves them in RAM unless `offload_buffers=True` is passed."""
-    device_map = getattr(model, "hf_device_map", None) or {}
-    on_disk = [name for name, device in device_map.items() if device == "disk"]
-    for name in on_disk:
-        module = model.get_submodule(name) if name else model
-        resident = [
-            f"{m_name}.{n}" if m_name else n
-            for m_name, m in module.named_modules()
-            for n, b in m._buffers.items()
-            if b is not None and b.device.type != "meta" and not b.is_floating_point()
-            and n not in m._non_persistent_buffers_set
-        ]
-        if resident:
-            logger.warning(
-                "hfquant: %s is offloaded to disk but its quantized tensors (%s, ...) stay in RAM; pass "
-                "offload_buffers=True to from_pretrained to offload them too", name or "the model", resident[0],
-            )
-            return
-
-
-def check_stored_tensors(model, files, quantizer: HfQuantQuantizer) -> int:
-    """Compare hfquant's stored tensors in the safetensors `files` with the prepared skeleton `model` before a
-    pre-quantized load; returns the tensors compared.
-
-    Raises:
-        ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix.
-    """
-    tensors = {}
-    for file in files:
-        if not str(file).endswith(".safetensors"):
-            raise ValueError(f"{file} is not a safetensors file; hfquant checkpoints are stored as safetensors only")
-        for key, header in read_headers(file).items():
-            tensors.setdefault(key, header)
-    problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
-    if problems:
-        raise ValueError(problem_text(problems))
-    return compared
 
 
 def register() -> None:

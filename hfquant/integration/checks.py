@@ -1,0 +1,87 @@
+"""Checks on a model hfquant loads: the stored tensors of a reload against the files (before loading), their values
+and the completeness of quantize-on-load (after loading), and buffers left in RAM by disk offload."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from hfquant.checkpoint.files import read_headers
+from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
+from hfquant.integration.conversions import model_key_map
+from hfquant.nn.embedding import QuantEmbedding
+from hfquant.nn.experts import QuantExperts
+from hfquant.nn.linear import QuantLinear
+
+__all__ = ["check_stored_tensors", "stored_value_problems", "weights_to_quantize", "warn_offloaded_buffers"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
+    """Compare hfquant's stored tensors in the safetensors `files` with the prepared skeleton `model` before a
+    pre-quantized load; returns the tensors compared.
+
+    Raises:
+        ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix.
+    """
+    tensors = {}
+    for file in files:
+        if not str(file).endswith(".safetensors"):
+            raise ValueError(f"{file} is not a safetensors file; hfquant checkpoints are stored as safetensors only")
+        for key, header in read_headers(file).items():
+            tensors.setdefault(key, header)
+    problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
+    if problems:
+        raise ValueError(problem_text(problems))
+    return compared
+
+
+def stored_value_problems(model) -> list[str]:
+    """`value_problem` of every stored (persistent, loaded) scale and zero point of hfquant's modules in `model`."""
+    problems = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (QuantLinear, QuantEmbedding, QuantExperts)):
+            continue
+        for buffer_name, tensor in module._buffers.items():
+            if tensor is None or tensor.device.type == "meta" or buffer_name in module._non_persistent_buffers_set:
+                continue
+            problem = value_problem(f"{name}.{buffer_name}" if name else buffer_name, tensor, module.bits)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def weights_to_quantize(model) -> list[str]:
+    """Model keys of the float tensors quantize-on-load must see: the `weight` of every `QuantLinear` and
+    `QuantEmbedding` holding its own tensors (a tied copy's are non-persistent), every projection of `QuantExperts`."""
+    keys = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and "weight" not in module._non_persistent_buffers_set:
+            keys.append(prefix + "weight")
+        elif isinstance(module, QuantExperts):
+            keys += [prefix + projection for projection in module.shapes]
+    return keys
+
+
+def warn_offloaded_buffers(model) -> None:
+    """Quantized tensors are buffers: accelerate leaves them in RAM unless `offload_buffers=True` is passed."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    on_disk = [name for name, device in device_map.items() if device == "disk"]
+    for name in on_disk:
+        module = model.get_submodule(name) if name else model
+        resident = [
+            f"{m_name}.{n}" if m_name else n
+            for m_name, m in module.named_modules()
+            for n, b in m._buffers.items()
+            if b is not None and b.device.type != "meta" and not b.is_floating_point()
+            and n not in m._non_persistent_buffers_set
+        ]
+        if resident:
+            logger.warning(
+                "hfquant: %s is offloaded to disk but its quantized tensors (%s, ...) stay in RAM; pass "
+                "offload_buffers=True to from_pretrained to offload them too", name or "the model", resident[0],
+            )
+            return
