@@ -117,3 +117,21 @@ def test_method_is_validated_and_serialized():
     assert HfQuantConfig.from_dict(HfQuantConfig(bits=4, method="sinq").to_dict()).method == "sinq"
     with pytest.raises(ValueError, match=r"method='awq' is not allowed; use one of \['rtn', 'sinq'\]"):
         HfQuantConfig(bits=4, method="awq")
+
+
+def test_to_float16_then_save_keeps_the_stored_scales_and_reloads(float_checkpoint, tmp_path):
+    """`model.to(torch.float16)` cast every float tensor, the stored bfloat16 scales too, and the saved checkpoint was
+    then refused on reload; the scales' dtype is part of the format and stays bfloat16."""
+    config = HfQuantConfig(bits=4, group_size=32, method="sinq")
+    model = auto_class("llama").from_pretrained(float_checkpoint("llama"), quantization_config=config, device_map="cpu")
+    model = model.to(torch.float16)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.weight_scale.dtype == torch.bfloat16 and layer.weight_col_scale.dtype == torch.bfloat16
+    ids = input_ids()
+    logits = model_output(model, ids)
+    assert logits.dtype == torch.float16 and torch.isfinite(logits).all()
+    model.save_pretrained(tmp_path / "q")
+    assert verify(tmp_path / "q").problems == []
+    again = auto_class("llama").from_pretrained(tmp_path / "q", device_map="cpu")
+    assert again.model.layers[0].mlp.down_proj.weight_scale.dtype == torch.bfloat16
+    assert torch.equal(model_output(again.to(torch.float16), ids), logits)

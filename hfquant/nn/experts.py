@@ -14,7 +14,7 @@ from torch import nn
 from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat, require_format
-from hfquant.nn.linear import quantize_to_buffers
+from hfquant.nn.linear import keep_stored_scales, quantize_to_buffers
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
@@ -114,6 +114,11 @@ class QuantExperts(nn.Module):
             for key, tensor in formats[name].empty((e, n), k, device).items():  # NAME, NAME_scale[, NAME_zero_point]
                 self.register_buffer(name + key.removeprefix("weight"), tensor)
 
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        keep_stored_scales(self)
+        return self
     @property
     def bits(self) -> int:
         return next(iter(self.formats.values())).bits
