@@ -579,3 +579,25 @@ def test_quantize_on_load_and_convert_refuse_a_missing_weight(float_checkpoint, 
     # keeping it in float loads (transformers initializes the missing float weight and warns, as without hfquant)
     config = HfQuantConfig(bits=4, group_size=32, modules_to_not_convert=[module])
     auto_class(arch).from_pretrained(src, quantization_config=config, device_map="cpu")
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-source", "quantized-checkpoint"])
+def test_a_tensor_stored_in_two_shards_is_refused_naming_both(float_checkpoint, tmp_path, quantized):
+    """transformers loads one of the two copies, not necessarily the one the index names: refused before loading."""
+    folder = tmp_path / "ckpt"
+    source = auto_class("llama").from_pretrained(
+        float_checkpoint("llama"), device_map="cpu",
+        **({"quantization_config": HfQuantConfig(bits=4, group_size=32)} if quantized else {}),
+    )
+    source.save_pretrained(folder, max_shard_size="60KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    key = "model.layers.1.mlp.down_proj.weight"
+    shards = sorted(set(index.values()))
+    other = next(s for s in shards if s != index[key])
+    tensors = load_file(folder / other)
+    tensors[key] = load_file(folder / index[key])[key] + 1  # an un-indexed, different copy
+    save_file(tensors, folder / other, metadata={"format": "pt"})
+    kwargs = {} if quantized else {"quantization_config": HfQuantConfig(bits=4, group_size=32)}
+    with pytest.raises(ValueError) as info:
+        auto_class("llama").from_pretrained(folder, device_map="cpu", **kwargs)
+    assert all(w in str(info.value) for w in (key, "stored twice", index[key], other)), str(info.value)

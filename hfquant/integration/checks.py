@@ -7,16 +7,38 @@ import logging
 
 from torch import nn
 
-from hfquant.checkpoint.files import read_headers
+from hfquant.checkpoint.files import TensorHeader, read_headers
 from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
 from hfquant.integration.conversions import model_key_map
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.linear import QuantLinear
 
-__all__ = ["check_stored_tensors", "stored_value_problems", "weights_to_quantize", "warn_offloaded_buffers"]
+__all__ = ["read_single_copies", "check_stored_tensors", "stored_value_problems", "weights_to_quantize", "warn_offloaded_buffers"]
 
 logger = logging.getLogger(__name__)
+
+
+def read_single_copies(files) -> dict[str, TensorHeader]:
+    """Headers of every tensor of the safetensors `files` (other files are skipped), each stored once.
+
+    Raises:
+        ValueError: a tensor is in two files: transformers would load one of the copies, not necessarily the one the
+            index names; the message names the tensor and both files.
+    """
+    tensors: dict[str, TensorHeader] = {}
+    for file in files:
+        if not str(file).endswith(".safetensors"):
+            continue
+        for key, header in read_headers(file).items():
+            if key in tensors:
+                raise ValueError(
+                    f"{key} is stored twice, in {tensors[key].file} and {header.file}, and from_pretrained would load "
+                    f"one of the copies; delete the copy model.safetensors.index.json does not name, or copy the "
+                    "complete checkpoint again"
+                )
+            tensors[key] = header
+    return tensors
 
 
 def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
@@ -24,14 +46,13 @@ def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
     pre-quantized load; returns the tensors compared.
 
     Raises:
-        ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix.
+        ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix; a file that
+            is not safetensors; a tensor stored twice (`read_single_copies`).
     """
-    tensors = {}
     for file in files:
         if not str(file).endswith(".safetensors"):
             raise ValueError(f"{file} is not a safetensors file; hfquant checkpoints are stored as safetensors only")
-        for key, header in read_headers(file).items():
-            tensors.setdefault(key, header)
+    tensors = read_single_copies(files)
     problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
     if problems:
         raise ValueError(problem_text(problems))

@@ -174,6 +174,8 @@ class HfQuantQuantizer(HfQuantizer):
             # A stored tensor of the wrong dtype or shape would be re-initialized at random or loaded as garbage by
             # transformers: compare the shard headers with the skeleton first and raise a ValueError naming it.
             checks.check_stored_tensors(model, kwargs["checkpoint_files"], self)
+        elif kwargs.get("checkpoint_files"):
+            checks.read_single_copies(kwargs["checkpoint_files"])  # headers only: a tensor stored twice is refused
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
