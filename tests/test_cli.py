@@ -168,6 +168,24 @@ def test_eval_records_results_in_the_card(llama_with_tokenizer, tmp_path, capsys
     assert abs(quantized / baseline - 1) < 0.01
     card = (out / "README.md").read_text()
     assert f"| this model (hfquant int8) | {quantized:.3f} |" in card
+    # nothing machine-specific in a file meant for the Hub: folder names, not absolute paths
+    assert [row["path"] for row in saved["results"]] == [out.name, llama_with_tokenizer.name]
+    assert str(tmp_path) not in (out / "hfquant_eval.json").read_text()
+
+
+def test_eval_never_writes_through_a_link_that_leaves_the_folder(llama_with_tokenizer, tmp_path, caplog):
+    out = tmp_path / "int8"
+    assert main(["convert", str(llama_with_tokenizer), str(out), "--bits", "8", "--no-progress"]) == 0
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("hfquant_eval.json", "README.md"):
+        (outside / name).write_text("precious\n")
+        (out / name).unlink(missing_ok=True)
+        (out / name).symlink_to(outside / name)
+    argv = ["eval", str(out), "--max-tokens", "64", "--max-length", "32", "--new-tokens", "2", "--repeats", "1"]
+    assert main(argv) == 0
+    assert [(outside / name).read_text() for name in ("hfquant_eval.json", "README.md")] == ["precious\n"] * 2
+    assert "not writing hfquant_eval.json" in caplog.text and "not writing README.md" in caplog.text
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from hfquant.core.dtypes import dtype_name
 __all__ = [
     "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
     "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
-    "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index",
+    "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside",
 ]
 
 CONFIG_NAME = "config.json"
@@ -119,6 +119,27 @@ def is_plain_file_name(value: Any) -> bool:
     )
 
 
+def stays_inside(folder: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether `path`, every symlink resolved, stays inside the checkpoint `folder` (resolved too).
+
+    The files of a Hugging Face Hub cache snapshot (`.../models--org--name/snapshots/<revision>/`) are links into the
+    repository's own `blobs/`: for such a folder the repository's cache folder is the boundary. hfquant never reads,
+    copies, uploads or writes through a link that leaves it.
+    """
+    root = Path(folder).resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        root = root.parent.parent
+    return Path(path).resolve().is_relative_to(root)
+
+
+def _check_inside(folder: Path, path: Path) -> None:
+    if not stays_inside(folder, path):
+        raise ValueError(
+            f"{path.name} in {folder} is a link to {path.resolve()}, outside the checkpoint folder; hfquant never reads "
+            "through a link that leaves it: copy the file into the folder"
+        )
+
+
 def read_index(folder: str | os.PathLike) -> dict[str, str]:
     """`weight_map` of `model.safetensors.index.json`: tensor name -> shard file name (a plain name in the folder).
 
@@ -151,17 +172,22 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, Path]:
     Raises:
         FileNotFoundError: no safetensors checkpoint in `folder` (the message says what was found instead), or the
             index names a shard that is missing.
-        ValueError: the index is malformed or names a path outside the folder (`read_index`).
+        ValueError: the index is malformed or names a path outside the folder (`read_index`), or a shard or the index
+            is a link leaving the folder (`stays_inside`).
     """
     folder = Path(folder)
     if (folder / INDEX_NAME).is_file():
+        _check_inside(folder, folder / INDEX_NAME)
         weight_map = read_index(folder)
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{folder / INDEX_NAME} names shard(s) {missing} that are not in {folder}")
+        for file in sorted(set(weight_map.values())):
+            _check_inside(folder, folder / file)
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / SINGLE_NAME
     if single.is_file():
+        _check_inside(folder, single)
         return {name: single for name in read_headers(single)}
     others = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     hint = f" (found {others}; hfquant reads safetensors only: load it with from_pretrained and save_pretrained it)" if others else ""

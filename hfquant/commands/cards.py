@@ -22,6 +22,7 @@ import transformers
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from hfquant.checkpoint.files import stays_inside
 from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
 from hfquant.config import FIELD_NAMES, HfQuantConfig
 from hfquant.version import __version__
@@ -49,7 +50,7 @@ _CARRIED_METADATA = ("license", "license_name", "license_link", "language")
 def read_base_model(readme: Path) -> dict[str, Any]:
     """Metadata of an existing README.md card (empty dict when there is none or it cannot be parsed)."""
 
-    if not readme.is_file():
+    if not readme.is_file() or not stays_inside(readme.parent, readme):
         return {}
     try:
         return ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
@@ -60,6 +61,8 @@ def read_base_model(readme: Path) -> dict[str, Any]:
 
 def is_hfquant_card(readme: Path) -> bool:
     """Whether `readme` is a card hfquant generated (those are re-rendered; a hand-written card is kept)."""
+    if not stays_inside(readme.parent, readme):
+        return False
     try:
         return CARD_MARKER in readme.read_text(encoding="utf-8")
     except OSError:

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hfquant.checkpoint.checksums import write_checksums
+from hfquant.checkpoint.files import stays_inside
 from hfquant.commands.cards import EVAL_FILE, is_hfquant_card, write_card
 from hfquant.commands.convert import convert, resolve_source
 from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
@@ -286,7 +287,8 @@ def evaluate(
         logger.info("measuring %s", label)
         rows.append({
             "label": label,
-            "path": str(source),
+            # a folder's name, never its absolute path: this file is meant for the Hub, not machine-specific
+            "path": Path(str(source)).expanduser().name if Path(str(source)).expanduser().exists() else str(source),
             "perplexity": perplexity(model, tokenizer, text, max_length=max_length, stride=max_length, max_tokens=max_tokens),
             "tokens_per_second": decode_tokens_per_second(model, tokenizer, prompt, new_tokens=new_tokens, repeats=repeats),
         })
@@ -311,11 +313,17 @@ def _eval(args: argparse.Namespace) -> int:
             print(f"{row['label']:<{width}}  {row['perplexity']:>10.3f}  {row['tokens_per_second']:>12.1f}")
     folder = Path(args.path)
     if args.save and folder.is_dir():
-        (folder / EVAL_FILE).write_text(json.dumps(measured, indent=2) + "\n", encoding="utf-8")
+        outside = {name for name in (EVAL_FILE, "README.md") if not stays_inside(folder, folder / name)}
+        for name in sorted(outside):
+            logger.warning("not writing %s: it is a link to %s, outside %s (links that leave it are never followed)",
+                           name, (folder / name).resolve(), folder)
+        if EVAL_FILE not in outside:
+            (folder / EVAL_FILE).write_text(json.dumps(measured, indent=2) + "\n", encoding="utf-8")
+            logger.info("saved %s", folder / EVAL_FILE)
         readme = folder / "README.md"
-        if not readme.exists() or is_hfquant_card(readme):
+        if "README.md" not in outside and (not readme.exists() or is_hfquant_card(readme)):
             write_card(folder)
-        logger.info("saved %s and updated the card", folder / EVAL_FILE)
+            logger.info("updated the card %s", readme)
     return 0
 
 

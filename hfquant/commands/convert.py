@@ -53,6 +53,7 @@ from hfquant.checkpoint.files import (
     open_safetensors,
     read_json,
     read_tensor,
+    stays_inside,
     tensor_files,
     write_index,
     write_shard,
@@ -269,6 +270,10 @@ def _copy_small_files(src: Path, dst: Path) -> list[str]:
     for path in sorted(src.iterdir()):
         name = path.name
         if name.startswith(".") or name in SKIPPED_FILES or name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if not stays_inside(src, path):
+            logger.warning("not copying %s: it is a link to %s, outside SRC (links that leave it are never followed)",
+                           path, path.resolve())
             continue
         if path.is_dir():
             logger.info("not copying folder %s (convert copies the top-level files only)", path)

@@ -23,6 +23,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from hfquant.checkpoint.files import stays_inside
 from hfquant.commands.cards import build_card, is_hfquant_card, read_base_model
 from hfquant.commands.convert import base_model_of
 
@@ -81,6 +82,10 @@ def _operations(folder: Path, readme: bytes | None) -> list:
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
         if not path.is_file() or any(part.startswith(".") for part in relative.parts):
+            continue
+        if not stays_inside(folder, path):
+            logger.warning("not uploading %s: it is a link to %s, outside %s (links that leave it are never followed)",
+                           relative, path.resolve(), folder)
             continue
         name = relative.as_posix()
         if name == "README.md" and readme is not None:

@@ -36,6 +36,7 @@ from hfquant.checkpoint.files import (
     read_index,
     read_json,
     read_tensor,
+    stays_inside,
 )
 from hfquant.checkpoint.schema import schema_problems, value_problem
 from hfquant.config import QUANT_METHOD, HfQuantConfig
@@ -119,6 +120,12 @@ def _checkpoint_headers(folder: Path, problems: list[str]) -> tuple[dict[str, Te
     read: list[str] = []
     for shard in shards:
         path = folder / shard
+        if not stays_inside(folder, path):
+            problems.append(
+                f"{shard} is a link to {path.resolve()}, outside {folder}; hfquant never reads through a link that "
+                "leaves the checkpoint folder: copy the file into the folder"
+            )
+            continue
         if not path.is_file():
             problems.append(
                 f"{shard} is named in {INDEX_NAME} but missing from {folder}; copy the complete checkpoint again"

@@ -4,10 +4,11 @@ and the completeness of quantize-on-load (after loading), and buffers left in RA
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from torch import nn
 
-from hfquant.checkpoint.files import TensorHeader, read_headers
+from hfquant.checkpoint.files import TensorHeader, read_headers, stays_inside
 from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
 from hfquant.integration.conversions import model_key_map
 from hfquant.nn.embedding import QuantEmbedding
@@ -30,6 +31,11 @@ def read_single_copies(files) -> dict[str, TensorHeader]:
     for file in files:
         if not str(file).endswith(".safetensors"):
             continue
+        if not stays_inside(Path(file).parent, file):
+            raise ValueError(
+                f"{file} is a link to {Path(file).resolve()}, outside its checkpoint folder; hfquant never reads "
+                "through a link that leaves it: copy the file into the folder"
+            )
         for key, header in read_headers(file).items():
             if key in tensors:
                 raise ValueError(
