@@ -70,6 +70,8 @@ def test_config_from_args_defaults_and_values():
     assert config_from_args(args) == HfQuantConfig(bits=8, group_size=64, symmetric=False,
                                                    modules_to_not_convert=["lm_head", "model.layers.*.mlp.down_proj"])
     assert config_from_args(convert.parse_args(["a", "b", "--group-size", "none"])).group_size is None
+    assert convert.parse_args(["a", "b", "--max-shard-size", "50000000"]).max_shard_size == 50_000_000  # bytes
+    assert convert.parse_args(["a", "b", "--max-shard-size", "50MB"]).max_shard_size == "50MB"
     args = convert.parse_args(["a", "b", "--method", "sinq", "--module-overrides", '{"v_proj": {"bits": 8}}'])
     assert config_from_args(args) == HfQuantConfig(bits=4, method="sinq", module_overrides={"v_proj": {"bits": 8}})
 

@@ -163,3 +163,16 @@ def test_server_is_local_bounded_and_stops_by_itself():
         time.sleep(0.8)
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{server.url}/nothing", timeout=2)
+
+
+def test_push_to_hub_after_dequantize_pushes_the_float_model(hub, float_checkpoint):
+    """dequantize() gives a plain float model: push_to_hub is then transformers' own (it raised AttributeError)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8),
+                                                 device_map="cpu")
+    model.dequantize()
+    model.push_to_hub("me/dequantized")
+    remote = hub.state.files("me/dequantized")
+    assert b"quantization_config" not in remote["config.json"]
+    assert CARD_MARKER not in remote.get("README.md", b"").decode()

@@ -4,10 +4,12 @@ fallbacks when they cannot be used."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +216,60 @@ def test_prefill_gemm_with_native_dequantization_matches_torch_ops(monkeypatch):
     assert len(calls) == 3 and with_c.shape == (200, n)
     # weights differ by at most one bfloat16 rounding (the offset is rounded first in the torch path)
     assert torch.allclose(with_c.float(), with_torch.float(), rtol=2**-6, atol=2**-6 * with_torch.abs().max().item())
+
+
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(SENTINEL, "w"); if (f) { fputs("planted code ran", f); fclose(f); }
+}
+int hfquant_int4_cpu_abi(void) { return 2; }
+int hfquant_int4_cpu_supported(void) { return 1; }
+"""
+
+
+def _plant(tmp_path, cache, mode: int, record: bool):
+    """A library with a constructor at the cache path the kernel would be loaded from; returns its sentinel file."""
+    import shutil as _shutil
+
+    sentinel = tmp_path / "SENTINEL"
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
+    compiler = _shutil.which("cc")
+    env = {**os.environ, "HFQUANT_CACHE": str(cache)}
+    folder = Path(subprocess.run(
+        [sys.executable, "-c", f"from hfquant.ops import native; print(native.library_folder({compiler!r}))"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout.strip())
+    folder.mkdir(parents=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "int4_cpu.so"), str(source)], check=True)
+    if record:  # even a matching hash record does not make a folder others can write trusted
+        (folder / "int4_cpu.so.sha256").write_text(hashlib.sha256((folder / "int4_cpu.so").read_bytes()).hexdigest())
+    for path in (folder.parent, folder):
+        path.chmod(mode)
+    return sentinel
+
+
+@needs_native
+@pytest.mark.parametrize("mode,record", [(0o777, True), (0o700, False)], ids=["writable-by-others", "no-hash-record"])
+def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path, mode, record):
+    cache = tmp_path / "cache"
+    sentinel = _plant(tmp_path, cache, mode, record)
+    code = "from hfquant.ops import native; assert native.int4_cpu_library() is not None; print('native ok')"
+    result = _run(code, HFQUANT_CACHE=str(cache), CC="cc")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "native ok" in result.stdout
+    assert not sentinel.exists(), "the planted library's constructor ran"
+
+
+@pytest.mark.parametrize("value,enabled", [("0", False), ("false", False), ("No", False), ("OFF", False),
+                                           ("1", True), ("true", True), ("", True)])
+def test_hfquant_native_spellings(monkeypatch, value, enabled):
+    monkeypatch.setenv("HFQUANT_NATIVE", value)
+    assert native.native_enabled() is enabled
+
+
+def test_hfquant_native_other_values_are_refused(monkeypatch):
+    monkeypatch.setenv("HFQUANT_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="HFQUANT_NATIVE='maybe' is not understood"):
+        native.native_enabled()

@@ -69,6 +69,11 @@ def _group_size(text: str) -> int | None:
         ) from None
 
 
+def _shard_size(text: str) -> int | str:
+    """A number of bytes ("50000000") or a size with a unit ("50MB"), as `save_pretrained(max_shard_size=...)`."""
+    return int(text) if text.strip().isdigit() else text
+
+
 def _json_object(text: str) -> Any:
     try:
         return json.loads(text)
@@ -133,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                      help="load dtype, as from_pretrained(dtype=...): float tensors are stored in it and weights are "
                      "cast to it before quantizing; auto = config.json's dtype, else the checkpoint's (default auto)")
-    out.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+    out.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
                      help="largest output shard, e.g. 500MB or 5GB. Memory peaks near one source tensor plus twice "
                      "one shard (safetensors copies a shard to bytes as it writes it) (default 2GB)")
     out.add_argument("--workers", type=int, default=0, metavar="N",

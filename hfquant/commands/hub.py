@@ -226,6 +226,12 @@ def push_model_to_hub(
 
     Takes transformers' `push_to_hub` arguments; the commit holds the saved files and hfquant's card.
     """
+    if getattr(model, "hf_quantizer", None) is None:  # dequantize()d: a plain float model, transformers' own push
+        return type(model).push_to_hub(
+            model, repo_id, commit_message=commit_message, commit_description=commit_description, private=private,
+            token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags or [],
+            **unused,
+        )
     if unused:
         logger.warning("push_to_hub ignores %s", sorted(unused))
     base_model, source = _loaded_from(model)

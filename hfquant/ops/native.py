@@ -14,8 +14,13 @@ The source ships inside the package. On first use it is compiled with the system
 under a temporary name and renamed, so concurrent first uses do not see half a file. It is loaded with ctypes and
 called with raw pointers. OpenMP resolves to the libgomp torch already loaded, so `torch.set_num_threads` applies.
 
-Not available (None, logged once at INFO level) when: `HFQUANT_NATIVE=0` is set, the machine is not x86-64 with
-AVX512-F/BW/VL and AVX512-BF16, no compiler works, or the build fails. hfquant then uses the aten kernel alone.
+Loading a library runs its code, so a cached one is loaded only when it is ours and private: the folders from
+`<cache>/native` down and the file are owned by this user and writable by nobody else, and the file's sha256 equals
+the one recorded beside it (`int4_cpu.so.sha256`) when it was built. A cache that fails this is never loaded from:
+the kernel is built into a private temporary folder for this process instead (logged at WARNING level).
+
+Not available (None, logged once at INFO level) when: `HFQUANT_NATIVE` is 0/false/no/off, the machine is not x86-64
+with AVX512-F/BW/VL and AVX512-BF16, no compiler works, or the build fails. hfquant then uses the aten kernel alone.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,7 +40,7 @@ import torch
 
 from hfquant.core import paths
 
-__all__ = ["int4_cpu_library", "int4_gemv", "int4_dequantize_t"]
+__all__ = ["native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +54,71 @@ def _compiler() -> str | None:
     return shutil.which(name)
 
 
-def _build(compiler: str) -> Path:
-    """Compile the kernel into the cache (once per source, flags and compiler); return the library path.
+_OFF = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
+
+
+def native_enabled() -> bool:
+    """Whether `HFQUANT_NATIVE` allows the native kernels (unset: yes).
 
     Raises:
-        OSError / subprocess.CalledProcessError / subprocess.TimeoutExpired: the build failed.
+        ValueError: a value that is neither one of 0/false/no/off nor one of 1/true/yes/on (any case), naming it.
     """
+    value = os.environ.get("HFQUANT_NATIVE", "")
+    if value.strip().lower() in _OFF:
+        return False
+    if value.strip().lower() in _ON:
+        return True
+    raise ValueError(
+        f"HFQUANT_NATIVE={value!r} is not understood; use one of {list(_OFF)} to turn hfquant's native kernels off, "
+        f"or one of {list(_ON[1:])} (or leave it unset) to use them"
+    )
+
+
+def library_folder(compiler: str) -> Path:
+    """`<cache>/native/<hash of source, flags and compiler version>`: where the built library is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = _SOURCE.read_bytes()
     first_line = (version.splitlines() or [""])[0]
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + first_line.encode()).hexdigest()[:16]
-    folder = paths.cache_dir() / "native" / digest
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + first_line.encode()).hexdigest()[:16]
+    return paths.cache_dir() / "native" / digest
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user and writable by no one else (not a symlink)."""
+    info = path.lstat()
+    return not stat.S_ISLNK(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(library: Path) -> bool:
+    """Whether the cached `library` may be loaded: it, its hash record and its folders from `native/` down are ours
+    and private, and its sha256 is the recorded one."""
+    record = library.with_name(library.name + ".sha256")
+    try:
+        private = all(_private(p) for p in (library.parent.parent, library.parent, library, record))
+        return private and record.read_text().strip() == _sha256(library)
+    except OSError:
+        return False
+
+
+def _compile(compiler: str, folder: Path) -> Path:
+    """Compile into `folder` under a temporary name, record the sha256, rename into place; returns the library."""
     library = folder / "int4_cpu.so"
-    if library.exists():
-        return library
-    folder.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=".int4_cpu-", suffix=".so", dir=folder)
     os.close(handle)
     try:
         subprocess.run(
             [compiler, *_FLAGS, "-o", partial, str(_SOURCE)], check=True, capture_output=True, text=True, timeout=300
         )
+        os.chmod(partial, 0o700)
+        record = folder / "int4_cpu.so.sha256"
+        record_partial = folder / f".int4_cpu.so.sha256.{os.getpid()}"
+        record_partial.write_text(_sha256(Path(partial)) + "\n")
+        os.chmod(record_partial, 0o600)
+        os.replace(record_partial, record)
         os.replace(partial, library)
     finally:
         if os.path.exists(partial):
@@ -76,11 +126,38 @@ def _build(compiler: str) -> Path:
     return library
 
 
+def _build(compiler: str) -> Path:
+    """The library to load: the cached one when it is trusted (`_trusted`), else built again into the cache, or, when
+    the cache folders are not ours and private, into a private temporary folder of this process.
+
+    Raises:
+        OSError / subprocess.CalledProcessError / subprocess.TimeoutExpired: the build failed.
+    """
+    folder = library_folder(compiler)
+    library = folder / "int4_cpu.so"
+    if library.exists() and _trusted(library):
+        return library
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        usable = _private(folder.parent) and _private(folder)
+    except OSError:
+        usable = False
+    if not usable:
+        folder = Path(tempfile.mkdtemp(prefix="hfquant-native-"))  # 0700, removed with the process's temp files
+        logger.warning(
+            "hfquant: the native kernel cache %s is not private to this user (owner or permissions); building into "
+            "%s instead", library.parent, folder,
+        )
+    elif library.exists():
+        logger.warning("hfquant: %s does not match its recorded sha256 or is not private; building it again", library)
+    return _compile(compiler, folder)
+
+
 @functools.lru_cache(maxsize=None)
 def int4_cpu_library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None where it cannot be used here (the reason logged at INFO level)."""
-    if os.environ.get("HFQUANT_NATIVE", "1") == "0":
-        logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=0")
+    if not native_enabled():
+        logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=%s", os.environ.get("HFQUANT_NATIVE"))
         return None
     compiler = _compiler()
     if compiler is None:
