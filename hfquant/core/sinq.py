@@ -30,6 +30,7 @@ ITERATIONS = 4
 perplexities within 0.02 of each other (docs/performance.md); each iteration costs four batched matrix-vector
 products over the weight."""
 _STD_RANGE = (1e-3, 1e3)  # standard deviations are clamped to this range, relative to the tile's smallest one
+_STATS_DTYPE = torch.bfloat16
 _LOG_SCALE_LIMIT = 8.0  # |log c| stays below this, so w / c and x * c stay far from bfloat16 overflow
 
 
@@ -53,19 +54,21 @@ def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERAT
         raise ValueError(f"group_size={group_size} does not divide in_features={k}")
     if n < 2:
         return torch.ones(k)
-    tiles = weight.detach().float().reshape(n, k // group_size, group_size).transpose(0, 1).contiguous()  # (G, N, g)
-    squares = tiles * tiles
+    # The statistics are computed in bfloat16 (the weights' own precision in a bf16 checkpoint; the products sum in
+    # float32), which halves the bytes each pass reads; the quantization itself uses the weight as given.
+    tiles = weight.detach().to(_STATS_DTYPE).reshape(n, k // group_size, group_size).transpose(0, 1).contiguous()
+    squares = tiles * tiles  # (G, N, g)
     # The current iterate is tiles * inv_row * inv_col. The sums of a row (column) are the sums of tiles and of
     # squares weighted by the other side's factors: batched matrix-vector products, no weight-sized temporary.
     inv_col = torch.ones(tiles.shape[0], group_size, 1)  # (G, g, 1)
     inv_row = torch.ones(tiles.shape[0], 1, n)  # (G, 1, N)
-    row_sum = torch.bmm(tiles, inv_col)
+    row_sum = _bmm(tiles, inv_col)
     if not torch.isfinite(row_sum).all():  # a NaN or Inf anywhere makes its row's sum one too
         raise ValueError("the weight holds NaN or Inf values; SINQ cannot balance it")
-    row_std = _std(row_sum, torch.bmm(squares, inv_col * inv_col), group_size)  # (G, N, 1)
+    row_std = _std(row_sum, _bmm(squares, inv_col * inv_col), group_size)  # (G, N, 1)
     best_inv_col, best = inv_col, None
     for step in range(iterations + 1):
-        col_sum, col_squares = torch.bmm(inv_row, tiles), torch.bmm(inv_row * inv_row, squares)  # (G, 1, g)
+        col_sum, col_squares = _bmm(inv_row, tiles), _bmm(inv_row * inv_row, squares)  # (G, 1, g)
         col_std = _std(col_sum, col_squares, n).transpose(1, 2) * inv_col  # (G, g, 1), of the current iterate
         score = _imbalance(col_std, row_std)
         if best is None:
@@ -77,7 +80,7 @@ def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERAT
         if step == iterations:
             break
         inv_col = inv_col / _relative(col_std)
-        row_sum, row_squares = torch.bmm(tiles, inv_col), torch.bmm(squares, inv_col * inv_col)  # (G, N, 1)
+        row_sum, row_squares = _bmm(tiles, inv_col), _bmm(squares, inv_col * inv_col)  # (G, N, 1)
         row_std = _std(row_sum, row_squares, group_size) * inv_row.transpose(1, 2)
         factor = _relative(row_std)
         inv_row, row_std = inv_row / factor.transpose(1, 2), row_std / factor
@@ -85,6 +88,11 @@ def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERAT
     log_col = -torch.log(best_inv_col)
     log_col = (log_col - log_col.mean(dim=1, keepdim=True)).clamp(-_LOG_SCALE_LIMIT, _LOG_SCALE_LIMIT)
     return torch.exp(log_col).reshape(k).to(rtn.SCALE_DTYPE).float()
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched product of a statistics operand and float32 factors, in `_STATS_DTYPE`, returned as float32."""
+    return torch.bmm(a.to(_STATS_DTYPE), b.to(_STATS_DTYPE)).float()
 
 
 def _std(total: torch.Tensor, squares: torch.Tensor, count: int) -> torch.Tensor:
