@@ -14,7 +14,7 @@ from torch import nn
 from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat, require_format
-from hfquant.nn.linear import keep_stored_scales, quantize_to_buffers
+from hfquant.nn.linear import KeepsStoredScales, quantize_to_buffers
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
@@ -66,7 +66,7 @@ def quantize_experts_tensor(weight: torch.Tensor, fmt: StoredFormat) -> dict[str
 _BUFFER_SUFFIXES = {"weight": "", "weight_scale": "_scale", "weight_zero_point": "_zero_point"}
 
 
-class QuantExperts(nn.Module):
+class QuantExperts(KeepsStoredScales):
     """The experts of one MoE layer with int8 / int4 weights; same call as the float module it replaces.
 
     Stored tensors, for P in (`gate_up_proj` or `up_proj`, `down_proj`) of float shape (E, N, K): P, P_scale[,
@@ -114,11 +114,6 @@ class QuantExperts(nn.Module):
             for key, tensor in formats[name].empty((e, n), k, device).items():  # NAME, NAME_scale[, NAME_zero_point]
                 self.register_buffer(name + key.removeprefix("weight"), tensor)
 
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        keep_stored_scales(self)
-        return self
     @property
     def bits(self) -> int:
         return next(iter(self.formats.values())).bits

@@ -11,13 +11,29 @@ from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
-__all__ = ["StoredWeight", "QuantLinear", "quantize_to_buffers", "keep_stored_scales"]
+__all__ = ["KeepsStoredScales", "StoredWeight", "QuantLinear", "quantize_to_buffers"]
 
 # Rows quantized per step: the float32 copy of one step stays under this many bytes.
 _CHUNK_BYTES = 4 * 2**20
 
 
-class StoredWeight(nn.Module):
+class KeepsStoredScales(nn.Module):
+    """Base of hfquant's quantized modules: `module.to(dtype)` / `.half()` cast every float tensor, but the stored
+    scales (persistent buffers named `*scale`) keep `rtn.SCALE_DTYPE`: their dtype is part of the stored format, which
+    a save must write and a reload expects (kernels convert them to the activation dtype themselves)."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, tensor in self._buffers.items():
+            if (
+                tensor is not None and name.endswith("scale") and name not in self._non_persistent_buffers_set
+                and tensor.is_floating_point() and tensor.dtype != rtn.SCALE_DTYPE
+            ):
+                self._buffers[name] = tensor.to(rtn.SCALE_DTYPE)
+        return self
+
+
+class StoredWeight(KeepsStoredScales):
     """Base of hfquant's quantized modules: a `format` (`StoredFormat`) and its stored tensors as registered buffers
     ("weight", "weight_scale" and, when asymmetric, "weight_zero_point"; `weight_zero_point` is None otherwise).
 
@@ -35,11 +51,6 @@ class StoredWeight(nn.Module):
             self.register_buffer(name, tensor)
         if fmt.symmetric:
             self.weight_zero_point = None
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        keep_stored_scales(self)
-        return self
 
     @property
     def bits(self) -> int:
@@ -232,18 +243,6 @@ class QuantLinear(StoredWeight):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y
-
-
-def keep_stored_scales(module: nn.Module) -> None:
-    """Cast `module`'s stored scales (persistent buffers named `*scale`) back to `rtn.SCALE_DTYPE` after
-    `module.to(dtype)` / `.half()` cast every float tensor: their dtype is part of the stored format, which a save must
-    write and a reload expects (kernels convert them to the activation dtype themselves)."""
-    for name, tensor in module._buffers.items():
-        if (
-            tensor is not None and name.endswith("scale") and name not in module._non_persistent_buffers_set
-            and tensor.is_floating_point() and tensor.dtype != rtn.SCALE_DTYPE
-        ):
-            module._buffers[name] = tensor.to(rtn.SCALE_DTYPE)
 
 
 def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat) -> dict[str, torch.Tensor]:
