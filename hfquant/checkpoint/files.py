@@ -26,7 +26,7 @@ from hfquant.core.dtypes import dtype_name
 __all__ = [
     "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
     "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
-    "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside",
+    "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside", "require_inside",
 ]
 
 CONFIG_NAME = "config.json"
@@ -132,7 +132,13 @@ def stays_inside(folder: str | os.PathLike, path: str | os.PathLike) -> bool:
     return Path(path).resolve().is_relative_to(root)
 
 
-def _check_inside(folder: Path, path: Path) -> None:
+def require_inside(folder: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Raise unless `path` stays inside `folder` (`stays_inside`).
+
+    Raises:
+        ValueError: naming the file, its link target and the fix.
+    """
+    folder, path = Path(folder), Path(path)
     if not stays_inside(folder, path):
         raise ValueError(
             f"{path.name} in {folder} is a link to {path.resolve()}, outside the checkpoint folder; hfquant never reads "
@@ -177,17 +183,17 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, Path]:
     """
     folder = Path(folder)
     if (folder / INDEX_NAME).is_file():
-        _check_inside(folder, folder / INDEX_NAME)
+        require_inside(folder, folder / INDEX_NAME)
         weight_map = read_index(folder)
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{folder / INDEX_NAME} names shard(s) {missing} that are not in {folder}")
         for file in sorted(set(weight_map.values())):
-            _check_inside(folder, folder / file)
+            require_inside(folder, folder / file)
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / SINGLE_NAME
     if single.is_file():
-        _check_inside(folder, single)
+        require_inside(folder, single)
         return {name: single for name in read_headers(single)}
     others = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     hint = f" (found {others}; hfquant reads safetensors only: load it with from_pretrained and save_pretrained it)" if others else ""

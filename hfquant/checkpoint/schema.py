@@ -20,7 +20,7 @@ from torch import nn
 from hfquant.checkpoint.files import TensorHeader, shape_text
 from hfquant.core.dtypes import dtype_name
 
-__all__ = ["Expected", "expected_tensors", "schema_problems", "value_problem", "problem_text"]
+__all__ = ["Expected", "is_hfquant_module", "expected_tensors", "schema_problems", "value_problem", "problem_text"]
 
 _FIX = (
     "the file does not match quantization_config in config.json: it was written by another tool or version, or "
@@ -37,7 +37,8 @@ class Expected(NamedTuple):
     layer: str  # "4-bit QuantLinear (group size 32, asymmetric)" for hfquant tensors, else ""
 
 
-def _is_hfquant_module(module: nn.Module) -> bool:
+def is_hfquant_module(module: nn.Module) -> bool:
+    """Whether `module` is one of hfquant's quantized modules (its registered buffers are stored tensors)."""
     return type(module).__module__.split(".")[0] == "hfquant"
 
 
@@ -59,7 +60,7 @@ def expected_tensors(model: nn.Module) -> tuple[dict[str, Expected], dict[str, s
     state = model.state_dict()
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        hfquant = _is_hfquant_module(module)
+        hfquant = is_hfquant_module(module)
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             key = prefix + name
             if key not in state:

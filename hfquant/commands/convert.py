@@ -58,6 +58,7 @@ from hfquant.checkpoint.files import (
     write_index,
     write_shard,
 )
+from hfquant.checkpoint.schema import is_hfquant_module
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands.cards import write_card
 from hfquant.config import HfQuantConfig
@@ -366,7 +367,10 @@ def convert(
     model, load_dtype, quantizer = build_skeleton(folder, dtype, config)
     _use_quantizer(model, quantizer)
     outputs, missing = plan_outputs(model, quantizer, load_dtype, files)
-    unquantizable = [key for key in missing if key.endswith(("weight", "weight_scale")) and _is_quantized(model, key)]
+    unquantizable = [
+        key for key in missing
+        if key.endswith(("weight", "weight_scale")) and is_hfquant_module(model.get_submodule(key.rpartition(".")[0]))
+    ]
     if unquantizable:
         raise ValueError(
             f"{folder} has no tensor for {unquantizable[0].rpartition('.')[0]}.weight, so there is nothing to quantize "
@@ -410,12 +414,6 @@ def convert(
     )
     logger.info("converted %s -> %s: %d layers quantized in %.1f s", src, dst, quantized, result.seconds)
     return result
-
-
-def _is_quantized(model, key: str) -> bool:
-    """Whether the model tensor `key` belongs to one of hfquant's quantized modules."""
-    module = model.get_submodule(key.rpartition(".")[0])
-    return type(module).__module__.split(".")[0] == "hfquant"
 
 
 _HUB_CACHE_PATH = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[0-9a-f]+/?$")

@@ -36,9 +36,9 @@ from hfquant.checkpoint.files import (
     read_index,
     read_json,
     read_tensor,
-    stays_inside,
+    require_inside,
 )
-from hfquant.checkpoint.schema import schema_problems, value_problem
+from hfquant.checkpoint.schema import is_hfquant_module, schema_problems, value_problem
 from hfquant.config import QUANT_METHOD, HfQuantConfig
 from hfquant.integration.conversions import model_key_map
 from hfquant.integration.skeleton import build_skeleton
@@ -120,11 +120,10 @@ def _checkpoint_headers(folder: Path, problems: list[str]) -> tuple[dict[str, Te
     read: list[str] = []
     for shard in shards:
         path = folder / shard
-        if not stays_inside(folder, path):
-            problems.append(
-                f"{shard} is a link to {path.resolve()}, outside {folder}; hfquant never reads through a link that "
-                "leaves the checkpoint folder: copy the file into the folder"
-            )
+        try:
+            require_inside(folder, path)
+        except ValueError as error:
+            problems.append(str(error))
             continue
         if not path.is_file():
             problems.append(
@@ -165,7 +164,7 @@ def _value_problems(folder: Path, model, tensors: dict[str, TensorHeader], key_m
         if model_key is None or not model_key.endswith(("scale", "zero_point")):
             continue
         module = model.get_submodule(model_key.rpartition(".")[0])
-        if type(module).__module__.split(".")[0] == "hfquant" and hasattr(module, "bits"):
+        if is_hfquant_module(module) and hasattr(module, "bits"):
             wanted.setdefault(header.file, []).append((file_key, module.bits))
     problems = []
     for shard, keys in sorted(wanted.items()):

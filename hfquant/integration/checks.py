@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
-from hfquant.checkpoint.files import TensorHeader, read_headers, stays_inside
+from hfquant.checkpoint.files import TensorHeader, read_headers, require_inside
 from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
 from hfquant.integration.conversions import model_key_map
 from hfquant.nn.embedding import QuantEmbedding
@@ -31,11 +31,7 @@ def read_single_copies(files) -> dict[str, TensorHeader]:
     for file in files:
         if not str(file).endswith(".safetensors"):
             continue
-        if not stays_inside(Path(file).parent, file):
-            raise ValueError(
-                f"{file} is a link to {Path(file).resolve()}, outside its checkpoint folder; hfquant never reads "
-                "through a link that leaves it: copy the file into the folder"
-            )
+        require_inside(Path(file).parent, file)
         for key, header in read_headers(file).items():
             if key in tensors:
                 raise ValueError(
