@@ -9,6 +9,7 @@ The package is layered, imports pointing only downward (docs/architecture.md): `
 `ops` (kernels) -> `nn` (modules) -> `checkpoint` (files) -> `integration` (transformers hooks) -> `commands`.
 """
 
+from hfquant.commands.export import export_checkpoint
 from hfquant.commands.hub import attach_model_card
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
 from hfquant.integration.quantizer import HfQuantQuantizer, register
@@ -26,6 +27,7 @@ __all__ = [
     "QuantExperts",
     "QuantLinear",
     "register",
+    "export_checkpoint",
     "__version__",
 ]
 

@@ -5,6 +5,7 @@
     hfquant eval PATH [--baseline SRC] [--text-file FILE]
     hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG]
     hfquant verify PATH [--write-checksums]
+    hfquant export SRC DST --format compressed-tensors [--overwrite] [--max-shard-size SIZE]
 
 `convert` quantizes a float safetensors checkpoint file to file (`hfquant.commands.convert`), writing into a temporary folder
 beside DST renamed at the end. `inspect` reports what a checkpoint holds (`hfquant.commands.inspection`). `eval` measures
@@ -34,6 +35,7 @@ from hfquant.checkpoint.files import stays_inside
 from hfquant.commands.cards import EVAL_FILE, is_hfquant_card, write_card
 from hfquant.commands.convert import convert, resolve_source
 from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
+from hfquant.commands.export import FORMATS, export_checkpoint
 from hfquant.commands.hub import HubError, push_folder
 from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
 from hfquant.commands.verify import verify
@@ -207,6 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", default=None, help="create the repo private (an existing repo keeps its visibility)")
     p.add_argument("--revision", default=None, metavar="BRANCH", help="branch to commit to, created if missing (default main)")
     p.add_argument("--commit-message", default=None, metavar="MSG", help="commit title (default: Upload NAME quantized with hfquant)")
+
+    x = sub.add_parser(
+        "export",
+        help="write an hfquant checkpoint in another engine's format (compressed-tensors: vLLM, transformers)",
+        description="Write the hfquant checkpoint SRC as a compressed-tensors pack-quantized checkpoint DST, which "
+        "vLLM serves and transformers loads with the compressed-tensors package, without hfquant. Codes and scales "
+        "are copied bit for bit; quantized embeddings and a quantized lm_head are written dequantized; layers "
+        "quantized with method sinq are refused. DST is written into a temporary folder and renamed at the end.",
+    )
+    x.add_argument("src", metavar="SRC", help="hfquant checkpoint folder")
+    x.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
+    x.add_argument("--format", required=True, choices=list(FORMATS), help="the format to write")
+    x.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
+                   help="largest output shard, e.g. 500MB or 5GB (default 2GB)")
+    x.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
     return parser
 
 
@@ -355,7 +372,18 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "verify": _verify}
+def _export(args: argparse.Namespace) -> int:
+    result = export_checkpoint(args.src, args.dst, args.format, max_shard_size=args.max_shard_size,
+                               overwrite=args.overwrite)
+    print(f"wrote {result.dst} ({args.format}): {result.quantized_layers} layers quantized in "
+          f"{result.config_groups} config group(s), {result.dequantized_layers} written dequantized, "
+          f"{len(result.shards)} shard(s) in {result.seconds:.1f} s")
+    return 0
+
+
+_COMMANDS = {
+    "convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "verify": _verify, "export": _export,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
