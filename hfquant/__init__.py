@@ -11,6 +11,7 @@ The package is layered, imports pointing only downward (docs/architecture.md): `
 
 from hfquant.commands.export import export_checkpoint
 from hfquant.commands.hub import attach_model_card
+from hfquant.commands.importing import import_checkpoint
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
 from hfquant.integration.quantizer import HfQuantQuantizer, register
 from hfquant.nn.embedding import QuantEmbedding
@@ -28,6 +29,7 @@ __all__ = [
     "QuantLinear",
     "register",
     "export_checkpoint",
+    "import_checkpoint",
     "__version__",
 ]
 

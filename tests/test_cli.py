@@ -43,7 +43,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_option_has_help():
     parser = build_parser()
     commands = _subparsers(parser)
-    assert sorted(commands) == ["convert", "eval", "export", "inspect", "push", "verify"]  # the benchmark is scripts/benchmark.py
+    assert sorted(commands) == ["convert", "eval", "export", "import", "inspect", "push", "verify"]  # the benchmark is scripts/benchmark.py
     for name, sub in commands.items():
         assert sub.description, name
         for action in sub._actions:

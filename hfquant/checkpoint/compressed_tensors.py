@@ -22,7 +22,8 @@ input column by its own scale, which compressed-tensors has no tensor for). Quan
 lm_head are not `pack-quantized` targets (vLLM and transformers quantize Linear layers only): they are written
 dequantized, `(q - z) * scale` computed in float32 and cast to the compute dtype, a few rows at a time.
 
-`plan_layers` reads only headers; `export_tensor` builds one output tensor from the source tensors it names.
+`plan_layers` reads only headers; `export_tensor` builds one output tensor from the source tensors it names. The
+inverse (compressed-tensors -> hfquant) is `hfquant.checkpoint.compressed_tensors_import`.
 """
 
 from __future__ import annotations

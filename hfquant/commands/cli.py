@@ -6,6 +6,7 @@
     hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG]
     hfquant verify PATH [--write-checksums]
     hfquant export SRC DST --format compressed-tensors [--overwrite] [--max-shard-size SIZE]
+    hfquant import SRC DST [--overwrite] [--max-shard-size SIZE]
 
 `convert` quantizes a float safetensors checkpoint file to file (`hfquant.commands.convert`), writing into a temporary folder
 beside DST renamed at the end. `inspect` reports what a checkpoint holds (`hfquant.commands.inspection`). `eval` measures
@@ -37,6 +38,7 @@ from hfquant.commands.convert import convert, resolve_source
 from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
 from hfquant.commands.export import FORMATS, export_checkpoint
 from hfquant.commands.hub import HubError, push_folder
+from hfquant.commands.importing import import_checkpoint
 from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
 from hfquant.commands.verify import verify
 from hfquant.config import FIELD_NAMES, FIELDS, ConfigField, HfQuantConfig
@@ -224,6 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
                    help="largest output shard, e.g. 500MB or 5GB (default 2GB)")
     x.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
+
+    m = sub.add_parser(
+        "import",
+        help="turn a compressed-tensors pack-quantized checkpoint (llm-compressor W4A16 / W8A16) into an hfquant one",
+        description="Write the compressed-tensors pack-quantized checkpoint SRC (int4 or int8 weights, symmetric or "
+        "asymmetric, group or channel scales) as the hfquant checkpoint DST, bit for bit, so that it runs on "
+        "hfquant's kernels. Activation or kv-cache quantization, actorder / g_idx and other formats are refused "
+        "with the reason. DST is written into a temporary folder and renamed at the end.",
+    )
+    m.add_argument("src", metavar="SRC", help="compressed-tensors checkpoint folder")
+    m.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
+    m.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
+                   help="largest output shard, e.g. 500MB or 5GB (default 2GB)")
+    m.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
     return parser
 
 
@@ -381,8 +397,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import(args: argparse.Namespace) -> int:
+    result = import_checkpoint(args.src, args.dst, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    print(f"wrote {result.dst}: {result.quantized_layers} layers imported in {result.config_groups} format(s), "
+          f"{len(result.shards)} shard(s) in {result.seconds:.1f} s")
+    return 0
+
+
 _COMMANDS = {
     "convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "verify": _verify, "export": _export,
+    "import": _import,
 }
 
 

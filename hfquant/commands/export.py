@@ -42,7 +42,9 @@ from hfquant.commands.verify import read_quantization_config
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
 
-__all__ = ["FORMATS", "ExportResult", "export_checkpoint"]
+__all__ = [
+    "FORMATS", "ExportResult", "export_checkpoint", "check_dst", "copy_small_files", "shard_plan", "write_shards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,12 @@ class ExportResult(NamedTuple):
     seconds: float
 
 
-def _check_dst(dst: Path, src: Path, overwrite: bool) -> None:
+def check_dst(dst: Path, src: Path, overwrite: bool) -> None:
+    """Refuse a DST that is a file, lies under a file, exists without `overwrite`, or is SRC (before any work).
+
+    Raises:
+        FileExistsError, NotADirectoryError, ValueError: naming DST and the fix.
+    """
     if dst.is_file():
         raise FileExistsError(f"DST {dst} is a file, not a checkpoint folder; pass the path of a folder to write")
     parent = next((p for p in dst.parents if p.exists()), None)
@@ -107,7 +114,7 @@ def _model_facts(folder: Path, layer_names) -> tuple[dict[str, int], set[str], l
     return in_features, dequantize, linears
 
 
-def _copy_small_files(src: Path, dst: Path) -> list[str]:
+def copy_small_files(src: Path, dst: Path) -> list[str]:
     """Copy SRC's top-level tokenizer / generation files (not weights, not hfquant's own files, no link leaving SRC)."""
     copied = []
     for path in sorted(src.iterdir()):
@@ -126,7 +133,12 @@ def _copy_small_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def _shard_plan(outputs: list[ct.OutputTensor], max_shard_size: int | str):
+def shard_plan(outputs: list[ct.OutputTensor], max_shard_size: int | str):
+    """`huggingface_hub.split_torch_state_dict_into_shards` of the planned outputs (meta tensors), as save_pretrained.
+
+    Raises:
+        ValueError: `max_shard_size` is not a size.
+    """
     meta = {out.name: torch.empty(out.shape, dtype=out.dtype, device="meta") for out in outputs}
     try:
         return split_torch_state_dict_into_shards(
@@ -136,8 +148,9 @@ def _shard_plan(outputs: list[ct.OutputTensor], max_shard_size: int | str):
         raise ValueError(f"max_shard_size {max_shard_size!r} is not a size; use bytes or e.g. 500MB, 5GB") from None
 
 
-def _write_shards(outputs: list[ct.OutputTensor], split, files: dict[str, Path], folder: Path) -> None:
-    """Make and write every shard of `split`, reading source tensors through `safe_open` one at a time."""
+def write_shards(outputs: list[ct.OutputTensor], split, files: dict[str, Path], folder: Path, make) -> None:
+    """Write every shard of `split`, each tensor made by `make(output, read)`, `read(name)` reading a source tensor
+    through `safe_open` (one at a time; the pages read are given back)."""
     handles: dict[Path, Any] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -151,7 +164,7 @@ def _write_shards(outputs: list[ct.OutputTensor], split, files: dict[str, Path],
     by_name = {out.name: out for out in outputs}
     try:
         for filename, names in split.filename_to_tensors.items():
-            write_shard(folder / filename, {name: ct.export_tensor(by_name[name], read) for name in names})
+            write_shard(folder / filename, {name: make(by_name[name], read) for name in names})
     finally:
         handles.clear()
 
@@ -193,8 +206,8 @@ def export_checkpoint(
     folder, dst = Path(src).expanduser(), Path(dst).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"SRC {folder} is not a folder; pass an hfquant checkpoint folder")
-    _check_dst(dst, folder, overwrite)
-    _shard_plan([], max_shard_size)
+    check_dst(dst, folder, overwrite)
+    shard_plan([], max_shard_size)
     config, hfconfig = read_quantization_config(folder)
     files = tensor_files(folder)
     headers = {}
@@ -207,16 +220,16 @@ def export_checkpoint(
     quantized = {layer.name for layer in layers if not layer.dequantize}
     qconfig = ct.quantization_config(layers, [name for name in linears if name not in quantized])
     outputs = ct.plan_outputs(headers, layers, _compute_dtype(config["quantization_config"], config, files))
-    split = _shard_plan(outputs, max_shard_size)
+    split = shard_plan(outputs, max_shard_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     with folders.temporary_folder(dst) as tmp:
-        _write_shards(outputs, split, files, tmp)
+        write_shards(outputs, split, files, tmp, ct.export_tensor)
         if split.is_sharded:
             write_index(tmp, split.tensor_to_filename, dict(split.metadata))
         config = dict(config, quantization_config=qconfig)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _copy_small_files(folder, tmp)
+        copy_small_files(folder, tmp)
         folders.publish_folder(tmp, dst, overwrite)
     result = ExportResult(dst, list(split.filename_to_tensors), len(quantized), len(layers) - len(quantized),
                           len(qconfig["config_groups"]), time.perf_counter() - start)
