@@ -13,6 +13,8 @@ from typing import Any, Iterable, NamedTuple
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from hfquant.core.allocation import MIXED_PRECISION, data_free_overrides
+
 __all__ = [
     "FORMAT_VERSION",
     "QUANT_METHOD",
@@ -27,6 +29,10 @@ __all__ = [
     "validate_config_values",
     "matches_module",
     "default_group_size",
+    "default_method",
+    "default_mixed_precision",
+    "METHODS",
+    "MIXED_PRECISION",
 ]
 
 QUANT_METHOD = "hfquant"
@@ -52,6 +58,8 @@ COMPUTE_DTYPES = ("auto",) + FLOAT_DTYPES
 METHODS = ("rtn", "sinq")
 """`method` values: "rtn" (round-to-nearest) or "sinq" (RTN after a Sinkhorn-normalized column scale, arXiv 2509.22944;
 the column scale is stored beside the layer)."""
+LEGACY_DEFAULTS = {"method": "rtn", "mixed_precision": "none"}
+"""Values of fields a `config.json` written before they existed holds implicitly (what such a checkpoint stores)."""
 
 
 
@@ -68,9 +76,12 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("quant_method", f"always {QUANT_METHOD!r}: what transformers reads to pick this quantizer"),
     ConfigField("format_version", f"on-disk format version; only {FORMAT_VERSION} is read"),
     ConfigField("bits", "width of the stored integer weights", SUPPORTED_BITS),
-    ConfigField("method", "how Linear weights are quantized: 'rtn' (round-to-nearest) or 'sinq' (round-to-nearest after "
-                "a per-column scale balanced by Sinkhorn iterations, stored as weight_col_scale; calibration-free, "
-                "more accurate at 4 bits)", METHODS),
+    ConfigField("method", "how Linear weights are quantized: 'rtn' (round-to-nearest, the default at 8 bits) or 'sinq' "
+                "(round-to-nearest after a per-column scale balanced by Sinkhorn iterations, stored as weight_col_scale; "
+                "calibration-free, more accurate; the default at 4 bits)", METHODS),
+    ConfigField("mixed_precision", "'auto' (the default at 4 bits): hfquant's data-free rule gives the value projections "
+                "of the second half of the layers int8 and MLP down projections groups of at most 64, written into "
+                "module_overrides when quantizing; 'none': every layer alike", MIXED_PRECISION),
     ConfigField(
         "group_size",
         f"inputs sharing one scale: a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, or None for one scale "
@@ -105,6 +116,17 @@ _UNSET = object()
 def default_group_size(bits: int) -> int | None:
     """The group size used when none is given: per-channel (`None`) at 8 bits, 128 at 4 bits."""
     return None if bits == 8 else 128
+
+
+def default_method(bits: int) -> str:
+    """The method used when none is given: "sinq" at 4 bits (more accurate at little cost), "rtn" at 8 bits (already
+    within 0.1% of bf16 perplexity)."""
+    return "sinq" if bits == 4 else "rtn"
+
+
+def default_mixed_precision(bits: int) -> str:
+    """The `mixed_precision` used when none is given: "auto" at 4 bits, "none" at 8 bits (where the rule does nothing)."""
+    return "auto" if bits == 4 else "none"
 
 
 def default_symmetric(bits: int) -> bool:
@@ -156,6 +178,7 @@ def validate_config_values(
     compute_dtype: Any = "auto",
     method: Any = "rtn",
     module_overrides: Any = None,
+    mixed_precision: Any = "none",
 ) -> None:
     """Check every field of an `HfQuantConfig`; used by the constructor, `from_dict` and the CLI.
 
@@ -202,6 +225,8 @@ def validate_config_values(
         "compute_dtype", compute_dtype, COMPUTE_DTYPES, "'auto' uses the dtype given to from_pretrained"
     )
     _check_choice("method", method, METHODS, "'rtn' is round-to-nearest, 'sinq' adds a per-column scale")
+    _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION,
+                  "'auto' applies hfquant's data-free bit allocation at 4 bits, 'none' stores every layer alike")
     _check_overrides({} if module_overrides is None else module_overrides)
 
 
@@ -228,7 +253,11 @@ def _check_overrides(overrides: Any) -> None:
 
 
 class HfQuantConfig(QuantizationConfigMixin):
-    """Weight-only round-to-nearest (RTN) quantization of Linear and GPT-2 `Conv1D` layers.
+    """Weight-only, calibration-free quantization of Linear and GPT-2 `Conv1D` layers to int8 or int4.
+
+    The defaults at 4 bits are the most accurate calibration-free setting measured within 4.5 bits per weight
+    (README, `scripts/accuracy.py`): `method="sinq"`, group 128, asymmetric, `mixed_precision="auto"`. At 8 bits:
+    round-to-nearest (RTN), per-channel, symmetric.
 
     Args:
         bits: 8 or 4. Stored integers are int8 / packed 4-bit.
@@ -265,10 +294,15 @@ class HfQuantConfig(QuantizationConfigMixin):
             the config's without `group_size` / `symmetric` takes that width's defaults. Example:
             `{"v_proj": {"bits": 8}}` keeps every value projection in int8 (per-channel, symmetric). See
             `layer_settings`. Embeddings, the lm_head and MoE experts follow their own fields.
-        method: how Linear / Conv1D weights are quantized: "rtn" (round-to-nearest, the default) or "sinq"
+        method: how Linear / Conv1D weights are quantized: "rtn" (round-to-nearest; the default at 8 bits) or "sinq"
             (`hfquant.core.sinq`: the weight divided by a per-input-column scale from Sinkhorn-normalized balancing,
-            Müller et al. 2025, arXiv 2509.22944, then RTN; the column scale is stored as `weight_col_scale`).
-            Embeddings, a quantized lm_head and MoE experts always use RTN.
+            Müller et al. 2025, arXiv 2509.22944, then RTN; the column scale is stored as `weight_col_scale`; the
+            default at 4 bits). Embeddings, a quantized lm_head and MoE experts always use RTN.
+        mixed_precision: "auto" (the default at 4 bits) applies hfquant's data-free bit allocation
+            (`hfquant.core.allocation`: value projections of the second half of the layers in int8, MLP down
+            projections at groups of at most 64) when a model is quantized, by appending its entries to
+            `module_overrides` (after the user's, which win), so the saved config names every layer's format; "none"
+            (the default at 8 bits, where the rule does nothing) stores every layer alike.
         format_version: on-disk format version; only `FORMAT_VERSION` is accepted.
 
     Raises:
@@ -287,8 +321,9 @@ class HfQuantConfig(QuantizationConfigMixin):
         norm_dtype: str = "auto",
         lm_head: str = "keep",
         compute_dtype: str = "auto",
-        method: str = "rtn",
+        method: str | None = None,
         module_overrides: dict[str, dict[str, Any]] | None = None,
+        mixed_precision: str | None = None,
         **unknown: Any,
     ):
         if quant_method != QUANT_METHOD:
@@ -306,6 +341,10 @@ class HfQuantConfig(QuantizationConfigMixin):
                 group_size = default_group_size(bits)
             if symmetric is None:
                 symmetric = default_symmetric(bits)
+            if method is None:
+                method = default_method(bits)
+            if mixed_precision is None:
+                mixed_precision = default_mixed_precision(bits)
         elif group_size is _UNSET:
             group_size = None
         modules = [] if modules_to_not_convert is None else modules_to_not_convert
@@ -313,7 +352,7 @@ class HfQuantConfig(QuantizationConfigMixin):
             modules = list(modules)
         validate_config_values(
             bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype,
-            method, module_overrides,
+            method, module_overrides, mixed_precision,
         )
         self.quant_method = QUANT_METHOD
         self.bits = bits
@@ -327,6 +366,31 @@ class HfQuantConfig(QuantizationConfigMixin):
         self.compute_dtype = compute_dtype
         self.method = method
         self.module_overrides = {p: dict(s) for p, s in (module_overrides or {}).items()}
+        self.mixed_precision = mixed_precision
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """The config of a `config.json`'s `quantization_config`, validated like the constructor. A field written
+        before it existed takes the value such a checkpoint holds (`LEGACY_DEFAULTS`: "rtn", no mixed precision),
+        never today's defaults. `kwargs` override the dict's values."""
+        values = {**LEGACY_DEFAULTS, **config_dict, **kwargs}
+        config = cls(**values)
+        return (config, {}) if return_unused_kwargs else config
+
+    def apply_mixed_precision(self, layer_names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Append the data-free rule's `module_overrides` entries for a model's Linear layers `layer_names` (full
+        dotted names) when `mixed_precision` is "auto" (`hfquant.core.allocation.data_free_overrides`).
+
+        Layers already selected by a `module_overrides` pattern keep the user's settings. Called once per model,
+        when it is quantized (never when a quantized checkpoint is reloaded: its config already lists the entries).
+        Returns the entries added (empty when the rule does not apply).
+        """
+        if self.mixed_precision != "auto":
+            return {}
+        names = [n for n in layer_names if not any(matches_module(n, [p]) for p in self.module_overrides)]
+        added = data_free_overrides(names, self.bits, self.group_size)
+        self.module_overrides.update(added)
+        return added
 
     def layer_settings(self, name: str) -> tuple[int, int | None, bool, str]:
         """(bits, asked group size, symmetric, method) of the Linear layer `name` (full dotted name): the first

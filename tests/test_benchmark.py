@@ -128,18 +128,22 @@ def test_speed_targets_only_where_asked(speed):
         _row("hfquant-int4", decode_tok_s=35.0, prefill_ms=110.0, quantize_gbs=2.0,
              peak_rss_growth_mib=500.0, tensor_bytes=800 * 2**20),
         _row("torchao-int4", decode_tok_s=30.0),
+        _row("hfquant-int4-rtn", decode_tok_s=37.0),
     ]
     checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=speed)}
     memory = "hfquant-int4 peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)"
     assert checks[memory]["met"] and checks[memory]["limit"] == pytest.approx(1.05 * 800 + 64)
     speed_names = {
         "hfquant-int4 decode >= 3.0x bf16", "hfquant-int4 decode >= 1.2x torchao-int4",
-        "hfquant-int4 prefill time <= 1.2x bf16", "hfquant-int4 RTN quantization >= 1.5 GB/s",
+        "hfquant-int4 prefill time <= 1.2x bf16", "hfquant-int4 SINQ quantization >= 0.25 GB/s",
+        "hfquant-int4 decode >= 0.95x hfquant-int4-rtn",
     }
     if speed:
         assert speed_names <= checks.keys()
         assert checks["hfquant-int4 decode >= 3.0x bf16"]["value"] == pytest.approx(3.5)
         assert not checks["hfquant-int4 decode >= 1.2x torchao-int4"]["met"]  # 35 / 30 = 1.17
         assert checks["hfquant-int4 prefill time <= 1.2x bf16"]["met"]
+        assert checks["hfquant-int4 decode >= 0.95x hfquant-int4-rtn"]["value"] == pytest.approx(35 / 37)  # 0.946
+        assert not checks["hfquant-int4 decode >= 0.95x hfquant-int4-rtn"]["met"]
     else:
         assert set(checks) == {memory}

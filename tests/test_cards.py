@@ -19,7 +19,7 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @pytest.fixture()
 def llama_int4(float_checkpoint, tmp_path):
     out = tmp_path / "tiny-int4"
-    convert(float_checkpoint("llama", torch.bfloat16), out, HfQuantConfig(bits=4, group_size=32), progress=False,
+    convert(float_checkpoint("llama", torch.bfloat16), out, HfQuantConfig(bits=4, group_size=32, mixed_precision="none"), progress=False,
             card=False)
     return out
 

@@ -64,9 +64,11 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     )
     old = {"quant_method": "hfquant", "format_version": 1, "bits": 4, "group_size": 128, "symmetric": False,
            "modules_to_not_convert": []}
-    assert HfQuantConfig.from_dict(old) == config
-    assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {"method", "module_overrides"}
-    assert (config.method, config.module_overrides) == ("rtn", {})  # what a config.json without them holds
+    # a config.json without method / mixed_precision holds plain RTN, whatever today's defaults are
+    legacy = HfQuantConfig.from_dict(old)
+    assert legacy == HfQuantConfig(bits=4, group_size=128, symmetric=False, method="rtn", mixed_precision="none")
+    assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {"method", "module_overrides", "mixed_precision"}
+    assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
 
 
 def test_defaults_leave_embeddings_norms_and_lm_head_in_the_load_dtype(float_checkpoint):
@@ -183,7 +185,8 @@ def test_tied_lm_head_and_embedding_asking_different_formats_is_an_error(float_c
 def _expected_bytes(model) -> int:
     """Bytes the model must hold, computed from shapes and formats (not from the tensors themselves): float
     parameters at their dtype; per quantized layer/table N*K codes (N*K/2 at 4 bits), 2 bytes per scale, 1 per zero
-    point, plus the CPU int4 kernel's (K/g, N, 2) scale/zero tensor; a table shared by a tied lm_head once."""
+    point, 2 per input feature for a SINQ layer's column scale, plus the CPU int4 kernel's (K/g, N, 2) scale/zero
+    tensor; a table shared by a tied lm_head once."""
     total, seen = 0, set()
     for name, module in model.named_modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
@@ -193,6 +196,8 @@ def _expected_bytes(model) -> int:
             if id(module.weight) not in seen:
                 seen.add(id(module.weight))
                 total += n * k * module.bits // 8 + n * groups * (2 if module.symmetric else 3)
+                if getattr(module, "weight_col_scale", None) is not None:
+                    total += 2 * k
             if getattr(module, "kernel", None) == "int4pack_mm_cpu":
                 total += groups * n * 2 * module.scale_zero.element_size()
         for param in module.parameters(recurse=False):

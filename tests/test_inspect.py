@@ -38,7 +38,7 @@ def test_layer_kind_replaces_indices_only():
 
 def test_int4_kinds_bits_groups_and_bytes(converted):
     """Group 128 asked: the 64-wide layers fall back to 64, down_proj (128 wide) keeps 128; bytes are exact."""
-    report = inspect_checkpoint(converted("llama", bits=4))
+    report = inspect_checkpoint(converted("llama", bits=4, method="rtn", mixed_precision="none"))
     rows = {row["kind"]: row for row in report["quantized"]}
     assert sorted(rows) == LLAMA_KINDS
     for kind, row in rows.items():

@@ -17,7 +17,9 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.helpers import ARCHITECTURES, auto_class, cosine_similarity, input_ids, model_output
 
-QCONFIGS = {"int8": dict(bits=8), "int4_g32": dict(bits=4, group_size=32)}
+# Every layer in one format (mixed_precision="none"): these tests check each layer against the config's own values;
+# the data-free rule of the 4-bit default is tested in tests/test_allocation.py.
+QCONFIGS = {"int8": dict(bits=8), "int4_g32": dict(bits=4, group_size=32, mixed_precision="none")}
 # Minimum cosine similarity of the quantized model's output with the float model's. Per layer the SNR is ~43 dB at
 # int8 and ~21 dB at int4 g32 (see test_linear); through two blocks with residual connections the output keeps
 # 1 - cos of the order of 1e-4 (int8) and 1e-2 (int4) on these random models (observed: > 0.9999 and > 0.992).
@@ -120,7 +122,7 @@ def test_in_features_without_a_group_divisor(float_checkpoint, bits, group_size)
     # intermediate_size 48: gate/up have 64 inputs, down_proj has 48 = 16 * 3 inputs (no power of two >= 32 divides)
     path = float_checkpoint("llama", intermediate_size=48)
     reference = _load(path, "llama", torch.float32)
-    model = _load(path, "llama", torch.float32, bits=bits, group_size=group_size)
+    model = _load(path, "llama", torch.float32, bits=bits, group_size=group_size, mixed_precision="none")
     layers = _quant_layers(model)
     downs = {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
     if group_size is None:  # per-channel needs no divisor
@@ -151,8 +153,9 @@ def test_group_size_falls_back_to_the_largest_power_of_two_divisor(float_checkpo
 )
 def test_device_maps(float_checkpoint, device_map):
     path = float_checkpoint("llama", torch.bfloat16)
-    expected = model_output(_load(path, "llama", torch.bfloat16, bits=4, group_size=32), input_ids())
-    model = _load(path, "llama", torch.bfloat16, device_map=device_map, bits=4, group_size=32)
+    settings = dict(bits=4, group_size=32, mixed_precision="none")
+    expected = model_output(_load(path, "llama", torch.bfloat16, **settings), input_ids())
+    model = _load(path, "llama", torch.bfloat16, device_map=device_map, **settings)
     layers = _quant_layers(model)
     assert set(layers) == _expected_quantized("llama")
     assert all(layer.weight.device.type == "cpu" and layer.kernel == "int4pack_mm_cpu" for layer in layers.values())
@@ -163,5 +166,8 @@ def test_quantized_model_reports_its_quantization(float_checkpoint):
     path = float_checkpoint("llama")
     model = _load(path, "llama", torch.float32, bits=4, group_size=64, symmetric=True)
     assert model.is_quantized
-    assert model.config.quantization_config == HfQuantConfig(bits=4, group_size=64, symmetric=True)
+    # the 4-bit default's data-free rule, written into the config when quantizing: the value projection of the
+    # second of the two layers in int8 (down projections already use groups of 64)
+    rule = {"model.layers.1.self_attn.v_proj": {"bits": 8}}
+    assert model.config.quantization_config == HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=rule)
     assert not any(p.requires_grad for layer in _quant_layers(model).values() for p in layer.parameters())

@@ -89,7 +89,7 @@ def test_quantize_on_load_offloads_quantized_bytes(float_checkpoint, tmp_path, e
 
 
 def test_quantized_checkpoint_offloads_from_its_own_file(float_checkpoint, tmp_path):
-    config = HfQuantConfig(bits=4, group_size=32, embedding_dtype="int8")
+    config = HfQuantConfig(bits=4, group_size=32, embedding_dtype="int8", mixed_precision="none")
     AutoModelForCausalLM.from_pretrained(float_checkpoint, quantization_config=config).save_pretrained(tmp_path / "q")
     resident, model = _split_load(tmp_path / "q", tmp_path, offload_buffers=True)
     offloaded = _offloaded_quantized(model)

@@ -21,7 +21,7 @@ OVERRIDES = {"v_proj": {"bits": 8}, "model.layers.1.mlp.*": {"method": "sinq", "
 
 def test_mixed_precision_checkpoint_round_trips(float_checkpoint, tmp_path):
     src = float_checkpoint("llama")
-    config = HfQuantConfig(bits=4, group_size=32, module_overrides=OVERRIDES)
+    config = HfQuantConfig(bits=4, group_size=32, method="rtn", mixed_precision="none", module_overrides=OVERRIDES)
     model = auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu")
     formats = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert formats["model.layers.0.self_attn.v_proj"] == StoredFormat(8, 64, True)  # int8 defaults: per-channel

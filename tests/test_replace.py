@@ -90,6 +90,7 @@ class _Tiny(nn.Module):
 
 
 def _plans_by_name(model, bits, group, skip, **config):
+    config.setdefault("method", "rtn")
     return {plan.name: plan for plan in plan_layers(model, HfQuantConfig(bits=bits, group_size=group, **config), skip)}
 
 

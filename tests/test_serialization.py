@@ -23,11 +23,14 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.helpers import auto_class, input_ids, model_output
 
-# name -> (architecture, dtype, HfQuantConfig kwargs): every stored layout, both dtypes, bias and Conv1D.
+# name -> (architecture, dtype, HfQuantConfig kwargs): every stored layout, both dtypes, bias and Conv1D. One format per
+# model (plain RTN, no mixed precision): the SINQ column scale and the 4-bit default's rule have their own round trips
+# in test_sinq.py and test_allocation.py.
+UNIFORM_RTN = dict(method="rtn", mixed_precision="none")
 VARIANTS = {
-    "llama-int4-g32-asym-bf16": ("llama", torch.bfloat16, dict(bits=4, group_size=32)),
+    "llama-int4-g32-asym-bf16": ("llama", torch.bfloat16, dict(bits=4, group_size=32, **UNIFORM_RTN)),
     "llama_tied-int8-sym-fp32": ("llama_tied", torch.float32, dict(bits=8, modules_to_not_convert=["layers.1.mlp"])),
-    "gpt2-int4-g64-sym-bf16": ("gpt2", torch.bfloat16, dict(bits=4, group_size=64, symmetric=True)),
+    "gpt2-int4-g64-sym-bf16": ("gpt2", torch.bfloat16, dict(bits=4, group_size=64, symmetric=True, **UNIFORM_RTN)),
     "bert-int8-g32-asym-fp32": ("bert", torch.float32, dict(bits=8, group_size=32, symmetric=False)),
 }
 SHARD_SIZE = "40KB"  # the tiny models are 100-300 KB: several shards each

@@ -113,7 +113,8 @@ def test_sinq_checkpoint_reloads_bit_exactly_and_verifies(float_checkpoint, tmp_
 
 
 def test_method_is_validated_and_serialized():
-    assert HfQuantConfig(bits=4).method == "rtn"
+    assert HfQuantConfig(bits=4).method == "sinq" and HfQuantConfig(bits=8).method == "rtn"  # the defaults
+    assert HfQuantConfig(bits=4, method="rtn").method == "rtn"
     assert HfQuantConfig.from_dict(HfQuantConfig(bits=4, method="sinq").to_dict()).method == "sinq"
     with pytest.raises(ValueError, match=r"method='awq' is not allowed; use one of \['rtn', 'sinq'\]"):
         HfQuantConfig(bits=4, method="awq")

@@ -69,15 +69,23 @@ _STORED_SUFFIXES = (".weight_scale", ".weight_zero_point", ".weight_col_scale") 
 _TENSOR_NAMES = ("weight", "weight_scale", "weight_zero_point")
 
 
-def plan_model(model, config: HfQuantConfig) -> tuple[list[str], list[LayerPlan]]:
+def plan_model(model, config: HfQuantConfig, quantizing: bool = False) -> tuple[list[str], list[LayerPlan]]:
     """Skip list and per-layer plan for a (meta-device) transformers model, as quantize-on-load applies them.
 
     The skip list is transformers' default (tied weights, output embedding, last module, `_keep_in_fp32_modules`)
-    plus `config.modules_to_not_convert`. `hfquant convert` uses the same function so both paths agree.
+    plus `config.modules_to_not_convert`. When `quantizing` (a float checkpoint, not a reload), the data-free rule of
+    `config.mixed_precision` is first written into `config.module_overrides` for the layers to quantize. `hfquant
+    convert` uses the same function so both paths agree.
     """
     default_skips = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
     skip = sorted(set(default_skips) | set(config.modules_to_not_convert))
-    return skip, plan_layers(model, config, skip)
+    plans = plan_layers(model, config, skip)
+    if quantizing:
+        added = config.apply_mixed_precision(plan.name for plan in plans if plan.format is not None)
+        if added:
+            logger.info("hfquant mixed_precision='auto': %d layer(s) get their own format: %s", len(added), added)
+            plans = plan_layers(model, config, skip)
+    return skip, plans
 
 
 class HfQuantQuantize(ConversionOps):
@@ -158,7 +166,7 @@ class HfQuantQuantizer(HfQuantizer):
         config = self.quantization_config
         compute = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
         self.compute_dtype = compute
-        self.modules_to_not_convert, self.layer_plans = plan_model(model, config)
+        self.modules_to_not_convert, self.layer_plans = plan_model(model, config, quantizing=not self.pre_quantized)
         head = module_name(model, output_embeddings(model))
         replaced = plan_embeddings_and_head(model, config, compute, self.adapters, self.ties)
         if head is not None and not isinstance(model.get_submodule(head), nn.Linear):  # lm_head was planned above
