@@ -148,6 +148,18 @@ def test_sinq_is_refused_naming_the_layer_and_dst_is_untouched(llama_bf16, tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_links_leaving_src_are_refused(llama_bf16, tmp_path, name):
+    src, outside = tmp_path / "hfquant", tmp_path / "outside"
+    convert(llama_bf16, src, hfquant_config(bits=8), progress=False, card=False)
+    outside.mkdir()
+    (src / name).rename(outside / name)
+    (src / name).symlink_to(outside / name)
+    with pytest.raises(ValueError, match=f"{name} in .* is a link to .*outside the checkpoint folder"):
+        export_checkpoint(src, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+
+
 def test_refusals_name_the_value(llama_bf16, tmp_path):
     with pytest.raises(ValueError, match=r"format='gguf'.*\['compressed-tensors'\]"):
         export_checkpoint(llama_bf16, tmp_path / "x", format="gguf")

@@ -33,7 +33,7 @@ from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import SUMS_NAME
 from hfquant.checkpoint.files import (
     CONFIG_NAME, INDEX_NAME, WEIGHT_SUFFIXES, first_float_dtype, open_safetensors, read_headers, read_tensor,
-    stays_inside, tensor_files, write_index, write_shard,
+    require_inside, stays_inside, tensor_files, write_index, write_shard,
 )
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands.cards import EVAL_FILE
@@ -195,7 +195,8 @@ def export_checkpoint(
 
     Raises:
         ValueError: an unknown `format`; `src` is not an hfquant checkpoint; a layer compressed-tensors cannot
-            express (method "sinq", a GPT-2 Conv1D), named with what is allowed; a bad `max_shard_size`.
+            express (method "sinq", a GPT-2 Conv1D), named with what is allowed; a bad `max_shard_size`; config.json,
+            the index or a shard is a link leaving `src`.
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
         FileNotFoundError: `src` has no config.json or no safetensors.
         OSError: a file could not be written; `dst` is left as it was.
@@ -208,6 +209,7 @@ def export_checkpoint(
         raise FileNotFoundError(f"SRC {folder} is not a folder; pass an hfquant checkpoint folder")
     check_dst(dst, folder, overwrite)
     shard_plan([], max_shard_size)
+    require_inside(folder, folder / CONFIG_NAME)
     config, hfconfig = read_quantization_config(folder)
     files = tensor_files(folder)
     headers = {}

@@ -29,7 +29,7 @@ from hfquant.checkpoint import compressed_tensors_import as ct
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
-from hfquant.checkpoint.files import CONFIG_NAME, read_headers, read_json, tensor_files, write_index
+from hfquant.checkpoint.files import CONFIG_NAME, read_headers, read_json, require_inside, tensor_files, write_index
 from hfquant.commands.export import ExportResult, check_dst, copy_small_files, shard_plan, write_shards
 from hfquant.config import FIELD_NAMES, HfQuantConfig
 from hfquant.integration.skeleton import build_skeleton
@@ -68,7 +68,8 @@ def import_checkpoint(
 
     Raises:
         ValueError: `src` is not a compressed-tensors pack-quantized checkpoint, or holds something hfquant cannot
-            store exactly (the message names the layer or config group and the reason).
+            store exactly (the message names the layer or config group and the reason), or config.json, the index or
+            a shard is a link leaving `src`.
         FileExistsError: `dst` exists and `overwrite` is False.
         FileNotFoundError: `src` has no config.json or no safetensors.
         OSError: a file could not be written; `dst` is left as it was.
@@ -79,6 +80,7 @@ def import_checkpoint(
         raise FileNotFoundError(f"SRC {folder} has no config.json; pass a compressed-tensors checkpoint folder")
     check_dst(dst, folder, overwrite)
     shard_plan([], max_shard_size)
+    require_inside(folder, folder / CONFIG_NAME)
     config = read_json(folder / CONFIG_NAME)
     if not isinstance(config, dict) or "quantization_config" not in config:
         raise ValueError(f"{folder / CONFIG_NAME} has no quantization_config; SRC must be a compressed-tensors checkpoint")
