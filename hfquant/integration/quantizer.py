@@ -38,6 +38,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_tensor
+from hfquant.checkpoint.saving import attach_staged_save
 from hfquant.checkpoint.schema import problem_text
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
@@ -132,8 +133,9 @@ class HfQuantQuantizer(HfQuantizer):
 
     requires_calibration = False
     quantization_config: HfQuantConfig
-    loaded_model_hooks: tuple[Callable[[nn.Module], None], ...] = ()
-    """Called with every model this quantizer loaded, once its kernels are ready. `import hfquant` adds
+    loaded_model_hooks: tuple[Callable[[nn.Module], None], ...] = (attach_staged_save,)
+    """Called with every model this quantizer loaded, once its kernels are ready: `attach_staged_save` (a
+    `save_pretrained` over an existing checkpoint swaps folders instead of overwriting files), and `import hfquant` adds
     `hfquant.commands.hub.attach_model_card` (so that `push_to_hub` sends hfquant's card): the integration layer itself
     never imports the Hub or the cards."""
 

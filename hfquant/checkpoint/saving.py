@@ -1,0 +1,112 @@
+"""`save_pretrained` into a folder that already holds a checkpoint, without a moment where it holds none.
+
+transformers' `save_pretrained` writes into the folder in place: `config.json` first, then the shards. A full disk,
+a kill or an error half-way leaves a config that no longer matches the shards, so the previous good checkpoint no
+longer loads; and a sharded save over a single-file checkpoint leaves the old `model.safetensors`, which
+transformers then loads instead of the new index. `save_staged` runs the save into a hidden folder beside the
+destination, carries over the destination's other files (a tokenizer, a README, sub-folders), drops its stale weight
+files, and swaps the two folders in one atomic step (`hfquant.checkpoint.publish`):
+
+    save_staged(functools.partial(type(model).save_pretrained, model), "out", max_shard_size="50MB")
+    attach_staged_save(model)   # model.save_pretrained(...) now does the above (what hfquant does on load)
+
+An empty or absent destination is written directly, as transformers does. A destination that is a symlink is
+written through by transformers itself (hfquant does not replace a link it did not create).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import shutil
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+from hfquant.checkpoint.publish import publish_folder, temporary_folder
+
+__all__ = ["WEIGHT_FILE", "attach_staged_save", "is_weight_file", "save_staged"]
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILE = re.compile(
+    r"^(model|pytorch_model|tf_model|flax_model)(-\d{5}-of-\d{5})?\.(safetensors|bin|h5|msgpack)"
+    r"(\.index\.json)?$"
+)
+"""Names of the weight files and indexes `save_pretrained` writes (single file, shards, index): the files of a
+previous checkpoint that must not survive a new save."""
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether `name` (a file name, no folder) is a weight file or weight index of a transformers checkpoint."""
+    return WEIGHT_FILE.match(name) is not None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed: a copy
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path) -> list[str]:
+    """Give `new` (the finished save) every entry of `old` it did not write itself, except stale weight files; return
+    their names. Files are hard-linked (no data copied) where the file system allows, symlinks copied as links."""
+    written = {entry.name for entry in new.iterdir()}
+    kept = []
+    for entry in sorted(old.iterdir()):
+        if entry.name in written or (is_weight_file(entry.name) and not entry.is_dir()):
+            continue
+        target = new / entry.name
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(target))
+        kept.append(entry.name)
+    return kept
+
+
+def save_staged(save: Callable[..., Any], save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    """Call `save(folder, *args, **kwargs)` (a bound `save_pretrained`) so that an existing, non-empty
+    `save_directory` holds its previous content or the complete new save at every instant.
+
+    Args:
+        save: the save function; its first argument is the folder to write.
+        save_directory: where the checkpoint goes.
+        *args, **kwargs: passed to `save` unchanged (with `push_to_hub=True` and no `repo_id`, the repo is named
+            after `save_directory`, as transformers names it, not after the hidden folder).
+    Returns:
+        What `save` returns.
+    Raises:
+        Whatever `save` raises (the destination is then unchanged), and OSError when the hidden folder cannot be
+        created beside the destination or the swap fails (unchanged too).
+    """
+    dst = Path(save_directory)
+    if dst.is_symlink() or not dst.is_dir() or not any(dst.iterdir()):
+        return save(save_directory, *args, **kwargs)
+    if kwargs.get("push_to_hub"):
+        kwargs.setdefault("repo_id", dst.resolve().name)
+    with temporary_folder(dst) as staging:
+        result = save(str(staging), *args, **kwargs)
+        kept = _carry_over(dst, staging)
+        publish_folder(staging, dst, overwrite=True)  # afterwards `staging` holds the old folder, deleted on exit
+    logger.info("saved into %s by swapping folders; kept %d other entries: %s", dst, len(kept), kept)
+    return result
+
+
+def _staged_save_pretrained(model, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    """`model.save_pretrained` of a model hfquant loaded: the class's own, through `save_staged`."""
+    return save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
+
+
+def attach_staged_save(model) -> None:
+    """Make `model.save_pretrained` go through `save_staged`; this instance only, idempotent. A bound method (not a
+    closure), so that `copy.deepcopy(model)` saves the copy."""
+    current = getattr(model, "save_pretrained", None)
+    if isinstance(current, types.MethodType) and current.__func__ is _staged_save_pretrained:
+        return
+    model.save_pretrained = types.MethodType(_staged_save_pretrained, model)
