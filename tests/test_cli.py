@@ -214,8 +214,12 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
                "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--no-progress")
     assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
     report = user("inspect", "SmolLM2-int4")
-    assert "model.layers.*.mlp.down_proj        30     4    128" in report  # K=1536: the asked group
+    # the 4-bit default's data-free mixed precision: down projections (K=1536) at group 64 instead of the asked 128,
+    # the value projections of layers 15-29 in int8 (per-channel: group = K); the config line summarizes the entries
+    assert "model.layers.*.mlp.down_proj        30     4     64  no         sinq" in report
+    assert "model.layers.*.self_attn.v_proj     15     8    576  yes        sinq" in report
     assert "model.layers.*.self_attn.q_proj     30     4     64" in report  # K=576: the largest power of two dividing it
+    assert 'module_overrides={45 layers: {"bits": 8}, {"group_size": 64}; per layer in the table below}' in report
     assert "lm_head: tied to model.embed_tokens.weight" in report
     measured = user("eval", "SmolLM2-int4", "--max-tokens", "128", "--max-length", "64", "--new-tokens", "3",
                     "--repeats", "1")  # the --baseline path is tested on the tiny model

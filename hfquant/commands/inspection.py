@@ -10,6 +10,7 @@ dotted name with layer indices replaced by `*` (`model.layers.*.mlp.down_proj`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -61,6 +62,19 @@ def _float_skeleton(folder: Path):
         logger.warning("cannot build the model skeleton of %s (%s); layer shapes come from the config only", folder, error)
         return None
     return model
+
+
+_OVERRIDES_SHOWN = 4
+"""module_overrides with more entries than this are summarized on the config line (the table lists every format)."""
+
+
+def _shown(field: str, value) -> str:
+    """A config value as the report's first line shows it: long `module_overrides` (the data-free rule writes one entry
+    per layer it changes) as a count with their distinct settings."""
+    if field != "module_overrides" or not isinstance(value, dict) or len(value) <= _OVERRIDES_SHOWN:
+        return str(value)
+    settings = sorted({json.dumps(v, sort_keys=True) for v in value.values()})
+    return f"{{{len(value)} layers: {', '.join(settings)}; per layer in the table below}}"
 
 
 def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str], stored: set[str]) -> list[dict]:
@@ -219,7 +233,7 @@ def format_report(report: dict[str, Any]) -> str:
     if qconfig is None:
         out.append("quantization_config: none (a float checkpoint)")
     else:
-        out.append("quantization_config: " + ", ".join(f"{k}={v}" for k, v in qconfig.items()))
+        out.append("quantization_config: " + ", ".join(f"{k}={_shown(k, v)}" for k, v in qconfig.items()))
     if report["quantized"]:
         out.append("")
         rows = [
