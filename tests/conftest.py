@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """A test run started as a background job by a non-interactive shell inherits SIGINT ignored (POSIX), and Python
+    then keeps it ignored; the Ctrl-C tests need Python's own handler, in this process and in the processes they
+    start (which inherit an ignored signal, never a handler)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 try:
     from helpers import tiny_model
