@@ -50,6 +50,14 @@ def test_pack_works_on_leading_batch_dimensions_and_non_contiguous_input():
     assert torch.equal(pack_int4(view), pack_int4(view.contiguous()))
 
 
+def test_pack_accepts_a_contiguous_row_with_an_odd_stride():
+    """(1, K) from `.t().contiguous()` of (K, 1) is contiguous with strides (1, 1): the int16 fast path must not
+    view it as is (torch refuses an odd stride), and the result equals the bytewise definition."""
+    codes = torch.randint(0, 16, (6, 1), dtype=torch.uint8).t().contiguous()
+    assert codes.is_contiguous() and codes.stride() == (1, 1)
+    assert torch.equal(pack_int4(codes), codes[:, 0::2] | (codes[:, 1::2] << 4))
+
+
 def test_pack_rejects_odd_columns_and_wrong_dtype():
     with pytest.raises(ValueError, match="even"):
         pack_int4(_codes(2, 5))

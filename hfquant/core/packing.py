@@ -48,8 +48,11 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     if _LITTLE_ENDIAN and codes.is_contiguous() and codes.numel():
         # Each pair of bytes read as one little-endian int16 is c_even | c_odd << 8; folding the high byte down by
         # 4 bits gives c_even | c_odd << 4 in the low byte. Contiguous passes only, no strided slices.
-        pairs = codes.view(torch.int16)
-        return (pairs | (pairs >> 4)).to(torch.uint8)  # the integer cast keeps the low byte
+        # viewed flat first: a contiguous tensor may still carry an odd stride on a dimension of size 1 (e.g. (1, K)
+        # with strides (1, 1) from `.t().contiguous()`), which `view(torch.int16)` refuses
+        pairs = codes.reshape(-1).view(torch.int16)
+        packed = (pairs | (pairs >> 4)).to(torch.uint8)  # the integer cast keeps the low byte
+        return packed.reshape(*codes.shape[:-1], codes.shape[-1] // 2)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
