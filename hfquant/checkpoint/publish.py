@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 __all__ = [
-    "deferred_sigint", "exchange", "publish_cache_folder", "publish_folder", "remove_folder", "rename_noreplace",
+    "check_destination", "deferred_sigint", "exchange", "publish_cache_folder", "publish_folder", "remove_folder", "rename_noreplace",
     "temporary_folder",
 ]
 
@@ -176,6 +176,21 @@ def exchange(src: Path, dst: Path) -> None:
             os.rename(aside, dst)
             raise
         os.rename(aside, src)
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a destination folder that is a file, lies under a file, or exists without `overwrite`.
+
+    Raises:
+        FileExistsError, NotADirectoryError: naming `dst` and the fix.
+    """
+    if dst.is_file():
+        raise FileExistsError(f"DST {dst} is a file, not a checkpoint folder; pass the path of a folder to write")
+    parent = next((p for p in dst.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise NotADirectoryError(f"{parent} is a file, so DST {dst} cannot be created under it; pass a folder path")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
 
 
 def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:

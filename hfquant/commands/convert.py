@@ -340,13 +340,7 @@ def convert(
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
-    if dst.is_file():
-        raise FileExistsError(f"DST {dst} is a file, not a checkpoint folder; pass the path of a folder to write")
-    parent = next((p for p in dst.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise NotADirectoryError(f"{parent} is a file, so DST {dst} cannot be created under it; pass a folder path")
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
+    folders.check_destination(dst, overwrite)
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0: quantize in this process)")
     _shard_plan([], max_shard_size)  # parses max_shard_size: a bad value fails before any work

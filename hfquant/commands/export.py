@@ -70,13 +70,7 @@ def check_dst(dst: Path, src: Path, overwrite: bool) -> None:
     Raises:
         FileExistsError, NotADirectoryError, ValueError: naming DST and the fix.
     """
-    if dst.is_file():
-        raise FileExistsError(f"DST {dst} is a file, not a checkpoint folder; pass the path of a folder to write")
-    parent = next((p for p in dst.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise NotADirectoryError(f"{parent} is a file, so DST {dst} cannot be created under it; pass a folder path")
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
+    folders.check_destination(dst, overwrite)
     if dst.resolve() == src.resolve():
         raise ValueError(f"DST {dst} is SRC; write the export to another folder")
 
