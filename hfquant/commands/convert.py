@@ -265,12 +265,13 @@ def _write_weights(outputs: list[Output], split, folder: Path, workers: int, wor
     return written
 
 
-def _copy_small_files(src: Path, dst: Path) -> list[str]:
-    """Copy SRC's top-level non-weight files (tokenizer, generation config, chat template, ...); returns their names."""
+def copy_small_files(src: Path, dst: Path, skipped: set[str] = SKIPPED_FILES) -> list[str]:
+    """Copy SRC's top-level non-weight files (tokenizer, generation config, chat template, ...) except hidden ones and
+    `skipped`, never through a link leaving SRC nor above `MAX_COPIED_FILE_BYTES` (both logged); returns their names."""
     copied = []
     for path in sorted(src.iterdir()):
         name = path.name
-        if name.startswith(".") or name in SKIPPED_FILES or name.endswith(WEIGHT_SUFFIXES):
+        if name.startswith(".") or name in skipped or name.endswith(WEIGHT_SUFFIXES):
             continue
         if not stays_inside(src, path):
             logger.warning("not copying %s: it is a link to %s, outside SRC (links that leave it are never followed)",
@@ -387,7 +388,7 @@ def convert(
                 metadata = {"total_parameters": model.num_parameters(), **split.metadata}
                 write_index(tmp, split.tensor_to_filename, metadata)
             _save_config(model, tmp)
-            _copy_small_files(folder, tmp)
+            copy_small_files(folder, tmp)
             if card:
                 write_card(
                     tmp,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,12 +31,12 @@ from hfquant.checkpoint import compressed_tensors as ct
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import SUMS_NAME
 from hfquant.checkpoint.files import (
-    CONFIG_NAME, INDEX_NAME, WEIGHT_SUFFIXES, first_float_dtype, open_safetensors, read_headers, read_tensor,
-    require_inside, stays_inside, tensor_files, write_index, write_shard,
+    CONFIG_NAME, INDEX_NAME, first_float_dtype, open_safetensors, read_headers, read_tensor,
+    require_inside, tensor_files, write_index, write_shard,
 )
 from hfquant.checkpoint.streaming import release_checkpoint_pages
+from hfquant.commands import convert
 from hfquant.commands.cards import EVAL_FILE
-from hfquant.commands.convert import MAX_COPIED_FILE_BYTES
 from hfquant.commands.verify import read_quantization_config
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
@@ -109,22 +108,9 @@ def _model_facts(folder: Path, layer_names) -> tuple[dict[str, int], set[str], l
 
 
 def copy_small_files(src: Path, dst: Path) -> list[str]:
-    """Copy SRC's top-level tokenizer / generation files (not weights, not hfquant's own files, no link leaving SRC)."""
-    copied = []
-    for path in sorted(src.iterdir()):
-        name = path.name
-        if name.startswith(".") or name in _NOT_COPIED or name.endswith(WEIGHT_SUFFIXES) or path.is_dir():
-            continue
-        if not stays_inside(src, path):
-            logger.warning("not copying %s: it is a link to %s, outside SRC (links that leave it are never followed)",
-                           path, path.resolve())
-            continue
-        if path.stat().st_size > MAX_COPIED_FILE_BYTES:
-            logger.warning("not copying %s: %d bytes is more than a tokenizer or config file", path, path.stat().st_size)
-            continue
-        shutil.copyfile(path, dst / name)
-        copied.append(name)
-    return copied
+    """Copy SRC's top-level tokenizer / generation files (not weights, not hfquant's own files, no link leaving SRC):
+    `convert.copy_small_files` without hfquant's checksums and evaluation results, which describe SRC."""
+    return convert.copy_small_files(src, dst, skipped=_NOT_COPIED)
 
 
 def shard_plan(outputs: list[ct.OutputTensor], max_shard_size: int | str):
