@@ -67,7 +67,7 @@ from hfquant.integration.conversions import Output, QuantJob, plan_outputs
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = [
-    "ConvertResult", "convert", "resolve_source", "base_model_of",
+    "ConvertResult", "convert", "resolve_source", "base_model_of", "copy_small_files", "shard_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -207,8 +207,13 @@ def _job_results(jobs: list[QuantJob], workers: int, worker_args: tuple) -> Iter
 # -- writing -----------------------------------------------------------------------------------------------------
 
 
-def _shard_plan(outputs: list[Output], max_shard_size: int | str):
-    """`huggingface_hub.split_torch_state_dict_into_shards` on meta tensors of the outputs (as save_pretrained)."""
+def shard_plan(outputs: list, max_shard_size: int | str):
+    """`huggingface_hub.split_torch_state_dict_into_shards` on meta tensors of the outputs (anything with `name`,
+    `shape` and `dtype`), as save_pretrained shards; also used by export and import.
+
+    Raises:
+        ValueError: `max_shard_size` is not a size.
+    """
 
     meta = {out.name: torch.empty(out.shape, dtype=out.dtype, device="meta") for out in outputs}
     try:
@@ -344,7 +349,7 @@ def convert(
     folders.check_destination(dst, overwrite)
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0: quantize in this process)")
-    _shard_plan([], max_shard_size)  # parses max_shard_size: a bad value fails before any work
+    shard_plan([], max_shard_size)  # parses max_shard_size: a bad value fails before any work
     config.validate()
     folder = resolve_source(src, revision)
     if dst.resolve() == folder.resolve():
@@ -377,7 +382,7 @@ def convert(
             "%s has no tensor for %d model tensor(s) (%s%s); from_pretrained would initialize them, convert leaves "
             "them out as the source does", folder, len(missing), ", ".join(missing[:5]), ", ..." if len(missing) > 5 else "",
         )
-    split = _shard_plan(outputs, max_shard_size)
+    split = shard_plan(outputs, max_shard_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:

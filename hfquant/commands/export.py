@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -42,7 +41,7 @@ from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = [
-    "FORMATS", "ExportResult", "export_checkpoint", "check_dst", "copy_small_files", "shard_plan", "write_shards",
+    "FORMATS", "ExportResult", "export_checkpoint", "check_dst", "copy_small_files", "write_shards",
 ]
 
 logger = logging.getLogger(__name__)
@@ -113,21 +112,6 @@ def copy_small_files(src: Path, dst: Path) -> list[str]:
     return convert.copy_small_files(src, dst, skipped=_NOT_COPIED)
 
 
-def shard_plan(outputs: list[ct.OutputTensor], max_shard_size: int | str):
-    """`huggingface_hub.split_torch_state_dict_into_shards` of the planned outputs (meta tensors), as save_pretrained.
-
-    Raises:
-        ValueError: `max_shard_size` is not a size.
-    """
-    meta = {out.name: torch.empty(out.shape, dtype=out.dtype, device="meta") for out in outputs}
-    try:
-        return split_torch_state_dict_into_shards(
-            meta, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
-        )
-    except ValueError:
-        raise ValueError(f"max_shard_size {max_shard_size!r} is not a size; use bytes or e.g. 500MB, 5GB") from None
-
-
 def write_shards(outputs: list[ct.OutputTensor], split, files: dict[str, Path], folder: Path, make) -> None:
     """Write every shard of `split`, each tensor made by `make(output, read)`, `read(name)` reading a source tensor
     through `safe_open` (one at a time; the pages read are given back)."""
@@ -188,7 +172,7 @@ def export_checkpoint(
     if not folder.is_dir():
         raise FileNotFoundError(f"SRC {folder} is not a folder; pass an hfquant checkpoint folder")
     check_dst(dst, folder, overwrite)
-    shard_plan([], max_shard_size)
+    convert.shard_plan([], max_shard_size)
     require_inside(folder, folder / CONFIG_NAME)
     config, hfconfig = read_quantization_config(folder)
     files = tensor_files(folder)
@@ -202,7 +186,7 @@ def export_checkpoint(
     quantized = {layer.name for layer in layers if not layer.dequantize}
     qconfig = ct.quantization_config(layers, [name for name in linears if name not in quantized])
     outputs = ct.plan_outputs(headers, layers, _compute_dtype(config["quantization_config"], config, files))
-    split = shard_plan(outputs, max_shard_size)
+    split = convert.shard_plan(outputs, max_shard_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     with folders.temporary_folder(dst) as tmp:

@@ -30,7 +30,8 @@ from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
 from hfquant.checkpoint.files import CONFIG_NAME, read_headers, read_json, require_inside, tensor_files, write_index
-from hfquant.commands.export import ExportResult, check_dst, copy_small_files, shard_plan, write_shards
+from hfquant.commands.convert import shard_plan
+from hfquant.commands.export import ExportResult, check_dst, copy_small_files, write_shards
 from hfquant.config import FIELD_NAMES, HfQuantConfig
 from hfquant.integration.skeleton import build_skeleton
 
