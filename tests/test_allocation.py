@@ -70,13 +70,19 @@ def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpo
     formats = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert {name for name, f in formats.items() if f.bits == 8} == {
         "model.layers.2.self_attn.v_proj", "model.layers.3.self_attn.v_proj"}
-    assert {f.method.value for f in formats.values()} == {"sinq"}
+    # the default folds the SINQ column scales of Llama blocks into the model: every such layer is stored as plain RTN
+    assert {f.method.value for f in formats.values()} == {"rtn"}
     model.save_pretrained(tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert (stored["method"], stored["mixed_precision"]) == ("sinq", "auto")
-    assert stored["module_overrides"] == {
+    assert (stored["method"], stored["mixed_precision"], stored["fold_column_scales"]) == ("sinq", "auto", True)
+    rule = {
         "model.layers.2.self_attn.v_proj": {"bits": 8}, "model.layers.3.self_attn.v_proj": {"bits": 8},
         **{f"model.layers.{i}.mlp.down_proj": {"group_size": 64} for i in range(4)}}  # 128 inputs: 128 -> 64
+    folded = {name: {"bits": f.bits, "group_size": 128 if f.bits == 4 and "down_proj" not in name else rule.get(name, {}).get("group_size"),
+                     "symmetric": f.bits == 8, "method": "rtn"} for name, f in formats.items()}
+    # each fold entry states the layer's whole format, the rule's bits and group size included, and replaces the
+    # rule's entry of that layer
+    assert stored["module_overrides"] == folded
     assert {formats[f"model.layers.{i}.mlp.down_proj"].group_size for i in range(4)} == {64}
     reloaded = auto_class("llama").from_pretrained(tmp_path, device_map="cpu")
     assert {name: m.format for name, m in reloaded.named_modules() if isinstance(m, QuantLinear)} == formats

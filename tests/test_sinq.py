@@ -98,7 +98,7 @@ def test_sinq_layer_forward_matches_its_dequantized_weight():
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sinq_checkpoint_reloads_bit_exactly_and_verifies(float_checkpoint, tmp_path, arch):
     src = float_checkpoint(arch)
-    config = HfQuantConfig(bits=4, group_size=32, method="sinq")
+    config = HfQuantConfig(bits=4, group_size=32, method="sinq", fold_column_scales=False)  # the stored column scale
     model = auto_class(arch).from_pretrained(src, quantization_config=config, device_map="cpu")
     ids = input_ids()
     logits = model_output(model, ids)
@@ -123,7 +123,7 @@ def test_method_is_validated_and_serialized():
 def test_to_float16_then_save_keeps_the_stored_scales_and_reloads(float_checkpoint, tmp_path):
     """`model.to(torch.float16)` cast every float tensor, the stored bfloat16 scales too, and the saved checkpoint was
     then refused on reload; the scales' dtype is part of the format and stays bfloat16."""
-    config = HfQuantConfig(bits=4, group_size=32, method="sinq")
+    config = HfQuantConfig(bits=4, group_size=32, method="sinq", fold_column_scales=False)
     model = auto_class("llama").from_pretrained(float_checkpoint("llama"), quantization_config=config, device_map="cpu")
     model = model.to(torch.float16)
     layer = model.model.layers[0].mlp.down_proj

@@ -347,7 +347,7 @@ def _unknown_field(config):
 
 
 def _bits_mismatch(config):  # config says 8 bits, the files hold 4-bit tensors
-    config["quantization_config"].update(bits=8, symmetric=True, group_size=None)
+    config["quantization_config"].update(bits=8, symmetric=True, group_size=None, module_overrides={})
     return [WEIGHT, "expected int8 (64, 128)", "8-bit QuantLinear"]
 
 

@@ -53,6 +53,7 @@ DEFAULT_PROMPT = "The Python language reference describes"
 
 _OPTIONS_OF_THEIR_OWN = (
     "quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert", "module_overrides",
+    "fold_column_scales",
 )
 """Config fields that are not plain `--field VALUE` options: fixed, or spelled --symmetric/--asymmetric, or several
 values; every other field of `hfquant.config.FIELDS` becomes `--field-name VALUE` with its help and choices."""
@@ -103,6 +104,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                      help="unsigned codes with a uint8 zero point per group (default at 4 bits)")
     group.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
                        help=_field("modules_to_not_convert").help)
+    group.add_argument("--fold-column-scales", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help=_field("fold_column_scales").help)
     group.add_argument("--module-overrides", type=_json_object, default=argparse.SUPPRESS, metavar="JSON",
                        help=_field("module_overrides").help + " (a JSON object)")
     defaults = HfQuantConfig().to_dict()

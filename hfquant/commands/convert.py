@@ -406,13 +406,15 @@ def convert(
     finally:
         _close_handles()
         _QUANTIZER_STATE.clear()
-    quantized = len({out.job for out in outputs if out.job is not None})
+    # a quantized tensor's job also makes its scales; a job making one tensor only rescales it (a fold's norm or bias)
+    quantized_jobs = {out.job for out in outputs if out.job is not None and out.model_key != out.job.model_key}
     source_bytes = sum(p.stat().st_size for p in set(files.values()))
     result = ConvertResult(
-        dst, list(split.filename_to_tensors), quantized, sum(out.job is None for out in outputs), written, source_bytes,
+        dst, list(split.filename_to_tensors), len(quantized_jobs), sum(out.job not in quantized_jobs for out in outputs),
+        written, source_bytes,
         time.perf_counter() - start,
     )
-    logger.info("converted %s -> %s: %d layers quantized in %.1f s", src, dst, quantized, result.seconds)
+    logger.info("converted %s -> %s: %d layers quantized in %.1f s", src, dst, result.quantized_layers, result.seconds)
     return result
 
 

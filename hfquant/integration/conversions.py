@@ -148,6 +148,8 @@ def plan_outputs(model, quantizer, load_dtype: torch.dtype, files: dict[str, Pat
         job = QuantJob(str(files[source_key]), source_key, model_key, dtype_name(job_dtype))
         module = model_key.rpartition(".")[0]
         jobs[model_key] = job
+        if model_key.endswith(".bias"):
+            continue  # a bias rescaled by a fold (fold_column_scales) makes nothing else; a norm has no stored siblings
         for key in meta_state:
             if key.rpartition(".")[0] == module and key not in source_of:
                 jobs[key] = job

@@ -42,8 +42,10 @@ from hfquant.checkpoint.saving import attach_staged_save
 from hfquant.checkpoint.schema import problem_text
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
+from hfquant.core import folding
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration import checks
+from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
@@ -100,10 +102,13 @@ class HfQuantQuantize(ConversionOps):
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, list) else value
             module, tensor_name = get_module_from_name(model, key)
+            fold = self.hf_quantizer.folds.get(key.rpartition(".")[0])
             try:
                 if isinstance(module, (QuantLinear, QuantEmbedding)) and tensor_name == "weight":
                     if getattr(module, "transposed_source", False):
                         tensor = tensor.t()
+                    if fold is not None:
+                        tensor = folding.apply(tensor, fold)
                     prefix = key[: -len("weight")]
                     buffers = quantize_to_buffers(tensor, module.format)
                     result.update({prefix + name: buffer for name, buffer in buffers.items()})
@@ -112,6 +117,8 @@ class HfQuantQuantize(ConversionOps):
                     buffers = quantize_experts_tensor(tensor, module.formats[tensor_name])
                     result.update({key + suffix: buffer for suffix, buffer in buffers.items()})
                     self.hf_quantizer.quantized_keys.add(key)
+                elif fold is not None:  # a norm weight or a bias that a fold rescales (fold_column_scales)
+                    result[key] = folding.apply(tensor, fold).to(tensor.dtype)
                 else:
                     result[key] = tensor
                     continue
@@ -148,6 +155,7 @@ class HfQuantQuantizer(HfQuantizer):
         self.ties: list[tuple[str, str]] = []  # (module reading the tensors, module holding them), after loading
         self.adapters: dict[str, tuple[torch.dtype, bool]] = {}  # module -> (storage dtype, cast its float inputs)
         self.expert_conversions: list[tuple[Any, Any]] = []  # (model's converter, our copy for scales / zero points)
+        self.folds: dict[str, folding.Transform] = {}  # module name -> its fold (fold_column_scales), set before loading
 
     # -- environment -------------------------------------------------------------------------------------------
 
@@ -169,6 +177,8 @@ class HfQuantQuantizer(HfQuantizer):
         compute = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
         self.compute_dtype = compute
         self.modules_to_not_convert, self.layer_plans = plan_model(model, config, quantizing=not self.pre_quantized)
+        if config.fold_column_scales and not self.pre_quantized and not self.folds:
+            self._plan_folds(model, kwargs.get("checkpoint_files"), kwargs.get("device_map"))
         head = module_name(model, output_embeddings(model))
         replaced = plan_embeddings_and_head(model, config, compute, self.adapters, self.ties)
         if head is not None and not isinstance(model.get_submodule(head), nn.Linear):  # lm_head was planned above
@@ -189,6 +199,28 @@ class HfQuantQuantizer(HfQuantizer):
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
+
+    def _plan_folds(self, model, checkpoint_files, device_map) -> None:
+        """`fold_column_scales`: read each decoder block's float weights once (`hfquant.integration.folding`), keep the
+        transforms for the streaming load, and store the folded layers with RTN (entries put first in the config's
+        `module_overrides`). Without a safetensors checkpoint (a GGUF file, a state dict) nothing is folded and a
+        warning says so."""
+        files = [str(f) for f in (checkpoint_files or [])]
+        if not files or not all(f.endswith(".safetensors") for f in files):
+            logger.warning("hfquant: fold_column_scales needs a safetensors checkpoint to read before loading (got %s); "
+                           "the layers are quantized without folding", files or "no checkpoint files")
+            return
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError(
+                "fold_column_scales does not support disk offload (device_map places modules on 'disk'): quantize with "
+                "a device_map without 'disk' and save, or use fold_column_scales=False"
+            )
+        with checkpoint_reader(model, files, self) as read:
+            self.folds = plan_folds(model, self.layer_plans, read)
+        added = fold_overrides(self.quantization_config, self.layer_plans, self.folds)
+        if added:
+            self.quantization_config.prepend_overrides(added)
+            self.layer_plans = plan_layers(model, self.quantization_config, self.modules_to_not_convert)
 
     def _plan_experts(self, model, compute: torch.dtype) -> int:
         config = self.quantization_config
@@ -220,6 +252,8 @@ class HfQuantQuantizer(HfQuantizer):
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
             return False
+        if param_name.rpartition(".")[0] in self.folds:  # rescaled on its way in (a norm, a bias, a weight)
+            return True
         module, tensor_name = get_module_from_name(model, param_name)
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             return tensor_name == "weight"
@@ -366,6 +400,8 @@ class HfQuantQuantizer(HfQuantizer):
                 tensor = read_tensor(handle, path, name).to(self.compute_dtype or torch.float32)
             if getattr(module, "transposed_source", False):
                 tensor = tensor.t()
+            if prefix[:-1] in self.folds:
+                tensor = folding.apply(tensor, self.folds[prefix[:-1]])
             buffers = quantize_to_buffers(tensor, module.format)
             del tensor
             for buffer_name, buffer in buffers.items():

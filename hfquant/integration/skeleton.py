@@ -108,7 +108,11 @@ def build_skeleton(
         torch.set_default_dtype(load_dtype)
         try:
             with torch.device("meta"):
-                quantizer.preprocess_model(model=model, dtype=load_dtype, device_map={"": "cpu"})
+                # a float checkpoint's files let the quantizer read what it needs before loading (fold_column_scales)
+                checkpoint_files = sorted({str(p) for p in files.values()}) if files and not pre_quantized else None
+                quantizer.preprocess_model(
+                    model=model, dtype=load_dtype, device_map={"": "cpu"}, checkpoint_files=checkpoint_files
+                )
         finally:
             torch.set_default_dtype(default)
         model.config.quantization_config = quantizer.quantization_config
