@@ -175,10 +175,11 @@ def _run_job(job: QuantJob) -> dict[str, torch.Tensor]:
     return result
 
 
-def _init_worker(folder: str, dtype: str, config: dict) -> None:
-    """Worker process: one torch thread (N processes share the cores), and its own meta skeleton and quantizer."""
+def _init_worker(folder: str, dtype: str, config: dict, folds: dict) -> None:
+    """Worker process: one torch thread (N processes share the cores), and its own meta skeleton and quantizer (with
+    the config the main process resolved and its folds, so the checkpoint is not read again to plan them)."""
     torch.set_num_threads(1)
-    model, _, quantizer = build_skeleton(Path(folder), dtype, HfQuantConfig.from_dict(config))
+    model, _, quantizer = build_skeleton(Path(folder), dtype, HfQuantConfig.from_dict(config), folds=folds)
     _use_quantizer(model, quantizer)
 
 
@@ -387,7 +388,8 @@ def convert(
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         with folders.temporary_folder(dst) as tmp:  # deleted at the end: unfinished, or the version replaced
-            worker_args = (str(folder), dtype_name(load_dtype), config.to_dict())
+            resolved = quantizer.quantization_config  # with the mixed-precision and fold entries it wrote
+            worker_args = (str(folder), dtype_name(load_dtype), resolved.to_dict(), quantizer.folds)
             written = _write_weights(outputs, split, tmp, workers, worker_args, progress)
             if split.is_sharded:
                 metadata = {"total_parameters": model.num_parameters(), **split.metadata}

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from transformers.utils.logging import tqdm
 
 from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages

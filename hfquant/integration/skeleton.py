@@ -26,6 +26,9 @@ __all__ = ["model_class", "resolve_dtype", "build_skeleton"]
 def model_class(model_config):
     """The transformers class named by `model_config.architectures`, else the Auto class for its model type.
 
+    `folds` (from another skeleton's `quantizer.folds`, with that quantizer's resolved config) spares a second reading
+    of the checkpoint for `fold_column_scales`.
+
     Raises:
         ValueError: the architecture is not a transformers class (custom code is never run), naming it.
     """
@@ -70,6 +73,7 @@ def build_skeleton(
     quantization_config: HfQuantConfig | None = None,
     *,
     pre_quantized: bool = False,
+    folds: dict | None = None,
 ):
     """(model on the meta device, load dtype, quantizer or None) for the checkpoint in `folder`; no weight is read.
 
@@ -95,6 +99,8 @@ def build_skeleton(
     quantizer = None
     if quantization_config is not None:
         quantizer = HfQuantQuantizer(quantization_config, pre_quantized=pre_quantized)
+        if folds:  # computed once by the caller (`fold_column_scales`): not read from the checkpoint again
+            quantizer.folds = dict(folds)
         quantizer.validate_environment()
         load_dtype = quantizer.update_dtype(load_dtype)
     with torch.device("meta"):
