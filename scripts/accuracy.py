@@ -10,6 +10,9 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
 - `-v8` configs keep every attention value projection in int8 (`module_overrides`); `-auto` and `int4-default`
   (`HfQuantConfig(bits=4)`: SINQ, group 128 asked, `mixed_precision="auto"`) use the data-free rule of
   `hfquant.core.allocation`; the other 4-bit configs store every layer alike (`mixed_precision="none"`);
+- `sinq-fold-*` and `int4-default` fold SINQ's column scales into SmolLM2's norms and projections
+  (`fold_column_scales=True`, the default with SINQ: plain RTN layers, exportable); `sinq-*` without `fold` and
+  `int4-default-stored` store them beside the layers (`fold_column_scales=False`);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
   quantized tensor, over the number of weights they store);
 - quantization on load in GB/s of bf16 source (SmolLM2's safetensors bytes over the `from_pretrained` seconds, model
@@ -51,17 +54,23 @@ VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 weights per bit in the probes of the accuracy issue."""
 UNIFORM = dict(mixed_precision="none")
 """Every layer in the config's one format: the methods alone, without the 4-bit default's data-free rule."""
+STORED = dict(fold_column_scales=False)
+"""SINQ's column scales stored beside the layers (`weight_col_scale`, read by hfquant only) instead of folded into the
+model; folding acts on Llama-family blocks only, so MiniLM (BERT) gives the same figures either way."""
 CONFIGS = {
     "bf16": None,
     "rtn-int8": dict(bits=8, method="rtn"),
-    "sinq-int8": dict(bits=8, method="sinq"),
+    "sinq-int8": dict(bits=8, method="sinq", **STORED),
     "rtn-g64": dict(bits=4, group_size=64, method="rtn", **UNIFORM),
-    "sinq-g64": dict(bits=4, group_size=64, method="sinq", **UNIFORM),
+    "sinq-g64": dict(bits=4, group_size=64, method="sinq", **UNIFORM, **STORED),
+    "sinq-fold-g64": dict(bits=4, group_size=64, method="sinq", **UNIFORM),
     "rtn-g128": dict(bits=4, group_size=128, method="rtn", **UNIFORM),
-    "sinq-g128": dict(bits=4, group_size=128, method="sinq", **UNIFORM),
-    "sinq-g64-v8": dict(bits=4, group_size=64, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM),
-    "sinq-g128-v8": dict(bits=4, group_size=128, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM),
+    "sinq-g128": dict(bits=4, group_size=128, method="sinq", **UNIFORM, **STORED),
+    "sinq-fold-g128": dict(bits=4, group_size=128, method="sinq", **UNIFORM),
+    "sinq-g64-v8": dict(bits=4, group_size=64, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM, **STORED),
+    "sinq-g128-v8": dict(bits=4, group_size=128, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM, **STORED),
     "rtn-g128-auto": dict(bits=4, group_size=128, method="rtn", mixed_precision="auto"),
+    "int4-default-stored": dict(bits=4, **STORED),
     "int4-default": dict(bits=4),
 }
 PEERS = {
