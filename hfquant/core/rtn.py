@@ -107,10 +107,17 @@ def compute_scale_zero_point(
     Raises:
         ValueError: the weight holds NaN or Inf (no meaningful scale exists).
     """
-    qmin, qmax = qrange(bits, symmetric)
     # amax and amin separately: torch.aminmax over a short inner dimension is much slower on CPU (torch 2.13;
     # docs/performance.md)
     low, high = groups.amin(dim=-1).float(), groups.amax(dim=-1).float()
+    return _scale_zero_point_of_range(low, high, bits, symmetric)
+
+
+def _scale_zero_point_of_range(
+    low: torch.Tensor, high: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`compute_scale_zero_point` for groups whose range is [low, high] (float32, (rows, n_groups))."""
+    qmin, qmax = qrange(bits, symmetric)
     if symmetric:
         scale = torch.maximum(low.abs(), high.abs()) / qmax
     else:
@@ -125,6 +132,50 @@ def compute_scale_zero_point(
         return scale, None
     zero_point = torch.round(-low / scale.float()).clamp_(qmin, qmax)
     return scale, zero_point
+
+
+CLIPPING = ("minmax", "mse")
+"""How a group's range is chosen: "minmax" (its min and max, nothing clipped) or "mse" (`search_scale_zero_point`)."""
+
+MSE_RATIOS = tuple(1.0 - 0.02 * i for i in range(16))
+"""Range shrink factors `search_scale_zero_point` tries: 1.0 (min/max) down to 0.70."""
+
+
+def search_scale_zero_point(
+    groups: torch.Tensor, bits: int, symmetric: bool, ratios: tuple[float, ...] = MSE_RATIOS
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point per group with an MSE-searched clipping range (`clipping="mse"`).
+
+    For each factor r of `ratios` the range [r * min, r * max] (r * max|w| when symmetric) is quantized with
+    round-to-nearest; each group keeps the factor whose dequantized values have the smallest squared error
+    sum((w - w_hat)^2). This is the grid search over clipping ranges of llama.cpp's k-quant quantizers
+    (`make_qkx2_quants`, ggml-quants.c) and of AWQ's clip search (Lin et al. 2023, arXiv 2306.00978, sec. 3.3,
+    without calibration data: the weight error stands in for the output error). Factor 1.0 is min/max, so the error
+    is never above RTN's. Cost: len(ratios) quantize-dequantize passes over the groups (16 by default).
+
+    Args:
+        groups: (rows, n_groups, group_size) float32.
+    Returns:
+        as `compute_scale_zero_point`.
+    Raises:
+        ValueError: the weight holds NaN or Inf.
+    """
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    best_scale, best_zero, best_error = None, None, None
+    for ratio in ratios:
+        scale, zero_point = _scale_zero_point_of_range(low * ratio, high * ratio, bits, symmetric)
+        codes = codes_for_groups(groups, scale, zero_point, bits, symmetric)
+        values = _from_codes(codes, bits, symmetric).reshape(groups.shape)
+        error = (dequantize_groups(values, scale, zero_point) - groups).square_().sum(dim=-1)
+        if best_error is None:
+            best_scale, best_zero, best_error = scale, zero_point, error
+            continue
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero_point is not None:
+            best_zero = torch.where(better, zero_point, best_zero)
+    return best_scale, best_zero
 
 
 def codes_for_groups(
@@ -173,7 +224,9 @@ def _rows_per_chunk(in_features: int) -> int:
 
 
 @torch.no_grad()
-def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> QuantizedTensor:
+def quantize_weight(
+    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool, clipping: str = "minmax"
+) -> QuantizedTensor:
     """RTN-quantize a 2-D float weight (N, K) row chunk by row chunk (bounded float32 working memory).
 
     Args:
@@ -181,11 +234,15 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, symmetric:
         bits: 8 or 4.
         group_size: columns per group; must divide K (use `effective_group_size` first).
         symmetric: see module docstring.
+        clipping: "minmax" (each group's range) or "mse" (`search_scale_zero_point`); the stored format is the same.
     Returns:
         `QuantizedTensor` on the weight's device.
     Raises:
-        ValueError: weight not 2-D, group_size not dividing K, or NaN/Inf in the weight.
+        ValueError: weight not 2-D, group_size not dividing K, NaN/Inf in the weight, or an unknown `clipping`.
     """
+    if clipping not in CLIPPING:
+        raise ValueError(f"clipping={clipping!r} is not supported; allowed values are {list(CLIPPING)}")
+    choose = compute_scale_zero_point if clipping == "minmax" else search_scale_zero_point
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight (out_features, in_features), got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -205,7 +262,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, symmetric:
         # one float32 copy of the chunk (exact): the reductions and addcdiv below then run vectorized, without
         # converting bf16/fp16 element by element in each of them
         groups = groups.float()
-        scale, zero_point = compute_scale_zero_point(groups, bits, symmetric)
+        scale, zero_point = choose(groups, bits, symmetric)
         q_out[rows] = codes_for_groups(groups, scale, zero_point, bits, symmetric).reshape(-1, k)
         scale_out[rows] = scale
         if zp_out is not None:

@@ -245,13 +245,14 @@ class QuantLinear(StoredWeight):
         return y
 
 
-def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat) -> dict[str, torch.Tensor]:
+def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat, clipping: str = "minmax") -> dict[str, torch.Tensor]:
     """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]
     [, "weight_col_scale"]} as `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
 
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; `Method.SINQ` first computes the column scale c on a float32 copy
-    of the whole weight (`hfquant.core.sinq`) and quantizes w / c.
+    of the whole weight (`hfquant.core.sinq`) and quantizes w / c. `clipping` picks each group's range
+    (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the stored format.
 
     Raises:
         ValueError: the weight holds NaN or Inf values.
@@ -268,7 +269,7 @@ def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat) -> dict[str, to
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows] if col_scale is None else weight[rows].float() / col_scale
-        q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric)
+        q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
         stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
         buffers["weight_scale"][rows] = q.scale
         if q.zero_point is not None:
