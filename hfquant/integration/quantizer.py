@@ -110,7 +110,8 @@ class HfQuantQuantize(ConversionOps):
                     if fold is not None:
                         tensor = folding.apply(tensor, fold)
                     prefix = key[: -len("weight")]
-                    buffers = quantize_to_buffers(tensor, module.format)
+                    clipping = self.hf_quantizer.quantization_config.clipping if isinstance(module, QuantLinear) else "minmax"
+                    buffers = quantize_to_buffers(tensor, module.format, clipping)
                     result.update({prefix + name: buffer for name, buffer in buffers.items()})
                     self.hf_quantizer.quantized_keys.add(key)
                 elif isinstance(module, QuantExperts) and tensor_name in module.shapes:
@@ -402,7 +403,8 @@ class HfQuantQuantizer(HfQuantizer):
                 tensor = tensor.t()
             if prefix[:-1] in self.folds:
                 tensor = folding.apply(tensor, self.folds[prefix[:-1]])
-            buffers = quantize_to_buffers(tensor, module.format)
+            clipping = self.quantization_config.clipping if isinstance(module, QuantLinear) else "minmax"
+            buffers = quantize_to_buffers(tensor, module.format, clipping)
             del tensor
             for buffer_name, buffer in buffers.items():
                 offload_weight(buffer, prefix + buffer_name, loader.save_folder, index)
