@@ -64,6 +64,7 @@ CONFIGS = {
     "rtn-g64": dict(bits=4, group_size=64, method="rtn", **UNIFORM),
     "sinq-g64": dict(bits=4, group_size=64, method="sinq", **UNIFORM, **STORED),
     "sinq-fold-g64": dict(bits=4, group_size=64, method="sinq", **UNIFORM),
+    "rtn-mse-g64": dict(bits=4, group_size=64, method="rtn", clipping="mse", **UNIFORM),
     "rtn-g128": dict(bits=4, group_size=128, method="rtn", **UNIFORM),
     "sinq-g128": dict(bits=4, group_size=128, method="sinq", **UNIFORM, **STORED),
     "sinq-fold-g128": dict(bits=4, group_size=128, method="sinq", **UNIFORM),
@@ -72,6 +73,7 @@ CONFIGS = {
     "rtn-g128-auto": dict(bits=4, group_size=128, method="rtn", mixed_precision="auto"),
     "int4-default-stored": dict(bits=4, **STORED),
     "int4-default": dict(bits=4),
+    "int4-default-mse": dict(bits=4, clipping="mse"),
 }
 PEERS = {
     "hqq-g64": ("hqq", "hqq's HQQLinear(BaseQuantizeConfig(nbits=4, group_size=64)) on every Linear but the output "
