@@ -134,6 +134,12 @@ def _on_cpu_in_float32() -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
+def _rows_scaled(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The weight with its rows multiplied, in bfloat16: only the column scale's statistics read it (they are computed in
+    bfloat16, `hfquant.core.sinq`); the stored layer is rescaled exactly, in float32, when it is quantized."""
+    return weight.to(torch.bfloat16) * rows.to(torch.bfloat16)[:, None]
+
+
 def _fold_block(block: Block, read, add, tile, formats, num_heads: int, num_kv_heads: int) -> None:
     """The folds of one block (see `plan_folds`), handed to `add(module name, Transform)`."""
     if True:
@@ -147,7 +153,7 @@ def _fold_block(block: Block, read, add, tile, formats, num_heads: int, num_kv_h
                 add(block.v, Transform(row_scale=v_rows))
             if {block.q, block.k, block.v} <= quantized:
                 v = read(block.v + ".weight")
-                v = v if v_rows is None else folding.apply(v, Transform(row_scale=v_rows))
+                v = v if v_rows is None else _rows_scaled(v, v_rows)
                 scale = folding.column_scale_of([read(block.q + ".weight"), read(block.k + ".weight"), v],
                                                 tile(block.q, block.k, block.v))
                 norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
@@ -160,7 +166,7 @@ def _fold_block(block: Block, read, add, tile, formats, num_heads: int, num_kv_h
                 add(block.up, Transform(row_scale=up_rows))
             if {block.gate, block.up} <= quantized:
                 up = read(block.up + ".weight")
-                up = up if up_rows is None else folding.apply(up, Transform(row_scale=up_rows))
+                up = up if up_rows is None else _rows_scaled(up, up_rows)
                 scale = folding.column_scale_of([read(block.gate + ".weight"), up], tile(block.gate, block.up))
                 norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)
                 add(block.mlp_norm, norm)

@@ -107,11 +107,9 @@ class HfQuantQuantize(ConversionOps):
                 if isinstance(module, (QuantLinear, QuantEmbedding)) and tensor_name == "weight":
                     if getattr(module, "transposed_source", False):
                         tensor = tensor.t()
-                    if fold is not None:
-                        tensor = folding.apply(tensor, fold)
                     prefix = key[: -len("weight")]
                     clipping = self.hf_quantizer.quantization_config.clipping if isinstance(module, QuantLinear) else "minmax"
-                    buffers = quantize_to_buffers(tensor, module.format, clipping)
+                    buffers = quantize_to_buffers(tensor, module.format, clipping, fold)
                     result.update({prefix + name: buffer for name, buffer in buffers.items()})
                     self.hf_quantizer.quantized_keys.add(key)
                 elif isinstance(module, QuantExperts) and tensor_name in module.shapes:
@@ -401,10 +399,8 @@ class HfQuantQuantizer(HfQuantizer):
                 tensor = read_tensor(handle, path, name).to(self.compute_dtype or torch.float32)
             if getattr(module, "transposed_source", False):
                 tensor = tensor.t()
-            if prefix[:-1] in self.folds:
-                tensor = folding.apply(tensor, self.folds[prefix[:-1]])
             clipping = self.quantization_config.clipping if isinstance(module, QuantLinear) else "minmax"
-            buffers = quantize_to_buffers(tensor, module.format, clipping)
+            buffers = quantize_to_buffers(tensor, module.format, clipping, self.folds.get(prefix[:-1]))
             del tensor
             for buffer_name, buffer in buffers.items():
                 offload_weight(buffer, prefix + buffer_name, loader.save_folder, index)

@@ -7,6 +7,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant.core import packing, rtn, sinq
+from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
@@ -245,14 +246,18 @@ class QuantLinear(StoredWeight):
         return y
 
 
-def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat, clipping: str = "minmax") -> dict[str, torch.Tensor]:
+def quantize_to_buffers(
+    weight: torch.Tensor, fmt: StoredFormat, clipping: str = "minmax", fold: Transform | None = None
+) -> dict[str, torch.Tensor]:
     """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]
     [, "weight_col_scale"]} as `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
 
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; `Method.SINQ` first computes the column scale c on a float32 copy
     of the whole weight (`hfquant.core.sinq`) and quantizes w / c. `clipping` picks each group's range
-    (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the stored format.
+    (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the stored format. `fold` (from
+    `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like the rest: the quantized
+    weight is `hfquant.core.folding.apply(weight, fold)`'s.
 
     Raises:
         ValueError: the weight holds NaN or Inf values.
@@ -260,15 +265,22 @@ def quantize_to_buffers(weight: torch.Tensor, fmt: StoredFormat, clipping: str =
     require_format(fmt)
     n, k = weight.shape
     buffers = fmt.empty((n,), k, weight.device)
-    col_scale = None
+    row_scale = None if fold is None or fold.row_scale is None else fold.row_scale.to(weight.device)
+    col_scale = None if fold is None or fold.col_scale is None else fold.col_scale.to(weight.device)
     if fmt.method is Method.SINQ:
+        if col_scale is not None or row_scale is not None:  # the fold's scales would need SINQ's folded too
+            raise ValueError("a folded layer is stored with method 'rtn', not 'sinq'")
         col_scale = sinq.column_scale(weight, fmt.group_size).to(weight.device)
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
     step = max(1, _CHUNK_BYTES // (4 * k))
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        chunk = weight[rows] if col_scale is None else weight[rows].float() / col_scale
+        chunk = weight[rows]
+        if row_scale is not None:
+            chunk = chunk.float() * row_scale[rows, None]
+        if col_scale is not None:
+            chunk = chunk.float() / col_scale
         q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
         stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
         buffers["weight_scale"][rows] = q.scale
