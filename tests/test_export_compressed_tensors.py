@@ -265,7 +265,8 @@ def test_cli_export(llama_bf16, tmp_path):
     dict(bits=4, group_size=64, symmetric=True),
     dict(bits=4, group_size=64, symmetric=False),
     dict(bits=8),
-], ids=["int4-g64-sym", "int4-g64-asym", "int8-channel"])
+    dict(bits=4, group_size=64, symmetric=True, method="sinq"),  # SINQ with its column scales folded (the default)
+], ids=["int4-g64-sym", "int4-g64-asym", "int8-channel", "int4-g64-sym-sinq-folded"])
 def test_smollm2_export_loads_in_plain_transformers(tmp_path, kwargs):
     from hfquant.example_model import build_example_model
 
