@@ -148,6 +148,25 @@ def test_sinq_is_refused_naming_the_layer_and_dst_is_untouched(llama_bf16, tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
 
 
+def test_fused_layers_with_different_schemes_are_named_for_vllm(float_checkpoint, tmp_path, caplog):
+    """The 4-bit default's rule puts late v_proj in int8 beside int4 q/k_proj: valid compressed-tensors, but vLLM fuses
+    q/k/v into one layer with one scheme, so the export warns naming the layers; a uniform config does not warn."""
+    src = float_checkpoint("llama", torch.bfloat16, num_hidden_layers=4)
+    for name, config in {"default": HfQuantConfig(bits=4, group_size=32),
+                         "uniform": HfQuantConfig(bits=4, group_size=32, mixed_precision="none")}.items():
+        convert(src, tmp_path / name, config, progress=False, card=False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hfquant.checkpoint.compressed_tensors"):
+            export_checkpoint(tmp_path / name, tmp_path / f"{name}-ct")
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        if name == "default":
+            assert len(warnings) == 1 and "vLLM" in warnings[0] and "2 set(s)" in warnings[0]
+            assert ("model.layers.2.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 32 asymmetric, 4-bit group 32 "
+                    "asymmetric, 8-bit per-channel symmetric") in warnings[0]
+        else:
+            assert warnings == []
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_links_leaving_src_are_refused(llama_bf16, tmp_path, name):
     src, outside = tmp_path / "hfquant", tmp_path / "outside"

@@ -28,6 +28,7 @@ inverse (compressed-tensors -> hfquant) is `hfquant.checkpoint.compressed_tensor
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from typing import Callable, Iterable, Mapping, NamedTuple
@@ -38,6 +39,13 @@ from hfquant.checkpoint.files import TensorHeader
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import unpack_int4
+
+logger = logging.getLogger(__name__)
+
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+"""Layers that vLLM fuses into one (its `packed_modules_mapping`: qkv_proj, gate_up_proj) and then quantizes with the
+scheme of the first one: their schemes must all be the same (vLLM's compressed-tensors `should_ignore_layer` /
+`find_matched_target`, 0.32)."""
 
 __all__ = [
     "QUANT_METHOD", "FORMAT", "ExportLayer", "OutputTensor", "Scheme", "plan_layers", "plan_outputs",
@@ -195,6 +203,29 @@ def plan_outputs(
     return outputs
 
 
+def fused_scheme_conflicts(layers: list[ExportLayer], ignore: Iterable[str]) -> list[str]:
+    """Fused sibling sets (`FUSED_SIBLINGS` under one parent module) whose members do not share one scheme, or of
+    which some are written in float (`ignore`, a dequantized layer): one line each, e.g.
+    "model.layers.15.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 64 asymmetric, 4-bit group 64 asymmetric,
+    8-bit per-channel symmetric". vLLM refuses such a checkpoint (or fails to load it); compressed-tensors'
+    own readers do not mind."""
+    schemes = {layer.name: (None if layer.dequantize else layer.scheme) for layer in layers}
+    schemes.update({name: None for name in ignore})
+    conflicts = []
+    for parent in sorted({name.rpartition(".")[0] for name in schemes}):
+        for siblings in FUSED_SIBLINGS:
+            names = [f"{parent}.{s}" if parent else s for s in siblings]
+            if not all(n in schemes for n in names):
+                continue
+            found = [schemes[n] for n in names]
+            if len(set(found)) > 1:
+                words = ["float" if s is None else f"{s.bits}-bit " + (
+                    "per-channel" if s.group_size is None else f"group {s.group_size}") + (
+                    " symmetric" if s.symmetric else " asymmetric") for s in found]
+                conflicts.append(f"{parent}.{{{','.join(siblings)}}}: {', '.join(words)}")
+    return conflicts
+
+
 def quantization_config(layers: list[ExportLayer], ignore: Iterable[str]) -> dict:
     """`quantization_config` of config.json in compressed-tensors' schema (its `QuantizationConfig`).
 
@@ -202,6 +233,14 @@ def quantization_config(layers: list[ExportLayer], ignore: Iterable[str]) -> dic
     of first appearance, named group_0, group_1, ...; with one group its targets are ["Linear"] (every Linear not
     in `ignore`), with several each lists its layers by name. `ignore`: the Linear layers kept in float.
     """
+    conflicts = fused_scheme_conflicts(layers, ignore)
+    if conflicts:
+        logger.warning(
+            "this export is valid compressed-tensors, but vLLM fuses q/k/v and gate/up into one layer each and needs "
+            "one scheme for the layers it fuses; %d set(s) differ, e.g. %s. To serve it with vLLM, quantize those "
+            "layers alike (e.g. mixed_precision='none': the 4-bit default's data-free rule stores late v_proj in int8)",
+            len(conflicts), conflicts[0],
+        )
     schemes: dict[Scheme, list[str]] = {}
     for layer in layers:
         if not layer.dequantize:
