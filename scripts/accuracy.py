@@ -33,7 +33,6 @@ import argparse
 import importlib.util
 import json
 import math
-import platform
 import sys
 import tempfile
 import time
