@@ -7,12 +7,18 @@ for `repo_id` (`hfquant.commands.cards`) unless the folder holds a hand-written 
 `attach_model_card(model)` makes `model.push_to_hub(...)` of a model quantized on load (or reloaded) save the model and
 push it the same way, so the Hub gets hfquant's card instead of transformers' generic one.
 
-Hub errors come out as `HubError` with a message that says what to do (log in, check the name, retry later).
+Hub errors come out as `HubError` with a message that says what to do (log in, check the name, retry later). Every
+request waits at most `timeout` seconds for the connection and for each read or write (`HFQUANT_HUB_TIMEOUT`, default
+`DEFAULT_HUB_TIMEOUT`): huggingface_hub's own client has no timeout, so an endpoint that never answers would hang the
+push forever. An answer that is not JSON (a proxy's or captive portal's page) is a `HubError` too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
 import os
 import tempfile
 import types
@@ -21,15 +27,21 @@ from typing import Any
 
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RevisionNotFoundError
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub.utils import HFValidationError, get_session, validate_repo_id
 
 from hfquant.checkpoint.files import stays_inside
 from hfquant.commands.cards import build_card, is_hfquant_card, read_base_model
 from hfquant.commands.convert import base_model_of
 
-__all__ = ["HubError", "push_folder", "attach_model_card", "push_model_to_hub"]
+__all__ = ["HubError", "push_folder", "attach_model_card", "push_model_to_hub", "hub_timeout", "DEFAULT_HUB_TIMEOUT",
+           "HUB_TIMEOUT_ENV"]
 
 logger = logging.getLogger(__name__)
+
+HUB_TIMEOUT_ENV = "HFQUANT_HUB_TIMEOUT"
+DEFAULT_HUB_TIMEOUT = 60.0
+"""Seconds a push waits for a connection, and for each read or write of a request, before giving up (not a limit on a
+whole upload: a large file keeps going while bytes move)."""
 
 
 class HubError(RuntimeError):
@@ -47,9 +59,52 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _explain(error: Exception, repo_id: str, action: str, endpoint: str) -> str:
+def hub_timeout(value: float | str | None = None) -> float:
+    """The push timeout in seconds: `value`, else `$HFQUANT_HUB_TIMEOUT`, else `DEFAULT_HUB_TIMEOUT`.
+
+    Raises:
+        ValueError: not a positive finite number of seconds, naming where it came from.
+    """
+    source = "timeout"
+    if value is None:
+        value, source = os.environ.get(HUB_TIMEOUT_ENV), HUB_TIMEOUT_ENV
+        if value is None or value == "":
+            return DEFAULT_HUB_TIMEOUT
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{source}={value!r} is not a number of seconds > 0; pass e.g. 120")
+    return seconds
+
+
+@contextlib.contextmanager
+def _session_timeout(seconds: float):
+    """huggingface_hub's shared HTTP client with `seconds` as its timeout for the duration of the block (requests that
+    name their own timeout keep it); the previous timeout is restored after."""
+    session = get_session()
+    previous = session.timeout
+    session.timeout = seconds
+    try:
+        yield
+    finally:
+        session.timeout = previous
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return isinstance(error, TimeoutError) or any(cls.__name__.endswith("TimeoutException") for cls in type(error).__mro__)
+
+
+def _explain(error: Exception, repo_id: str, action: str, endpoint: str, timeout: float = DEFAULT_HUB_TIMEOUT) -> str:
     """A message for a failed Hub call: what failed, the status, and what to do."""
 
+    if _is_timeout(error):
+        return (f"cannot {action}: the Hub at {endpoint} did not answer within {timeout:g} s; check the network or "
+                f"HF_ENDPOINT, or wait longer with --timeout SECONDS (or {HUB_TIMEOUT_ENV}=SECONDS)")
+    if isinstance(error, json.JSONDecodeError):
+        return (f"cannot {action}: the Hub at {endpoint} answered something that is not JSON ({error}); check that "
+                "HF_ENDPOINT is a Hugging Face Hub (a proxy or a captive portal may have answered instead)")
     if isinstance(error, OfflineModeIsEnabled):
         return f"cannot {action}: huggingface_hub is in offline mode (HF_HUB_OFFLINE=1); unset it to push"
     if not isinstance(error, HfHubHTTPError):
@@ -110,6 +165,7 @@ def push_folder(
     command: str | None = None,
     tags: list[str] | None = None,
     endpoint: str | None = None,
+    timeout: float | None = None,
 ):
     """Upload every file of the checkpoint `folder` to the model repo `repo_id` in one commit.
 
@@ -123,14 +179,17 @@ def push_folder(
         base_model, command, tags: for the card rendered for `repo_id` (see `hfquant.commands.cards.build_card`); extra tags
             are added to its metadata.
         endpoint: Hub URL; default HF_ENDPOINT or https://huggingface.co.
+        timeout: seconds to wait for a connection and for each read or write (`hub_timeout`); default
+            `$HFQUANT_HUB_TIMEOUT` or `DEFAULT_HUB_TIMEOUT`.
 
     Returns:
         The `huggingface_hub.CommitInfo` of the commit.
 
     Raises:
         FileNotFoundError: `folder` is not a folder.
-        ValueError: `repo_id` is not a valid repo id.
-        HubError: the Hub refused or failed (401, 403, 404, 5xx, unreachable), with the fix in the message.
+        ValueError: `repo_id` is not a valid repo id, or `timeout` is not a positive number.
+        HubError: the Hub refused or failed (401, 403, 404, 5xx, unreachable, no answer within the timeout, an answer
+            that is not JSON), with the fix in the message.
     """
 
     folder = Path(folder).expanduser()
@@ -140,6 +199,7 @@ def push_folder(
         validate_repo_id(repo_id)
     except HFValidationError as error:
         raise ValueError(f"REPO_ID {repo_id!r} is not a Hub repo id: {error}") from None
+    timeout = hub_timeout(timeout)
     readme_path = folder / "README.md"
     readme = None
     if not readme_path.exists() or is_hfquant_card(readme_path):
@@ -152,29 +212,30 @@ def push_folder(
         logger.info("%s is not an hfquant card: uploading it unchanged", readme_path)
     operations = _operations(folder, readme)
     api = HfApi(endpoint=endpoint, token=token)
-    failures = (HfHubHTTPError, OfflineModeIsEnabled) + _transport_errors()
+    failures = (HfHubHTTPError, OfflineModeIsEnabled, json.JSONDecodeError) + _transport_errors()
     action = f"create the repo {repo_id}"
     try:
-        repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
-        repo_id = repo_url.repo_id
-        if revision is not None and revision != "main" and not revision.startswith("refs/pr/"):
-            action = f"create the branch {revision} of {repo_id}"
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        action = f"commit {len(operations)} files to {repo_id}"
-        info = api.create_commit(
-            repo_id,
-            operations,
-            commit_message=commit_message or f"Upload {folder.name} quantized with hfquant",
-            commit_description=commit_description,
-            revision=revision,
-            create_pr=create_pr,
-        )
+        with _session_timeout(timeout):
+            repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
+            repo_id = repo_url.repo_id
+            if revision is not None and revision != "main" and not revision.startswith("refs/pr/"):
+                action = f"create the branch {revision} of {repo_id}"
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            action = f"commit {len(operations)} files to {repo_id}"
+            info = api.create_commit(
+                repo_id,
+                operations,
+                commit_message=commit_message or f"Upload {folder.name} quantized with hfquant",
+                commit_description=commit_description,
+                revision=revision,
+                create_pr=create_pr,
+            )
     except failures as error:
-        raise HubError(_explain(error, repo_id, action, api.endpoint)) from error
+        raise HubError(_explain(error, repo_id, action, api.endpoint, timeout)) from error
     except RuntimeError as error:  # huggingface_hub wraps a failed LFS upload: "Error while uploading 'x' to the Hub."
         if not isinstance(error.__cause__, failures):
             raise
-        raise HubError(f"{error} {_explain(error.__cause__, repo_id, action, api.endpoint)}") from error
+        raise HubError(f"{error} {_explain(error.__cause__, repo_id, action, api.endpoint, timeout)}") from error
     logger.info("pushed %d files to %s: %s", len(operations), repo_id, info.commit_url)
     return info
 
