@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
@@ -21,12 +22,13 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hfquant.core.dtypes import dtype_name
+from hfquant.core.dtypes import dtype_name, torch_dtype
 
 __all__ = [
     "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
     "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
     "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside", "require_inside",
+    "CHECKPOINT_ID_KEY", "read_checkpoint_id", "checkpoint_ids", "mixed_checkpoint_problem", "read_config",
 ]
 
 CONFIG_NAME = "config.json"
@@ -49,6 +51,9 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 """safetensors dtype code -> torch dtype (codes this torch has no dtype for are left out)."""
 _INDEX_FIELDS = {"metadata", "weight_map"}
+CHECKPOINT_ID_KEY = "hfquant_checkpoint_id"
+"""Metadata key of the id one save writes into every safetensors shard and the index (`write_shard`, `write_index`):
+shards of two saves in one folder are told apart (`mixed_checkpoint_problem`)."""
 _DAMAGED = "the file is damaged (an interrupted copy or download, or an edit): copy or download it again"
 
 
@@ -105,7 +110,40 @@ def read_json(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> Any:
         text = path.read_bytes().decode("utf-8")
         return json.loads(text, object_pairs_hook=_pairs_without_duplicates, parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"{path.name} is not valid JSON ({error}); restore it from the original checkpoint") from None
+        raise ValueError(f"{path} is not valid JSON ({error}); restore it from the original checkpoint") from None
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """`config.json` of a checkpoint folder, with the fields read before any model is built checked: a JSON object,
+    `architectures` a list of class names, `dtype` / `torch_dtype` a torch dtype name or "auto".
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: as `read_json`, or one of the above fields malformed, naming the file, the value and the fix (where
+            transformers raises an AttributeError or a TypeError with a traceback).
+    """
+    path = Path(folder) / CONFIG_NAME
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(config).__name__}; restore it from the original "
+                         "checkpoint")
+    architectures = config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(name, str) and name for name in architectures)
+    ):
+        raise ValueError(f"{path}: architectures={architectures!r} is not a list of class names such as "
+                         '["LlamaForCausalLM"]; restore it from the original checkpoint')
+    for field in ("dtype", "torch_dtype"):
+        value = config.get(field)
+        if value is None or value == "auto":
+            continue
+        try:
+            if not isinstance(value, str) or not torch_dtype(value).is_floating_point:
+                raise ValueError(value)
+        except ValueError:
+            raise ValueError(f"{path}: {field}={value!r} is not a float torch dtype; write one of \"bfloat16\", "
+                             "\"float16\", \"float32\" (the dtype of the checkpoint's weights), or remove the field") from None
+    return config
 
 
 # -- the index ---------------------------------------------------------------------------------------------------
@@ -153,16 +191,17 @@ def read_index(folder: str | os.PathLike) -> dict[str, str]:
         ValueError: not JSON, unknown top-level fields, or a weight_map that is not {tensor: plain file name}; a
             `../` or absolute path is refused here, for every reader.
     """
-    index = read_json(Path(folder) / INDEX_NAME)
+    path = Path(folder) / INDEX_NAME
+    index = read_json(path)
     if not isinstance(index, dict) or "weight_map" not in index or not set(index) <= _INDEX_FIELDS:
         found = sorted(index) if isinstance(index, dict) else type(index).__name__
         raise ValueError(
-            f"{INDEX_NAME} must be an object with the fields {sorted(_INDEX_FIELDS)} (weight_map required); found "
+            f"{path} must be an object with the fields {sorted(_INDEX_FIELDS)} (weight_map required); found "
             f"{found}. Restore it from the original checkpoint"
         )
     weight_map = index["weight_map"]
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{INDEX_NAME}: weight_map must map tensor names to shard file names; restore the index")
+        raise ValueError(f"{path}: weight_map must map tensor names to shard file names; restore the index")
     for tensor, file in weight_map.items():
         if not is_plain_file_name(file):
             raise ValueError(
@@ -258,17 +297,71 @@ def first_float_dtype(files: Iterable[str | os.PathLike]) -> torch.dtype:
     return torch.float32
 
 
+def read_checkpoint_id(path: str | os.PathLike) -> str | None:
+    """The `CHECKPOINT_ID_KEY` entry of a safetensors file's metadata (None when absent: an older file, or one another
+    writer made).
+
+    Raises:
+        ValueError: as `open_safetensors`.
+    """
+    with open_safetensors(path) as handle:
+        value = (handle.metadata() or {}).get(CHECKPOINT_ID_KEY)
+    return value if isinstance(value, str) else None
+
+
+def checkpoint_ids(files: Iterable[str | os.PathLike]) -> dict[str, str | None]:
+    """File path -> its checkpoint id (`read_checkpoint_id`) for the safetensors `files` (others left out)."""
+    return {str(f): read_checkpoint_id(f) for f in dict.fromkeys(str(f) for f in files) if f.endswith(".safetensors")}
+
+
+def mixed_checkpoint_problem(ids: dict[str, str | None]) -> str | None:
+    """Whether the shards of one checkpoint (`checkpoint_ids`) come from one save: every shard `write_shard` wrote
+    carries the same checkpoint id. Returns the problem (naming the odd shard and the fix) or None; shards without an
+    id (older checkpoints, or other writers) are not compared.
+
+    A reader racing `convert --overwrite` (or a folder changed between reading the index and the shards) would
+    otherwise load the tensors of two versions without any error."""
+    first: tuple[str, str] | None = None  # (id, file)
+    for file, value in ids.items():
+        if value is None:
+            continue
+        if first is None:
+            first = (value, file)
+        elif value != first[0]:
+            return (
+                f"the checkpoint changed while loading ({Path(file).name} belongs to another save than "
+                f"{Path(first[1]).name}, in {Path(file).parent}; a convert --overwrite or a copy replaced files "
+                "meanwhile); retry, and if it persists the folder mixes two checkpoints: copy or convert it again"
+            )
+    return None
+
+
+def _folder_checkpoint_id(folder: Path) -> str:
+    """The checkpoint id of the shards already written into `folder` by `write_shard`, or a new one (uuid4)."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            value = read_checkpoint_id(path)
+        except (OSError, ValueError):
+            continue
+        if value is not None:
+            return value
+    return uuid.uuid4().hex
+
+
 # -- writing -----------------------------------------------------------------------------------------------------
 
 
 def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
-    """Write `tensors` (contiguous) as one safetensors file with transformers' `{"format": "pt"}` metadata.
+    """Write `tensors` (contiguous) as one safetensors file with transformers' `{"format": "pt"}` metadata and the
+    checkpoint id (`CHECKPOINT_ID_KEY`) shared by every shard of the folder: the first shard written into a folder
+    draws a new id, the next ones read it from the shards already there (write each save into a fresh folder).
 
     Raises:
         OSError: the file could not be written (a full disk, say), naming it.
     """
+    metadata = {"format": "pt", CHECKPOINT_ID_KEY: _folder_checkpoint_id(Path(path).parent)}
     try:
-        safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as error:
         raise OSError(f"writing the shard {Path(path).name} failed ({error}); free some space and run again") from None
 

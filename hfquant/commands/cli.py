@@ -3,7 +3,7 @@
     hfquant convert SRC DST [--bits 4] [--group-size 128] [--symmetric | --asymmetric] ... [--workers N]
     hfquant inspect PATH [--json]
     hfquant eval PATH [--baseline SRC] [--text-file FILE]
-    hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG]
+    hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--timeout SECONDS]
     hfquant verify PATH [--write-checksums]
     hfquant export SRC DST --format compressed-tensors [--overwrite] [--max-shard-size SIZE]
     hfquant import SRC DST [--overwrite] [--max-shard-size SIZE]
@@ -32,19 +32,19 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hfquant.checkpoint.checksums import write_checksums
-from hfquant.checkpoint.files import stays_inside
+from hfquant.checkpoint.files import CONFIG_NAME, stays_inside
 from hfquant.commands.cards import EVAL_FILE, is_hfquant_card, write_card
 from hfquant.commands.convert import convert, resolve_source
 from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS, decode_tokens_per_second, perplexity, reference_text
 from hfquant.commands.export import FORMATS, export_checkpoint
-from hfquant.commands.hub import HubError, push_folder
+from hfquant.commands.hub import DEFAULT_HUB_TIMEOUT, HUB_TIMEOUT_ENV, HubError, push_folder
 from hfquant.commands.importing import import_checkpoint
 from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
-from hfquant.commands.verify import verify
+from hfquant.commands.verify import read_model_config, verify
 from hfquant.config import FIELD_NAMES, FIELDS, ConfigField, HfQuantConfig
 from hfquant.core.dtypes import dtype_name
 
-__all__ = ["main", "build_parser", "config_from_args", "evaluate"]
+__all__ = ["main", "build_parser", "config_from_args", "evaluate", "check_source_config"]
 
 logger = logging.getLogger("hfquant")
 
@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", default=None, help="create the repo private (an existing repo keeps its visibility)")
     p.add_argument("--revision", default=None, metavar="BRANCH", help="branch to commit to, created if missing (default main)")
     p.add_argument("--commit-message", default=None, metavar="MSG", help="commit title (default: Upload NAME quantized with hfquant)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="give up when the Hub does not answer a connection, read or write within SECONDS (default: "
+                   f"${HUB_TIMEOUT_ENV} or {DEFAULT_HUB_TIMEOUT:g})")
 
     x = sub.add_parser(
         "export",
@@ -260,8 +263,18 @@ def config_from_args(args: argparse.Namespace) -> HfQuantConfig:
 # -- commands ------------------------------------------------------------------------------------------------------
 
 
+def check_source_config(folder: str | Path) -> None:
+    """Refuse, in one line naming the file and the fix, a local SRC whose config.json transformers would fail on with a
+    traceback or a page of text (`read_model_config`). A folder without config.json is left to `convert` to report."""
+    folder = Path(folder).expanduser()
+    if (folder / CONFIG_NAME).is_file():
+        read_model_config(folder)
+
+
 def _convert(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if Path(args.src).expanduser().is_dir():
+        check_source_config(args.src)
     result = convert(
         args.src, args.dst, config, max_shard_size=args.max_shard_size, dtype=args.dtype, workers=args.workers,
         overwrite=args.overwrite, revision=args.revision, base_model=args.base_model, progress=args.progress,
@@ -370,7 +383,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _push(args: argparse.Namespace) -> int:
     info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
-                       commit_message=args.commit_message)
+                       commit_message=args.commit_message, timeout=args.timeout)
     print(f"pushed {args.path} to {args.repo_id}: {info.commit_url}")
     return 0
 
@@ -427,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
         parser.exit(130, _INTERRUPTED)
+    except MemoryError as error:
+        if interrupted:
+            parser.exit(130, _INTERRUPTED)
+        parser.exit(1, f"hfquant: error: out of memory{f' ({error})' if str(error) else ''}; close other programs or "
+                       f"use a machine with more memory{_MEMORY_HINTS.get(args.command, '')} (an unfinished DST is "
+                       "removed; an existing one is left as it was)\n")
     except Exception as error:
         # Ctrl-C inside some C extensions (torch, safetensors) surfaces as another exception; it is still Ctrl-C
         if interrupted:
@@ -441,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
     return 2
 
+
+_MEMORY_HINTS = {
+    "convert": ", or lower the peak: a smaller --max-shard-size, --workers 0 (each worker holds its own tensors)",
+    "eval": ", or a smaller --max-length",
+}
+"""What lowers the peak memory of each command, for the out-of-memory message."""
 
 _INTERRUPTED = "hfquant: interrupted (an unfinished DST is removed; an existing one is left as it was)\n"
 

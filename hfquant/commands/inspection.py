@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_headers, read_json, tensor_files
+from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, read_headers, tensor_files
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration.quantizer import plan_model
@@ -127,11 +127,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: `path` has no config.json or no safetensors checkpoint.
+        ValueError: config.json or the index malformed (`read_config`, `read_index`), naming the file and the fix.
     """
     folder = Path(path).expanduser()
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; PATH must be a transformers checkpoint folder")
-    config_json = read_json(folder / CONFIG_NAME)
+    config_json = read_config(folder)
     qconfig = config_json.get("quantization_config")
     tensors, file_bytes = _read_headers(folder)
     float_dtype = str(config_json.get("dtype") or config_json.get("torch_dtype") or "float32")

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import transformers
+from transformers import CONFIG_MAPPING
 
 from hfquant.checkpoint.checksums import SUMS_NAME, checksum_problems
 from hfquant.checkpoint.files import (
@@ -33,8 +36,10 @@ from hfquant.checkpoint.files import (
     TensorHeader,
     open_safetensors,
     read_headers,
+    checkpoint_ids,
+    mixed_checkpoint_problem,
+    read_config,
     read_index,
-    read_json,
     read_tensor,
     require_inside,
 )
@@ -43,7 +48,7 @@ from hfquant.config import QUANT_METHOD, HfQuantConfig
 from hfquant.integration.conversions import model_key_map
 from hfquant.integration.skeleton import build_skeleton
 
-__all__ = ["VerifyResult", "read_quantization_config", "verify"]
+__all__ = ["VerifyResult", "read_model_config", "read_quantization_config", "verify"]
 
 
 class VerifyResult(NamedTuple):
@@ -60,19 +65,35 @@ class VerifyResult(NamedTuple):
         return not self.problems
 
 
+def read_model_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """`read_config`, and a `model_type` this transformers knows (transformers' own error is a page of text).
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: as `read_config`, or an unknown `model_type`, naming the file, the value and the fix.
+    """
+    config = read_config(folder)
+    model_type = config.get("model_type")
+    if model_type is not None and (not isinstance(model_type, str) or model_type not in CONFIG_MAPPING):
+        raise ValueError(
+            f"{Path(folder) / CONFIG_NAME}: model_type={model_type!r} is not a model type transformers "
+            f"{transformers.__version__} knows; upgrade transformers (pip install -U transformers), or restore "
+            "config.json from the original checkpoint"
+        )
+    return config
+
+
 def read_quantization_config(folder: str | os.PathLike) -> tuple[dict, HfQuantConfig]:
     """(config.json as a dict, its `HfQuantConfig`).
 
     Raises:
         FileNotFoundError: no config.json.
-        ValueError: config.json is not JSON, has no `quantization_config`, or one of another method, or one
+        ValueError: config.json is not a JSON object or malformed (`read_model_config`), has no `quantization_config`, or one of another method, or one
             `HfQuantConfig` refuses (unknown field, unknown format version, bad value); the message says which.
         TypeError: a field has the wrong type (from `HfQuantConfig`).
     """
     folder = Path(folder)
-    config = read_json(folder / CONFIG_NAME)
-    if not isinstance(config, dict):
-        raise ValueError(f"{CONFIG_NAME} must hold a JSON object; restore it from the original checkpoint")
+    config = read_model_config(folder)
     quant = config.get("quantization_config")
     if quant is None:
         raise ValueError(
@@ -203,8 +224,15 @@ def verify(path: str | os.PathLike) -> VerifyResult:
         try:
             _, quant_config = read_quantization_config(folder)
         except (ValueError, TypeError) as error:
-            problems.append(f"{CONFIG_NAME}: {error}" if not str(error).startswith(CONFIG_NAME) else str(error))
+            text = str(error)
+            problems.append(text if text.startswith((CONFIG_NAME, str(folder / CONFIG_NAME))) else f"{CONFIG_NAME}: {text}")
     tensors, shards = _checkpoint_headers(folder, problems)
+    try:
+        mixed = mixed_checkpoint_problem(checkpoint_ids(folder / shard for shard in shards))
+    except ValueError:  # an unreadable shard is reported by the header check
+        mixed = None
+    if mixed is not None:
+        problems.append(mixed)
     compared = 0
     if quant_config is not None and tensors:
         try:

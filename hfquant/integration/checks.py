@@ -8,14 +8,14 @@ from pathlib import Path
 
 from torch import nn
 
-from hfquant.checkpoint.files import TensorHeader, read_headers, require_inside
+from hfquant.checkpoint.files import TensorHeader, checkpoint_ids, mixed_checkpoint_problem, read_headers, require_inside
 from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
 from hfquant.integration.conversions import model_key_map
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.linear import QuantLinear
 
-__all__ = ["read_single_copies", "check_stored_tensors", "stored_value_problems", "weights_to_quantize", "warn_offloaded_buffers"]
+__all__ = ["read_single_copies", "check_stored_tensors", "confirm_checkpoint_unchanged", "stored_value_problems", "weights_to_quantize", "warn_offloaded_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +49,48 @@ def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
 
     Raises:
         ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix; a file that
-            is not safetensors; a tensor stored twice (`read_single_copies`).
+            is not safetensors; a tensor stored twice (`read_single_copies`); shards (or the index)
+            of two saves, as when `convert --overwrite` replaced the folder while it was read (`mixed_checkpoint_problem`).
     """
     for file in files:
         if not str(file).endswith(".safetensors"):
             raise ValueError(f"{file} is not a safetensors file; hfquant checkpoints are stored as safetensors only")
+    ids = checkpoint_ids(files)
+    mixed = mixed_checkpoint_problem(ids)  # shards of two saves: a reader racing `convert --overwrite`
+    if mixed is not None:
+        raise ValueError(mixed)
+    model._hfquant_checkpoint_ids = ids  # compared again once the weights are read: `confirm_checkpoint_unchanged`
     tensors = read_single_copies(files)
     problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
     if problems:
         raise ValueError(problem_text(problems))
     return compared
+
+
+def confirm_checkpoint_unchanged(model) -> None:
+    """After a pre-quantized load: the shards' checkpoint ids read before the weights (`check_stored_tensors`) must
+    still be those of the files, else transformers may have read some shards of the previous save and some of the new
+    one (a `convert --overwrite` swapped the folder while the weights streamed in). A loaded-model hook; does nothing
+    for a model loaded without the check, or from files without ids.
+
+    Raises:
+        ValueError: "the checkpoint changed while loading (SHARD belongs to another save ...); retry".
+    """
+    before = getattr(model, "_hfquant_checkpoint_ids", None)
+    if not before:
+        return
+    del model._hfquant_checkpoint_ids
+    try:
+        after = checkpoint_ids(before)
+    except (OSError, ValueError) as error:  # a shard removed or being replaced right now
+        raise ValueError(f"the checkpoint changed while loading ({error}); retry") from None
+    for file, value in before.items():
+        if value is not None and after.get(file) != value:
+            raise ValueError(
+                f"the checkpoint changed while loading ({Path(file).name} belongs to another save now, in "
+                f"{Path(file).parent}: a convert --overwrite or a copy replaced files meanwhile, so the weights read may "
+                "mix two saves); retry"
+            )
 
 
 def stored_value_problems(model) -> list[str]:

@@ -1,0 +1,312 @@
+"""Issue #11, last classes: shards of two saves, a Hub that never answers or answers HTML, malformed SRC files and out
+of memory in the command, and an hfquant checkpoint loaded by plain transformers (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hfquant import HfQuantConfig
+from hfquant.checkpoint.files import CHECKPOINT_ID_KEY, checkpoint_ids, read_checkpoint_id
+from hfquant.commands.convert import convert
+from hfquant.commands.hub import HubError, hub_timeout, push_folder
+from hfquant.commands.verify import verify
+from hfquant.integration.checks import confirm_checkpoint_unchanged
+
+SHARD_SIZE = "20KB"
+
+
+@pytest.fixture(scope="module")
+def two_saves(float_checkpoint, tmp_path_factory):
+    """The same tiny Llama converted twice at 8 bits (same tensors, two checkpoint ids), several shards each."""
+    root = tmp_path_factory.mktemp("two-saves")
+    src = float_checkpoint("llama")
+    for name in ("a", "b"):
+        convert(src, root / name, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False, card=False)
+    return root / "a", root / "b"
+
+
+def _shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _load(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+# -- shards of two saves ---------------------------------------------------------------------------------------
+
+
+def test_every_shard_of_a_convert_carries_one_checkpoint_id(two_saves):
+    a, b = two_saves
+    ids_a = {read_checkpoint_id(p) for p in _shards(a)}
+    ids_b = {read_checkpoint_id(p) for p in _shards(b)}
+    assert len(_shards(a)) > 2 and len(ids_a) == 1 and len(ids_b) == 1 and ids_a != ids_b
+    assert None not in ids_a
+
+
+def test_shards_of_two_saves_are_refused_at_load_and_by_verify(two_saves, tmp_path):
+    a, b = two_saves
+    mixed = tmp_path / "mixed"
+    shutil.copytree(a, mixed)
+    odd = _shards(b)[1].name
+    shutil.copyfile(b / odd, mixed / odd)  # what a reader sees when convert --overwrite swaps the folder mid-load
+    with pytest.raises(ValueError, match=rf"checkpoint changed while loading \({odd} belongs to another save.*retry"):
+        _load(mixed)
+    problems = verify(mixed).problems
+    assert any("changed while loading" in p and odd in p for p in problems), problems
+    assert verify(a).ok and verify(b).ok
+
+
+def test_a_checkpoint_without_ids_still_loads(two_saves, tmp_path):
+    a, _ = two_saves
+    old = tmp_path / "old"
+    shutil.copytree(a, old)
+    for path in _shards(old):  # as written before checkpoint ids existed
+        save_file(load_file(path), path, metadata={"format": "pt"})
+    (old / "hfquant.sha256.json").unlink()
+    assert set(checkpoint_ids(_shards(old)).values()) == {None}
+    reference, reloaded = _load(a), _load(old)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(reference(ids).logits, reloaded(ids).logits)
+
+
+def test_shards_replaced_while_the_weights_load_are_caught_after(two_saves, tmp_path):
+    """The ids read before the weights are compared again after (`confirm_checkpoint_unchanged`, a loaded-model hook)."""
+    a, b = two_saves
+    folder = tmp_path / "racing"
+    shutil.copytree(a, folder)
+    model = _load(folder)
+    model._hfquant_checkpoint_ids = checkpoint_ids(_shards(folder))  # as check_stored_tensors records them
+    odd = _shards(b)[-1].name
+    shutil.copyfile(b / odd, folder / odd)
+    with pytest.raises(ValueError, match=rf"changed while loading \({odd} belongs to another save now.*retry"):
+        confirm_checkpoint_unchanged(model)
+    confirm_checkpoint_unchanged(model)  # recorded once: nothing left to compare
+
+
+# -- push: a Hub that never answers, or answers something else than JSON ------------------------------------------
+
+
+class _RawServer:
+    """A local TCP endpoint that either accepts and never answers ("hang") or answers every request with an HTML page
+    ("html"). Stops by itself after `lifetime` seconds."""
+
+    def __init__(self, mode: str, lifetime: float = 60.0):
+        self.mode, self.lifetime = mode, lifetime
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        self.stop = threading.Event()
+
+    def _serve(self) -> None:
+        end = time.monotonic() + self.lifetime
+        while not self.stop.is_set() and time.monotonic() < end:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            if self.mode == "hang":
+                self.held.append(conn)
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                    body = b"<html><body>Sign in to the network</body></html>"
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
+                                 b"Connection: close\r\n\r\n%s" % (len(body), body))
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "_RawServer":
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for conn in self.held:
+            conn.close()
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def small_folder(two_saves):
+    return two_saves[0]
+
+
+def test_push_to_a_hub_that_never_answers_times_out_and_says_how_to_wait_longer(small_folder):
+    with _RawServer("hang") as server:
+        start = time.monotonic()
+        with pytest.raises(HubError, match=r"did not answer within 1 s.*--timeout SECONDS.*HFQUANT_HUB_TIMEOUT"):
+            push_folder(small_folder, "me/x", endpoint=server.url, token="hf_test", timeout=1)
+        assert time.monotonic() - start < 30
+
+
+def test_push_of_an_answer_that_is_not_json_is_a_clear_error(small_folder):
+    with _RawServer("html") as server:
+        with pytest.raises(HubError, match=r"answered something that is not JSON.*HF_ENDPOINT"):
+            push_folder(small_folder, "me/x", endpoint=server.url, token="hf_test", timeout=5)
+
+
+@pytest.mark.parametrize("mode,words", [("hang", "did not answer within 1 s"), ("html", "not JSON")])
+def test_cli_push_to_a_silent_or_html_endpoint_is_one_line_exit_1(small_folder, mode, words):
+    import os
+
+    with _RawServer(mode) as server:
+        env = {**os.environ, "HF_ENDPOINT": server.url, "HF_TOKEN": "hf_test", "HF_HUB_DISABLE_XET": "1"}
+        command = [sys.executable, "-m", "hfquant.commands.cli", "push", str(small_folder), "me/x", "--timeout", "1"]
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("hfquant: error:")]
+    assert len(lines) == 1 and words in lines[0], result.stderr[-2000:]
+
+
+def test_hub_timeout_from_the_argument_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv("HFQUANT_HUB_TIMEOUT", raising=False)
+    assert hub_timeout() == 60.0 and hub_timeout(5) == 5.0
+    monkeypatch.setenv("HFQUANT_HUB_TIMEOUT", "2.5")
+    assert hub_timeout() == 2.5
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("HFQUANT_HUB_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=rf"HFQUANT_HUB_TIMEOUT={bad!r} is not a number of seconds > 0"):
+            hub_timeout()
+
+
+# -- malformed SRC files and out of memory in the command -----------------------------------------------------------
+
+
+def _edit_config(folder: Path, change) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def _with(key, value):
+    def change(config):
+        config[key] = value
+        return config
+    return change
+
+
+SRC_DAMAGES = {
+    "config a list": (lambda f: _edit_config(f, lambda c: [c]), r"config.json must hold a JSON object, not a list"),
+    "config truncated": (lambda f: (f / "config.json").write_text((f / "config.json").read_text()[:40]),
+                         r"config.json is not valid JSON"),
+    "dtype float17": (lambda f: _edit_config(f, _with("dtype", "float17")),
+                      r"config.json: dtype='float17' is not a float torch dtype"),
+    "dtype a number": (lambda f: _edit_config(f, _with("dtype", 16)), r"config.json: dtype=16 is not a float torch dtype"),
+    "architectures a string": (lambda f: _edit_config(f, _with("architectures", "LlamaForCausalLM")),
+                               r"config.json: architectures='LlamaForCausalLM' is not a list of class names"),
+    "unknown model_type": (lambda f: _edit_config(f, _with("model_type", "llama9")),
+                           r"config.json: model_type='llama9' is not a model type transformers \S+ knows; upgrade"),
+    "index a list": (lambda f: (f / "model.safetensors.index.json").write_text("[]"),
+                     r"model.safetensors.index.json must be an object .* found list"),
+    "index without weight_map": (lambda f: (f / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+                                 r"model.safetensors.index.json must be an object .* found \['metadata'\]"),
+    "index truncated": (lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": {'),
+                        r"model.safetensors.index.json is not valid JSON"),
+}
+
+
+@pytest.fixture(scope="module")
+def sharded_source(tmp_path_factory):
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import tiny_model
+
+    folder = tmp_path_factory.mktemp("sharded-src")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+@pytest.mark.parametrize("damage", sorted(SRC_DAMAGES))
+def test_malformed_source_files_are_one_line_naming_the_file(sharded_source, tmp_path, capsys, damage):
+    from hfquant.commands.cli import main
+
+    make, message = SRC_DAMAGES[damage]
+    src = tmp_path / "src"
+    shutil.copytree(sharded_source, src)
+    make(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(src), str(tmp_path / "dst"), "--bits", "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("hfquant: error: ") and str(src) in lines[-1], err
+    assert __import__("re").search(message, lines[-1]), lines[-1]
+    assert "Traceback" not in err and not (tmp_path / "dst").exists()
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    if damage != "unknown model_type" and not damage.startswith("architectures"):  # inspect reads no class
+        with pytest.raises(SystemExit) as exit_info:
+            main(["inspect", str(src)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err and str(src) in err, err
+
+
+@pytest.mark.parametrize("damage", ["config a list", "dtype float17", "unknown model_type"])
+def test_verify_lists_a_malformed_config_as_a_problem(two_saves, tmp_path, damage):
+    folder = tmp_path / "q"
+    shutil.copytree(two_saves[0], folder)
+    SRC_DAMAGES[damage][0](folder)
+    problems = verify(folder).problems
+    assert any(__import__("re").search(SRC_DAMAGES[damage][1], p) for p in problems), problems
+
+
+def test_out_of_memory_while_quantizing_is_one_line_and_leaves_nothing(sharded_source, tmp_path, capsys, monkeypatch):
+    import hfquant.integration.quantizer as quantizer
+    from hfquant.commands.cli import main
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(quantizer, "quantize_to_buffers", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(sharded_source), str(tmp_path / "dst"), "--bits", "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1, err
+    assert "hfquant: error: out of memory" in err and "--max-shard-size" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- an hfquant checkpoint loaded without hfquant -------------------------------------------------------------------
+
+_PLAIN_LOAD = """
+import sys
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1])
+except Exception as error:
+    print("ERROR", type(error).__name__, error)
+else:
+    print("LOADED")
+assert "hfquant" not in sys.modules
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="transformers 5.23 skips an unknown quant_method with a warning and loads the "
+                   "int8 codes as float weights; a loud failure needs a hook in the lead's files (docs/reliability.md)")
+def test_plain_transformers_refuses_an_hfquant_checkpoint_naming_hfquant(two_saves):
+    result = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(two_saves[0])], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ERROR" in result.stdout and "hfquant" in result.stdout, result.stdout
