@@ -28,11 +28,17 @@ SHARD_SIZE = "20KB"
 
 @pytest.fixture(scope="module")
 def two_saves(float_checkpoint, tmp_path_factory):
-    """The same tiny Llama converted twice at 8 bits (same tensors, two checkpoint ids), several shards each."""
+    """A tiny Llama converted at 8 bits (a), and the same with one weight doubled (b): the same tensor names and shapes
+    in the same shards, other values, so two checkpoint ids."""
     root = tmp_path_factory.mktemp("two-saves")
     src = float_checkpoint("llama")
-    for name in ("a", "b"):
-        convert(src, root / name, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False, card=False)
+    edited = root / "edited"
+    shutil.copytree(src, edited)
+    tensors = load_file(edited / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"] * 2
+    save_file(tensors, edited / "model.safetensors", metadata={"format": "pt"})
+    for name, source in (("a", src), ("b", edited)):
+        convert(source, root / name, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False, card=False)
     return root / "a", root / "b"
 
 
@@ -49,8 +55,13 @@ def _load(folder: Path):
 # -- shards of two saves ---------------------------------------------------------------------------------------
 
 
-def test_every_shard_of_a_convert_carries_one_checkpoint_id(two_saves):
+def test_every_shard_of_a_convert_carries_one_checkpoint_id(two_saves, float_checkpoint, tmp_path):
+    """One id per save, derived from the bytes: another convert of the same source gives the same files."""
     a, b = two_saves
+    again = tmp_path / "again"
+    convert(float_checkpoint("llama"), again, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False,
+            card=False)
+    assert all(path.read_bytes() == (again / path.name).read_bytes() for path in _shards(a))
     ids_a = {read_checkpoint_id(p) for p in _shards(a)}
     ids_b = {read_checkpoint_id(p) for p in _shards(b)}
     assert len(_shards(a)) > 2 and len(ids_a) == 1 and len(ids_b) == 1 and ids_a != ids_b

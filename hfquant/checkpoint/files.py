@@ -11,10 +11,11 @@ as long as the header says. Its errors come out as `ValueError`s naming the file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import uuid
+import struct
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
@@ -52,8 +53,11 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 """safetensors dtype code -> torch dtype (codes this torch has no dtype for are left out)."""
 _INDEX_FIELDS = {"metadata", "weight_map"}
 CHECKPOINT_ID_KEY = "hfquant_checkpoint_id"
-"""Metadata key of the id one save writes into every safetensors shard and the index (`write_shard`, `write_index`):
-shards of two saves in one folder are told apart (`mixed_checkpoint_problem`)."""
+"""Metadata key of the id every safetensors shard of one save carries (`write_shard`, `write_index`): shards of two
+saves in one folder are told apart (`mixed_checkpoint_problem`)."""
+_ID_PLACEHOLDER = "0" * 32
+"""The id `write_shard` writes, replaced in place by `write_index` once every shard is written (same length, so the
+header keeps its size); a single-file checkpoint keeps it (it cannot mix saves)."""
 _DAMAGED = "the file is damaged (an interrupted copy or download, or an edit): copy or download it again"
 
 
@@ -306,7 +310,7 @@ def read_checkpoint_id(path: str | os.PathLike) -> str | None:
     """
     with open_safetensors(path) as handle:
         value = (handle.metadata() or {}).get(CHECKPOINT_ID_KEY)
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and value != _ID_PLACEHOLDER else None
 
 
 def checkpoint_ids(files: Iterable[str | os.PathLike]) -> dict[str, str | None]:
@@ -336,39 +340,77 @@ def mixed_checkpoint_problem(ids: dict[str, str | None]) -> str | None:
     return None
 
 
-def _folder_checkpoint_id(folder: Path) -> str:
-    """The checkpoint id of the shards already written into `folder` by `write_shard`, or a new one (uuid4)."""
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            value = read_checkpoint_id(path)
-        except (OSError, ValueError):
-            continue
-        if value is not None:
-            return value
-    return uuid.uuid4().hex
+def _file_sha256(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(2**20), b""):
+            digest.update(block)
+    return digest.digest()
+
+
+def _rewrite_metadata(path: Path, metadata: dict[str, str]) -> bool:
+    """Write `metadata` (keys sorted) over the `__metadata__` of the safetensors file `path` in place, when it is the
+    header's first entry and the new text has the same length (so no offset moves); returns whether it did.
+
+    safetensors writes metadata keys in hash-map order, which changes from one process to the next: sorting them keeps
+    a convert reproducible byte for byte."""
+    with open(path, "r+b") as handle:
+        (size,) = struct.unpack("<Q", handle.read(8))
+        header = handle.read(min(size, 2**20))
+        start = b'{"__metadata__":'
+        end = header.find(b"}", len(start))
+        if not header.startswith(start) or end < 0:
+            return False
+        new = json.dumps(dict(sorted(metadata.items())), separators=(",", ":")).encode()
+        if len(new) != end + 1 - len(start):
+            return False
+        handle.seek(8 + len(start))
+        handle.write(new)
+    return True
+
+
+def _stamp_checkpoint_id(folder: Path, names: list[str]) -> None:
+    """Replace the placeholder id of the shards `names` in `folder` (written by `write_shard`) by one id derived from
+    all their bytes: the same content gives the same id (a convert is reproducible byte for byte), two different saves
+    different ids. Shards without the placeholder are left alone."""
+    names = [name for name in names if _has_placeholder(folder / name)]
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode() + b"\0" + _file_sha256(folder / name))
+    value = digest.hexdigest()[: len(_ID_PLACEHOLDER)]
+    for name in names:
+        _rewrite_metadata(folder / name, {"format": "pt", CHECKPOINT_ID_KEY: value})
+
+
+def _has_placeholder(path: Path) -> bool:
+    with open_safetensors(path) as handle:
+        metadata = handle.metadata() or {}
+    return metadata == {"format": "pt", CHECKPOINT_ID_KEY: _ID_PLACEHOLDER}
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
 
 
 def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
-    """Write `tensors` (contiguous) as one safetensors file with transformers' `{"format": "pt"}` metadata and the
-    checkpoint id (`CHECKPOINT_ID_KEY`) shared by every shard of the folder: the first shard written into a folder
-    draws a new id, the next ones read it from the shards already there (write each save into a fresh folder).
+    """Write `tensors` (contiguous) as one safetensors file with transformers' `{"format": "pt"}` metadata and a
+    placeholder checkpoint id (`CHECKPOINT_ID_KEY`), which `write_index` replaces by the id of the whole save.
 
     Raises:
         OSError: the file could not be written (a full disk, say), naming it.
     """
-    metadata = {"format": "pt", CHECKPOINT_ID_KEY: _folder_checkpoint_id(Path(path).parent)}
+    metadata = {"format": "pt", CHECKPOINT_ID_KEY: _ID_PLACEHOLDER}
     try:
         safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+        _rewrite_metadata(Path(path), metadata)
     except SafetensorError as error:
         raise OSError(f"writing the shard {Path(path).name} failed ({error}); free some space and run again") from None
 
 
 def write_index(folder: str | os.PathLike, weight_map: dict[str, str], metadata: dict[str, Any]) -> Path:
-    """Write `model.safetensors.index.json` ({"metadata", "weight_map"}, keys sorted) into `folder`; returns its path."""
+    """Write `model.safetensors.index.json` ({"metadata", "weight_map"}, keys sorted) into `folder`; returns its path.
+    Call it once every shard is written: it stamps them with the checkpoint id of this save (`CHECKPOINT_ID_KEY`)."""
     path = Path(folder) / INDEX_NAME
+    _stamp_checkpoint_id(Path(folder), sorted(set(weight_map.values())))
     index = {"metadata": metadata, "weight_map": weight_map}
     path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
