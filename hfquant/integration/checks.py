@@ -59,7 +59,8 @@ def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
     mixed = mixed_checkpoint_problem(ids)  # shards of two saves: a reader racing `convert --overwrite`
     if mixed is not None:
         raise ValueError(mixed)
-    model._hfquant_checkpoint_ids = ids  # compared again once the weights are read: `confirm_checkpoint_unchanged`
+    if any(value is not None for value in ids.values()):  # compared again after: `confirm_checkpoint_unchanged`
+        model._hfquant_checkpoint_ids = ids
     tensors = read_single_copies(files)
     problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
     if problems:
