@@ -215,11 +215,16 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
     assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
     report = user("inspect", "SmolLM2-int4")
     # the 4-bit default's data-free mixed precision: down projections (K=1536) at group 64 instead of the asked 128,
-    # the value projections of layers 15-29 in int8 (per-channel: group = K); the config line summarizes the entries
-    assert "model.layers.*.mlp.down_proj        30     4     64  no         sinq" in report
-    assert "model.layers.*.self_attn.v_proj     15     8    576  yes        sinq" in report
+    # the value projections of layers 15-29 in int8 (per-channel: group = K); SINQ's column scales folded into the
+    # norms and projections, so every layer is stored as plain RTN with its complete format in module_overrides,
+    # which the config line summarizes
+    assert "model.layers.*.mlp.down_proj        30     4     64  no         rtn" in report
+    assert "model.layers.*.self_attn.v_proj     15     8    576  yes        rtn" in report
     assert "model.layers.*.self_attn.q_proj     30     4     64" in report  # K=576: the largest power of two dividing it
-    assert 'module_overrides={45 layers: {"bits": 8}, {"group_size": 64}; per layer in the table below}' in report
+    assert "fold_column_scales=True" in report and "method=sinq" in report
+    assert ('module_overrides={210 layers: {"bits": 4, "group_size": 128, "method": "rtn", "symmetric": false}, '
+            '{"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
+            '{"bits": 8, "group_size": null, "method": "rtn", "symmetric": true}; per layer in the table below}') in report
     assert "lm_head: tied to model.embed_tokens.weight" in report
     measured = user("eval", "SmolLM2-int4", "--max-tokens", "128", "--max-length", "64", "--new-tokens", "3",
                     "--repeats", "1")  # the --baseline path is tested on the tiny model

@@ -61,8 +61,14 @@ def test_reset_peak_rss_lowers_the_high_water_mark():
     if not reset_peak_rss():
         pytest.skip("/proc/self/clear_refs is not writable here")
     assert peak_rss_mib() <= peak_with_spike
-    # Right after a reset the peak is (about) the current RSS.
-    assert peak_rss_mib() - rss_mib() < 20
+    # Right after a reset the peak is (about) the current RSS. The kernel's RSS counters are batched per thread, and
+    # memory freed between the two reads widens the gap, so in a large test process one reading can be off: the
+    # closest of three resets counts (without a working reset every gap would stay at the spike's height).
+    gaps = []
+    for _ in range(3):
+        reset_peak_rss()
+        gaps.append(peak_rss_mib() - rss_mib())
+    assert min(gaps) < 20, gaps
 
 
 def test_rss_helpers_return_none_without_proc(monkeypatch):

@@ -9,6 +9,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
 from hfquant.nn.float_linear import FloatLinear
+from hfquant.nn.linear import quantize_to_buffers
 from hfquant.ops.kernels import select_kernel
 from hfquant.core.rtn import effective_group_size
 
@@ -69,6 +70,7 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
     assert set(quantized) == expected
     assert set(_float_layers(model)) == set(_float_layers(reference)) - expected
     float_modules = dict(reference.named_modules())
+    folded = set()
     for name, layer in quantized.items():
         source = float_modules[name]
         transposed = isinstance(source, Conv1D)
@@ -79,12 +81,22 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
         assert layer.weight.device.type == "cpu"
         assert (layer.bias is None) == (source.bias is None)
         assert layer.kernel == select_kernel(layer.format, in_features=k, out_features=n, device="cpu")
-        # What was quantized on load is what QuantLinear.from_float makes of the float weight: bit for bit.
+        # What was quantized on load is what QuantLinear.from_float makes of the float weight, bit for bit; a layer
+        # whose column scales were folded (the 4-bit default in Llama blocks) holds the folded weight's codes.
         weight = source.weight.t() if transposed else source.weight
-        direct = QuantLinear.from_float(weight.detach(), source.bias, layer.format)
+        fold = model.hf_quantizer.folds.get(name)
+        if fold is None:
+            direct = QuantLinear.from_float(weight.detach(), source.bias, layer.format).state_dict()
+        else:
+            assert source.bias is None  # a fold's row scale would rescale the bias too: not in these models
+            direct = quantize_to_buffers(weight.detach(), layer.format, fold=fold)
         loaded_state = layer.state_dict()
-        for key, value in direct.state_dict().items():
+        for key, value in direct.items():
             assert torch.equal(loaded_state[key], value), (name, key)
+        if fold is not None:
+            folded.add(name)
+    # the int4 default folds the column scales of every Llama block (all of their layers are quantized here)
+    assert bool(folded) is (qname == "int4_g32" and arch.startswith("llama"))
 
     if arch != "bert":
         assert type(model.lm_head) is FloatLinear and model.lm_head.weight.dtype == dtype
@@ -169,5 +181,17 @@ def test_quantized_model_reports_its_quantization(float_checkpoint):
     # the 4-bit default's data-free rule, written into the config when quantizing: the value projection of the
     # second of the two layers in int8 (down projections already use groups of 64)
     rule = {"model.layers.1.self_attn.v_proj": {"bits": 8}}
-    assert model.config.quantization_config == HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=rule)
+    asked = HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=rule)
+    # and, first, the fold's entries: every projection of both Llama blocks stored with RTN at its resolved format
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")
+    folded = {}
+    for name in (f"model.layers.{i}.{p}" for i in range(2) for p in projections):
+        bits, group_size, symmetric, _ = asked.layer_settings(name)
+        folded[name] = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "method": "rtn"}
+    # the rule's layer is folded too: its entry, complete, replaces the rule's (a fold entry states the whole format)
+    assert folded["model.layers.1.self_attn.v_proj"] == {"bits": 8, "group_size": None, "symmetric": True, "method": "rtn"}
+    expected = HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=folded)
+    assert model.config.quantization_config == expected
+    assert list(model.config.quantization_config.module_overrides) == list(expected.module_overrides)
     assert not any(p.requires_grad for layer in _quant_layers(model).values() for p in layer.parameters())

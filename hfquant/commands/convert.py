@@ -29,6 +29,7 @@ import re
 import shutil
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -43,6 +44,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
@@ -225,6 +227,19 @@ def shard_plan(outputs: list, max_shard_size: int | str):
         raise ValueError(f"max_shard_size {max_shard_size!r} is not a size; use bytes or e.g. 500MB, 5GB") from None
 
 
+@contextmanager
+def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' tqdm switch set to `enabled` for the block, then restored."""
+    before = hf_logging.is_progress_bar_enabled()
+    if before and not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if before and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _write_weights(outputs: list[Output], split, folder: Path, workers: int, worker_args: tuple, progress: bool) -> int:
     """Read, quantize and write every shard of `split`; returns the bytes of tensor data written.
 
@@ -365,7 +380,8 @@ def convert(
         )
     files = tensor_files(folder)
 
-    model, load_dtype, quantizer = build_skeleton(folder, dtype, config)
+    with _transformers_progress_bars(progress):  # the fold's pre-pass over the blocks has its own bar
+        model, load_dtype, quantizer = build_skeleton(folder, dtype, config)
     _use_quantizer(model, quantizer)
     outputs, missing = plan_outputs(model, quantizer, load_dtype, files)
     unquantizable = [

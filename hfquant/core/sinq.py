@@ -23,7 +23,7 @@ import torch
 
 from hfquant.core import rtn
 
-__all__ = ["ITERATIONS", "column_scale"]
+__all__ = ["ITERATIONS", "NonFiniteWeightError", "column_scale"]
 
 ITERATIONS = 4
 """Balancing iterations. The paper uses 16; on SmolLM2-135M at int4 group 64 and 128, 1 to 16 iterations gave
@@ -32,6 +32,10 @@ products over the weight."""
 _STD_RANGE = (1e-3, 1e3)  # standard deviations are clamped to this range, relative to the tile's smallest one
 _STATS_DTYPE = torch.bfloat16
 _LOG_SCALE_LIMIT = 8.0  # |log c| stays below this, so w / c and x * c stay far from bfloat16 overflow
+
+
+class NonFiniteWeightError(ValueError):
+    """The weight holds NaN or Inf: no column scale exists."""
 
 
 def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERATIONS) -> torch.Tensor:
@@ -47,7 +51,8 @@ def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERAT
         constant (standard deviation 0) keeps scale 1 for those columns.
         A weight of one row has nothing to balance: all ones.
     Raises:
-        ValueError: group_size does not divide K, or the weight holds NaN/Inf.
+        ValueError: group_size does not divide K.
+        NonFiniteWeightError (a ValueError): the weight holds NaN/Inf.
     """
     n, k = weight.shape
     if group_size <= 0 or k % group_size:
@@ -64,7 +69,7 @@ def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERAT
     inv_row = torch.ones(tiles.shape[0], 1, n)  # (G, 1, N)
     row_sum = _bmm(tiles, inv_col)
     if not torch.isfinite(row_sum).all():  # a NaN or Inf anywhere makes its row's sum one too
-        raise ValueError("the weight holds NaN or Inf values; SINQ cannot balance it")
+        raise NonFiniteWeightError("the weight holds NaN or Inf values; SINQ cannot balance it")
     row_std = _std(row_sum, _bmm(squares, inv_col * inv_col), group_size)  # (G, N, 1)
     best_inv_col, best = inv_col, None
     for step in range(iterations + 1):

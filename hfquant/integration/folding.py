@@ -24,11 +24,11 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
-from transformers.utils.logging import tqdm
+from transformers.utils.logging import is_progress_bar_enabled, tqdm
 
 from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages
-from hfquant.core import folding
+from hfquant.core import folding, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method
 from hfquant.integration.conversions import model_key_map
@@ -84,18 +84,23 @@ def find_blocks(model: nn.Module) -> list[Block]:
     return blocks
 
 
-def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Tensor], progress: bool = True) -> dict[str, Transform]:
+def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Tensor], progress: bool | None = None) -> dict[str, Transform]:
     """The fold of every foldable block of `model`, computed from its float weights.
 
     Args:
         model: the (meta-device) transformers model, before its layers are replaced.
         plans: the `LayerPlan`s of its Linear layers (`plan.format` None: kept in float, so not folded).
-        read: model tensor name (`model.layers.0.self_attn.q_proj.weight`) -> its float tensor from the checkpoint.
-        progress: a tqdm bar over the blocks.
+        read: model tensor name (`model.layers.0.self_attn.q_proj.weight`) -> its float tensor from the checkpoint;
+            KeyError when the checkpoint lacks it.
+        progress: a tqdm bar over the blocks; None follows transformers' switch
+            (`transformers.utils.logging.disable_progress_bar`).
     Returns:
         {module name: `Transform`} for the norms and Linear layers the folds change (empty when nothing folds).
+    A block whose folds read a missing tensor or a weight holding NaN/Inf is left unfolded (a warning names it): the
+    load's own checks then refuse it naming the tensor and the fix.
+
     Raises:
-        ValueError: a weight holds NaN/Inf, or the head counts do not fit the projections (naming the block).
+        ValueError: the head counts do not fit the projections (naming the module).
     """
     blocks = find_blocks(model)
     if not blocks:
@@ -108,19 +113,25 @@ def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Te
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     transforms: dict[str, Transform] = {}
 
-    def add(name: str, transform: Transform) -> None:
-        transforms[name] = transforms[name].merged(transform) if name in transforms else transform
-
     def tile(*names: str) -> int:
         width = model.get_submodule(names[0]).in_features
         return folding.tile_size(width, [formats[n].group_size for n in names])
 
     with _on_cpu_in_float32():  # from_pretrained prepares the model under the meta device and the load dtype
-        for block in tqdm(blocks, desc="hfquant: column scales to fold", unit="block", disable=not progress):
-            _fold_block(block, read, add, tile, formats, num_heads, num_kv_heads)
+        for block in tqdm(blocks, desc="hfquant: column scales to fold", unit="block", disable=_progress_disabled(progress)):
+            try:
+                transforms.update(_fold_block(block, read, tile, formats, num_heads, num_kv_heads))
+            except (KeyError, sinq.NonFiniteWeightError) as error:
+                # Left unfolded, its layers go through the load's own checks, which name the tensor and the fix.
+                reason = error.args[0] if error.args else error
+                logger.warning("hfquant: the column scales of %s are not folded: %s", block.attention_norm.rpartition(".")[0], reason)
             release_checkpoint_pages()
     logger.info("hfquant: column scales folded in %d block(s), %d module(s) changed", len(blocks), len(transforms))
     return transforms
+
+
+def _progress_disabled(progress: bool | None) -> bool:
+    return not is_progress_bar_enabled() if progress is None else not progress
 
 
 @contextmanager
@@ -140,40 +151,51 @@ def _rows_scaled(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16) * rows.to(torch.bfloat16)[:, None]
 
 
-def _fold_block(block: Block, read, add, tile, formats, num_heads: int, num_kv_heads: int) -> None:
-    """The folds of one block (see `plan_folds`), handed to `add(module name, Transform)`."""
-    if True:
+def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads: int) -> dict[str, Transform]:
+    """The folds of one block (see `plan_folds`): {module name: Transform}, merged where two folds change one module.
+
+    Raises:
+        KeyError: the checkpoint lacks a tensor the block's folds read.
+        sinq.NonFiniteWeightError: a weight the folds read holds NaN or Inf.
+        ValueError: the head counts do not fit the projections.
+    """
+    transforms: dict[str, Transform] = {}
+
+    def add(name: str, transform: Transform) -> None:
+        transforms[name] = transforms[name].merged(transform) if name in transforms else transform
+
+    quantized = {name for name in block if formats.get(name) is not None}
+    v_rows = up_rows = None
+    if {block.v, block.o} <= quantized:
+        o_scale = folding.column_scale_of([read(block.o + ".weight")], tile(block.o))
         try:
-            quantized = {name for name in block if formats.get(name) is not None}
-            v_rows = up_rows = None
-            if {block.v, block.o} <= quantized:
-                o_scale = folding.column_scale_of([read(block.o + ".weight")], tile(block.o))
-                v_rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
-                add(block.o, Transform(col_scale=o_scale))
-                add(block.v, Transform(row_scale=v_rows))
-            if {block.q, block.k, block.v} <= quantized:
-                v = read(block.v + ".weight")
-                v = v if v_rows is None else _rows_scaled(v, v_rows)
-                scale = folding.column_scale_of([read(block.q + ".weight"), read(block.k + ".weight"), v],
-                                                tile(block.q, block.k, block.v))
-                norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
-                add(block.attention_norm, norm)
-                for name in (block.q, block.k, block.v):
-                    add(name, Transform(col_scale=scale))
-            if {block.up, block.down} <= quantized:
-                up_rows = folding.column_scale_of([read(block.down + ".weight")], tile(block.down))
-                add(block.down, Transform(col_scale=up_rows))
-                add(block.up, Transform(row_scale=up_rows))
-            if {block.gate, block.up} <= quantized:
-                up = read(block.up + ".weight")
-                up = up if up_rows is None else _rows_scaled(up, up_rows)
-                scale = folding.column_scale_of([read(block.gate + ".weight"), up], tile(block.gate, block.up))
-                norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)
-                add(block.mlp_norm, norm)
-                for name in (block.gate, block.up):
-                    add(name, Transform(col_scale=scale))
+            v_rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
         except ValueError as error:
-            raise ValueError(f"cannot fold the column scales of {block.attention_norm.rpartition('.')[0]}: {error}") from None
+            raise ValueError(f"cannot fold the column scales of {block.o}: {error}") from None
+        add(block.o, Transform(col_scale=o_scale))
+        add(block.v, Transform(row_scale=v_rows))
+    if {block.q, block.k, block.v} <= quantized:
+        v = read(block.v + ".weight")
+        v = v if v_rows is None else _rows_scaled(v, v_rows)
+        scale = folding.column_scale_of([read(block.q + ".weight"), read(block.k + ".weight"), v],
+                                        tile(block.q, block.k, block.v))
+        norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
+        add(block.attention_norm, norm)
+        for name in (block.q, block.k, block.v):
+            add(name, Transform(col_scale=scale))
+    if {block.up, block.down} <= quantized:
+        up_rows = folding.column_scale_of([read(block.down + ".weight")], tile(block.down))
+        add(block.down, Transform(col_scale=up_rows))
+        add(block.up, Transform(row_scale=up_rows))
+    if {block.gate, block.up} <= quantized:
+        up = read(block.up + ".weight")
+        up = up if up_rows is None else _rows_scaled(up, up_rows)
+        scale = folding.column_scale_of([read(block.gate + ".weight"), up], tile(block.gate, block.up))
+        norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)
+        add(block.mlp_norm, norm)
+        for name in (block.gate, block.up):
+            add(name, Transform(col_scale=scale))
+    return transforms
 
 
 def fold_overrides(config, plans: Iterable, transforms: dict[str, Transform]) -> dict[str, dict]:
@@ -196,7 +218,7 @@ def checkpoint_reader(model: nn.Module, files: Iterable[str | os.PathLike], quan
     names renamed as transformers renames them on load); the files stay open while the context lasts.
 
     Raises (from the function):
-        ValueError: no file holds the tensor (naming it).
+        KeyError: no file holds the tensor (naming it).
     """
     where: dict[str, Path] = {}
     for path in files:
@@ -209,7 +231,7 @@ def checkpoint_reader(model: nn.Module, files: Iterable[str | os.PathLike], quan
     def read(model_key: str) -> torch.Tensor:
         key = source.get(model_key)
         if key is None:
-            raise ValueError(f"the checkpoint has no tensor for {model_key}, which the fold of its block reads")
+            raise KeyError(f"the checkpoint has no tensor for {model_key}, which the fold of its block reads")
         path = where[key]
         if path not in handles:
             handles[path] = open_safetensors(path)
