@@ -108,6 +108,28 @@ def test_shards_replaced_while_the_weights_load_are_caught_after(two_saves, tmp_
     confirm_checkpoint_unchanged(model)  # recorded once: nothing left to compare
 
 
+def test_from_pretrained_says_retry_when_a_shard_is_replaced_during_the_load(two_saves, tmp_path, monkeypatch):
+    """End to end: a shard of the other save copied in after the headers were read (here: once the weights are in)."""
+    import hfquant.integration.checks as checks
+
+    a, b = two_saves
+    folder = tmp_path / "racing"
+    shutil.copytree(a, folder)
+    odd = _shards(b)[-1].name
+    value_check = checks.stored_value_problems
+
+    def replace_a_shard_then_check(model):
+        shutil.copyfile(b / odd, folder / odd)
+        return value_check(model)
+
+    monkeypatch.setattr(checks, "stored_value_problems", replace_a_shard_then_check)
+    with pytest.raises(ValueError, match=rf"changed while loading \({odd} belongs to another save now.*retry"):
+        _load(folder)
+    monkeypatch.setattr(checks, "stored_value_problems", value_check)
+    shutil.copytree(a, tmp_path / "calm")
+    _load(tmp_path / "calm")  # no replacement: loads
+
+
 # -- push: a Hub that never answers, or answers something else than JSON ------------------------------------------
 
 

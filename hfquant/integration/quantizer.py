@@ -313,6 +313,9 @@ class HfQuantQuantizer(HfQuantizer):
             problems = checks.stored_value_problems(model)
             if problems:
                 raise ValueError(problem_text(problems, what="holds impossible values"))
+            # the shards' ids read before the weights must still be the files': else a convert --overwrite swapped
+            # the folder meanwhile and the weights may mix two saves
+            checks.confirm_checkpoint_unchanged(model)
         else:
             never = sorted(set(checks.weights_to_quantize(model)) - self.quantized_keys)
             if never:  # their buffers still hold the uninitialized memory they were allocated with
