@@ -297,6 +297,19 @@ def test_malformed_source_files_are_one_line_naming_the_file(sharded_source, tmp
 
 
 @pytest.mark.parametrize("damage", ["config a list", "dtype float17", "unknown model_type"])
+def test_convert_from_python_refuses_a_malformed_config_in_one_value_error(sharded_source, tmp_path, damage):
+    """The same check as the CLI's, in `convert` itself (a list config.json was an AttributeError from Python)."""
+    from hfquant.commands.convert import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(sharded_source, src)
+    SRC_DAMAGES[damage][0](src)
+    with pytest.raises(ValueError, match=SRC_DAMAGES[damage][1]):
+        convert(src, tmp_path / "dst", HfQuantConfig(bits=8), progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("damage", ["config a list", "dtype float17", "unknown model_type"])
 def test_verify_lists_a_malformed_config_as_a_problem(two_saves, tmp_path, damage):
     folder = tmp_path / "q"
     shutil.copytree(two_saves[0], folder)

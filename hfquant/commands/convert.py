@@ -63,6 +63,7 @@ from hfquant.checkpoint.files import (
 from hfquant.checkpoint.schema import is_hfquant_module
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands.cards import write_card
+from hfquant.commands.verify import read_model_config
 from hfquant.config import HfQuantConfig
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration.conversions import Output, QuantJob, plan_outputs
@@ -372,7 +373,7 @@ def convert(
         raise ValueError(f"DST {dst} is SRC; write the quantized checkpoint to another folder")
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; SRC must be a transformers checkpoint folder")
-    existing = read_json(folder / CONFIG_NAME).get("quantization_config")
+    existing = read_model_config(folder).get("quantization_config")  # a malformed config.json: one ValueError
     if existing is not None:
         raise ValueError(
             f"{folder} is already quantized (quant_method {existing.get('quant_method')!r}); convert needs the float "
