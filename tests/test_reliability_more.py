@@ -334,6 +334,20 @@ def test_out_of_memory_while_quantizing_is_one_line_and_leaves_nothing(sharded_s
     assert list(tmp_path.iterdir()) == []
 
 
+def test_out_of_memory_while_quantizing_on_load_is_a_memory_error_naming_the_tensor(sharded_source, monkeypatch):
+    """transformers turns any error in a conversion into a generic RuntimeError with a traceback text: hfquant keeps
+    the MemoryError and says what to do."""
+    import hfquant.integration.quantizer as quantizer
+    from transformers import AutoModelForCausalLM
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(quantizer, "quantize_to_buffers", out_of_memory)
+    with pytest.raises(MemoryError, match=r"out of memory while quantizing model\.layers\.\d+\..*weight .*hfquant convert"):
+        AutoModelForCausalLM.from_pretrained(sharded_source, quantization_config=HfQuantConfig(bits=8), device_map="cpu")
+
+
 # -- an hfquant checkpoint loaded without hfquant -------------------------------------------------------------------
 
 _PLAIN_LOAD = """

@@ -169,6 +169,10 @@ def _run_job(job: QuantJob) -> dict[str, torch.Tensor]:
     except ValueError as error:
         failure = str(error)
     del tensor
+    out_of_memory = getattr(op.hf_quantizer, "out_of_memory", [])
+    if job.model_key in out_of_memory:  # recorded as a failure by the on-load op: raised as what it is
+        out_of_memory.remove(job.model_key)
+        raise MemoryError(f"while quantizing {job.source_key} of {Path(job.path).name}")
     if failure is not None:
         module = job.model_key.rpartition(".")[0]
         raise ValueError(

@@ -125,6 +125,8 @@ class HfQuantQuantize(ConversionOps):
                 # transformers would swallow this into a generic RuntimeError: remember it, raise it by name
                 # once loading is over (`_process_model_after_weight_loading`).
                 self.hf_quantizer.failed_tensors[key] = str(error)
+            except MemoryError:  # the same, raised as a MemoryError saying what to do
+                self.hf_quantizer.out_of_memory.append(key)
             del tensor, value
             release_checkpoint_pages()
         return result
@@ -149,6 +151,7 @@ class HfQuantQuantizer(HfQuantizer):
         super().__init__(copy.deepcopy(quantization_config), **kwargs)
         self.layer_plans = []
         self.failed_tensors: dict[str, str] = {}  # checkpoint key -> why quantizing it failed
+        self.out_of_memory: list[str] = []  # checkpoint keys whose quantization ran out of memory
         self.quantized_keys: set[str] = set()  # model keys of the float tensors quantized on load
         self.compute_dtype: torch.dtype | None = None
         self.ties: list[tuple[str, str]] = []  # (module reading the tensors, module holding them), after loading
@@ -300,6 +303,12 @@ class HfQuantQuantizer(HfQuantizer):
     # -- after loading ------------------------------------------------------------------------------------------
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.out_of_memory:
+            raise MemoryError(
+                f"out of memory while quantizing {self.out_of_memory[0]} ({len(self.out_of_memory)} tensor(s)): free "
+                "memory, place part of the model elsewhere (device_map='auto' with max_memory=...), or quantize file to "
+                "file with `hfquant convert`, which holds one tensor at a time, and load its output"
+            )
         if self.failed_tensors:
             key, message = next(iter(self.failed_tensors.items()))
             module = key.rsplit(".", 1)[0]
