@@ -68,6 +68,21 @@ def test_every_shard_of_a_convert_carries_one_checkpoint_id(two_saves, float_che
     assert None not in ids_a
 
 
+def test_shards_of_two_save_pretrained_calls_are_told_apart(two_saves, tmp_path):
+    """save_pretrained of a model hfquant loaded stamps its shards like convert: one id per save, from the bytes."""
+    models = [_load(folder) for folder in two_saves]
+    for i, model in enumerate(models):
+        model.save_pretrained(tmp_path / f"s{i}", max_shard_size=SHARD_SIZE)
+    models[0].save_pretrained(tmp_path / "s0-again", max_shard_size=SHARD_SIZE)
+    ids = [set(checkpoint_ids(_shards(tmp_path / name)).values()) for name in ("s0", "s1", "s0-again")]
+    assert all(len(one) == 1 and None not in one for one in ids), ids
+    assert ids[0] == ids[2] and ids[0] != ids[1]
+    odd = _shards(tmp_path / "s1")[-1].name
+    shutil.copyfile(tmp_path / "s1" / odd, tmp_path / "s0" / odd)
+    with pytest.raises(ValueError, match=rf"checkpoint changed while loading \({odd} belongs to another save"):
+        _load(tmp_path / "s0")
+
+
 def test_shards_of_two_saves_are_refused_at_load_and_by_verify(two_saves, tmp_path):
     a, b = two_saves
     mixed = tmp_path / "mixed"

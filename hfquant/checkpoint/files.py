@@ -29,7 +29,7 @@ __all__ = [
     "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
     "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
     "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside", "require_inside",
-    "CHECKPOINT_ID_KEY", "read_checkpoint_id", "checkpoint_ids", "mixed_checkpoint_problem", "read_config",
+    "CHECKPOINT_ID_KEY", "PLACEHOLDER_METADATA", "stamp_checkpoint_ids", "read_checkpoint_id", "checkpoint_ids", "mixed_checkpoint_problem", "read_config",
 ]
 
 CONFIG_NAME = "config.json"
@@ -58,6 +58,9 @@ saves in one folder are told apart (`mixed_checkpoint_problem`)."""
 _ID_PLACEHOLDER = "0" * 32
 """The id `write_shard` writes, replaced in place by `write_index` once every shard is written (same length, so the
 header keeps its size); a single-file checkpoint keeps it (it cannot mix saves)."""
+PLACEHOLDER_METADATA = {CHECKPOINT_ID_KEY: _ID_PLACEHOLDER}
+"""Shard metadata a writer gives every shard of one save; `stamp_checkpoint_ids` (or `write_index`) replaces the
+placeholder by the id of the whole save once all shards are written."""
 _DAMAGED = "the file is damaged (an interrupted copy or download, or an edit): copy or download it again"
 
 
@@ -380,6 +383,20 @@ def _stamp_checkpoint_id(folder: Path, names: list[str]) -> None:
     value = digest.hexdigest()[: len(_ID_PLACEHOLDER)]
     for name in names:
         _rewrite_metadata(folder / name, {"format": "pt", CHECKPOINT_ID_KEY: value})
+
+
+def stamp_checkpoint_ids(folder: str | os.PathLike) -> None:
+    """Give the safetensors files of `folder` that carry the placeholder id (`PLACEHOLDER_METADATA`, as
+    `save_pretrained` writes them for a model hfquant loaded) the id of the whole save (`_stamp_checkpoint_id`); a
+    single-file checkpoint (no index) keeps the placeholder, as `write_index` leaves it."""
+    folder = Path(folder)
+    if not (folder / INDEX_NAME).is_file():
+        return
+    names = [p.name for p in sorted(folder.glob("*.safetensors")) if p.is_file() and not p.is_symlink()]
+    names = [name for name in names if _has_placeholder(folder / name)]
+    for name in names:  # keys sorted first, as `write_shard` does: the id then depends on the tensors only
+        _rewrite_metadata(folder / name, {"format": "pt", **PLACEHOLDER_METADATA})
+    _stamp_checkpoint_id(folder, names)
 
 
 def _has_placeholder(path: Path) -> bool:

@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable
 
+from hfquant.checkpoint.files import stamp_checkpoint_ids
 from hfquant.checkpoint.publish import publish_folder, temporary_folder
 
 __all__ = ["WEIGHT_FILE", "attach_staged_save", "is_weight_file", "save_staged"]
@@ -86,12 +87,18 @@ def save_staged(save: Callable[..., Any], save_directory: str | os.PathLike, *ar
         created beside the destination or the swap fails (unchanged too).
     """
     dst = Path(save_directory)
+    # the shards' placeholder ids become the save's id once all are written; a save that pushes to the Hub is
+    # left as pushed (stamping after the upload would make the local files differ from the uploaded ones)
+    stamp = (lambda folder: None) if kwargs.get("push_to_hub") else stamp_checkpoint_ids
     if dst.is_symlink() or not dst.is_dir() or not any(dst.iterdir()):
-        return save(save_directory, *args, **kwargs)
+        result = save(save_directory, *args, **kwargs)
+        stamp(save_directory)
+        return result
     if kwargs.get("push_to_hub"):
         kwargs.setdefault("repo_id", dst.resolve().name)
     with temporary_folder(dst) as staging:
         result = save(str(staging), *args, **kwargs)
+        stamp(staging)
         kept = _carry_over(dst, staging)
         publish_folder(staging, dst, overwrite=True)  # afterwards `staging` holds the old folder, deleted on exit
     logger.info("saved into %s by swapping folders; kept %d other entries: %s", dst, len(kept), kept)

@@ -37,7 +37,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_tensor
+from hfquant.checkpoint.files import PLACEHOLDER_METADATA, SAFETENSORS_DTYPES, open_safetensors, read_tensor
 from hfquant.checkpoint.saving import attach_staged_save
 from hfquant.checkpoint.schema import problem_text
 from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
@@ -426,6 +426,12 @@ class HfQuantQuantizer(HfQuantizer):
         for converter, copied in self.expert_conversions:
             if any(c is converter for c in conversions) and not any(c is copied for c in conversions):
                 conversions.append(copied)
+
+    def get_state_dict_and_metadata(self, model):
+        """transformers' `save_pretrained` hook: the model's own state dict, and shard metadata carrying the
+        placeholder checkpoint id that the staged save replaces by the save's id (`stamp_checkpoint_ids`), so that a
+        reader can tell the shards of two saves apart (`checks.check_stored_tensors`)."""
+        return None, dict(PLACEHOLDER_METADATA)
 
     def _dequantize(self, model, dtype=None):
         restore_nn_linear(model)
