@@ -339,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     print(f"model: {model_path}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: benchmarks/
+    from benchmarks.machine import describe
+
+    print(describe())
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, int4 group size: "
