@@ -169,6 +169,8 @@ class QuantLinear(StoredWeight):
             self.weight = kernels.prepare_weight(kernel, codes, self.in_features)
             sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else compute_dtype
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
+            if kernel == Kernel.INT4PACK_MM_CPU and sz_dtype == torch.bfloat16:  # one-row kernel, timed per shape
+                kernels.choose_int4_row_kernel(self.out_features, self.in_features, self.group_size)
         else:
             self.weight = kernels.prepare_weight(kernel, stored, self.in_features)
         self.kernel = kernel

@@ -5,10 +5,11 @@ Kernels (`Kernel`: PyTorch's aten ops, and one of our own for single int4 rows):
     int8 symmetric per-channel weights, activations bf16/fp16/fp32.
   - `Kernel.INT4PACK_MM_CPU` ("int4pack_mm_cpu"): `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise
     (group 32..256), weight repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one
-    (K/g, N, 2) tensor. The aten kernel is instruction-bound at one row, so a single bfloat16 row (batch-1 decode)
-    of such a layer runs hfquant's own GEMV on the same bytes instead (`hfquant.ops.native`, built from
-    `csrc/int4_cpu.c` on first use), where it builds and matches the aten kernel (`native_int4_works`); elsewhere
-    the aten kernel serves every row.
+    (K/g, N, 2) tensor. On some CPUs the aten kernel is instruction-bound at one row, so
+    a single bfloat16 row (batch-1 decode) of such a layer may run hfquant's own GEMV on the same bytes instead
+    (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use): where it builds and matches the aten kernel
+    (`native_int4_works`) and, timed on the layer's shape on this CPU, is the faster of the two
+    (`choose_int4_row_kernel`, `hfquant.ops.choice`); elsewhere the aten kernel serves every row.
   - `Kernel.INT4PACK_MM_CUDA` ("int4pack_mm_cuda"): `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16
     activations, weight repacked with `_convert_weight_to_int4pack`.
   - `Kernel.DEQUANT` ("dequant"): dequantize the weight to the activation dtype and call
@@ -36,12 +37,13 @@ import torch
 from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat
-from hfquant.ops import native
+from hfquant.ops import choice, native
 
 __all__ = [
     "Kernel",
     "INT4_KERNELS",
     "select_kernel",
+    "choose_int4_row_kernel",
     "kernel_works",
     "prepare_weight",
     "restore_codes",
@@ -233,7 +235,9 @@ def quantized_matmul(
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
-        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features):
+        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and _NATIVE_ROWS.get(
+            (out_features, in_features, group_size), True
+        ):
             y = _int4_gemv_op(x2d, runtime_weight, sz, group_size) if torch.compiler.is_compiling() else (
                 native.int4_gemv(x2d, runtime_weight, sz, group_size)
             )
@@ -266,6 +270,23 @@ _NATIVE_INT4 = False
 """Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers run hfquant's own GEMV (`hfquant.ops.native`): set by
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
+
+
+_NATIVE_ROWS: dict[tuple[int, int, int], bool] = {}
+"""(out_features, in_features, group size) -> whether one bfloat16 row of such a `Kernel.INT4PACK_MM_CPU` layer runs
+hfquant's GEMV (True) or the aten kernel (False), as measured on this CPU (`choose_int4_row_kernel`). A shape not
+listed (a layer prepared before the choice existed) runs the GEMV wherever `_takes_native_int4` holds."""
+
+
+def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int) -> bool:
+    """Decide, by measurement on this CPU (`hfquant.ops.choice`), which kernel serves single bfloat16 rows of
+    `Kernel.INT4PACK_MM_CPU` layers of this shape, and record it for `quantized_matmul`; returns True for hfquant's
+    GEMV. Without a working GEMV (`native_int4_works`, or N not a multiple of 64) nothing is measured: False."""
+    shape = (out_features, in_features, group_size)
+    if shape not in _NATIVE_ROWS:
+        usable = native_int4_works() and out_features % 64 == 0
+        _NATIVE_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
+    return _NATIVE_ROWS[shape]
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:

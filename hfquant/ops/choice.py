@@ -1,0 +1,179 @@
+"""Which kernel serves one activation row (batch-1 decode) of an int4 layer, chosen by measurement on this CPU.
+
+Two kernels read the same runtime weight (the CPU int4 layout of `hfquant.core.packing`): PyTorch's
+`aten._weight_int4pack_mm_for_cpu` and hfquant's own GEMV (`hfquant.ops.native`, AVX512-BF16). Which one is faster
+depends on the CPU, not on the code: on the AMD EPYC machine of 2026-11-24 the GEMV took 0.61-0.98x aten's time, on an
+Intel Xeon with AVX512-FP16 (issue #13) about 1.2x. So the first time a layer shape (N, K, group size) is prepared,
+both kernels are timed on weights of that shape and the faster one is kept:
+
+    uses_native = int4_row_uses_native(out_features, in_features, group_size)   # True: hfquant's GEMV
+
+Timing (`measure_int4_row`): each kernel multiplies one bfloat16 row by enough distinct copies of a random weight of
+the shape to exceed the last-level cache (about 64 MiB in all, at most 256 copies; decode reads every weight once per token, so a weight
+that stays in cache would flatter the faster-computing kernel), best of 3 passes after a warm-up pass; the GEMV is kept
+only when it takes less time than aten's, so hfquant is never slower than the aten kernel on the shapes it measured.
+
+Decisions are cached in memory, and on disk in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
+the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. The file is data only (a tampered
+entry can only pick the other, equally correct kernel); a malformed one is ignored and rewritten.
+`HFQUANT_KERNEL_CHOICE` overrides: "measure" (default), "native" (always the GEMV where it works, no timing) or
+"aten" (never the GEMV).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hfquant.core import packing, paths
+from hfquant.ops import machine, native
+
+__all__ = ["CHOICES", "choice_mode", "int4_row_uses_native", "measure_int4_row", "cache_file", "cpu_signature"]
+
+logger = logging.getLogger(__name__)
+
+CHOICES = ("measure", "native", "aten")
+"""Values of `HFQUANT_KERNEL_CHOICE`."""
+_CACHE_NAME = "kernel-choices.json"
+_WORKING_SET_BYTES = 64 * 2**20
+_MAX_COPIES = 256  # small layers: 256 copies keep the timing short; such weights are cheap either way
+_PASSES = 3
+_decisions: dict[tuple[int, int, int], bool] = {}
+
+
+def choice_mode() -> str:
+    """`HFQUANT_KERNEL_CHOICE` (unset: "measure").
+
+    Raises:
+        ValueError: another value, naming it and the allowed ones.
+    """
+    value = os.environ.get("HFQUANT_KERNEL_CHOICE", "measure").strip().lower() or "measure"
+    if value not in CHOICES:
+        raise ValueError(f"HFQUANT_KERNEL_CHOICE={value!r} is not understood; use one of {list(CHOICES)}")
+    return value
+
+
+def cache_file() -> Path:
+    """`<cache>/kernel-choices.json` (`hfquant.core.paths.cache_dir`)."""
+    return paths.cache_dir() / _CACHE_NAME
+
+
+def cpu_signature() -> str:
+    """The key of this CPU and torch build in the cache file: "model name | family F model M | flags | torch V"."""
+    family, model = machine.cpuinfo_field("cpu family"), machine.cpuinfo_field("model")
+    return (f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
+            f"torch {torch.__version__}")
+
+
+def _shape_key(n: int, k: int, group_size: int) -> str:
+    return f"{n}x{k}g{group_size}"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _cached(signature: str, key: str) -> bool | None:
+    entry = _read_cache().get(signature, {})
+    entry = entry.get(key) if isinstance(entry, dict) else None
+    if isinstance(entry, dict) and entry.get("kernel") in ("native", "aten"):
+        return entry["kernel"] == "native"
+    return None
+
+
+def _store(signature: str, key: str, entry: dict) -> None:
+    """Add `entry` to the cache file (rewritten whole into a temporary file, then renamed over it)."""
+    path = cache_file()
+    data = _read_cache()
+    mine = data.get(signature)
+    data[signature] = {**(mine if isinstance(mine, dict) else {}), key: entry}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=".kernel-choices-", suffix=".json", dir=path.parent)
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=1, sort_keys=True)
+        os.replace(partial, path)
+    except OSError as error:  # a read-only cache: the choice stays in memory for this process
+        logger.info("hfquant: cannot record the kernel choice in %s: %s", path, error)
+
+
+def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
+    """Seconds per call of each kernel for one bfloat16 row times an (N, K) int4 weight of group `group_size`.
+
+    Args:
+        n, k: the layer's out_features and in_features (N a multiple of 64, the GEMV's block).
+        group_size: 32..256, dividing K.
+    Returns:
+        {"aten": seconds, "native": seconds}: the best of 3 passes over distinct weight copies (about 64 MiB in all,
+        at most 256 copies).
+    Raises:
+        RuntimeError: a kernel failed on this shape.
+    """
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    weight = packing.to_cpu_int4_layout(codes)
+    groups = k // group_size
+    scale_zero = (torch.rand((groups, n, 2), generator=generator) * 0.02).to(torch.bfloat16)
+    count = min(_MAX_COPIES, max(1, _WORKING_SET_BYTES // max(weight.nbytes, 1)))
+    copies = [weight] + [weight.clone() for _ in range(count - 1)]
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    kernels = {
+        "aten": lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group_size, scale_zero),
+        "native": lambda w: native.int4_gemv(x, w, scale_zero, group_size),
+    }
+    seconds = {}
+    for name, run in kernels.items():
+        for w in copies:  # warm-up pass
+            run(w)
+        best = float("inf")
+        for _ in range(_PASSES):
+            start = time.perf_counter()
+            for w in copies:
+                run(w)
+            best = min(best, (time.perf_counter() - start) / len(copies))
+        seconds[name] = best
+    return seconds
+
+
+def int4_row_uses_native(n: int, k: int, group_size: int) -> bool:
+    """Whether one bfloat16 row of an (N, K) int4 layer of this group size runs hfquant's GEMV (True) or the aten
+    kernel (False) on this CPU: measured once per shape and CPU (see the module docstring), then cached.
+
+    The caller has checked that the GEMV works here (`kernels.native_int4_works`). A failed measurement keeps aten.
+
+    Raises:
+        ValueError: a bad `HFQUANT_KERNEL_CHOICE`.
+    """
+    mode = choice_mode()
+    if mode != "measure":
+        return mode == "native"
+    shape = (n, k, group_size)
+    if shape in _decisions:
+        return _decisions[shape]
+    signature, key = cpu_signature(), _shape_key(n, k, group_size)
+    cached = _cached(signature, key)
+    if cached is None:
+        try:
+            seconds = measure_int4_row(n, k, group_size)
+        except RuntimeError as error:
+            logger.info("hfquant: timing the int4 kernels on %s failed (%s); using aten's", key, error)
+            _decisions[shape] = False
+            return False
+        cached = seconds["native"] < seconds["aten"]
+        _store(signature, key, {"kernel": "native" if cached else "aten",
+                                "native_us": round(seconds["native"] * 1e6, 2), "aten_us": round(seconds["aten"] * 1e6, 2)})
+        logger.info("hfquant kernel choice for one row of int4 %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
+                    key, machine.cpu_name(), seconds["native"] * 1e6, seconds["aten"] * 1e6,
+                    "hfquant GEMV" if cached else "aten")
+    _decisions[shape] = cached
+    return cached

@@ -1,0 +1,126 @@
+"""The one-row int4 kernel is chosen by timing on this CPU (hfquant.ops.choice), cached per CPU and shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hfquant import QuantLinear
+from hfquant.core.format import StoredFormat
+from hfquant.ops import choice, kernels, native
+from hfquant.ops.kernels import Kernel
+
+NEEDS_NATIVE = pytest.mark.skipif(not kernels.native_int4_works(), reason="hfquant's native int4 GEMV does not work here")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No decision taken yet in this process, an empty cache folder, the default mode."""
+    monkeypatch.setenv("HFQUANT_CACHE", str(tmp_path))
+    monkeypatch.delenv("HFQUANT_KERNEL_CHOICE", raising=False)
+    monkeypatch.setattr(choice, "_decisions", {})
+    monkeypatch.setattr(kernels, "_NATIVE_ROWS", {})
+    return tmp_path
+
+
+def _timings(native_s: float, aten_s: float, calls: list):
+    def measure(n, k, group_size):
+        calls.append((n, k, group_size))
+        return {"native": native_s, "aten": aten_s}
+
+    return measure
+
+
+@NEEDS_NATIVE
+def test_measurement_times_both_kernels_on_the_shape(fresh):
+    seconds = choice.measure_int4_row(128, 256, 64)
+    assert set(seconds) == {"native", "aten"} and all(0 < s < 0.1 for s in seconds.values()), seconds
+
+
+@pytest.mark.parametrize("native_s, aten_s, expected", [(1e-5, 2e-5, True), (2e-5, 1e-5, False), (1e-5, 1e-5, False)])
+def test_the_faster_kernel_is_kept_and_a_tie_goes_to_aten(fresh, monkeypatch, native_s, aten_s, expected):
+    calls = []
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(native_s, aten_s, calls))
+    assert choice.int4_row_uses_native(2048, 2048, 128) is expected
+    assert choice.int4_row_uses_native(2048, 2048, 128) is expected
+    assert calls == [(2048, 2048, 128)]  # measured once per process
+    entry = json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["2048x2048g128"]
+    assert entry == {"kernel": "native" if expected else "aten", "native_us": native_s * 1e6, "aten_us": aten_s * 1e6}
+
+
+def test_a_new_process_reads_the_decision_from_the_cache_file(fresh, monkeypatch):
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(2e-5, 1e-5, []))
+    assert choice.int4_row_uses_native(512, 2048, 64) is False
+    monkeypatch.setattr(choice, "_decisions", {})  # as in a new process
+
+    def never(*args):
+        raise AssertionError("measured again although the cache file holds the decision")
+
+    monkeypatch.setattr(choice, "measure_int4_row", never)
+    assert choice.int4_row_uses_native(512, 2048, 64) is False
+    # another CPU (or torch) has its own entry: measured there
+    monkeypatch.setattr(choice, "cpu_signature", lambda: "Other CPU | family 6 model 143 | avx2 | torch 2.13.0")
+    monkeypatch.setattr(choice, "_decisions", {})
+    calls = []
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5, 2e-5, calls))
+    assert choice.int4_row_uses_native(512, 2048, 64) is True and calls == [(512, 2048, 64)]
+    assert len(json.loads(choice.cache_file().read_text())) == 2
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": {"2048x2048g128": {"kernel": "gpu"}}}'])
+def test_a_malformed_cache_file_is_ignored_and_rewritten(fresh, monkeypatch, content):
+    choice.cache_file().write_text(content.replace("%s", choice.cpu_signature()))
+    calls = []
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5, 2e-5, calls))
+    assert choice.int4_row_uses_native(2048, 2048, 128) is True and len(calls) == 1
+    assert json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["2048x2048g128"]["kernel"] == "native"
+
+
+def test_the_environment_forces_a_kernel_without_timing_and_refuses_other_values(fresh, monkeypatch):
+    def never(*args):
+        raise AssertionError("measured although HFQUANT_KERNEL_CHOICE forces the kernel")
+
+    monkeypatch.setattr(choice, "measure_int4_row", never)
+    for value, expected in (("aten", False), ("native", True), ("ATEN ", False)):
+        monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", value)
+        assert choice.int4_row_uses_native(64, 64, 32) is expected
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "fastest")
+    with pytest.raises(ValueError, match=r"HFQUANT_KERNEL_CHOICE='fastest' .*\['measure', 'native', 'aten'\]"):
+        choice.int4_row_uses_native(64, 64, 32)
+
+
+def test_a_failed_measurement_keeps_aten(fresh, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(choice, "measure_int4_row", broken)
+    assert choice.int4_row_uses_native(128, 256, 64) is False
+    assert not choice.cache_file().exists()  # nothing recorded: measured again in the next process
+
+
+def _layer() -> QuantLinear:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn((128, 256), generator=generator)
+    layer = QuantLinear.from_float(weight, None, StoredFormat(4, 64, False))
+    layer.prepare_kernel(torch.bfloat16)
+    return layer
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("native_faster", [True, False], ids=["gemv-faster", "aten-faster"])
+def test_one_row_of_a_prepared_layer_runs_the_kernel_chosen_for_its_shape(fresh, monkeypatch, native_faster):
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5 if native_faster else 3e-5, 2e-5, []))
+    layer = _layer()
+    assert layer.kernel == Kernel.INT4PACK_MM_CPU
+    assert kernels._NATIVE_ROWS == {(128, 256, 64): native_faster}
+    used = []
+    gemv = native.int4_gemv
+    monkeypatch.setattr(native, "int4_gemv", lambda *args: used.append(1) or gemv(*args))
+    x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = layer(x)
+    assert bool(used) is native_faster
+    # either kernel computes the same product: within bf16 rounding of the dequantized reference
+    reference = x.float() @ layer.dequantize(torch.float32).t()
+    assert torch.allclose(y.float(), reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
