@@ -40,3 +40,24 @@ def test_quant_linear_compiles_without_graph_breaks(bits, group_size, symmetric,
 
 def test_quantizer_reports_itself_compileable():
     assert HfQuantQuantizer(HfQuantConfig(bits=4), pre_quantized=False).is_compileable
+
+
+def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the_eager_tokens(float_checkpoint):
+    """The transformers way to compile decoding: `generate(cache_implementation="static", compile_config=...)`. On CPU
+    transformers compiles only when the config asks for every device (`_compile_all_devices`, README)."""
+    from transformers import AutoModelForCausalLM, CompileConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama", torch.bfloat16), quantization_config=HfQuantConfig(bits=4, group_size=32),
+        dtype=torch.bfloat16, device_map="cpu",
+    )
+    assert any(getattr(m, "kernel", None) == Kernel.INT4PACK_MM_CPU for m in model.modules())
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static")
+    eager = model.generate(ids, **settings, disable_compile=True)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = model.generate(ids, **settings, compile_config=config)
+    assert getattr(model, "_compiled_call", None) is not None  # generate did compile the forward
+    assert torch.equal(compiled, eager)
