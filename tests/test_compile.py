@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hfquant.core.format import StoredFormat
-from hfquant.ops import kernels
+from hfquant.ops import gemv, kernels
 from hfquant.ops.kernels import Kernel
 from hfquant.nn.linear import QuantLinear
 from hfquant.integration.quantizer import HfQuantQuantizer
@@ -17,8 +17,12 @@ from hfquant.config import HfQuantConfig
     "bits,group_size,symmetric,kernel",
     [(8, 512, True, Kernel.INT8PACK_MM), (4, 128, False, Kernel.INT4PACK_MM_CPU), (8, 128, True, Kernel.DEQUANT)],
 )
-@pytest.mark.parametrize("rows", [3, 130], ids=["decode", "prefill"])  # 130 >= kernels.GEMM_MIN_ROWS: chunked GEMM
-def test_quant_linear_compiles_without_graph_breaks(bits, group_size, symmetric, kernel, rows):
+# 1 row: hfquant's GEMV where it works (forced: HFQUANT_KERNEL_CHOICE=native); 130 >= kernels.GEMM_MIN_ROWS: chunked GEMM
+@pytest.mark.parametrize("rows", [1, 3, 130], ids=["one-row", "decode", "prefill"])
+def test_quant_linear_compiles_without_graph_breaks(bits, group_size, symmetric, kernel, rows, monkeypatch):
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    monkeypatch.setattr(gemv, "NATIVE_INT4_ROWS", {})
+    monkeypatch.setattr(gemv, "NATIVE_INT8_ROWS", {})
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn((256, 512), generator=generator) * 0.02).to(torch.bfloat16)

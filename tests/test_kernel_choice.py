@@ -1,4 +1,4 @@
-"""The one-row int4 kernel is chosen by timing on this CPU (hfquant.ops.choice), cached per CPU and shape."""
+"""The one-row int4 and int8 kernels are chosen by timing on this CPU (hfquant.ops.choice), cached per CPU and shape."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import torch
 
 from hfquant import QuantLinear
 from hfquant.core.format import StoredFormat
-from hfquant.ops import choice, kernels, native
+from hfquant.ops import choice, gemv, native
 from hfquant.ops.kernels import Kernel
 
-NEEDS_NATIVE = pytest.mark.skipif(not kernels.native_int4_works(), reason="hfquant's native int4 GEMV does not work here")
+NEEDS_NATIVE = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's native int4 GEMV does not work here")
+NEEDS_NATIVE_INT8 = pytest.mark.skipif(not gemv.native_int8_works(), reason="hfquant's native int8 GEMV does not work here")
 
 
 @pytest.fixture
@@ -21,12 +22,13 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("HFQUANT_CACHE", str(tmp_path))
     monkeypatch.delenv("HFQUANT_KERNEL_CHOICE", raising=False)
     monkeypatch.setattr(choice, "_decisions", {})
-    monkeypatch.setattr(kernels, "_NATIVE_ROWS", {})
+    monkeypatch.setattr(gemv, "NATIVE_INT4_ROWS", {})
+    monkeypatch.setattr(gemv, "NATIVE_INT8_ROWS", {})
     return tmp_path
 
 
 def _timings(native_s: float, aten_s: float, calls: list):
-    def measure(n, k, group_size):
+    def measure(n, k, group_size=None):
         calls.append((n, k, group_size))
         return {"native": native_s, "aten": aten_s}
 
@@ -46,7 +48,7 @@ def test_the_faster_kernel_is_kept_and_a_tie_goes_to_aten(fresh, monkeypatch, na
     assert choice.int4_row_uses_native(2048, 2048, 128) is expected
     assert choice.int4_row_uses_native(2048, 2048, 128) is expected
     assert calls == [(2048, 2048, 128)]  # measured once per process
-    entry = json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["2048x2048g128"]
+    entry = json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["int4 2048x2048 g128"]
     assert entry == {"kernel": "native" if expected else "aten", "native_us": native_s * 1e6, "aten_us": aten_s * 1e6}
 
 
@@ -69,13 +71,13 @@ def test_a_new_process_reads_the_decision_from_the_cache_file(fresh, monkeypatch
     assert len(json.loads(choice.cache_file().read_text())) == 2
 
 
-@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": {"2048x2048g128": {"kernel": "gpu"}}}'])
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": {"int4 2048x2048 g128": {"kernel": "gpu"}}}'])
 def test_a_malformed_cache_file_is_ignored_and_rewritten(fresh, monkeypatch, content):
     choice.cache_file().write_text(content.replace("%s", choice.cpu_signature()))
     calls = []
     monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5, 2e-5, calls))
     assert choice.int4_row_uses_native(2048, 2048, 128) is True and len(calls) == 1
-    assert json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["2048x2048g128"]["kernel"] == "native"
+    assert json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["int4 2048x2048 g128"]["kernel"] == "native"
 
 
 def test_the_environment_forces_a_kernel_without_timing_and_refuses_other_values(fresh, monkeypatch):
@@ -114,13 +116,60 @@ def test_one_row_of_a_prepared_layer_runs_the_kernel_chosen_for_its_shape(fresh,
     monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5 if native_faster else 3e-5, 2e-5, []))
     layer = _layer()
     assert layer.kernel == Kernel.INT4PACK_MM_CPU
-    assert kernels._NATIVE_ROWS == {(128, 256, 64): native_faster}
+    assert gemv.NATIVE_INT4_ROWS == {(128, 256, 64): native_faster}
     used = []
-    gemv = native.int4_gemv
-    monkeypatch.setattr(native, "int4_gemv", lambda *args: used.append(1) or gemv(*args))
+    real = native.int4_gemv
+    monkeypatch.setattr(native, "int4_gemv", lambda *args: used.append(1) or real(*args))
     x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = layer(x)
     assert bool(used) is native_faster
     # either kernel computes the same product: within bf16 rounding of the dequantized reference
+    reference = x.float() @ layer.dequantize(torch.float32).t()
+    assert torch.allclose(y.float(), reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
+
+
+@NEEDS_NATIVE_INT8
+def test_int8_measurement_times_both_kernels_and_the_gemv_matches_float64(fresh):
+    seconds = choice.measure_int8_row(96, 256)
+    assert set(seconds) == {"native", "aten"} and all(0 < s < 0.1 for s in seconds.values()), seconds
+    generator = torch.Generator().manual_seed(2)
+    for n, k in ((96, 256), (100, 48), (2048, 2048)):  # N not a multiple of anything, K a multiple of 16
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        scale = (torch.rand(n, generator=generator) * 0.01).to(torch.bfloat16)
+        x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+        y = native.int8_gemv(x, q, scale).double()
+        reference = (x.double() @ q.double().t()) * scale.double()
+        # summed in float32, rounded once to bfloat16: within half a bfloat16 step of each output, plus float32 sums
+        assert ((y - reference).abs() <= reference.abs() * 2**-8 + 1e-6 * reference.abs().max()).all(), (n, k)
+    with pytest.raises(RuntimeError, match="K % 16"):
+        native.int8_gemv(torch.zeros((1, 40), dtype=torch.bfloat16), torch.zeros((8, 40), dtype=torch.int8),
+                         torch.ones(8, dtype=torch.bfloat16))
+
+
+def test_int8_shapes_have_their_own_cache_entries(fresh, monkeypatch):
+    calls = []
+    monkeypatch.setattr(choice, "measure_int8_row", _timings(1e-5, 2e-5, calls))
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(2e-5, 1e-5, calls))
+    assert choice.int8_row_uses_native(2048, 2048) is True
+    assert choice.int4_row_uses_native(2048, 2048, 128) is False
+    entries = json.loads(choice.cache_file().read_text())[choice.cpu_signature()]
+    assert entries["int8 2048x2048"]["kernel"] == "native" and entries["int4 2048x2048 g128"]["kernel"] == "aten"
+
+
+@NEEDS_NATIVE_INT8
+@pytest.mark.parametrize("native_faster", [True, False], ids=["gemv-faster", "aten-faster"])
+def test_one_row_of_a_prepared_int8_layer_runs_the_kernel_chosen_for_its_shape(fresh, monkeypatch, native_faster):
+    monkeypatch.setattr(choice, "measure_int8_row", _timings(1e-5 if native_faster else 3e-5, 2e-5, []))
+    weight = torch.randn((96, 256), generator=torch.Generator().manual_seed(0))
+    layer = QuantLinear.from_float(weight, None, StoredFormat(8, 256, True))
+    layer.prepare_kernel(torch.bfloat16)
+    assert layer.kernel == Kernel.INT8PACK_MM and gemv.NATIVE_INT8_ROWS == {(96, 256): native_faster}
+    used = []
+    real = native.int8_gemv
+    monkeypatch.setattr(native, "int8_gemv", lambda *args: used.append(1) or real(*args))
+    x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = layer(x)
+    assert bool(used) is native_faster
+    assert not layer(x.repeat(3, 1)).isnan().any() and len(used) == int(native_faster)  # several rows: aten
     reference = x.float() @ layer.dequantize(torch.float32).t()
     assert torch.allclose(y.float(), reference, rtol=0.02, atol=0.02 * reference.abs().max().item())

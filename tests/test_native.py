@@ -16,11 +16,11 @@ import torch
 
 from hfquant import QuantLinear
 from hfquant.core import rtn
-from hfquant.ops import kernels, native
+from hfquant.ops import gemv, kernels, native
 from hfquant.core.format import StoredFormat
 
 needs_native = pytest.mark.skipif(
-    not kernels.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
+    not gemv.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
 )
 
 

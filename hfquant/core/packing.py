@@ -163,3 +163,15 @@ def from_cpu_int4_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     if layout is None:
         raise RuntimeError("the CPU int4 kernel layout is not available in this PyTorch build")
     return layout.unpack(packed, n, k)
+
+
+def scale_zero_for_int4(
+    scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """(N, G) scale and zero point -> (G, N, 2) `dtype` tensor [scale, (8 - z) * scale] for the int4 kernels.
+
+    Symmetric 4-bit codes carry the implicit zero point 8, so their zero term is 0.
+    """
+    scale32 = scale.float()
+    zero = torch.zeros_like(scale32) if zero_point is None else (8.0 - zero_point.float()) * scale32
+    return torch.stack((scale32.t(), zero.t()), dim=-1).to(dtype).contiguous()

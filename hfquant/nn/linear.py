@@ -9,7 +9,7 @@ from transformers.pytorch_utils import Conv1D
 from hfquant.core import packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
-from hfquant.ops import kernels
+from hfquant.ops import gemv, kernels
 from hfquant.ops.kernels import Kernel
 
 __all__ = ["KeepsStoredScales", "StoredWeight", "QuantLinear", "quantize_to_buffers"]
@@ -170,9 +170,11 @@ class QuantLinear(StoredWeight):
             sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else compute_dtype
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
             if kernel == Kernel.INT4PACK_MM_CPU and sz_dtype == torch.bfloat16:  # one-row kernel, timed per shape
-                kernels.choose_int4_row_kernel(self.out_features, self.in_features, self.group_size)
+                gemv.choose_int4_row_kernel(self.out_features, self.in_features, self.group_size)
         else:
             self.weight = kernels.prepare_weight(kernel, stored, self.in_features)
+            if kernel == Kernel.INT8PACK_MM and compute_dtype == torch.bfloat16 and self.weight.device.type == "cpu":
+                gemv.choose_int8_row_kernel(self.out_features, self.in_features)  # one-row kernel, timed per shape
         self.kernel = kernel
         return kernel
 

@@ -1,17 +1,20 @@
-"""Which kernel serves one activation row (batch-1 decode) of an int4 layer, chosen by measurement on this CPU.
+"""Which kernel serves one activation row (batch-1 decode) of an int4 or int8 layer, chosen by measurement on this CPU.
 
-Two kernels read the same runtime weight (the CPU int4 layout of `hfquant.core.packing`): PyTorch's
-`aten._weight_int4pack_mm_for_cpu` and hfquant's own GEMV (`hfquant.ops.native`, AVX512-BF16). Which one is faster
-depends on the CPU, not on the code: on the AMD EPYC machine of 2026-11-24 the GEMV took 0.61-0.98x aten's time, on an
-Intel Xeon with AVX512-FP16 (issue #13) about 1.2x. So the first time a layer shape (N, K, group size) is prepared,
-both kernels are timed on weights of that shape and the faster one is kept:
+For each width two kernels read the same runtime weight: PyTorch's (`aten._weight_int4pack_mm_for_cpu` on the CPU
+int4 layout of `hfquant.core.packing`; `aten._weight_int8pack_mm` on the stored row-major int8 codes) and hfquant's own
+GEMV (`hfquant.ops.native`, AVX-512). Which one is faster depends on the CPU, not on the code: on the AMD EPYC machine
+of 2026-11-24 hfquant's int4 GEMV took 0.74-0.99x aten's time and its int8 GEMV 0.51-0.96x, while on an Intel Xeon
+with AVX512-FP16 (issue #13) the int4 GEMV took about 1.2x. So the first time a layer shape is prepared, both kernels
+are timed on weights of that shape and the faster one is kept:
 
     uses_native = int4_row_uses_native(out_features, in_features, group_size)   # True: hfquant's GEMV
+    uses_native = int8_row_uses_native(out_features, in_features)
 
-Timing (`measure_int4_row`): each kernel multiplies one bfloat16 row by enough distinct copies of a random weight of
-the shape to exceed the last-level cache (about 64 MiB in all, at most 256 copies; decode reads every weight once per token, so a weight
-that stays in cache would flatter the faster-computing kernel), best of 3 passes after a warm-up pass; the GEMV is kept
-only when it takes less time than aten's, so hfquant is never slower than the aten kernel on the shapes it measured.
+Timing (`measure_int4_row`, `measure_int8_row`): each kernel multiplies one bfloat16 row by enough distinct copies of a
+random weight of the shape to exceed the last-level cache (about 64 MiB in all, at most 256 copies; decode reads every
+weight once per token, so a weight that stays in cache would flatter the faster-computing kernel), best of 3 passes
+after a warm-up pass; hfquant's GEMV is kept only when it takes less time than aten's, so hfquant is never slower than
+the aten kernel on the shapes it measured.
 
 Decisions are cached in memory, and on disk in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
 the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. The file is data only (a tampered
@@ -34,7 +37,10 @@ import torch
 from hfquant.core import packing, paths
 from hfquant.ops import machine, native
 
-__all__ = ["CHOICES", "choice_mode", "int4_row_uses_native", "measure_int4_row", "cache_file", "cpu_signature"]
+__all__ = [
+    "CHOICES", "choice_mode", "int4_row_uses_native", "int8_row_uses_native", "measure_int4_row", "measure_int8_row",
+    "cache_file", "cpu_signature",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ _CACHE_NAME = "kernel-choices.json"
 _WORKING_SET_BYTES = 64 * 2**20
 _MAX_COPIES = 256  # small layers: 256 copies keep the timing short; such weights are cheap either way
 _PASSES = 3
-_decisions: dict[tuple[int, int, int], bool] = {}
+_decisions: dict[str, bool] = {}  # shape key -> uses hfquant's GEMV
 
 
 def choice_mode() -> str:
@@ -71,8 +77,9 @@ def cpu_signature() -> str:
             f"torch {torch.__version__}")
 
 
-def _shape_key(n: int, k: int, group_size: int) -> str:
-    return f"{n}x{k}g{group_size}"
+def _shape_key(n: int, k: int, group_size: int | None) -> str:
+    """"int4 2048x2048 g128" / "int8 2048x2048": the key of a layer shape in the cache."""
+    return f"int4 {n}x{k} g{group_size}" if group_size is not None else f"int8 {n}x{k}"
 
 
 def _read_cache() -> dict:
@@ -131,6 +138,33 @@ def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
         "aten": lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group_size, scale_zero),
         "native": lambda w: native.int4_gemv(x, w, scale_zero, group_size),
     }
+    return _time_kernels(kernels, copies)
+
+
+def measure_int8_row(n: int, k: int) -> dict[str, float]:
+    """Seconds per call of each kernel for one bfloat16 row times an (N, K) per-channel int8 weight.
+
+    Args:
+        n, k: the layer's out_features and in_features (K a multiple of 16).
+    Returns:
+        {"aten": seconds, "native": seconds}, timed as `measure_int4_row`.
+    Raises:
+        RuntimeError: a kernel failed on this shape.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    scale = (torch.rand((n,), generator=generator) * 0.02).to(torch.bfloat16)
+    count = min(_MAX_COPIES, max(1, _WORKING_SET_BYTES // max(weight.nbytes, 1)))
+    copies = [weight] + [weight.clone() for _ in range(count - 1)]
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    kernels = {
+        "aten": lambda w: torch.ops.aten._weight_int8pack_mm(x, w, scale),
+        "native": lambda w: native.int8_gemv(x, w, scale),
+    }
+    return _time_kernels(kernels, copies)
+
+
+def _time_kernels(kernels: dict, copies: list[torch.Tensor]) -> dict[str, float]:
     seconds = {}
     for name, run in kernels.items():
         for w in copies:  # warm-up pass
@@ -149,31 +183,40 @@ def int4_row_uses_native(n: int, k: int, group_size: int) -> bool:
     """Whether one bfloat16 row of an (N, K) int4 layer of this group size runs hfquant's GEMV (True) or the aten
     kernel (False) on this CPU: measured once per shape and CPU (see the module docstring), then cached.
 
-    The caller has checked that the GEMV works here (`kernels.native_int4_works`). A failed measurement keeps aten.
+    The caller has checked that the GEMV works here (`gemv.native_int4_works`). A failed measurement keeps aten.
 
     Raises:
         ValueError: a bad `HFQUANT_KERNEL_CHOICE`.
     """
+    return _decide(_shape_key(n, k, group_size), lambda: measure_int4_row(n, k, group_size))
+
+
+def int8_row_uses_native(n: int, k: int) -> bool:
+    """`int4_row_uses_native` for an (N, K) per-channel int8 layer (the caller has checked
+    `gemv.native_int8_works`)."""
+    return _decide(_shape_key(n, k, None), lambda: measure_int8_row(n, k))
+
+
+def _decide(key: str, measure) -> bool:
     mode = choice_mode()
     if mode != "measure":
         return mode == "native"
-    shape = (n, k, group_size)
-    if shape in _decisions:
-        return _decisions[shape]
-    signature, key = cpu_signature(), _shape_key(n, k, group_size)
+    if key in _decisions:
+        return _decisions[key]
+    signature = cpu_signature()
     cached = _cached(signature, key)
     if cached is None:
         try:
-            seconds = measure_int4_row(n, k, group_size)
+            seconds = measure()
         except RuntimeError as error:
-            logger.info("hfquant: timing the int4 kernels on %s failed (%s); using aten's", key, error)
-            _decisions[shape] = False
+            logger.info("hfquant: timing the kernels on %s failed (%s); using aten's", key, error)
+            _decisions[key] = False
             return False
         cached = seconds["native"] < seconds["aten"]
         _store(signature, key, {"kernel": "native" if cached else "aten",
                                 "native_us": round(seconds["native"] * 1e6, 2), "aten_us": round(seconds["aten"] * 1e6, 2)})
-        logger.info("hfquant kernel choice for one row of int4 %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
+        logger.info("hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
                     key, machine.cpu_name(), seconds["native"] * 1e6, seconds["aten"] * 1e6,
                     "hfquant GEMV" if cached else "aten")
-    _decisions[shape] = cached
+    _decisions[key] = cached
     return cached

@@ -2,14 +2,16 @@
 
 Kernels (`Kernel`: PyTorch's aten ops, and one of our own for single int4 rows):
   - `Kernel.INT8PACK_MM` ("int8pack_mm"): `torch.ops.aten._weight_int8pack_mm` (CPU, and CUDA builds that have it),
-    int8 symmetric per-channel weights, activations bf16/fp16/fp32.
+    int8 symmetric per-channel weights, activations bf16/fp16/fp32. A single bfloat16 row on CPU may run hfquant's
+    int8 GEMV instead (`hfquant.ops.native`), where it works and, timed on the layer's shape on this CPU, is faster
+    (`gemv.choose_int8_row_kernel`).
   - `Kernel.INT4PACK_MM_CPU` ("int4pack_mm_cpu"): `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise
     (group 32..256), weight repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one
     (K/g, N, 2) tensor. On some CPUs the aten kernel is instruction-bound at one row, so
     a single bfloat16 row (batch-1 decode) of such a layer may run hfquant's own GEMV on the same bytes instead
     (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use): where it builds and matches the aten kernel
-    (`native_int4_works`) and, timed on the layer's shape on this CPU, is the faster of the two
-    (`choose_int4_row_kernel`, `hfquant.ops.choice`); elsewhere the aten kernel serves every row.
+    (`gemv.native_int4_works`) and, timed on the layer's shape on this CPU, is the faster of the two
+    (`hfquant.ops.gemv`, `hfquant.ops.choice`); elsewhere the aten kernel serves every row.
   - `Kernel.INT4PACK_MM_CUDA` ("int4pack_mm_cuda"): `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16
     activations, weight repacked with `_convert_weight_to_int4pack`.
   - `Kernel.DEQUANT` ("dequant"): dequantize the weight to the activation dtype and call
@@ -37,13 +39,13 @@ import torch
 from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat
-from hfquant.ops import choice, native
+from hfquant.core.packing import scale_zero_for_int4
+from hfquant.ops import gemv, native
 
 __all__ = [
     "Kernel",
     "INT4_KERNELS",
     "select_kernel",
-    "choose_int4_row_kernel",
     "kernel_works",
     "prepare_weight",
     "restore_codes",
@@ -125,18 +127,6 @@ def select_kernel(fmt: StoredFormat, *, in_features: int, out_features: int, dev
     return Kernel.DEQUANT
 
 
-def scale_zero_for_int4(
-    scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """(N, G) scale and zero point -> (G, N, 2) `dtype` tensor [scale, (8 - z) * scale] for the int4 kernels.
-
-    Symmetric 4-bit codes carry the implicit zero point 8, so their zero term is 0.
-    """
-    scale32 = scale.float()
-    zero = torch.zeros_like(scale32) if zero_point is None else (8.0 - zero_point.float()) * scale32
-    return torch.stack((scale32.t(), zero.t()), dim=-1).to(dtype).contiguous()
-
-
 def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Storage weight -> the weight tensor `kernel` reads.
 
@@ -149,7 +139,7 @@ def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: i
         global _CPU_INT4_BLOCKS, _NATIVE_INT4
         layout = packing.cpu_int4_layout()
         _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
-        _NATIVE_INT4 = native_int4_works()  # checks the layout too
+        _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
         return packing.to_cpu_int4_layout(codes_or_weight)
     if kernel == Kernel.INT4PACK_MM_CUDA:
         tiles = _cuda_inner_k_tiles(in_features)
@@ -230,15 +220,21 @@ def quantized_matmul(
             x2d = x2d.clone(memory_format=torch.contiguous_format)
         elif not x2d.is_contiguous() or x2d.data_ptr() % 64:
             x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
-        y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, scale.reshape(-1).to(x.dtype))
+        channel_scale = scale.reshape(-1).to(x.dtype)
+        if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and gemv.NATIVE_INT8_ROWS.get((out_features, in_features)):
+            y = gemv.int8_gemv_op(x2d, runtime_weight, channel_scale) if torch.compiler.is_compiling() else (
+                native.int8_gemv(x2d, runtime_weight, channel_scale)
+            )
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, channel_scale)
     elif kernel == Kernel.INT4PACK_MM_CPU:
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
-        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and _NATIVE_ROWS.get(
+        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and gemv.NATIVE_INT4_ROWS.get(
             (out_features, in_features, group_size), True
         ):
-            y = _int4_gemv_op(x2d, runtime_weight, sz, group_size) if torch.compiler.is_compiling() else (
+            y = gemv.int4_gemv_op(x2d, runtime_weight, sz, group_size) if torch.compiler.is_compiling() else (
                 native.int4_gemv(x2d, runtime_weight, sz, group_size)
             )
         else:
@@ -268,25 +264,8 @@ _CPU_INT4_BLOCKS: int | None = None
 `prepare_weight`; a plain global so that torch.compile reads it as a constant."""
 _NATIVE_INT4 = False
 """Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers run hfquant's own GEMV (`hfquant.ops.native`): set by
-`prepare_weight` when the CPU layout has 64-row "halves" blocks and `native_int4_works()`; a plain global so that
+`prepare_weight` when the CPU layout has 64-row "halves" blocks and `gemv.native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
-
-
-_NATIVE_ROWS: dict[tuple[int, int, int], bool] = {}
-"""(out_features, in_features, group size) -> whether one bfloat16 row of such a `Kernel.INT4PACK_MM_CPU` layer runs
-hfquant's GEMV (True) or the aten kernel (False), as measured on this CPU (`choose_int4_row_kernel`). A shape not
-listed (a layer prepared before the choice existed) runs the GEMV wherever `_takes_native_int4` holds."""
-
-
-def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int) -> bool:
-    """Decide, by measurement on this CPU (`hfquant.ops.choice`), which kernel serves single bfloat16 rows of
-    `Kernel.INT4PACK_MM_CPU` layers of this shape, and record it for `quantized_matmul`; returns True for hfquant's
-    GEMV. Without a working GEMV (`native_int4_works`, or N not a multiple of 64) nothing is measured: False."""
-    shape = (out_features, in_features, group_size)
-    if shape not in _NATIVE_ROWS:
-        usable = native_int4_works() and out_features % 64 == 0
-        _NATIVE_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
-    return _NATIVE_ROWS[shape]
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:
@@ -439,48 +418,6 @@ def kernel_works(kernel: Kernel, device: str) -> bool:
     if not works:
         logger.warning("kernel %s on %s disagrees with the reference; using dequantize-then-matmul", kernel, device)
     return works
-
-
-@functools.lru_cache(maxsize=None)
-def native_int4_works() -> bool:
-    """True if hfquant's native int4 kernels (`hfquant.ops.native`) build and load here, the CPU layout has 64-row "halves"
-    blocks, and on a small random layer (128 x 256, group 64, asymmetric) both the single-row GEMV and x @ (the
-    dequantized weight) match the aten CPU kernel within 1% of the output range. Cached."""
-    if native.int4_cpu_library() is None:
-        return False
-    layout = packing.cpu_int4_layout()
-    if layout is None or layout.block_n != 64 or not layout.full_blocks_halves:
-        return False
-    generator = torch.Generator().manual_seed(0)
-    n, k, group = 128, 256, 64
-    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
-    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
-    runtime = packing.to_cpu_int4_layout(q.q)
-    sz = scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
-    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
-    try:
-        y = native.int4_gemv(x, runtime, sz, group).float()
-        weight_t = native.int4_dequantize_t(runtime, sz, group, 0, n, torch.empty((k, n), dtype=torch.bfloat16))
-    except RuntimeError as error:
-        logger.info("hfquant native int4 kernels unusable: %s", error)
-        return False
-    works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
-    from_dequantized = (x.float() @ weight_t.float()).float()
-    works = works and torch.allclose(from_dequantized, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
-    if not works:
-        logger.warning("hfquant native int4 kernels disagree with the aten kernel; using the aten kernel")
-    return works
-
-
-@torch.library.custom_op("hfquant::int4_gemv", mutates_args=())
-def _int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`native.int4_gemv` as an opaque op for torch.compile (eager calls the function directly: no dispatch cost)."""
-    return native.int4_gemv(x, weight, scale_zero, group_size)
-
-
-@_int4_gemv_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    return x.new_empty((1, weight.shape[0]))
 
 
 @functools.lru_cache(maxsize=None)

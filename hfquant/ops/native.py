@@ -40,13 +40,13 @@ import torch
 
 from hfquant.core import paths
 
-__all__ = ["native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t"]
+__all__ = ["native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv"]
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "int4_cpu.c"
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-_ABI = 2
+_ABI = 3
 
 
 def _compiler() -> str | None:
@@ -176,6 +176,8 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     library.hfquant_int4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     library.hfquant_int4_dequantize_t.restype = ctypes.c_int
     library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    library.hfquant_int8_gemv.restype = ctypes.c_int
+    library.hfquant_int8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
     return library
 
 
@@ -240,3 +242,25 @@ def int4_dequantize_t(
             f"channels {start}..{stop} (needs multiples of 64 within N)"
         )
     return out
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = (x @ q.T) * scale for one bfloat16 row and per-channel int8 codes (the stored layout).
+
+    Args:
+        x: (K,) or (1, K) contiguous bfloat16 (CPU); K % 16 == 0.
+        weight: (N, K) contiguous int8 codes.
+        scale: (N,) contiguous bfloat16 per-channel scales.
+    Returns:
+        (1, N) bfloat16; each output summed in float32 and rounded once.
+    Raises:
+        RuntimeError: the library is unavailable or refused the shapes (K % 16 != 0).
+    """
+    library = _loaded_library()
+    out_features, in_features = weight.shape
+    y = torch.empty((1, out_features), dtype=torch.bfloat16)
+    status = library.hfquant_int8_gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), out_features,
+                                       in_features)
+    if status:
+        raise RuntimeError(f"hfquant native int8 GEMV refused N={out_features}, K={in_features} (needs K % 16 == 0)")
+    return y

@@ -1,5 +1,6 @@
-/* hfquant's int4 CPU kernels on the layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX-512 "halves" blocks):
- * hfquant_int4_gemv (one activation row) and hfquant_int4_dequantize_t (weight columns for a prefill GEMM).
+/* hfquant's CPU kernels. int4, on the layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX-512 "halves" blocks):
+ * hfquant_int4_gemv (one activation row) and hfquant_int4_dequantize_t (weight columns for a prefill GEMM). int8, on
+ * the row-major layout hfquant stores and _weight_int8pack_mm reads: hfquant_int8_gemv (one activation row, below).
  *
  * GEMV:
  *   y[n] = sum_g ( scale[g,n] * sum_{k in g} q[n,k] * x[k]  +  (zero[g,n] - 8 * scale[g,n]) * sum_{k in g} x[k] )
@@ -23,7 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define HFQUANT_INT4_CPU_ABI 2
+#define HFQUANT_INT4_CPU_ABI 3
 
 int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
 
@@ -158,9 +159,63 @@ int hfquant_int4_dequantize_t(const uint8_t *weight, const uint32_t *scale_zero,
     return 0;
 }
 
+/* int8 GEMV: y[n] = bf16(scale[n] * sum_k q[n,k] * x[k]) for one activation row.
+ *   x:      (K,) bfloat16.
+ *   weight: (N, K) int8, row-major (per-channel symmetric codes, as stored).
+ *   scale:  (N,) bfloat16.
+ *   y:      (N,) bfloat16, each value summed in float32 and rounded once (round to nearest even).
+ * How: x is widened to float32 once; each step reads 16 codes of 4 rows, sign-extends them to int32, converts them to
+ * float32 (exact) and multiply-adds them with the 16 shared activations (vfmadd231ps); the 16 lanes of a row are summed
+ * at its end. OpenMP threads split the rows in steps of 4; each output is summed by one thread in a fixed order.
+ * Requires K % 16 == 0. Returns 0 on success. */
+static uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static float int8_row_dot(const int8_t *row, const float *xf, int64_t k) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i + 16))));
+        acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + i), acc0);
+        acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + i + 16), acc1);
+    }
+    for (; i < k; i += 16) {
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+        acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + i), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
+                      int64_t k) {
+    if (k % 16 || k <= 0 || n <= 0 || k > (1 << 20)) return 1;
+    float *xf = (float *)_mm_malloc((size_t)k * sizeof(float), 64);
+    if (xf == NULL) return 2;
+    for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_float(x[i]);
+
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        y[r] = float_to_bf16(bf16_to_float(scale[r]) * int8_row_dot(weight + r * k, xf, k));
+    _mm_free(xf);
+    return 0;
+}
+
 #else
 
 int hfquant_int4_cpu_supported(void) { return 0; }
+
+int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
+                      int64_t k) {
+    (void)x; (void)weight; (void)scale; (void)y; (void)n; (void)k;
+    return 1;
+}
 
 int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
                       int64_t n, int64_t k, int64_t group) {

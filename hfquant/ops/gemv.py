@@ -1,0 +1,134 @@
+"""One activation row (batch-1 decode) on CPU: hfquant's native GEMVs as operators, their checks against the aten
+kernels, and which of the two serves each layer shape.
+
+`hfquant.ops.native` builds and calls the C kernels; this module decides whether they may serve a layer:
+`native_int4_works` / `native_int8_works` compare them with the aten kernels once per process, and
+`choose_int4_row_kernel` / `choose_int8_row_kernel` record, per layer shape, the kernel that `hfquant.ops.choice`
+timed faster on this CPU (`NATIVE_INT4_ROWS`, `NATIVE_INT8_ROWS`, read by `kernels.quantized_matmul`). Under
+torch.compile the GEMVs are the custom ops `hfquant::int4_gemv` and `hfquant::int8_gemv`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from hfquant.core import packing, rtn
+from hfquant.ops import choice, native
+
+__all__ = [
+    "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
+    "native_int8_works", "int4_gemv_op", "int8_gemv_op",
+]
+
+logger = logging.getLogger(__name__)
+
+NATIVE_INT4_ROWS: dict[tuple[int, int, int], bool] = {}
+"""(out_features, in_features, group size) -> whether one bfloat16 row of such a `Kernel.INT4PACK_MM_CPU` layer runs
+hfquant's GEMV (True) or the aten kernel (False), as measured on this CPU (`choose_int4_row_kernel`). A shape not
+listed (a layer prepared before the choice existed) runs the GEMV wherever `_takes_native_int4` holds."""
+
+
+def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int) -> bool:
+    """Decide, by measurement on this CPU (`hfquant.ops.choice`), which kernel serves single bfloat16 rows of
+    `Kernel.INT4PACK_MM_CPU` layers of this shape, and record it for `quantized_matmul`; returns True for hfquant's
+    GEMV. Without a working GEMV (`native_int4_works`, or N not a multiple of 64) nothing is measured: False."""
+    shape = (out_features, in_features, group_size)
+    if shape not in NATIVE_INT4_ROWS:
+        usable = native_int4_works() and out_features % 64 == 0
+        NATIVE_INT4_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
+    return NATIVE_INT4_ROWS[shape]
+
+
+NATIVE_INT8_ROWS: dict[tuple[int, int], bool] = {}
+"""(out_features, in_features) -> whether one bfloat16 row of such a `Kernel.INT8PACK_MM` layer runs hfquant's int8
+GEMV (True) or the aten kernel (False), as measured on this CPU (`choose_int8_row_kernel`); a shape not listed runs the
+aten kernel."""
+
+
+def choose_int8_row_kernel(out_features: int, in_features: int) -> bool:
+    """`choose_int4_row_kernel` for `Kernel.INT8PACK_MM` layers: True when hfquant's int8 GEMV serves their single
+    bfloat16 rows. Without a working GEMV (`native_int8_works`) nothing is measured: False."""
+    shape = (out_features, in_features)
+    if shape not in NATIVE_INT8_ROWS:
+        usable = in_features % 16 == 0 and native_int8_works()
+        NATIVE_INT8_ROWS[shape] = usable and choice.int8_row_uses_native(out_features, in_features)
+    return NATIVE_INT8_ROWS[shape]
+
+
+@functools.lru_cache(maxsize=None)
+def native_int4_works() -> bool:
+    """True if hfquant's native int4 kernels (`hfquant.ops.native`) build and load here, the CPU layout has 64-row "halves"
+    blocks, and on a small random layer (128 x 256, group 64, asymmetric) both the single-row GEMV and x @ (the
+    dequantized weight) match the aten CPU kernel within 1% of the output range. Cached."""
+    if native.int4_cpu_library() is None:
+        return False
+    layout = packing.cpu_int4_layout()
+    if layout is None or layout.block_n != 64 or not layout.full_blocks_halves:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    n, k, group = 128, 256, 64
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    runtime = packing.to_cpu_int4_layout(q.q)
+    sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
+    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
+    try:
+        y = native.int4_gemv(x, runtime, sz, group).float()
+        weight_t = native.int4_dequantize_t(runtime, sz, group, 0, n, torch.empty((k, n), dtype=torch.bfloat16))
+    except RuntimeError as error:
+        logger.info("hfquant native int4 kernels unusable: %s", error)
+        return False
+    works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    from_dequantized = (x.float() @ weight_t.float()).float()
+    works = works and torch.allclose(from_dequantized, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    if not works:
+        logger.warning("hfquant native int4 kernels disagree with the aten kernel; using the aten kernel")
+    return works
+
+
+@functools.lru_cache(maxsize=None)
+def native_int8_works() -> bool:
+    """True if hfquant's native int8 GEMV (`hfquant.ops.native.int8_gemv`) loads here and, on a small random layer
+    (96 x 256), matches the aten kernel within 1% of the output range. Cached."""
+    if native.int4_cpu_library() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    n, k = 96, 256
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 8, k, True)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    scale = q.scale.reshape(-1).to(torch.bfloat16).contiguous()
+    reference = torch.ops.aten._weight_int8pack_mm(x, q.q.contiguous(), scale).float()
+    try:
+        y = native.int8_gemv(x, q.q.contiguous(), scale).float()
+    except RuntimeError as error:
+        logger.info("hfquant native int8 GEMV unusable: %s", error)
+        return False
+    works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    if not works:
+        logger.warning("hfquant native int8 GEMV disagrees with the aten kernel; using the aten kernel")
+    return works
+
+
+@torch.library.custom_op("hfquant::int8_gemv", mutates_args=())
+def int8_gemv_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`native.int8_gemv` as an opaque op for torch.compile (eager calls the function directly)."""
+    return native.int8_gemv(x, weight, scale)
+
+
+@int8_gemv_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((1, weight.shape[0]))
+
+
+@torch.library.custom_op("hfquant::int4_gemv", mutates_args=())
+def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`native.int4_gemv` as an opaque op for torch.compile (eager calls the function directly: no dispatch cost)."""
+    return native.int4_gemv(x, weight, scale_zero, group_size)
+
+
+@int4_gemv_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.new_empty((1, weight.shape[0]))
