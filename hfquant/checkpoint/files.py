@@ -388,15 +388,15 @@ def _stamp_checkpoint_id(folder: Path, names: list[str]) -> None:
 def stamp_checkpoint_ids(folder: str | os.PathLike) -> None:
     """Give the safetensors files of `folder` that carry the placeholder id (`PLACEHOLDER_METADATA`, as
     `save_pretrained` writes them for a model hfquant loaded) the id of the whole save (`_stamp_checkpoint_id`); a
-    single-file checkpoint (no index) keeps the placeholder, as `write_index` leaves it."""
+    single-file checkpoint (no index) keeps the placeholder, as `write_index` leaves it. Either way the metadata keys
+    are written sorted (safetensors writes them in hash-map order, which changes per process)."""
     folder = Path(folder)
-    if not (folder / INDEX_NAME).is_file():
-        return
     names = [p.name for p in sorted(folder.glob("*.safetensors")) if p.is_file() and not p.is_symlink()]
     names = [name for name in names if _has_placeholder(folder / name)]
-    for name in names:  # keys sorted first, as `write_shard` does: the id then depends on the tensors only
+    for name in names:  # keys sorted first, as `write_shard` does: the same save gives the same bytes
         _rewrite_metadata(folder / name, {"format": "pt", **PLACEHOLDER_METADATA})
-    _stamp_checkpoint_id(folder, names)
+    if (folder / INDEX_NAME).is_file():
+        _stamp_checkpoint_id(folder, names)
 
 
 def _has_placeholder(path: Path) -> bool:
