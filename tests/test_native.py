@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hfquant import QuantLinear
-from hfquant.core import rtn
+from hfquant.core import packing, rtn
 from hfquant.ops import gemv, kernels, native
 from hfquant.core.format import StoredFormat
 
@@ -273,3 +273,26 @@ def test_hfquant_native_other_values_are_refused(monkeypatch):
     monkeypatch.setenv("HFQUANT_NATIVE", "maybe")
     with pytest.raises(ValueError, match="HFQUANT_NATIVE='maybe' is not understood"):
         native.native_enabled()
+
+
+@needs_native
+@pytest.mark.parametrize("n, k", [(64, 32), (128, 576), (192, 2048)])
+def test_native_repacking_equals_the_torch_path_both_ways(n, k):
+    """hfquant_int4_to_cpu_layout / _from_cpu_layout: one pass each way, byte for byte what the torch ops give."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + k))
+    stored = packing.pack_int4(codes)
+    runtime = native.int4_repack(stored, to_cpu_layout=True)
+    assert torch.equal(runtime, packing.to_cpu_int4_layout(codes))
+    assert torch.equal(native.int4_repack(runtime, to_cpu_layout=False), stored)
+    with pytest.raises(RuntimeError, match="N % 64"):
+        native.int4_repack(stored[:32], to_cpu_layout=True)
+
+
+@needs_native
+def test_a_prepared_int4_layer_saves_the_bytes_it_was_given():
+    weight = torch.randn((128, 256), generator=torch.Generator().manual_seed(3))
+    layer = QuantLinear.from_float(weight, None, StoredFormat(4, 64, False))
+    stored = layer.weight.clone()
+    assert layer.prepare_kernel(torch.bfloat16) == kernels.Kernel.INT4PACK_MM_CPU
+    assert not torch.equal(layer.weight, stored)  # the kernel layout
+    assert torch.equal(layer.stored_weight(), stored) and torch.equal(layer.state_dict()["weight"], stored)

@@ -143,7 +143,7 @@ class QuantLinear(StoredWeight):
     def stored_weight(self) -> torch.Tensor:
         """The `weight` tensor in the stored (file) layout."""
         if self.kernel in kernels.INT4_KERNELS:
-            return packing.pack_int4(self._codes())
+            return kernels.stored_int4(self.kernel, self.weight, self.out_features, self.in_features)
         return self.weight
 
     @torch.no_grad()
@@ -165,8 +165,7 @@ class QuantLinear(StoredWeight):
             self.format, in_features=self.in_features, out_features=self.out_features, device=self.weight.device
         )
         if kernel in kernels.INT4_KERNELS:
-            codes = packing.unpack_int4(stored)
-            self.weight = kernels.prepare_weight(kernel, codes, self.in_features)
+            self.weight = kernels.prepare_packed_int4(kernel, stored, self.in_features)
             sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else compute_dtype
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
             if kernel == Kernel.INT4PACK_MM_CPU and sz_dtype == torch.bfloat16:  # one-row kernel, timed per shape

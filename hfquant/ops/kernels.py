@@ -49,6 +49,8 @@ __all__ = [
     "kernel_works",
     "prepare_weight",
     "restore_codes",
+    "prepare_packed_int4",
+    "stored_int4",
     "scale_zero_for_int4",
     "quantized_matmul",
 ]
@@ -127,6 +129,31 @@ def select_kernel(fmt: StoredFormat, *, in_features: int, out_features: int, dev
     return Kernel.DEQUANT
 
 
+def prepare_packed_int4(kernel: Kernel, packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`prepare_weight` for an int4 kernel from the stored (N, K // 2) packed weight: one native pass into the CPU
+    layout where hfquant's kernels work (`gemv.native_int4_works`, N % 64 == 0), else through unpacked codes."""
+    if kernel == Kernel.INT4PACK_MM_CPU and packed.device.type == "cpu" and packed.shape[0] % 64 == 0:
+        _note_cpu_int4_layout()
+        if _NATIVE_INT4:
+            return native.int4_repack(packed, to_cpu_layout=True)
+    return prepare_weight(kernel, packing.unpack_int4(packed), in_features)
+
+
+def _note_cpu_int4_layout() -> None:
+    """Set `_CPU_INT4_BLOCKS` and `_NATIVE_INT4` for the CPU int4 layout of this PyTorch build."""
+    global _CPU_INT4_BLOCKS, _NATIVE_INT4
+    layout = packing.cpu_int4_layout()
+    _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
+    _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
+
+
+def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of `prepare_packed_int4`: the runtime weight of an int4 kernel -> the stored (N, K // 2) layout."""
+    if kernel == Kernel.INT4PACK_MM_CPU and _NATIVE_INT4 and runtime_weight.device.type == "cpu" and out_features % 64 == 0:
+        return native.int4_repack(runtime_weight, to_cpu_layout=False)
+    return packing.pack_int4(restore_codes(kernel, runtime_weight, out_features, in_features))
+
+
 def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Storage weight -> the weight tensor `kernel` reads.
 
@@ -136,10 +163,7 @@ def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: i
             ((N, K) int8/uint8, or (N, K // 2) uint8 packed int4 for `Kernel.DEQUANT`).
     """
     if kernel == Kernel.INT4PACK_MM_CPU:
-        global _CPU_INT4_BLOCKS, _NATIVE_INT4
-        layout = packing.cpu_int4_layout()
-        _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
-        _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
+        _note_cpu_int4_layout()
         return packing.to_cpu_int4_layout(codes_or_weight)
     if kernel == Kernel.INT4PACK_MM_CUDA:
         tiles = _cuda_inner_k_tiles(in_features)

@@ -40,7 +40,7 @@ import torch
 
 from hfquant.core import paths
 
-__all__ = ["native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv"]
+__all__ = ["native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,9 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     library.hfquant_int8_gemv.restype = ctypes.c_int
     library.hfquant_int8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    for name in ("hfquant_int4_to_cpu_layout", "hfquant_int4_from_cpu_layout"):
+        getattr(library, name).restype = ctypes.c_int
+        getattr(library, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     return library
 
 
@@ -264,3 +267,25 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     if status:
         raise RuntimeError(f"hfquant native int8 GEMV refused N={out_features}, K={in_features} (needs K % 16 == 0)")
     return y
+
+
+def int4_repack(weight: torch.Tensor, to_cpu_layout: bool) -> torch.Tensor:
+    """The int4 weight (N, K // 2) uint8 moved between the stored layout and the 64-row "halves" CPU kernel layout, in
+    one pass (`hfquant.core.packing` does the same with torch ops through unpacked codes).
+
+    Args:
+        weight: (N, K // 2) contiguous uint8, N % 64 == 0.
+        to_cpu_layout: True: stored -> kernel layout; False: kernel layout -> stored.
+    Returns:
+        A new (N, K // 2) uint8 tensor.
+    Raises:
+        RuntimeError: the library is unavailable or refused the shape.
+    """
+    library = _loaded_library()
+    n, k = weight.shape[0], weight.shape[1] * 2
+    weight = weight.contiguous()
+    out = torch.empty_like(weight)
+    function = library.hfquant_int4_to_cpu_layout if to_cpu_layout else library.hfquant_int4_from_cpu_layout
+    if function(weight.data_ptr(), out.data_ptr(), n, k):
+        raise RuntimeError(f"hfquant native int4 repacking refused N={n}, K={k} (needs N % 64 == 0)")
+    return out

@@ -1,6 +1,7 @@
 /* hfquant's CPU kernels. int4, on the layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX-512 "halves" blocks):
- * hfquant_int4_gemv (one activation row) and hfquant_int4_dequantize_t (weight columns for a prefill GEMM). int8, on
- * the row-major layout hfquant stores and _weight_int8pack_mm reads: hfquant_int8_gemv (one activation row, below).
+ * hfquant_int4_gemv (one activation row) and hfquant_int4_dequantize_t (weight columns for a prefill GEMM), and the
+ * repacking between that layout and the stored one (hfquant_int4_to_cpu_layout / _from_cpu_layout). int8, on the
+ * row-major layout hfquant stores and _weight_int8pack_mm reads: hfquant_int8_gemv (one activation row, below).
  *
  * GEMV:
  *   y[n] = sum_g ( scale[g,n] * sum_{k in g} q[n,k] * x[k]  +  (zero[g,n] - 8 * scale[g,n]) * sum_{k in g} x[k] )
@@ -27,6 +28,46 @@
 #define HFQUANT_INT4_CPU_ABI 3
 
 int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
+
+/* Repacking between the stored int4 layout (N, K/2): byte i of row n holds q[n, 2i] (low nibble) and q[n, 2i + 1]
+ * (high nibble), and the CPU kernel layout (N/64, K, 32): byte [b, k, j] holds q[64b + j, k] (low) and
+ * q[64b + 32 + j, k] (high). One pass each way instead of unpacking every code to a byte first (torch ops: about
+ * 10x the time). Require N % 64 == 0 and K even; return 0 on success. */
+int hfquant_int4_to_cpu_layout(const uint8_t *stored, uint8_t *out, int64_t n, int64_t k) {
+    if (n % 64 || k % 2 || n <= 0 || k <= 0) return 1;
+    const int64_t half = k / 2, blocks = n / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t *dst = out + b * k * 32;
+        for (int64_t j = 0; j < 32; j++) {
+            const uint8_t *lo = stored + (64 * b + j) * half, *hi = stored + (64 * b + 32 + j) * half;
+            for (int64_t i = 0; i < half; i++) {
+                const uint8_t l = lo[i], h = hi[i];
+                dst[(2 * i) * 32 + j] = (uint8_t)((l & 0x0F) | (h << 4));
+                dst[(2 * i + 1) * 32 + j] = (uint8_t)((l >> 4) | (h & 0xF0));
+            }
+        }
+    }
+    return 0;
+}
+
+int hfquant_int4_from_cpu_layout(const uint8_t *layout, uint8_t *stored, int64_t n, int64_t k) {
+    if (n % 64 || k % 2 || n <= 0 || k <= 0) return 1;
+    const int64_t half = k / 2, blocks = n / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *src = layout + b * k * 32;
+        for (int64_t j = 0; j < 32; j++) {
+            uint8_t *lo = stored + (64 * b + j) * half, *hi = stored + (64 * b + 32 + j) * half;
+            for (int64_t i = 0; i < half; i++) {
+                const uint8_t even = src[(2 * i) * 32 + j], odd = src[(2 * i + 1) * 32 + j];
+                lo[i] = (uint8_t)((even & 0x0F) | (odd << 4));
+                hi[i] = (uint8_t)((even >> 4) | (odd & 0xF0));
+            }
+        }
+    }
+    return 0;
+}
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
