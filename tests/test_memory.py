@@ -60,7 +60,7 @@ def test_reset_peak_rss_lowers_the_high_water_mark():
     peak_with_spike = peak_rss_mib()
     if not reset_peak_rss():
         pytest.skip("/proc/self/clear_refs is not writable here")
-    assert peak_rss_mib() <= peak_with_spike
+    assert peak_rss_mib() <= peak_with_spike + 1  # RSS may grow by a few pages between the two reads (seen: 12 KiB)
     # Right after a reset the peak is (about) the current RSS. The kernel's RSS counters are batched per thread, and
     # memory freed between the two reads widens the gap, so in a large test process one reading can be off: the
     # closest of three resets counts (without a working reset every gap would stay at the spike's height).
