@@ -131,8 +131,7 @@ def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
     weight = packing.to_cpu_int4_layout(codes)
     groups = k // group_size
     scale_zero = (torch.rand((groups, n, 2), generator=generator) * 0.02).to(torch.bfloat16)
-    count = min(_MAX_COPIES, max(1, _WORKING_SET_BYTES // max(weight.nbytes, 1)))
-    copies = [weight] + [weight.clone() for _ in range(count - 1)]
+    copies = _copies(weight)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     kernels = {
         "aten": lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group_size, scale_zero),
@@ -154,14 +153,19 @@ def measure_int8_row(n: int, k: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
     scale = (torch.rand((n,), generator=generator) * 0.02).to(torch.bfloat16)
-    count = min(_MAX_COPIES, max(1, _WORKING_SET_BYTES // max(weight.nbytes, 1)))
-    copies = [weight] + [weight.clone() for _ in range(count - 1)]
+    copies = _copies(weight)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     kernels = {
         "aten": lambda w: torch.ops.aten._weight_int8pack_mm(x, w, scale),
         "native": lambda w: native.int8_gemv(x, w, scale),
     }
     return _time_kernels(kernels, copies)
+
+
+def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and clones of it, about `_WORKING_SET_BYTES` in all (at most `_MAX_COPIES`)."""
+    count = min(_MAX_COPIES, max(1, _WORKING_SET_BYTES // max(weight.nbytes, 1)))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
 def _time_kernels(kernels: dict, copies: list[torch.Tensor]) -> dict[str, float]:
