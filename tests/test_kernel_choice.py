@@ -133,7 +133,7 @@ def test_int8_measurement_times_both_kernels_and_the_gemv_matches_float64(fresh)
     seconds = choice.measure_int8_row(96, 256)
     assert set(seconds) == {"native", "aten"} and all(0 < s < 0.1 for s in seconds.values()), seconds
     generator = torch.Generator().manual_seed(2)
-    for n, k in ((96, 256), (100, 48), (2048, 2048)):  # N not a multiple of anything, K a multiple of 16
+    for n, k in ((96, 256), (100, 48), (2048, 2048), (10, 8192)):  # odd N; K % 16 == 0; long rows go 4 at a time
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         scale = (torch.rand(n, generator=generator) * 0.01).to(torch.bfloat16)
         x = torch.randn((1, k), generator=generator).to(torch.bfloat16)

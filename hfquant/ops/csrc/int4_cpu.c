@@ -233,6 +233,24 @@ static float int8_row_dot(const int8_t *row, const float *xf, int64_t k) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
+/* sum_k q[r + i, k] * x[k] for the 4 rows r..r+3 together, each 16 activations loaded once for the 4 rows: for long
+ * rows (K >= INT8_ROWS4_MIN_K) the float32 activations outgrow L1 and reloading them per row costs more than the four
+ * interleaved weight streams (measured: 2048 x 8192 at 0.85x the one-row loop's time; shorter rows lose) */
+#define INT8_ROWS4_MIN_K 8192
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void int8_rows4_dot(const int8_t *rows, const float *xf, int64_t k, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(xf + i);
+        for (int r = 0; r < 4; r++) {
+            const __m128i codes = _mm_loadu_si128((const __m128i *)(rows + r * k + i));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k) {
@@ -241,8 +259,15 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
     if (xf == NULL) return 2;
     for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_float(x[i]);
 
+    const int64_t quads = k >= INT8_ROWS4_MIN_K ? n / 4 : 0;
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; r++)
+    for (int64_t q = 0; q < quads; q++) {
+        float dots[4];
+        int8_rows4_dot(weight + 4 * q * k, xf, k, dots);
+        for (int r = 0; r < 4; r++) y[4 * q + r] = float_to_bf16(bf16_to_float(scale[4 * q + r]) * dots[r]);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 4 * quads; r < n; r++)
         y[r] = float_to_bf16(bf16_to_float(scale[r]) * int8_row_dot(weight + r * k, xf, k));
     _mm_free(xf);
     return 0;
