@@ -36,6 +36,7 @@ from hfquant.checkpoint.files import (
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands import convert
 from hfquant.commands.cards import EVAL_FILE
+from hfquant.commands.export_gguf import export_gguf
 from hfquant.commands.verify import read_quantization_config
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
@@ -46,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("compressed-tensors",)
+FORMATS = ("compressed-tensors", "gguf")
 """Formats `export_checkpoint` writes."""
 _NOT_COPIED = {CONFIG_NAME, INDEX_NAME, "README.md", SUMS_NAME, EVAL_FILE}
 
@@ -153,7 +154,8 @@ def export_checkpoint(
     Args:
         src: an hfquant checkpoint folder (from `hfquant convert` or `save_pretrained`).
         dst: the folder to write; must not exist unless `overwrite`.
-        format: "compressed-tensors" (the only one).
+        format: "compressed-tensors", or "gguf": then `dst` is one .gguf file and the result a
+            `hfquant.commands.export_gguf.GgufResult` (`export_gguf`; `max_shard_size` does not apply).
         max_shard_size: largest output shard, bytes or e.g. "500MB".
         overwrite: replace an existing `dst` (atomically, once the new one is complete).
 
@@ -168,6 +170,8 @@ def export_checkpoint(
     start = time.perf_counter()
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not an export format; allowed: {list(FORMATS)}")
+    if format == "gguf":  # one file for llama.cpp (`hfquant.commands.export_gguf`), not a folder
+        return export_gguf(src, dst, overwrite=overwrite)
     folder, dst = Path(src).expanduser(), Path(dst).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"SRC {folder} is not a folder; pass an hfquant checkpoint folder")
