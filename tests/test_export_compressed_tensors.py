@@ -180,8 +180,8 @@ def test_links_leaving_src_are_refused(llama_bf16, tmp_path, name):
 
 
 def test_refusals_name_the_value(llama_bf16, tmp_path):
-    with pytest.raises(ValueError, match=r"format='gguf'.*\['compressed-tensors'\]"):
-        export_checkpoint(llama_bf16, tmp_path / "x", format="gguf")
+    with pytest.raises(ValueError, match=r"format='onnx'.*\['compressed-tensors', 'gguf'\]"):
+        export_checkpoint(llama_bf16, tmp_path / "x", format="onnx")
     with pytest.raises(ValueError, match="no quantization_config"):
         export_checkpoint(llama_bf16, tmp_path / "x")
     src = tmp_path / "q"
@@ -272,7 +272,7 @@ def test_cli_export(llama_bf16, tmp_path):
     assert "14 layers quantized in 1 config group(s)" in result.stdout
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 1 and "--overwrite" in again.stderr
-    bad = subprocess.run(command[:-1] + ["gguf"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(command[:-1] + ["onnx"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "compressed-tensors" in bad.stderr
 
 
