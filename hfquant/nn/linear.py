@@ -10,6 +10,7 @@ from hfquant.core import packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import gemv, kernels
+from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.kernels import Kernel
 
 __all__ = ["KeepsStoredScales", "StoredWeight", "QuantLinear", "quantize_to_buffers"]
@@ -232,7 +233,7 @@ class QuantLinear(StoredWeight):
         col_scale = buffers.get("weight_col_scale")  # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
         if col_scale is not None:
             x = x * col_scale.to(x.dtype)
-        y = kernels.quantized_matmul(
+        y = quantized_matmul_trainable(  # the inference kernel unchanged unless x requires grad
             self.kernel,
             x,
             buffers["weight"],
