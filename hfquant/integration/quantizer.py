@@ -464,7 +464,8 @@ class HfQuantQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        """peft LoRA adapters train over the frozen quantized layers (input gradients: `hfquant.ops.autograd`)."""
+        return True
 
     @property
     def is_compileable(self) -> bool:
