@@ -57,7 +57,8 @@ def _quantized_matmul_op(
 ) -> torch.Tensor:
     fmt = StoredFormat(bits, group_size, symmetric)
     y = kernels.quantized_matmul(
-        Kernel(kernel), x, weight, scale, zero_point, scale_zero, fmt, in_features=in_features, out_features=out_features
+        Kernel(kernel), x, weight, scale, zero_point, scale_zero, fmt,
+        in_features=in_features, out_features=out_features,
     )
     return y.clone() if y.data_ptr() == x.data_ptr() else y
 

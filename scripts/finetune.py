@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""LoRA fine-tuning of SmolLM2-135M (hfquant's example model) in bf16 vs hfquant int8 / int4 (group 64), issue #17.
+
+Fixed settings: 4 sequences of 256 tokens per step, bf16 weights, LoRA r=16 (alpha 32, no dropout) on every linear
+layer but lm_head, AdamW lr 2e-4, 100 steps, no activation checkpointing; text = pydoc_data.topics (sorted topics
+joined), first half of the tokens to train, second half held out. Each method runs in its own Python process (clean
+peak RSS). Prints one markdown table: held-out perplexity before/after, training tokens/s, peak RSS, adapter MiB.
+
+    nice python scripts/finetune.py                 # 100 steps
+    nice python scripts/finetune.py --steps 10 --eval-seqs 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ, BATCH, RANK, LR = 256, 4, 16, 2e-4
+METHODS = ("bf16", "int8", "int4")
+
+
+def _token_blocks(tokenizer):
+    import torch
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    half = ids.numel() // 2
+    train, held = ids[:half], ids[half:]
+    blocks = lambda t: t[: t.numel() // SEQ * SEQ].reshape(-1, SEQ)  # noqa: E731
+    return blocks(train), blocks(held), torch
+
+
+def _perplexity(model, blocks, torch) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, blocks.shape[0], BATCH):
+            batch = blocks[start:start + BATCH]
+            loss = model(input_ids=batch, labels=batch).loss.item()
+            total += loss * batch.shape[0]
+            count += batch.shape[0]
+    return math.exp(total / count)
+
+
+def worker(method: str, steps: int, eval_seqs: int, out: Path) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.memory import dir_size_bytes, peak_rss_mib
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+    import hfquant.peft
+    from hfquant import HfQuantConfig
+    from hfquant.example_model import build_example_model
+
+    path = build_example_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    train, held, torch = _token_blocks(tokenizer)
+    held = held[:eval_seqs]
+    kwargs = {}
+    if method == "int8":
+        kwargs["quantization_config"] = HfQuantConfig(bits=8)
+    elif method == "int4":
+        kwargs["quantization_config"] = HfQuantConfig(bits=4, group_size=64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu", **kwargs)
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear")
+    peft_model = hfquant.peft.get_peft_model(model, config)
+    before = _perplexity(peft_model, held, torch)
+    data = [{"input_ids": row, "labels": row} for row in train[: steps * BATCH]]
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), use_cpu=True, per_device_train_batch_size=BATCH, max_steps=steps,
+        learning_rate=LR, optim="adamw_torch", lr_scheduler_type="constant", report_to=[], save_strategy="no",
+        logging_steps=max(1, steps // 10), dataloader_num_workers=0, seed=0,
+    )
+    trainer = Trainer(model=peft_model, args=args, train_dataset=data)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    after = _perplexity(peft_model, held, torch)
+    adapter = out / f"adapter-{method}"
+    peft_model.save_pretrained(adapter)
+    return {
+        "method": method, "steps": steps, "ppl_before": before, "ppl_after": after,
+        "tokens_per_s": steps * BATCH * SEQ / seconds, "peak_rss_mib": peak_rss_mib(),
+        "adapter_mib": dir_size_bytes(adapter) / 2**20, "eval_tokens": held.numel(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences of 256 tokens to score")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.steps, args.eval_seqs, args.out)))
+        return 0
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.machine import describe
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in args.methods.split(","):
+            command = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
+                       "--eval-seqs", str(args.eval_seqs), "--out", tmp]
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+            if result.returncode:
+                rows.append({"method": method, "error": f"exit {result.returncode}"})
+                continue
+            rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    bf16 = next((r for r in rows if r["method"] == "bf16" and "error" not in r), None)
+    print(f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.steps} steps, "
+          f"held-out {args.eval_seqs} x {SEQ} tokens\n")
+    print("| LoRA over | held-out ppl before | after | train tokens/s | vs bf16 | peak RSS MiB | adapter MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['method']} | {r['error']} | | | | | |")
+            continue
+        ratio = f"{bf16['tokens_per_s'] / r['tokens_per_s']:.2f}x time" if bf16 else "-"
+        print(f"| {r['method']} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['tokens_per_s']:.0f} | {ratio} "
+              f"| {r['peak_rss_mib']:.0f} | {r['adapter_mib']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
