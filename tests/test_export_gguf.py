@@ -7,6 +7,7 @@ Q4_1's offset m = -scale * zero_point is rounded to fp16: weights within half an
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hfquant import HfQuantConfig, QuantLinear  # noqa: E402
 from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4  # noqa: E402
+from hfquant.commands.export_gguf import gguf_pre_tokenizer  # noqa: E402
 from hfquant.commands.convert import convert  # noqa: E402
 from hfquant.commands.export import export_checkpoint  # noqa: E402
 
@@ -81,6 +83,96 @@ def test_gguf_reader_and_transformers_read_back_hfquant_weights(source, tmp_path
     assert tokenizer(text).input_ids == tiny_tokenizer()(text).input_ids
 
 
+def _assert_same_model(folder: Path, name: str) -> None:
+    """transformers' GGUF load of folder/model.gguf has hfquant's dequantized weights and logits."""
+    hfquant_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)
+    for module_name, module in hfquant_model.named_modules():
+        if isinstance(module, QuantLinear):
+            got = gguf_model.get_submodule(module_name)
+            assert torch.equal(got.weight.float(), module.dequantize(torch.float32)), module_name
+            if module.bias is not None:
+                assert torch.equal(got.bias.float(), module.bias.float()), module_name
+    ids = torch.tensor([[5, 77, 140, 9, 33, 200, 18]])
+    with torch.no_grad():
+        reference, logits = hfquant_model(ids).logits, gguf_model(ids).logits
+    assert (logits - reference).abs().max() <= 1e-3 * reference.abs().max(), name
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-sym"])
+def test_qwen2_is_written_unpermuted_with_its_biases(tmp_path, name):
+    from transformers import Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, **TOKENIZER_VOCAB)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():  # Qwen2 initializes its q/k/v biases to zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    source = tmp_path / "qwen2"
+    model.save_pretrained(source)
+    tiny_tokenizer().save_pretrained(source)
+    folder = _quantized(source, tmp_path, name)
+    export_checkpoint(folder, folder / "model.gguf", format="gguf")
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "qwen2"
+    assert {"blk.0.attn_q.bias", "blk.1.attn_v.bias"} <= {t.name for t in reader.tensors}
+    _assert_same_model(folder, name)
+
+
+def test_pre_tokenizers_get_llama_cpp_names():
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert gguf_pre_tokenizer(byte_level) == "gpt-2"
+    assert gguf_pre_tokenizer({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
+    regex = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+             "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+    for pattern, expected in ((regex, "llama-bpe"), (regex.replace("{1,3}", ""), "qwen2"), ("\\s+", None)):
+        split = {"type": "Split", "pattern": {"Regex": json.loads(json.dumps(pattern))}, "behavior": "Isolated"}
+        steps = [split, dict(byte_level, use_regex=False)]
+        assert gguf_pre_tokenizer({"type": "Sequence", "pretokenizers": steps}) == expected, pattern
+    assert gguf_pre_tokenizer(dict(byte_level, use_regex=False)) is None  # no llama.cpp rule: written as "default"
+    assert gguf_pre_tokenizer(None) is None
+
+
+def _sentencepiece_style_tokenizer():
+    """A Llama-2 / Mistral style tokenizer.json: BPE with byte fallback over "▁"-prefixed pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{i:02X}>": 3 + i for i in range(256)})
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "el", "lo", "▁hel", "▁hello", "▁w", "or", "▁wor", "ld",
+              "▁world"]
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(pieces)})
+    merges = [("▁", "h"), ("e", "l"), ("l", "o"), ("▁h", "el"), ("▁hel", "lo"), ("▁", "w"), ("o", "r"),
+              ("▁w", "or"), ("l", "d"), ("▁wor", "ld")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_sentencepiece_style_tokenizer_is_written_as_llamas(tmp_path):
+    tokenizer = _sentencepiece_style_tokenizer()
+    size = len(tokenizer)
+    source = tmp_path / "mistral-like"
+    tiny_model("llama", dtype=torch.bfloat16, vocab_size=size + 3, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    folder = _quantized(source, tmp_path, "int8")
+    export_checkpoint(folder, folder / "model.gguf", format="gguf")
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    assert bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    back = AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")
+    for text in ("hello world", "hello wörld 42"):  # "ö" and the digits only through byte fallback
+        assert back(text).input_ids == tokenizer(text).input_ids, text
+
+
 def test_q4_1_offsets_are_counted_when_fp16_cannot_hold_them():
     codes = torch.randint(0, 16, (2, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     scale = torch.tensor([[0.0123], [0.5]], dtype=torch.bfloat16)
@@ -108,7 +200,7 @@ def test_refusals_name_the_reason(source, tmp_path, float_checkpoint):
         export_checkpoint(stored_scales, tmp_path / "a.gguf", format="gguf")
     gpt2 = tmp_path / "gpt2"
     convert(float_checkpoint("gpt2"), gpt2, HfQuantConfig(bits=8), progress=False, card=False)
-    with pytest.raises(ValueError, match=r"model_type='gpt2'; the GGUF export writes \['llama', 'mistral'\]"):
+    with pytest.raises(ValueError, match=r"model_type='gpt2'; the GGUF export writes \['llama', 'mistral', 'qwen2'\]"):
         export_checkpoint(gpt2, tmp_path / "b.gguf", format="gguf")
     with pytest.raises(ValueError, match="not an hfquant checkpoint"):
         export_checkpoint(source, tmp_path / "c.gguf", format="gguf")

@@ -4,9 +4,14 @@
 
 The quantized layers' codes are re-blocked as they are (`hfquant.checkpoint.gguf_export`: int8 -> Q8_0, int4
 symmetric -> Q4_0, int4 asymmetric -> Q4_1); norms are written as F32, the embedding and any float Linear layer as
-F16 when their values are exact in fp16, else F32. Hyper-parameters and the tokenizer (a GPT-2-style byte-level BPE
-`tokenizer.json`, as Llama 3, SmolLM2 and Qwen2 use) go through the `gguf` package's own writer and vocab helpers
-(`GGUFWriter`, `gguf.vocab.BpeVocab`, `gguf.SpecialVocab`). The file is written beside DST under a temporary name and
+F16 when their values are exact in fp16, else F32; biases (Qwen2's q/k/v) as F32. Llama and Mistral are written with
+GGUF's "llama" architecture (q/k rows permuted as llama.cpp expects), Qwen2 with "qwen2" (not permuted, as llama.cpp's
+converter does). Hyper-parameters and the tokenizer go through the `gguf` package's own writer and vocab helpers
+(`GGUFWriter`, `gguf.SpecialVocab`, and for the vocabulary `gguf.vocab.BpeVocab` for a GPT-2-style byte-level BPE
+`tokenizer.json` as Llama 3, SmolLM2 and Qwen2 use, `gguf.vocab.LlamaHfVocab` for a SentencePiece-style BPE with byte
+fallback as Llama 2 and Mistral use). A byte-level tokenizer's pre-tokenizer is named for llama.cpp from its
+`pre_tokenizer` in `tokenizer.json` (`gguf_pre_tokenizer`); one llama.cpp does not know is written as "default" with
+a warning, since llama.cpp then splits text with its default rule (ids given to it directly are unaffected). The file is written beside DST under a temporary name and
 renamed at the end: an interrupted export leaves DST as it was. gguf's writer keeps the tensors it is given until it
 writes them, so memory holds the re-blocked model (about its file size), not the float one.
 
@@ -17,6 +22,7 @@ a multiple of 32; scales fp16 cannot hold.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -33,12 +39,19 @@ from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4, rebl
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core.packing import unpack_int4
 
-__all__ = ["GGUF_MODEL_TYPES", "GgufResult", "export_gguf"]
+__all__ = ["GGUF_ARCHITECTURES", "GGUF_MODEL_TYPES", "GgufResult", "export_gguf", "gguf_pre_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
-GGUF_MODEL_TYPES = ("llama", "mistral")
-"""`config.json` model types written with GGUF's "llama" architecture."""
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+"""`config.json` model type -> the GGUF architecture it is written as."""
+GGUF_MODEL_TYPES = tuple(GGUF_ARCHITECTURES)
+PERMUTED_ARCHITECTURES = ("llama",)
+"""GGUF architectures whose q/k rows llama.cpp stores permuted (its converter permutes Llama's, not Qwen2's)."""
+
+_LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+                 "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace("\\p{N}{1,3}", "\\p{N}")
 
 _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -103,27 +116,61 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_vocab_size(config["vocab_size"])
 
 
+def gguf_pre_tokenizer(pre_tokenizer: dict | None) -> str | None:
+    """llama.cpp's name (`tokenizer.ggml.pre`) for a byte-level BPE `tokenizer.json` "pre_tokenizer", or None when
+    llama.cpp has none for it. Recognized: GPT-2's ByteLevel regex ("gpt-2"), digits split one by one before it as
+    SmolLM's ("smollm"), and the Split regexes of Llama 3 ("llama-bpe") and Qwen2 ("qwen2") (the regexes of
+    `llama-vocab.cpp`'s pre-tokenizer types)."""
+    if not pre_tokenizer:
+        return None
+    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer.get("type") == "Sequence" else [pre_tokenizer]
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        return {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}.get(pattern)
+    return None
+
+
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     try:
-        vocab = gguf.vocab.BpeVocab(folder)
-    except (FileNotFoundError, ValueError) as error:
-        raise ValueError(f"{folder}: the GGUF export writes GPT-2-style byte-level BPE tokenizers only ({error})") from None
-    tokens, types = [], []
-    for text, _score, kind in vocab.all_tokens():
+        vocab, model, pre = gguf.vocab.BpeVocab(folder), "gpt2", None
+        tokenizer_json = folder / "tokenizer.json"
+        if tokenizer_json.exists() and not (folder / "vocab.json").exists():
+            pre = gguf_pre_tokenizer(json.loads(tokenizer_json.read_text(encoding="utf-8")).get("pre_tokenizer"))
+        if pre is None:
+            logger.warning("%s: llama.cpp has no pre-tokenizer matching this tokenizer's; written as 'default', so "
+                           "llama.cpp may split text differently (token ids given to it directly are unaffected)",
+                           tokenizer_json)
+    except (FileNotFoundError, ValueError) as bpe_error:
+        try:
+            vocab, model, pre = gguf.vocab.LlamaHfVocab(folder), "llama", None
+        except (FileNotFoundError, TypeError, ValueError, OSError) as llama_error:
+            raise ValueError(f"{folder}: the GGUF export writes byte-level BPE tokenizers ({bpe_error}) and "
+                             f"SentencePiece-style BPE with byte fallback ({llama_error}) only") from None
+    tokens, scores, types = [], [], []
+    for text, score, kind in vocab.all_tokens():
         tokens.append(text)
+        scores.append(score)
         types.append(kind)
     while len(tokens) < vocab_size:  # embedding rows without a token
         tokens.append(f"[PAD{len(tokens)}]")
+        scores.append(-1000.0)
         types.append(gguf.TokenType.UNUSED)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre or "default")
     writer.add_token_list(tokens)
+    if model == "llama":
+        writer.add_token_scores(scores)
     writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
+    gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=len(tokens)).add_to_gguf(writer)
 
 
 def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> GgufResult:
-    """Write the hfquant checkpoint folder `src` (a Llama-family model) as the GGUF file `dst`.
+    """Write the hfquant checkpoint folder `src` (Llama, Mistral or Qwen2) as the GGUF file `dst`.
 
     Raises:
         ValueError: not an hfquant checkpoint, another architecture, a layer GGUF cannot hold (named, with why), a
@@ -149,8 +196,15 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
         layer = next(name for name in files if name.endswith(".weight_col_scale")).rpartition(".")[0]
         raise ValueError(f"{layer} stores a SINQ column scale, which GGUF has no tensor for: convert with the 4-bit "
                          "default (it folds the scales in Llama blocks) or method='rtn'")
+    architecture = GGUF_ARCHITECTURES[config["model_type"]]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
+
+    def permutation(gguf_name: str, rows: int) -> torch.Tensor | None:
+        if architecture not in PERMUTED_ARCHITECTURES or not gguf_name.endswith(("attn_q", "attn_k")):
+            return None
+        return llama_permutation(rows, heads if gguf_name.endswith("attn_q") else kv_heads)
+
     handles: dict[Path, object] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -165,7 +219,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     types: dict[str, int] = {}
     inexact, max_error = 0, 0.0
     try:
-        writer = gguf.GGUFWriter(partial, "llama")
+        writer = gguf.GGUFWriter(partial, architecture)
         _add_hyperparameters(writer, config)
         _add_tokenizer(writer, folder, config["vocab_size"])
         modules = sorted({name.rpartition(".")[0] for name in files if name.endswith(".weight")})
@@ -179,31 +233,34 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
                 zero = read(module + ".weight_zero_point") if module + ".weight_zero_point" in files else None
                 if weight.dtype == torch.int8:
                     blocks = reblock_int8(weight, scale, module)
-                    n = weight.shape[0]
+                    perm = permutation(gguf_name, weight.shape[0])
+                    if perm is not None:
+                        blocks.data = blocks.data[perm.numpy()]
                 else:
                     codes = unpack_int4(weight)
-                    n, k = codes.shape
-                    group = k // scale.shape[1]
-                    if gguf_name.endswith(("attn_q", "attn_k")):
-                        perm = llama_permutation(n, heads if gguf_name.endswith("attn_q") else kv_heads)
+                    group = codes.shape[1] // scale.shape[1]
+                    perm = permutation(gguf_name, codes.shape[0])
+                    if perm is not None:
                         codes, scale = codes[perm], scale[perm]
                         zero = None if zero is None else zero[perm]
                     blocks = reblock_int4(codes, scale, zero, group, module)
                     inexact += blocks.inexact_blocks
                     max_error = max(max_error, blocks.max_error)
-                if weight.dtype == torch.int8 and gguf_name.endswith(("attn_q", "attn_k")):
-                    perm = llama_permutation(n, heads if gguf_name.endswith("attn_q") else kv_heads)
-                    blocks.data = blocks.data[perm.numpy()]
                 writer.add_tensor(gguf_name + ".weight", blocks.data, raw_dtype=_QUANT_TYPES[blocks.kind])
                 types[blocks.kind] = types.get(blocks.kind, 0) + 1
             else:
-                if gguf_name.endswith(("attn_q", "attn_k")):
-                    perm = llama_permutation(weight.shape[0], heads if gguf_name.endswith("attn_q") else kv_heads)
+                perm = permutation(gguf_name, weight.shape[0])
+                if perm is not None:
                     weight = weight[perm]
                 array = _float_tensor(weight, norm=gguf_name.endswith("norm"))
                 writer.add_tensor(gguf_name + ".weight", array)
                 kind = "F16" if array.dtype == np.float16 else "F32"
                 types[kind] = types.get(kind, 0) + 1
+            if module + ".bias" in files:
+                bias = read(module + ".bias").float()
+                perm = permutation(gguf_name, bias.shape[0])
+                writer.add_tensor(gguf_name + ".bias", (bias if perm is None else bias[perm]).numpy())
+                types["F32"] = types.get("F32", 0) + 1
             release_checkpoint_pages()
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
