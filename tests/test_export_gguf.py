@@ -137,6 +137,16 @@ def test_pre_tokenizers_get_llama_cpp_names():
     assert gguf_pre_tokenizer(None) is None
 
 
+def test_special_tokens_are_control_tokens_for_llama_cpp(source, tmp_path):
+    """<eos> is both in the BPE vocabulary and a special added token: llama.cpp must see it as CONTROL (else it reads
+    "<eos>" in a chat prompt as five bytes)."""
+    folder = _quantized(source, tmp_path, "int8")
+    export_checkpoint(folder, folder / "model.gguf", format="gguf")
+    field = gguf.GGUFReader(folder / "model.gguf").fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[i][0]) for i in field.data]
+    assert types[256] == gguf.TokenType.CONTROL and set(types[:256]) == {gguf.TokenType.NORMAL}
+
+
 def _sentencepiece_style_tokenizer():
     """A Llama-2 / Mistral style tokenizer.json: BPE with byte fallback over "▁"-prefixed pieces."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers

@@ -135,6 +135,16 @@ def gguf_pre_tokenizer(pre_tokenizer: dict | None) -> str | None:
     return None
 
 
+def _added_tokens(folder: Path) -> dict[int, bool]:
+    """id -> special for `tokenizer.json`'s added tokens (chat markers such as <|im_start|>). gguf's vocab helpers
+    type an added token that is also in the BPE vocabulary as NORMAL, and llama.cpp then reads its text as bytes."""
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return {}
+    added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+    return {int(item["id"]): bool(item.get("special")) for item in added if isinstance(item, dict) and "id" in item}
+
+
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     try:
         vocab, model, pre = gguf.vocab.BpeVocab(folder), "gpt2", None
@@ -156,6 +166,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
         tokens.append(text)
         scores.append(score)
         types.append(kind)
+    for index, special in _added_tokens(folder).items():
+        if index < len(types):  # llama.cpp matches CONTROL / USER_DEFINED tokens in text, not NORMAL ones
+            types[index] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
     while len(tokens) < vocab_size:  # embedding rows without a token
         tokens.append(f"[PAD{len(tokens)}]")
         scores.append(-1000.0)
