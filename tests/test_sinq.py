@@ -56,6 +56,26 @@ def test_column_scale_edge_cases():
         sinq.column_scale(bad, 32)
 
 
+def test_scratch_buffers_give_the_same_scales_across_shapes():
+    """One Scratch reused by weights of growing and shrinking sizes (its views hold the previous weight's bytes):
+    every scale equals the one computed with fresh tensors, and the stacked scale with row factors equals the
+    explicit bfloat16 stack."""
+    from hfquant.core import folding
+    from hfquant.core.scratch import Scratch
+
+    scratch = Scratch()
+    generator = torch.Generator().manual_seed(3)
+    for rows, cols in ((64, 256), (192, 512), (32, 128), (96, 256)):
+        weight = torch.randn(rows, cols, generator=generator).to(torch.bfloat16)
+        assert torch.equal(sinq.column_scale(weight, 64, scratch=scratch), sinq.column_scale(weight, 64))
+        parts = [weight, torch.randn(rows // 2, cols, generator=generator)]
+        factors = torch.rand(rows // 2, generator=generator) + 0.5
+        expected = sinq.column_scale(torch.cat([parts[0], parts[1].to(torch.bfloat16)
+                                                * factors.to(torch.bfloat16)[:, None]]), 64)
+        assert torch.equal(folding.column_scale_of(parts, 64, row_scales=[None, factors], scratch=scratch), expected)
+        assert torch.equal(folding.column_scale_of(parts, 64, row_scales=[None, factors]), expected)
+
+
 def test_format_names_the_column_scale():
     specs = StoredFormat(4, 64, False, "sinq").tensor_specs((256,), 512)
     assert specs["weight_col_scale"] == (torch.bfloat16, (512,))

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from hfquant.core import sinq
+from hfquant.core.scratch import Scratch
 
 __all__ = ["Transform", "apply", "column_scale_of", "fold_into_norm", "share_across_heads", "tile_size"]
 
@@ -84,18 +85,36 @@ def tile_size(in_features: int, group_sizes: list[int | None]) -> int:
     return min((g or in_features) for g in group_sizes) if group_sizes else in_features
 
 
-def column_scale_of(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+def column_scale_of(weights: list[torch.Tensor], group_size: int, row_scales: list[torch.Tensor | None] | None = None,
+                    scratch: Scratch | None = None) -> torch.Tensor:
     """The SINQ column scale (K,) float32 shared by matrices that read the same input: `sinq.column_scale` of the
     matrices (N_i, K) stacked along their rows, balanced per tile of `group_size` columns.
 
+    Args:
+        weights: the matrices (N_i, K), any float dtype.
+        group_size: columns per Sinkhorn tile.
+        row_scales: per matrix, None or (N_i,) factors its rows are multiplied by first (a row scale another fold puts
+            on it), in bfloat16: only the statistics read these values.
+        scratch: reusable buffers for the stacked copy and the statistics' temporaries (`hfquant.core.scratch`).
     Raises:
         ValueError: the widths differ, group_size does not divide K, or a weight holds NaN/Inf.
     """
     widths = {w.shape[1] for w in weights}
     if len(widths) != 1:
         raise ValueError(f"matrices reading one input must have the same width; got widths {sorted(widths)}")
-    stacked = weights[0] if len(weights) == 1 else torch.cat([w.to(torch.bfloat16) for w in weights])
-    return sinq.column_scale(stacked, group_size)
+    row_scales = row_scales or [None] * len(weights)
+    if len(weights) == 1 and row_scales[0] is None:
+        return sinq.column_scale(weights[0], group_size, scratch=scratch)
+    shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+    stacked = torch.empty(shape, dtype=torch.bfloat16) if scratch is None else scratch.take("stacked", shape, torch.bfloat16)
+    start = 0
+    for weight, rows in zip(weights, row_scales):
+        part = stacked[start:start + weight.shape[0]]
+        part.copy_(weight)
+        if rows is not None:
+            part.mul_(rows.to(torch.bfloat16)[:, None])
+        start += weight.shape[0]
+    return sinq.column_scale(stacked, group_size, scratch=scratch)
 
 
 def fold_into_norm(norm_weight: torch.Tensor, col_scale: torch.Tensor) -> tuple[Transform, torch.Tensor]:

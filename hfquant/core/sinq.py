@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from hfquant.core import rtn
+from hfquant.core.scratch import Scratch
 
 __all__ = ["ITERATIONS", "NonFiniteWeightError", "column_scale"]
 
@@ -38,13 +39,16 @@ class NonFiniteWeightError(ValueError):
     """The weight holds NaN or Inf: no column scale exists."""
 
 
-def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERATIONS) -> torch.Tensor:
+def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERATIONS,
+                 scratch: Scratch | None = None) -> torch.Tensor:
     """The SINQ column scale of a weight (N, K), balanced per tile of `group_size` columns.
 
     Args:
         weight: (N, K) float tensor, any float dtype; finite.
         group_size: columns per tile; divides K.
         iterations: balancing iterations; the iterate with the lowest imbalance is kept (0 gives all ones).
+        scratch: where the two weight-sized bfloat16 temporaries go (`hfquant.core.scratch`), when computing many
+            scales in a row; the result is the same with or without it.
     Returns:
         (K,) float32, every value > 0 and exactly representable in bfloat16 (`rtn.SCALE_DTYPE`), so that the stored
         scale and the one the codes were computed with are the same number. A tile whose rows or columns are
@@ -61,8 +65,14 @@ def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERAT
         return torch.ones(k)
     # The statistics are computed in bfloat16 (the weights' own precision in a bf16 checkpoint; the products sum in
     # float32), which halves the bytes each pass reads; the quantization itself uses the weight as given.
-    tiles = weight.detach().to(_STATS_DTYPE).reshape(n, k // group_size, group_size).transpose(0, 1).contiguous()
-    squares = tiles * tiles  # (G, N, g)
+    shape = (k // group_size, n, group_size)
+    source = weight.detach().to(_STATS_DTYPE).reshape(n, k // group_size, group_size).transpose(0, 1)
+    if scratch is None:
+        tiles = source.contiguous()
+        squares = tiles * tiles  # (G, N, g)
+    else:
+        tiles = scratch.take("sinq.tiles", shape, _STATS_DTYPE).copy_(source)
+        squares = torch.mul(tiles, tiles, out=scratch.take("sinq.squares", shape, _STATS_DTYPE))
     # The current iterate is tiles * inv_row * inv_col. The sums of a row (column) are the sums of tiles and of
     # squares weighted by the other side's factors: batched matrix-vector products, no weight-sized temporary.
     inv_col = torch.ones(tiles.shape[0], group_size, 1)  # (G, g, 1)

@@ -30,6 +30,7 @@ from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core import folding, sinq
 from hfquant.core.folding import Transform
+from hfquant.core.scratch import Scratch
 from hfquant.core.format import Method
 from hfquant.integration.conversions import model_key_map
 
@@ -117,15 +118,17 @@ def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Te
         width = model.get_submodule(names[0]).in_features
         return folding.tile_size(width, [formats[n].group_size for n in names])
 
+    scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
     with _on_cpu_in_float32():  # from_pretrained prepares the model under the meta device and the load dtype
         for block in tqdm(blocks, desc="hfquant: column scales to fold", unit="block", disable=_progress_disabled(progress)):
             try:
-                transforms.update(_fold_block(block, read, tile, formats, num_heads, num_kv_heads))
+                transforms.update(_fold_block(block, read, tile, formats, num_heads, num_kv_heads, scratch))
             except (KeyError, sinq.NonFiniteWeightError) as error:
                 # Left unfolded, its layers go through the load's own checks, which name the tensor and the fix.
                 reason = error.args[0] if error.args else error
                 logger.warning("hfquant: the column scales of %s are not folded: %s", block.attention_norm.rpartition(".")[0], reason)
             release_checkpoint_pages()
+    scratch.clear()
     logger.info("hfquant: column scales folded in %d block(s), %d module(s) changed", len(blocks), len(transforms))
     return transforms
 
@@ -145,13 +148,8 @@ def _on_cpu_in_float32() -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _rows_scaled(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The weight with its rows multiplied, in bfloat16: only the column scale's statistics read it (they are computed in
-    bfloat16, `hfquant.core.sinq`); the stored layer is rescaled exactly, in float32, when it is quantized."""
-    return weight.to(torch.bfloat16) * rows.to(torch.bfloat16)[:, None]
-
-
-def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads: int) -> dict[str, Transform]:
+def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads: int,
+                scratch: Scratch | None = None) -> dict[str, Transform]:
     """The folds of one block (see `plan_folds`): {module name: Transform}, merged where two folds change one module.
 
     Raises:
@@ -167,7 +165,7 @@ def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads:
     quantized = {name for name in block if formats.get(name) is not None}
     v_rows = up_rows = None
     if {block.v, block.o} <= quantized:
-        o_scale = folding.column_scale_of([read(block.o + ".weight")], tile(block.o))
+        o_scale = folding.column_scale_of([read(block.o + ".weight")], tile(block.o), scratch=scratch)
         try:
             v_rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
         except ValueError as error:
@@ -175,22 +173,22 @@ def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads:
         add(block.o, Transform(col_scale=o_scale))
         add(block.v, Transform(row_scale=v_rows))
     if {block.q, block.k, block.v} <= quantized:
-        v = read(block.v + ".weight")
-        v = v if v_rows is None else _rows_scaled(v, v_rows)
-        scale = folding.column_scale_of([read(block.q + ".weight"), read(block.k + ".weight"), v],
-                                        tile(block.q, block.k, block.v))
+        # v's rows carry o_proj's fold; only the statistics read the scaled copy (in bfloat16, as `hfquant.core.sinq`
+        # computes them): the stored layer is rescaled exactly, in float32, when it is quantized
+        scale = folding.column_scale_of([read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")],
+                                        tile(block.q, block.k, block.v), row_scales=[None, None, v_rows],
+                                        scratch=scratch)
         norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
         add(block.attention_norm, norm)
         for name in (block.q, block.k, block.v):
             add(name, Transform(col_scale=scale))
     if {block.up, block.down} <= quantized:
-        up_rows = folding.column_scale_of([read(block.down + ".weight")], tile(block.down))
+        up_rows = folding.column_scale_of([read(block.down + ".weight")], tile(block.down), scratch=scratch)
         add(block.down, Transform(col_scale=up_rows))
         add(block.up, Transform(row_scale=up_rows))
     if {block.gate, block.up} <= quantized:
-        up = read(block.up + ".weight")
-        up = up if up_rows is None else _rows_scaled(up, up_rows)
-        scale = folding.column_scale_of([read(block.gate + ".weight"), up], tile(block.gate, block.up))
+        scale = folding.column_scale_of([read(block.gate + ".weight"), read(block.up + ".weight")],
+                                        tile(block.gate, block.up), row_scales=[None, up_rows], scratch=scratch)
         norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)
         add(block.mlp_norm, norm)
         for name in (block.gate, block.up):
