@@ -4,7 +4,7 @@
 
 The quantized layers' codes are re-blocked as they are (`hfquant.checkpoint.gguf_export`: int8 -> Q8_0, int4
 symmetric -> Q4_0, int4 asymmetric -> Q4_1); norms are written as F32, the embedding and any float Linear layer as
-F16 when their values are exact in fp16, else F32; biases (Qwen2's q/k/v) as F32. Llama and Mistral are written with
+F16 when their values are exact in fp16, else BF16 when exact in bf16, else F32; biases (Qwen2's q/k/v) as F32. Llama and Mistral are written with
 GGUF's "llama" architecture (q/k rows permuted as llama.cpp expects), Qwen2 with "qwen2" (not permuted, as llama.cpp's
 converter does). Hyper-parameters and the tokenizer go through the `gguf` package's own writer and vocab helpers
 (`GGUFWriter`, `gguf.SpecialVocab`, and for the vocabulary `gguf.vocab.BpeVocab` for a GPT-2-style byte-level BPE
@@ -89,14 +89,19 @@ def _gguf_name(key: str) -> str | None:
     return None
 
 
-def _float_tensor(tensor: torch.Tensor, norm: bool) -> np.ndarray:
-    """A float tensor as llama.cpp reads it: norms in F32; others in F16 when exact, else F32."""
+def _float_tensor(tensor: torch.Tensor, norm: bool) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    """A float tensor as llama.cpp reads it, and its raw GGUF type (None: numpy's dtype says it): norms in F32; others
+    in F16 when every value is exact in fp16, else in BF16 when exact in bf16 (a bf16 checkpoint's values below
+    fp16's normal range, e.g. a randomly initialized embedding), else F32."""
     wide = tensor.float()
     if not norm:
         half = wide.to(torch.float16)
         if torch.equal(half.float(), wide):
-            return half.numpy()
-    return wide.numpy()
+            return half.numpy(), None
+        brain = wide.to(torch.bfloat16)
+        if torch.equal(brain.float(), wide):
+            return brain.view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
+    return wide.numpy(), None
 
 
 def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -265,9 +270,9 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
                 perm = permutation(gguf_name, weight.shape[0])
                 if perm is not None:
                     weight = weight[perm]
-                array = _float_tensor(weight, norm=gguf_name.endswith("norm"))
-                writer.add_tensor(gguf_name + ".weight", array)
-                kind = "F16" if array.dtype == np.float16 else "F32"
+                array, raw = _float_tensor(weight, norm=gguf_name.endswith("norm"))
+                writer.add_tensor(gguf_name + ".weight", array, raw_dtype=raw)
+                kind = raw.name if raw is not None else "F16" if array.dtype == np.float16 else "F32"
                 types[kind] = types.get(kind, 0) + 1
             if module + ".bias" in files:
                 bias = read(module + ".bias").float()
