@@ -4,10 +4,13 @@
 Fixed settings: 4 sequences of 256 tokens per step, bf16 weights, LoRA r=16 (alpha 32, no dropout) on every linear
 layer but lm_head, AdamW lr 2e-4, 100 steps, no activation checkpointing; text = pydoc_data.topics (sorted topics
 joined), first half of the tokens to train, second half held out. Each method runs in its own Python process (clean
-peak RSS). Prints one markdown table: held-out perplexity before/after, training tokens/s, peak RSS, adapter MiB.
+peak RSS). Prints one markdown table: held-out perplexity before/after training and after `merge_and_unload()` (for
+hfquant layers: re-quantized with the merged weights), training tokens/s, peak RSS, adapter MiB.
 
     nice python scripts/finetune.py                 # 100 steps
     nice python scripts/finetune.py --steps 10 --eval-seqs 8 --json out.json
+    nice python scripts/finetune.py --model ~/.cache/hfquant/random-llama-175d2c54d5 --steps 3 --methods int4,bf16
+        # another checkpoint (e.g. the benchmark's random 1.2B Llama: its perplexities mean nothing, its peak RSS does)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def _perplexity(model, blocks, torch) -> float:
     return math.exp(total / count)
 
 
-def worker(method: str, steps: int, eval_seqs: int, out: Path) -> dict:
+def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
     from benchmarks.memory import dir_size_bytes, peak_rss_mib
     from peft import LoraConfig
@@ -60,7 +63,7 @@ def worker(method: str, steps: int, eval_seqs: int, out: Path) -> dict:
     from hfquant import HfQuantConfig
     from hfquant.example_model import build_example_model
 
-    path = build_example_model()
+    path = model_path or build_example_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     train, held, torch = _token_blocks(tokenizer)
     held = held[:eval_seqs]
@@ -86,9 +89,11 @@ def worker(method: str, steps: int, eval_seqs: int, out: Path) -> dict:
     after = _perplexity(peft_model, held, torch)
     adapter = out / f"adapter-{method}"
     peft_model.save_pretrained(adapter)
+    peak = peak_rss_mib()  # before the merge, which holds the re-quantized layers beside the originals
+    merged = _perplexity(peft_model.merge_and_unload(), held, torch)
     return {
-        "method": method, "steps": steps, "ppl_before": before, "ppl_after": after,
-        "tokens_per_s": steps * BATCH * SEQ / seconds, "peak_rss_mib": peak_rss_mib(),
+        "method": method, "steps": steps, "ppl_before": before, "ppl_after": after, "ppl_merged": merged,
+        "tokens_per_s": steps * BATCH * SEQ / seconds, "peak_rss_mib": peak,
         "adapter_mib": dir_size_bytes(adapter) / 2**20, "eval_tokens": held.numel(),
     }
 
@@ -99,11 +104,12 @@ def main() -> int:
     parser.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences of 256 tokens to score")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--model", help="checkpoint folder to fine-tune instead of SmolLM2-135M")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.eval_seqs, args.out)))
+        print(json.dumps(worker(args.worker, args.steps, args.eval_seqs, args.out, args.model)))
         return 0
     sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe
@@ -112,23 +118,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             command = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
-                       "--eval-seqs", str(args.eval_seqs), "--out", tmp]
+                       "--eval-seqs", str(args.eval_seqs), "--out", tmp] + (["--model", args.model] if args.model else [])
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
             if result.returncode:
                 rows.append({"method": method, "error": f"exit {result.returncode}"})
                 continue
             rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
     bf16 = next((r for r in rows if r["method"] == "bf16" and "error" not in r), None)
-    print(f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.steps} steps, "
-          f"held-out {args.eval_seqs} x {SEQ} tokens\n")
-    print("| LoRA over | held-out ppl before | after | train tokens/s | vs bf16 | peak RSS MiB | adapter MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.model or 'SmolLM2-135M-Instruct'}, "
+          f"{args.steps} steps, held-out {args.eval_seqs} x {SEQ} tokens\n")
+    print("| LoRA over | held-out ppl before | after | merged | train tokens/s | vs bf16 | peak RSS MiB | adapter MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['method']} | {r['error']} | | | | | |")
+            print(f"| {r['method']} | {r['error']} | | | | | | |")
             continue
         ratio = f"{bf16['tokens_per_s'] / r['tokens_per_s']:.2f}x time" if bf16 else "-"
-        print(f"| {r['method']} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['tokens_per_s']:.0f} | {ratio} "
+        print(f"| {r['method']} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['ppl_merged']:.2f} "
+              f"| {r['tokens_per_s']:.0f} | {ratio} "
               f"| {r['peak_rss_mib']:.0f} | {r['adapter_mib']:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
