@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hfquant.integration.counting import count_quantized_weights_in_peft
 from hfquant.nn.linear import QuantLinear
 
 try:
@@ -163,7 +164,9 @@ def get_peft_model(model: nn.Module, config: LoraConfig, **kwargs: Any) -> PeftM
     Raises:
         ValueError: from peft (no target found), or DoRA / lora_bias requested on an hfquant layer.
     """
-    return _peft_get_peft_model(model, _with_hfquant_layers(model, config), **kwargs)
+    peft_model = _peft_get_peft_model(model, _with_hfquant_layers(model, config), **kwargs)
+    count_quantized_weights_in_peft(peft_model)
+    return peft_model
 
 
 def load_adapter(model: nn.Module, path: str, is_trainable: bool = False, **kwargs: Any) -> PeftModel:
@@ -175,4 +178,6 @@ def load_adapter(model: nn.Module, path: str, is_trainable: bool = False, **kwar
         ValueError / OSError: from peft, e.g. no adapter_config.json at `path`.
     """
     config = _with_hfquant_layers(model, LoraConfig.from_pretrained(path))
-    return PeftModel.from_pretrained(model, path, config=config, is_trainable=is_trainable, **kwargs)
+    peft_model = PeftModel.from_pretrained(model, path, config=config, is_trainable=is_trainable, **kwargs)
+    count_quantized_weights_in_peft(peft_model)
+    return peft_model

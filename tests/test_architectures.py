@@ -226,6 +226,7 @@ def test_moe_experts_are_saved_per_expert_like_linear_layers(checkpoints, tmp_pa
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts, QuantExperts)
     assert experts.gate_up_proj.shape == (4, 2 * FF, H // 2) and experts.gate_up_proj_scale.shape == (4, 2 * FF, 2)
+    assert model.num_parameters() == _load("Mixtral", path).num_parameters()  # the experts' codes counted as weights
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         schema = {k: (handle.get_slice(k).get_dtype(), tuple(handle.get_slice(k).get_shape())) for k in handle.keys()}

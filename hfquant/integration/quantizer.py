@@ -45,6 +45,7 @@ from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core import folding
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration import checks
+from hfquant.integration.counting import count_quantized_weights
 from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
 from hfquant.nn.embedding import QuantEmbedding
@@ -335,6 +336,7 @@ class HfQuantQuantizer(HfQuantizer):
                     f"the module in float with HfQuantConfig(modules_to_not_convert=[{never[0].rpartition('.')[0]!r}])"
                 )
         dtype = self.compute_dtype or (model.dtype if model.dtype.is_floating_point else None)
+        count_quantized_weights(model)  # num_parameters() counts the quantized weights, stored as buffers
         self._tie_buffers(model)
         counts: dict[str, int] = {}
         for module in model.modules():

@@ -124,6 +124,11 @@ class QuantExperts(KeepsStoredScales):
         return next(iter(self.formats.values())).symmetric
 
     @property
+    def quantized_parameters(self) -> int:
+        """Weights the stored codes stand for: sum of E * N * K over the projections."""
+        return sum(e * n * k for e, n, k in self.shapes.values())
+
+    @property
     def group_sizes(self) -> dict[str, int]:
         """{projection: group size}."""
         return {name: fmt.group_size for name, fmt in self.formats.items()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -49,6 +51,7 @@ class StoredWeight(KeepsStoredScales):
     def __init__(self, fmt: StoredFormat, rows: tuple[int, ...], in_features: int, device: torch.device | str | None):
         super().__init__()
         self.format = fmt
+        self.weight_shape = (*rows, in_features)  # the float weight's shape: the codes are packed or padded
         for name, tensor in fmt.empty(rows, in_features, device).items():
             self.register_buffer(name, tensor)
         if fmt.symmetric:
@@ -65,6 +68,12 @@ class StoredWeight(KeepsStoredScales):
     @property
     def symmetric(self) -> bool:
         return self.format.symmetric
+
+    @property
+    def quantized_parameters(self) -> int:
+        """Weights the stored codes stand for (the float weight's element count; the codes are a buffer, not a
+        parameter, so `named_parameters()` does not see them)."""
+        return math.prod(self.weight_shape)
 
 
 class QuantLinear(StoredWeight):
