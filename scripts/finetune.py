@@ -9,8 +9,9 @@ hfquant layers: re-quantized with the merged weights), training tokens/s, peak R
 
     nice python scripts/finetune.py                 # 100 steps
     nice python scripts/finetune.py --steps 10 --eval-seqs 8 --json out.json
-    nice python scripts/finetune.py --model ~/.cache/hfquant/random-llama-175d2c54d5 --steps 3 --methods int4,bf16
-        # another checkpoint (e.g. the benchmark's random 1.2B Llama: its perplexities mean nothing, its peak RSS does)
+    nice python scripts/finetune.py --model ~/.cache/hfquant/random-llama-175d2c54d5 --steps 2 --eval-seqs 2 \
+        --methods int4,bf16 --checkpointing --batch 1
+        # another checkpoint (the benchmark's random 1.2B Llama: its perplexities mean nothing, its peak RSS does)
 """
 
 from __future__ import annotations
@@ -41,19 +42,20 @@ def _token_blocks(tokenizer):
     return blocks(train), blocks(held), torch
 
 
-def _perplexity(model, blocks, torch) -> float:
+def _perplexity(model, blocks, torch, batch_size: int = BATCH) -> float:
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, blocks.shape[0], BATCH):
-            batch = blocks[start:start + BATCH]
+        for start in range(0, blocks.shape[0], batch_size):
+            batch = blocks[start:start + batch_size]
             loss = model(input_ids=batch, labels=batch).loss.item()
             total += loss * batch.shape[0]
             count += batch.shape[0]
     return math.exp(total / count)
 
 
-def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str | None = None) -> dict:
+def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str | None = None,
+           checkpointing: bool = False, batch: int = BATCH) -> dict:
     sys.path.insert(0, str(ROOT))
     from benchmarks.memory import dir_size_bytes, peak_rss_mib
     from peft import LoraConfig
@@ -75,25 +77,26 @@ def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str |
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu", **kwargs)
     config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear")
     peft_model = hfquant.peft.get_peft_model(model, config)
-    before = _perplexity(peft_model, held, torch)
-    data = [{"input_ids": row, "labels": row} for row in train[: steps * BATCH]]
+    before = _perplexity(peft_model, held, torch, batch)
+    data = [{"input_ids": row, "labels": row} for row in train[: steps * batch]]
     args = TrainingArguments(
-        output_dir=str(out / "trainer"), use_cpu=True, per_device_train_batch_size=BATCH, max_steps=steps,
+        output_dir=str(out / "trainer"), use_cpu=True, per_device_train_batch_size=batch, max_steps=steps,
         learning_rate=LR, optim="adamw_torch", lr_scheduler_type="constant", report_to=[], save_strategy="no",
         logging_steps=max(1, steps // 10), dataloader_num_workers=0, seed=0,
+        gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
     )
     trainer = Trainer(model=peft_model, args=args, train_dataset=data)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    after = _perplexity(peft_model, held, torch)
+    after = _perplexity(peft_model, held, torch, batch)
     adapter = out / f"adapter-{method}"
     peft_model.save_pretrained(adapter)
     peak = peak_rss_mib()  # before the merge, which holds the re-quantized layers beside the originals
-    merged = _perplexity(peft_model.merge_and_unload(), held, torch)
+    merged = _perplexity(peft_model.merge_and_unload(), held, torch, batch)
     return {
         "method": method, "steps": steps, "ppl_before": before, "ppl_after": after, "ppl_merged": merged,
-        "tokens_per_s": steps * BATCH * SEQ / seconds, "peak_rss_mib": peak,
+        "tokens_per_s": steps * batch * SEQ / seconds, "peak_rss_mib": peak,
         "adapter_mib": dir_size_bytes(adapter) / 2**20, "eval_tokens": held.numel(),
     }
 
@@ -105,11 +108,15 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--model", help="checkpoint folder to fine-tune instead of SmolLM2-135M")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences of 256 tokens per step (the fixed settings: 4)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing (non-reentrant): less memory, not the fixed settings' timing")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.eval_seqs, args.out, args.model)))
+        print(json.dumps(worker(args.worker, args.steps, args.eval_seqs, args.out, args.model, args.checkpointing,
+                                args.batch)))
         return 0
     sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe
@@ -119,6 +126,7 @@ def main() -> int:
         for method in args.methods.split(","):
             command = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
                        "--eval-seqs", str(args.eval_seqs), "--out", tmp] + (["--model", args.model] if args.model else [])
+            command += (["--checkpointing"] if args.checkpointing else []) + ["--batch", str(args.batch)]
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
             if result.returncode:
                 rows.append({"method": method, "error": f"exit {result.returncode}"})
@@ -126,7 +134,8 @@ def main() -> int:
             rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
     bf16 = next((r for r in rows if r["method"] == "bf16" and "error" not in r), None)
     print(f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.model or 'SmolLM2-135M-Instruct'}, "
-          f"{args.steps} steps, held-out {args.eval_seqs} x {SEQ} tokens\n")
+          f"{args.steps} steps, held-out {args.eval_seqs} x {SEQ} tokens"
+          f"{', activation checkpointing' if args.checkpointing else ''}, {args.batch} x {SEQ} tokens per step\n")
     print("| LoRA over | held-out ppl before | after | merged | train tokens/s | vs bf16 | peak RSS MiB | adapter MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -240,3 +240,40 @@ def test_int8_answers_a_prompt(quantized, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(out)
     answer = generate_answer(model, tokenizer, "What is the capital of France?", max_new_tokens=20)
     assert "Paris" in answer
+
+
+def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, tmp_path):
+    """A few Trainer steps of LoRA (r=8, every linear but lm_head) over SmolLM2 quantized on load to int4 group 64
+    lower the loss on held-out text of the same kind (pydoc topics: train on one half, score the other)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+    from pydoc_data.topics import topics
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hfquant.peft
+    from hfquant import HfQuantConfig
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    train, held = ids[:128 * 24].reshape(24, 128), ids[ids.numel() // 2:][:128 * 4].reshape(4, 128)
+    model = AutoModelForCausalLM.from_pretrained(
+        example_model, dtype=torch.bfloat16, device_map="cpu", quantization_config=HfQuantConfig(bits=4, group_size=64)
+    )
+    torch.manual_seed(0)  # LoRA's A matrices are drawn at random
+    peft_model = hfquant.peft.get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    )
+
+    def held_out_loss() -> float:
+        peft_model.eval()
+        with torch.no_grad():
+            return peft_model(input_ids=held, labels=held).loss.item()
+
+    before = held_out_loss()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=4, max_steps=6,
+        learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+    )
+    Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in train]).train()
+    after = held_out_loss()
+    assert after < before - 0.05, (before, after)  # measured 3.286 -> 3.151
