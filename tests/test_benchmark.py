@@ -147,3 +147,43 @@ def test_speed_targets_only_where_asked(speed):
         assert not checks["hfquant-int4 decode >= 0.95x hfquant-int4-rtn"]["met"]
     else:
         assert set(checks) == {memory}
+
+
+def test_llama_cpp_targets_compare_same_weights():
+    rows = [_row("hfquant-int4-rtn", decode_tok_s=42.0), _row("llamacpp-q4_1", decode_tok_s=35.0),
+            _row("hfquant-int8", decode_tok_s=30.0), _row("llamacpp-q8_0", decode_tok_s=38.0)]
+    checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=True)}
+    q4_1 = checks["hfquant-int4-rtn decode >= 1.2x llamacpp-q4_1 (same weights)"]
+    assert q4_1["value"] == pytest.approx(1.2) and q4_1["met"]
+    assert not checks["hfquant-int8 decode >= 1.2x llamacpp-q8_0 (same weights)"]["met"]
+    assert not any("llamacpp-q4_0" in name for name in checks)  # no row, no target
+    assert not any("llamacpp" in c["target"] for c in benchmark.check_targets(rows, speed=False))
+
+
+def test_llama_cpp_without_its_venv_is_a_missing_row(tiny_checkpoint, tmp_path):
+    rc = benchmark.main(["--model", str(tiny_checkpoint), "--quick", "--methods", "llamacpp-q4_0",
+                         "--out", str(tmp_path), "--llama-python", str(tmp_path / "no" / "python")])
+    row = json.loads((tmp_path / "benchmark.json").read_text())["workloads"]["model"]["rows"][0]
+    assert rc == 0 and row["status"] == "missing" and "scripts/engines.py --engines llama.cpp" in row["error"]
+    assert "not installed: llama-cpp-python" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_gguf_read_bytes_counts_the_embedding_only_as_the_output_layer(tiny_checkpoint, tmp_path):
+    pytest.importorskip("gguf")
+    from benchmarks import llama_cpp
+
+    sizes = {}
+    for name, arch in (("untied", "llama"), ("tied", "llama_tied")):
+        source = tmp_path / f"{name}-src"
+        tiny_model(arch, dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(source)
+        tiny_tokenizer().save_pretrained(source)
+        path = llama_cpp.prepare("llamacpp-q8_0", source, tmp_path / name, benchmark.quantization_config)
+        import gguf
+
+        tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+        sizes[name] = (tensors, llama_cpp.gguf_read_bytes(path))
+        assert path == llama_cpp.prepare("llamacpp-q8_0", source, tmp_path / name, benchmark.quantization_config)
+    tensors, read = sizes["untied"]
+    assert "output.weight" in tensors and read == sum(tensors.values()) - tensors["token_embd.weight"]
+    tensors, read = sizes["tied"]
+    assert "output.weight" not in tensors and read == sum(tensors.values())

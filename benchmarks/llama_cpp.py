@@ -1,0 +1,143 @@
+"""llama.cpp as a peer row of the benchmark, on hfquant's own weights (issue #13 item 4).
+
+Each `llamacpp-*` method runs the weights of one hfquant method (`TWINS`): the benchmark's checkpoint is quantized
+file to file by `hfquant.commands.convert.convert` with that method's `HfQuantConfig`, exported with
+`hfquant.export_checkpoint(..., format="gguf")` (int8 -> Q8_0, int4 symmetric -> Q4_0, int4 asymmetric -> Q4_1, float
+tensors F16/BF16), and run by llama-cpp-python in its own virtual environment (`--llama-python`; `python
+scripts/engines.py --engines llama.cpp` builds and installs it). Both are cached under `<out>/gguf/`.
+
+The worker, in that environment, measures what the hfquant rows measure: load seconds, decode tokens/s (batch 1,
+`decode_tokens` greedy tokens after the first, best of `decode_repeats`; `generate(temp=0)` from the benchmark's
+prompt), prefill milliseconds (`eval` of `prefill_tokens` ids after a reset, median of `prefill_repeats`) and peak
+RSS growth (VmHWM - VmRSS before loading; llama.cpp memory-maps the file, so touched weight pages count, as the bf16
+rows' do). Bytes read per token: every tensor of the file but the token embedding, which is read whole only when it
+is also the output layer (no `output.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["TWINS", "default_python", "gguf_read_bytes", "prepare", "measure"]
+
+TWINS = {
+    "llamacpp-q8_0": "hfquant-int8",
+    "llamacpp-q4_0": "hfquant-int4-sym",
+    "llamacpp-q4_1": "hfquant-int4-rtn",
+    "llamacpp-int4": "hfquant-int4",
+}
+"""llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers)."""
+
+WORKER = r'''
+import json, sys, time
+args = json.loads(sys.argv[1])
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+result = {}
+try:
+    import llama_cpp
+    result["version"] = llama_cpp.__version__
+    before = status("VmRSS")
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args["model"], n_ctx=args["prefill_tokens"] + args["decode_tokens"] + 64,
+                          n_batch=512, n_threads=args["threads"], n_threads_batch=args["threads"], seed=0,
+                          verbose=False)
+    result["load_s"] = time.perf_counter() - start
+    prompt = llm.tokenize(args["prompt"].encode(), add_bos=True)
+    def decode(n):
+        llm.reset()
+        times = []
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == n + 1:
+                break
+        return n / (times[-1] - times[0])
+    decode(8)  # warm-up
+    result["decode_tok_s"] = max(decode(args["decode_tokens"]) for _ in range(args["decode_repeats"]))
+    ids = [1000 + i % 20000 for i in range(args["prefill_tokens"])]
+    times = []
+    for _ in range(args["prefill_repeats"]):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        times.append(time.perf_counter() - start)
+    result["prefill_ms"] = 1000 * sorted(times)[len(times) // 2]
+    result["peak_rss_growth_mib"] = status("VmHWM") - before
+except BaseException as error:
+    import traceback
+    traceback.print_exc()
+    result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+print("LLAMA_RESULT " + json.dumps(result), flush=True)
+'''
+
+
+def default_python() -> Path:
+    """The Python of the venv `scripts/engines.py` installs llama-cpp-python into."""
+    return Path.home() / ".cache" / "hfquant" / "engines" / "llama.cpp" / ".venv-llama" / "bin" / "python"
+
+
+def gguf_read_bytes(path: str | os.PathLike) -> int:
+    """Bytes a decode step reads from the GGUF file `path`: all tensors but `token_embd.weight` (one row is looked
+    up), which is counted when there is no `output.weight` (then it is the output layer too)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    embedding = tensors.pop("token_embd.weight", 0)
+    return sum(tensors.values()) + (embedding if "output.weight" not in tensors else 0)
+
+
+def prepare(method: str, model: Path, out: Path, quantization_config) -> Path:
+    """The GGUF file of `method`'s twin weights for the checkpoint `model`, made once under `out/gguf/`.
+
+    Args:
+        quantization_config: the benchmark's `quantization_config` function (method -> HfQuantConfig).
+    """
+    import hfquant
+    from hfquant.commands.convert import convert
+
+    twin = TWINS[method]
+    folder = out / "gguf" / f"{model.name}-{twin}"
+    target = folder.with_suffix(".gguf")
+    if not target.exists():
+        if not (folder / "config.json").exists():
+            convert(model, folder, quantization_config(twin), progress=False, card=False, overwrite=True)
+        hfquant.export_checkpoint(folder, target, format="gguf", overwrite=True)
+    return target
+
+
+def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quantization_config,
+            timeout: float) -> dict:
+    """One llama.cpp row's values (`ROW_KEYS` of the benchmark), or {"error": ...}; never raises for a failed run."""
+    try:
+        path = prepare(method, model, out, quantization_config)
+    except Exception as error:  # the row says why; the other rows still run
+        return {"error": f"GGUF export of {TWINS[method]} failed: {type(error).__name__}: {error}"}
+    from benchmarks.benchmark import DECODE_PROMPT
+
+    args = {"model": str(path), "prompt": DECODE_PROMPT, "threads": os.cpu_count() or 1,
+            "decode_tokens": sizes["decode_tokens"], "decode_repeats": sizes["decode_repeats"],
+            "prefill_tokens": sizes["prefill_tokens"], "prefill_repeats": sizes["prefill_repeats"]}
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    log = out / "logs" / f"{model.name}-{method}.log"
+    try:
+        done = subprocess.run([str(python), "-c", WORKER, json.dumps(args)], capture_output=True, text=True, env=env,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s"}
+    log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    result = next((json.loads(line.removeprefix("LLAMA_RESULT ")) for line in reversed(done.stdout.splitlines())
+                   if line.startswith("LLAMA_RESULT ")), None)
+    if result is None:
+        tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no output)"]
+        return {"error": f"llama.cpp worker exited {done.returncode}: {tail[0][:200]} (see {log})"}
+    result.pop("version", None)
+    result.update(files_bytes=path.stat().st_size, weight_read_bytes=gguf_read_bytes(path), decode_tokens=sizes["decode_tokens"],
+                  prefill_tokens=sizes["prefill_tokens"], log=str(log))
+    return result
