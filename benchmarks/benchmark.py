@@ -634,7 +634,8 @@ def _get(rows: list[dict], method: str, variant: str = "eager") -> dict | None:
 
 LLAMA_CPP_PEERS = {
     8: (("hfquant-int8", "llamacpp-q8_0"),),
-    4: (("hfquant-int4-rtn", "llamacpp-q4_1"), ("hfquant-int4", "llamacpp-int4"), ("hfquant-int4-sym", "llamacpp-q4_0")),
+    4: (("hfquant-int4-rtn", "llamacpp-q4_1"), ("hfquant-int4", "llamacpp-int4"),
+        ("hfquant-int4-sym", "llamacpp-q4_0")),
 }
 """bits -> (hfquant method, the llama.cpp method running its weights): issue #13 asks hfquant >= 1.2x llama.cpp."""
 

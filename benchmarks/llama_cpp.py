@@ -138,6 +138,7 @@ def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quan
         tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no output)"]
         return {"error": f"llama.cpp worker exited {done.returncode}: {tail[0][:200]} (see {log})"}
     result.pop("version", None)
-    result.update(files_bytes=path.stat().st_size, weight_read_bytes=gguf_read_bytes(path), decode_tokens=sizes["decode_tokens"],
+    result.update(files_bytes=path.stat().st_size, weight_read_bytes=gguf_read_bytes(path),
+                  decode_tokens=sizes["decode_tokens"],
                   prefill_tokens=sizes["prefill_tokens"], log=str(log))
     return result

@@ -25,7 +25,8 @@ Engines:
   greedy is `generate(ids, temp=0)` (llama.cpp's greedy sampler). Its own tokenizer's ids for the chat text are
   compared with transformers' ("tokenizer ids equal" in the kernel column), and so is its next-token argmax at
   every position of the prompt followed by hfquant's greedy tokens (teacher-forced, hfquant's model in its saved
-  dtype): where a greedy run parts from hfquant's at a near-tie, this says whether the two agree elsewhere. Decode tok/s: the time between the first
+  dtype): where a greedy run parts from hfquant's at a near-tie, this says whether the two agree elsewhere.
+  Decode tok/s: the time between the first
   and the last of DECODE_TOKENS + 1 generated tokens (prefill excluded), best of 3.
 
 A failure (install, load or decode) is a row with the error's first line, never a crash. Not part of the test suite
@@ -262,26 +263,38 @@ def install_vllm(cache: Path) -> Path:
     return python
 
 
-def run_vllm(python: Path, prepared: dict, eager: bool, logfile: Path) -> dict:
-    args = {"model": prepared["export"], "prompt_ids": prepared["prompt_ids"], "new_tokens": NEW_TOKENS,
-            "decode_tokens": DECODE_TOKENS, "eager": eager, "max_len": 512}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+def run_worker(python: Path, worker: str, args: dict, env: dict, logfile: Path) -> tuple[dict | None, str]:
+    """Run `worker` (source text) with an engine venv's `python` and `args` as JSON; its output goes to `logfile`.
+    Returns (the ENGINE_RESULT it printed, or None; the last line of its stderr, for an error)."""
+    env = dict(env)
     env.pop("PYTHONPATH", None)
     try:
-        done = subprocess.run([str(python), "-c", VLLM_WORKER, json.dumps(args)], capture_output=True, text=True,
+        done = subprocess.run([str(python), "-c", worker, json.dumps(args)], capture_output=True, text=True,
                               env=env, timeout=SUBPROCESS_TIMEOUT, cwd=logfile.parent)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {SUBPROCESS_TIMEOUT} s"}
+        return {"error": f"timed out after {SUBPROCESS_TIMEOUT} s"}, ""
     logfile.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("ENGINE_RESULT "):
             result = json.loads(line[len("ENGINE_RESULT "):])
-            result.update(vllm_setup(done.stdout + done.stderr))
-            if "error" in result:
-                result["error"] = vllm_root_cause(done.stdout + done.stderr) or result["error"]
-            return result
+            result["_output"] = done.stdout + done.stderr
+            return result, ""
     tail = [x for x in done.stderr.strip().splitlines() if x.strip()]
-    return {"error": f"worker exited {done.returncode}: {first_line(tail[-1] if tail else '')} (see {logfile})"}
+    return None, f"worker exited {done.returncode}: {first_line(tail[-1] if tail else '')} (see {logfile})"
+
+
+def run_vllm(python: Path, prepared: dict, eager: bool, logfile: Path) -> dict:
+    args = {"model": prepared["export"], "prompt_ids": prepared["prompt_ids"], "new_tokens": NEW_TOKENS,
+            "decode_tokens": DECODE_TOKENS, "eager": eager, "max_len": 512}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+    result, failure = run_worker(python, VLLM_WORKER, args, env, logfile)
+    if result is None:
+        return {"error": failure}
+    output = result.pop("_output", "")
+    result.update(vllm_setup(output))
+    if "error" in result:
+        result["error"] = vllm_root_cause(output) or result["error"]
+    return result
 
 
 def vllm_setup(text: str) -> dict:
@@ -355,27 +368,19 @@ def export_gguf(prepared: dict, out: Path, name: str) -> Path:
 
 def run_llama_cpp(python: Path, prepared: dict, gguf_path: Path, logfile: Path) -> dict:
     args = {"model": str(gguf_path), "prompt_ids": prepared["prompt_ids"], "text": prepared["prompt_text"],
-            "reference": prepared["tokens"], "reference_top1": prepared["top1"], "eos": prepared["eos"], "new_tokens": NEW_TOKENS, "decode_tokens": DECODE_TOKENS, "threads": os.cpu_count() or 1}
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    try:
-        done = subprocess.run([str(python), "-c", LLAMA_WORKER, json.dumps(args)], capture_output=True, text=True,
-                              env=env, timeout=SUBPROCESS_TIMEOUT, cwd=logfile.parent)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {SUBPROCESS_TIMEOUT} s"}
-    logfile.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("ENGINE_RESULT "):
-            result = json.loads(line[len("ENGINE_RESULT "):])
-            result["kernel"] = f"{gguf_path.stem.split('-', 1)[1]} as {gguf_kinds(gguf_path)}"
-            if "tokenizer_equal" in result:
-                result["kernel"] += f", tokenizer ids equal: {'yes' if result['tokenizer_equal'] else 'no'}"
-            if "top1_agree" in result:
-                same, total = result["top1_agree"]
-                result["kernel"] += f", teacher-forced top-1 equal at {same}/{total} positions"
-            return result
-    tail = [x for x in done.stderr.strip().splitlines() if x.strip()]
-    return {"error": f"worker exited {done.returncode}: {first_line(tail[-1] if tail else '')} (see {logfile})"}
+            "reference": prepared["tokens"], "reference_top1": prepared["top1"], "eos": prepared["eos"],
+            "new_tokens": NEW_TOKENS, "decode_tokens": DECODE_TOKENS, "threads": os.cpu_count() or 1}
+    result, failure = run_worker(python, LLAMA_WORKER, args, os.environ, logfile)
+    if result is None:
+        return {"error": failure}
+    result.pop("_output", None)
+    result["kernel"] = f"{gguf_path.stem.split('-', 1)[1]} as {gguf_kinds(gguf_path)}"
+    if "tokenizer_equal" in result:
+        result["kernel"] += f", tokenizer ids equal: {'yes' if result['tokenizer_equal'] else 'no'}"
+    if "top1_agree" in result:
+        same, total = result["top1_agree"]
+        result["kernel"] += f", teacher-forced top-1 equal at {same}/{total} positions"
+    return result
 
 
 def gguf_kinds(path: Path) -> str:
@@ -407,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hfquant" / "engines",
                         help="folder of the engines' virtual environments (reused when present)")
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM use torch.compile (default: eager)")
-    parser.add_argument("--llama-wheel", type=Path, help="a built llama-cpp-python wheel to install (default: build once "
+    parser.add_argument("--llama-wheel", type=Path,
+                        help="a built llama-cpp-python wheel to install (default: build once "
                         "into <cache>/wheels)")
     parser.add_argument("--prompt", default=PROMPT, help="the user message of the chat prompt")
     parser.add_argument("--fresh", action="store_true", help="quantize and export again even if --out has them")

@@ -108,7 +108,8 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--model", help="checkpoint folder to fine-tune instead of SmolLM2-135M")
-    parser.add_argument("--batch", type=int, default=BATCH, help="sequences of 256 tokens per step (the fixed settings: 4)")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help="sequences of 256 tokens per step (the fixed settings: 4)")
     parser.add_argument("--checkpointing", action="store_true",
                         help="activation checkpointing (non-reentrant): less memory, not the fixed settings' timing")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
@@ -125,7 +126,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             command = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
-                       "--eval-seqs", str(args.eval_seqs), "--out", tmp] + (["--model", args.model] if args.model else [])
+                       "--eval-seqs", str(args.eval_seqs), "--out", tmp]
+            command += ["--model", args.model] if args.model else []
             command += (["--checkpointing"] if args.checkpointing else []) + ["--batch", str(args.batch)]
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
             if result.returncode:
@@ -136,7 +138,8 @@ def main() -> int:
     print(f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.model or 'SmolLM2-135M-Instruct'}, "
           f"{args.steps} steps, held-out {args.eval_seqs} x {SEQ} tokens"
           f"{', activation checkpointing' if args.checkpointing else ''}, {args.batch} x {SEQ} tokens per step\n")
-    print("| LoRA over | held-out ppl before | after | merged | train tokens/s | vs bf16 | peak RSS MiB | adapter MiB |")
+    print("| LoRA over | held-out ppl before | after | merged | train tokens/s | vs bf16 | peak RSS MiB "
+          "| adapter MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

@@ -75,7 +75,8 @@ def test_gguf_reader_and_transformers_read_back_hfquant_weights(source, tmp_path
             m = (module.weight_scale.double() * module.weight_zero_point.double()).abs().max()
             assert (got.double() - expected.double()).abs().max() <= m * 2**-11 + 1e-7, module_name
     for name in ("lm_head", "model.embed_tokens"):
-        assert torch.equal(gguf_model.get_submodule(name).weight.float(), hfquant_model.get_submodule(name).weight.float())
+        got, want = gguf_model.get_submodule(name).weight, hfquant_model.get_submodule(name).weight
+        assert torch.equal(got.float(), want.float()), name
     ids = torch.tensor([[5, 77, 140, 9, 33, 200, 18]])
     with torch.no_grad():
         reference, logits = hfquant_model(ids).logits, gguf_model(ids).logits
