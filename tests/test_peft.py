@@ -134,6 +134,7 @@ def test_trainer_with_torch_compile_trains_the_adapter(float_checkpoint, tmp_pat
     layers' custom op inside; the loss goes down as in eager mode and only the LoRA weights change."""
     torch.manual_seed(0)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: an earlier compile test would satisfy the check below
     peft_model = hfquant.peft.get_peft_model(_model(float_checkpoint), _config())
     ids = _batch(peft_model.config.vocab_size)
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -146,9 +147,42 @@ def test_trainer_with_torch_compile_trains_the_adapter(float_checkpoint, tmp_pat
     )
     trainer = Trainer(model=peft_model, args=args, train_dataset=data)
     trainer.train()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the step really ran compiled
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] > 0  # the step really ran compiled
+    # no graph break: the quantized layers' custom op is inside the compiled graph, not run eagerly between graphs
+    assert not counters["graph_break"], dict(counters["graph_break"])
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses
     assert all(torch.equal(buffer, frozen[name]) for name, buffer in peft_model.named_buffers() if name in frozen)
     changed = [name for name, p in peft_model.named_parameters() if p.requires_grad and not torch.equal(p, lora[name])]
     assert changed and all("lora_" in name for name in changed)
+
+
+def _bf16_model(float_checkpoint, bits: int | None):
+    """The tiny Llama in bf16, quantized on load to int8 / int4 group 32 (`bits`), or left in bf16 (None)."""
+    config = None if bits is None else HfQuantConfig(bits=bits, group_size=32 if bits == 4 else None)
+    return AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama"), dtype=torch.bfloat16, **({} if config is None else {"quantization_config": config})
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_peft_counts_equal_a_bf16_model_with_the_same_lora(float_checkpoint, bits, capsys, tmp_path):
+    """`print_trainable_parameters()` over an hfquant model prints what it prints for the bf16 model with the same
+    LoRA: the quantized weights (buffers) count as the float weights they stand for, the adapters as themselves;
+    also for an adapter reloaded with `hfquant.peft.load_adapter`."""
+    reference = peft.get_peft_model(_bf16_model(float_checkpoint, None), _config())
+    peft_model = hfquant.peft.get_peft_model(_bf16_model(float_checkpoint, bits), _config())
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    assert (trainable, total) == reference.get_nb_trainable_parameters()
+    assert PeftModel.get_nb_trainable_parameters(peft_model)[1] < total  # what peft alone counts: float tensors only
+    assert peft_model.num_parameters() == reference.num_parameters()  # transformers' count, through the PeftModel
+    assert peft_model.num_parameters(only_trainable=True) == trainable
+    capsys.readouterr()
+    reference.print_trainable_parameters()
+    expected = capsys.readouterr().out
+    peft_model.print_trainable_parameters()
+    assert capsys.readouterr().out == expected and f"{total:,d}" in expected
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = hfquant.peft.load_adapter(_bf16_model(float_checkpoint, bits), tmp_path / "adapter", is_trainable=True)
+    assert reloaded.get_nb_trainable_parameters() == (trainable, total)
