@@ -67,6 +67,7 @@ from hfquant.commands.verify import read_model_config
 from hfquant.config import HfQuantConfig
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration.conversions import Output, QuantJob, plan_outputs
+from hfquant.integration.counting import quantized_weight_count
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = [
@@ -413,7 +414,9 @@ def convert(
             worker_args = (str(folder), dtype_name(load_dtype), resolved.to_dict(), quantizer.folds)
             written = _write_weights(outputs, split, tmp, workers, worker_args, progress)
             if split.is_sharded:
-                metadata = {"total_parameters": model.num_parameters(), **split.metadata}
+                # as save_pretrained of a loaded model writes it: quantized weights counted (integration.counting)
+                total = model.num_parameters() + quantized_weight_count(model)
+                metadata = {"total_parameters": total, **split.metadata}
                 write_index(tmp, split.tensor_to_filename, metadata)
             _save_config(model, tmp)
             copy_small_files(folder, tmp)
