@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hfquant.core.dtypes import dtype_name, torch_dtype
+from hfquant.checkpoint.model_type import unmark
 
 __all__ = [
     "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
@@ -122,7 +123,8 @@ def read_json(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> Any:
 
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     """`config.json` of a checkpoint folder, with the fields read before any model is built checked: a JSON object,
-    `architectures` a list of class names, `dtype` / `torch_dtype` a torch dtype name or "auto".
+    `architectures` a list of class names, `dtype` / `torch_dtype` a torch dtype name or "auto". A config marked with
+    `model_type` "hfquant" comes back with its base model type (`hfquant.checkpoint.model_type.unmark`).
 
     Raises:
         FileNotFoundError: no config.json.
@@ -150,7 +152,7 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
         except ValueError:
             raise ValueError(f"{path}: {field}={value!r} is not a float torch dtype; write one of \"bfloat16\", "
                              "\"float16\", \"float32\" (the dtype of the checkpoint's weights), or remove the field") from None
-    return config
+    return unmark(config, path)
 
 
 # -- the index ---------------------------------------------------------------------------------------------------

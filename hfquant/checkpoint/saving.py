@@ -12,6 +12,11 @@ files, and swaps the two folders in one atomic step (`hfquant.checkpoint.publish
 
 An empty or absent destination is written directly, as transformers does. A destination that is a symlink is
 written through by transformers itself (hfquant does not replace a link it did not create).
+
+Either way the saved `config.json` gets `model_type` "hfquant" (`hfquant.checkpoint.model_type.mark_config_file`)
+before the folder is published, so that transformers without hfquant refuses the checkpoint by name.
+`save_pretrained(..., push_to_hub=True)` therefore saves first and pushes afterwards with `model.push_to_hub` (transformers
+would upload from inside its save, before the marking).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hfquant.checkpoint.files import stamp_checkpoint_ids
+from hfquant.checkpoint.model_type import mark_config_file
 from hfquant.checkpoint.publish import publish_folder, temporary_folder
 
 __all__ = ["WEIGHT_FILE", "attach_staged_save", "is_weight_file", "save_staged"]
@@ -87,9 +93,10 @@ def save_staged(save: Callable[..., Any], save_directory: str | os.PathLike, *ar
         created beside the destination or the swap fails (unchanged too).
     """
     dst = Path(save_directory)
-    # the shards' placeholder ids become the save's id once all are written; a save that pushes to the Hub is
-    # left as pushed (stamping after the upload would make the local files differ from the uploaded ones)
-    stamp = (lambda folder: None) if kwargs.get("push_to_hub") else stamp_checkpoint_ids
+    # the shards' placeholder ids become the save's id once all are written, and config.json is marked; a save
+    # that pushes to the Hub is left as pushed (changing files after the upload would make the local files differ
+    # from the uploaded ones; `_staged_save_pretrained` never pushes from inside the save)
+    stamp = (lambda folder: None) if kwargs.get("push_to_hub") else _finish
     if dst.is_symlink() or not dst.is_dir() or not any(dst.iterdir()):
         result = save(save_directory, *args, **kwargs)
         stamp(save_directory)
@@ -105,9 +112,29 @@ def save_staged(save: Callable[..., Any], save_directory: str | os.PathLike, *ar
     return result
 
 
+def _finish(folder: str | os.PathLike) -> None:
+    """What a finished save gets before it is published: checkpoint ids stamped, config.json marked."""
+    stamp_checkpoint_ids(folder)
+    if Path(folder, "config.json").is_file():
+        mark_config_file(folder)
+
+
+_HUB_ARGUMENTS = ("repo_id", "commit_message", "create_pr", "private", "token", "revision", "tags")
+
+
 def _staged_save_pretrained(model, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-    """`model.save_pretrained` of a model hfquant loaded: the class's own, through `save_staged`."""
-    return save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
+    """`model.save_pretrained` of a model hfquant loaded: the class's own, through `save_staged`. With
+    `push_to_hub=True` the folder is saved (and marked) first, then `model.push_to_hub` uploads a save of the model
+    (hfquant's, with its card, once `hfquant.commands.hub.attach_model_card` ran); the repo defaults to the folder's
+    name, as transformers names it."""
+    if not kwargs.pop("push_to_hub", False):
+        return save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
+    hub = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
+    hub.setdefault("repo_id", os.fspath(save_directory).rstrip(os.sep).split(os.sep)[-1])
+    result = save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
+    repo_id = hub.pop("repo_id")
+    model.push_to_hub(repo_id, **hub, **{k: v for k, v in kwargs.items() if k in ("max_shard_size",)})
+    return result
 
 
 def attach_staged_save(model) -> None:

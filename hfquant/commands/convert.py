@@ -60,6 +60,7 @@ from hfquant.checkpoint.files import (
     write_index,
     write_shard,
 )
+from hfquant.checkpoint.model_type import mark_config_file
 from hfquant.checkpoint.schema import is_hfquant_module
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands.cards import write_card
@@ -316,12 +317,13 @@ def copy_small_files(src: Path, dst: Path, skipped: set[str] = SKIPPED_FILES) ->
 
 
 def _save_config(model, folder: Path) -> None:
-    """config.json as `save_pretrained` writes it: the model's dtype (of its first float parameter) and class stamped,
-    `quantization_config` included."""
+    """config.json as `save_pretrained` of a model hfquant loaded writes it: the model's dtype (of its first float
+    parameter) and class stamped, `quantization_config` included, `model_type` "hfquant" (`mark_config_file`)."""
     config = model.config
     config.dtype = dtype_name(model.dtype)
     config.architectures = [type(model).__name__]
     config.save_pretrained(folder)
+    mark_config_file(folder)
 
 
 # -- the command -------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
 from hfquant.checkpoint.files import CONFIG_NAME, read_headers, read_json, require_inside, tensor_files, write_index
+from hfquant.checkpoint.model_type import mark
 from hfquant.commands.convert import shard_plan
 from hfquant.commands.export import ExportResult, check_dst, copy_small_files, write_shards
 from hfquant.config import FIELD_NAMES, HfQuantConfig
@@ -124,7 +125,7 @@ def import_checkpoint(
         write_shards(outputs, split, files, tmp, ct.import_tensor)
         if split.is_sharded:
             write_index(tmp, split.tensor_to_filename, dict(split.metadata))
-        config = dict(config, quantization_config=hfconfig.to_dict())
+        config = mark(dict(config, quantization_config=hfconfig.to_dict()))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         copy_small_files(folder, tmp)
         write_checksums(tmp)

@@ -45,6 +45,7 @@ from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core import folding
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration import checks
+from hfquant.integration.config_type import register_model_type, restore_base_model_type
 from hfquant.integration.counting import count_quantized_weights
 from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
@@ -176,6 +177,7 @@ class HfQuantQuantizer(HfQuantizer):
     # -- before loading -----------------------------------------------------------------------------------------
 
     def _process_model_before_weight_loading(self, model, dtype=None, **kwargs):
+        restore_base_model_type(model.config)  # a marked config.json parsed by the model's own config class
         config = self.quantization_config
         compute = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
         self.compute_dtype = compute
@@ -476,7 +478,8 @@ class HfQuantQuantizer(HfQuantizer):
 
 
 def register() -> None:
-    """Register `HfQuantConfig` and `HfQuantQuantizer` with transformers under `quant_method="hfquant"`; idempotent.
+    """Register `HfQuantConfig` and `HfQuantQuantizer` with transformers under `quant_method="hfquant"`, and
+    `model_type="hfquant"` (saved checkpoints, `hfquant.checkpoint.model_type`) with `AutoConfig`; idempotent.
 
     Raises:
         ValueError: another package already registered a different class under "hfquant".
@@ -491,3 +494,4 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(HfQuantQuantizer)
     elif quantizer_cls is not HfQuantQuantizer:
         raise ValueError(f"quant_method {QUANT_METHOD!r} is already registered by {quantizer_cls!r}")
+    register_model_type()
