@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -122,7 +123,25 @@ def test_model_push_to_hub_writes_the_hfquant_card(hub, float_checkpoint):
     assert CARD_MARKER in card and "model card of a 🤗 transformers model" not in card
     assert "- int8" in card and "- my-tag" in card and "quantization_config=hfquant.HfQuantConfig(" in card
     assert b'"quant_method": "hfquant"' in remote["config.json"]
+    assert json.loads(remote["config.json"])["model_type"] == "hfquant"  # refused by transformers without hfquant
     assert len(hub.state.commits) == 1
+
+
+def test_save_pretrained_with_push_to_hub_pushes_the_marked_save(hub, float_checkpoint, tmp_path):
+    """save_pretrained(push_to_hub=True) saves (config.json marked, model_type "hfquant"), then pushes: transformers
+    would upload from inside its save, before hfquant marks the config. The repo is named after the folder."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8),
+                                                 device_map="cpu")
+    model.save_pretrained(tmp_path / "saved-int8", push_to_hub=True, commit_message="saved and pushed")
+    (repo_id,) = [name for name in hub.state.repos if name.split("/")[-1] == "saved-int8"]
+    remote = hub.state.files(repo_id)
+    local = json.loads((tmp_path / "saved-int8" / "config.json").read_text())
+    assert local["model_type"] == "hfquant" and json.loads(remote["config.json"]) == local
+    assert remote["model.safetensors"] == (tmp_path / "saved-int8" / "model.safetensors").read_bytes()
+    assert CARD_MARKER in remote["README.md"].decode()
+    assert [c["header"]["summary"] for c in hub.state.commits] == ["saved and pushed"]
 
 
 def test_cli_push_as_a_user(hub, folder):
