@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import os
 
-from hfquant.ops.machine import ISA_FLAGS, cpu_name, isa_flags
+from hfquant.ops.machine import ISA_FLAGS, cpu_name, cpuinfo_field, isa_flags
 
 __all__ = ["ISA_FLAGS", "cpu_name", "isa_flags", "describe"]
 
 
 def describe() -> str:
-    """"CPU: <model>; ISA: avx2, avx512f, ...; N logical CPUs" for a table header."""
+    """"CPU: <model> (family F model M); ISA: avx2, avx512f, ...; N logical CPUs" for a table header. The family and
+    model numbers tell apart CPUs that a virtual machine names alike ("AMD EPYC" is Zen 4 at family 25 model 17,
+    Zen 5 at family 26)."""
     flags = ", ".join(isa_flags()) or "none of " + ", ".join(ISA_FLAGS)
-    return f"CPU: {cpu_name()}; ISA: {flags}; {os.cpu_count()} logical CPUs"
+    family, model = cpuinfo_field("cpu family"), cpuinfo_field("model")
+    numbers = f" (family {family} model {model})" if family and model else ""
+    return f"CPU: {cpu_name()}{numbers}; ISA: {flags}; {os.cpu_count()} logical CPUs"
