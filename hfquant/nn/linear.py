@@ -11,7 +11,7 @@ from transformers.pytorch_utils import Conv1D
 from hfquant.core import packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
-from hfquant.ops import gemv, kernels
+from hfquant.ops import gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.kernels import Kernel
 
@@ -266,7 +266,8 @@ def quantize_to_buffers(
     [, "weight_col_scale"]} as `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
 
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
-    `_CHUNK_BYTES` whatever the size of the weight; `Method.SINQ` first computes the column scale c on a float32 copy
+    `_CHUNK_BYTES` whatever the size of the weight; on the CPU, where hfquant's native library loads, min/max RTN of a
+    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first computes the column scale c on a float32 copy
     of the whole weight (`hfquant.core.sinq`) and quantizes w / c. `clipping` picks each group's range
     (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the stored format. `fold` (from
     `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like the rest: the quantized
@@ -286,6 +287,8 @@ def quantize_to_buffers(
         col_scale = sinq.column_scale(weight, fmt.group_size).to(weight.device)
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
+    # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
+    in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
     step = max(1, _CHUNK_BYTES // (4 * k))
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
@@ -294,9 +297,17 @@ def quantize_to_buffers(
             chunk = chunk.float() * row_scale[rows, None]
         if col_scale is not None:
             chunk = chunk.float() / col_scale
-        q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
-        stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
-        buffers["weight_scale"][rows] = q.scale
-        if q.zero_point is not None:
-            buffers["weight_zero_point"][rows] = q.zero_point
+        if in_c:
+            if not chunk.is_floating_point():
+                raise ValueError(f"expected a float weight, got {weight.dtype}")
+            if chunk.dtype not in (torch.bfloat16, torch.float32):
+                chunk = chunk.float()  # exact, as rtn.quantize_weight's own float32 copy
+            codes, scale, zero_point = native.rtn_quantize(chunk, fmt.bits, fmt.group_size, fmt.symmetric)
+        else:
+            q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
+            codes, scale, zero_point = (packing.pack_int4(q.q) if fmt.bits == 4 else q.q), q.scale, q.zero_point
+        stored[rows] = codes
+        buffers["weight_scale"][rows] = scale
+        if zero_point is not None:
+            buffers["weight_zero_point"][rows] = zero_point
     return buffers

@@ -1,16 +1,18 @@
-"""hfquant's own C kernels, built on first use (`csrc/int4_cpu.c`): the single-row int4 GEMV, and the int4
-dequantization that feeds the prefill GEMM.
+"""hfquant's own C kernels, built on first use (`csrc/int4_cpu.c`, `csrc/rtn_cpu.c`): the single-row int4 and int8
+GEMVs, the int4 dequantization that feeds the prefill GEMM, the int4 repacking, and the round-to-nearest quantizer.
 
 Why our own: for one activation row (batch-1 decode) PyTorch's `_weight_int4pack_mm_for_cpu` is limited by its
 instruction count, not by memory: it reads an int4 weight well below the memory bandwidth. `csrc/int4_cpu.c` reads
 the same bytes (the aten CPU layout, so nothing is repacked) with a table lookup per code and AVX512-BF16 dot
 products, closer to memory speed; several rows still go to the aten kernel. For prefill (`kernels._dequantized_gemm`)
 the same file turns a slice of output channels into the (K, slice) bfloat16 operand of `torch.mm` in one pass, where
-the torch ops took six. Measured speeds of both: docs/performance.md.
+the torch ops took six. `csrc/rtn_cpu.c` quantizes a weight in one pass where `hfquant.core.rtn` takes about six
+torch passes and a float32 copy, with the same bytes out (it bounds quantize-on-load). Measured speeds:
+docs/performance.md.
 
-The source ships inside the package. On first use it is compiled with the system C compiler (`$CC`, else `cc`;
+The sources ship inside the package. On first use they are compiled with the system C compiler (`$CC`, else `cc`;
 `-O3 -fopenmp`) into `<cache>/native/<hash>/int4_cpu.so`, where `<cache>` is `$HFQUANT_CACHE` or
-`~/.cache/hfquant` and the hash covers the source, the flags and the compiler's version line; the library is written
+`~/.cache/hfquant` and the hash covers the sources, the flags and the compiler's version line; the library is written
 under a temporary name and renamed, so concurrent first uses do not see half a file. It is loaded with ctypes and
 called with raw pointers. OpenMP resolves to the libgomp torch already loaded, so `torch.set_num_threads` applies.
 
@@ -40,12 +42,16 @@ import torch
 
 from hfquant.core import paths
 
-__all__ = ["native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack"]
+__all__ = [
+    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack",
+    "rtn_quantize",
+]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "int4_cpu.c"
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c"))
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
+_LIBRARIES = ("-lm",)
 _ABI = 3
 
 
@@ -79,7 +85,8 @@ def library_folder(compiler: str) -> Path:
     """`<cache>/native/<hash of source, flags and compiler version>`: where the built library is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     first_line = (version.splitlines() or [""])[0]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + first_line.encode()).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    digest = hashlib.sha256(sources + " ".join(_FLAGS + _LIBRARIES).encode() + first_line.encode()).hexdigest()[:16]
     return paths.cache_dir() / "native" / digest
 
 
@@ -111,7 +118,8 @@ def _compile(compiler: str, folder: Path) -> Path:
     os.close(handle)
     try:
         subprocess.run(
-            [compiler, *_FLAGS, "-o", partial, str(_SOURCE)], check=True, capture_output=True, text=True, timeout=300
+            [compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES), *_LIBRARIES], check=True, capture_output=True,
+            text=True, timeout=300,
         )
         os.chmod(partial, 0o700)
         record = folder / "int4_cpu.so.sha256"
@@ -178,6 +186,9 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     library.hfquant_int8_gemv.restype = ctypes.c_int
     library.hfquant_int8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    library.hfquant_rtn_quantize.restype = ctypes.c_int
+    library.hfquant_rtn_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [
+        ctypes.c_void_p] * 3
     for name in ("hfquant_int4_to_cpu_layout", "hfquant_int4_from_cpu_layout"):
         getattr(library, name).restype = ctypes.c_int
         getattr(library, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -289,3 +300,47 @@ def int4_repack(weight: torch.Tensor, to_cpu_layout: bool) -> torch.Tensor:
     if function(weight.data_ptr(), out.data_ptr(), n, k):
         raise RuntimeError(f"hfquant native int4 repacking refused N={n}, K={k} (needs N % 64 == 0)")
     return out
+
+
+def rtn_quantize(
+    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest quantization of a CPU weight in one C pass (`csrc/rtn_cpu.c`), bit for bit what
+    `hfquant.core.rtn.quantize_weight(weight, bits, group_size, symmetric)` gives, packed at 4 bits as
+    `hfquant.core.packing.pack_int4` packs.
+
+    Args:
+        weight: (N, K) contiguous bfloat16 or float32 on the CPU.
+        bits: 4 (K even) or 8.
+        group_size: inputs per scale, dividing K, at most 65536.
+        symmetric: as in `hfquant.core.rtn`.
+    Returns:
+        (codes, scale, zero_point): codes (N, K // 2) uint8 at 4 bits, (N, K) int8 at 8 bits symmetric, (N, K) uint8
+        at 8 bits asymmetric; scale (N, K // group_size) bfloat16; zero_point (N, K // group_size) uint8, or None when
+        symmetric.
+    Raises:
+        ValueError: the weight holds NaN or Inf values (the message of `hfquant.core.rtn`).
+        RuntimeError: the library is unavailable, or it refused the arguments.
+    """
+    library = _loaded_library()
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or weight.device.type != "cpu":
+        raise RuntimeError(f"rtn_quantize needs a 2-D bfloat16 or float32 CPU weight, got {weight.dtype} "
+                           f"{tuple(weight.shape)} on {weight.device}")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    groups = k // group_size if group_size > 0 else 0
+    if bits == 4:
+        codes = torch.empty((n, k // 2), dtype=torch.uint8)
+    else:
+        codes = torch.empty((n, k), dtype=torch.int8 if symmetric else torch.uint8)
+    scale = torch.empty((n, groups), dtype=torch.bfloat16)
+    zero_point = None if symmetric else torch.empty((n, groups), dtype=torch.uint8)
+    status = library.hfquant_rtn_quantize(
+        weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric),
+        codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr(),
+    )
+    if status == 2:
+        raise ValueError("cannot quantize a weight that contains NaN or Inf values")
+    if status:
+        raise RuntimeError(f"hfquant native RTN refused N={n}, K={k}, bits={bits}, group_size={group_size}")
+    return codes, scale, zero_point
