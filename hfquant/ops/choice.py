@@ -71,10 +71,11 @@ def cache_file() -> Path:
 
 
 def cpu_signature() -> str:
-    """The key of this CPU and torch build in the cache file: "model name | family F model M | flags | torch V"."""
+    """The key of this CPU, torch build and native kernel sources in the cache file: "model name | family F model M |
+    flags | torch V | kernels D" (a changed kernel is timed again)."""
     family, model = machine.cpuinfo_field("cpu family"), machine.cpuinfo_field("model")
     return (f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
-            f"torch {torch.__version__}")
+            f"torch {torch.__version__} | kernels {native.source_digest()}")
 
 
 def _shape_key(n: int, k: int, group_size: int | None) -> str:

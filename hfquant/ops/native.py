@@ -44,7 +44,7 @@ from hfquant.core import paths
 
 __all__ = [
     "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack",
-    "rtn_quantize",
+    "rtn_quantize", "source_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,11 @@ def native_enabled() -> bool:
         f"HFQUANT_NATIVE={value!r} is not understood; use one of {list(_OFF)} to turn hfquant's native kernels off, "
         f"or one of {list(_ON[1:])} (or leave it unset) to use them"
     )
+
+
+def source_digest() -> str:
+    """12 hex digits of the sha256 of the C sources: kernel timings recorded for other sources are stale."""
+    return hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)).hexdigest()[:12]
 
 
 def library_folder(compiler: str) -> Path:
