@@ -8,6 +8,11 @@ with `madvise(MADV_PAGEOUT)` (Linux >= 5.4). It only ever reclaims clean file pa
 to is anonymous memory and is left alone), so no data can be lost; a page that is read again is faulted back in
 from the file. Elsewhere it does nothing. Pages that another process maps too (the same checkpoint loaded by two
 processes at once) are shared and are not reclaimed: the peak-RSS bound holds for one loader at a time.
+
+Each call reads `/proc/self/maps` and advises every mapped shard whole, so its cost grows with the checkpoint, not with
+the weight just read: once per weight it cost 0.68 s of a 3.2 s load of a 2.35 GB checkpoint (docs/performance.md).
+`PageReleaser` calls it once per `every` bytes read instead (1/32 of the checkpoint, 16-256 MiB): the pages it lets
+stay resident between two calls are at most `every` bytes more than before.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import functools
 import logging
 import sys
 
-__all__ = ["release_checkpoint_pages", "mapped_checkpoint_ranges", "trim_heap"]
+__all__ = ["PageReleaser", "release_checkpoint_pages", "mapped_checkpoint_ranges", "trim_heap"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +101,40 @@ def _malloc_trim():
     function.argtypes = (ctypes.c_size_t,)
     function.restype = ctypes.c_int
     return function
+
+
+class PageReleaser:
+    """`release_checkpoint_pages` once per `every_bytes` of checkpoint data read, instead of once per tensor.
+
+    Usage: `releaser.read(tensor.nbytes)` after each tensor is consumed; `releaser.flush()` at the end of loading.
+
+    Args:
+        every_bytes: bytes read between two releases; `for_checkpoint` derives it from the checkpoint's size.
+    """
+
+    MIN_BYTES = 16 * 2**20
+    MAX_BYTES = 256 * 2**20
+
+    def __init__(self, every_bytes: int = MIN_BYTES) -> None:
+        self.every_bytes = max(1, int(every_bytes))
+        self.pending = 0
+
+    @classmethod
+    def for_checkpoint(cls, total_bytes: int) -> "PageReleaser":
+        """One release per 1/32 of a checkpoint of `total_bytes`, within [MIN_BYTES, MAX_BYTES] (16-256 MiB)."""
+        return cls(min(cls.MAX_BYTES, max(cls.MIN_BYTES, total_bytes // 32)))
+
+    def read(self, nbytes: int) -> int:
+        """Count `nbytes` read; release the pages when `every_bytes` have accumulated, else only return freed heap
+        memory (`trim_heap`, about 0.4 ms: the float copy of the weight just quantized must not stay resident).
+        Returns the bytes advised."""
+        self.pending += max(0, int(nbytes))
+        if self.pending >= self.every_bytes:
+            return self.flush()
+        trim_heap()
+        return 0
+
+    def flush(self) -> int:
+        """Release now (`release_checkpoint_pages`) and start counting again. Returns the bytes advised."""
+        self.pending = 0
+        return release_checkpoint_pages()

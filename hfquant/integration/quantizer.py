@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -40,7 +41,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from hfquant.checkpoint.files import PLACEHOLDER_METADATA, SAFETENSORS_DTYPES, open_safetensors, read_tensor
 from hfquant.checkpoint.saving import attach_staged_save
 from hfquant.checkpoint.schema import problem_text
-from hfquant.checkpoint.streaming import release_checkpoint_pages, trim_heap
+from hfquant.checkpoint.streaming import PageReleaser, release_checkpoint_pages, trim_heap
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core import folding
 from hfquant.core.dtypes import dtype_name, torch_dtype
@@ -129,8 +130,9 @@ class HfQuantQuantize(ConversionOps):
                 self.hf_quantizer.failed_tensors[key] = str(error)
             except MemoryError:  # the same, raised as a MemoryError saying what to do
                 self.hf_quantizer.out_of_memory.append(key)
+            nbytes = tensor.numel() * tensor.element_size()
             del tensor, value
-            release_checkpoint_pages()
+            self.hf_quantizer.page_releaser.read(nbytes)
         return result
 
 
@@ -160,6 +162,7 @@ class HfQuantQuantizer(HfQuantizer):
         self.adapters: dict[str, tuple[torch.dtype, bool]] = {}  # module -> (storage dtype, cast its float inputs)
         self.expert_conversions: list[tuple[Any, Any]] = []  # (model's converter, our copy for scales / zero points)
         self.folds: dict[str, folding.Transform] = {}  # module name -> its fold (fold_column_scales), set before loading
+        self.page_releaser = PageReleaser()  # sized by the checkpoint in _process_model_before_weight_loading
 
     # -- environment -------------------------------------------------------------------------------------------
 
@@ -201,6 +204,8 @@ class HfQuantQuantizer(HfQuantizer):
             checks.check_stored_tensors(model, kwargs["checkpoint_files"], self)
         elif kwargs.get("checkpoint_files"):
             checks.read_single_copies(kwargs["checkpoint_files"])  # headers only: a tensor stored twice is refused
+        if kwargs.get("checkpoint_files"):
+            self.page_releaser = PageReleaser.for_checkpoint(_total_bytes(kwargs["checkpoint_files"]))
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
@@ -359,7 +364,7 @@ class HfQuantQuantizer(HfQuantizer):
             self._requantize_disk_offloaded(model)
         checks.warn_offloaded_buffers(model)
         logger.info("hfquant kernels: %s", counts)
-        release_checkpoint_pages()
+        self.page_releaser.flush()
         for hook in self.loaded_model_hooks:
             hook(model)
         return model
@@ -475,6 +480,17 @@ class HfQuantQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """`QuantLinear.forward` traces without graph breaks (tests/test_compile.py checks fullgraph=True)."""
         return True
+
+
+def _total_bytes(files) -> int:
+    """Bytes of the checkpoint files that exist (0 for none)."""
+    total = 0
+    for name in files:
+        try:
+            total += os.path.getsize(name)
+        except (OSError, TypeError):
+            pass
+    return total
 
 
 def register() -> None:
