@@ -14,7 +14,9 @@ type `hfquant` but Transformers does not recognize this architecture". `import h
 `AutoConfig`, whose parsing hands the dict back to the base type's config class (`hfquant.integration.config_type`):
 the model in memory has the base config (`LlamaConfig`, `model_type == "llama"`), as any other quantized model.
 
-Only config dicts whose `quantization_config` has `quant_method == "hfquant"` are marked; checkpoints saved before
+Only config dicts whose `quantization_config` has `quant_method == "hfquant"` are marked, and not those of models
+with custom code (`auto_map`): `AutoConfig` prefers a registered local class to the checkpoint's remote one, so the
+model's own config class would never run. Checkpoints saved before
 this marking (`model_type` of the base) load as before. Readers of `config.json` in hfquant go through
 `files.read_config`, which returns the unmarked dict.
 """
@@ -51,6 +53,8 @@ def mark(config: dict[str, Any]) -> dict[str, Any]:
     unchanged. Marking a marked config changes nothing."""
     base = config.get("model_type")
     if is_marked(config) or not _is_hfquant_quantized(config) or not isinstance(base, str) or not base:
+        return config
+    if "auto_map" in config:  # custom (remote) code: AutoConfig would prefer hfquant's class to the model's own
         return config
     rest = {key: value for key, value in config.items() if key not in ("model_type", BASE_MODEL_TYPE_KEY)}
     return {"model_type": MODEL_TYPE, BASE_MODEL_TYPE_KEY: base, **rest}

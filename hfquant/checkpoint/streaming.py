@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 
 __all__ = ["PageReleaser", "release_checkpoint_pages", "mapped_checkpoint_ranges", "trim_heap"]
@@ -123,6 +124,11 @@ class PageReleaser:
     def for_checkpoint(cls, total_bytes: int) -> "PageReleaser":
         """One release per 1/32 of a checkpoint of `total_bytes`, within [MIN_BYTES, MAX_BYTES] (16-256 MiB)."""
         return cls(min(cls.MAX_BYTES, max(cls.MIN_BYTES, total_bytes // 32)))
+
+    @classmethod
+    def for_files(cls, files) -> "PageReleaser":
+        """`for_checkpoint` of the summed sizes of `files` (paths; missing ones count 0)."""
+        return cls.for_checkpoint(sum(os.path.getsize(f) for f in files if os.path.isfile(f)))
 
     def read(self, nbytes: int) -> int:
         """Count `nbytes` read; release the pages when `every_bytes` have accumulated, else only return freed heap

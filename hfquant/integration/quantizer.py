@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from typing import Any, Callable
 
 import torch
@@ -204,8 +203,7 @@ class HfQuantQuantizer(HfQuantizer):
             checks.check_stored_tensors(model, kwargs["checkpoint_files"], self)
         elif kwargs.get("checkpoint_files"):
             checks.read_single_copies(kwargs["checkpoint_files"])  # headers only: a tensor stored twice is refused
-        if kwargs.get("checkpoint_files"):
-            self.page_releaser = PageReleaser.for_checkpoint(_total_bytes(kwargs["checkpoint_files"]))
+        self.page_releaser = PageReleaser.for_files([str(f) for f in kwargs.get("checkpoint_files") or []])
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
@@ -480,17 +478,6 @@ class HfQuantQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """`QuantLinear.forward` traces without graph breaks (tests/test_compile.py checks fullgraph=True)."""
         return True
-
-
-def _total_bytes(files) -> int:
-    """Bytes of the checkpoint files that exist (0 for none)."""
-    total = 0
-    for name in files:
-        try:
-            total += os.path.getsize(name)
-        except (OSError, TypeError):
-            pass
-    return total
 
 
 def register() -> None:
