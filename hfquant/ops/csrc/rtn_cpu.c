@@ -45,6 +45,9 @@ static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uin
                      uint8_t *zero_out) {
     float lo = x[0], hi = x[0];
     int finite = 1;
+    /* min and max in any order: only the sign of a zero could differ, and it changes neither s nor z below; NaN and
+     * infinities are caught by `finite` */
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(& : finite)
     for (int64_t i = 0; i < group; i++) {
         const float v = x[i];
         lo = v < lo ? v : lo;
@@ -117,6 +120,7 @@ int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int
             }
             if (bits == 4) {
                 uint8_t *packed = codes + r * (k / 2);
+#pragma omp simd
                 for (int64_t i = 0; i < k / 2; i++) packed[i] = (uint8_t)(row_codes[2 * i] | (row_codes[2 * i + 1] << 4));
             } else if (symmetric) {
                 for (int64_t i = 0; i < k; i++) out[i] ^= 0x80; /* code - 128 as int8 */
