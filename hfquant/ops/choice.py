@@ -196,6 +196,19 @@ def int4_row_uses_native(n: int, k: int, group_size: int) -> bool:
     return _decide(_shape_key(n, k, group_size), lambda: measure_int4_row(n, k, group_size))
 
 
+def row_timings(n: int, k: int, group_size: int | None) -> tuple[float, float] | None:
+    """(hfquant GEMV seconds, aten seconds) recorded for one row of this shape on this CPU (int8 when `group_size` is
+    None), or None when the choice was forced (`HFQUANT_KERNEL_CHOICE`) or nothing was measured."""
+    if choice_mode() != "measure":
+        return None
+    entry = _read_cache().get(cpu_signature(), {})
+    entry = entry.get(_shape_key(n, k, group_size)) if isinstance(entry, dict) else None
+    try:
+        return float(entry["native_us"]) * 1e-6, float(entry["aten_us"]) * 1e-6
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def int8_row_uses_native(n: int, k: int) -> bool:
     """`int4_row_uses_native` for an (N, K) per-channel int8 layer (the caller has checked
     `gemv.native_int8_works`)."""

@@ -5,13 +5,17 @@ kernels, and which of the two serves each layer shape.
 `native_int4_works` / `native_int8_works` compare them with the aten kernels once per process, and
 `choose_int4_row_kernel` / `choose_int8_row_kernel` record, per layer shape, the kernel that `hfquant.ops.choice`
 timed faster on this CPU (`NATIVE_INT4_ROWS`, `NATIVE_INT8_ROWS`, read by `kernels.quantized_matmul`). Under
-torch.compile the GEMVs are the custom ops `hfquant::int4_gemv` and `hfquant::int8_gemv`.
+torch.compile the GEMVs are the custom ops `hfquant::int4_gemv` and `hfquant::int8_gemv`, which a compiled graph calls
+back in Python: each call costs `custom_op_overhead_s()` more than an aten op, so compiled graphs keep the GEMV only
+where it is faster by more than that (`COMPILED_INT4_ROWS`, `COMPILED_INT8_ROWS`). On SmolLM2-135M int4 the GEMV in
+every layer made compiled decoding 0.88x aten's speed (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -20,7 +24,8 @@ from hfquant.ops import choice, native
 
 __all__ = [
     "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
-    "native_int8_works", "int4_gemv_op", "int8_gemv_op",
+    "native_int8_works", "int4_gemv_op", "int8_gemv_op", "COMPILED_INT4_ROWS", "COMPILED_INT8_ROWS",
+    "custom_op_overhead_s",
 ]
 
 logger = logging.getLogger(__name__)
@@ -39,7 +44,50 @@ def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int)
     if shape not in NATIVE_INT4_ROWS:
         usable = native_int4_works() and out_features % 64 == 0
         NATIVE_INT4_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
+        COMPILED_INT4_ROWS[shape] = NATIVE_INT4_ROWS[shape] and _wins_compiled(
+            choice.row_timings(out_features, in_features, group_size))
     return NATIVE_INT4_ROWS[shape]
+
+
+COMPILED_INT4_ROWS: dict[tuple[int, int, int], bool] = {}
+"""`NATIVE_INT4_ROWS` for graphs compiled by torch.compile: the GEMV only where it beats aten by more than the custom
+op's call overhead (`custom_op_overhead_s`)."""
+
+COMPILED_INT8_ROWS: dict[tuple[int, int], bool] = {}
+"""`NATIVE_INT8_ROWS` for compiled graphs, as `COMPILED_INT4_ROWS`."""
+
+
+def _wins_compiled(timings: tuple[float, float] | None) -> bool:
+    """Whether the GEMV, timed (GEMV s, aten s) in eager, stays faster when a compiled graph calls it as a custom op.
+    Without timings (a forced choice) the eager choice stands."""
+    if timings is None:
+        return True
+    native_s, aten_s = timings
+    return native_s + custom_op_overhead_s() < aten_s
+
+
+@functools.lru_cache(maxsize=None)
+def custom_op_overhead_s() -> float:
+    """Seconds one GEMV call costs more through its custom op (`torch.ops.hfquant.int8_gemv`, as a compiled graph
+    calls it) than directly: measured once per process on a 64 x 64 int8 layer, best of 5 passes of 200 calls each.
+    0 where the int8 GEMV does not run."""
+    if not native_int8_works():
+        return 0.0
+    x = torch.randn((1, 64)).to(torch.bfloat16)
+    weight = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
+    scale = torch.ones(64, dtype=torch.bfloat16)
+    op = torch.ops.hfquant.int8_gemv
+
+    def best(call) -> float:
+        fastest = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(200):
+                call(x, weight, scale)
+            fastest = min(fastest, (time.perf_counter() - start) / 200)
+        return fastest
+
+    return max(0.0, best(op) - best(native.int8_gemv))
 
 
 NATIVE_INT8_ROWS: dict[tuple[int, int], bool] = {}
@@ -55,6 +103,8 @@ def choose_int8_row_kernel(out_features: int, in_features: int) -> bool:
     if shape not in NATIVE_INT8_ROWS:
         usable = in_features % 16 == 0 and native_int8_works()
         NATIVE_INT8_ROWS[shape] = usable and choice.int8_row_uses_native(out_features, in_features)
+        COMPILED_INT8_ROWS[shape] = NATIVE_INT8_ROWS[shape] and _wins_compiled(
+            choice.row_timings(out_features, in_features, None))
     return NATIVE_INT8_ROWS[shape]
 
 

@@ -245,7 +245,8 @@ def quantized_matmul(
         elif not x2d.is_contiguous() or x2d.data_ptr() % 64:
             x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
         channel_scale = scale.reshape(-1).to(x.dtype)
-        if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and gemv.NATIVE_INT8_ROWS.get((out_features, in_features)):
+        rows = gemv.COMPILED_INT8_ROWS if torch.compiler.is_compiling() else gemv.NATIVE_INT8_ROWS
+        if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and rows.get((out_features, in_features)):
             y = gemv.int8_gemv_op(x2d, runtime_weight, channel_scale) if torch.compiler.is_compiling() else (
                 native.int8_gemv(x2d, runtime_weight, channel_scale)
             )
@@ -255,9 +256,11 @@ def quantized_matmul(
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
-        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and gemv.NATIVE_INT4_ROWS.get(
-            (out_features, in_features, group_size), True
-        ):
+        layer = (out_features, in_features, group_size)
+        native_row = gemv.NATIVE_INT4_ROWS.get(layer, True)
+        if torch.compiler.is_compiling():
+            native_row = gemv.COMPILED_INT4_ROWS.get(layer, native_row)
+        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and native_row:
             y = gemv.int4_gemv_op(x2d, runtime_weight, sz, group_size) if torch.compiler.is_compiling() else (
                 native.int4_gemv(x2d, runtime_weight, sz, group_size)
             )
