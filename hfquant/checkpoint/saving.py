@@ -130,10 +130,10 @@ def _staged_save_pretrained(model, save_directory: str | os.PathLike, *args: Any
     if not kwargs.pop("push_to_hub", False):
         return save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
     hub = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
-    hub.setdefault("repo_id", os.fspath(save_directory).rstrip(os.sep).split(os.sep)[-1])
+    repo_id = hub.pop("repo_id", os.fspath(save_directory).rstrip(os.sep).split(os.sep)[-1])
     result = save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
-    repo_id = hub.pop("repo_id")
-    model.push_to_hub(repo_id, **hub, **{k: v for k, v in kwargs.items() if k in ("max_shard_size",)})
+    shards = {"max_shard_size": kwargs["max_shard_size"]} if "max_shard_size" in kwargs else {}
+    model.push_to_hub(repo_id, **hub, **shards)
     return result
 
 
