@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hfquant.ops import gemv, native
 from hfquant.nn.float_linear import FloatLinear, one_row_linear, restore_nn_linear, takes_one_row_path, use_float_linear
 
 
@@ -19,6 +20,13 @@ def _within_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
         exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
     bound = 2.0**-8 * exact.abs() + x.shape[-1] * 2.0**-24 * magnitude
     return bool(((y.double() - exact).abs() <= bound).all())
+
+
+@pytest.fixture(autouse=True)
+def aten_gemv_unless_asked(monkeypatch):
+    """The tests below check ATen's one-row path: no shape takes hfquant's bf16 GEMV unless a test lists it."""
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "aten")
+    monkeypatch.setattr(gemv, "NATIVE_BF16_ROWS", {})
 
 
 @pytest.fixture
@@ -147,3 +155,48 @@ def test_swap_touches_only_plain_linear_and_round_trips():
     assert restore_nn_linear(model) == 2
     assert [type(m) for m in model.modules()].count(nn.Linear) == 2
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+needs_bf16_gemv = pytest.mark.skipif(not gemv.native_bf16_works(), reason="no native bf16 GEMV here (no AVX512-BF16)")
+
+
+@needs_bf16_gemv
+@pytest.mark.parametrize("n, k, with_bias", [(49152, 576, False), (4096, 576, True), (96, 2048, True), (64, 32, False)])
+def test_native_bf16_gemv_within_one_rounding_of_float64(n, k, with_bias):
+    """vdpbf16ps sums bfloat16 products in float32 lanes, rounded once to bfloat16: the same bound as ATen's GEMV."""
+    generator = torch.Generator().manual_seed(n + k)
+    weight = torch.randn((n, k), generator=generator).to(torch.bfloat16)
+    bias = torch.randn((n,), generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    assert _within_rounding(native.bf16_gemv(x, weight, bias), x, weight, bias)
+
+
+@needs_bf16_gemv
+def test_native_bf16_gemv_refuses_k_not_a_multiple_of_32():
+    with pytest.raises(RuntimeError, match="K % 32"):
+        native.bf16_gemv(torch.zeros((1, 48), dtype=torch.bfloat16), torch.zeros((8, 48), dtype=torch.bfloat16))
+
+
+@needs_bf16_gemv
+def test_one_row_of_a_shape_timed_faster_runs_the_native_gemv(layer, monkeypatch):
+    """A shape listed in NATIVE_BF16_ROWS runs hfquant's GEMV (F.linear is not called), in eager and through the
+    compiled op's Python body; two rows still go to F.linear."""
+    monkeypatch.setitem(gemv.NATIVE_BF16_ROWS, (4096, 576), True)
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real_linear(*a, **k))
+    use_float_linear(nn.Sequential(layer))
+    x = torch.randn((1, 576), dtype=torch.bfloat16)
+    y = layer(x)
+    assert calls == [] and torch.equal(y, native.bf16_gemv(x, layer.weight, layer.bias))
+    assert _within_rounding(y, x, layer.weight, layer.bias)
+    layer(torch.randn((2, 576), dtype=torch.bfloat16))
+    assert calls == [1]
+
+
+def test_use_float_linear_asks_the_kernel_choice_for_bfloat16_layers_only(monkeypatch):
+    asked = []
+    monkeypatch.setattr(gemv, "choose_bf16_row_kernel", lambda n, k: asked.append((n, k)) or False)
+    model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16), nn.Linear(32, 64).float())
+    assert use_float_linear(model) == 2
+    assert asked == [(32, 64)]  # the float32 layer keeps the default path and is not timed

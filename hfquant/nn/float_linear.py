@@ -8,7 +8,9 @@ weight an int4 model reads per token, so this is where its time goes. With `torc
 call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32 accumulation): as accurate, but it sums in
 another order, so an output may differ from oneDNN's by one bfloat16 rounding step (8 of 49152 outputs in a SmolLM2
 lm_head test, both equally far from a float64 reference). From 2 rows on oneDNN's GEMM is as fast or faster, so only
-single rows take this path. float16 and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory
+single rows take this path; where hfquant's own bf16 GEMV (`csrc/bf16_cpu.c`, AVX512-BF16 dot products) was timed
+faster for a layer's shape on this CPU (`gemv.choose_bf16_row_kernel`, when `use_float_linear` runs), it serves them
+instead. float16 and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory
 speed) and keep the default path.
 
 The switch is the process-wide `torch.backends.mkldnn.enabled` flag, set for the duration of one call and restored
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hfquant.ops import gemv, native
 
 __all__ = ["FloatLinear", "one_row_linear", "takes_one_row_path", "use_float_linear", "restore_nn_linear"]
 
@@ -37,6 +41,18 @@ def takes_one_row_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """hfquant's bf16 GEMV where it was timed faster for this shape (`gemv.NATIVE_BF16_ROWS`), else ATen's."""
+    if (
+        gemv.NATIVE_BF16_ROWS.get(tuple(weight.shape))
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    ):
+        return native.bf16_gemv(x, weight, bias)
+    return _linear_without_onednn(x, weight, bias)
+
+
 def _linear_without_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     enabled = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False
@@ -48,7 +64,7 @@ def _linear_without_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 @torch.library.custom_op("hfquant::one_row_linear", mutates_args=())
 def _one_row_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _linear_without_onednn(x, weight, bias)
+    return _one_row(x, weight, bias)
 
 
 @_one_row_linear_op.register_fake
@@ -73,7 +89,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     if torch.compiler.is_compiling():
         return _one_row_linear_op(x, weight, bias)
-    return _linear_without_onednn(x, weight, bias)
+    return _one_row(x, weight, bias)
 
 
 class FloatLinear(nn.Linear):
@@ -101,6 +117,9 @@ def use_float_linear(model: nn.Module) -> int:
         if type(module) is nn.Linear:
             module.__class__ = FloatLinear
             changed += 1
+            weight = module.weight
+            if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
+                gemv.choose_bf16_row_kernel(*weight.shape)  # which GEMV serves its single rows, timed per shape
     return changed
 
 

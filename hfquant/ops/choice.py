@@ -163,6 +163,30 @@ def measure_int8_row(n: int, k: int) -> dict[str, float]:
     return _time_kernels(kernels, copies)
 
 
+def measure_bf16_row(n: int, k: int) -> dict[str, float]:
+    """Seconds per call of ATen's bf16 GEMV (oneDNN off, as `FloatLinear` calls it) and hfquant's for one bfloat16
+    row times an (N, K) bfloat16 weight (K % 32 == 0), timed as `measure_int4_row` (the weight is filled with a
+    constant: its values do not change the time, and drawing 10^8 random numbers would)."""
+    weight = torch.empty((n, k), dtype=torch.bfloat16).fill_(0.01)
+    copies = _copies(weight)
+    x = torch.full((1, k), 0.5, dtype=torch.bfloat16)
+
+    def aten(w):
+        enabled = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+        try:
+            return torch.nn.functional.linear(x, w)
+        finally:
+            torch.backends.mkldnn.enabled = enabled
+
+    return _time_kernels({"aten": aten, "native": lambda w: native.bf16_gemv(x, w)}, copies)
+
+
+def bf16_row_uses_native(n: int, k: int) -> bool:
+    """`int4_row_uses_native` for an (N, K) bfloat16 layer kept in float (`FloatLinear`)."""
+    return _decide(f"bf16 {n}x{k}", lambda: measure_bf16_row(n, k))
+
+
 def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """`weight` and clones of it, about `_WORKING_SET_BYTES` in all (at most `_MAX_COPIES`)."""
     count = min(_MAX_COPIES, max(1, _WORKING_SET_BYTES // max(weight.nbytes, 1)))

@@ -25,7 +25,7 @@ from hfquant.ops import choice, native
 __all__ = [
     "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
     "native_int8_works", "int4_gemv_op", "int8_gemv_op", "COMPILED_INT4_ROWS", "COMPILED_INT8_ROWS",
-    "custom_op_overhead_s",
+    "custom_op_overhead_s", "NATIVE_BF16_ROWS", "choose_bf16_row_kernel", "native_bf16_works",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,43 @@ def _wins_compiled(timings: tuple[float, float] | None) -> bool:
         return True
     native_s, aten_s = timings
     return native_s + custom_op_overhead_s() < aten_s
+
+
+NATIVE_BF16_ROWS: dict[tuple[int, int], bool] = {}
+"""(out_features, in_features) -> whether one bfloat16 row of a bfloat16 layer kept in float (`FloatLinear`) runs
+hfquant's bf16 GEMV (True) or ATen's (False), as measured on this CPU (`choose_bf16_row_kernel`); a shape not listed
+runs ATen's."""
+
+
+def choose_bf16_row_kernel(out_features: int, in_features: int) -> bool:
+    """`choose_int4_row_kernel` for bfloat16 layers kept in float: True when hfquant's bf16 GEMV serves their single
+    rows. Without a working GEMV (`native_bf16_works`, K % 32) nothing is measured: False."""
+    shape = (out_features, in_features)
+    if shape not in NATIVE_BF16_ROWS:
+        usable = in_features % 32 == 0 and native_bf16_works()
+        NATIVE_BF16_ROWS[shape] = usable and choice.bf16_row_uses_native(out_features, in_features)
+    return NATIVE_BF16_ROWS[shape]
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16_works() -> bool:
+    """True if hfquant's bf16 GEMV (`native.bf16_gemv`) loads here and, on a small random layer (96 x 256, with a
+    bias), matches ATen's `F.linear` within 1% of the output range. Cached."""
+    if native.int4_cpu_library() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn((96, 256), generator=generator).to(torch.bfloat16)
+    bias = torch.randn((96,), generator=generator).to(torch.bfloat16)
+    x = torch.randn((1, 256), generator=generator).to(torch.bfloat16)
+    reference = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    try:
+        y = native.bf16_gemv(x, weight, bias).float()
+    except RuntimeError:
+        return False
+    works = bool(((y - reference).abs().max() <= 0.01 * reference.abs().max()).item())
+    if not works:
+        logger.warning("hfquant native bf16 GEMV disagrees with F.linear; using ATen's")
+    return works
 
 
 @functools.lru_cache(maxsize=None)

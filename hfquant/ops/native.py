@@ -44,12 +44,12 @@ from hfquant.core import paths
 
 __all__ = [
     "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack",
-    "rtn_quantize", "source_digest",
+    "rtn_quantize", "source_digest", "bf16_gemv",
 ]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c"))
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 _LIBRARIES = ("-lm",)
 _ABI = 3
@@ -191,6 +191,8 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     library.hfquant_int8_gemv.restype = ctypes.c_int
     library.hfquant_int8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    library.hfquant_bf16_gemv.restype = ctypes.c_int
+    library.hfquant_bf16_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
     library.hfquant_rtn_quantize.restype = ctypes.c_int
     library.hfquant_rtn_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [
         ctypes.c_void_p] * 3
@@ -349,3 +351,25 @@ def rtn_quantize(
     if status:
         raise RuntimeError(f"hfquant native RTN refused N={n}, K={k}, bits={bits}, group_size={group_size}")
     return codes, scale, zero_point
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias) for one bfloat16 row (`csrc/bf16_cpu.c`, AVX512-BF16 dot products).
+
+    Args:
+        x: (..., K) with one row in all, contiguous bfloat16 (CPU); K % 32 == 0.
+        weight: (N, K) contiguous bfloat16.
+        bias: (N,) contiguous bfloat16, or None.
+    Returns:
+        (..., N) bfloat16; each output summed in float32 and rounded once.
+    Raises:
+        RuntimeError: the library is unavailable or refused the shapes (K % 32 != 0).
+    """
+    library = _loaded_library()
+    out_features, in_features = weight.shape
+    y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+    status = library.hfquant_bf16_gemv(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       y.data_ptr(), out_features, in_features)
+    if status:
+        raise RuntimeError(f"hfquant native bf16 GEMV refused N={out_features}, K={in_features} (needs K % 32 == 0)")
+    return y
