@@ -267,8 +267,8 @@ def quantize_to_buffers(
 
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; on the CPU, where hfquant's native library loads, min/max RTN of a
-    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first computes the column scale c on a float32 copy
-    of the whole weight (`hfquant.core.sinq`) and quantizes w / c. `clipping` picks each group's range
+    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first
+    computes the column scale c on a float32 copy of the whole weight (`hfquant.core.sinq`) and quantizes w / c. `clipping` picks each group's range
     (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the stored format. `fold` (from
     `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like the rest: the quantized
     weight is `hfquant.core.folding.apply(weight, fold)`'s.

@@ -91,10 +91,16 @@ def _read_cache() -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _entry(signature: str, key: str) -> dict | None:
+    """The cache file's record of `key` under `signature`, or None."""
+    entries = _read_cache().get(signature, {})
+    entry = entries.get(key) if isinstance(entries, dict) else None
+    return entry if isinstance(entry, dict) else None
+
+
 def _cached(signature: str, key: str) -> bool | None:
-    entry = _read_cache().get(signature, {})
-    entry = entry.get(key) if isinstance(entry, dict) else None
-    if isinstance(entry, dict) and entry.get("kernel") in ("native", "aten"):
+    entry = _entry(signature, key)
+    if entry is not None and entry.get("kernel") in ("native", "aten"):
         return entry["kernel"] == "native"
     return None
 
@@ -225,8 +231,7 @@ def row_timings(n: int, k: int, group_size: int | None) -> tuple[float, float] |
     None), or None when the choice was forced (`HFQUANT_KERNEL_CHOICE`) or nothing was measured."""
     if choice_mode() != "measure":
         return None
-    entry = _read_cache().get(cpu_signature(), {})
-    entry = entry.get(_shape_key(n, k, group_size)) if isinstance(entry, dict) else None
+    entry = _entry(cpu_signature(), _shape_key(n, k, group_size))
     try:
         return float(entry["native_us"]) * 1e-6, float(entry["aten_us"]) * 1e-6
     except (KeyError, TypeError, ValueError):
