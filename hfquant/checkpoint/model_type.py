@@ -28,10 +28,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hfquant.config import QUANT_METHOD
+
 __all__ = ["MODEL_TYPE", "BASE_MODEL_TYPE_KEY", "is_marked", "mark", "unmark", "mark_config_file"]
 
-MODEL_TYPE = "hfquant"
-"""`model_type` of a saved hfquant checkpoint (equal to `hfquant.config.QUANT_METHOD`)."""
+MODEL_TYPE = QUANT_METHOD
+"""`model_type` of a saved hfquant checkpoint: "hfquant", the `quant_method` itself."""
 
 BASE_MODEL_TYPE_KEY = "hfquant_base_model_type"
 """Key of `config.json` that holds the model's own `model_type` ("llama", "qwen2", ...) in a marked config."""
@@ -39,7 +41,7 @@ BASE_MODEL_TYPE_KEY = "hfquant_base_model_type"
 
 def _is_hfquant_quantized(config: dict[str, Any]) -> bool:
     quant = config.get("quantization_config")
-    return isinstance(quant, dict) and quant.get("quant_method") == MODEL_TYPE
+    return isinstance(quant, dict) and quant.get("quant_method") == QUANT_METHOD
 
 
 def is_marked(config: dict[str, Any]) -> bool:
