@@ -9,7 +9,7 @@ import torch
 
 from hfquant import QuantLinear
 from hfquant.core.format import StoredFormat
-from hfquant.ops import choice, gemv, native
+from hfquant.ops import choice, gemv, native, torch_ops
 from hfquant.ops.kernels import Kernel
 
 NEEDS_NATIVE = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's native int4 GEMV does not work here")
@@ -120,8 +120,8 @@ def test_one_row_of_a_prepared_layer_runs_the_kernel_chosen_for_its_shape(fresh,
     assert layer.kernel == Kernel.INT4PACK_MM_CPU
     assert gemv.NATIVE_INT4_ROWS == {(128, 256, 64): native_faster}
     used = []
-    real = native.int4_gemv
-    monkeypatch.setattr(native, "int4_gemv", lambda *args: used.append(1) or real(*args))
+    real = torch_ops.int4_gemv
+    monkeypatch.setattr(torch_ops, "int4_gemv", lambda *args: used.append(1) or real(*args))
     x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = layer(x)
     assert bool(used) is native_faster
@@ -171,8 +171,8 @@ def test_one_row_of_a_prepared_int8_layer_runs_the_kernel_chosen_for_its_shape(f
     layer.prepare_kernel(torch.bfloat16)
     assert layer.kernel == Kernel.INT8PACK_MM and gemv.NATIVE_INT8_ROWS == {(96, 256): native_faster}
     used = []
-    real = native.int8_gemv
-    monkeypatch.setattr(native, "int8_gemv", lambda *args: used.append(1) or real(*args))
+    real = torch_ops.int8_gemv
+    monkeypatch.setattr(torch_ops, "int8_gemv", lambda *args: used.append(1) or real(*args))
     x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = layer(x)
     assert bool(used) is native_faster

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hfquant.core import packing, paths
-from hfquant.ops import machine, native
+from hfquant.ops import machine, native, torch_ops
 
 __all__ = [
     "CHOICES", "choice_mode", "int4_row_uses_native", "int8_row_uses_native", "measure_int4_row", "measure_int8_row",
@@ -142,7 +142,7 @@ def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     kernels = {
         "aten": lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group_size, scale_zero),
-        "native": lambda w: native.int4_gemv(x, w, scale_zero, group_size),
+        "native": lambda w: torch_ops.int4_gemv(x, w, scale_zero, group_size),
     }
     return _time_kernels(kernels, copies)
 
@@ -164,7 +164,7 @@ def measure_int8_row(n: int, k: int) -> dict[str, float]:
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     kernels = {
         "aten": lambda w: torch.ops.aten._weight_int8pack_mm(x, w, scale),
-        "native": lambda w: native.int8_gemv(x, w, scale),
+        "native": lambda w: torch_ops.int8_gemv(x, w, scale),
     }
     return _time_kernels(kernels, copies)
 

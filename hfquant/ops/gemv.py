@@ -4,11 +4,13 @@ kernels, and which of the two serves each layer shape.
 `hfquant.ops.native` builds and calls the C kernels; this module decides whether they may serve a layer:
 `native_int4_works` / `native_int8_works` compare them with the aten kernels once per process, and
 `choose_int4_row_kernel` / `choose_int8_row_kernel` record, per layer shape, the kernel that `hfquant.ops.choice`
-timed faster on this CPU (`NATIVE_INT4_ROWS`, `NATIVE_INT8_ROWS`, read by `kernels.quantized_matmul`). Under
-torch.compile the GEMVs are the custom ops `hfquant::int4_gemv` and `hfquant::int8_gemv`, which a compiled graph calls
-back in Python: each call costs `custom_op_overhead_s()` more than an aten op, so compiled graphs keep the GEMV only
-where it is faster by more than that (`COMPILED_INT4_ROWS`, `COMPILED_INT8_ROWS`). On SmolLM2-135M int4 the GEMV in
-every layer made compiled decoding 0.88x aten's speed (docs/performance.md).
+timed faster on this CPU (`NATIVE_INT4_ROWS`, `NATIVE_INT8_ROWS`, read by `kernels.quantized_matmul`). The GEMVs are
+called as PyTorch dispatcher operators (`torch.ops.hfquant_cpu.*`, `hfquant.ops.torch_ops`) wherever those build, in
+eager and in torch.compile graphs alike. Where they do not (no C++ compiler), eager calls the C kernels through ctypes
+and compiled graphs through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` below, which cost
+`custom_op_overhead_s()` more per call than an aten op: compiled graphs then keep the GEMV only where it is faster by
+more than that (`COMPILED_INT4_ROWS`, `COMPILED_INT8_ROWS`). On SmolLM2-135M int4 the Python custom op in every layer
+made compiled decoding 0.88x aten's speed (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import torch
 
 from hfquant.core import packing, rtn
-from hfquant.ops import choice, native
+from hfquant.ops import choice, native, torch_ops
 
 __all__ = [
     "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
@@ -105,10 +107,11 @@ def native_bf16_works() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def custom_op_overhead_s() -> float:
-    """Seconds one GEMV call costs more through its custom op (`torch.ops.hfquant.int8_gemv`, as a compiled graph
-    calls it) than directly: measured once per process on a 64 x 64 int8 layer, best of 5 passes of 200 calls each.
-    0 where the int8 GEMV does not run."""
-    if not native_int8_works():
+    """Seconds one GEMV call costs more in a compiled graph than in eager. 0 where hfquant's dispatcher operators are
+    registered (`torch_ops.AVAILABLE`: both call them) or the int8 GEMV does not run; else the Python custom op's
+    extra cost (`torch.ops.hfquant.int8_gemv` against the ctypes call), measured once per process on a 64 x 64 int8
+    layer, best of 5 passes of 200 calls each."""
+    if not native_int8_works() or torch_ops.AVAILABLE:
         return 0.0
     x = torch.randn((1, 64)).to(torch.bfloat16)
     weight = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
@@ -169,6 +172,7 @@ def native_int4_works() -> bool:
         logger.info("hfquant native int4 kernels unusable: %s", error)
         return False
     works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    works = works and _operator_agrees(lambda: torch_ops.int4_gemv(x, runtime, sz, group).float(), y)
     from_dequantized = (x.float() @ weight_t.float()).float()
     works = works and torch.allclose(from_dequantized, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
     if not works:
@@ -194,9 +198,17 @@ def native_int8_works() -> bool:
         logger.info("hfquant native int8 GEMV unusable: %s", error)
         return False
     works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    works = works and _operator_agrees(lambda: torch_ops.int8_gemv(x, q.q.contiguous(), scale).float(), y)
     if not works:
         logger.warning("hfquant native int8 GEMV disagrees with the aten kernel; using the aten kernel")
     return works
+
+
+def _operator_agrees(call, expected: torch.Tensor) -> bool:
+    """Loads hfquant's GEMV operators (`torch_ops.loaded`); True when `call` (through them, or through ctypes where
+    they are not registered) gives `expected` bit for bit."""
+    torch_ops.loaded()
+    return torch.equal(call(), expected)
 
 
 @torch.library.custom_op("hfquant::int8_gemv", mutates_args=())

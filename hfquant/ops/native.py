@@ -37,6 +37,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -44,18 +45,19 @@ from hfquant.core import paths
 
 __all__ = [
     "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack",
-    "rtn_quantize", "source_digest", "bf16_gemv",
+    "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "FLAGS",
 ]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
-_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 _LIBRARIES = ("-lm",)
 _ABI = 3
 
 
-def _compiler() -> str | None:
+def c_compiler() -> str | None:
+    """The C compiler's path: `$CC`, else `cc`, found on PATH; None without one."""
     name = os.environ.get("CC") or "cc"
     return shutil.which(name)
 
@@ -82,16 +84,18 @@ def native_enabled() -> bool:
 
 
 def source_digest() -> str:
-    """12 hex digits of the sha256 of the C sources: kernel timings recorded for other sources are stale."""
-    return hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)).hexdigest()[:12]
+    """12 hex digits of the sha256 of every kernel source (`csrc/`, with the C++ operators of `torch_ops`): kernel
+    timings recorded for other sources are stale."""
+    sources = sorted(Path(__file__).with_name("csrc").iterdir())
+    return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:12]
 
 
 def library_folder(compiler: str) -> Path:
     """`<cache>/native/<hash of source, flags and compiler version>`: where the built library is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     first_line = (version.splitlines() or [""])[0]
-    sources = b"".join(source.read_bytes() for source in _SOURCES)
-    digest = hashlib.sha256(sources + " ".join(_FLAGS + _LIBRARIES).encode() + first_line.encode()).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(FLAGS + _LIBRARIES).encode() + first_line.encode()).hexdigest()[:16]
     return paths.cache_dir() / "native" / digest
 
 
@@ -116,19 +120,18 @@ def _trusted(library: Path) -> bool:
         return False
 
 
-def _compile(compiler: str, folder: Path) -> Path:
-    """Compile into `folder` under a temporary name, record the sha256, rename into place; returns the library."""
-    library = folder / "int4_cpu.so"
-    handle, partial = tempfile.mkstemp(prefix=".int4_cpu-", suffix=".so", dir=folder)
+def _compile(folder: Path, name: str, build: Callable[[Path, Path], None]) -> Path:
+    """Build `folder/name` under a temporary name (`build(output, scratch folder)` runs the compiler), record its
+    sha256, rename into place; returns the library."""
+    library = folder / name
+    handle, partial = tempfile.mkstemp(prefix=f".{library.stem}-", suffix=".so", dir=folder)
     os.close(handle)
     try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES), *_LIBRARIES], check=True, capture_output=True,
-            text=True, timeout=300,
-        )
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            build(Path(partial), Path(scratch))
         os.chmod(partial, 0o700)
-        record = folder / "int4_cpu.so.sha256"
-        record_partial = folder / f".int4_cpu.so.sha256.{os.getpid()}"
+        record = folder / f"{name}.sha256"
+        record_partial = folder / f".{name}.sha256.{os.getpid()}"
         record_partial.write_text(_sha256(Path(partial)) + "\n")
         os.chmod(record_partial, 0o600)
         os.replace(record_partial, record)
@@ -139,15 +142,20 @@ def _compile(compiler: str, folder: Path) -> Path:
     return library
 
 
-def _build(compiler: str) -> Path:
-    """The library to load: the cached one when it is trusted (`_trusted`), else built again into the cache, or, when
-    the cache folders are not ours and private, into a private temporary folder of this process.
+def run_compiler(command: list[str]) -> None:
+    """Run one compiler command (5 minutes at most); raises subprocess.CalledProcessError with its output."""
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+
+
+def cached_library(folder: Path, name: str, build: Callable[[Path, Path], None]) -> Path:
+    """The library `name` to load: the cached one in `folder` when it is trusted (`_trusted`), else built again
+    (`_compile`) into the cache, or, when the cache folders are not ours and private, into a private temporary folder
+    of this process.
 
     Raises:
         OSError / subprocess.CalledProcessError / subprocess.TimeoutExpired: the build failed.
     """
-    folder = library_folder(compiler)
-    library = folder / "int4_cpu.so"
+    library = folder / name
     if library.exists() and _trusted(library):
         return library
     try:
@@ -163,7 +171,15 @@ def _build(compiler: str) -> Path:
         )
     elif library.exists():
         logger.warning("hfquant: %s does not match its recorded sha256 or is not private; building it again", library)
-    return _compile(compiler, folder)
+    return _compile(folder, name, build)
+
+
+def _build_c_library(compiler: str) -> Path:
+    """`int4_cpu.so`: the C sources in one library, for ctypes."""
+    def build(output: Path, scratch: Path) -> None:
+        run_compiler([compiler, *FLAGS, "-o", str(output), *map(str, SOURCES), *_LIBRARIES])
+
+    return cached_library(library_folder(compiler), "int4_cpu.so", build)
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,12 +188,12 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     if not native_enabled():
         logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=%s", os.environ.get("HFQUANT_NATIVE"))
         return None
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         logger.info("hfquant native int4 kernels unavailable: no C compiler ($CC or cc); using the aten kernel")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = ctypes.CDLL(str(_build_c_library(compiler)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.info("hfquant native int4 kernels unavailable: build failed (%s); using the aten kernel", detail)

@@ -1,0 +1,91 @@
+// hfquant's one-row GEMVs (csrc/int4_cpu.c) as PyTorch dispatcher operators: torch.ops.hfquant_cpu.int4_gemv and
+// torch.ops.hfquant_cpu.int8_gemv, CPU kernels only.
+//
+// Why: called through ctypes, or through a Python custom op inside a torch.compile graph, each GEMV pays Python's
+// call cost (about 4 us through ctypes, 14 us through torch.library.custom_op on an AMD EPYC Zen 4), as much as the
+// whole product on a small layer. Registered here (PyTorch's TORCH_LIBRARY, c10 dispatcher), a call costs what an
+// aten op does, in eager and in a compiled graph alike (hfquant/ops/native.py builds this file with the C sources
+// into one library; hfquant/ops/gemv.py registers the fake kernels torch.compile traces with).
+//
+// Arguments as the C functions take them (int4_cpu.c): x (1, K) or (K,) contiguous bfloat16; int4: weight
+// (N, K / 2) uint8 in the 64-row "halves" layout of _weight_int4pack_mm_for_cpu, scale_zero (K / group, N, 2)
+// contiguous bfloat16; int8: weight (N, K) contiguous int8, scale (N,) contiguous bfloat16. Output (1, N) bfloat16.
+// A refused shape raises RuntimeError naming it.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+extern "C" {
+int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y, int64_t n,
+                      int64_t k, int64_t group);
+int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
+                      int64_t k);
+}
+
+namespace {
+
+void check_row(const at::Tensor &x, int64_t in_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "hfquant GEMV: x must be a contiguous bfloat16 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.numel() == in_features, "hfquant GEMV: x must hold one row of ", in_features, " inputs, got shape ",
+              x.sizes());
+}
+
+void check_operand(const at::Tensor &t, at::ScalarType dtype, const char *name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), "hfquant GEMV: ", name,
+              " must be a contiguous ", dtype, " CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
+                     int64_t group_size) {
+  TORCH_CHECK(weight.dim() == 2, "hfquant int4 GEMV: weight must be (N, K / 2), got shape ", weight.sizes());
+  const int64_t out_features = weight.size(0), in_features = weight.size(1) * 2;
+  check_row(x, in_features);
+  check_operand(weight, at::kByte, "weight");
+  check_operand(scale_zero, at::kBFloat16, "scale_zero");
+  TORCH_CHECK(group_size > 0 && in_features % group_size == 0 &&
+                  scale_zero.numel() == (in_features / group_size) * out_features * 2,
+              "hfquant int4 GEMV: scale_zero of shape ", scale_zero.sizes(), " does not fit N=", out_features,
+              ", K=", in_features, ", group_size=", group_size);
+  at::Tensor y = at::empty({1, out_features}, x.options());
+  int status = hfquant_int4_gemv(static_cast<const uint16_t *>(x.const_data_ptr()),
+                                 static_cast<const uint8_t *>(weight.const_data_ptr()),
+                                 static_cast<const uint32_t *>(scale_zero.const_data_ptr()),
+                                 static_cast<uint16_t *>(y.mutable_data_ptr()), out_features, in_features, group_size);
+  TORCH_CHECK(status == 0, "hfquant native int4 GEMV refused N=", out_features, ", K=", in_features,
+              ", group_size=", group_size, " (needs N % 64 == 0, an even group size dividing K)");
+  return y;
+}
+
+at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale) {
+  TORCH_CHECK(weight.dim() == 2, "hfquant int8 GEMV: weight must be (N, K), got shape ", weight.sizes());
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  check_row(x, in_features);
+  check_operand(weight, at::kChar, "weight");
+  check_operand(scale, at::kBFloat16, "scale");
+  TORCH_CHECK(scale.numel() == out_features, "hfquant int8 GEMV: scale must hold N=", out_features,
+              " values, got shape ", scale.sizes());
+  at::Tensor y = at::empty({1, out_features}, x.options());
+  int status = hfquant_int8_gemv(static_cast<const uint16_t *>(x.const_data_ptr()),
+                                 static_cast<const int8_t *>(weight.const_data_ptr()),
+                                 static_cast<const uint16_t *>(scale.const_data_ptr()),
+                                 static_cast<uint16_t *>(y.mutable_data_ptr()), out_features, in_features);
+  TORCH_CHECK(status == 0, "hfquant native int8 GEMV refused N=", out_features, ", K=", in_features,
+              " (needs K % 16 == 0)");
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hfquant_cpu, m) {
+  m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8_gemv", &int8_gemv);
+}
