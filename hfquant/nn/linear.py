@@ -242,13 +242,19 @@ class QuantLinear(StoredWeight):
         col_scale = buffers.get("weight_col_scale")  # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
         if col_scale is not None:
             x = x * col_scale.to(x.dtype)
+        # The int4 kernels take the (scale, zero) pairs of `scale_zero`; only the others and the backward read the
+        # zero points. A tensor handed on is one torch.compile guards at every call (7 guards per layer), used or not.
+        scale_zero = buffers.get("scale_zero")
+        zero_point = None
+        if scale_zero is None or (x.requires_grad and torch.is_grad_enabled()):
+            zero_point = buffers.get("weight_zero_point")
         y = quantized_matmul_trainable(  # the inference kernel unchanged unless x requires grad
             self.kernel,
             x,
             buffers["weight"],
             buffers["weight_scale"],
-            buffers.get("weight_zero_point"),
-            buffers.get("scale_zero"),
+            zero_point,
+            scale_zero,
             self.format,
             in_features=self.in_features,
             out_features=self.out_features,
