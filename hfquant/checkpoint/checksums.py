@@ -7,12 +7,11 @@ the folder (config.json, the index, every .safetensors shard).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
 
-from hfquant.checkpoint.files import CONFIG_NAME, INDEX_NAME, is_plain_file_name, read_json
+from hfquant.checkpoint.files import CONFIG_NAME, INDEX_NAME, is_plain_file_name, read_json, write_json
 
 __all__ = ["SUMS_NAME", "write_checksums", "checksum_problems"]
 
@@ -42,7 +41,7 @@ def write_checksums(folder: str | os.PathLike) -> Path:
     manifest = {"algorithm": "sha256", "files": {name: _sha256(folder / name) for name in names}}
     target = folder / SUMS_NAME
     partial = folder / f".{SUMS_NAME}.partial"
-    partial.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(partial, manifest)
     os.replace(partial, target)
     return target
 

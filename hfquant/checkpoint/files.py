@@ -31,6 +31,7 @@ __all__ = [
     "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
     "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside", "require_inside",
     "CHECKPOINT_ID_KEY", "PLACEHOLDER_METADATA", "stamp_checkpoint_ids", "read_checkpoint_id", "checkpoint_ids", "mixed_checkpoint_problem", "read_config",
+    "write_json",
 ]
 
 CONFIG_NAME = "config.json"
@@ -425,11 +426,21 @@ def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> No
         raise OSError(f"writing the shard {Path(path).name} failed ({error}); free some space and run again") from None
 
 
+def write_json(path: str | os.PathLike, value: Any) -> None:
+    """Write `value` to `path` as transformers writes its JSON files: indent 2, keys sorted, a final newline, UTF-8.
+
+    Raises:
+        OSError: the file could not be written.
+        TypeError: `value` holds something JSON cannot represent.
+    """
+    Path(path).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def write_index(folder: str | os.PathLike, weight_map: dict[str, str], metadata: dict[str, Any]) -> Path:
     """Write `model.safetensors.index.json` ({"metadata", "weight_map"}, keys sorted) into `folder`; returns its path.
     Call it once every shard is written: it stamps them with the checkpoint id of this save (`CHECKPOINT_ID_KEY`)."""
     path = Path(folder) / INDEX_NAME
     _stamp_checkpoint_id(Path(folder), sorted(set(weight_map.values())))
     index = {"metadata": metadata, "weight_map": weight_map}
-    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(path, index)
     return path

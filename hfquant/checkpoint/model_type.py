@@ -94,7 +94,9 @@ def mark_config_file(folder: str | os.PathLike) -> bool:
         return False
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        temporary.write_text(json.dumps(marked, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        from hfquant.checkpoint.files import write_json  # here: files imports this module
+
+        write_json(temporary, marked)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

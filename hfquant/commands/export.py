@@ -15,7 +15,6 @@ was. Tokenizer, generation config and other small top-level files are copied; hf
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -31,7 +30,7 @@ from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import SUMS_NAME
 from hfquant.checkpoint.files import (
     CONFIG_NAME, INDEX_NAME, first_float_dtype, open_safetensors, read_headers, read_tensor,
-    require_inside, tensor_files, write_index, write_shard,
+    require_inside, tensor_files, write_index, write_json, write_shard,
 )
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands import convert
@@ -198,7 +197,7 @@ def export_checkpoint(
         if split.is_sharded:
             write_index(tmp, split.tensor_to_filename, dict(split.metadata))
         config = dict(config, quantization_config=qconfig)
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_json(tmp / CONFIG_NAME, config)
         copy_small_files(folder, tmp)
         folders.publish_folder(tmp, dst, overwrite)
     result = ExportResult(dst, list(split.filename_to_tensors), len(quantized), len(layers) - len(quantized),

@@ -16,7 +16,6 @@ cannot hold exactly, and a quantized lm_head. Streaming, atomic publishing and c
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -29,7 +28,9 @@ from hfquant.checkpoint import compressed_tensors_import as ct
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
-from hfquant.checkpoint.files import CONFIG_NAME, read_headers, read_json, require_inside, tensor_files, write_index
+from hfquant.checkpoint.files import (
+    CONFIG_NAME, read_headers, read_json, require_inside, tensor_files, write_index, write_json,
+)
 from hfquant.checkpoint.model_type import mark
 from hfquant.commands.convert import shard_plan
 from hfquant.commands.export import ExportResult, check_dst, copy_small_files, write_shards
@@ -126,7 +127,7 @@ def import_checkpoint(
         if split.is_sharded:
             write_index(tmp, split.tensor_to_filename, dict(split.metadata))
         config = mark(dict(config, quantization_config=hfconfig.to_dict()))
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_json(tmp / CONFIG_NAME, config)
         copy_small_files(folder, tmp)
         write_checksums(tmp)
         folders.publish_folder(tmp, dst, overwrite)
