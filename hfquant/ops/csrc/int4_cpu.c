@@ -86,6 +86,19 @@ static float bf16_to_float(uint16_t v) {
     return f;
 }
 
+/* sum of n bfloat16 values in float32: 16 lanes, then the lanes (a fixed order for a given n); scalar tail */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static float bf16_sum(const uint16_t *x, int64_t n) {
+    __m512 lanes = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16)));
+    float s = _mm512_reduce_add_ps(lanes);
+    for (; i < n; i++) s += bf16_to_float(x[i]);
+    return s;
+}
+
 /* bfloat16 bit patterns of 0..15; vpermw reads the low 5 bits of each index, so entries 16..31 are never used */
 static const uint16_t CODE_TO_BF16[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
@@ -98,11 +111,7 @@ int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *
     if (n % 64 || group % 2 || group <= 0 || k % group || k / group > 16384) return 1;
     const int64_t blocks = n / 64, groups = k / group;
     float xsum[groups];
-    for (int64_t g = 0; g < groups; g++) {
-        float s = 0.0f;
-        for (int64_t i = g * group; i < (g + 1) * group; i++) s += bf16_to_float(x[i]);
-        xsum[g] = s;
-    }
+    for (int64_t g = 0; g < groups; g++) xsum[g] = bf16_sum(x + g * group, group);
     const uint32_t *x_pairs = (const uint32_t *)x; /* (x[2i], x[2i + 1]) */
 
 #pragma omp parallel for schedule(static)
@@ -317,17 +326,22 @@ static int int8_gemv_w8a16(const uint16_t *x, const int8_t *weight, const uint16
         _mm_free(xs);
         return 2;
     }
+    /* per block of 64: scale to int16 by 32767 / max|x|, rounding to nearest even (the MXCSR default, as lrintf) */
     for (int64_t b = 0; b < blocks; b++) {
-        float largest = 0.0f;
-        for (int64_t i = 0; i < INT8_BLOCK; i++) {
-            const float v = fabsf(bf16_to_float(x[b * INT8_BLOCK + i]));
-            largest = v > largest ? v : largest;
+        __m512 v[INT8_BLOCK / 16];
+        __m512 largest = _mm512_setzero_ps();
+        for (int j = 0; j < INT8_BLOCK / 16; j++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(x + b * INT8_BLOCK + 16 * j));
+            v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            largest = _mm512_max_ps(largest, _mm512_abs_ps(v[j]));
         }
-        const float to_int = largest > 0.0f ? 32767.0f / largest : 0.0f;
-        xs[b] = largest / 32767.0f;
-        for (int64_t i = 0; i < INT8_BLOCK; i++) {
-            const long q = lrintf(bf16_to_float(x[b * INT8_BLOCK + i]) * to_int);
-            xq[b * INT8_BLOCK + i] = (int16_t)(q > 32767 ? 32767 : (q < -32767 ? -32767 : q));
+        const float top = _mm512_reduce_max_ps(largest);
+        const __m512 to_int = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        xs[b] = top / 32767.0f;
+        for (int j = 0; j < INT8_BLOCK / 16; j++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], to_int));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32767));
+            _mm256_store_si256((__m256i *)(xq + b * INT8_BLOCK + 16 * j), _mm512_cvtepi32_epi16(q));
         }
     }
     const int64_t quads = k > INT8_ROWS4_MIN_K ? n / 4 : 0;
