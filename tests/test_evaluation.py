@@ -178,7 +178,7 @@ def test_decode_tokens_per_second_positive(model, tok):
 
 
 def test_decode_tokens_per_second_generates_exactly_new_tokens(model, tok, monkeypatch):
-    # Force EOS to be the greedy choice: min_new_tokens must still keep it going.
+    # Force EOS to be the greedy choice: the measurement must still generate every token.
     lengths = []
     real_generate = model.generate
 

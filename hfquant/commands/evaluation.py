@@ -225,7 +225,9 @@ def decode_tokens_per_second(
     """Greedy batch-1 decode throughput in generated tokens per second, prefill excluded.
 
     ``model.generate`` runs with ``do_sample=False`` and
-    ``min_new_tokens = max_new_tokens = new_tokens`` (so EOS cannot stop it early)
+    ``max_new_tokens = new_tokens`` and ``eos_token_id=None`` (so nothing stops it early: no EOS check, as in
+    llama.cpp's token loop; ``min_new_tokens`` would mask the EOS logit over the whole vocabulary at every step,
+    0.43 ms per step on SmolLM2-135M, a cost of the measurement rather than of decoding)
     and a streamer that timestamps every generated token.  The first token comes
     out of the prefill pass over the prompt, so the clock starts when it arrives:
     the rate is ``(new_tokens - 1) / (t_last_token - t_first_token)``, i.e. pure
@@ -261,7 +263,7 @@ def decode_tokens_per_second(
 
     def run(n: int) -> _TimingStreamer:
         streamer = _TimingStreamer()
-        model.generate(**inputs, **gen_kwargs, min_new_tokens=n, max_new_tokens=n, streamer=streamer)
+        model.generate(**inputs, **gen_kwargs, eos_token_id=None, max_new_tokens=n, streamer=streamer)
         return streamer
 
     best = 0.0
