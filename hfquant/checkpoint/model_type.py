@@ -94,9 +94,8 @@ def mark_config_file(folder: str | os.PathLike) -> bool:
         return False
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        from hfquant.checkpoint.files import write_json  # here: files imports this module
-
-        write_json(temporary, marked)
+        # as files.write_json writes JSON (files imports this module, so not through it)
+        temporary.write_text(json.dumps(marked, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
