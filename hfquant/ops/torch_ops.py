@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from hfquant.core import paths
 from hfquant.ops import native
 
 __all__ = ["loaded", "library_folder", "CPP_SOURCE", "AVAILABLE", "int4_gemv", "int8_gemv"]
@@ -64,7 +65,7 @@ def library_folder(c_compiler: str, cpp_compiler: str) -> Path:
     parts += [" ".join(native.FLAGS + _CPP_FLAGS).encode(), "\n".join(versions).encode()]
     parts += [f"torch {torch.__version__} {torch.version.git_version}".encode()]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    return native.library_folder(c_compiler).parent / digest
+    return paths.cache_dir() / "native" / digest
 
 
 def _build(c_compiler: str, cpp_compiler: str) -> Path:
