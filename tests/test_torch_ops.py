@@ -110,7 +110,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 @needs_operators
-def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes():
+def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes_and_the_python_custom_op():
     code = """
     import torch
     from hfquant.ops import gemv, native, torch_ops
@@ -119,6 +119,19 @@ def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes():
     weight = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
     scale = torch.ones(64).to(torch.bfloat16)
     assert torch.equal(torch_ops.int8_gemv(x, weight, scale), native.int8_gemv(x, weight, scale))
+    # compiled graphs fall back to the Python custom op, without a graph break
+    from hfquant import QuantLinear
+    from hfquant.core.format import StoredFormat
+    layer = QuantLinear.from_float(torch.randn((192, 576)), None, StoredFormat(4, 64, False))
+    layer.prepare_kernel(torch.bfloat16)
+    gemv.NATIVE_INT4_ROWS[(192, 576, 64)] = gemv.COMPILED_INT4_ROWS[(192, 576, 64)] = True
+    targets = []
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+    row = torch.randn((1, 576)).to(torch.bfloat16)
+    assert torch.equal(torch.compile(layer, backend=backend, fullgraph=True)(row), layer(row))
+    assert any(target.startswith("hfquant.int4_gemv") for target in targets), targets
     print("ctypes ok")
     """
     result = _run(code, CXX="/nonexistent/c++")

@@ -27,7 +27,7 @@ from hfquant.ops import choice, native, torch_ops
 __all__ = [
     "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
     "native_int8_works", "int4_gemv_op", "int8_gemv_op", "COMPILED_INT4_ROWS", "COMPILED_INT8_ROWS",
-    "custom_op_overhead_s", "NATIVE_BF16_ROWS", "choose_bf16_row_kernel", "native_bf16_works",
+    "custom_op_overhead_s", "NATIVE_BF16_ROWS", "choose_bf16_row_kernel", "native_bf16_works", "int4_row", "int8_row",
 ]
 
 logger = logging.getLogger(__name__)
@@ -231,3 +231,18 @@ def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor
 @int4_gemv_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.new_empty((1, weight.shape[0]))
+
+
+def int4_row(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """hfquant's int4 GEMV of one row (arguments and result as `native.int4_gemv`) through the cheapest call at hand:
+    the dispatcher operator (`torch_ops`), else ctypes in eager and the Python custom op in a compiled graph."""
+    if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
+        return int4_gemv_op(x, weight, scale_zero, group_size)
+    return torch_ops.int4_gemv(x, weight, scale_zero, group_size)
+
+
+def int8_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int4_row` for the int8 GEMV (arguments and result as `native.int8_gemv`)."""
+    if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
+        return int8_gemv_op(x, weight, scale)
+    return torch_ops.int8_gemv(x, weight, scale)

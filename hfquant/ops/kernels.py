@@ -40,7 +40,7 @@ from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
-from hfquant.ops import gemv, native, torch_ops
+from hfquant.ops import gemv, native
 
 __all__ = [
     "Kernel",
@@ -247,10 +247,7 @@ def quantized_matmul(
         channel_scale = scale.reshape(-1).to(x.dtype)
         rows = gemv.COMPILED_INT8_ROWS if torch.compiler.is_compiling() else gemv.NATIVE_INT8_ROWS
         if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and rows.get((out_features, in_features)):
-            if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-                y = gemv.int8_gemv_op(x2d, runtime_weight, channel_scale)
-            else:
-                y = torch_ops.int8_gemv(x2d, runtime_weight, channel_scale)
+            y = gemv.int8_row(x2d, runtime_weight, channel_scale)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, channel_scale)
     elif kernel == Kernel.INT4PACK_MM_CPU:
@@ -262,10 +259,7 @@ def quantized_matmul(
         if torch.compiler.is_compiling():
             native_row = gemv.COMPILED_INT4_ROWS.get(layer, native_row)
         if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and native_row:
-            if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-                y = gemv.int4_gemv_op(x2d, runtime_weight, sz, group_size)
-            else:
-                y = torch_ops.int4_gemv(x2d, runtime_weight, sz, group_size)
+            y = gemv.int4_row(x2d, runtime_weight, sz, group_size)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
     elif kernel == Kernel.INT4PACK_MM_CUDA:
