@@ -296,3 +296,15 @@ def test_a_prepared_int4_layer_saves_the_bytes_it_was_given():
     assert layer.prepare_kernel(torch.bfloat16) == kernels.Kernel.INT4PACK_MM_CPU
     assert not torch.equal(layer.weight, stored)  # the kernel layout
     assert torch.equal(layer.stored_weight(), stored) and torch.equal(layer.state_dict()["weight"], stored)
+
+
+def test_the_library_cache_key_covers_the_included_header(tmp_path, monkeypatch):
+    """A changed header builds a new library: its bytes are part of the cache folder's hash (C and C++ builds)."""
+    import shutil as _shutil
+
+    compiler = _shutil.which("cc") or pytest.skip("no C compiler")
+    before = native.library_folder(compiler)
+    header = tmp_path / "bf16_bits.h"
+    header.write_bytes(native.HEADERS[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native, "HEADERS", (header,))
+    assert native.library_folder(compiler) != before

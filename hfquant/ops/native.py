@@ -45,12 +45,14 @@ from hfquant.core import paths
 
 __all__ = [
     "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack",
-    "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "FLAGS",
+    "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "HEADERS", "FLAGS",
 ]
 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "bf16_bits.h",)
+"""Headers the C sources include: part of what a built library is cached under."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 _LIBRARIES = ("-lm",)
 _ABI = 3
@@ -91,10 +93,10 @@ def source_digest() -> str:
 
 
 def library_folder(compiler: str) -> Path:
-    """`<cache>/native/<hash of source, flags and compiler version>`: where the built library is cached."""
+    """`<cache>/native/<hash of sources, headers, flags and compiler version>`: where the built library is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     first_line = (version.splitlines() or [""])[0]
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + " ".join(FLAGS + _LIBRARIES).encode() + first_line.encode()).hexdigest()[:16]
     return paths.cache_dir() / "native" / digest
 

@@ -9,7 +9,7 @@ compiled graph, which then calls it without leaving C++ for Python.
 
 Built on first use like the C library: `csrc/torch_ops.cpp` with the C sources, by the C compiler (`$CC` / `cc`, the
 flags of `native.FLAGS`) and the C++ compiler (`$CXX`, else `c++`; C++20, against the headers and libraries of the
-installed torch), into `<cache>/native/<hash>/torch_ops.so`, the hash covering the sources, the flags, both
+installed torch), into `<cache>/native/<hash>/torch_ops.so`, the hash covering the sources and headers, the flags, both
 compilers' version lines and torch's version; the same ownership, permission and sha256 checks as the C library
 before loading a cached file (`native.cached_library`). The library is tied to the torch it was built against: a
 different torch build gets another hash, so another build.
@@ -61,7 +61,7 @@ def library_folder(c_compiler: str, cpp_compiler: str) -> Path:
     for compiler in (c_compiler, cpp_compiler):
         output = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
         versions.append((output.splitlines() or [""])[0])
-    parts = [source.read_bytes() for source in (*native.SOURCES, CPP_SOURCE)]
+    parts = [source.read_bytes() for source in (*native.SOURCES, *native.HEADERS, CPP_SOURCE)]
     parts += [" ".join(native.FLAGS + _CPP_FLAGS).encode(), "\n".join(versions).encode()]
     parts += [f"torch {torch.__version__} {torch.version.git_version}".encode()]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]

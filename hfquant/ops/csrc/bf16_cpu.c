@@ -9,22 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_bits.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-
-static inline uint16_t bf16_gemv_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float bf16_gemv_widen(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k) {
@@ -44,8 +32,8 @@ int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias
             acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512((const void *)(row + i)),
                                     (__m512bh)_mm512_loadu_si512((const void *)(x + i)));
         float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-        if (bias != NULL) sum += bf16_gemv_widen(bias[r]);
-        y[r] = bf16_gemv_round(sum);
+        if (bias != NULL) sum += bf16_to_float(bias[r]);
+        y[r] = float_to_bf16(sum);
     }
     return 0;
 }

@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_bits.h"
+
 #define HFQUANT_INT4_CPU_ABI 3
 
 int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
@@ -77,13 +79,6 @@ int hfquant_int4_cpu_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
-
-static float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 /* sum of n bfloat16 values in float32: 16 lanes, then the lanes (a fixed order for a given n); scalar tail */
@@ -229,13 +224,6 @@ int hfquant_int4_dequantize_t(const uint8_t *weight, const uint32_t *scale_zero,
  * Long rows (K > INT8_ROWS4_MIN_K) go 4 rows at a time, each activation block loaded once for the 4. OpenMP threads
  * split the rows; each output is summed by one thread in a fixed order (no dependence on the thread count).
  * Requires K % 16 == 0. Returns 0 on success. */
-static uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 static float int8_row_dot(const int8_t *row, const float *xf, int64_t k) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();

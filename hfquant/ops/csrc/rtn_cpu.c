@@ -26,19 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float rtn_bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); x is finite and positive here */
-static inline uint16_t rtn_float_to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+#include "bf16_bits.h"
 
 /* quantize one group of `group` float32 values into codes (one byte each); returns 1 if a value is not finite */
 static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uint8_t *codes, uint16_t *scale_out,
@@ -67,9 +55,9 @@ static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uin
     }
     if (!(fabsf(s) <= 3.402823466e38f)) return 1;
     s = s > 0.0f ? s : 1.0f;
-    uint16_t stored = rtn_float_to_bf16(s);
-    if (rtn_bf16_to_float(stored) < s) stored += 1; /* the next bfloat16 up (positive, finite) */
-    const float sf = rtn_bf16_to_float(stored);
+    uint16_t stored = float_to_bf16(s);
+    if (bf16_to_float(stored) < s) stored += 1; /* the next bfloat16 up (positive, finite) */
+    const float sf = bf16_to_float(stored);
     *scale_out = stored;
     float shift, cmin, cmax;
     if (symmetric) {
@@ -111,7 +99,7 @@ int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int
                 const int64_t start = r * k + g * group;
                 if (w_is_bf16) {
                     const uint16_t *src = (const uint16_t *)w + start;
-                    for (int64_t i = 0; i < group; i++) xf[i] = rtn_bf16_to_float(src[i]);
+                    for (int64_t i = 0; i < group; i++) xf[i] = bf16_to_float(src[i]);
                 } else {
                     memcpy(xf, (const float *)w + start, (size_t)group * sizeof(float));
                 }
