@@ -56,6 +56,8 @@ LM_HEAD_POLICIES = ("keep", "int8", "int4")
 """`lm_head` values: "keep" (float, unless tied to a quantized input embedding), or int8 / int4."""
 COMPUTE_DTYPES = ("auto",) + FLOAT_DTYPES
 """`compute_dtype` values: "auto" (the `dtype` given to `from_pretrained`) or a float dtype."""
+DECODE_ACTIVATIONS = ("float", "int8")
+"""`decode_activations` values: "float" (the compute dtype) or "int8" (W4A8 one-token decode steps on CPU)."""
 METHODS = ("rtn", "sinq")
 """`method` values: "rtn" (round-to-nearest) or "sinq" (RTN after a Sinkhorn-normalized column scale, arXiv 2509.22944;
 the column scale is stored beside the layer)."""
@@ -114,6 +116,9 @@ FIELDS: tuple[ConfigField, ...] = (
                 "int8 / int4", LM_HEAD_POLICIES),
     ConfigField("compute_dtype", "dtype of the activations and of float weights without a setting of their own: "
                 "'auto' (the dtype given to from_pretrained) or a float dtype", COMPUTE_DTYPES),
+    ConfigField("decode_activations", "activations of 4-bit layers in one-token decode steps on CPU: 'float' (the "
+                "compute dtype) or 'int8' (quantized per block of 32 for integer dot products, W4A8: faster, "
+                "slightly less accurate)", DECODE_ACTIVATIONS),
 )
 """Every field of `HfQuantConfig`, in the order `to_dict` writes them: the one list the config, the CLI and the model
 card read."""
@@ -190,6 +195,7 @@ def validate_config_values(
     mixed_precision: Any = "none",
     fold_column_scales: Any = False,
     clipping: Any = "minmax",
+    decode_activations: Any = "float",
 ) -> None:
     """Check every field of an `HfQuantConfig`; used by the constructor, `from_dict` and the CLI.
 
@@ -239,6 +245,8 @@ def validate_config_values(
     _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION,
                   "'auto' applies hfquant's data-free bit allocation at 4 bits, 'none' stores every layer alike")
     _check_choice("clipping", clipping, CLIPPING, "'minmax' uses each group's range, 'mse' searches a clipped one")
+    _check_choice("decode_activations", decode_activations, DECODE_ACTIVATIONS,
+                  "'float' keeps decode activations in the compute dtype, 'int8' quantizes them for W4A8 decoding")
     if not isinstance(fold_column_scales, bool):
         raise TypeError(f"fold_column_scales must be True or False; got {fold_column_scales!r} "
                         f"({type(fold_column_scales).__name__}).")
@@ -332,6 +340,13 @@ class HfQuantConfig(QuantizationConfigMixin):
             shrunk by 16 factors from 1.0 to 0.70, the one with the smallest squared weight error kept per group).
             The stored format is the same. Measured on SmolLM2-135M (README): it lowers the weight error, not the
             perplexity, so it is not the default.
+        decode_activations: the activations of 4-bit layers in one-token decode steps (one activation row, bfloat16,
+            on a CPU with AVX512-VNNI): "float" (the default: the compute dtype, as in every other product) or "int8":
+            quantized to int8 per block of 32 inputs (llama.cpp's Q8_0 activation blocks) so that the codes multiply
+            them with integer dot products (`hfquant.ops.native.int4_gemv_a8`, W4A8). Faster decoding; prefill,
+            training and int8 layers are unchanged. Runtime only: the stored weights are the same, and the choice is
+            saved with the config so a reload decodes the same way. Measured on SmolLM2-135M and a 1.2B Llama
+            (docs/performance.md, "W4A8 decode").
         format_version: on-disk format version; only `FORMAT_VERSION` is accepted.
 
     Raises:
@@ -355,6 +370,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         mixed_precision: str | None = None,
         fold_column_scales: bool | None = None,
         clipping: str = "minmax",
+        decode_activations: str = "float",
         **unknown: Any,
     ):
         if quant_method != QUANT_METHOD:
@@ -385,7 +401,7 @@ class HfQuantConfig(QuantizationConfigMixin):
             modules = list(modules)
         validate_config_values(
             bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype,
-            method, module_overrides, mixed_precision, fold_column_scales, clipping,
+            method, module_overrides, mixed_precision, fold_column_scales, clipping, decode_activations,
         )
         self.quant_method = QUANT_METHOD
         self.bits = bits
@@ -402,6 +418,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         self.mixed_precision = mixed_precision
         self.fold_column_scales = fold_column_scales
         self.clipping = clipping
+        self.decode_activations = decode_activations
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):

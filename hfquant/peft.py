@@ -136,6 +136,7 @@ def _requantized(base: QuantLinear, weight: torch.Tensor) -> QuantLinear:
             setattr(layer, name, getattr(base, name))
     layer.compute_dtype = base.compute_dtype
     layer.prepare_kernel(base.compute_dtype)
+    layer.decode_activations = base.decode_activations
     return layer
 
 

@@ -348,6 +348,7 @@ class HfQuantQuantizer(HfQuantizer):
             if isinstance(module, QuantLinear):
                 restore_kernel_buffers(module)
                 kernel = module.prepare_kernel(dtype)
+                module.decode_activations = self.quantization_config.decode_activations
                 counts[kernel] = counts.get(kernel, 0) + 1
                 trim_heap()  # the replaced stored-layout tensor must not stay resident
         self._share_tied_kernels(model)

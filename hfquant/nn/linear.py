@@ -87,6 +87,9 @@ class QuantLinear(StoredWeight):
     After `prepare_kernel()` the `weight` buffer may hold a kernel layout instead (for the CPU int4 kernel, the
     same bytes reordered); `state_dict()` always gives back the stored layout, bit for bit.
 
+    `decode_activations` ("float" or "int8", `HfQuantConfig.decode_activations`; the quantizer sets it) chooses
+    the W4A8 GEMV for single bfloat16 rows of a CPU int4 layer (`kernels.quantized_matmul`).
+
     Args:
         in_features, out_features: as in `nn.Linear` (for a `Conv1D`, in_features = nx, out_features = nf).
         fmt: the stored format (bits, group size, symmetry); its group size must divide in_features (use
@@ -123,6 +126,7 @@ class QuantLinear(StoredWeight):
         else:
             self.register_parameter("bias", None)
         self.compute_dtype = dtype
+        self.decode_activations = "float"
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: StoredFormat) -> "QuantLinear":
@@ -258,6 +262,7 @@ class QuantLinear(StoredWeight):
             self.format,
             in_features=self.in_features,
             out_features=self.out_features,
+            int8_activations=self.decode_activations == "int8",
         )
         bias = self._parameters.get("bias")
         if bias is not None:

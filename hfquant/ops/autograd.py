@@ -123,18 +123,19 @@ def quantized_matmul_trainable(
     *,
     in_features: int,
     out_features: int,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """`kernels.quantized_matmul` (x (..., K) float -> (..., N) in x's dtype) that also gives grad_x.
 
     When `x` requires grad (and grad mode is on), the product goes through the `hfquant::quantized_matmul` custom op
     and its autograd rule; otherwise it is exactly `kernels.quantized_matmul` (the inference path, unchanged). The
     stored tensors never get a gradient (they are integer codes and frozen scales). Arguments as for
-    `kernels.quantized_matmul`.
+    `kernels.quantized_matmul` (`int8_activations` applies to the inference path only).
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
         return kernels.quantized_matmul(
             kernel, x, runtime_weight, scale, zero_point, scale_zero, fmt,
-            in_features=in_features, out_features=out_features,
+            in_features=in_features, out_features=out_features, int8_activations=int8_activations,
         )
     return _quantized_matmul_op(
         x, runtime_weight, scale, zero_point, scale_zero, Kernel(kernel).value, fmt.bits, fmt.group_size,

@@ -140,11 +140,12 @@ def prepare_packed_int4(kernel: Kernel, packed: torch.Tensor, in_features: int) 
 
 
 def _note_cpu_int4_layout() -> None:
-    """Set `_CPU_INT4_BLOCKS` and `_NATIVE_INT4` for the CPU int4 layout of this PyTorch build."""
-    global _CPU_INT4_BLOCKS, _NATIVE_INT4
+    """Set `_CPU_INT4_BLOCKS`, `_NATIVE_INT4` and `_NATIVE_INT4_A8` for the CPU int4 layout of this PyTorch build."""
+    global _CPU_INT4_BLOCKS, _NATIVE_INT4, _NATIVE_INT4_A8
     layout = packing.cpu_int4_layout()
     _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
     _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
+    _NATIVE_INT4_A8 = _NATIVE_INT4 and gemv.native_int4_a8_works()
 
 
 def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -222,12 +223,15 @@ def quantized_matmul(
     *,
     in_features: int,
     out_features: int,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """y = x @ w_hat.T for x (..., K) float; returns (..., N) in x's dtype.
 
     `fmt` is the stored format of the weight. `scale_zero` is the (G, N, 2) tensor from `scale_zero_for_int4` for the
     int4 kernels; `scale` (N, G) and `zero_point` are the stored ones (the int8 kernel reads `scale`,
-    `Kernel.DEQUANT` reads both).
+    `Kernel.DEQUANT` reads both). `int8_activations`: a single bfloat16 row of a `Kernel.INT4PACK_MM_CPU` layer runs
+    the W4A8 GEMV (`gemv.native_int4_a8_works`, group_size % 32 == 0; x quantized to int8 per block of 32) wherever it can, instead of the
+    kernel measured fastest for bfloat16 activations; other products are unchanged.
     """
     group_size = fmt.group_size
     shape = x.shape
@@ -258,7 +262,10 @@ def quantized_matmul(
         native_row = gemv.NATIVE_INT4_ROWS.get(layer, True)
         if torch.compiler.is_compiling():
             native_row = gemv.COMPILED_INT4_ROWS.get(layer, native_row)
-        if x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and native_row:
+        one_native_row = x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features)
+        if one_native_row and int8_activations and _NATIVE_INT4_A8 and group_size % 32 == 0:
+            y = gemv.int4_row(x2d, runtime_weight, sz, group_size, int8_activations=True)
+        elif one_native_row and native_row:
             y = gemv.int4_row(x2d, runtime_weight, sz, group_size)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
@@ -289,6 +296,9 @@ _NATIVE_INT4 = False
 """Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers run hfquant's own GEMV (`hfquant.ops.native`): set by
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `gemv.native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
+_NATIVE_INT4_A8 = False
+"""Whether those rows can run the W4A8 GEMV when a layer asks for int8 activations (`gemv.native_int4_a8_works`, set
+with `_NATIVE_INT4`); a plain global, as `_NATIVE_INT4`."""
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:

@@ -44,18 +44,18 @@ import torch
 from hfquant.core import paths
 
 __all__ = [
-    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_dequantize_t", "int8_gemv", "int4_repack",
+    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_gemv_a8", "int4_a8_supported", "int4_dequantize_t", "int8_gemv", "int4_repack",
     "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "HEADERS", "FLAGS",
 ]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "int4_a8_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "bf16_bits.h",)
 """Headers the C sources include: part of what a built library is cached under."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 _LIBRARIES = ("-lm",)
-_ABI = 3
+_ABI = 4
 
 
 def c_compiler() -> str | None:
@@ -205,6 +205,8 @@ def int4_cpu_library() -> ctypes.CDLL | None:
         return None
     library.hfquant_int4_gemv.restype = ctypes.c_int
     library.hfquant_int4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    library.hfquant_int4_gemv_a8.restype = ctypes.c_int
+    library.hfquant_int4_gemv_a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     library.hfquant_int4_dequantize_t.restype = ctypes.c_int
     library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     library.hfquant_int8_gemv.restype = ctypes.c_int
@@ -251,6 +253,40 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
         raise RuntimeError(
             f"hfquant native int4 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size} "
             "(needs N % 64 == 0, an even group size dividing K)"
+        )
+    return y
+
+
+def int4_a8_supported() -> bool:
+    """Whether `int4_gemv_a8` runs here: the library loads and the CPU has AVX512-VNNI (besides AVX512-BF16)."""
+    library = int4_cpu_library()
+    return library is not None and bool(library.hfquant_int4_a8_supported())
+
+
+def int4_gemv_a8(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`int4_gemv` with x quantized to int8 per block of 32 inputs (W4A8, llama.cpp's Q8_0 activation blocks) for the
+    products with the codes; the zero-point term keeps the exact sum of x (`csrc/int4_a8_cpu.c`).
+
+    Args:
+        x, weight, scale_zero: as `int4_gemv`.
+        group_size: inputs per scale, a multiple of 32 dividing K.
+    Returns:
+        (1, N) bfloat16. Against `int4_gemv` each output differs by at most sum_k |w[n, k]| * max|x_block| / 254
+        (the int8 rounding of each input) plus the bfloat16 rounding of both results.
+    Raises:
+        RuntimeError: the library is unavailable or refused the shapes (N % 64, group_size % 32, or no AVX512-VNNI;
+            callers check `int4_a8_supported()` and the shapes first).
+    """
+    library = _loaded_library()
+    out_features = weight.shape[0]
+    y = torch.empty((1, out_features), dtype=torch.bfloat16)
+    status = library.hfquant_int4_gemv_a8(
+        x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(), out_features, x.shape[-1], group_size
+    )
+    if status:
+        raise RuntimeError(
+            f"hfquant native W4A8 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size} "
+            "(needs N % 64 == 0, a group size that is a multiple of 32 dividing K, and AVX512-VNNI)"
         )
     return y
 

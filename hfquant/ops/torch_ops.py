@@ -1,5 +1,5 @@
-"""hfquant's one-row GEMVs as PyTorch dispatcher operators: `torch.ops.hfquant_cpu.int4_gemv` and
-`torch.ops.hfquant_cpu.int8_gemv` (`csrc/torch_ops.cpp`).
+"""hfquant's one-row GEMVs as PyTorch dispatcher operators: `torch.ops.hfquant_cpu.int4_gemv`, `int4_gemv_a8` (W4A8)
+and `int8_gemv` (`csrc/torch_ops.cpp`).
 
 Why: the C kernels (`hfquant.ops.native`) are called through ctypes, which costs about 4 us of Python per call, and
 inside a `torch.compile` graph through a Python custom op, about 14 us (AMD EPYC Zen 4; `gemv.custom_op_overhead_s`
@@ -34,7 +34,7 @@ import torch
 from hfquant.core import paths
 from hfquant.ops import native
 
-__all__ = ["loaded", "library_folder", "CPP_SOURCE", "AVAILABLE", "int4_gemv", "int8_gemv"]
+__all__ = ["loaded", "library_folder", "CPP_SOURCE", "AVAILABLE", "int4_gemv", "int4_gemv_a8", "int8_gemv"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,14 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     return native.int4_gemv(x, weight, scale_zero, group_size)
 
 
+def int4_gemv_a8(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`native.int4_gemv_a8` through the dispatcher operator when it is registered, else through ctypes; as
+    `int4_gemv`."""
+    if AVAILABLE:
+        return torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, group_size)
+    return native.int4_gemv_a8(x, weight, scale_zero, group_size)
+
+
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`native.int8_gemv` through the dispatcher operator when it is registered, else through ctypes; as
     `int4_gemv`."""
@@ -135,6 +143,10 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype."""
     @torch.library.register_fake("hfquant_cpu::int4_gemv")
+    def _(x, weight, scale_zero, group_size):
+        return x.new_empty((1, weight.shape[0]))
+
+    @torch.library.register_fake("hfquant_cpu::int4_gemv_a8")
     def _(x, weight, scale_zero, group_size):
         return x.new_empty((1, weight.shape[0]))
 

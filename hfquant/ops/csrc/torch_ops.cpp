@@ -1,5 +1,5 @@
-// hfquant's one-row GEMVs (csrc/int4_cpu.c) as PyTorch dispatcher operators: torch.ops.hfquant_cpu.int4_gemv and
-// torch.ops.hfquant_cpu.int8_gemv, CPU kernels only.
+// hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_a8_cpu.c) as PyTorch dispatcher operators:
+// torch.ops.hfquant_cpu.int4_gemv, int4_gemv_a8 (activations quantized to int8) and int8_gemv, CPU kernels only.
 //
 // Why: called through ctypes, or through a Python custom op inside a torch.compile graph, each GEMV pays Python's
 // call cost (about 4 us through ctypes, 14 us through torch.library.custom_op on an AMD EPYC Zen 4), as much as the
@@ -21,6 +21,8 @@
 extern "C" {
 int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y, int64_t n,
                       int64_t k, int64_t group);
+int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                         int64_t n, int64_t k, int64_t group);
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
 }
@@ -39,8 +41,11 @@ void check_operand(const at::Tensor &t, at::ScalarType dtype, const char *name) 
               " must be a contiguous ", dtype, " CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
-                     int64_t group_size) {
+using Int4Kernel = int (*)(const uint16_t *, const uint8_t *, const uint32_t *, uint16_t *, int64_t, int64_t,
+                          int64_t);
+
+at::Tensor int4_call(Int4Kernel kernel, const char *needs, const at::Tensor &x, const at::Tensor &weight,
+                     const at::Tensor &scale_zero, int64_t group_size) {
   TORCH_CHECK(weight.dim() == 2, "hfquant int4 GEMV: weight must be (N, K / 2), got shape ", weight.sizes());
   const int64_t out_features = weight.size(0), in_features = weight.size(1) * 2;
   check_row(x, in_features);
@@ -51,13 +56,25 @@ at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
               "hfquant int4 GEMV: scale_zero of shape ", scale_zero.sizes(), " does not fit N=", out_features,
               ", K=", in_features, ", group_size=", group_size);
   at::Tensor y = at::empty({1, out_features}, x.options());
-  int status = hfquant_int4_gemv(static_cast<const uint16_t *>(x.const_data_ptr()),
-                                 static_cast<const uint8_t *>(weight.const_data_ptr()),
-                                 static_cast<const uint32_t *>(scale_zero.const_data_ptr()),
-                                 static_cast<uint16_t *>(y.mutable_data_ptr()), out_features, in_features, group_size);
+  int status = kernel(static_cast<const uint16_t *>(x.const_data_ptr()),
+                      static_cast<const uint8_t *>(weight.const_data_ptr()),
+                      static_cast<const uint32_t *>(scale_zero.const_data_ptr()),
+                      static_cast<uint16_t *>(y.mutable_data_ptr()), out_features, in_features, group_size);
   TORCH_CHECK(status == 0, "hfquant native int4 GEMV refused N=", out_features, ", K=", in_features,
-              ", group_size=", group_size, " (needs N % 64 == 0, an even group size dividing K)");
+              ", group_size=", group_size, " (needs ", needs, ")");
   return y;
+}
+
+at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
+                     int64_t group_size) {
+  return int4_call(hfquant_int4_gemv, "N % 64 == 0, an even group size dividing K", x, weight, scale_zero,
+                   group_size);
+}
+
+at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
+                        int64_t group_size) {
+  return int4_call(hfquant_int4_gemv_a8, "N % 64 == 0, a group size that is a multiple of 32 dividing K, AVX512-VNNI",
+                   x, weight, scale_zero, group_size);
 }
 
 at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale) {
@@ -82,10 +99,12 @@ at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
 
 TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
+  m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_gemv_a8", &int4_gemv_a8);
   m.impl("int8_gemv", &int8_gemv);
 }
