@@ -82,6 +82,10 @@ METHODS: dict[str, tuple[str | None, str]] = {
                          "round-to-nearest, every layer int4"),
     "hfquant-int4-sym": (None, "HfQuantConfig(bits=4, group_size=128, symmetric=True, method='rtn', "
                          "mixed_precision='none'): the weights llama.cpp's Q4_0 holds exactly"),
+    "hfquant-int4-a8": (None, "hfquant-int4 with decode_activations='int8': W4A8 decode steps (int8 activations per "
+                        "block of 32, as llama.cpp's Q4 kernels)"),
+    "hfquant-int4-sym-a8": (None, "hfquant-int4-sym with decode_activations='int8': the weights and the activation "
+                            "rounding of llama.cpp's Q4_0"),
     "torchao-int8": ("torchao", "TorchAoConfig(Int8WeightOnlyConfig())"),
     "torchao-int4": (
         "torchao",
@@ -143,6 +147,10 @@ def quantization_config(method: str):
         raise ImportError(f"{method} needs {requires}, which is not installed: {PIP_HINT}")
     if method == "bf16":
         return None
+    if method.startswith("hfquant-") and method.endswith("-a8"):
+        config = quantization_config(method.removesuffix("-a8"))
+        config.decode_activations = "int8"
+        return config
     if method.startswith("hfquant-"):
         import hfquant
 
@@ -644,7 +652,8 @@ def _get(rows: list[dict], method: str, variant: str = "eager") -> dict | None:
 LLAMA_CPP_PEERS = {
     8: (("hfquant-int8", "llamacpp-q8_0"),),
     4: (("hfquant-int4-rtn", "llamacpp-q4_1"), ("hfquant-int4", "llamacpp-int4"),
-        ("hfquant-int4-sym", "llamacpp-q4_0")),
+        ("hfquant-int4-sym", "llamacpp-q4_0"), ("hfquant-int4-a8", "llamacpp-int4"),
+        ("hfquant-int4-sym-a8", "llamacpp-q4_0")),
 }
 """bits -> (hfquant method, the llama.cpp method running its weights): issue #13 asks hfquant >= 1.2x llama.cpp."""
 

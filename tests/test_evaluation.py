@@ -9,6 +9,7 @@ import torch
 
 from hfquant.commands.evaluation import (
     DEFAULT_REFERENCE_CHARS,
+    decode_perplexity,
     decode_tokens_per_second,
     generate_answer,
     perplexity,
@@ -170,6 +171,24 @@ def test_perplexity_rejects_too_short_text(model, tok):
 
 
 # ---------------------------------------------------------------- generation
+
+
+def test_decode_perplexity_equals_the_whole_window_loss(model, tok):
+    """Fed one token at a time through the KV cache, a float32 model scores what one forward pass over the window
+    scores: exp of transformers' own mean loss, to float32 accumulation (1e-4)."""
+    text = reference_text(120)
+    ids = _ids(tok, text)
+    got = decode_perplexity(model, tok, text, max_tokens=ids.shape[1])
+    assert got == pytest.approx(math.exp(_hf_loss(model, ids)), rel=1e-4)
+    assert decode_perplexity(model, tok, text, max_tokens=40) == pytest.approx(math.exp(_hf_loss(model, ids[:, :40])),
+                                                                                rel=1e-4)
+
+
+def test_decode_perplexity_rejects_bad_arguments(model, tok):
+    with pytest.raises(ValueError, match="max_tokens must be >= 2, got 1"):
+        decode_perplexity(model, tok, "some text", max_tokens=1)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        decode_perplexity(model, tok, "a")
 
 
 def test_decode_tokens_per_second_positive(model, tok):

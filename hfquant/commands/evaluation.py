@@ -190,7 +190,7 @@ def decode_perplexity(model: torch.nn.Module, tokenizer: Any, text: str, max_tok
     Cost: ``max_tokens`` forward passes (about 8 s for 512 tokens of SmolLM2-135M on 2 cores).
 
     Args:
-        model: a ``*ForCausalLM`` model that takes ``past_key_values`` and returns ``.logits`` (1, 1, vocab).
+        model: a ``*ForCausalLM`` model that takes a ``cache`` and returns ``.logits`` (1, 1, vocab).
         tokenizer: the matching tokenizer.
         text: the evaluation text.
         max_tokens: tokens fed (>= 2); fewer when the text is shorter.
@@ -213,7 +213,7 @@ def decode_perplexity(model: torch.nn.Module, tokenizer: Any, text: str, max_tok
     with _eval_mode(model), torch.inference_mode():
         cache = DynamicCache(config=model.config)
         for i in range(ids.numel() - 1):
-            logits = model(input_ids=ids[i : i + 1].unsqueeze(0), past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=ids[i : i + 1].unsqueeze(0), cache=cache, use_cache=True).logits
             nll_sum += F.cross_entropy(logits[0, -1:].float(), ids[i + 1 : i + 2], reduction="sum").item()
     return math.exp(nll_sum / (ids.numel() - 1))
 
