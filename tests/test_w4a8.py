@@ -1,5 +1,5 @@
 """W4A8 decode (HfQuantConfig(decode_activations="int8"), csrc/int4_a8_cpu.c): the GEMV computes the formula its
-source states (int8 activations per block of 32, exact sum for the zero-point term) to float32 accuracy, stays within
+source states (x quantized to int8 per block of 32 in both terms: x_hat @ w.T) to float32 accuracy, stays within
 its error bound of the float product, refuses what it cannot do by name, reaches the layers of a loaded model for
 single rows only, compiles without a graph break, and is saved and reloaded with the config."""
 
@@ -43,7 +43,7 @@ def _stated_formula(q, scale_zero: torch.Tensor, x: torch.Tensor, group: int) ->
     dots = dots.reshape(n, k // group, group // 32).sum(dim=2)  # (N, G)
     scale = scale_zero[..., 0].double().t()  # (N, G)
     offset = scale_zero[..., 1].double().t() - 8 * scale
-    group_sums = x64.reshape(-1, group).sum(dim=1)  # (G,)
+    group_sums = (xq.sum(dim=1) * xs.reshape(-1)).reshape(-1, group // 32).sum(dim=1)  # (G,): quantized x
     return (scale * dots + offset * group_sums).sum(dim=1)
 
 

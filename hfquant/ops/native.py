@@ -264,15 +264,15 @@ def int4_a8_supported() -> bool:
 
 
 def int4_gemv_a8(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`int4_gemv` with x quantized to int8 per block of 32 inputs (W4A8, llama.cpp's Q8_0 activation blocks) for the
-    products with the codes; the zero-point term keeps the exact sum of x (`csrc/int4_a8_cpu.c`).
+    """`int4_gemv` with x quantized to int8 per block of 32 inputs (W4A8, llama.cpp's Q8_0 activation blocks): x_hat @
+    w.T for the quantized row x_hat, the products with the codes in int32 by VNNI (`csrc/int4_a8_cpu.c`).
 
     Args:
         x, weight, scale_zero: as `int4_gemv`.
         group_size: inputs per scale, a multiple of 32 dividing K.
     Returns:
-        (1, N) bfloat16. Against `int4_gemv` each output differs by at most sum_k |w[n, k]| * max|x_block| / 254
-        (the int8 rounding of each input) plus the bfloat16 rounding of both results.
+        (1, N) bfloat16. Against x @ w.T each output differs by at most sum_k |w[n, k]| * max|x_block| / 254 (the
+        int8 rounding of each input, max over the input's block of 32) plus the bfloat16 rounding of the result.
     Raises:
         RuntimeError: the library is unavailable or refused the shapes (N % 64, group_size % 32, or no AVX512-VNNI;
             callers check `int4_a8_supported()` and the shapes first).

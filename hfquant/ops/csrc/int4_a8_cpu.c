@@ -10,8 +10,11 @@
  * What changes: in the first term x is replaced by its int8 quantization per block of 32 inputs,
  *   x[k] ~= xs[b] * xq[k],  xs[b] = max_{k in b} |x[k]| / 127,  xq[k] = round(x[k] / xs[b])  (to nearest even),
  * the activation format of llama.cpp's Q8_0 (ggml-common.h, block_q8_0: 32 int8 values and one scale), which its
- * Q4_0 / Q4_1 dot products use. The second term keeps the exact float32 sum of x. The quantization error of one input
- * is at most xs[b] / 2, i.e. 1/254 of the block's largest |x|.
+ * Q4_0 / Q4_1 dot products use. The second term sums the same quantized x (sum_b xs[b] * sum_{k in b} xq[k]), so the
+ * result is exactly x_hat @ w.T for the quantized row x_hat: the error is sum_k w[n,k] * (x_hat[k] - x[k]), with
+ * |x_hat[k] - x[k]| <= xs[b] / 2 = max_{k in b} |x[k]| / 254. (Keeping the exact sum of x there instead leaves the
+ * codes' common mode, about 7.5 * scale * sum_k (x_hat[k] - x[k]), uncancelled: several times the error,
+ * docs/performance.md.)
  *
  * How: the unsigned 4-bit codes times the signed int8 activations, four products per 32-bit lane, summed into int32
  * by vpdpbusd (Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2: "VPDPBUSD: Multiply and Add
@@ -47,26 +50,28 @@ int hfquant_int4_a8_supported(void) {
 
 #define A8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
-/* x -> xq (int8, K), xs (float32 per block of 32) and xsum (the exact float32 sum of each group) */
+/* x -> xq (int8, K), xs (float32 per block of 32) and xsum (each group's sum of the quantized x, in float32) */
 A8_TARGET static void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *xq, float *xs, float *xsum) {
     const int64_t per_group = group / A8_BLOCK;
     for (int64_t b = 0; b < k / A8_BLOCK; b++) {
         __m512 v[2];
-        __m512 largest = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+        __m512 largest = _mm512_setzero_ps();
         for (int j = 0; j < 2; j++) {
             const __m256i h = _mm256_loadu_si256((const __m256i *)(x + b * A8_BLOCK + 16 * j));
             v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
             largest = _mm512_max_ps(largest, _mm512_abs_ps(v[j]));
-            sum = _mm512_add_ps(sum, v[j]);
         }
-        if (b % per_group == 0) xsum[b / per_group] = 0.0f;
-        xsum[b / per_group] += _mm512_reduce_add_ps(sum);
         const float top = _mm512_reduce_max_ps(largest);
         const __m512 to_int = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
         xs[b] = top / 127.0f;
-        for (int j = 0; j < 2; j++)  /* |x| * 127 / top <= 127: the saturating narrowing never clips */
-            _mm_storeu_si128((__m128i *)(xq + b * A8_BLOCK + 16 * j),
-                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], to_int))));
+        __m512i codes_sum = _mm512_setzero_si512();
+        for (int j = 0; j < 2; j++) {  /* |x| * 127 / top <= 127: the saturating narrowing never clips */
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], to_int));
+            codes_sum = _mm512_add_epi32(codes_sum, q);
+            _mm_storeu_si128((__m128i *)(xq + b * A8_BLOCK + 16 * j), _mm512_cvtsepi32_epi8(q));
+        }
+        if (b % per_group == 0) xsum[b / per_group] = 0.0f;
+        xsum[b / per_group] += xs[b] * (float)_mm512_reduce_add_epi32(codes_sum);
     }
 }
 
