@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""One activation row times an int4 layer: aten's kernel, hfquant's bfloat16-activation GEMV and its W4A8 GEMV
+(`decode_activations="int8"`), side by side, in one table with ratios against aten measured in the same run.
+
+Two cases per layer shape:
+- "cached": the same weight every call (it stays in the CPU's caches: the kernels' instruction cost);
+- "streamed": distinct weights, about 256 MiB in all, called in turn (they come from memory, as in a decode step of a
+  model larger than the last-level cache).
+Each figure is the best of 5 passes, in microseconds per call; GB/s counts the codes and (scale, zero) pairs read.
+The CPU model and ISA flags head the table. Run from a source checkout after `bash scripts/install.sh`:
+
+    python scripts/gemv_benchmark.py                      # the 1.2B Llama's and SmolLM2's shapes, group 128 / 64
+    python scripts/gemv_benchmark.py --shapes 4096x14336 --group-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.machine import describe  # noqa: E402
+from hfquant.core import packing  # noqa: E402
+from hfquant.ops import gemv, torch_ops  # noqa: E402
+
+SHAPES = ("2048x2048", "512x2048", "8192x2048", "2048x8192", "576x576", "1536x576", "576x1536")
+"""N x K (out_features x in_features): the 1.2B benchmark Llama's and SmolLM2-135M's projections."""
+_STREAMED_BYTES = 256 * 2**20
+_PASSES = 5
+
+
+def _weights(n: int, k: int, group: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(copies):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+        scale_zero = (torch.rand((k // group, n, 2), generator=generator) * 0.02).to(torch.bfloat16)
+        out.append((packing.to_cpu_int4_layout(codes), scale_zero))
+    return out
+
+
+def _best_us(call, weights) -> float:
+    for w, sz in weights:
+        call(w, sz)
+    best = float("inf")
+    for _ in range(_PASSES):
+        start = time.perf_counter()
+        for w, sz in weights:
+            call(w, sz)
+        best = min(best, (time.perf_counter() - start) / len(weights))
+    return best * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK shapes")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="inputs per scale (default: 128 where it divides K, else 64)")
+    args = parser.parse_args(argv)
+    if not gemv.native_int4_works():
+        print("hfquant's int4 GEMV does not run here (it needs AVX512-BF16 and a C compiler)", file=sys.stderr)
+        return 1
+    a8 = gemv.native_int4_a8_works()
+    torch_ops.loaded()
+    print(f"{describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("\n| N x K | group | case | aten us | bf16-act GEMV us | ratio | W4A8 us | ratio | W4A8 GB/s |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for text in args.shapes.split(","):
+        n, k = (int(v) for v in text.lower().split("x"))
+        group = args.group_size or (128 if k % 128 == 0 else 64)
+        layer_bytes = n * k // 2 + (k // group) * n * 4
+        for case, copies in (("cached", 1), ("streamed", max(1, _STREAMED_BYTES // layer_bytes))):
+            weights = _weights(n, k, group, copies)
+            x = torch.randn((1, k), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            aten = _best_us(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz), weights)
+            plain = _best_us(lambda w, sz: torch_ops.int4_gemv(x, w, sz, group), weights)
+            cells = [f"{aten:.1f}", f"{plain:.1f}", f"{aten / plain:.2f}x"]
+            if a8 and group % 32 == 0:
+                quantized = _best_us(lambda w, sz: torch_ops.int4_gemv_a8(x, w, sz, group), weights)
+                cells += [f"{quantized:.1f}", f"{aten / quantized:.2f}x", f"{layer_bytes / quantized / 1e3:.1f}"]
+            else:
+                cells += ["-", "-", "-"]
+            print(f"| {n} x {k} | {group} | {case} | " + " | ".join(cells) + " |", flush=True)
+    print("\nratio: aten's time over the kernel's (above 1: faster than aten).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
