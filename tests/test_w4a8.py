@@ -151,3 +151,23 @@ def test_a_model_loads_saves_and_reloads_with_int8_decode_activations(float_chec
         expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(reloaded.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
                                              pad_token_id=0), expected)
+
+
+def test_a_machine_without_the_w4a8_gemv_says_so_and_decodes_with_float_activations(float_checkpoint, monkeypatch,
+                                                                                   caplog):
+    from hfquant.integration import decode_activations
+
+    monkeypatch.setattr(kernels, "_NATIVE_INT4_A8", False)
+    monkeypatch.setattr(kernels, "_note_cpu_int4_layout", lambda: None)  # keep the patched value through loading
+    config = HfQuantConfig(bits=4, group_size=32, method="rtn", mixed_precision="none", decode_activations="int8")
+    with caplog.at_level("WARNING", logger=decode_activations.__name__):
+        model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=config,
+                                                     dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not any(m.kernel == kernels.Kernel.INT4PACK_MM_CPU for m in layers):
+        pytest.skip("the CPU int4 kernel does not serve this model here")
+    assert "decode_activations='int8' asks for W4A8 decoding" in caplog.text
+    row = torch.randn((1, 1, layers[0].in_features), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    as_float = QuantLinear.forward(layers[0], row)
+    layers[0].decode_activations = "float"
+    assert torch.equal(as_float, layers[0](row))

@@ -29,10 +29,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.integrations.accelerate import offload_weight
 from transformers.quantizers.auto import (
-    AUTO_QUANTIZATION_CONFIG_MAPPING,
-    AUTO_QUANTIZER_MAPPING,
-    register_quantization_config,
-    register_quantizer,
+    AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer,
 )
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
@@ -47,6 +44,7 @@ from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.integration import checks
 from hfquant.integration.config_type import register_model_type, restore_base_model_type
 from hfquant.integration.counting import count_quantized_weights
+from hfquant.integration.decode_activations import apply_decode_activations
 from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
 from hfquant.nn.embedding import QuantEmbedding
@@ -144,11 +142,10 @@ class HfQuantQuantizer(HfQuantizer):
 
     requires_calibration = False
     quantization_config: HfQuantConfig
-    loaded_model_hooks: tuple[Callable[[nn.Module], None], ...] = (attach_staged_save,)
-    """Called with every model this quantizer loaded, once its kernels are ready: `attach_staged_save` (a
-    `save_pretrained` over an existing checkpoint swaps folders instead of overwriting files), and `import hfquant` adds
-    `hfquant.commands.hub.attach_model_card` (so that `push_to_hub` sends hfquant's card): the integration layer itself
-    never imports the Hub or the cards."""
+    loaded_model_hooks: tuple[Callable[[nn.Module], None], ...] = (attach_staged_save, apply_decode_activations)
+    """Called with every loaded model, its kernels ready: `attach_staged_save` (save_pretrained over a checkpoint swaps
+    folders), `apply_decode_activations` (the config's `decode_activations`); `import hfquant` adds `attach_model_card`
+    (push_to_hub sends hfquant's card): the integration layer never imports the Hub or the cards."""
 
     def __init__(self, quantization_config: HfQuantConfig, **kwargs):
         super().__init__(copy.deepcopy(quantization_config), **kwargs)

@@ -230,8 +230,8 @@ def quantized_matmul(
     `fmt` is the stored format of the weight. `scale_zero` is the (G, N, 2) tensor from `scale_zero_for_int4` for the
     int4 kernels; `scale` (N, G) and `zero_point` are the stored ones (the int8 kernel reads `scale`,
     `Kernel.DEQUANT` reads both). `int8_activations`: a single bfloat16 row of a `Kernel.INT4PACK_MM_CPU` layer runs
-    the W4A8 GEMV (`gemv.native_int4_a8_works`, group_size % 32 == 0; x quantized to int8 per block of 32) wherever it can, instead of the
-    kernel measured fastest for bfloat16 activations; other products are unchanged.
+    the W4A8 GEMV (x quantized to int8 per block of 32) wherever it can (`gemv.native_int4_a8_works`, group_size % 32
+    == 0), instead of the kernel measured fastest for bfloat16 activations; other products are unchanged.
     """
     group_size = fmt.group_size
     shape = x.shape
@@ -299,6 +299,12 @@ torch.compile reads it as a constant."""
 _NATIVE_INT4_A8 = False
 """Whether those rows can run the W4A8 GEMV when a layer asks for int8 activations (`gemv.native_int4_a8_works`, set
 with `_NATIVE_INT4`); a plain global, as `_NATIVE_INT4`."""
+
+
+def int8_decode_activations_available() -> bool:
+    """Whether single bfloat16 rows of CPU int4 layers can run the W4A8 GEMV here (`gemv.native_int4_a8_works`; known
+    once a CPU int4 layer has been prepared)."""
+    return _NATIVE_INT4_A8
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:
