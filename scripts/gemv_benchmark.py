@@ -7,10 +7,13 @@ Two cases per layer shape:
 - "streamed": distinct weights, about 256 MiB in all, called in turn (they come from memory, as in a decode step of a
   model larger than the last-level cache).
 Each figure is the best of 5 passes, in microseconds per call; GB/s counts the codes and (scale, zero) pairs read.
-The CPU model and ISA flags head the table. Run from a source checkout after `bash scripts/install.sh`:
+The CPU model and ISA flags head the table; a kernel that does not run here is a "-". `ATEN_CPU_CAPABILITY=avx2`
+measures what an AVX2 CPU runs (PyTorch's AVX2 kernels and int4 layout; hfquant's AVX2 W4A8 GEMV). Run from a
+source checkout after `bash scripts/install.sh`:
 
     python scripts/gemv_benchmark.py                      # the 1.2B Llama's and SmolLM2's shapes, group 128 / 64
     python scripts/gemv_benchmark.py --shapes 4096x14336 --group-size 128
+    ATEN_CPU_CAPABILITY=avx2 python scripts/gemv_benchmark.py
 """
 
 from __future__ import annotations
@@ -62,12 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=None,
                         help="inputs per scale (default: 128 where it divides K, else 64)")
     args = parser.parse_args(argv)
-    if not gemv.native_int4_works():
-        print("hfquant's int4 GEMV does not run here (it needs AVX512-BF16 and a C compiler)", file=sys.stderr)
+    layout = packing.cpu_int4_layout()
+    if layout is None:
+        print("this PyTorch build has no CPU int4 kernel layout", file=sys.stderr)
         return 1
-    a8 = gemv.native_int4_a8_works()
+    plain_works, a8 = gemv.native_int4_works(), gemv.native_int4_a8_works()
     torch_ops.loaded()
-    print(f"{describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{describe()}; torch {torch.__version__} (kernels for {torch.backends.cpu.get_cpu_capability()}, int4 "
+          f"layout of {layout.block_n}-row blocks), {torch.get_num_threads()} threads")
     print("\n| N x K | group | case | aten us | bf16-act GEMV us | ratio | W4A8 us | ratio | W4A8 GB/s |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for text in args.shapes.split(","):
@@ -78,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             weights = _weights(n, k, group, copies)
             x = torch.randn((1, k), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
             aten = _best_us(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz), weights)
-            plain = _best_us(lambda w, sz: torch_ops.int4_gemv(x, w, sz, group), weights)
-            cells = [f"{aten:.1f}", f"{plain:.1f}", f"{aten / plain:.2f}x"]
-            if a8 and group % 32 == 0:
-                quantized = _best_us(lambda w, sz: torch_ops.int4_gemv_a8(x, w, sz, group), weights)
+            cells = [f"{aten:.1f}", "-", "-"]
+            if plain_works and n % 64 == 0:
+                plain = _best_us(lambda w, sz: torch_ops.int4_gemv(x, w, sz, group), weights)
+                cells[1:] = [f"{plain:.1f}", f"{aten / plain:.2f}x"]
+            if a8 and group % 32 == 0 and n % layout.block_n == 0:
+                quantized = _best_us(lambda w, sz: torch_ops.int4_gemv_a8(x, w, sz, group, layout.block_n), weights)
                 cells += [f"{quantized:.1f}", f"{aten / quantized:.2f}x", f"{layer_bytes / quantized / 1e3:.1f}"]
             else:
                 cells += ["-", "-", "-"]

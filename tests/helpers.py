@@ -11,6 +11,11 @@ Test modules import them as
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -92,3 +97,9 @@ def model_output(model, input_ids: torch.Tensor) -> torch.Tensor:
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     """Cosine of the angle between `a` and `b`, each flattened to one float64 vector (any shapes of equal size)."""
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def run_python(code: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run `code` (dedented) in a fresh Python process with `env` added to this one's environment; output captured."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=timeout)

@@ -115,13 +115,13 @@ def test_gemv_benchmark_prints_a_row_per_shape_and_case(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, str(script), "--shapes", "128x256", "--group-size", "64"],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    if not gemv.native_int4_works():
-        assert result.returncode == 1 and "does not run here" in result.stderr
-        return
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("CPU: ")
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 128 x 256 |")]
     assert [row[2] for row in rows] == ["cached", "streamed"]
+    if not gemv.native_int4_works():
+        assert all(row[4] == "-" for row in rows)
+        return
     for row in rows:
         aten, plain, ratio = float(row[3]), float(row[4]), row[5]
         assert ratio.endswith("x") and float(ratio[:-1]) == pytest.approx(aten / plain, rel=0.05)  # cells rounded

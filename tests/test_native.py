@@ -8,7 +8,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,11 @@ from hfquant import QuantLinear
 from hfquant.core import packing, rtn
 from hfquant.ops import gemv, kernels, native, torch_ops
 from hfquant.core.format import StoredFormat
+
+try:
+    from helpers import run_python
+except ImportError:  # tests/ imported as a package
+    from tests.helpers import run_python
 
 needs_native = pytest.mark.skipif(
     not gemv.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
@@ -133,13 +137,6 @@ def test_compiled_single_row_uses_the_same_kernel():
     assert torch.equal(compiled, eager)
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
-    )
-
-
 FALLBACK = """
     import logging, torch
     logging.basicConfig(level=logging.INFO)
@@ -157,20 +154,20 @@ FALLBACK = """
 
 
 def test_switched_off_by_environment():
-    result = _run(FALLBACK, HFQUANT_NATIVE="0")
+    result = run_python(FALLBACK, HFQUANT_NATIVE="0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fallback ok" in result.stdout and "HFQUANT_NATIVE=0" in result.stderr
 
 
 def test_failed_build_falls_back_to_aten(tmp_path):
-    result = _run(FALLBACK, CC="false", HFQUANT_CACHE=str(tmp_path))
+    result = run_python(FALLBACK, CC="false", HFQUANT_CACHE=str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fallback ok" in result.stdout and "build failed" in result.stderr
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 
 def test_missing_compiler_falls_back_to_aten(tmp_path):
-    result = _run(FALLBACK, CC=str(tmp_path / "no-such-cc"), HFQUANT_CACHE=str(tmp_path))
+    result = run_python(FALLBACK, CC=str(tmp_path / "no-such-cc"), HFQUANT_CACHE=str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fallback ok" in result.stdout and "no C compiler" in result.stderr
 
@@ -256,7 +253,7 @@ def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path, mode, record):
     cache = tmp_path / "cache"
     sentinel = _plant(tmp_path, cache, mode, record)
     code = "from hfquant.ops import native; assert native.int4_cpu_library() is not None; print('native ok')"
-    result = _run(code, HFQUANT_CACHE=str(cache), CC="cc")
+    result = run_python(code, HFQUANT_CACHE=str(cache), CC="cc")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "native ok" in result.stdout
     assert not sentinel.exists(), "the planted library's constructor ran"

@@ -5,11 +5,8 @@ C++ compiler, and a planted library in the cache that is never loaded."""
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,11 @@ from hfquant import QuantLinear
 from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.ops import gemv, native, torch_ops
+
+try:
+    from helpers import run_python
+except ImportError:  # tests/ imported as a package
+    from tests.helpers import run_python
 
 needs_operators = pytest.mark.skipif(
     not (gemv.native_int4_works() and torch_ops.loaded()),
@@ -104,11 +106,6 @@ def test_a_compiled_graph_calls_the_operator_without_a_graph_break(bits):
     assert torch.equal(compiled, eager)
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=600)
-
-
 @needs_operators
 def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes_and_the_python_custom_op():
     code = """
@@ -134,7 +131,7 @@ def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes_and_the_python_cust
     assert any(target.startswith("hfquant.int4_gemv") for target in targets), targets
     print("ctypes ok")
     """
-    result = _run(code, CXX="/nonexistent/c++")
+    result = run_python(code, CXX="/nonexistent/c++")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ctypes ok" in result.stdout
 
@@ -156,13 +153,13 @@ def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path):
     env = {"HFQUANT_CACHE": str(cache), "CC": "cc", "CXX": "c++"}
     where = f"from hfquant.ops import torch_ops; print(torch_ops.library_folder({shutil.which('cc')!r}, " \
             f"{shutil.which('c++')!r}))"
-    folder = Path(_run(where, **env).stdout.strip().splitlines()[-1])
+    folder = Path(run_python(where, **env).stdout.strip().splitlines()[-1])
     folder.mkdir(parents=True)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "torch_ops.so"), str(source)], check=True)
     (folder / "torch_ops.so.sha256").write_text(hashlib.sha256((folder / "torch_ops.so").read_bytes()).hexdigest())
     for path in (folder.parent, folder):
         path.chmod(0o777)
-    result = _run("from hfquant.ops import torch_ops; assert torch_ops.loaded(); print('operators ok')", **env)
+    result = run_python("from hfquant.ops import torch_ops; assert torch_ops.loaded(); print('operators ok')", **env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "operators ok" in result.stdout
     assert not sentinel.exists(), "the planted library's constructor ran"

@@ -14,15 +14,22 @@ from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.ops import gemv, kernels, native, torch_ops
 
+try:
+    from helpers import run_python
+except ImportError:  # tests/ imported as a package
+    from tests.helpers import run_python
+
 needs_a8 = pytest.mark.skipif(
     not gemv.native_int4_a8_works(), reason="the W4A8 GEMV needs AVX512-VNNI, AVX512-BF16 and a C compiler"
 )
 
 
-def _layer(n: int, k: int, group: int, symmetric: bool = False, seed: int = 0):
+def _layer(n: int, k: int, group: int, symmetric: bool = False, seed: int = 0, block_n: int = 64):
+    """Weights in PyTorch's int4 CPU layout with `block_n`-row blocks (64: AVX-512 CPUs, 32: AVX2 CPUs), built here
+    whatever this CPU's own layout is."""
     generator = torch.Generator().manual_seed(seed)
     q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, symmetric)
-    weight = packing.to_cpu_int4_layout(q.q)
+    weight = packing.CpuInt4Layout(block_n, True).pack(q.q)
     scale_zero = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
     x = (torch.randn((1, k), generator=generator) * torch.rand((1, k), generator=generator) * 4).to(torch.bfloat16)
     return q, weight, scale_zero, x
@@ -47,17 +54,23 @@ def _stated_formula(q, scale_zero: torch.Tensor, x: torch.Tensor, group: int) ->
     return (scale * dots + offset * group_sums).sum(dim=1)
 
 
-@needs_a8
+needs_avx2_a8 = pytest.mark.skipif(not native.int4_a8_supported(32), reason="needs AVX2, FMA and a C compiler")
+
+
 @pytest.mark.parametrize(
-    "n, k, group, symmetric",
-    [(64, 64, 32, False), (192, 576, 64, False), (1536, 576, 64, True), (576, 1536, 128, False), (128, 4096, 256, True)],
+    "n, k, group, symmetric, block_n",
+    [(64, 64, 32, False, 64), (192, 576, 64, False, 64), (1536, 576, 64, True, 64), (576, 1536, 128, False, 64),
+     (128, 4096, 256, True, 64), (32, 64, 32, False, 32), (96, 576, 64, True, 32), (576, 1536, 128, False, 32)],
 )
-def test_the_gemv_computes_the_formula_of_its_source(n, k, group, symmetric):
+def test_the_gemv_computes_the_formula_of_its_source(n, k, group, symmetric, block_n):
     """Against the stated formula in float64: the kernel sums in float32 and rounds once to bfloat16, so each output
     is within 2^-8 of its magnitude (the rounding) plus 1e-5 of the largest (float32 sums). A row put back in the
-    wrong place, a lost block scale or another rounding of x would be off by far more."""
-    q, weight, scale_zero, x = _layer(n, k, group, symmetric)
-    y = native.int4_gemv_a8(x, weight, scale_zero, group).double().reshape(-1)
+    wrong place, a lost block scale or another rounding of x would be off by far more. block_n 32 is the AVX2 kernel
+    on the AVX2 layout (it runs on any CPU with AVX2: this one too)."""
+    if not native.int4_a8_supported(block_n):
+        pytest.skip(f"the W4A8 GEMV for {block_n}-row blocks does not run on this CPU")
+    q, weight, scale_zero, x = _layer(n, k, group, symmetric, block_n=block_n)
+    y = native.int4_gemv_a8(x, weight, scale_zero, group, block_n).double().reshape(-1)
     expected = _stated_formula(q, scale_zero, x, group)
     tolerance = expected.abs() * 2.0**-8 + 1e-5 * expected.abs().max()
     assert ((y - expected).abs() <= tolerance).all(), ((y - expected).abs() - tolerance).max()
@@ -80,13 +93,15 @@ def test_the_gemv_stays_within_its_error_bound_of_the_float_product(n, k, group)
 def test_the_operator_gives_the_ctypes_bits_and_names_what_it_refuses():
     q, weight, scale_zero, x = _layer(192, 576, 64)
     if torch_ops.loaded():
-        assert torch.equal(torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, 64),
+        assert torch.equal(torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, 64, 64),
                            native.int4_gemv_a8(x, weight, scale_zero, 64))
     q16, weight16, scale_zero16, x16 = _layer(128, 64, 16)
     with pytest.raises(RuntimeError, match="group_size=16.*multiple of 32"):
         torch_ops.int4_gemv_a8(x16, weight16, scale_zero16, 16)
     with pytest.raises(RuntimeError, match="group_size=16.*multiple of 32"):
         native.int4_gemv_a8(x16, weight16, scale_zero16, 16)
+    with pytest.raises(RuntimeError, match="block_n=48"):
+        native.int4_gemv_a8(x, weight, scale_zero, 64, 48)
 
 
 def test_the_config_names_a_bad_value_and_round_trips():
@@ -171,3 +186,37 @@ def test_a_machine_without_the_w4a8_gemv_says_so_and_decodes_with_float_activati
     as_float = QuantLinear.forward(layers[0], row)
     layers[0].decode_activations = "float"
     assert torch.equal(as_float, layers[0](row))
+
+
+@needs_avx2_a8
+def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_w4a8_gemv(float_checkpoint):
+    """ATEN_CPU_CAPABILITY=avx2 makes PyTorch pack int4 weights in 32-row blocks, as on a CPU without AVX-512: there
+    hfquant's AVX-512 GEMV is off, and a layer asking for int8 activations runs the AVX2 W4A8 GEMV on one row (same
+    bits as calling it), aten's kernel otherwise; a tiny Llama generates with it."""
+    code = """
+        import torch
+        from transformers import AutoModelForCausalLM
+        from hfquant import HfQuantConfig, QuantLinear
+        from hfquant.core.format import StoredFormat
+        from hfquant.ops import gemv, kernels, native
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+        layer = QuantLinear.from_float(torch.randn((96, 576), generator=torch.Generator().manual_seed(4)), None,
+                                       StoredFormat(4, 64, False))
+        layer.prepare_kernel(torch.bfloat16)
+        assert layer.kernel == kernels.Kernel.INT4PACK_MM_CPU and not gemv.native_int4_works()
+        assert kernels._CPU_INT4_BLOCKS == 32 and kernels.int8_decode_activations_available()
+        row = torch.randn((1, 576), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        aten = torch.ops.aten._weight_int4pack_mm_for_cpu(row, layer.weight, 64, layer.scale_zero)
+        assert torch.equal(layer(row), aten)
+        layer.decode_activations = "int8"
+        assert torch.equal(layer(row), native.int4_gemv_a8(row, layer.weight, layer.scale_zero, 64, 32))
+        assert not torch.equal(layer(row), aten)
+        config = HfQuantConfig(bits=4, group_size=32, method="rtn", mixed_precision="none", decode_activations="int8")
+        model = AutoModelForCausalLM.from_pretrained(PATH, quantization_config=config, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([[5, 17, 42]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 7)
+        print("ok")
+    """
+    result = run_python(code.replace("PATH", repr(str(float_checkpoint("llama")))), ATEN_CPU_CAPABILITY="avx2")
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -28,7 +28,7 @@ __all__ = [
     "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
     "native_int8_works", "int4_gemv_op", "int8_gemv_op", "COMPILED_INT4_ROWS", "COMPILED_INT8_ROWS",
     "custom_op_overhead_s", "NATIVE_BF16_ROWS", "choose_bf16_row_kernel", "native_bf16_works", "int4_row", "int8_row",
-    "native_int4_a8_works", "int4_gemv_a8_op",
+    "native_int4_a8_works", "int4_gemv_a8_op", "int4_a8_row",
 ]
 
 logger = logging.getLogger(__name__)
@@ -235,36 +235,43 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_siz
 
 
 @torch.library.custom_op("hfquant::int4_gemv_a8", mutates_args=())
-def int4_gemv_a8_op(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_gemv_a8_op(
+    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int
+) -> torch.Tensor:
     """`native.int4_gemv_a8` as an opaque op for torch.compile."""
-    return native.int4_gemv_a8(x, weight, scale_zero, group_size)
+    return native.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
 
 
 @int4_gemv_a8_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int) -> torch.Tensor:
     return x.new_empty((1, weight.shape[0]))
 
 
-def int4_row(
-    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, int8_activations: bool = False
-) -> torch.Tensor:
-    """hfquant's int4 GEMV of one row (arguments and result as `native.int4_gemv`; `native.int4_gemv_a8` when
-    `int8_activations`) through the cheapest call at hand: the dispatcher operator (`torch_ops`), else ctypes in eager
-    and the Python custom op in a compiled graph."""
+def int4_row(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """hfquant's int4 GEMV of one row (arguments and result as `native.int4_gemv`) through the cheapest call at hand:
+    the dispatcher operator (`torch_ops`), else ctypes in eager and the Python custom op in a compiled graph."""
     if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-        op = int4_gemv_a8_op if int8_activations else int4_gemv_op
-        return op(x, weight, scale_zero, group_size)
-    call = torch_ops.int4_gemv_a8 if int8_activations else torch_ops.int4_gemv
-    return call(x, weight, scale_zero, group_size)
+        return int4_gemv_op(x, weight, scale_zero, group_size)
+    return torch_ops.int4_gemv(x, weight, scale_zero, group_size)
+
+
+def int4_a8_row(
+    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int
+) -> torch.Tensor:
+    """`int4_row` for the W4A8 GEMV (arguments and result as `native.int4_gemv_a8`)."""
+    if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
+        return int4_gemv_a8_op(x, weight, scale_zero, group_size, block_n)
+    return torch_ops.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
 
 
 @functools.lru_cache(maxsize=None)
 def native_int4_a8_works() -> bool:
-    """True if the W4A8 GEMV (`native.int4_gemv_a8`) runs here (AVX512-VNNI, `native_int4_works`) and, on a small
-    random layer (128 x 256, group 64, asymmetric), stays within its error bound of the bfloat16-activation GEMV: per
-    output, sum_k |w| * max|x| / 254 (the int8 rounding of the inputs) plus 1% of the output range (bfloat16
-    roundings). Cached; callers read `kernels._NATIVE_INT4_A8`."""
-    if not native_int4_works() or not native.int4_a8_supported():
+    """True if the W4A8 GEMV (`native.int4_gemv_a8`) runs here on PyTorch's int4 CPU layout (64-row blocks with
+    AVX512-VNNI, 32-row blocks with AVX2) and, on a small random layer (128 x 256, group 64, asymmetric), stays within
+    its error bound of aten's `_weight_int4pack_mm_for_cpu`: per output, sum_k |w| * max|x| / 254 (the int8 rounding
+    of the inputs) plus 1% of the output range (bfloat16 roundings). Cached; callers read `kernels._NATIVE_INT4_A8`."""
+    layout = packing.cpu_int4_layout()
+    if layout is None or not layout.full_blocks_halves or not native.int4_a8_supported(layout.block_n):
         return False
     generator = torch.Generator().manual_seed(0)
     n, k, group = 128, 256, 64
@@ -272,18 +279,18 @@ def native_int4_a8_works() -> bool:
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     runtime = packing.to_cpu_int4_layout(q.q)
     sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
-    reference = native.int4_gemv(x, runtime, sz, group).float()
+    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
     try:
-        y = native.int4_gemv_a8(x, runtime, sz, group).float()
+        y = native.int4_gemv_a8(x, runtime, sz, group, layout.block_n).float()
     except RuntimeError as error:
         logger.info("hfquant W4A8 GEMV unusable: %s", error)
         return False
     weight = rtn.dequantize_weight(q.q, q.scale, q.zero_point, 4, False, dtype=torch.float32)
     bound = weight.abs().sum(dim=1) * x.float().abs().max() / 254 + 0.01 * reference.abs().max()
     works = bool(((y - reference).abs() <= bound).all())
-    works = works and _operator_agrees(lambda: torch_ops.int4_gemv_a8(x, runtime, sz, group).float(), y)
+    works = works and _operator_agrees(lambda: torch_ops.int4_gemv_a8(x, runtime, sz, group, layout.block_n).float(), y)
     if not works:
-        logger.warning("hfquant's W4A8 GEMV disagrees with the bfloat16 GEMV; decode_activations='int8' is ignored")
+        logger.warning("hfquant's W4A8 GEMV disagrees with the aten int4 kernel; decode_activations='int8' is ignored")
     return works
 
 

@@ -145,7 +145,7 @@ def _note_cpu_int4_layout() -> None:
     layout = packing.cpu_int4_layout()
     _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
     _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
-    _NATIVE_INT4_A8 = _NATIVE_INT4 and gemv.native_int4_a8_works()
+    _NATIVE_INT4_A8 = _CPU_INT4_BLOCKS is not None and gemv.native_int4_a8_works()
 
 
 def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -262,10 +262,9 @@ def quantized_matmul(
         native_row = gemv.NATIVE_INT4_ROWS.get(layer, True)
         if torch.compiler.is_compiling():
             native_row = gemv.COMPILED_INT4_ROWS.get(layer, native_row)
-        one_native_row = x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features)
-        if one_native_row and int8_activations and _NATIVE_INT4_A8 and group_size % 32 == 0:
-            y = gemv.int4_row(x2d, runtime_weight, sz, group_size, int8_activations=True)
-        elif one_native_row and native_row:
+        if int8_activations and _takes_int4_a8(x2d, sz, out_features, group_size):
+            y = gemv.int4_a8_row(x2d, runtime_weight, sz, group_size, _CPU_INT4_BLOCKS)
+        elif x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and native_row:
             y = gemv.int4_row(x2d, runtime_weight, sz, group_size)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
@@ -297,14 +296,24 @@ _NATIVE_INT4 = False
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `gemv.native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
 _NATIVE_INT4_A8 = False
-"""Whether those rows can run the W4A8 GEMV when a layer asks for int8 activations (`gemv.native_int4_a8_works`, set
-with `_NATIVE_INT4`); a plain global, as `_NATIVE_INT4`."""
+"""Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers can run the W4A8 GEMV when a layer asks for int8
+activations (`gemv.native_int4_a8_works`: AVX-512 CPUs and, with 32-row blocks, AVX2 ones), set with `_NATIVE_INT4`;
+a plain global, as `_NATIVE_INT4`."""
 
 
 def int8_decode_activations_available() -> bool:
     """Whether single bfloat16 rows of CPU int4 layers can run the W4A8 GEMV here (`gemv.native_int4_a8_works`; known
     once a CPU int4 layer has been prepared)."""
     return _NATIVE_INT4_A8
+
+
+def _takes_int4_a8(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int, group_size: int) -> bool:
+    """Whether the W4A8 GEMV serves this `Kernel.INT4PACK_MM_CPU` call: one bfloat16 row, bfloat16 (scale, zero)
+    pairs, whole blocks of the layout, groups of a multiple of 32, and the GEMV works here (`_NATIVE_INT4_A8`)."""
+    return (
+        _NATIVE_INT4_A8 and x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16
+        and out_features % _CPU_INT4_BLOCKS == 0 and group_size % 32 == 0
+    )
 
 
 def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:

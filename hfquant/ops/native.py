@@ -44,7 +44,7 @@ import torch
 from hfquant.core import paths
 
 __all__ = [
-    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_gemv_a8", "int4_a8_supported", "int4_dequantize_t", "int8_gemv", "int4_repack",
+    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_gemv_a8", "int4_a8_supported", "built_library", "int4_dequantize_t", "int8_gemv", "int4_repack",
     "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "HEADERS", "FLAGS",
 ]
 
@@ -55,7 +55,7 @@ HEADERS = (Path(__file__).with_name("csrc") / "bf16_bits.h",)
 """Headers the C sources include: part of what a built library is cached under."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 _LIBRARIES = ("-lm",)
-_ABI = 4
+_ABI = 5
 
 
 def c_compiler() -> str | None:
@@ -185,8 +185,10 @@ def _build_c_library(compiler: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def int4_cpu_library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it cannot be used here (the reason logged at INFO level)."""
+def built_library() -> ctypes.CDLL | None:
+    """The kernel library loaded on any x86-64 CPU (each kernel checks the instructions it needs: `int4_cpu_library`
+    for the AVX-512 ones, `int4_a8_supported` for the W4A8 GEMV), or None: native kernels off, no C compiler, a failed
+    build or a stale ABI (the reason logged at INFO level)."""
     if not native_enabled():
         logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=%s", os.environ.get("HFQUANT_NATIVE"))
         return None
@@ -200,13 +202,15 @@ def int4_cpu_library() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         logger.info("hfquant native int4 kernels unavailable: build failed (%s); using the aten kernel", detail)
         return None
-    if library.hfquant_int4_cpu_abi() != _ABI or not library.hfquant_int4_cpu_supported():
-        logger.info("hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16; using the aten kernel")
+    if library.hfquant_int4_cpu_abi() != _ABI:
+        logger.info("hfquant native int4 kernels unavailable: the library's ABI is not %d", _ABI)
         return None
     library.hfquant_int4_gemv.restype = ctypes.c_int
     library.hfquant_int4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     library.hfquant_int4_gemv_a8.restype = ctypes.c_int
-    library.hfquant_int4_gemv_a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    library.hfquant_int4_gemv_a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    library.hfquant_int4_a8_supported.restype = ctypes.c_int
+    library.hfquant_int4_a8_supported.argtypes = [ctypes.c_int64]
     library.hfquant_int4_dequantize_t.restype = ctypes.c_int
     library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     library.hfquant_int8_gemv.restype = ctypes.c_int
@@ -219,6 +223,17 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     for name in ("hfquant_int4_to_cpu_layout", "hfquant_int4_from_cpu_layout"):
         getattr(library, name).restype = ctypes.c_int
         getattr(library, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    return library
+
+
+@functools.lru_cache(maxsize=None)
+def int4_cpu_library() -> ctypes.CDLL | None:
+    """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 / int8 / bf16 GEMVs, the int4
+    dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
+    library = built_library()
+    if library is not None and not library.hfquant_int4_cpu_supported():
+        logger.info("hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16; using the aten kernel")
+        return None
     return library
 
 
@@ -257,36 +272,42 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     return y
 
 
-def int4_a8_supported() -> bool:
-    """Whether `int4_gemv_a8` runs here: the library loads and the CPU has AVX512-VNNI (besides AVX512-BF16)."""
-    library = int4_cpu_library()
-    return library is not None and bool(library.hfquant_int4_a8_supported())
+def int4_a8_supported(block_n: int) -> bool:
+    """Whether `int4_gemv_a8` runs here on PyTorch's int4 layout with `block_n`-row blocks: 64 (AVX-512 CPUs; needs
+    AVX512-VNNI and AVX512-BF16) or 32 (AVX2 CPUs; needs AVX2 and FMA)."""
+    library = built_library()
+    return library is not None and bool(library.hfquant_int4_a8_supported(block_n))
 
 
-def int4_gemv_a8(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_gemv_a8(
+    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int = 64
+) -> torch.Tensor:
     """`int4_gemv` with x quantized to int8 per block of 32 inputs (W4A8, llama.cpp's Q8_0 activation blocks): x_hat @
     w.T for the quantized row x_hat, the products with the codes in int32 by VNNI (`csrc/int4_a8_cpu.c`).
 
     Args:
-        x, weight, scale_zero: as `int4_gemv`.
+        x, weight, scale_zero: as `int4_gemv`, the weight in PyTorch's int4 CPU layout with `block_n`-row blocks.
         group_size: inputs per scale, a multiple of 32 dividing K.
+        block_n: 64 (the layout on AVX-512 CPUs) or 32 (on AVX2 CPUs; `packing.cpu_int4_layout().block_n`).
     Returns:
         (1, N) bfloat16. Against x @ w.T each output differs by at most sum_k |w[n, k]| * max|x_block| / 254 (the
         int8 rounding of each input, max over the input's block of 32) plus the bfloat16 rounding of the result.
     Raises:
-        RuntimeError: the library is unavailable or refused the shapes (N % 64, group_size % 32, or no AVX512-VNNI;
-            callers check `int4_a8_supported()` and the shapes first).
+        RuntimeError: the library is unavailable or refused the shapes (N % block_n, group_size % 32, or a CPU
+            without the instructions; callers check `int4_a8_supported(block_n)` and the shapes first).
     """
-    library = _loaded_library()
+    library = built_library()
+    if library is None:
+        raise RuntimeError("hfquant's native kernels are unavailable on this machine")
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
-    status = library.hfquant_int4_gemv_a8(
-        x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(), out_features, x.shape[-1], group_size
-    )
+    status = library.hfquant_int4_gemv_a8(x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(),
+                                          out_features, x.shape[-1], group_size, block_n)
     if status:
         raise RuntimeError(
-            f"hfquant native W4A8 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size} "
-            "(needs N % 64 == 0, a group size that is a multiple of 32 dividing K, and AVX512-VNNI)"
+            f"hfquant native W4A8 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size}, "
+            f"block_n={block_n} (needs N % block_n == 0, a group size that is a multiple of 32 dividing K, and "
+            "AVX512-VNNI for block_n=64 or AVX2 for block_n=32)"
         )
     return y
 

@@ -14,7 +14,7 @@ compilers' version lines and torch's version; the same ownership, permission and
 before loading a cached file (`native.cached_library`). The library is tied to the torch it was built against: a
 different torch build gets another hash, so another build.
 
-Not available (`loaded()` is False, logged once at INFO) wherever the C library is not (`native.int4_cpu_library`), or
+Not available (`loaded()` is False, logged once at INFO) wherever the C library is not (`native.built_library`), or
 without a C++ compiler, or when the build or the load fails. hfquant then calls the C kernels through ctypes in eager
 and through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` under torch.compile (`hfquant.ops.gemv`).
 """
@@ -92,7 +92,7 @@ def loaded() -> bool:
     """Whether `torch.ops.hfquant_cpu.int4_gemv` / `int8_gemv` are registered in this process: builds (or takes from
     the cache) and loads `torch_ops.so` on the first call, and registers the fake kernels torch.compile traces with.
     Never raises: False (the reason logged at INFO level) where the operators cannot be had."""
-    if native.int4_cpu_library() is None:
+    if native.built_library() is None:
         return False
     c_compiler, cpp_compiler = native.c_compiler(), _cpp_compiler()
     if c_compiler is None or cpp_compiler is None:
@@ -124,12 +124,14 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     return native.int4_gemv(x, weight, scale_zero, group_size)
 
 
-def int4_gemv_a8(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_gemv_a8(
+    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int = 64
+) -> torch.Tensor:
     """`native.int4_gemv_a8` through the dispatcher operator when it is registered, else through ctypes; as
     `int4_gemv`."""
     if AVAILABLE:
-        return torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, group_size)
-    return native.int4_gemv_a8(x, weight, scale_zero, group_size)
+        return torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
+    return native.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -147,7 +149,7 @@ def _register_fakes() -> None:
         return x.new_empty((1, weight.shape[0]))
 
     @torch.library.register_fake("hfquant_cpu::int4_gemv_a8")
-    def _(x, weight, scale_zero, group_size):
+    def _(x, weight, scale_zero, group_size, block_n):
         return x.new_empty((1, weight.shape[0]))
 
     @torch.library.register_fake("hfquant_cpu::int8_gemv")

@@ -28,16 +28,27 @@
  * OpenMP threads split the 64-row blocks; each output is computed by one thread in a fixed order.
  *
  * Requires N % 64 == 0, group % 32 == 0, K % group == 0, K / group <= 16384 and AVX512-VNNI + AVX512-BF16
- * (hfquant_int4_a8_supported); returns 1 for a refused shape, 2 when memory runs out, 0 on success.
+ * (hfquant_int4_a8_supported(64)); returns 1 for a refused shape, 2 when memory runs out, 0 on success.
+ *
+ * AVX2 CPUs (block_n = 32): there PyTorch's int4 layout has 32-row blocks, (N / 32, K, 16) uint8, byte [b, k, j] =
+ * q[32b + j, k] | q[32b + 16 + j, k] << 4, and aten's kernel reads it at a fraction of the memory bandwidth (8 GB/s
+ * for 35 GB/s on an AMD EPYC Zen 4 run with ATEN_CPU_CAPABILITY=avx2, docs/performance.md). The same computation runs
+ * on AVX2 + FMA: 128-bit unpacks gather each row's four inputs, vpmaddubsw multiplies unsigned codes by signed
+ * activations into int16 pairs (at most 2 x 15 x 127 each; summed over the 8 steps of a block: at most 30480, no
+ * saturation) and vpmaddwd by ones widens them to int32 once per block, the way llama.cpp's AVX2 Q4 x Q8 dot
+ * products do (ggml-cpu, mul_sum_i8_pairs). Requires N % 32 == 0 and the same group constraints
+ * (hfquant_int4_a8_supported(32)).
  */
 #include <stdint.h>
+
+#include "bf16_bits.h"
 
 #define A8_BLOCK 32
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-int hfquant_int4_a8_supported(void) {
+static int avx512_vnni(void) {
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
@@ -46,6 +57,20 @@ int hfquant_int4_a8_supported(void) {
                 __builtin_cpu_supports("avx512vnni");
     }
     return known;
+}
+
+static int avx2_fma(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return known;
+}
+
+/* whether the W4A8 GEMV for PyTorch's int4 layout with blocks of block_n rows (64: AVX-512, 32: AVX2) runs here */
+int hfquant_int4_a8_supported(int64_t block_n) {
+    return block_n == 64 ? avx512_vnni() : block_n == 32 ? avx2_fma() : 0;
 }
 
 #define A8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
@@ -78,10 +103,8 @@ A8_TARGET static void quantize_row(const uint16_t *x, int64_t k, int64_t group, 
 /* Register i of a block holds, lane by lane, rows ROW_BASE(i) + {0, 1, 2, 3, 16, 17, 18, 19}. */
 #define ROW_BASE(i) (((i) & 3) * 4 + ((i) >> 2) * 32)
 
-A8_TARGET int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
-                                   int64_t n, int64_t k, int64_t group) {
-    if (!hfquant_int4_a8_supported()) return 1;
-    if (n % 64 || group <= 0 || group % A8_BLOCK || k % group || k / group > 16384) return 1;
+A8_TARGET static int gemv_a8_avx512(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                                    int64_t n, int64_t k, int64_t group) {
     const int64_t blocks = n / 64, groups = k / group, per_group = group / A8_BLOCK;
     int8_t *xq = (int8_t *)_mm_malloc((size_t)k, 64);
     float *xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
@@ -158,13 +181,136 @@ A8_TARGET int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, con
     return 0;
 }
 
-#else
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
 
-int hfquant_int4_a8_supported(void) { return 0; }
+/* quantize_row with AVX2 only: the same values (the multiply and the rounding to nearest even are IEEE operations) */
+AVX2_TARGET static void quantize_row_avx2(const uint16_t *x, int64_t k, int64_t group, int8_t *xq, float *xs,
+                                          float *xsum) {
+    const int64_t per_group = group / A8_BLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / A8_BLOCK; b++) {
+        __m256 v[4];
+        __m256 largest = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(x + b * A8_BLOCK + 8 * j));
+            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[j]));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, largest);
+        float top = lanes[0];
+        for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+        const __m256 to_int = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        xs[b] = top / 127.0f;
+        int32_t q[A8_BLOCK];
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], to_int)));
+        int32_t codes_sum = 0;
+        for (int j = 0; j < A8_BLOCK; j++) {
+            xq[b * A8_BLOCK + j] = (int8_t)q[j];  /* |q| <= 127 */
+            codes_sum += q[j];
+        }
+        if (b % per_group == 0) xsum[b / per_group] = 0.0f;
+        xsum[b / per_group] += xs[b] * (float)codes_sum;
+    }
+}
+
+AVX2_TARGET static int gemv_a8_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                                    int64_t n, int64_t k, int64_t group) {
+    const int64_t blocks = n / 32, groups = k / group, per_group = group / A8_BLOCK;
+    int8_t *xq = (int8_t *)_mm_malloc((size_t)k, 64);
+    float *xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
+    float *xsum = (float *)_mm_malloc((size_t)groups * sizeof(float), 64);
+    if (xq == NULL || xs == NULL || xsum == NULL) {
+        _mm_free(xq);
+        _mm_free(xs);
+        _mm_free(xsum);
+        return 2;
+    }
+    quantize_row_avx2(x, k, group, xq, xs, xsum);
+    const int32_t *xquads = (const int32_t *)xq;
+
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i zero_bits = _mm256_set1_epi32((int)0xFFFF0000u);
+        const uint8_t *block = weight + b * k * 16;
+        __m256 out[4]; /* rows 0-7, 8-15, 16-23, 24-31 */
+        for (int i = 0; i < 4; i++) out[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 group_acc[4];
+            for (int i = 0; i < 4; i++) group_acc[i] = _mm256_setzero_ps();
+            for (int64_t xb = g * per_group; xb < (g + 1) * per_group; xb++) {
+                __m256i acc[4];
+                for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_si256();
+                for (int64_t t = xb * (A8_BLOCK / 4); t < (xb + 1) * (A8_BLOCK / 4); t++) {
+                    const uint8_t *p = block + t * 4 * 16;
+                    const __m128i k0 = _mm_loadu_si128((const __m128i *)p);
+                    const __m128i k1 = _mm_loadu_si128((const __m128i *)(p + 16));
+                    const __m128i k2 = _mm_loadu_si128((const __m128i *)(p + 32));
+                    const __m128i k3 = _mm_loadu_si128((const __m128i *)(p + 48));
+                    const __m128i lo01 = _mm_unpacklo_epi8(k0, k1), hi01 = _mm_unpackhi_epi8(k0, k1);
+                    const __m128i lo23 = _mm_unpacklo_epi8(k2, k3), hi23 = _mm_unpackhi_epi8(k2, k3);
+                    /* (k, k+1, k+2, k+3) of rows 0-7 and of rows 8-15, one row per 32-bit lane, in row order */
+                    const __m256i quads[2] = {
+                        _mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23), _mm_unpacklo_epi16(lo01, lo23)),
+                        _mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23), _mm_unpacklo_epi16(hi01, hi23)),
+                    };
+                    const __m256i xv = _mm256_set1_epi32(xquads[t]);
+                    for (int i = 0; i < 2; i++) {
+                        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(_mm256_and_si256(quads[i], nibble), xv));
+                        acc[2 + i] = _mm256_add_epi16(
+                            acc[2 + i],
+                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(quads[i], 4), nibble), xv));
+                    }
+                }
+                const __m256 block_scale = _mm256_set1_ps(xs[xb]);
+                for (int i = 0; i < 4; i++)
+                    group_acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)), block_scale,
+                                                   group_acc[i]);
+            }
+            const __m256 group_sum = _mm256_set1_ps(xsum[g]);
+            const uint32_t *pairs = scale_zero + g * n + b * 32;
+            for (int i = 0; i < 4; i++) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(pairs + 8 * i));
+                const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+                const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(p, zero_bits));
+                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+                out[i] = _mm256_fmadd_ps(scale, group_acc[i], out[i]);
+                out[i] = _mm256_fmadd_ps(offset, group_sum, out[i]);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, out[i]);
+            for (int j = 0; j < 8; j++) y[b * 32 + 8 * i + j] = float_to_bf16(lanes[j]);
+        }
+    }
+    _mm_free(xq);
+    _mm_free(xs);
+    _mm_free(xsum);
+    return 0;
+}
 
 int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
-                         int64_t n, int64_t k, int64_t group) {
-    (void)x; (void)weight; (void)scale_zero; (void)y; (void)n; (void)k; (void)group;
+                         int64_t n, int64_t k, int64_t group, int64_t block_n) {
+    if (!hfquant_int4_a8_supported(block_n)) return 1;
+    if (n % block_n || group <= 0 || group % A8_BLOCK || k % group || k / group > 16384) return 1;
+    return block_n == 64 ? gemv_a8_avx512(x, weight, scale_zero, y, n, k, group)
+                         : gemv_a8_avx2(x, weight, scale_zero, y, n, k, group);
+}
+
+#else
+
+int hfquant_int4_a8_supported(int64_t block_n) {
+    (void)block_n;
+    return 0;
+}
+
+int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                         int64_t n, int64_t k, int64_t group, int64_t block_n) {
+    (void)x; (void)weight; (void)scale_zero; (void)y; (void)n; (void)k; (void)group; (void)block_n;
     return 1;
 }
 

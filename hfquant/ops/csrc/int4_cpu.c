@@ -28,7 +28,7 @@
 
 #include "bf16_bits.h"
 
-#define HFQUANT_INT4_CPU_ABI 4
+#define HFQUANT_INT4_CPU_ABI 5
 
 int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
 

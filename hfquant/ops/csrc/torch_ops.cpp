@@ -22,7 +22,7 @@ extern "C" {
 int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y, int64_t n,
                       int64_t k, int64_t group);
 int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
-                         int64_t n, int64_t k, int64_t group);
+                         int64_t n, int64_t k, int64_t group, int64_t block_n);
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
 }
@@ -41,9 +41,8 @@ void check_operand(const at::Tensor &t, at::ScalarType dtype, const char *name) 
               " must be a contiguous ", dtype, " CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-using Int4Kernel = int (*)(const uint16_t *, const uint8_t *, const uint32_t *, uint16_t *, int64_t, int64_t,
-                          int64_t);
-
+// kernel: callable as the C functions' first seven arguments (x, weight, scale_zero, y, n, k, group)
+template <typename Int4Kernel>
 at::Tensor int4_call(Int4Kernel kernel, const char *needs, const at::Tensor &x, const at::Tensor &weight,
                      const at::Tensor &scale_zero, int64_t group_size) {
   TORCH_CHECK(weight.dim() == 2, "hfquant int4 GEMV: weight must be (N, K / 2), got shape ", weight.sizes());
@@ -72,8 +71,12 @@ at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
 }
 
 at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
-                        int64_t group_size) {
-  return int4_call(hfquant_int4_gemv_a8, "N % 64 == 0, a group size that is a multiple of 32 dividing K, AVX512-VNNI",
+                        int64_t group_size, int64_t block_n) {
+  auto kernel = [block_n](const uint16_t *x_, const uint8_t *w, const uint32_t *sz, uint16_t *y, int64_t n, int64_t k,
+                          int64_t group) { return hfquant_int4_gemv_a8(x_, w, sz, y, n, k, group, block_n); };
+  return int4_call(kernel,
+                   "N % block_n == 0, a group size that is a multiple of 32 dividing K, AVX512-VNNI for block_n=64 or "
+                   "AVX2 for block_n=32",
                    x, weight, scale_zero, group_size);
 }
 
@@ -99,7 +102,7 @@ at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
 
 TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
-  m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
+  m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, int block_n) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
 }
 
