@@ -341,10 +341,11 @@ class HfQuantConfig(QuantizationConfigMixin):
             The stored format is the same. Measured on SmolLM2-135M (README): it lowers the weight error, not the
             perplexity, so it is not the default.
         decode_activations: the activations of 4-bit layers in one-token decode steps (one activation row, bfloat16,
-            on a CPU with AVX512-VNNI): "float" (the default: the compute dtype, as in every other product) or "int8":
-            quantized to int8 per block of 32 inputs (llama.cpp's Q8_0 activation blocks) so that the codes multiply
-            them with integer dot products (`hfquant.ops.native.int4_gemv_a8`, W4A8). Faster decoding; prefill,
-            training and int8 layers are unchanged. Runtime only: the stored weights are the same, and the choice is
+            on x86-64 CPUs with AVX512-VNNI, or AVX2): "float" (the default: the compute dtype, as in every other
+            product) or "int8": quantized to int8 per block of 32 inputs (llama.cpp's Q8_0 activation blocks) so that
+            the codes multiply them with integer dot products (`hfquant.ops.native.int4_gemv_a8`, W4A8). Faster
+            decoding (on AVX2 CPUs, where hfquant has no other kernel of its own, about 2x); prefill, training and int8
+            layers are unchanged. Runtime only: the stored weights are the same, and the choice is
             saved with the config so a reload decodes the same way. Measured on SmolLM2-135M and a 1.2B Llama
             (docs/performance.md, "W4A8 decode").
         format_version: on-disk format version; only `FORMAT_VERSION` is accepted.

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 def apply_decode_activations(model: nn.Module) -> None:
     """Set `QuantLinear.decode_activations` on every layer of `model` from its config ("float" where the config has
     no such field). Logs a warning when "int8" is asked for CPU int4 layers on a machine without the W4A8 GEMV
-    (AVX512-VNNI, AVX512-BF16 and a C compiler): those layers then decode with float activations."""
+    (a C compiler and AVX512-VNNI, or AVX2 where PyTorch packs int4 in 32-row blocks): those layers then decode with
+    float activations."""
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     setting = getattr(config, "decode_activations", "float")
     layers = [module for module in model.modules() if isinstance(module, QuantLinear)]
@@ -33,5 +34,5 @@ def apply_decode_activations(model: nn.Module) -> None:
     if setting == "int8" and not kernels.int8_decode_activations_available():
         if any(layer.kernel == Kernel.INT4PACK_MM_CPU for layer in layers):
             logger.warning(
-                "hfquant: decode_activations='int8' asks for W4A8 decoding, which needs AVX512-VNNI, AVX512-BF16 and a "
-                "C compiler; this machine decodes the int4 layers with float activations instead")
+                "hfquant: decode_activations='int8' asks for W4A8 decoding, which needs a C compiler and an x86-64 CPU "
+                "with AVX512-VNNI or AVX2; this machine decodes the int4 layers with float activations instead")
