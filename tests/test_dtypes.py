@@ -68,9 +68,9 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     legacy = HfQuantConfig.from_dict(old)
     assert legacy == HfQuantConfig(bits=4, group_size=128, symmetric=False, method="rtn", mixed_precision="none")
     assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {
-        "method", "module_overrides", "mixed_precision", "fold_column_scales", "clipping"}
+        "method", "module_overrides", "mixed_precision", "fold_column_scales", "clipping", "decode_activations"}
     assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
-    assert (legacy.fold_column_scales, legacy.clipping) == (False, "minmax")
+    assert (legacy.fold_column_scales, legacy.clipping, legacy.decode_activations) == (False, "minmax", "float")
 
 
 def test_defaults_leave_embeddings_norms_and_lm_head_in_the_load_dtype(float_checkpoint):
