@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     if layout is None:
         print("this PyTorch build has no CPU int4 kernel layout", file=sys.stderr)
         return 1
-    plain_works, a8 = gemv.native_int4_works(), gemv.native_int4_a8_works()
+    avx2 = layout.block_n == 32  # PyTorch's AVX2 layout: hfquant's AVX2 GEMV
+    plain_works = gemv.native_int4_avx2_works() if avx2 else gemv.native_int4_works()
+    plain_gemv = torch_ops.int4_gemv_avx2 if avx2 else torch_ops.int4_gemv
+    a8 = gemv.native_int4_a8_works()
     torch_ops.loaded()
     print(f"{describe()}; torch {torch.__version__} (kernels for {torch.backends.cpu.get_cpu_capability()}, int4 "
           f"layout of {layout.block_n}-row blocks), {torch.get_num_threads()} threads")
@@ -84,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn((1, k), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
             aten = _best_us(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz), weights)
             cells = [f"{aten:.1f}", "-", "-"]
-            if plain_works and n % 64 == 0:
-                plain = _best_us(lambda w, sz: torch_ops.int4_gemv(x, w, sz, group), weights)
+            if plain_works and n % layout.block_n == 0 and (group % 32 == 0 or not avx2):
+                plain = _best_us(lambda w, sz: plain_gemv(x, w, sz, group), weights)
                 cells[1:] = [f"{plain:.1f}", f"{aten / plain:.2f}x"]
             if a8 and group % 32 == 0 and n % layout.block_n == 0:
                 quantized = _best_us(lambda w, sz: torch_ops.int4_gemv_a8(x, w, sz, group, layout.block_n), weights)

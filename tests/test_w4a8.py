@@ -189,10 +189,10 @@ def test_a_machine_without_the_w4a8_gemv_says_so_and_decodes_with_float_activati
 
 
 @needs_avx2_a8
-def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_w4a8_gemv(float_checkpoint):
+def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_gemvs(float_checkpoint):
     """ATEN_CPU_CAPABILITY=avx2 makes PyTorch pack int4 weights in 32-row blocks, as on a CPU without AVX-512: there
-    hfquant's AVX-512 GEMV is off, and a layer asking for int8 activations runs the AVX2 W4A8 GEMV on one row (same
-    bits as calling it), aten's kernel otherwise; a tiny Llama generates with it."""
+    hfquant's AVX-512 GEMV is off; one row runs the AVX2 GEMV (bfloat16 activations, where chosen: forced here), and
+    with int8 activations asked the AVX2 W4A8 GEMV (same bits as calling them); a tiny Llama generates with it."""
     code = """
         import torch
         from transformers import AutoModelForCausalLM
@@ -207,7 +207,11 @@ def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_w4a8_gemv(float_chec
         assert kernels._CPU_INT4_BLOCKS == 32 and kernels.int8_decode_activations_available()
         row = torch.randn((1, 576), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
         aten = torch.ops.aten._weight_int4pack_mm_for_cpu(row, layer.weight, 64, layer.scale_zero)
-        assert torch.equal(layer(row), aten)
+        # HFQUANT_KERNEL_CHOICE=native: the row goes to hfquant's AVX2 GEMV, within bfloat16 rounding of aten's
+        assert kernels._NATIVE_INT4_AVX2 and gemv.NATIVE_INT4_ROWS[(96, 576, 64)]
+        plain = layer(row)
+        assert torch.equal(plain, native.int4_gemv_avx2(row, layer.weight, layer.scale_zero, 64))
+        assert torch.allclose(plain.float(), aten.float(), rtol=0.01, atol=0.01 * aten.float().abs().max().item())
         layer.decode_activations = "int8"
         assert torch.equal(layer(row), native.int4_gemv_a8(row, layer.weight, layer.scale_zero, 64, 32))
         assert not torch.equal(layer(row), aten)
@@ -218,5 +222,20 @@ def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_w4a8_gemv(float_chec
         assert out.shape == (1, 7)
         print("ok")
     """
-    result = run_python(code.replace("PATH", repr(str(float_checkpoint("llama")))), ATEN_CPU_CAPABILITY="avx2")
+    result = run_python(code.replace("PATH", repr(str(float_checkpoint("llama")))), ATEN_CPU_CAPABILITY="avx2",
+                        HFQUANT_KERNEL_CHOICE="native")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+@needs_avx2_a8
+@pytest.mark.parametrize("n, k, group", [(32, 64, 32), (96, 576, 64), (576, 1536, 128), (128, 4096, 256)])
+def test_the_avx2_gemv_keeps_bfloat16_accuracy(n, k, group):
+    """The AVX2 GEMV (bfloat16 activations; x enters as int16 per block of 32) against x @ w.T in float64, on the
+    32-row layout: each output within 2^-8 of |y| (its bfloat16 rounding) plus sum_k |w| * max|x| / 65534 (the int16
+    rounding of the inputs) plus 1e-5 of the largest output (float32 sums)."""
+    q, weight, scale_zero, x = _layer(n, k, group, block_n=32)
+    w = rtn.dequantize_weight(q.q, q.scale, q.zero_point, 4, False, dtype=torch.float64)
+    reference = (x.double() @ w.t()).reshape(-1)
+    y = native.int4_gemv_avx2(x, weight, scale_zero, group).double().reshape(-1)
+    bound = reference.abs() * 2.0**-8 + w.abs().sum(dim=1) * x.double().abs().max() / 65534
+    assert ((y - reference).abs() <= bound + 1e-5 * reference.abs().max()).all()

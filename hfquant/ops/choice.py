@@ -72,10 +72,12 @@ def cache_file() -> Path:
 
 def cpu_signature() -> str:
     """The key of this CPU, torch build and native kernel sources in the cache file: "model name | family F model M |
-    flags | torch V | kernels D" (a changed kernel is timed again)."""
+    flags | torch V (aten CAPABILITY) | kernels D" (a changed kernel is timed again; CAPABILITY is the instruction set
+    PyTorch dispatches to, which `ATEN_CPU_CAPABILITY` can lower, and which sets the int4 layout)."""
     family, model = machine.cpuinfo_field("cpu family"), machine.cpuinfo_field("model")
     return (f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
-            f"torch {torch.__version__} | kernels {native.source_digest()}")
+            f"torch {torch.__version__} (aten {torch.backends.cpu.get_cpu_capability()}) | "
+            f"kernels {native.source_digest()}")
 
 
 def _shape_key(n: int, k: int, group_size: int | None) -> str:
@@ -136,13 +138,15 @@ def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
     weight = packing.to_cpu_int4_layout(codes)
+    # hfquant's GEMV for the layout at hand: 64-row blocks (AVX-512) or 32-row blocks (AVX2)
+    gemv_call = torch_ops.int4_gemv_avx2 if packing.cpu_int4_layout().block_n == 32 else torch_ops.int4_gemv
     groups = k // group_size
     scale_zero = (torch.rand((groups, n, 2), generator=generator) * 0.02).to(torch.bfloat16)
     copies = _copies(weight)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     kernels = {
         "aten": lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group_size, scale_zero),
-        "native": lambda w: torch_ops.int4_gemv(x, w, scale_zero, group_size),
+        "native": lambda w: gemv_call(x, w, scale_zero, group_size),
     }
     return _time_kernels(kernels, copies)
 

@@ -28,7 +28,7 @@ __all__ = [
     "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
     "native_int8_works", "int4_gemv_op", "int8_gemv_op", "COMPILED_INT4_ROWS", "COMPILED_INT8_ROWS",
     "custom_op_overhead_s", "NATIVE_BF16_ROWS", "choose_bf16_row_kernel", "native_bf16_works", "int4_row", "int8_row",
-    "native_int4_a8_works", "int4_gemv_a8_op", "int4_a8_row",
+    "native_int4_a8_works", "int4_gemv_a8_op", "int4_a8_row", "native_int4_avx2_works", "int4_gemv_avx2_op",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int)
     GEMV. Without a working GEMV (`native_int4_works`, or N not a multiple of 64) nothing is measured: False."""
     shape = (out_features, in_features, group_size)
     if shape not in NATIVE_INT4_ROWS:
-        usable = native_int4_works() and out_features % 64 == 0
+        usable = (native_int4_works() and out_features % 64 == 0) or (
+            native_int4_avx2_works() and out_features % 32 == 0 and group_size % 32 == 0)
         NATIVE_INT4_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
         COMPILED_INT4_ROWS[shape] = NATIVE_INT4_ROWS[shape] and _wins_compiled(
             choice.row_timings(out_features, in_features, group_size))
@@ -247,12 +248,28 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_siz
     return x.new_empty((1, weight.shape[0]))
 
 
-def int4_row(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """hfquant's int4 GEMV of one row (arguments and result as `native.int4_gemv`) through the cheapest call at hand:
-    the dispatcher operator (`torch_ops`), else ctypes in eager and the Python custom op in a compiled graph."""
+@torch.library.custom_op("hfquant::int4_gemv_avx2", mutates_args=())
+def int4_gemv_avx2_op(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`native.int4_gemv_avx2` as an opaque op for torch.compile."""
+    return native.int4_gemv_avx2(x, weight, scale_zero, group_size)
+
+
+@int4_gemv_avx2_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.new_empty((1, weight.shape[0]))
+
+
+def int4_row(
+    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int = 64
+) -> torch.Tensor:
+    """hfquant's int4 GEMV of one row (arguments and result as `native.int4_gemv`, or `native.int4_gemv_avx2` for the
+    32-row layout of AVX2 CPUs, `block_n` 32) through the cheapest call at hand: the dispatcher operator
+    (`torch_ops`), else ctypes in eager and the Python custom op in a compiled graph."""
     if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-        return int4_gemv_op(x, weight, scale_zero, group_size)
-    return torch_ops.int4_gemv(x, weight, scale_zero, group_size)
+        op = int4_gemv_avx2_op if block_n == 32 else int4_gemv_op
+        return op(x, weight, scale_zero, group_size)
+    call = torch_ops.int4_gemv_avx2 if block_n == 32 else torch_ops.int4_gemv
+    return call(x, weight, scale_zero, group_size)
 
 
 def int4_a8_row(
@@ -262,6 +279,33 @@ def int4_a8_row(
     if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
         return int4_gemv_a8_op(x, weight, scale_zero, group_size, block_n)
     return torch_ops.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def native_int4_avx2_works() -> bool:
+    """True where PyTorch packs int4 weights in 32-row blocks (CPUs without AVX-512, or `ATEN_CPU_CAPABILITY=avx2`),
+    the AVX2 GEMV (`native.int4_gemv_avx2`) runs, and on a small random layer (128 x 256, group 64, asymmetric) it
+    matches aten's kernel within 1% of the output range. Cached; callers read `kernels._NATIVE_INT4_AVX2`."""
+    layout = packing.cpu_int4_layout()
+    if layout is None or layout.block_n != 32 or not layout.full_blocks_halves or native.built_library() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    n, k, group = 128, 256, 64
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    runtime = packing.to_cpu_int4_layout(q.q)
+    sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
+    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
+    try:
+        y = native.int4_gemv_avx2(x, runtime, sz, group).float()
+    except RuntimeError as error:
+        logger.info("hfquant AVX2 int4 GEMV unusable: %s", error)
+        return False
+    works = torch.allclose(y, reference, rtol=0.01, atol=0.01 * reference.abs().max().item())
+    works = works and _operator_agrees(lambda: torch_ops.int4_gemv_avx2(x, runtime, sz, group).float(), y)
+    if not works:
+        logger.warning("hfquant's AVX2 int4 GEMV disagrees with the aten kernel; using the aten kernel")
+    return works
 
 
 @functools.lru_cache(maxsize=None)

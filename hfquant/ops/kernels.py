@@ -140,12 +140,13 @@ def prepare_packed_int4(kernel: Kernel, packed: torch.Tensor, in_features: int) 
 
 
 def _note_cpu_int4_layout() -> None:
-    """Set `_CPU_INT4_BLOCKS`, `_NATIVE_INT4` and `_NATIVE_INT4_A8` for the CPU int4 layout of this PyTorch build."""
-    global _CPU_INT4_BLOCKS, _NATIVE_INT4, _NATIVE_INT4_A8
+    """Set `_CPU_INT4_BLOCKS` and the `_NATIVE_INT4*` flags for the CPU int4 layout of this PyTorch build."""
+    global _CPU_INT4_BLOCKS, _NATIVE_INT4, _NATIVE_INT4_A8, _NATIVE_INT4_AVX2
     layout = packing.cpu_int4_layout()
     _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
     _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
     _NATIVE_INT4_A8 = _CPU_INT4_BLOCKS is not None and gemv.native_int4_a8_works()
+    _NATIVE_INT4_AVX2 = _CPU_INT4_BLOCKS == 32 and gemv.native_int4_avx2_works()
 
 
 def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -266,6 +267,8 @@ def quantized_matmul(
             y = gemv.int4_a8_row(x2d, runtime_weight, sz, group_size, _CPU_INT4_BLOCKS)
         elif x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and native_row:
             y = gemv.int4_row(x2d, runtime_weight, sz, group_size)
+        elif _NATIVE_INT4_AVX2 and _takes_int4_a8(x2d, sz, out_features, group_size, False) and native_row:
+            y = gemv.int4_row(x2d, runtime_weight, sz, group_size, block_n=32)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
     elif kernel == Kernel.INT4PACK_MM_CUDA:
@@ -295,6 +298,10 @@ _NATIVE_INT4 = False
 """Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers run hfquant's own GEMV (`hfquant.ops.native`): set by
 `prepare_weight` when the CPU layout has 64-row "halves" blocks and `gemv.native_int4_works()`; a plain global so that
 torch.compile reads it as a constant."""
+_NATIVE_INT4_AVX2 = False
+"""Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers can run hfquant's AVX2 GEMV (`native.int4_gemv_avx2`,
+`gemv.native_int4_avx2_works`): where PyTorch packs int4 in 32-row blocks; a layer shape runs it where it was timed
+faster than aten's (`gemv.choose_int4_row_kernel`). A plain global, as `_NATIVE_INT4`."""
 _NATIVE_INT4_A8 = False
 """Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers can run the W4A8 GEMV when a layer asks for int8
 activations (`gemv.native_int4_a8_works`: AVX-512 CPUs and, with 32-row blocks, AVX2 ones), set with `_NATIVE_INT4`;
@@ -307,12 +314,15 @@ def int8_decode_activations_available() -> bool:
     return _NATIVE_INT4_A8
 
 
-def _takes_int4_a8(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int, group_size: int) -> bool:
-    """Whether the W4A8 GEMV serves this `Kernel.INT4PACK_MM_CPU` call: one bfloat16 row, bfloat16 (scale, zero)
-    pairs, whole blocks of the layout, groups of a multiple of 32, and the GEMV works here (`_NATIVE_INT4_A8`)."""
+def _takes_int4_a8(
+    x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int, group_size: int, a8: bool = True
+) -> bool:
+    """Whether this `Kernel.INT4PACK_MM_CPU` call has the shape hfquant's block-of-32 GEMVs take (the W4A8 one, and
+    with `a8=False` the AVX2 one): one bfloat16 row, bfloat16 (scale, zero) pairs, whole blocks of the layout, groups
+    of a multiple of 32; with `a8`, also that the W4A8 GEMV works here (`_NATIVE_INT4_A8`)."""
     return (
-        _NATIVE_INT4_A8 and x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16
-        and out_features % _CPU_INT4_BLOCKS == 0 and group_size % 32 == 0
+        (_NATIVE_INT4_A8 or not a8) and x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16
+        and scale_zero.dtype == torch.bfloat16 and out_features % _CPU_INT4_BLOCKS == 0 and group_size % 32 == 0
     )
 
 

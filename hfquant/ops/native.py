@@ -44,7 +44,8 @@ import torch
 from hfquant.core import paths
 
 __all__ = [
-    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_gemv_a8", "int4_a8_supported", "built_library", "int4_dequantize_t", "int8_gemv", "int4_repack",
+    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_gemv_a8", "int4_a8_supported", "built_library",
+    "int4_gemv_avx2", "int4_dequantize_t", "int8_gemv", "int4_repack",
     "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "HEADERS", "FLAGS",
 ]
 
@@ -209,6 +210,8 @@ def built_library() -> ctypes.CDLL | None:
     library.hfquant_int4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     library.hfquant_int4_gemv_a8.restype = ctypes.c_int
     library.hfquant_int4_gemv_a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    library.hfquant_int4_gemv_avx2.restype = ctypes.c_int
+    library.hfquant_int4_gemv_avx2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     library.hfquant_int4_a8_supported.restype = ctypes.c_int
     library.hfquant_int4_a8_supported.argtypes = [ctypes.c_int64]
     library.hfquant_int4_dequantize_t.restype = ctypes.c_int
@@ -268,6 +271,36 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
         raise RuntimeError(
             f"hfquant native int4 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size} "
             "(needs N % 64 == 0, an even group size dividing K)"
+        )
+    return y
+
+
+def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`int4_gemv` for CPUs without AVX-512: PyTorch's 32-row int4 layout (N / 32, K, 16), AVX2 + FMA; x enters as int16
+    per block of 32 inputs (`csrc/int4_a8_cpu.c`), which keeps bfloat16 accuracy (each input's rounding at most
+    max|x_block| / 65534).
+
+    Args:
+        x: (K,) or (1, K) contiguous bfloat16 (CPU).
+        weight: (N, K // 2) uint8 in the 32-row layout; N % 32 == 0.
+        scale_zero: (K // group_size, N, 2) contiguous bfloat16.
+        group_size: a multiple of 32 dividing K.
+    Returns:
+        (1, N) bfloat16; each output summed in float32 and rounded once.
+    Raises:
+        RuntimeError: the library is unavailable or refused the shapes (or the CPU lacks AVX2 / FMA).
+    """
+    library = built_library()
+    if library is None:
+        raise RuntimeError("hfquant's native kernels are unavailable on this machine")
+    out_features = weight.shape[0]
+    y = torch.empty((1, out_features), dtype=torch.bfloat16)
+    status = library.hfquant_int4_gemv_avx2(x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(),
+                                            out_features, x.shape[-1], group_size)
+    if status:
+        raise RuntimeError(
+            f"hfquant native AVX2 int4 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size} "
+            "(needs N % 32 == 0, a group size that is a multiple of 32 dividing K, and AVX2 with FMA)"
         )
     return y
 

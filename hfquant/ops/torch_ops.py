@@ -34,7 +34,8 @@ import torch
 from hfquant.core import paths
 from hfquant.ops import native
 
-__all__ = ["loaded", "library_folder", "CPP_SOURCE", "AVAILABLE", "int4_gemv", "int4_gemv_a8", "int8_gemv"]
+__all__ = ["loaded", "library_folder", "CPP_SOURCE", "AVAILABLE", "int4_gemv", "int4_gemv_avx2", "int4_gemv_a8",
+           "int8_gemv"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,13 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     return native.int4_gemv(x, weight, scale_zero, group_size)
 
 
+def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`native.int4_gemv_avx2` through the dispatcher operator when it is registered, else through ctypes."""
+    if AVAILABLE:
+        return torch.ops.hfquant_cpu.int4_gemv_avx2(x, weight, scale_zero, group_size)
+    return native.int4_gemv_avx2(x, weight, scale_zero, group_size)
+
+
 def int4_gemv_a8(
     x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int = 64
 ) -> torch.Tensor:
@@ -145,6 +153,10 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype."""
     @torch.library.register_fake("hfquant_cpu::int4_gemv")
+    def _(x, weight, scale_zero, group_size):
+        return x.new_empty((1, weight.shape[0]))
+
+    @torch.library.register_fake("hfquant_cpu::int4_gemv_avx2")
     def _(x, weight, scale_zero, group_size):
         return x.new_empty((1, weight.shape[0]))
 

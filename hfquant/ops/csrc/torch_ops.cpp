@@ -1,5 +1,6 @@
 // hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_a8_cpu.c) as PyTorch dispatcher operators:
-// torch.ops.hfquant_cpu.int4_gemv, int4_gemv_a8 (activations quantized to int8) and int8_gemv, CPU kernels only.
+// torch.ops.hfquant_cpu.int4_gemv, int4_gemv_avx2 (CPUs without AVX-512), int4_gemv_a8 (activations quantized to
+// int8) and int8_gemv, CPU kernels only.
 //
 // Why: called through ctypes, or through a Python custom op inside a torch.compile graph, each GEMV pays Python's
 // call cost (about 4 us through ctypes, 14 us through torch.library.custom_op on an AMD EPYC Zen 4), as much as the
@@ -23,6 +24,8 @@ int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *
                       int64_t k, int64_t group);
 int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
                          int64_t n, int64_t k, int64_t group, int64_t block_n);
+int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                           int64_t n, int64_t k, int64_t group);
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
 }
@@ -70,6 +73,12 @@ at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
                    group_size);
 }
 
+at::Tensor int4_gemv_avx2(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
+                          int64_t group_size) {
+  return int4_call(hfquant_int4_gemv_avx2, "N % 32 == 0, a group size that is a multiple of 32 dividing K, AVX2", x,
+                   weight, scale_zero, group_size);
+}
+
 at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
                         int64_t group_size, int64_t block_n) {
   auto kernel = [block_n](const uint16_t *x_, const uint8_t *w, const uint32_t *sz, uint16_t *y, int64_t n, int64_t k,
@@ -103,11 +112,13 @@ at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
 TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
   m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, int block_n) -> Tensor");
+  m.def("int4_gemv_avx2(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_a8", &int4_gemv_a8);
+  m.impl("int4_gemv_avx2", &int4_gemv_avx2);
   m.impl("int8_gemv", &int8_gemv);
 }
