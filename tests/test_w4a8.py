@@ -1,4 +1,4 @@
-"""W4A8 decode (HfQuantConfig(decode_activations="int8"), csrc/int4_a8_cpu.c): the GEMV computes the formula its
+"""W4A8 decode (HfQuantConfig(decode_activations="int8"), csrc/int4_intdot_cpu.c): the GEMV computes the formula its
 source states (x quantized to int8 per block of 32 in both terms: x_hat @ w.T) to float32 accuracy, stays within
 its error bound of the float product, refuses what it cannot do by name, reaches the layers of a loaded model for
 single rows only, compiles without a graph break, and is saved and reloaded with the config."""
@@ -36,7 +36,7 @@ def _layer(n: int, k: int, group: int, symmetric: bool = False, seed: int = 0, b
 
 
 def _stated_formula(q, scale_zero: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
-    """y of the W4A8 GEMV as csrc/int4_a8_cpu.c states it, in float64 from the kernel's own bfloat16 (scale, zero)."""
+    """y of the W4A8 GEMV as csrc/int4_intdot_cpu.c states it, in float64 from the kernel's own bfloat16 (scale, zero)."""
     codes = q.q.double()  # (N, K), 0..15
     n, k = codes.shape
     x64 = x.double().reshape(-1)

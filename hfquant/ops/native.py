@@ -51,7 +51,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "int4_a8_cpu.c", "rtn_cpu.c", "bf16_cpu.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "int4_intdot_cpu.c", "rtn_cpu.c", "bf16_cpu.c")
+)
 HEADERS = (Path(__file__).with_name("csrc") / "bf16_bits.h",)
 """Headers the C sources include: part of what a built library is cached under."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
@@ -277,7 +279,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
 
 def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """`int4_gemv` for CPUs without AVX-512: PyTorch's 32-row int4 layout (N / 32, K, 16), AVX2 + FMA; x enters as int16
-    per block of 32 inputs (`csrc/int4_a8_cpu.c`), which keeps bfloat16 accuracy (each input's rounding at most
+    per block of 32 inputs (`csrc/int4_intdot_cpu.c`), which keeps bfloat16 accuracy (each input's rounding at most
     max|x_block| / 65534).
 
     Args:
@@ -316,7 +318,7 @@ def int4_gemv_a8(
     x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int = 64
 ) -> torch.Tensor:
     """`int4_gemv` with x quantized to int8 per block of 32 inputs (W4A8, llama.cpp's Q8_0 activation blocks): x_hat @
-    w.T for the quantized row x_hat, the products with the codes in int32 by VNNI (`csrc/int4_a8_cpu.c`).
+    w.T for the quantized row x_hat, the products with the codes in int32 by VNNI (`csrc/int4_intdot_cpu.c`).
 
     Args:
         x, weight, scale_zero: as `int4_gemv`, the weight in PyTorch's int4 CPU layout with `block_n`-row blocks.

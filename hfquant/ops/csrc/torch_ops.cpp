@@ -1,4 +1,4 @@
-// hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_a8_cpu.c) as PyTorch dispatcher operators:
+// hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_intdot_cpu.c) as PyTorch dispatcher operators:
 // torch.ops.hfquant_cpu.int4_gemv, int4_gemv_avx2 (CPUs without AVX-512), int4_gemv_a8 (activations quantized to
 // int8) and int8_gemv, CPU kernels only.
 //

@@ -1,5 +1,11 @@
-/* hfquant_int4_gemv_a8: the one-row int4 GEMV of int4_cpu.c with the activations quantized to int8 (W4A8), for
- * one-token decode steps when the model asks for it (HfQuantConfig(decode_activation_bits=8)).
+/* One-row int4 GEMVs by integer dot products: the activation row is quantized per block of 32 inputs to integers,
+ * multiplied with the 4-bit codes in integer arithmetic, and each block's sum scaled back in float32.
+ * - hfquant_int4_gemv_a8 (below): int8 activations (W4A8), for one-token decode steps when the model asks for it
+ *   (HfQuantConfig(decode_activations="int8")); AVX512-VNNI on the 64-row layout, AVX2 on the 32-row one.
+ * - hfquant_int4_gemv_avx2 (further down): int16 activations (bfloat16 accuracy), the default one-row kernel on CPUs
+ *   without AVX-512, where PyTorch packs int4 weights in 32-row blocks.
+ *
+ * hfquant_int4_gemv_a8: the one-row int4 GEMV of int4_cpu.c with the activations quantized to int8.
  *
  * Same inputs, layout and output as hfquant_int4_gemv (int4_cpu.c): x (K,) bfloat16; weight (N / 64, K, 32) uint8,
  * byte [b, k, j] = q[64b + j, k] (low nibble) | q[64b + 32 + j, k] (high nibble); scale_zero (K / group, N, 2)
