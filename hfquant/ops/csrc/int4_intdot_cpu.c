@@ -79,6 +79,26 @@ int hfquant_int4_a8_supported(int64_t block_n) {
     return block_n == 64 ? avx512_vnni() : block_n == 32 ? avx2_fma() : 0;
 }
 
+/* The quantized row of one call: codes (K values of code_bytes each), xs (a float32 scale per block of 32) and xsum
+ * (each group's sum of the quantized row, float32). */
+typedef struct {
+    void *codes;
+    float *xs, *xsum;
+} QuantizedRow;
+
+static int quantized_row_alloc(QuantizedRow *row, int64_t k, int64_t group, size_t code_bytes) {
+    row->codes = _mm_malloc((size_t)k * code_bytes, 64);
+    row->xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
+    row->xsum = (float *)_mm_malloc((size_t)(k / group) * sizeof(float), 64);
+    return row->codes != NULL && row->xs != NULL && row->xsum != NULL;
+}
+
+static void quantized_row_free(QuantizedRow *row) {
+    _mm_free(row->codes);
+    _mm_free(row->xs);
+    _mm_free(row->xsum);
+}
+
 #define A8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
 /* x -> xq (int8, K), xs (float32 per block of 32) and xsum (each group's sum of the quantized x, in float32) */
@@ -112,17 +132,14 @@ A8_TARGET static void quantize_row(const uint16_t *x, int64_t k, int64_t group, 
 A8_TARGET static int gemv_a8_avx512(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
                                     int64_t n, int64_t k, int64_t group) {
     const int64_t blocks = n / 64, groups = k / group, per_group = group / A8_BLOCK;
-    int8_t *xq = (int8_t *)_mm_malloc((size_t)k, 64);
-    float *xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
-    float *xsum = (float *)_mm_malloc((size_t)groups * sizeof(float), 64);
-    if (xq == NULL || xs == NULL || xsum == NULL) {
-        _mm_free(xq);
-        _mm_free(xs);
-        _mm_free(xsum);
+    QuantizedRow row;
+    if (!quantized_row_alloc(&row, k, group, 1)) {
+        quantized_row_free(&row);
         return 2;
     }
-    quantize_row(x, k, group, xq, xs, xsum);
-    const int32_t *xquads = (const int32_t *)xq; /* (xq[4t], ..., xq[4t + 3]) */
+    const float *xs = row.xs, *xsum = row.xsum;
+    quantize_row(x, k, group, (int8_t *)row.codes, row.xs, row.xsum);
+    const int32_t *xquads = (const int32_t *)row.codes; /* (xq[4t], ..., xq[4t + 3]) */
 
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
@@ -181,17 +198,17 @@ A8_TARGET static int gemv_a8_avx512(const uint16_t *x, const uint8_t *weight, co
             }
         }
     }
-    _mm_free(xq);
-    _mm_free(xs);
-    _mm_free(xsum);
+    quantized_row_free(&row);
     return 0;
 }
 
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
-/* quantize_row with AVX2 only: the same values (the multiply and the rounding to nearest even are IEEE operations) */
-AVX2_TARGET static void quantize_row_avx2(const uint16_t *x, int64_t k, int64_t group, int8_t *xq, float *xs,
-                                          float *xsum) {
+/* x -> codes per block of 32 (int8 codes when max_code is 127, int16 when 32767: round(x * max_code / max|x_block|),
+ * to nearest even), the block scales and the groups' sums of the quantized row; AVX2 only, the values of
+ * quantize_row for int8 (the multiply and the rounding are IEEE operations) */
+AVX2_TARGET static void quantize_row_avx2(const uint16_t *x, int64_t k, int64_t group, int max_code,
+                                          QuantizedRow *row) {
     const int64_t per_group = group / A8_BLOCK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < k / A8_BLOCK; b++) {
@@ -206,41 +223,64 @@ AVX2_TARGET static void quantize_row_avx2(const uint16_t *x, int64_t k, int64_t 
         _mm256_storeu_ps(lanes, largest);
         float top = lanes[0];
         for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
-        const __m256 to_int = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        xs[b] = top / 127.0f;
+        const __m256 to_int = _mm256_set1_ps(top > 0.0f ? (float)max_code / top : 0.0f);
+        row->xs[b] = top / (float)max_code;
         int32_t q[A8_BLOCK];
         for (int j = 0; j < 4; j++)
             _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], to_int)));
         int32_t codes_sum = 0;
-        for (int j = 0; j < A8_BLOCK; j++) {
-            xq[b * A8_BLOCK + j] = (int8_t)q[j];  /* |q| <= 127 */
+        for (int j = 0; j < A8_BLOCK; j++) {  /* |q| <= max_code */
+            if (max_code == 127)
+                ((int8_t *)row->codes)[b * A8_BLOCK + j] = (int8_t)q[j];
+            else
+                ((int16_t *)row->codes)[b * A8_BLOCK + j] = (int16_t)q[j];
             codes_sum += q[j];
         }
-        if (b % per_group == 0) xsum[b / per_group] = 0.0f;
-        xsum[b / per_group] += xs[b] * (float)codes_sum;
+        if (b % per_group == 0) row->xsum[b / per_group] = 0.0f;
+        row->xsum[b / per_group] += row->xs[b] * (float)codes_sum;
+    }
+}
+
+/* out[i] (rows 8i..8i+7 of a 32-row block) += scale * group_acc[i] + (zero - 8 * scale) * group_sum, from the group's
+ * (scale, zero) pairs of these 32 rows */
+AVX2_TARGET static inline void apply_group_avx2(__m256 out[4], const __m256 group_acc[4], const uint32_t *pairs,
+                                                float group_sum) {
+    const __m256i zero_bits = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256 sums = _mm256_set1_ps(group_sum);
+    for (int i = 0; i < 4; i++) {
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(pairs + 8 * i));
+        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+        const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(p, zero_bits));
+        const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+        out[i] = _mm256_fmadd_ps(scale, group_acc[i], out[i]);
+        out[i] = _mm256_fmadd_ps(offset, sums, out[i]);
+    }
+}
+
+/* the 32 outputs of a block, each rounded once to bfloat16 */
+AVX2_TARGET static inline void store_rows_avx2(uint16_t *y, const __m256 out[4]) {
+    for (int i = 0; i < 4; i++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, out[i]);
+        for (int j = 0; j < 8; j++) y[8 * i + j] = float_to_bf16(lanes[j]);
     }
 }
 
 AVX2_TARGET static int gemv_a8_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
                                     int64_t n, int64_t k, int64_t group) {
     const int64_t blocks = n / 32, groups = k / group, per_group = group / A8_BLOCK;
-    int8_t *xq = (int8_t *)_mm_malloc((size_t)k, 64);
-    float *xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
-    float *xsum = (float *)_mm_malloc((size_t)groups * sizeof(float), 64);
-    if (xq == NULL || xs == NULL || xsum == NULL) {
-        _mm_free(xq);
-        _mm_free(xs);
-        _mm_free(xsum);
+    QuantizedRow row;
+    if (!quantized_row_alloc(&row, k, group, 1)) {
+        quantized_row_free(&row);
         return 2;
     }
-    quantize_row_avx2(x, k, group, xq, xs, xsum);
-    const int32_t *xquads = (const int32_t *)xq;
+    quantize_row_avx2(x, k, group, 127, &row);
+    const int32_t *xquads = (const int32_t *)row.codes;
 
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const __m256i nibble = _mm256_set1_epi8(0x0F);
         const __m256i ones = _mm256_set1_epi16(1);
-        const __m256i zero_bits = _mm256_set1_epi32((int)0xFFFF0000u);
         const uint8_t *block = weight + b * k * 16;
         __m256 out[4]; /* rows 0-7, 8-15, 16-23, 24-31 */
         for (int i = 0; i < 4; i++) out[i] = _mm256_setzero_ps();
@@ -271,31 +311,16 @@ AVX2_TARGET static int gemv_a8_avx2(const uint16_t *x, const uint8_t *weight, co
                             _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(quads[i], 4), nibble), xv));
                     }
                 }
-                const __m256 block_scale = _mm256_set1_ps(xs[xb]);
+                const __m256 block_scale = _mm256_set1_ps(row.xs[xb]);
                 for (int i = 0; i < 4; i++)
                     group_acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)), block_scale,
                                                    group_acc[i]);
             }
-            const __m256 group_sum = _mm256_set1_ps(xsum[g]);
-            const uint32_t *pairs = scale_zero + g * n + b * 32;
-            for (int i = 0; i < 4; i++) {
-                const __m256i p = _mm256_loadu_si256((const __m256i *)(pairs + 8 * i));
-                const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-                const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(p, zero_bits));
-                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
-                out[i] = _mm256_fmadd_ps(scale, group_acc[i], out[i]);
-                out[i] = _mm256_fmadd_ps(offset, group_sum, out[i]);
-            }
+            apply_group_avx2(out, group_acc, scale_zero + g * n + b * 32, row.xsum[g]);
         }
-        for (int i = 0; i < 4; i++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, out[i]);
-            for (int j = 0; j < 8; j++) y[b * 32 + 8 * i + j] = float_to_bf16(lanes[j]);
-        }
+        store_rows_avx2(y + b * 32, out);
     }
-    _mm_free(xq);
-    _mm_free(xs);
-    _mm_free(xsum);
+    quantized_row_free(&row);
     return 0;
 }
 
@@ -307,58 +332,22 @@ AVX2_TARGET static int gemv_a8_avx2(const uint16_t *x, const uint8_t *weight, co
  * pairs of activations by vpmaddwd (two products per int32 lane; over a block at most 16 x 2 x 15 x 32767, far from
  * overflow); the zero-point term sums the same int16 activations. Same inputs as the W4A8 GEMV; N % 32 == 0,
  * group % 32 == 0. Returns 1 for a refused shape or a CPU without AVX2 + FMA, 2 when memory runs out. */
-AVX2_TARGET static void quantize_row_i16_avx2(const uint16_t *x, int64_t k, int64_t group, int16_t *xq, float *xs,
-                                              float *xsum) {
-    const int64_t per_group = group / A8_BLOCK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < k / A8_BLOCK; b++) {
-        __m256 v[4];
-        __m256 largest = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(x + b * A8_BLOCK + 8 * j));
-            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[j]));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, largest);
-        float top = lanes[0];
-        for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
-        const __m256 to_int = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-        xs[b] = top / 32767.0f;
-        int32_t q[A8_BLOCK];
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], to_int)));
-        int32_t codes_sum = 0;
-        for (int j = 0; j < A8_BLOCK; j++) {
-            xq[b * A8_BLOCK + j] = (int16_t)q[j];  /* |q| <= 32767 */
-            codes_sum += q[j];
-        }
-        if (b % per_group == 0) xsum[b / per_group] = 0.0f;
-        xsum[b / per_group] += xs[b] * (float)codes_sum;
-    }
-}
-
 AVX2_TARGET int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero,
                                        uint16_t *y, int64_t n, int64_t k, int64_t group) {
     if (!avx2_fma()) return 1;
     if (n % 32 || group <= 0 || group % A8_BLOCK || k % group || k / group > 16384) return 1;
     const int64_t blocks = n / 32, groups = k / group, per_group = group / A8_BLOCK;
-    int16_t *xq = (int16_t *)_mm_malloc((size_t)k * sizeof(int16_t), 64);
-    float *xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
-    float *xsum = (float *)_mm_malloc((size_t)groups * sizeof(float), 64);
-    if (xq == NULL || xs == NULL || xsum == NULL) {
-        _mm_free(xq);
-        _mm_free(xs);
-        _mm_free(xsum);
+    QuantizedRow row;
+    if (!quantized_row_alloc(&row, k, group, 2)) {
+        quantized_row_free(&row);
         return 2;
     }
-    quantize_row_i16_avx2(x, k, group, xq, xs, xsum);
-    const int32_t *xpairs = (const int32_t *)xq; /* (xq[2i], xq[2i + 1]) */
+    quantize_row_avx2(x, k, group, 32767, &row);
+    const int32_t *xpairs = (const int32_t *)row.codes; /* (xq[2i], xq[2i + 1]) */
 
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const __m256i nibble = _mm256_set1_epi16(0x0F);
-        const __m256i zero_bits = _mm256_set1_epi32((int)0xFFFF0000u);
         const uint8_t *block = weight + b * k * 16;
         __m256 out[4]; /* rows 0-7, 8-15, 16-23, 24-31 */
         for (int i = 0; i < 4; i++) out[i] = _mm256_setzero_ps();
@@ -381,30 +370,15 @@ AVX2_TARGET int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight,
                         acc[2 + i] = _mm256_add_epi32(acc[2 + i], _mm256_madd_epi16(_mm256_srli_epi16(pairs[i], 4), xv));
                     }
                 }
-                const __m256 block_scale = _mm256_set1_ps(xs[xb]);
+                const __m256 block_scale = _mm256_set1_ps(row.xs[xb]);
                 for (int i = 0; i < 4; i++)
                     group_acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), block_scale, group_acc[i]);
             }
-            const __m256 group_sum = _mm256_set1_ps(xsum[g]);
-            const uint32_t *pairs = scale_zero + g * n + b * 32;
-            for (int i = 0; i < 4; i++) {
-                const __m256i p = _mm256_loadu_si256((const __m256i *)(pairs + 8 * i));
-                const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-                const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(p, zero_bits));
-                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
-                out[i] = _mm256_fmadd_ps(scale, group_acc[i], out[i]);
-                out[i] = _mm256_fmadd_ps(offset, group_sum, out[i]);
-            }
+            apply_group_avx2(out, group_acc, scale_zero + g * n + b * 32, row.xsum[g]);
         }
-        for (int i = 0; i < 4; i++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, out[i]);
-            for (int j = 0; j < 8; j++) y[b * 32 + 8 * i + j] = float_to_bf16(lanes[j]);
-        }
+        store_rows_avx2(y + b * 32, out);
     }
-    _mm_free(xq);
-    _mm_free(xs);
-    _mm_free(xsum);
+    quantized_row_free(&row);
     return 0;
 }
 
@@ -426,115 +400,6 @@ int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint3
 
 int hfquant_int4_a8_supported(int64_t block_n) {
     (void)block_n;
-    return 0;
-}
-
-/* hfquant_int4_gemv_avx2: the bfloat16-activation GEMV for AVX2 CPUs (PyTorch's 32-row layout), the default path
- * there (chosen per shape against aten's kernel by measurement, hfquant.ops.choice). The activations become int16 per
- * block of 32 inputs, xq = round(x * 32767 / max|x_block|): the rounding error, at most max|x_block| / 65534, is
- * about 1/128 of the bfloat16 rounding of the block's largest input (the argument of the W8A16 int8 GEMV in
- * int4_cpu.c), so the result keeps bfloat16 accuracy. Codes are widened to int16 (vpmovzxbw) and multiplied with
- * pairs of activations by vpmaddwd (two products per int32 lane; over a block at most 16 x 2 x 15 x 32767, far from
- * overflow); the zero-point term sums the same int16 activations. Same inputs as the W4A8 GEMV; N % 32 == 0,
- * group % 32 == 0. Returns 1 for a refused shape or a CPU without AVX2 + FMA, 2 when memory runs out. */
-AVX2_TARGET static void quantize_row_i16_avx2(const uint16_t *x, int64_t k, int64_t group, int16_t *xq, float *xs,
-                                              float *xsum) {
-    const int64_t per_group = group / A8_BLOCK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < k / A8_BLOCK; b++) {
-        __m256 v[4];
-        __m256 largest = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(x + b * A8_BLOCK + 8 * j));
-            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[j]));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, largest);
-        float top = lanes[0];
-        for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
-        const __m256 to_int = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-        xs[b] = top / 32767.0f;
-        int32_t q[A8_BLOCK];
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], to_int)));
-        int32_t codes_sum = 0;
-        for (int j = 0; j < A8_BLOCK; j++) {
-            xq[b * A8_BLOCK + j] = (int16_t)q[j];  /* |q| <= 32767 */
-            codes_sum += q[j];
-        }
-        if (b % per_group == 0) xsum[b / per_group] = 0.0f;
-        xsum[b / per_group] += xs[b] * (float)codes_sum;
-    }
-}
-
-AVX2_TARGET int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero,
-                                       uint16_t *y, int64_t n, int64_t k, int64_t group) {
-    if (!avx2_fma()) return 1;
-    if (n % 32 || group <= 0 || group % A8_BLOCK || k % group || k / group > 16384) return 1;
-    const int64_t blocks = n / 32, groups = k / group, per_group = group / A8_BLOCK;
-    int16_t *xq = (int16_t *)_mm_malloc((size_t)k * sizeof(int16_t), 64);
-    float *xs = (float *)_mm_malloc((size_t)(k / A8_BLOCK) * sizeof(float), 64);
-    float *xsum = (float *)_mm_malloc((size_t)groups * sizeof(float), 64);
-    if (xq == NULL || xs == NULL || xsum == NULL) {
-        _mm_free(xq);
-        _mm_free(xs);
-        _mm_free(xsum);
-        return 2;
-    }
-    quantize_row_i16_avx2(x, k, group, xq, xs, xsum);
-    const int32_t *xpairs = (const int32_t *)xq; /* (xq[2i], xq[2i + 1]) */
-
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i nibble = _mm256_set1_epi16(0x0F);
-        const __m256i zero_bits = _mm256_set1_epi32((int)0xFFFF0000u);
-        const uint8_t *block = weight + b * k * 16;
-        __m256 out[4]; /* rows 0-7, 8-15, 16-23, 24-31 */
-        for (int i = 0; i < 4; i++) out[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 group_acc[4];
-            for (int i = 0; i < 4; i++) group_acc[i] = _mm256_setzero_ps();
-            for (int64_t xb = g * per_group; xb < (g + 1) * per_group; xb++) {
-                __m256i acc[4];
-                for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_si256();
-                for (int64_t t = xb * (A8_BLOCK / 2); t < (xb + 1) * (A8_BLOCK / 2); t++) {
-                    const uint8_t *p = block + t * 2 * 16;
-                    const __m128i k0 = _mm_loadu_si128((const __m128i *)p);
-                    const __m128i k1 = _mm_loadu_si128((const __m128i *)(p + 16));
-                    /* (k, k+1) byte pairs of rows 0-7 and 8-15, widened: one row per 32-bit lane, in row order */
-                    const __m256i pairs[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(k0, k1)),
-                                              _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(k0, k1))};
-                    const __m256i xv = _mm256_set1_epi32(xpairs[t]);
-                    for (int i = 0; i < 2; i++) {
-                        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_and_si256(pairs[i], nibble), xv));
-                        acc[2 + i] = _mm256_add_epi32(acc[2 + i], _mm256_madd_epi16(_mm256_srli_epi16(pairs[i], 4), xv));
-                    }
-                }
-                const __m256 block_scale = _mm256_set1_ps(xs[xb]);
-                for (int i = 0; i < 4; i++)
-                    group_acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), block_scale, group_acc[i]);
-            }
-            const __m256 group_sum = _mm256_set1_ps(xsum[g]);
-            const uint32_t *pairs = scale_zero + g * n + b * 32;
-            for (int i = 0; i < 4; i++) {
-                const __m256i p = _mm256_loadu_si256((const __m256i *)(pairs + 8 * i));
-                const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-                const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(p, zero_bits));
-                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
-                out[i] = _mm256_fmadd_ps(scale, group_acc[i], out[i]);
-                out[i] = _mm256_fmadd_ps(offset, group_sum, out[i]);
-            }
-        }
-        for (int i = 0; i < 4; i++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, out[i]);
-            for (int j = 0; j < 8; j++) y[b * 32 + 8 * i + j] = float_to_bf16(lanes[j]);
-        }
-    }
-    _mm_free(xq);
-    _mm_free(xs);
-    _mm_free(xsum);
     return 0;
 }
 
