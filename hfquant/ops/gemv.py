@@ -150,6 +150,22 @@ def choose_int8_row_kernel(out_features: int, in_features: int) -> bool:
     return NATIVE_INT8_ROWS[shape]
 
 
+_PROBE_SHAPE = (128, 256, 64)
+"""(N, K, group size) of the small random layer the works-checks compare kernels on."""
+
+
+def _int4_probe():
+    """The works-checks' layer: (RTN result (N, K) group 64 asymmetric, x (1, K) bfloat16, weight in this PyTorch's
+    CPU int4 layout, (scale, zero) pairs in bfloat16, aten's `_weight_int4pack_mm_for_cpu` of x in float32)."""
+    generator = torch.Generator().manual_seed(0)
+    n, k, group = _PROBE_SHAPE
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    runtime = packing.to_cpu_int4_layout(q.q)
+    sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
+    return q, x, runtime, sz, torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
+
+
 @functools.lru_cache(maxsize=None)
 def native_int4_works() -> bool:
     """True if hfquant's native int4 kernels (`hfquant.ops.native`) build and load here, the CPU layout has 64-row "halves"
@@ -160,13 +176,8 @@ def native_int4_works() -> bool:
     layout = packing.cpu_int4_layout()
     if layout is None or layout.block_n != 64 or not layout.full_blocks_halves:
         return False
-    generator = torch.Generator().manual_seed(0)
-    n, k, group = 128, 256, 64
-    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
-    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
-    runtime = packing.to_cpu_int4_layout(q.q)
-    sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
-    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
+    q, x, runtime, sz, reference = _int4_probe()
+    n, k, group = _PROBE_SHAPE
     try:
         y = native.int4_gemv(x, runtime, sz, group).float()
         weight_t = native.int4_dequantize_t(runtime, sz, group, 0, n, torch.empty((k, n), dtype=torch.bfloat16))
@@ -289,13 +300,8 @@ def native_int4_avx2_works() -> bool:
     layout = packing.cpu_int4_layout()
     if layout is None or layout.block_n != 32 or not layout.full_blocks_halves or native.built_library() is None:
         return False
-    generator = torch.Generator().manual_seed(0)
-    n, k, group = 128, 256, 64
-    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
-    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
-    runtime = packing.to_cpu_int4_layout(q.q)
-    sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
-    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
+    _, x, runtime, sz, reference = _int4_probe()
+    group = _PROBE_SHAPE[2]
     try:
         y = native.int4_gemv_avx2(x, runtime, sz, group).float()
     except RuntimeError as error:
@@ -317,13 +323,8 @@ def native_int4_a8_works() -> bool:
     layout = packing.cpu_int4_layout()
     if layout is None or not layout.full_blocks_halves or not native.int4_a8_supported(layout.block_n):
         return False
-    generator = torch.Generator().manual_seed(0)
-    n, k, group = 128, 256, 64
-    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
-    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
-    runtime = packing.to_cpu_int4_layout(q.q)
-    sz = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
-    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
+    q, x, runtime, sz, reference = _int4_probe()
+    group = _PROBE_SHAPE[2]
     try:
         y = native.int4_gemv_a8(x, runtime, sz, group, layout.block_n).float()
     except RuntimeError as error:
