@@ -30,6 +30,11 @@ _LOAD_WORKER = textwrap.dedent(
     src, out, bits, group_size, ids_path = sys.argv[1:6]
     ids = torch.load(ids_path)
     config = hfquant.HfQuantConfig(bits=int(bits), group_size=None if group_size == "none" else int(group_size))
+    # import the model's code first: Python modules are not the load's memory (transformers' modeling code imports
+    # scipy where it is installed, about 70 MiB of RSS, which would count against the bound)
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(src))]
     before = rss_mib()
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
     growth = peak_rss_mib() - before
