@@ -181,6 +181,29 @@ def test_llama_cpp_targets_compare_same_weights():
     assert not any("llamacpp" in c["target"] for c in benchmark.check_targets(rows, speed=False))
 
 
+def test_whole_load_target_for_the_rtn_methods_on_the_speed_workload():
+    """Issue #13 item 5: source bytes over from_pretrained seconds >= 1.0 GB/s, for RTN (int8, int4-rtn) only."""
+    rows = [_row("hfquant-int8", load_gbs=1.1), _row("hfquant-int4-rtn", load_gbs=0.9), _row("hfquant-int4", load_gbs=0.4)]
+    checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=True)}
+    assert checks["hfquant-int8 whole load >= 1.0 GB/s of source (from_pretrained)"]["met"]
+    assert not checks["hfquant-int4-rtn whole load >= 1.0 GB/s of source (from_pretrained)"]["met"]
+    assert not any(name.startswith("hfquant-int4 whole load") for name in checks)  # SINQ has its own floor
+    assert not any("whole load" in c["target"] for c in benchmark.check_targets(rows, speed=False))
+
+
+def test_compiled_fast_path_target_against_llama_cpp_on_the_small_model():
+    """Issue #13 item 3: the '+compile' row of an int4 method >= 0.8x llama.cpp on the same weights; eager rows and
+    the 1B workload do not count."""
+    rows = [_row("hfquant-int4", decode_tok_s=60.0), {**_row("hfquant-int4", decode_tok_s=100.0), "variant": "compile"},
+            _row("llamacpp-int4", decode_tok_s=120.0), _row("hfquant-int4-rtn", decode_tok_s=60.0),
+            {**_row("hfquant-int4-rtn", decode_tok_s=90.0), "variant": "compile"}, _row("llamacpp-q4_1", decode_tok_s=120.0)]
+    checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=False)}
+    default = checks["hfquant-int4 +compile decode >= 0.8x llamacpp-int4 (same weights)"]
+    assert default["value"] == pytest.approx(100 / 120) and default["met"]
+    assert not checks["hfquant-int4-rtn +compile decode >= 0.8x llamacpp-q4_1 (same weights)"]["met"]  # 0.75
+    assert not any("+compile" in c["target"] for c in benchmark.check_targets(rows, speed=True))
+
+
 def test_llama_cpp_without_its_venv_is_a_missing_row(tiny_checkpoint, tmp_path):
     rc = benchmark.main(["--model", str(tiny_checkpoint), "--quick", "--methods", "llamacpp-q4_0",
                          "--out", str(tmp_path), "--llama-python", str(tmp_path / "no" / "python")])
