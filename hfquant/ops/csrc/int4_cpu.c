@@ -15,8 +15,9 @@
  *   scale_zero: (K / group, N, 2) bfloat16 [scale, zero] pairs, as hfquant.kernels.scale_zero_for_int4 makes them.
  * Output: y (N,) bfloat16, each value accumulated in float32 and rounded once (round to nearest even).
  *
- * How: codes become bfloat16 through a 16-entry table (vpermw) and two inputs at a time are multiplied and summed in
- * float32 by vdpbf16ps (AVX512-BF16), 64 outputs per block; the group's scale and offset are applied once per group.
+ * How: codes become the bfloat16 of 128 + q by a shuffle, a shift and a bit operation (see hfquant_int4_gemv) and two
+ * inputs at a time are multiplied and summed in float32 by vdpbf16ps (AVX512-BF16), 64 outputs per block; the group's
+ * scale and offset are applied once per group.
  * OpenMP threads split the blocks (the process's libgomp, which torch loaded first, so torch.set_num_threads holds).
  * Each output is computed by one thread in a fixed order: results do not depend on the thread count.
  *
@@ -94,11 +95,29 @@ static float bf16_sum(const uint16_t *x, int64_t n) {
     return s;
 }
 
-/* bfloat16 bit patterns of 0..15; vpermw reads the low 5 bits of each index, so entries 16..31 are never used */
-static const uint16_t CODE_TO_BF16[32] = {
-    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+/* The GEMV's steps, per block of 64 output channels and pair of inputs (i, i + 1), whose 64 bytes are contiguous:
+ * byte j of input i holds rows j (low nibble) and j + 32 (high nibble).
+ * 1. One vpermw (AVX512BW) puts the two inputs' 16-bit words m side by side: 32-bit lane m holds bytes 2m and 2m + 1
+ *    of input i, then the same bytes of input i + 1 (PAIR_WORDS).
+ * 2. Shifting lane m right by 0, 4, 8 or 12 bits brings the nibble of row 2m, 2m + 32, 2m + 1 or 2m + 33 of input i
+ *    to bits 0-3 and that of input i + 1 to bits 16-19; one vpternlogd keeps them and ORs 0x4300 into each half:
+ *    0x4300 | q is the bfloat16 of 128 + q, exactly (bfloat16 holds integers up to 256).
+ * 3. vdpbf16ps multiplies the bfloat16 pair (128 + q[r, i], 128 + q[r, i + 1]) with (x[i], x[i + 1]) and adds both
+ *    products to a float32 lane: per pair of inputs one shuffle, three shifts, four vpternlogd, four vdpbf16ps for
+ *    128 codes (a code table and byte unpacks cost four times the shuffles, which bound it on AMD Zen 4).
+ * The four accumulators hold rows (0, 2, ..., 30), (32, ..., 62), (1, ..., 31), (33, ..., 63): the scale and zero
+ * pairs are loaded in that order (EVEN_ROWS / ODD_ROWS) and the outputs put back in row order once per block.
+ * Per group the float32 sum is scale * sum (128 + q) x + (zero - 136 scale) * sum x. */
+static const uint16_t PAIR_WORDS[32] = {
+    0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31,
 };
+static const uint32_t EVEN_ROWS[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const uint32_t ODD_ROWS[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+static const uint32_t INTERLEAVE_LOW[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+static const uint32_t INTERLEAVE_HIGH[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* vpternlogd truth table of (a & b) | c */
+#define AND_OR 0xEA
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
@@ -111,50 +130,53 @@ int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *
 
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const __m512i table = _mm512_loadu_si512(CODE_TO_BF16);
-        const __m256i low_nibble = _mm256_set1_epi8(0x0F);
+        const __m512i pair_words = _mm512_loadu_si512(PAIR_WORDS);
+        const __m512i even = _mm512_loadu_si512(EVEN_ROWS), odd = _mm512_loadu_si512(ODD_ROWS);
+        const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
         const __m512i zero_bits = _mm512_set1_epi32((int)0xFFFF0000u);
-        const __m512 eight = _mm512_set1_ps(8.0f);
+        const __m512 bias = _mm512_set1_ps(136.0f); /* 128 of the bfloat16 codes + 8 of the stored format */
         const uint8_t *block = weight + b * k * 32;
         __m512 out[4];
-        for (int i = 0; i < 4; i++) out[i] = _mm512_setzero_ps();
+        for (int r = 0; r < 4; r++) out[r] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             __m512 acc[4];
-            for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+            for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
             for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
-                const __m256i b0 = _mm256_loadu_si256((const __m256i *)(block + i * 32));
-                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(block + (i + 1) * 32));
+                const __m512i words = _mm512_permutexvar_epi16(pair_words, _mm512_loadu_si512(block + i * 32));
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x_pairs[i / 2]);
-                const __m256i l0 = _mm256_and_si256(b0, low_nibble), l1 = _mm256_and_si256(b1, low_nibble);
-                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low_nibble);
-                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low_nibble);
-                /* byte pairs (q[j, i], q[j, i + 1]); unpack works per 128-bit lane: lo = rows 0-7 | 16-23 */
-                const __m256i la = _mm256_unpacklo_epi8(l0, l1), lb = _mm256_unpackhi_epi8(l0, l1);
-                const __m256i ha = _mm256_unpacklo_epi8(h0, h1), hb = _mm256_unpackhi_epi8(h0, h1);
-                const __m256i rows[4] = {
-                    _mm256_permute2x128_si256(la, lb, 0x20), /* rows 0-15 */
-                    _mm256_permute2x128_si256(la, lb, 0x31), /* rows 16-31 */
-                    _mm256_permute2x128_si256(ha, hb, 0x20), /* rows 32-47 */
-                    _mm256_permute2x128_si256(ha, hb, 0x31), /* rows 48-63 */
-                };
                 for (int r = 0; r < 4; r++) {
-                    const __m512i codes = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(rows[r]), table);
+                    const __m512i shifted = r == 0 ? words : _mm512_srli_epi32(words, 4 * r);
+                    const __m512i codes = _mm512_ternarylogic_epi32(shifted, nibbles, bf16_128, AND_OR);
                     acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)codes, xv);
                 }
             }
             const __m512 group_sum = _mm512_set1_ps(xsum[g]);
             const uint32_t *pairs = scale_zero + g * n + b * 64;
+            const __m512i p0 = _mm512_loadu_si512(pairs), p1 = _mm512_loadu_si512(pairs + 16);
+            const __m512i p2 = _mm512_loadu_si512(pairs + 32), p3 = _mm512_loadu_si512(pairs + 48);
+            const __m512i p[4] = {
+                _mm512_permutex2var_epi32(p0, even, p1), /* rows 0, 2, ..., 30: acc[0] (shift 0) */
+                _mm512_permutex2var_epi32(p2, even, p3), /* rows 32, ..., 62: acc[1] (shift 4) */
+                _mm512_permutex2var_epi32(p0, odd, p1),  /* rows 1, ..., 31: acc[2] (shift 8) */
+                _mm512_permutex2var_epi32(p2, odd, p3),  /* rows 33, ..., 63: acc[3] (shift 12) */
+            };
             for (int r = 0; r < 4; r++) {
-                const __m512i p = _mm512_loadu_si512(pairs + 16 * r);
-                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(p, zero_bits));
-                const __m512 offset = _mm512_fnmadd_ps(eight, scale, zero);
+                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(p[r], 16));
+                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(p[r], zero_bits));
+                const __m512 offset = _mm512_fnmadd_ps(bias, scale, zero);
                 out[r] = _mm512_fmadd_ps(scale, acc[r], out[r]);
                 out[r] = _mm512_fmadd_ps(offset, group_sum, out[r]);
             }
         }
+        const __m512i low = _mm512_loadu_si512(INTERLEAVE_LOW), high = _mm512_loadu_si512(INTERLEAVE_HIGH);
+        const __m512 rows[4] = {
+            _mm512_permutex2var_ps(out[0], low, out[2]),  /* rows 0-15 */
+            _mm512_permutex2var_ps(out[0], high, out[2]), /* rows 16-31 */
+            _mm512_permutex2var_ps(out[1], low, out[3]),  /* rows 32-47 */
+            _mm512_permutex2var_ps(out[1], high, out[3]), /* rows 48-63 */
+        };
         for (int r = 0; r < 4; r++)
-            _mm256_storeu_si256((__m256i *)(y + b * 64 + 16 * r), (__m256i)_mm512_cvtneps_pbh(out[r]));
+            _mm256_storeu_si256((__m256i *)(y + b * 64 + 16 * r), (__m256i)_mm512_cvtneps_pbh(rows[r]));
     }
     return 0;
 }

@@ -28,8 +28,9 @@
  * The layout stores 32 rows' codes of one input k in 32 bytes; two byte unpacks and two word unpacks of four inputs'
  * vectors gather (k, k+1, k+2, k+3) of one row into each 32-bit lane (rows in the lane order of the unpacks, put back
  * in order at the store), and a mask and a shift split the nibbles into rows j and j + 32. Per 256 codes: 4 loads,
- * 8 shuffles, 12 bitwise ops, 8 vpdpbusd, where the W4A16 kernel needs 24 shuffle slots per 128 codes (on AMD Zen 4,
- * 576 x 1536 layers in cache: 1.6x faster; 1.2B-model layers streamed from memory: 1.09x, docs/performance.md).
+ * 8 shuffles, 12 bitwise ops, 8 vpdpbusd. (The bfloat16-activation kernel of int4_cpu.c needs 2 shuffles, 8 bitwise
+ * ops and 8 vdpbf16ps for the same 256 codes since 2026-11-25: on AMD Zen 4 both then read at the memory's speed when
+ * streamed, and this one is faster only on layers that stay in cache, docs/performance.md.)
  * Each block's int32 sums become float32 once, times xs[b]; each group's float32 sum is scaled as in int4_cpu.c.
  * OpenMP threads split the 64-row blocks; each output is computed by one thread in a fixed order.
  *
