@@ -94,3 +94,33 @@ def test_refuses_arguments_it_does_not_handle():
         native.rtn_quantize(torch.randn(8, 96).to(torch.bfloat16), 4, 64, False)  # 64 does not divide 96
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         native.rtn_quantize(torch.randn(8, 64).half(), 4, 32, False)
+
+
+@pytest.mark.parametrize("bits, symmetric", FORMATS)
+def test_out_rows_of_a_larger_buffer_get_the_same_bytes(bits, symmetric):
+    """`out=` writes into row slices of a layer's buffers (what quantize_to_buffers passes) the bytes of a plain call,
+    and leaves the other rows alone."""
+    weight = torch.randn((96, 256), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = native.rtn_quantize(weight[32:64], bits, 64, symmetric)
+    codes = torch.full((96, 128 if bits == 4 else 256), 7, dtype=want[0].dtype)
+    scale = torch.zeros((96, 4), dtype=torch.bfloat16)
+    zero_point = None if symmetric else torch.full((96, 4), 9, dtype=torch.uint8)
+    got = native.rtn_quantize(weight[32:64], bits, 64, symmetric,
+                              out=(codes[32:64], scale[32:64], None if symmetric else zero_point[32:64]))
+    assert got[0].data_ptr() == codes[32:64].data_ptr()
+    assert torch.equal(codes[32:64], want[0]) and bool((codes[:32] == 7).all()) and bool((codes[64:] == 7).all())
+    assert torch.equal(scale[32:64].view(torch.int16), want[1].view(torch.int16)) and not scale[64:].any()
+    if not symmetric:
+        assert torch.equal(zero_point[32:64], want[2]) and bool((zero_point[:32] == 9).all())
+
+
+def test_out_of_the_wrong_shape_dtype_or_layout_is_refused_by_name():
+    weight = torch.randn((64, 128)).to(torch.bfloat16)
+    scale = torch.empty((64, 2), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"out codes must be a contiguous CPU torch.uint8 tensor of shape \(64, 64\)"):
+        native.rtn_quantize(weight, 4, 64, True, out=(torch.empty((64, 128), dtype=torch.uint8), scale, None))
+    with pytest.raises(RuntimeError, match="out scale .* not contiguous"):
+        native.rtn_quantize(weight, 4, 64, True,
+                            out=(torch.empty((64, 64), dtype=torch.uint8), torch.empty((2, 64), dtype=torch.bfloat16).t(), None))
+    with pytest.raises(RuntimeError, match="out zero_point must be a contiguous"):
+        native.rtn_quantize(weight, 4, 64, False, out=(torch.empty((64, 64), dtype=torch.uint8), scale, None))

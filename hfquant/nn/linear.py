@@ -313,12 +313,15 @@ def quantize_to_buffers(
                 raise ValueError(f"expected a float weight, got {weight.dtype}")
             if chunk.dtype not in (torch.bfloat16, torch.float32):
                 chunk = chunk.float()  # exact, as rtn.quantize_weight's own float32 copy
-            codes, scale, zero_point = native.rtn_quantize(chunk, fmt.bits, fmt.group_size, fmt.symmetric)
-        else:
-            q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
-            codes, scale, zero_point = (packing.pack_int4(q.q) if fmt.bits == 4 else q.q), q.scale, q.zero_point
-        stored[rows] = codes
-        buffers["weight_scale"][rows] = scale
-        if zero_point is not None:
-            buffers["weight_zero_point"][rows] = zero_point
+            zero_point = buffers.get("weight_zero_point")
+            # written straight into the layer's rows (contiguous): no chunk-sized temporaries, no copy
+            native.rtn_quantize(chunk, fmt.bits, fmt.group_size, fmt.symmetric,
+                                out=(stored[rows], buffers["weight_scale"][rows],
+                                     None if zero_point is None else zero_point[rows]))
+            continue
+        q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
+        stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
+        buffers["weight_scale"][rows] = q.scale
+        if q.zero_point is not None:
+            buffers["weight_zero_point"][rows] = q.zero_point
     return buffers

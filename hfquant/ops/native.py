@@ -420,7 +420,8 @@ def int4_repack(weight: torch.Tensor, to_cpu_layout: bool) -> torch.Tensor:
 
 
 def rtn_quantize(
-    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool
+    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest quantization of a CPU weight in one C pass (`csrc/rtn_cpu.c`), bit for bit what
     `hfquant.core.rtn.quantize_weight(weight, bits, group_size, symmetric)` gives, packed at 4 bits as
@@ -431,13 +432,15 @@ def rtn_quantize(
         bits: 4 (K even) or 8.
         group_size: inputs per scale, dividing K, at most 65536.
         symmetric: as in `hfquant.core.rtn`.
+        out: (codes, scale, zero_point) tensors to write into instead of new ones (contiguous, the shapes and dtypes
+            below; zero_point None when symmetric), e.g. row slices of a layer's buffers: no temporary, no copy.
     Returns:
         (codes, scale, zero_point): codes (N, K // 2) uint8 at 4 bits, (N, K) int8 at 8 bits symmetric, (N, K) uint8
         at 8 bits asymmetric; scale (N, K // group_size) bfloat16; zero_point (N, K // group_size) uint8, or None when
-        symmetric.
+        symmetric. `out`'s tensors when given.
     Raises:
         ValueError: the weight holds NaN or Inf values (the message of `hfquant.core.rtn`).
-        RuntimeError: the library is unavailable, or it refused the arguments.
+        RuntimeError: the library is unavailable, or it refused the arguments (`out` included: naming the tensor).
     """
     library = _loaded_library()
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or weight.device.type != "cpu":
@@ -446,12 +449,22 @@ def rtn_quantize(
     weight = weight.contiguous()
     n, k = weight.shape
     groups = k // group_size if group_size > 0 else 0
-    if bits == 4:
-        codes = torch.empty((n, k // 2), dtype=torch.uint8)
-    else:
-        codes = torch.empty((n, k), dtype=torch.int8 if symmetric else torch.uint8)
-    scale = torch.empty((n, groups), dtype=torch.bfloat16)
-    zero_point = None if symmetric else torch.empty((n, groups), dtype=torch.uint8)
+    specs = {
+        "codes": ((n, k // 2) if bits == 4 else (n, k), torch.int8 if bits == 8 and symmetric else torch.uint8),
+        "scale": ((n, groups), torch.bfloat16),
+        "zero_point": None if symmetric else ((n, groups), torch.uint8),
+    }
+    if out is None:
+        out = tuple(None if spec is None else torch.empty(spec[0], dtype=spec[1]) for spec in specs.values())
+    for (name, spec), tensor in zip(specs.items(), out):
+        if (spec is None) != (tensor is None) or tensor is not None and (
+                tuple(tensor.shape) != spec[0] or tensor.dtype != spec[1] or not tensor.is_contiguous()
+                or tensor.device.type != "cpu"):
+            wanted = "None" if spec is None else f"a contiguous CPU {spec[1]} tensor of shape {spec[0]}"
+            got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}" + (
+                "" if tensor.is_contiguous() else ", not contiguous")
+            raise RuntimeError(f"rtn_quantize: out {name} must be {wanted}, got {got}")
+    codes, scale, zero_point = out
     status = library.hfquant_rtn_quantize(
         weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric),
         codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr(),
