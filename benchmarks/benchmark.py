@@ -372,7 +372,7 @@ def _measure(args, result: dict, save_result) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
-    from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+    from benchmarks.memory import import_model_code, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
     sizes = QUICK if args.quick else FULL
     kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
@@ -383,12 +383,7 @@ def _measure(args, result: dict, save_result) -> None:
         kwargs["quantization_config"] = config
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prefill_ids = _prefill_ids(tokenizer, sizes["prefill_tokens"])
-    # the model's code is imported before measuring: transformers' modeling modules import scipy where it is
-    # installed (about 70 MiB of RSS), a cost of the Python environment, not of loading the weights
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(args.model))]
+    import_model_code(args.model)  # module imports are not the load's time or memory
 
     gc.collect()
     reset_ok = reset_peak_rss()

@@ -92,7 +92,7 @@ def worker_load(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.memory import dir_size_bytes, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+    from benchmarks.memory import dir_size_bytes, import_model_code, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
     out = Path(args.out)
     kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
@@ -100,6 +100,7 @@ def worker_load(args) -> dict:
         kwargs["quantization_config"] = _quant_config(args.method, args.group_size)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batch = _check_batch(tokenizer)
+    import_model_code(args.model)  # module imports are not the load's time or memory
 
     gc.collect()
     peak_reset = reset_peak_rss()

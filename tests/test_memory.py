@@ -157,3 +157,26 @@ def test_dir_size_bytes_errors(tmp_path):
     with pytest.raises(NotADirectoryError):
         dir_size_bytes(f)
     assert dir_size_bytes(tmp_path) == 0
+
+
+def test_import_model_code_imports_the_class_module_before_a_load(tmp_path):
+    """The modeling module a load would import is imported by the call, in a fresh process (so that it was not
+    already there): the RSS and time of a load measured afterwards leave module imports out."""
+    import subprocess
+    from pathlib import Path
+
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    code = (
+        "import sys\n"
+        "from benchmarks.memory import import_model_code\n"
+        "name = 'transformers.models.gpt2.modeling_gpt2'\n"
+        "before = name in sys.modules\n"
+        f"import_model_code({str(tmp_path)!r})\n"
+        "print(before, name in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["False", "True"]

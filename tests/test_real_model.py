@@ -25,16 +25,12 @@ _LOAD_WORKER = textwrap.dedent(
     """
     import json, sys, torch
     import hfquant
-    from benchmarks.memory import peak_rss_mib, rss_mib, tensor_bytes
+    from benchmarks.memory import import_model_code, peak_rss_mib, rss_mib, tensor_bytes
     from transformers import AutoModelForCausalLM
     src, out, bits, group_size, ids_path = sys.argv[1:6]
     ids = torch.load(ids_path)
     config = hfquant.HfQuantConfig(bits=int(bits), group_size=None if group_size == "none" else int(group_size))
-    # import the model's code first: Python modules are not the load's memory (transformers' modeling code imports
-    # scipy where it is installed, about 70 MiB of RSS, which would count against the bound)
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(src))]
+    import_model_code(src)  # Python modules are not the load's memory (scipy, where installed: about 70 MiB)
     before = rss_mib()
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
     growth = peak_rss_mib() - before
