@@ -242,10 +242,17 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     return library
 
 
-def _loaded_library() -> ctypes.CDLL:
-    library = int4_cpu_library()
+def _loaded_library(any_x86: bool = False) -> ctypes.CDLL:
+    """The native library for a kernel call: the AVX512-BF16 kernels need `int4_cpu_library()`; `any_x86` takes the
+    built library on any x86-64 CPU (the AVX2 and W4A8 entry points check their own instructions).
+
+    Raises:
+        RuntimeError: the library is unavailable here.
+    """
+    library = built_library() if any_x86 else int4_cpu_library()
     if library is None:
-        raise RuntimeError("hfquant's native int4 kernels are unavailable on this machine")
+        kind = "kernels" if any_x86 else "int4 kernels"
+        raise RuntimeError(f"hfquant's native {kind} are unavailable on this machine")
     return library
 
 
@@ -292,9 +299,7 @@ def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tens
     Raises:
         RuntimeError: the library is unavailable or refused the shapes (or the CPU lacks AVX2 / FMA).
     """
-    library = built_library()
-    if library is None:
-        raise RuntimeError("hfquant's native kernels are unavailable on this machine")
+    library = _loaded_library(any_x86=True)
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
     status = library.hfquant_int4_gemv_avx2(x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(),
@@ -331,9 +336,7 @@ def int4_gemv_a8(
         RuntimeError: the library is unavailable or refused the shapes (N % block_n, group_size % 32, or a CPU
             without the instructions; callers check `int4_a8_supported(block_n)` and the shapes first).
     """
-    library = built_library()
-    if library is None:
-        raise RuntimeError("hfquant's native kernels are unavailable on this machine")
+    library = _loaded_library(any_x86=True)
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
     status = library.hfquant_int4_gemv_a8(x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(),
