@@ -243,12 +243,8 @@ def int4_cpu_library() -> ctypes.CDLL | None:
 
 
 def _loaded_library(any_x86: bool = False) -> ctypes.CDLL:
-    """The native library for a kernel call: the AVX512-BF16 kernels need `int4_cpu_library()`; `any_x86` takes the
-    built library on any x86-64 CPU (the AVX2 and W4A8 entry points check their own instructions).
-
-    Raises:
-        RuntimeError: the library is unavailable here.
-    """
+    """`int4_cpu_library()` (the AVX512-BF16 kernels), or with `any_x86` the built library on any x86-64 CPU (the AVX2
+    and W4A8 entry points check their own instructions). Raises RuntimeError where it is unavailable."""
     library = built_library() if any_x86 else int4_cpu_library()
     if library is None:
         kind = "kernels" if any_x86 else "int4 kernels"
