@@ -34,6 +34,11 @@ auto-compile otherwise runs on accelerators only), so ``generate`` runs the pref
 through the compiled forward. One untimed full-length ``generate`` compiles (``compile_s``), then the same decode
 measurement runs without its short warm-up (a different cache length would recompile).
 
+With ``--paired-rounds N`` each llama.cpp method is also measured against its twin hfquant method (eager, and
+``+compile`` with ``--compile``) in N rounds of back-to-back decodes, every engine loaded once in its own process
+(:mod:`benchmarks.paired`): the ratio of engines measured seconds apart, where the rows are minutes apart while this
+machine's memory speed moves. The paired medians get their own target lines.
+
 The worker rewrites its result file after every step, so a step that fails or a timeout keeps the numbers
 measured before it (the row then shows them with the error).
 
@@ -364,23 +369,44 @@ def _save_size(model, target: Path, keep: bool) -> tuple[int | None, str | None]
 # ----------------------------------------------------------------------------- worker (child process)
 
 
+def load_kwargs(method: str, variant: str) -> dict:
+    """The keyword arguments of the worker's `from_pretrained` for `method` and `variant` ("eager" or "compile"):
+    bfloat16 on the CPU, the method's quantization config, and eager attention for "compile" (see the module
+    docstring)."""
+    import torch
+
+    kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
+    if variant == "compile":
+        kwargs["attn_implementation"] = "eager"
+    config = quantization_config(method)
+    if config is not None:
+        kwargs["quantization_config"] = config
+    return kwargs
+
+
+def use_compiled_decode(model) -> None:
+    """Set up the README's fast path on `model`: a static cache and `CompileConfig(fullgraph=True)` in its
+    generation config, with transformers' `_compile_all_devices` switch (its auto-compile otherwise runs on
+    accelerators only), so that `generate` runs the decode steps through the compiled forward."""
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True  # transformers' own switch for compiling on CPU
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = compile_config
+
+
 def _measure(args, result: dict, save_result) -> None:
     """Fill ``result`` step by step, calling ``save_result()`` after each, so that a failure or a timeout keeps
     the numbers measured before it.  Decode comes before prefill: it is the headline number, and a slow peer's
     512-token prefill passes are the likeliest to run out of time."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
     from benchmarks.memory import import_model_code, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
 
     sizes = QUICK if args.quick else FULL
-    kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
-    if args.variant == "compile":
-        kwargs["attn_implementation"] = "eager"
-    config = quantization_config(args.method)
-    if config is not None:
-        kwargs["quantization_config"] = config
+    kwargs = load_kwargs(args.method, args.variant)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prefill_ids = _prefill_ids(tokenizer, sizes["prefill_tokens"])
     import_model_code(args.model)  # module imports are not the load's time or memory
@@ -415,12 +441,7 @@ def _measure(args, result: dict, save_result) -> None:
         save_result()
 
     if args.variant == "compile":
-        from transformers import CompileConfig
-
-        compile_config = CompileConfig(fullgraph=True, mode="default")
-        compile_config._compile_all_devices = True  # transformers' own switch for compiling on CPU
-        model.generation_config.cache_implementation = "static"
-        model.generation_config.compile_config = compile_config
+        use_compiled_decode(model)
 
         def compiled_decode():
             t0 = time.perf_counter()
@@ -753,6 +774,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-saved", action="store_true", help="keep the save_pretrained folders under <out>/saved")
     p.add_argument("--llama-python", help="Python of a venv with llama-cpp-python, for the llamacpp-* rows (default: "
                    "the one `scripts/engines.py --engines llama.cpp` installs)")
+    p.add_argument("--paired-rounds", type=int, default=0, metavar="N",
+                   help="also measure each llama.cpp method against its twin hfquant method (eager, and +compile "
+                   "with --compile) in N rounds of back-to-back decodes, each engine loaded once in its own "
+                   "process (benchmarks/paired.py); default 0: off")
     p.add_argument("--_worker", dest="worker", choices=("eager", "compile"), help=argparse.SUPPRESS)
     p.add_argument("--_method", dest="method", help=argparse.SUPPRESS)
     p.add_argument("--_workload", dest="workload_name", help=argparse.SUPPRESS)
@@ -789,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
         args.variant, args.workload = args.worker, args.workload_name
         return _run_worker(args)
     methods = _parse_methods(args.methods, parser)
+    if args.paired_rounds < 0:
+        parser.error(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
 
     import torch
     import transformers
@@ -846,6 +873,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"{row['status']} in {row['wall_s']:.1f} s" + (f": {row['error']}" if row["error"] else ""),
                       flush=True)
+        if args.paired_rounds:
+            from benchmarks import paired
+
+            def probe() -> float:
+                return memory_bandwidth(sizes["bandwidth_mib"], 2)["read_gbs"]
+
+            results[workload]["paired"] = paired.for_workload(model, methods, args, sizes, quantization_config, probe)
 
     measure_bandwidth("end")
     read_gbs = max(b["read_gbs"] for b in bandwidth)
@@ -865,6 +899,13 @@ def main(argv: list[str] | None = None) -> int:
             _add_bound(row, read_gbs)
         entry["targets"] = check_targets(entry["rows"], speed=workload == "1b")
         report += ["", f"### {workload}: {entry['model']}", "", render_table(entry["rows"])]
+        if entry.get("paired"):
+            from benchmarks import paired
+
+            entry["targets"] += paired.paired_targets(entry["paired"], speed=workload == "1b")
+            report += ["", f"Paired decode rounds ({args.paired_rounds} per group; every engine loaded once, one decode "
+                       "each per round, back to back, order rotating; ratio per round, then the median):", "",
+                       paired.render(entry["paired"])]
         for row in entry["rows"]:
             for step, err in (row.get("step_errors") or {}).items():
                 report.append(f"- {row['method']} ({row['variant']}) {step} failed: {_cell(err)[:400]}")

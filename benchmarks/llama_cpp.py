@@ -19,10 +19,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
-__all__ = ["TWINS", "default_python", "gguf_read_bytes", "prepare", "measure"]
+__all__ = ["TWINS", "WORKER", "SERVER", "default_python", "gguf_read_bytes", "prepare", "measure", "engine_args"]
 
 TWINS = {
     "llamacpp-q8_0": "hfquant-int8",
@@ -32,7 +31,7 @@ TWINS = {
 }
 """llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers)."""
 
-WORKER = r'''
+_LOAD = r'''
 import json, sys, time
 args = json.loads(sys.argv[1])
 def status(key):
@@ -59,6 +58,10 @@ try:
                 break
         return n / (times[-1] - times[0])
     decode(8)  # warm-up
+'''
+"""The start of both llama.cpp scripts: load the GGUF file, tokenize the prompt, `decode(n)` -> tokens/s, warm up."""
+
+WORKER = _LOAD + r'''
     result["decode_tok_s"] = max(decode(args["decode_tokens"]) for _ in range(args["decode_repeats"]))
     ids = [1000 + i % 20000 for i in range(args["prefill_tokens"])]
     times = []
@@ -75,6 +78,18 @@ except BaseException as error:
     result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 print("LLAMA_RESULT " + json.dumps(result), flush=True)
 '''
+"""The row's script: decode (best of `decode_repeats`), prefill, peak RSS; prints one `LLAMA_RESULT <json>` line."""
+
+SERVER = _LOAD + r'''
+    print("READY", flush=True)
+    for line in sys.stdin:
+        print("TOK_S " + repr(decode(args["decode_tokens"])), flush=True)
+except BaseException as error:
+    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
+    raise
+'''
+"""`benchmarks.paired`'s llama.cpp worker: after loading, one `TOK_S <float>` line (one decode of `decode_tokens`)
+per line read from stdin."""
 
 
 def default_python() -> Path:
@@ -111,6 +126,16 @@ def prepare(method: str, model: Path, out: Path, quantization_config) -> Path:
     return target
 
 
+def engine_args(path: Path, sizes: dict) -> dict:
+    """The JSON argument of `WORKER` and `SERVER` for the GGUF file `path` and the benchmark's `sizes`: the prompt,
+    all CPUs as threads, token counts and repeats."""
+    from benchmarks.benchmark import DECODE_PROMPT
+
+    return {"model": str(path), "prompt": DECODE_PROMPT, "threads": os.cpu_count() or 1,
+            "decode_tokens": sizes["decode_tokens"], "decode_repeats": sizes["decode_repeats"],
+            "prefill_tokens": sizes["prefill_tokens"], "prefill_repeats": sizes["prefill_repeats"]}
+
+
 def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quantization_config,
             timeout: float) -> dict:
     """One llama.cpp row's values (`ROW_KEYS` of the benchmark), or {"error": ...}; never raises for a failed run."""
@@ -118,11 +143,7 @@ def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quan
         path = prepare(method, model, out, quantization_config)
     except Exception as error:  # the row says why; the other rows still run
         return {"error": f"GGUF export of {TWINS[method]} failed: {type(error).__name__}: {error}"}
-    from benchmarks.benchmark import DECODE_PROMPT
-
-    args = {"model": str(path), "prompt": DECODE_PROMPT, "threads": os.cpu_count() or 1,
-            "decode_tokens": sizes["decode_tokens"], "decode_repeats": sizes["decode_repeats"],
-            "prefill_tokens": sizes["prefill_tokens"], "prefill_repeats": sizes["prefill_repeats"]}
+    args = engine_args(path, sizes)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     log = out / "logs" / f"{model.name}-{method}.log"
