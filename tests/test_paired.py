@@ -111,3 +111,35 @@ def test_hfquant_worker_serves_decodes(tmp_path):
     result = paired.run_rounds({"hfquant-int8": (command, env)}, rounds=2, timeout=300, log_dir=tmp_path)
     assert result["error"] is None, (tmp_path / "paired-hfquant-int8.log").read_text()
     assert all(r["tok_s"]["hfquant-int8"] > 0 for r in result["rounds"]) and len(result["rounds"]) == 2
+
+
+def test_benchmark_reports_paired_rounds_and_their_targets(tmp_path):
+    """`scripts/benchmark.py --paired-rounds 2` end to end on a tiny checkpoint: the hfquant worker is the real one,
+    llama.cpp is a stand-in executable (given as --llama-python) answering 50 tok/s, so the table and the targets
+    can be checked without llama-cpp-python."""
+    pytest.importorskip("gguf")
+    import json
+
+    path = tmp_path / "tiny"
+    tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    fake = tmp_path / "fake-llama-python"
+    stand_in = _stand_in([50.0])[2]
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{stand_in}'\n")
+    fake.chmod(0o755)
+    out = tmp_path / "bench"
+    rc = benchmark.main(["--model", str(path), "--quick", "--compile", "--methods", "llamacpp-q8_0", "--paired-rounds", "2",
+                         "--llama-python", str(fake), "--out", str(out), "--timeout", "300"])
+    data = json.loads((out / "benchmark.json").read_text())["workloads"]["model"]
+    (group,) = data["paired"]
+    assert group["error"] is None and len(group["rounds"]) == 2, group
+    assert group["engines"] == ["hfquant-int8", "hfquant-int8 +compile", "llamacpp-q8_0"]
+    assert [p["mine"] for p in group["pairs"]] == ["hfquant-int8", "hfquant-int8 +compile"]
+    for pair in group["pairs"]:
+        assert pair["theirs_tok_s"] == 50.0 and pair["median"] == pytest.approx(pair["mine_tok_s"] / 50.0)
+    # not the speed workload: only the compiled fast path has a target (0.8x), as for the rows
+    target = [t for t in data["targets"] if "paired median of 2 rounds" in t["target"]]
+    assert [t["target"] for t in target] == [
+        "hfquant-int8 +compile decode >= 0.8x llamacpp-q8_0 (same weights, paired median of 2 rounds)"]
+    assert "Paired decode rounds (2 per group" in (out / "benchmark.md").read_text()
+    assert rc in (0, 1)  # the llama.cpp row itself fails: the stand-in does not speak the row worker's protocol
