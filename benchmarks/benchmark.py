@@ -510,6 +510,14 @@ def _row(method: str, variant: str, **values) -> dict:
     return row
 
 
+def worker_env() -> dict:
+    """The environment of an hfquant worker process: this one's, with the repository root first on PYTHONPATH (the
+    child imports benchmarks/ from there, it is never installed, and hfquant from there too when it is not
+    installed)."""
+    package_root = str(Path(__file__).resolve().parents[1])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+
+
 def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
     """Run one measurement in a fresh interpreter; always returns a row (status ok / error)."""
     out = Path(args.out)
@@ -526,10 +534,7 @@ def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
         cmd.append("--quick")
     if args.keep_saved:
         cmd.append("--keep-saved")
-    # The child imports benchmarks/ from the repository root (it is never installed), and hfquant from there too
-    # when hfquant is not installed.
-    package_root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    env = worker_env()
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         # Own process group, so that a timeout also ends what the worker started (e.g. inductor compile workers).

@@ -21,7 +21,7 @@ import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["TWINS", "WORKER", "SERVER", "default_python", "gguf_read_bytes", "prepare", "measure", "engine_args"]
+__all__ = ["TWINS", "WORKER", "SERVER", "default_python", "gguf_read_bytes", "prepare", "measure", "engine_args", "engine_env"]
 
 TWINS = {
     "llamacpp-q8_0": "hfquant-int8",
@@ -136,6 +136,11 @@ def engine_args(path: Path, sizes: dict) -> dict:
             "prefill_tokens": sizes["prefill_tokens"], "prefill_repeats": sizes["prefill_repeats"]}
 
 
+def engine_env() -> dict:
+    """The environment of a llama.cpp worker: this one's without PYTHONPATH (its venv has its own packages)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quantization_config,
             timeout: float) -> dict:
     """One llama.cpp row's values (`ROW_KEYS` of the benchmark), or {"error": ...}; never raises for a failed run."""
@@ -144,8 +149,7 @@ def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quan
     except Exception as error:  # the row says why; the other rows still run
         return {"error": f"GGUF export of {TWINS[method]} failed: {type(error).__name__}: {error}"}
     args = engine_args(path, sizes)
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
+    env = engine_env()
     log = out / "logs" / f"{model.name}-{method}.log"
     try:
         done = subprocess.run([str(python), "-c", WORKER, json.dumps(args)], capture_output=True, text=True, env=env,

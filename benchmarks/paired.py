@@ -1,6 +1,6 @@
 """Paired decode rounds: hfquant and llama.cpp on the same weights, measured in turns under the same machine state.
 
-Why: on the machines this benchmark runs on, the memory read speed moves between about 32 and 50 GB/s within one run
+Why: on the machines this benchmark runs on, the memory read speed moves between about 32 and 64 GB/s within one run
 (the float32 read probe; docs/performance.md), and a decode step that streams a 1.2B model follows it. The benchmark's
 rows each run in their own process, one after the other, so two rows measured minutes apart can differ by 25% for
 reasons outside either engine, and their ratio with them. Here each engine is loaded once, in its own long-lived
@@ -101,7 +101,7 @@ def run_rounds(
         engines: name -> (command, environment or None for this one's) of a worker speaking the protocol.
         rounds: number of rounds (>= 1).
         timeout: seconds allowed for a worker's start, and for each of its measurements.
-        log_dir: where each worker's stderr goes (`<name>.log`, spaces and '+' replaced).
+        log_dir: where each worker's stderr goes (`paired-<name>.log`, spaces dropped, '+' as '-').
         probe: called after every round; its value (the memory read bandwidth, GB/s) is kept as `read_gbs`.
 
     Returns:
@@ -196,11 +196,10 @@ def for_workload(model: Path, methods: list[str], args, sizes: dict, quantizatio
     `args.paired_rounds` rounds. A llama.cpp method without llama-cpp-python, or whose GGUF export fails, gives a
     group with the error and no rounds."""
     from benchmarks import llama_cpp
+    from benchmarks.benchmark import worker_env
 
     python = Path(args.llama_python) if args.llama_python else llama_cpp.default_python()
-    package_root = str(Path(__file__).resolve().parents[1])
-    hf_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    llama_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    hf_env, llama_env = worker_env(), llama_cpp.engine_env()
     log_dir = Path(args.out) / "logs"
     groups = []
     for method in (m for m in methods if m in llama_cpp.TWINS):
