@@ -82,16 +82,29 @@ __all__ = [
 METHODS: dict[str, tuple[str | None, str]] = {
     "bf16": (None, "no quantization"),
     "hfquant-int8": (None, "HfQuantConfig(bits=8): per-channel symmetric int8"),
-    "hfquant-int4": (None, "HfQuantConfig(bits=4, group_size=128): the 4-bit defaults (SINQ, asymmetric, data-free "
-                     "mixed precision)"),
-    "hfquant-int4-rtn": (None, "HfQuantConfig(bits=4, group_size=128, method='rtn', mixed_precision='none'): plain "
-                         "round-to-nearest, every layer int4"),
-    "hfquant-int4-sym": (None, "HfQuantConfig(bits=4, group_size=128, symmetric=True, method='rtn', "
-                         "mixed_precision='none'): the weights llama.cpp's Q4_0 holds exactly"),
-    "hfquant-int4-a8": (None, "hfquant-int4 with decode_activations='int8': W4A8 decode steps (int8 activations per "
-                        "block of 32, as llama.cpp's Q4 kernels)"),
-    "hfquant-int4-sym-a8": (None, "hfquant-int4-sym with decode_activations='int8': the weights and the activation "
-                            "rounding of llama.cpp's Q4_0"),
+    "hfquant-int4": (
+        None,
+        "HfQuantConfig(bits=4, group_size=128): the 4-bit defaults (SINQ, asymmetric, data-free mixed precision)",
+    ),
+    "hfquant-int4-rtn": (
+        None,
+        "HfQuantConfig(bits=4, group_size=128, method='rtn', mixed_precision='none'): plain "
+        "round-to-nearest, every layer int4",
+    ),
+    "hfquant-int4-sym": (
+        None,
+        "HfQuantConfig(bits=4, group_size=128, symmetric=True, method='rtn', "
+        "mixed_precision='none'): the weights llama.cpp's Q4_0 holds exactly",
+    ),
+    "hfquant-int4-a8": (
+        None,
+        "hfquant-int4 with decode_activations='int8': W4A8 decode steps (int8 activations per "
+        "block of 32, as llama.cpp's Q4 kernels)",
+    ),
+    "hfquant-int4-sym-a8": (
+        None,
+        "hfquant-int4-sym with decode_activations='int8': the weights and the activation rounding of llama.cpp's Q4_0",
+    ),
     "torchao-int8": ("torchao", "TorchAoConfig(Int8WeightOnlyConfig())"),
     "torchao-int4": (
         "torchao",
@@ -102,7 +115,10 @@ METHODS: dict[str, tuple[str | None, str]] = {
     "quanto-int4": ("optimum.quanto", "QuantoConfig(weights='int4')"),
     "bnb-int8": ("bitsandbytes", "BitsAndBytesConfig(load_in_8bit=True)"),
     "bnb-nf4": ("bitsandbytes", "BitsAndBytesConfig(load_in_4bit=True, nf4, bf16 compute)"),
-    "llamacpp-q8_0": ("llama.cpp", "llama-cpp-python on hfquant-int8's weights as GGUF Q8_0 (benchmarks/llama_cpp.py)"),
+    "llamacpp-q8_0": (
+        "llama.cpp",
+        "llama-cpp-python on hfquant-int8's weights as GGUF Q8_0 (benchmarks/llama_cpp.py)",
+    ),
     "llamacpp-q4_0": ("llama.cpp", "llama-cpp-python on hfquant-int4-sym's weights as GGUF Q4_0"),
     "llamacpp-q4_1": ("llama.cpp", "llama-cpp-python on hfquant-int4-rtn's weights as GGUF Q4_1"),
     "llamacpp-int4": ("llama.cpp", "llama-cpp-python on hfquant-int4's weights (Q4_1, its int8 layers Q8_0)"),
@@ -110,18 +126,52 @@ METHODS: dict[str, tuple[str | None, str]] = {
 WORKLOADS = ("real", "1b")
 # Keys of every row in the JSON output (None where not measured).
 ROW_KEYS = (
-    "method", "variant", "status", "error", "load_s", "peak_rss_growth_mib", "tensor_bytes", "weight_read_bytes",
-    "files_bytes", "files_note", "prefill_ms", "prefill_tokens", "decode_tok_s", "decode_tokens", "compile_s",
-    "perplexity", "quantize_gbs", "load_gbs", "bound_tok_s", "bound_pct", "step_errors", "wall_s", "log",
+    "method",
+    "variant",
+    "status",
+    "error",
+    "load_s",
+    "peak_rss_growth_mib",
+    "tensor_bytes",
+    "weight_read_bytes",
+    "files_bytes",
+    "files_note",
+    "prefill_ms",
+    "prefill_tokens",
+    "decode_tok_s",
+    "decode_tokens",
+    "compile_s",
+    "perplexity",
+    "quantize_gbs",
+    "load_gbs",
+    "bound_tok_s",
+    "bound_pct",
+    "step_errors",
+    "wall_s",
+    "log",
 )
 PIP_HINT = "pip install 'hfquant[bench]'"
 DECODE_PROMPT = "The history of the Roman Empire begins"
 MIB = 1024 * 1024
 GB = 10**9
-FULL = {"prefill_tokens": 512, "prefill_repeats": 3, "decode_tokens": 64, "decode_repeats": 3,
-        "ppl_tokens": None, "bandwidth_mib": 1024, "bandwidth_repeats": 5}
-QUICK = {"prefill_tokens": 32, "prefill_repeats": 1, "decode_tokens": 8, "decode_repeats": 1,
-         "ppl_tokens": 128, "bandwidth_mib": 64, "bandwidth_repeats": 2}
+FULL = {
+    "prefill_tokens": 512,
+    "prefill_repeats": 3,
+    "decode_tokens": 64,
+    "decode_repeats": 3,
+    "ppl_tokens": None,
+    "bandwidth_mib": 1024,
+    "bandwidth_repeats": 5,
+}
+QUICK = {
+    "prefill_tokens": 32,
+    "prefill_repeats": 1,
+    "decode_tokens": 8,
+    "decode_repeats": 1,
+    "ppl_tokens": 128,
+    "bandwidth_mib": 64,
+    "bandwidth_repeats": 2,
+}
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -223,8 +273,8 @@ def quantize_gb_per_s(
         return None
     if method.startswith("hfquant-"):
         from hfquant.core.format import StoredFormat
-        from hfquant.nn.linear import quantize_to_buffers
         from hfquant.core.rtn import effective_group_size
+        from hfquant.nn.linear import quantize_to_buffers
 
         def quantize(weight):
             group = effective_group_size(weight.shape[1], config.group_size, config.bits)
@@ -261,7 +311,11 @@ def _side_tensors(model) -> list:
             found.append(scb)
         state = getattr(p, "quant_state", None)
         while state is not None:
-            found += [t for t in (getattr(state, "absmax", None), getattr(state, "code", None)) if isinstance(t, torch.Tensor)]
+            found += [
+                t
+                for t in (getattr(state, "absmax", None), getattr(state, "code", None))
+                if isinstance(t, torch.Tensor)
+            ]
             state = getattr(state, "state2", None)
     return found
 
@@ -324,8 +378,13 @@ def memory_bandwidth(size_mib: int = 1024, repeats: int = 5) -> dict:
 
     read = nbytes / best(lambda: x.sum().item()) / GB
     copy = 2 * nbytes / best(lambda: y.copy_(x)) / GB
-    return {"read_gbs": read, "copy_gbs": copy, "size_mib": size_mib, "repeats": repeats,
-            "threads": torch.get_num_threads()}
+    return {
+        "read_gbs": read,
+        "copy_gbs": copy,
+        "size_mib": size_mib,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _prefill_ids(tokenizer, n: int):
@@ -402,8 +461,8 @@ def _measure(args, result: dict, save_result) -> None:
     512-token prefill passes are the likeliest to run out of time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
     from benchmarks.memory import import_model_code, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+    from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
 
     sizes = QUICK if args.quick else FULL
     kwargs = load_kwargs(args.method, args.variant)
@@ -526,9 +585,21 @@ def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:
     log = out / "logs" / f"{name}.log"
     result_file.unlink(missing_ok=True)
     cmd = [
-        sys.executable, "-m", "benchmarks.benchmark",
-        "--_worker", variant, "--_method", method, "--_workload", workload, "--_result", str(result_file),
-        "--model", str(model), "--out", str(out),
+        sys.executable,
+        "-m",
+        "benchmarks.benchmark",
+        "--_worker",
+        variant,
+        "--_method",
+        method,
+        "--_workload",
+        workload,
+        "--_result",
+        str(result_file),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
     ]
     if args.quick:
         cmd.append("--quick")
@@ -573,9 +644,13 @@ def _llama_cpp_row(method: str, workload: str, model: Path, args, sizes: dict) -
     label = f"[{workload}] {method}"
     if not python.exists():
         print(f"{label}: no llama-cpp-python at {python}", flush=True)
-        return _row(method, "eager", status="missing",
-                    error=f"llama-cpp-python ({python} not found: `python scripts/engines.py --engines llama.cpp` "
-                          "installs it, or pass --llama-python)")
+        return _row(
+            method,
+            "eager",
+            status="missing",
+            error=f"llama-cpp-python ({python} not found: `python scripts/engines.py --engines llama.cpp` "
+            "installs it, or pass --llama-python)",
+        )
     print(f"{label} ...", end=" ", flush=True)
     t0 = time.perf_counter()
     values = llama_cpp.measure(method, model, Path(args.out), python, sizes, quantization_config, args.timeout)
@@ -635,8 +710,13 @@ COLUMNS = (
     ("perplexity", "perplexity", 3, 1, True),
 )
 
-_STEP_OF = {"prefill_ms": "prefill", "decode_tok_s": "decode", "perplexity": "perplexity", "files_bytes": "save",
-            "quantize_gbs": "quantize"}
+_STEP_OF = {
+    "prefill_ms": "prefill",
+    "decode_tok_s": "decode",
+    "perplexity": "perplexity",
+    "files_bytes": "save",
+    "quantize_gbs": "quantize",
+}
 """Column key -> the worker step that measures it (a failed step shows its error in that cell)."""
 
 # Cells shown in '+compile' rows; the others repeat the eager row's load measurements.
@@ -677,14 +757,20 @@ def render_table(rows: list[dict]) -> str:
 
 
 def _get(rows: list[dict], method: str, variant: str = "eager") -> dict | None:
-    return next((r for r in rows if r["method"] == method and r["variant"] == variant and r["status"] != "missing"), None)
+    return next(
+        (r for r in rows if r["method"] == method and r["variant"] == variant and r["status"] != "missing"), None
+    )
 
 
 LLAMA_CPP_PEERS = {
     8: (("hfquant-int8", "llamacpp-q8_0"),),
-    4: (("hfquant-int4-rtn", "llamacpp-q4_1"), ("hfquant-int4", "llamacpp-int4"),
-        ("hfquant-int4-sym", "llamacpp-q4_0"), ("hfquant-int4-a8", "llamacpp-int4"),
-        ("hfquant-int4-sym-a8", "llamacpp-q4_0")),
+    4: (
+        ("hfquant-int4-rtn", "llamacpp-q4_1"),
+        ("hfquant-int4", "llamacpp-int4"),
+        ("hfquant-int4-sym", "llamacpp-q4_0"),
+        ("hfquant-int4-a8", "llamacpp-int4"),
+        ("hfquant-int4-sym-a8", "llamacpp-q4_0"),
+    ),
 }
 """bits -> (hfquant method, the llama.cpp method running its weights): issue #13 asks hfquant >= 1.2x llama.cpp."""
 
@@ -730,13 +816,21 @@ def check_targets(rows: list[dict], speed: bool = True) -> list[dict]:
             add("hfquant-int4 decode >= 0.95x hfquant-int4-rtn", x, 0.95, x >= 0.95)
         if ours.get("peak_rss_growth_mib") is not None and ours.get("tensor_bytes"):
             limit = 1.05 * ours["tensor_bytes"] / MIB + 64
-            add(f"hfquant-int{bits} peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)", ours["peak_rss_growth_mib"],
-                limit, ours["peak_rss_growth_mib"] <= limit)
+            add(
+                f"hfquant-int{bits} peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)",
+                ours["peak_rss_growth_mib"],
+                limit,
+                ours["peak_rss_growth_mib"] <= limit,
+            )
     for method in ("hfquant-int8", "hfquant-int4-rtn") if speed else ():
         row = _get(rows, method)
         if row and row.get("load_gbs"):
-            add(f"{method} whole load >= 1.0 GB/s of source (from_pretrained)", row["load_gbs"], 1.0,
-                row["load_gbs"] >= 1.0)
+            add(
+                f"{method} whole load >= 1.0 GB/s of source (from_pretrained)",
+                row["load_gbs"],
+                1.0,
+                row["load_gbs"] >= 1.0,
+            )
     # against llama.cpp on the same weights: eager rows at 1.2x on the 1B workload, the compiled fast path of the
     # int4 methods at 0.8x on the small model
     pairs = [pair for pairs in LLAMA_CPP_PEERS.values() for pair in pairs] if speed else LLAMA_CPP_PEERS[4]
@@ -764,25 +858,38 @@ def build_parser() -> argparse.ArgumentParser:
         "bitsandbytes) on CPU: load time, peak RSS, sizes, prefill, decode speed and its memory-bandwidth "
         "bound, perplexity.  Each method runs in its own process.",
     )
-    p.add_argument("--workload", choices=("real", "1b", "both"), default="both",
-                   help="real: SmolLM2-135M (accuracy and speed); 1b: random-weight 1.2B Llama (speed, memory); "
-                   "default both")
+    p.add_argument(
+        "--workload",
+        choices=("real", "1b", "both"),
+        default="both",
+        help="real: SmolLM2-135M (accuracy and speed); 1b: random-weight 1.2B Llama (speed, memory); default both",
+    )
     p.add_argument("--model", default=None, help="benchmark this local checkpoint folder instead of the workloads")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--compile", action="store_true",
-                   help="add '+compile' rows: static-cache decode under torch.compile")
+    p.add_argument(
+        "--compile", action="store_true", help="add '+compile' rows: static-cache decode under torch.compile"
+    )
     p.add_argument("--out", default="out/benchmark", help="folder for logs, per-row results and the table")
     p.add_argument("--json", default=None, help="write the results here (default: <out>/benchmark.json)")
-    p.add_argument("--quick", action="store_true",
-                   help="few tokens and one repetition (for tests; numbers are not meaningful)")
+    p.add_argument(
+        "--quick", action="store_true", help="few tokens and one repetition (for tests; numbers are not meaningful)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per method process (default 900)")
     p.add_argument("--keep-saved", action="store_true", help="keep the save_pretrained folders under <out>/saved")
-    p.add_argument("--llama-python", help="Python of a venv with llama-cpp-python, for the llamacpp-* rows (default: "
-                   "the one `scripts/engines.py --engines llama.cpp` installs)")
-    p.add_argument("--paired-rounds", type=int, default=0, metavar="N",
-                   help="also measure each llama.cpp method against its twin hfquant method (eager, and +compile "
-                   "with --compile) in N rounds of back-to-back decodes, each engine loaded once in its own "
-                   "process (benchmarks/paired.py); default 0: off")
+    p.add_argument(
+        "--llama-python",
+        help="Python of a venv with llama-cpp-python, for the llamacpp-* rows (default: "
+        "the one `scripts/engines.py --engines llama.cpp` installs)",
+    )
+    p.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure each llama.cpp method against its twin hfquant method (eager, and +compile "
+        "with --compile) in N rounds of back-to-back decodes, each engine loaded once in its own "
+        "process (benchmarks/paired.py); default 0: off",
+    )
     p.add_argument("--_worker", dest="worker", choices=("eager", "compile"), help=argparse.SUPPRESS)
     p.add_argument("--_method", dest="method", help=argparse.SUPPRESS)
     p.add_argument("--_workload", dest="workload_name", help=argparse.SUPPRESS)
@@ -839,21 +946,33 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.machine import cpu_name, describe, isa_flags
 
     meta = {
-        "cpu": cpu_name(), "isa": isa_flags(),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "quick": args.quick,
-        "loadavg_start": _loadavg(), "sizes": sizes,
+        "cpu": cpu_name(),
+        "isa": isa_flags(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+        "loadavg_start": _loadavg(),
+        "sizes": sizes,
         "peers": {m: _version(m) for m in ("torchao", "optimum.quanto", "bitsandbytes")},
     }
     print(describe(), flush=True)
-    print(f"python {meta['python']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-          f"{meta['threads']} threads, {meta['cpus']} CPUs, load average {meta['loadavg_start']}", flush=True)
+    print(
+        f"python {meta['python']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"{meta['threads']} threads, {meta['cpus']} CPUs, load average {meta['loadavg_start']}",
+        flush=True,
+    )
     bandwidth: list[dict] = []
 
     def measure_bandwidth(when: str) -> None:
         bandwidth.append(dict(memory_bandwidth(sizes["bandwidth_mib"], sizes["bandwidth_repeats"]), when=when))
-        print(f"memory bandwidth ({when}): read {bandwidth[-1]['read_gbs']:.1f} GB/s, "
-              f"copy {bandwidth[-1]['copy_gbs']:.1f} GB/s", flush=True)
+        print(
+            f"memory bandwidth ({when}): read {bandwidth[-1]['read_gbs']:.1f} GB/s, "
+            f"copy {bandwidth[-1]['copy_gbs']:.1f} GB/s",
+            flush=True,
+        )
 
     results: dict[str, dict] = {}
     for workload, model in workloads.items():
@@ -876,8 +995,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label} ...", end=" ", flush=True)
                 row = _spawn(method, variant, workload, model, args)
                 rows.append(row)
-                print(f"{row['status']} in {row['wall_s']:.1f} s" + (f": {row['error']}" if row["error"] else ""),
-                      flush=True)
+                print(
+                    f"{row['status']} in {row['wall_s']:.1f} s" + (f": {row['error']}" if row["error"] else ""),
+                    flush=True,
+                )
         if args.paired_rounds:
             from benchmarks import paired
 
@@ -895,7 +1016,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sizes['bandwidth_repeats']}, {meta['threads']} threads), read: "
         + ", ".join(f"{b['read_gbs']:.1f} ({b['when']})" for b in bandwidth)
         + f" GB/s, the bound uses the highest, {read_gbs:.1f}; copy (read + written bytes): "
-        + ", ".join(f"{b['copy_gbs']:.1f}" for b in bandwidth) + " GB/s.",
+        + ", ".join(f"{b['copy_gbs']:.1f}" for b in bandwidth)
+        + " GB/s.",
         f"Load average (1/5/15 min): {meta['loadavg_start']} at the start, {meta['loadavg_end']} at the end, "
         f"{meta['cpus']} CPUs.",
     ]
@@ -908,9 +1030,13 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks import paired
 
             entry["targets"] += paired.paired_targets(entry["paired"], speed=workload == "1b")
-            report += ["", f"Paired decode rounds ({args.paired_rounds} per group; every engine loaded once, one decode "
-                       "each per round, back to back, order rotating; ratio per round, then the median):", "",
-                       paired.render(entry["paired"])]
+            report += [
+                "",
+                f"Paired decode rounds ({args.paired_rounds} per group; every engine loaded once, one decode "
+                "each per round, back to back, order rotating; ratio per round, then the median):",
+                "",
+                paired.render(entry["paired"]),
+            ]
         for row in entry["rows"]:
             for step, err in (row.get("step_errors") or {}).items():
                 report.append(f"- {row['method']} ({row['variant']}) {step} failed: {_cell(err)[:400]}")
@@ -918,8 +1044,11 @@ def main(argv: list[str] | None = None) -> int:
                 report.append(f"- {row['method']} +compile: compile and first run {row['compile_s']:.0f} s")
         if entry["targets"]:
             report.append("")
-            report += [f"- target {t['target']}: {t['value']:.2f} (limit {t['limit']:.2f}) "
-                       f"{'met' if t['met'] else '**not met**'}" for t in entry["targets"]]
+            report += [
+                f"- target {t['target']}: {t['value']:.2f} (limit {t['limit']:.2f}) "
+                f"{'met' if t['met'] else '**not met**'}"
+                for t in entry["targets"]
+            ]
     report += ["", _notes(sizes)]
     text = "\n".join(report)
     print("\n" + text)

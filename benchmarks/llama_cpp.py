@@ -21,7 +21,17 @@ import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["TWINS", "WORKER", "SERVER", "default_python", "gguf_read_bytes", "prepare", "measure", "engine_args", "engine_env"]
+__all__ = [
+    "TWINS",
+    "WORKER",
+    "SERVER",
+    "default_python",
+    "gguf_read_bytes",
+    "prepare",
+    "measure",
+    "engine_args",
+    "engine_env",
+]
 
 TWINS = {
     "llamacpp-q8_0": "hfquant-int8",
@@ -31,7 +41,7 @@ TWINS = {
 }
 """llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers)."""
 
-_LOAD = r'''
+_LOAD = r"""
 import json, sys, time
 args = json.loads(sys.argv[1])
 def status(key):
@@ -58,10 +68,12 @@ try:
                 break
         return n / (times[-1] - times[0])
     decode(8)  # warm-up
-'''
+"""
 """The start of both llama.cpp scripts: load the GGUF file, tokenize the prompt, `decode(n)` -> tokens/s, warm up."""
 
-WORKER = _LOAD + r'''
+WORKER = (
+    _LOAD
+    + r"""
     result["decode_tok_s"] = max(decode(args["decode_tokens"]) for _ in range(args["decode_repeats"]))
     ids = [1000 + i % 20000 for i in range(args["prefill_tokens"])]
     times = []
@@ -77,17 +89,21 @@ except BaseException as error:
     traceback.print_exc()
     result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 print("LLAMA_RESULT " + json.dumps(result), flush=True)
-'''
+"""
+)
 """The row's script: decode (best of `decode_repeats`), prefill, peak RSS; prints one `LLAMA_RESULT <json>` line."""
 
-SERVER = _LOAD + r'''
+SERVER = (
+    _LOAD
+    + r"""
     print("READY", flush=True)
     for line in sys.stdin:
         print("TOK_S " + repr(decode(args["decode_tokens"])), flush=True)
 except BaseException as error:
     print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
     raise
-'''
+"""
+)
 """`benchmarks.paired`'s llama.cpp worker: after loading, one `TOK_S <float>` line (one decode of `decode_tokens`)
 per line read from stdin."""
 
@@ -131,9 +147,15 @@ def engine_args(path: Path, sizes: dict) -> dict:
     all CPUs as threads, token counts and repeats."""
     from benchmarks.benchmark import DECODE_PROMPT
 
-    return {"model": str(path), "prompt": DECODE_PROMPT, "threads": os.cpu_count() or 1,
-            "decode_tokens": sizes["decode_tokens"], "decode_repeats": sizes["decode_repeats"],
-            "prefill_tokens": sizes["prefill_tokens"], "prefill_repeats": sizes["prefill_repeats"]}
+    return {
+        "model": str(path),
+        "prompt": DECODE_PROMPT,
+        "threads": os.cpu_count() or 1,
+        "decode_tokens": sizes["decode_tokens"],
+        "decode_repeats": sizes["decode_repeats"],
+        "prefill_tokens": sizes["prefill_tokens"],
+        "prefill_repeats": sizes["prefill_repeats"],
+    }
 
 
 def engine_env() -> dict:
@@ -141,8 +163,9 @@ def engine_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quantization_config,
-            timeout: float) -> dict:
+def measure(
+    method: str, model: Path, out: Path, python: Path, sizes: dict, quantization_config, timeout: float
+) -> dict:
     """One llama.cpp row's values (`ROW_KEYS` of the benchmark), or {"error": ...}; never raises for a failed run."""
     try:
         path = prepare(method, model, out, quantization_config)
@@ -152,18 +175,29 @@ def measure(method: str, model: Path, out: Path, python: Path, sizes: dict, quan
     env = engine_env()
     log = out / "logs" / f"{model.name}-{method}.log"
     try:
-        done = subprocess.run([str(python), "-c", WORKER, json.dumps(args)], capture_output=True, text=True, env=env,
-                              timeout=timeout)
+        done = subprocess.run(
+            [str(python), "-c", WORKER, json.dumps(args)], capture_output=True, text=True, env=env, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:g} s"}
     log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
-    result = next((json.loads(line.removeprefix("LLAMA_RESULT ")) for line in reversed(done.stdout.splitlines())
-                   if line.startswith("LLAMA_RESULT ")), None)
+    result = next(
+        (
+            json.loads(line.removeprefix("LLAMA_RESULT "))
+            for line in reversed(done.stdout.splitlines())
+            if line.startswith("LLAMA_RESULT ")
+        ),
+        None,
+    )
     if result is None:
         tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no output)"]
         return {"error": f"llama.cpp worker exited {done.returncode}: {tail[0][:200]} (see {log})"}
     result.pop("version", None)
-    result.update(files_bytes=path.stat().st_size, weight_read_bytes=gguf_read_bytes(path),
-                  decode_tokens=sizes["decode_tokens"],
-                  prefill_tokens=sizes["prefill_tokens"], log=str(log))
+    result.update(
+        files_bytes=path.stat().st_size,
+        weight_read_bytes=gguf_read_bytes(path),
+        decode_tokens=sizes["decode_tokens"],
+        prefill_tokens=sizes["prefill_tokens"],
+        log=str(log),
+    )
     return result

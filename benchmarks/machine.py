@@ -15,7 +15,7 @@ __all__ = ["ISA_FLAGS", "cpu_name", "isa_flags", "describe"]
 
 
 def describe() -> str:
-    """"CPU: <model> (family F model M); ISA: avx2, avx512f, ...; N logical CPUs" for a table header. The family and
+    """ "CPU: <model> (family F model M); ISA: avx2, avx512f, ...; N logical CPUs" for a table header. The family and
     model numbers tell apart CPUs that a virtual machine names alike ("AMD EPYC" is Zen 4 at family 25 model 17,
     Zen 5 at family 26)."""
     flags = ", ".join(isa_flags()) or "none of " + ", ".join(ISA_FLAGS)

@@ -12,11 +12,10 @@ Units: ``*_mib`` functions return mebibytes (2**20 bytes) as ``float``;
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
-
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -120,7 +119,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
         extent = t.numel()
     else:
         # Memory range touched by a strided view (an upper bound for views with gaps).
-        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=False))
     return start, start + extent * elem
 
 

@@ -28,8 +28,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["Worker", "run_rounds", "pair_ratios", "render", "paired_targets", "hfquant_command", "for_workload"]
 
@@ -41,8 +41,15 @@ class Worker:
     def __init__(self, name: str, command: list[str], env: dict | None, log: Path):
         self.name, self.log = name, log
         with open(log, "w") as fh:
-            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh, text=True,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=fh,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
         # A thread reads the worker's stdout line by line (None at its end), so that a wait can time out.
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -112,8 +119,9 @@ def run_rounds(
         ValueError: `rounds` < 1 or no engine.
     """
     if rounds < 1 or not engines:
-        raise ValueError(f"paired rounds need rounds >= 1 and at least one engine, got rounds={rounds}, "
-                         f"engines={list(engines)}")
+        raise ValueError(
+            f"paired rounds need rounds >= 1 and at least one engine, got rounds={rounds}, engines={list(engines)}"
+        )
     names = list(engines)
     done: list[dict] = []
     workers: dict[str, Worker] = {}
@@ -123,7 +131,7 @@ def run_rounds(
             workers[name] = Worker(name, command, env, log)
             workers[name].ready(timeout)
         for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             tok_s = {name: workers[name].decode(timeout) for name in order}
             done.append({"order": order, "tok_s": tok_s, "read_gbs": probe() if probe else None})
         error = None
@@ -142,24 +150,36 @@ def pair_ratios(result: dict, mine: str, theirs: str) -> dict | None:
     if not rounds:
         return None
     ratios = [r[mine] / r[theirs] for r in rounds]
-    return {"mine": mine, "theirs": theirs, "rounds": len(rounds), "ratios": ratios,
-            "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-            "mine_tok_s": statistics.median(r[mine] for r in rounds),
-            "theirs_tok_s": statistics.median(r[theirs] for r in rounds)}
+    return {
+        "mine": mine,
+        "theirs": theirs,
+        "rounds": len(rounds),
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "mine_tok_s": statistics.median(r[mine] for r in rounds),
+        "theirs_tok_s": statistics.median(r[theirs] for r in rounds),
+    }
 
 
 def render(groups: list[dict]) -> str:
     """Markdown lines for the paired results of one workload (`groups`: `run_rounds` results with their "pairs")."""
-    lines = ["| hfquant | llama.cpp | rounds | hfquant tok/s (median) | llama.cpp tok/s (median) | "
-             "paired ratio median (min-max) | read GB/s after each round (min-max) |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| hfquant | llama.cpp | rounds | hfquant tok/s (median) | llama.cpp tok/s (median) | "
+        "paired ratio median (min-max) | read GB/s after each round (min-max) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     notes = []
     for group in groups:
         reads = [r["read_gbs"] for r in group["rounds"] if r.get("read_gbs")]
         spread = f"{min(reads):.1f}-{max(reads):.1f}" if reads else ""
         for pair in group["pairs"]:
-            lines.append(f"| {pair['mine']} | {pair['theirs']} | {pair['rounds']} | {pair['mine_tok_s']:.2f} | "
-                         f"{pair['theirs_tok_s']:.2f} | {pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f}) | "
-                         f"{spread} |")
+            lines.append(
+                f"| {pair['mine']} | {pair['theirs']} | {pair['rounds']} | {pair['mine_tok_s']:.2f} | "
+                f"{pair['theirs_tok_s']:.2f} | {pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f}) | "
+                f"{spread} |"
+            )
         if group["error"]:
             notes.append(f"- paired rounds of {', '.join(group['engines'])} stopped: {group['error']}")
     return "\n".join(lines + notes)
@@ -175,22 +195,38 @@ def paired_targets(groups: list[dict], speed: bool) -> list[dict]:
             if not speed and not compiled:
                 continue
             want = 1.2 if speed else 0.8
-            checks.append({"target": f"{pair['mine']} decode >= {want}x {pair['theirs']} (same weights, paired "
-                                     f"median of {pair['rounds']} rounds)",
-                           "value": pair["median"], "limit": want, "met": pair["median"] >= want})
+            checks.append(
+                {
+                    "target": f"{pair['mine']} decode >= {want}x {pair['theirs']} (same weights, paired "
+                    f"median of {pair['rounds']} rounds)",
+                    "value": pair["median"],
+                    "limit": want,
+                    "met": pair["median"] >= want,
+                }
+            )
     return checks
 
 
 def hfquant_command(method: str, variant: str, model: Path, quick: bool) -> list[str]:
     """The command of an hfquant worker (this module run with `python -m`; the caller puts the repository on
     PYTHONPATH)."""
-    command = [sys.executable, "-m", "benchmarks.paired", "--method", method, "--variant", variant,
-               "--model", str(model)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.paired",
+        "--method",
+        method,
+        "--variant",
+        variant,
+        "--model",
+        str(model),
+    ]
     return command + (["--quick"] if quick else [])
 
 
-def for_workload(model: Path, methods: list[str], args, sizes: dict, quantization_config,
-                 probe: Callable[[], float] | None) -> list[dict]:
+def for_workload(
+    model: Path, methods: list[str], args, sizes: dict, quantization_config, probe: Callable[[], float] | None
+) -> list[dict]:
     """Paired rounds for every llama.cpp method in `methods`: each against its twin hfquant method
     (`benchmarks.llama_cpp.TWINS`) eager and, with `args.compile`, "+compile"; one `run_rounds` per llama.cpp method,
     `args.paired_rounds` rounds. A llama.cpp method without llama-cpp-python, or whose GGUF export fails, gives a
@@ -245,8 +281,9 @@ def _serve(argv: list[str] | None = None) -> int:
             use_compiled_decode(model)
 
         def decode() -> float:
-            return decode_tokens_per_second(model, tokenizer, DECODE_PROMPT, new_tokens=tokens, repeats=1,
-                                            warmup=False)
+            return decode_tokens_per_second(
+                model, tokenizer, DECODE_PROMPT, new_tokens=tokens, repeats=1, warmup=False
+            )
 
         decode()  # untimed: compiles ("+compile", same length as every later call) or warms up
         print("READY", flush=True)

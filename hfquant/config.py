@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -65,7 +66,6 @@ LEGACY_DEFAULTS = {"method": "rtn", "mixed_precision": "none", "fold_column_scal
 """Values of fields a `config.json` written before they existed holds implicitly (what such a checkpoint stores)."""
 
 
-
 class ConfigField(NamedTuple):
     """One field of `HfQuantConfig`: its name, a one-line description (the CLI's help, the card's table) and, for
     closed choices, the allowed values."""
@@ -79,46 +79,87 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("quant_method", f"always {QUANT_METHOD!r}: what transformers reads to pick this quantizer"),
     ConfigField("format_version", f"on-disk format version; only {FORMAT_VERSION} is read"),
     ConfigField("bits", "width of the stored integer weights", SUPPORTED_BITS),
-    ConfigField("method", "how Linear weights are quantized: 'rtn' (round-to-nearest, the default at 8 bits) or 'sinq' "
-                "(round-to-nearest after a per-column scale balanced by Sinkhorn iterations, stored as weight_col_scale; "
-                "calibration-free, more accurate; the default at 4 bits)", METHODS),
-    ConfigField("mixed_precision", "'auto' (the default at 4 bits): hfquant's data-free rule gives the value projections "
-                "of the second half of the layers int8 and MLP down projections groups of at most 64, written into "
-                "module_overrides when quantizing; 'none': every layer alike", MIXED_PRECISION),
-    ConfigField("clipping", "each group's range: 'minmax' (the default: nothing clipped) or 'mse' (16 shrink factors "
-                "of the range tried, the one with the smallest squared weight error kept; about 16x the quantization "
-                "time, same stored format)", CLIPPING),
-    ConfigField("fold_column_scales", "True: in Llama-family decoder blocks, SINQ column scales are folded into the "
-                "norms and the preceding projections (an exact identity of the float model) and those layers are "
-                "stored as plain RTN int4/int8, which compressed-tensors, vLLM and GGUF read; False: column scales of "
-                "method 'sinq' are stored beside the layers (hfquant-only). Default: True with method 'sinq'",
-                (False, True)),
+    ConfigField(
+        "method",
+        "how Linear weights are quantized: 'rtn' (round-to-nearest, the default at 8 bits) or 'sinq' "
+        "(round-to-nearest after a per-column scale balanced by Sinkhorn iterations, stored as weight_col_scale; "
+        "calibration-free, more accurate; the default at 4 bits)",
+        METHODS,
+    ),
+    ConfigField(
+        "mixed_precision",
+        "'auto' (the default at 4 bits): hfquant's data-free rule gives the value projections "
+        "of the second half of the layers int8 and MLP down projections groups of at most 64, written into "
+        "module_overrides when quantizing; 'none': every layer alike",
+        MIXED_PRECISION,
+    ),
+    ConfigField(
+        "clipping",
+        "each group's range: 'minmax' (the default: nothing clipped) or 'mse' (16 shrink factors "
+        "of the range tried, the one with the smallest squared weight error kept; about 16x the quantization "
+        "time, same stored format)",
+        CLIPPING,
+    ),
+    ConfigField(
+        "fold_column_scales",
+        "True: in Llama-family decoder blocks, SINQ column scales are folded into the "
+        "norms and the preceding projections (an exact identity of the float model) and those layers are "
+        "stored as plain RTN int4/int8, which compressed-tensors, vLLM and GGUF read; False: column scales of "
+        "method 'sinq' are stored beside the layers (hfquant-only). Default: True with method 'sinq'",
+        (False, True),
+    ),
     ConfigField(
         "group_size",
         f"inputs sharing one scale: a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, or None for one scale "
         "per output channel (default: per-channel at 8 bits, 128 at 4 bits). A layer whose input width it does not "
         "divide uses the largest power of two >= 32 that does",
     ),
-    ConfigField("symmetric", "signed codes without zero point (default at 8 bits) or unsigned codes with a uint8 "
-                "zero point per group (default at 4 bits)"),
-    ConfigField("module_overrides", "per-module settings, {pattern: {bits, group_size, symmetric, method}} "
-                "(any subset): Linear layers matching a pattern (the rules of modules_to_not_convert; the first "
-                "matching pattern wins) use these values instead of the config's, e.g. {\"v_proj\": {\"bits\": 8}}; "
-                "a bits override without group_size / symmetric takes that width's defaults"),
-    ConfigField("modules_to_not_convert", "modules kept in float: whole dotted names (model.layers.0.mlp), "
-                "whole-component suffixes (down_proj) or fnmatch patterns (model.layers.*.self_attn.o_proj); never "
-                "substrings. The output embedding and weights tied to the input embedding are kept in float by default"),
-    ConfigField("embedding_dtype", "storage of every nn.Embedding: 'auto' (the compute dtype), a float dtype, or "
-                "int8 / int4 (per-row quantized)", EMBEDDING_DTYPES),
-    ConfigField("norm_dtype", "storage and compute dtype of LayerNorm / RMSNorm layers: 'auto' (the compute "
-                "dtype) or a float dtype", NORM_DTYPES),
-    ConfigField("lm_head", "the output embedding: 'keep' (float, unless tied to a quantized input embedding) or "
-                "int8 / int4", LM_HEAD_POLICIES),
-    ConfigField("compute_dtype", "dtype of the activations and of float weights without a setting of their own: "
-                "'auto' (the dtype given to from_pretrained) or a float dtype", COMPUTE_DTYPES),
-    ConfigField("decode_activations", "activations of 4-bit layers in one-token decode steps on CPU: 'float' (the "
-                "compute dtype) or 'int8' (quantized per block of 32 for integer dot products, W4A8: faster, "
-                "slightly less accurate)", DECODE_ACTIVATIONS),
+    ConfigField(
+        "symmetric",
+        "signed codes without zero point (default at 8 bits) or unsigned codes with a uint8 "
+        "zero point per group (default at 4 bits)",
+    ),
+    ConfigField(
+        "module_overrides",
+        "per-module settings, {pattern: {bits, group_size, symmetric, method}} "
+        "(any subset): Linear layers matching a pattern (the rules of modules_to_not_convert; the first "
+        'matching pattern wins) use these values instead of the config\'s, e.g. {"v_proj": {"bits": 8}}; '
+        "a bits override without group_size / symmetric takes that width's defaults",
+    ),
+    ConfigField(
+        "modules_to_not_convert",
+        "modules kept in float: whole dotted names (model.layers.0.mlp), "
+        "whole-component suffixes (down_proj) or fnmatch patterns (model.layers.*.self_attn.o_proj); never "
+        "substrings. The output embedding and weights tied to the input embedding are kept in float by default",
+    ),
+    ConfigField(
+        "embedding_dtype",
+        "storage of every nn.Embedding: 'auto' (the compute dtype), a float dtype, or int8 / int4 (per-row quantized)",
+        EMBEDDING_DTYPES,
+    ),
+    ConfigField(
+        "norm_dtype",
+        "storage and compute dtype of LayerNorm / RMSNorm layers: 'auto' (the compute dtype) or a float dtype",
+        NORM_DTYPES,
+    ),
+    ConfigField(
+        "lm_head",
+        "the output embedding: 'keep' (float, unless tied to a quantized input embedding) or int8 / int4",
+        LM_HEAD_POLICIES,
+    ),
+    ConfigField(
+        "compute_dtype",
+        "dtype of the activations and of float weights without a setting of their own: "
+        "'auto' (the dtype given to from_pretrained) or a float dtype",
+        COMPUTE_DTYPES,
+    ),
+    ConfigField(
+        "decode_activations",
+        "activations of 4-bit layers in one-token decode steps on CPU: 'float' (the "
+        "compute dtype) or 'int8' (quantized per block of 32 for integer dot products, W4A8: faster, "
+        "slightly less accurate)",
+        DECODE_ACTIVATIONS,
+    ),
 )
 """Every field of `HfQuantConfig`, in the order `to_dict` writes them: the one list the config, the CLI and the model
 card read."""
@@ -233,23 +274,33 @@ def validate_config_values(
             f"{FORMAT_VERSION}; upgrade hfquant (pip install -U hfquant) or re-quantize the float checkpoint."
         )
     _check_choice(
-        "embedding_dtype", embedding_dtype, EMBEDDING_DTYPES,
+        "embedding_dtype",
+        embedding_dtype,
+        EMBEDDING_DTYPES,
         "'auto' keeps embeddings in the compute dtype, int8/int4 quantize them per row",
     )
     _check_choice("norm_dtype", norm_dtype, NORM_DTYPES, "'auto' keeps norms in the compute dtype")
     _check_choice("lm_head", lm_head, LM_HEAD_POLICIES, "'keep' leaves the output embedding in float")
-    _check_choice(
-        "compute_dtype", compute_dtype, COMPUTE_DTYPES, "'auto' uses the dtype given to from_pretrained"
-    )
+    _check_choice("compute_dtype", compute_dtype, COMPUTE_DTYPES, "'auto' uses the dtype given to from_pretrained")
     _check_choice("method", method, METHODS, "'rtn' is round-to-nearest, 'sinq' adds a per-column scale")
-    _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION,
-                  "'auto' applies hfquant's data-free bit allocation at 4 bits, 'none' stores every layer alike")
+    _check_choice(
+        "mixed_precision",
+        mixed_precision,
+        MIXED_PRECISION,
+        "'auto' applies hfquant's data-free bit allocation at 4 bits, 'none' stores every layer alike",
+    )
     _check_choice("clipping", clipping, CLIPPING, "'minmax' uses each group's range, 'mse' searches a clipped one")
-    _check_choice("decode_activations", decode_activations, DECODE_ACTIVATIONS,
-                  "'float' keeps decode activations in the compute dtype, 'int8' quantizes them for W4A8 decoding")
+    _check_choice(
+        "decode_activations",
+        decode_activations,
+        DECODE_ACTIVATIONS,
+        "'float' keeps decode activations in the compute dtype, 'int8' quantizes them for W4A8 decoding",
+    )
     if not isinstance(fold_column_scales, bool):
-        raise TypeError(f"fold_column_scales must be True or False; got {fold_column_scales!r} "
-                        f"({type(fold_column_scales).__name__}).")
+        raise TypeError(
+            f"fold_column_scales must be True or False; got {fold_column_scales!r} "
+            f"({type(fold_column_scales).__name__})."
+        )
     _check_overrides({} if module_overrides is None else module_overrides)
 
 
@@ -259,7 +310,9 @@ def _check_overrides(overrides: Any) -> None:
         raise TypeError(f"module_overrides must map module patterns to settings, e.g. {example}; got {overrides!r}.")
     for pattern, settings in overrides.items():
         if not isinstance(pattern, str) or not pattern:
-            raise TypeError(f"module_overrides keys must be non-empty module patterns, e.g. {example}; got {pattern!r}.")
+            raise TypeError(
+                f"module_overrides keys must be non-empty module patterns, e.g. {example}; got {pattern!r}."
+            )
         if not isinstance(settings, dict) or not set(settings) <= set(OVERRIDE_KEYS):
             found = sorted(settings) if isinstance(settings, dict) else settings
             raise ValueError(
@@ -268,8 +321,12 @@ def _check_overrides(overrides: Any) -> None:
         try:
             bits = settings.get("bits", 8)
             validate_config_values(
-                bits, settings.get("group_size", default_group_size(bits) if bits in SUPPORTED_BITS else None),
-                settings.get("symmetric", True), [], FORMAT_VERSION, method=settings.get("method", "rtn"),
+                bits,
+                settings.get("group_size", default_group_size(bits) if bits in SUPPORTED_BITS else None),
+                settings.get("symmetric", True),
+                [],
+                FORMAT_VERSION,
+                method=settings.get("method", "rtn"),
             )
         except (TypeError, ValueError) as error:
             raise type(error)(f"module_overrides[{pattern!r}]: {error}") from None
@@ -381,8 +438,7 @@ class HfQuantConfig(QuantizationConfigMixin):
             )
         if unknown:
             raise ValueError(
-                f"Unknown HfQuantConfig field(s) {sorted(unknown)}; allowed fields are "
-                f"{sorted(FIELD_NAMES)}."
+                f"Unknown HfQuantConfig field(s) {sorted(unknown)}; allowed fields are {sorted(FIELD_NAMES)}."
             )
         if isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS:
             if group_size is _UNSET:
@@ -401,8 +457,21 @@ class HfQuantConfig(QuantizationConfigMixin):
         if isinstance(modules, tuple):
             modules = list(modules)
         validate_config_values(
-            bits, group_size, symmetric, modules, format_version, embedding_dtype, norm_dtype, lm_head, compute_dtype,
-            method, module_overrides, mixed_precision, fold_column_scales, clipping, decode_activations,
+            bits,
+            group_size,
+            symmetric,
+            modules,
+            format_version,
+            embedding_dtype,
+            norm_dtype,
+            lm_head,
+            compute_dtype,
+            method,
+            module_overrides,
+            mixed_precision,
+            fold_column_scales,
+            clipping,
+            decode_activations,
         )
         self.quant_method = QUANT_METHOD
         self.bits = bits

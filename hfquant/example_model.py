@@ -28,7 +28,11 @@ from hfquant.core import paths
 logger = logging.get_logger(__name__)
 
 __all__ = [
-    "build_example_model", "find_smollm2_gguf", "has_marker", "EXAMPLE_SUBDIR", "GGUF_NAME",
+    "build_example_model",
+    "find_smollm2_gguf",
+    "has_marker",
+    "EXAMPLE_SUBDIR",
+    "GGUF_NAME",
     "MARKER_NAME",
 ]
 
@@ -72,9 +76,7 @@ def find_smollm2_gguf() -> Path:
 
 def _require_gguf() -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            "Reading the example model's GGUF file needs the 'gguf' package: pip install gguf"
-        )
+        raise ImportError("Reading the example model's GGUF file needs the 'gguf' package: pip install gguf")
 
 
 def has_marker(folder: Path, content: str = _MARKER_CONTENT) -> bool:

@@ -97,7 +97,7 @@ class HfQuantLoraLinear(nn.Module, LoraLayer):
     def unmerge(self) -> None:
         """Put back the layer as it was before `merge` (the original codes, bit for bit)."""
         if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
         while self.merged_adapters:
             adapter = self.merged_adapters.pop()

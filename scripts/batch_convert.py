@@ -58,23 +58,43 @@ def perplexity_of(path: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--source", action="append", required=True, metavar="SRC",
-                        help="float checkpoint folder or Hub repo id; repeat for several")
-    parser.add_argument("--options", action="append", default=None, metavar='"--bits 4 ..."',
-                        help="one option set, as hfquant convert's quantization options; repeat for several "
-                        "(default: --bits 8 and --bits 4)")
-    parser.add_argument("--out-dir", type=Path, default=Path("out/batch"), help="where the outputs go (default out/batch)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--source",
+        action="append",
+        required=True,
+        metavar="SRC",
+        help="float checkpoint folder or Hub repo id; repeat for several",
+    )
+    parser.add_argument(
+        "--options",
+        action="append",
+        default=None,
+        metavar='"--bits 4 ..."',
+        help="one option set, as hfquant convert's quantization options; repeat for several "
+        "(default: --bits 8 and --bits 4)",
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=Path("out/batch"), help="where the outputs go (default out/batch)"
+    )
     parser.add_argument("--max-shard-size", default="2GB", help="as hfquant convert (default 2GB)")
     parser.add_argument("--workers", type=int, default=0, help="as hfquant convert (default 0)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="convert again when an output exists (default: keep it and only measure it)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="convert again when an output exists (default: keep it and only measure it)",
+    )
     parser.add_argument("--perplexity", action="store_true", help="measure each output and each float source")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
 
-    convert_parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["convert"]
+    convert_parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        "convert"
+    ]
     option_sets = args.options or ["--bits 8", "--bits 4"]
     configs = []
     for text in option_sets:
@@ -89,20 +109,44 @@ def main(argv: list[str] | None = None) -> int:
         name = folder.name if Path(source).expanduser().exists() else source.replace("/", "--")
         source_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         baseline = perplexity_of(folder) if args.perplexity else None
-        rows.append({"source": source, "options": "(float)", "output": str(folder), "bytes": source_bytes,
-                     "ratio": 1.0, "seconds": None, "perplexity": baseline, "error": None})
+        rows.append(
+            {
+                "source": source,
+                "options": "(float)",
+                "output": str(folder),
+                "bytes": source_bytes,
+                "ratio": 1.0,
+                "seconds": None,
+                "perplexity": baseline,
+                "error": None,
+            }
+        )
         for text, config in configs:
             dst = args.out_dir / f"{name}-{slug(config)}"
-            row = {"source": source, "options": text, "output": str(dst), "bytes": None, "ratio": None,
-                   "seconds": None, "perplexity": None, "error": None}
+            row = {
+                "source": source,
+                "options": text,
+                "output": str(dst),
+                "bytes": None,
+                "ratio": None,
+                "seconds": None,
+                "perplexity": None,
+                "error": None,
+            }
             if dst.exists() and not args.overwrite:
                 print(f"keeping {dst} (exists; --overwrite converts again)", file=sys.stderr, flush=True)
             else:
                 print(f"converting {source} with {text} -> {dst}", file=sys.stderr, flush=True)
                 start = time.perf_counter()
                 try:
-                    convert(folder, dst, config, max_shard_size=args.max_shard_size, workers=args.workers,
-                            overwrite=args.overwrite)
+                    convert(
+                        folder,
+                        dst,
+                        config,
+                        max_shard_size=args.max_shard_size,
+                        workers=args.workers,
+                        overwrite=args.overwrite,
+                    )
                 except (ValueError, TypeError, OSError) as error:
                     row["error"] = str(error)
                     rows.append(row)
@@ -117,13 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     header = ["source", "options", "output", "size", "vs float", "seconds", "perplexity"]
     table = [header, ["---"] * len(header)]
     for row in rows:
-        table.append([
-            row["source"], row["options"], Path(row["output"]).name if not row["error"] else f"FAILED: {row['error']}",
-            human_bytes(row["bytes"]) if row["bytes"] is not None else "",
-            f"{row['ratio']:.2f}x" if row["ratio"] is not None else "",
-            f"{row['seconds']:.1f}" if row["seconds"] is not None else "",
-            f"{row['perplexity']:.3f}" if row["perplexity"] is not None else "",
-        ])
+        table.append(
+            [
+                row["source"],
+                row["options"],
+                Path(row["output"]).name if not row["error"] else f"FAILED: {row['error']}",
+                human_bytes(row["bytes"]) if row["bytes"] is not None else "",
+                f"{row['ratio']:.2f}x" if row["ratio"] is not None else "",
+                f"{row['seconds']:.1f}" if row["seconds"] is not None else "",
+                f"{row['perplexity']:.3f}" if row["perplexity"] is not None else "",
+            ]
+        )
     for line in table:
         print("| " + " | ".join(str(cell) for cell in line) + " |")
     if args.json is not None:

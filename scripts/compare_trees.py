@@ -35,7 +35,7 @@ FIELDS = (
 
 METHODS = {"int8": {"bits": 8, "group_size": None}, "int4-rtn": {"bits": 4, "group_size": 128, "method": "rtn"}}
 
-WORKER = r'''
+WORKER = r"""
 import json, os, shutil, sys, tempfile, time
 tree, fields, source, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 sys.path.insert(0, tree)
@@ -79,7 +79,7 @@ finally:
     shutil.rmtree(folder)
 with open(out, "w") as handle:
     json.dump(result, handle)
-'''
+"""
 
 
 def run(tree: Path, method: str, source: Path) -> dict:

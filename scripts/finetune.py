@@ -31,8 +31,9 @@ METHODS = ("bf16", "int8", "int4")
 
 
 def _token_blocks(tokenizer):
-    import torch
     from pydoc_data.topics import topics
+
+    import torch
 
     text = "\n\n".join(topics[key] for key in sorted(topics))
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
@@ -47,21 +48,28 @@ def _perplexity(model, blocks, torch, batch_size: int = BATCH) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, blocks.shape[0], batch_size):
-            batch = blocks[start:start + batch_size]
+            batch = blocks[start : start + batch_size]
             loss = model(input_ids=batch, labels=batch).loss.item()
             total += loss * batch.shape[0]
             count += batch.shape[0]
     return math.exp(total / count)
 
 
-def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str | None = None,
-           checkpointing: bool = False, batch: int = BATCH) -> dict:
+def worker(
+    method: str,
+    steps: int,
+    eval_seqs: int,
+    out: Path,
+    model_path: str | None = None,
+    checkpointing: bool = False,
+    batch: int = BATCH,
+) -> dict:
     sys.path.insert(0, str(ROOT))
-    from benchmarks.memory import dir_size_bytes, peak_rss_mib
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     import hfquant.peft
+    from benchmarks.memory import dir_size_bytes, peak_rss_mib
     from hfquant import HfQuantConfig
     from hfquant.example_model import build_example_model
 
@@ -80,10 +88,20 @@ def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str |
     before = _perplexity(peft_model, held, torch, batch)
     data = [{"input_ids": row, "labels": row} for row in train[: steps * batch]]
     args = TrainingArguments(
-        output_dir=str(out / "trainer"), use_cpu=True, per_device_train_batch_size=batch, max_steps=steps,
-        learning_rate=LR, optim="adamw_torch", lr_scheduler_type="constant", report_to=[], save_strategy="no",
-        logging_steps=max(1, steps // 10), dataloader_num_workers=0, seed=0,
-        gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=LR,
+        optim="adamw_torch",
+        lr_scheduler_type="constant",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=max(1, steps // 10),
+        dataloader_num_workers=0,
+        seed=0,
+        gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
     )
     trainer = Trainer(model=peft_model, args=args, train_dataset=data)
     start = time.perf_counter()
@@ -95,9 +113,15 @@ def worker(method: str, steps: int, eval_seqs: int, out: Path, model_path: str |
     peak = peak_rss_mib()  # before the merge, which holds the re-quantized layers beside the originals
     merged = _perplexity(peft_model.merge_and_unload(), held, torch, batch)
     return {
-        "method": method, "steps": steps, "ppl_before": before, "ppl_after": after, "ppl_merged": merged,
-        "tokens_per_s": steps * batch * SEQ / seconds, "peak_rss_mib": peak,
-        "adapter_mib": dir_size_bytes(adapter) / 2**20, "eval_tokens": held.numel(),
+        "method": method,
+        "steps": steps,
+        "ppl_before": before,
+        "ppl_after": after,
+        "ppl_merged": merged,
+        "tokens_per_s": steps * batch * SEQ / seconds,
+        "peak_rss_mib": peak,
+        "adapter_mib": dir_size_bytes(adapter) / 2**20,
+        "eval_tokens": held.numel(),
     }
 
 
@@ -108,16 +132,23 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--model", help="checkpoint folder to fine-tune instead of SmolLM2-135M")
-    parser.add_argument("--batch", type=int, default=BATCH,
-                        help="sequences of 256 tokens per step (the fixed settings: 4)")
-    parser.add_argument("--checkpointing", action="store_true",
-                        help="activation checkpointing (non-reentrant): less memory, not the fixed settings' timing")
+    parser.add_argument(
+        "--batch", type=int, default=BATCH, help="sequences of 256 tokens per step (the fixed settings: 4)"
+    )
+    parser.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing (non-reentrant): less memory, not the fixed settings' timing",
+    )
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.eval_seqs, args.out, args.model, args.checkpointing,
-                                args.batch)))
+        print(
+            json.dumps(
+                worker(args.worker, args.steps, args.eval_seqs, args.out, args.model, args.checkpointing, args.batch)
+            )
+        )
         return 0
     sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe
@@ -125,8 +156,18 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
-            command = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
-                       "--eval-seqs", str(args.eval_seqs), "--out", tmp]
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                "--steps",
+                str(args.steps),
+                "--eval-seqs",
+                str(args.eval_seqs),
+                "--out",
+                tmp,
+            ]
             command += ["--model", args.model] if args.model else []
             command += (["--checkpointing"] if args.checkpointing else []) + ["--batch", str(args.batch)]
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
@@ -135,20 +176,25 @@ def main() -> int:
                 continue
             rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
     bf16 = next((r for r in rows if r["method"] == "bf16" and "error" not in r), None)
-    print(f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.model or 'SmolLM2-135M-Instruct'}, "
-          f"{args.steps} steps, held-out {args.eval_seqs} x {SEQ} tokens"
-          f"{', activation checkpointing' if args.checkpointing else ''}, {args.batch} x {SEQ} tokens per step\n")
-    print("| LoRA over | held-out ppl before | after | merged | train tokens/s | vs bf16 | peak RSS MiB "
-          "| adapter MiB |")
+    print(
+        f"\n{describe()}, {time.strftime('%Y-%m-%d', time.gmtime())}, {args.model or 'SmolLM2-135M-Instruct'}, "
+        f"{args.steps} steps, held-out {args.eval_seqs} x {SEQ} tokens"
+        f"{', activation checkpointing' if args.checkpointing else ''}, {args.batch} x {SEQ} tokens per step\n"
+    )
+    print(
+        "| LoRA over | held-out ppl before | after | merged | train tokens/s | vs bf16 | peak RSS MiB | adapter MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['method']} | {r['error']} | | | | | | |")
             continue
         ratio = f"{bf16['tokens_per_s'] / r['tokens_per_s']:.2f}x time" if bf16 else "-"
-        print(f"| {r['method']} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['ppl_merged']:.2f} "
-              f"| {r['tokens_per_s']:.0f} | {ratio} "
-              f"| {r['peak_rss_mib']:.0f} | {r['adapter_mib']:.1f} |")
+        print(
+            f"| {r['method']} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['ppl_merged']:.2f} "
+            f"| {r['tokens_per_s']:.0f} | {ratio} "
+            f"| {r['peak_rss_mib']:.0f} | {r['adapter_mib']:.1f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all("error" not in r for r in rows) else 1

@@ -62,8 +62,9 @@ def _best_us(call, weights) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK shapes")
-    parser.add_argument("--group-size", type=int, default=None,
-                        help="inputs per scale (default: 128 where it divides K, else 64)")
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="inputs per scale (default: 128 where it divides K, else 64)"
+    )
     args = parser.parse_args(argv)
     layout = packing.cpu_int4_layout()
     if layout is None:
@@ -74,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     plain_gemv = torch_ops.int4_gemv_avx2 if avx2 else torch_ops.int4_gemv
     a8 = gemv.native_int4_a8_works()
     torch_ops.loaded()
-    print(f"{describe()}; torch {torch.__version__} (kernels for {torch.backends.cpu.get_cpu_capability()}, int4 "
-          f"layout of {layout.block_n}-row blocks), {torch.get_num_threads()} threads")
+    print(
+        f"{describe()}; torch {torch.__version__} (kernels for {torch.backends.cpu.get_cpu_capability()}, int4 "
+        f"layout of {layout.block_n}-row blocks), {torch.get_num_threads()} threads"
+    )
     print("\n| N x K | group | case | aten us | bf16-act GEMV us | ratio | W4A8 us | ratio | W4A8 GB/s |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for text in args.shapes.split(","):
@@ -85,13 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         for case, copies in (("cached", 1), ("streamed", max(1, _STREAMED_BYTES // layer_bytes))):
             weights = _weights(n, k, group, copies)
             x = torch.randn((1, k), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-            aten = _best_us(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz), weights)
+            aten = _best_us(
+                lambda w, sz, x=x, group=group: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz), weights
+            )
             cells = [f"{aten:.1f}", "-", "-"]
             if plain_works and n % layout.block_n == 0 and (group % 32 == 0 or not avx2):
-                plain = _best_us(lambda w, sz: plain_gemv(x, w, sz, group), weights)
+                plain = _best_us(lambda w, sz, x=x, group=group: plain_gemv(x, w, sz, group), weights)
                 cells[1:] = [f"{plain:.1f}", f"{aten / plain:.2f}x"]
             if a8 and group % 32 == 0 and n % layout.block_n == 0:
-                quantized = _best_us(lambda w, sz: torch_ops.int4_gemv_a8(x, w, sz, group, layout.block_n), weights)
+                quantized = _best_us(
+                    lambda w, sz, x=x, group=group: torch_ops.int4_gemv_a8(x, w, sz, group, layout.block_n), weights
+                )
                 cells += [f"{quantized:.1f}", f"{aten / quantized:.2f}x", f"{layer_bytes / quantized / 1e3:.1f}"]
             else:
                 cells += ["-", "-", "-"]

@@ -92,7 +92,14 @@ def worker_load(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.memory import dir_size_bytes, import_model_code, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
+    from benchmarks.memory import (
+        dir_size_bytes,
+        import_model_code,
+        peak_rss_mib,
+        reset_peak_rss,
+        rss_mib,
+        tensor_bytes,
+    )
 
     out = Path(args.out)
     kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
@@ -204,11 +211,16 @@ def _spawn(stage: str, method: str, args, log_dir: Path) -> dict:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--_worker", stage,
-        "--_method", method,
-        "--_result", str(result),
-        "--model", str(args.model),
-        "--out", str(out),
+        "--_worker",
+        stage,
+        "--_method",
+        method,
+        "--_result",
+        str(result),
+        "--model",
+        str(args.model),
+        "--out",
+        str(out),
     ]
     if args.group_size is not None:
         cmd += ["--group-size", str(args.group_size)]
@@ -297,12 +309,24 @@ def main(argv: list[str] | None = None) -> int:
         description="Quantize a checkpoint with hfquant and compare bf16 / int8 / int4 (size, load, memory, "
         "perplexity, decode speed, reload exactness)."
     )
-    parser.add_argument("--model", default=None, help="local checkpoint folder (default: build/use the SmolLM2-135M example)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of bf16,int8,int4 (default: all)")
-    parser.add_argument("--group-size", type=int, default=128, help="int4 group size in input columns (default: 128; 0 = per-channel)")
-    parser.add_argument("--out", default="out/run_example", help="output folder for saved models, logits, logs (default: out/run_example)")
+    parser.add_argument(
+        "--model", default=None, help="local checkpoint folder (default: build/use the SmolLM2-135M example)"
+    )
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated subset of bf16,int8,int4 (default: all)"
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int4 group size in input columns (default: 128; 0 = per-channel)"
+    )
+    parser.add_argument(
+        "--out",
+        default="out/run_example",
+        help="output folder for saved models, logits, logs (default: out/run_example)",
+    )
     parser.add_argument("--json", default=None, help="also write all measurements to this JSON file")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per worker process (default: 1800)")
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="seconds allowed per worker process (default: 1800)"
+    )
     parser.add_argument("--_worker", dest="worker", choices=["load", "reload"], help=argparse.SUPPRESS)
     parser.add_argument("--_method", dest="method", help=argparse.SUPPRESS)
     parser.add_argument("--_result", dest="result", help=argparse.SUPPRESS)
@@ -398,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         ans = r.get("reload", {}).get("answer")
         print(f"- {method}: {ans!r}" if ans is not None else f"- {method}: (not available)")
 
-    failed = [m for m, r in results.items() if "error" in r.get("load", {}) or "error" in r.get("reload", {"error": 1})]
+    failed = [
+        m for m, r in results.items() if "error" in r.get("load", {}) or "error" in r.get("reload", {"error": 1})
+    ]
     if failed:
         print()
         for m in failed:

@@ -15,6 +15,7 @@ def pytest_configure(config):
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
 try:
     from helpers import tiny_model
 except ImportError:  # tests/ imported as a package

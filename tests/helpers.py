@@ -41,9 +41,17 @@ def tiny_config(arch: str, **overrides):
     """Config of a 2-layer model with hidden size 64 and a 256-token vocabulary; `overrides` replace any value."""
     if arch in ("llama", "llama_tied"):
         values = dict(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=arch == "llama_tied",
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=arch == "llama_tied",
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         )
         return LlamaConfig(**(values | overrides))
     if arch == "gpt2":  # Conv1D layers, lm_head tied to wte
@@ -51,8 +59,13 @@ def tiny_config(arch: str, **overrides):
         return GPT2Config(**(values | overrides))
     if arch == "bert":  # encoder without an output embedding, Linear layers with bias
         values = dict(
-            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            max_position_embeddings=64, pad_token_id=0,
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            pad_token_id=0,
         )
         return BertConfig(**(values | overrides))
     raise ValueError(arch)
@@ -101,5 +114,10 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_python(code: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """Run `code` (dedented) in a fresh Python process with `env` added to this one's environment; output captured."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=timeout,
+    )

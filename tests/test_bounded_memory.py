@@ -36,7 +36,10 @@ _WORKER = textwrap.dedent(
 @pytest.mark.parametrize("bits,group_size", [(8, 16384), (4, 128)], ids=["int8", "int4-g128"])
 def test_transient_memory_of_quantizing_a_1gib_weight(bits, group_size):
     result = subprocess.run(
-        [sys.executable, "-c", _WORKER, str(bits), str(group_size)], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _WORKER, str(bits), str(group_size)],
+        capture_output=True,
+        text=True,
+        timeout=600,
         cwd=Path(__file__).resolve().parents[1],  # the repository root, where `-c` code finds benchmarks/
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -19,8 +19,13 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @pytest.fixture()
 def llama_int4(float_checkpoint, tmp_path):
     out = tmp_path / "tiny-int4"
-    convert(float_checkpoint("llama", torch.bfloat16), out, HfQuantConfig(bits=4, group_size=32, mixed_precision="none"), progress=False,
-            card=False)
+    convert(
+        float_checkpoint("llama", torch.bfloat16),
+        out,
+        HfQuantConfig(bits=4, group_size=32, mixed_precision="none"),
+        progress=False,
+        card=False,
+    )
     return out
 
 
@@ -53,7 +58,10 @@ def test_body_has_the_config_table_sizes_and_usage(llama_int4):
         assert f"| `{key}` |" in card.content
     assert "| `bits` | 4 |" in card.content and "| `group_size` | 32 |" in card.content
     totals = inspect_checkpoint(llama_int4)["totals"]
-    assert f"| tensor bytes | {human_bytes(totals['float_bytes'])} | {human_bytes(totals['tensor_bytes'])}" in card.content
+    assert (
+        f"| tensor bytes | {human_bytes(totals['float_bytes'])} | {human_bytes(totals['tensor_bytes'])}"
+        in card.content
+    )
     assert "| `model.layers.*.mlp.down_proj` | 2 | 4 | 32 | no |" in card.content
     assert 'AutoModelForCausalLM.from_pretrained("me/tiny-int4"' in card.content
     assert f"https://huggingface.co/{BASE}" in card.content
@@ -62,10 +70,22 @@ def test_body_has_the_config_table_sizes_and_usage(llama_int4):
 
 
 def test_evaluation_results_appear(llama_int4):
-    results = [{"label": "this model (hfquant int4)", "path": ".", "perplexity": 12.3456, "tokens_per_second": 41.26},
-               {"label": "base (bfloat16)", "path": "base", "perplexity": 11.0, "tokens_per_second": 30.0}]
-    (llama_int4 / EVAL_FILE).write_text(json.dumps({
-        "text": "a test text", "tokens": 99, "max_length": 512, "new_tokens": 8, "device": "CPU", "results": results}))
+    results = [
+        {"label": "this model (hfquant int4)", "path": ".", "perplexity": 12.3456, "tokens_per_second": 41.26},
+        {"label": "base (bfloat16)", "path": "base", "perplexity": 11.0, "tokens_per_second": 30.0},
+    ]
+    (llama_int4 / EVAL_FILE).write_text(
+        json.dumps(
+            {
+                "text": "a test text",
+                "tokens": 99,
+                "max_length": 512,
+                "new_tokens": 8,
+                "device": "CPU",
+                "results": results,
+            }
+        )
+    )
     content = build_card(llama_int4).content
     assert "| this model (hfquant int4) | 12.346 | 41.3 |" in content
     assert "| base (bfloat16) | 11.000 | 30.0 |" in content

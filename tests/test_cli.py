@@ -23,8 +23,9 @@ except ImportError:  # tests/ imported as a package
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hfquant.commands.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "hfquant.commands.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,15 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_option_has_help():
     parser = build_parser()
     commands = _subparsers(parser)
-    assert sorted(commands) == ["convert", "eval", "export", "import", "inspect", "push", "verify"]  # the benchmark is scripts/benchmark.py
+    assert sorted(commands) == [
+        "convert",
+        "eval",
+        "export",
+        "import",
+        "inspect",
+        "push",
+        "verify",
+    ]  # the benchmark is scripts/benchmark.py
     for name, sub in commands.items():
         assert sub.description, name
         for action in sub._actions:
@@ -58,17 +67,35 @@ def test_convert_options_cover_every_config_field():
 
     convert = _subparsers(build_parser())["convert"]
     dests = {action.dest for action in convert._actions}
-    fields = set(inspect.signature(HfQuantConfig.__init__).parameters) - {"self", "unknown", "quant_method", "format_version"}
+    fields = set(inspect.signature(HfQuantConfig.__init__).parameters) - {
+        "self",
+        "unknown",
+        "quant_method",
+        "format_version",
+    }
     assert fields <= dests
 
 
 def test_config_from_args_defaults_and_values():
     convert = _subparsers(build_parser())["convert"]
     assert config_from_args(convert.parse_args(["a", "b"])) == HfQuantConfig(bits=4)
-    args = convert.parse_args(["a", "b", "--bits", "8", "--group-size", "64", "--asymmetric",
-                               "--modules-to-not-convert", "lm_head", "model.layers.*.mlp.down_proj"])
-    assert config_from_args(args) == HfQuantConfig(bits=8, group_size=64, symmetric=False,
-                                                   modules_to_not_convert=["lm_head", "model.layers.*.mlp.down_proj"])
+    args = convert.parse_args(
+        [
+            "a",
+            "b",
+            "--bits",
+            "8",
+            "--group-size",
+            "64",
+            "--asymmetric",
+            "--modules-to-not-convert",
+            "lm_head",
+            "model.layers.*.mlp.down_proj",
+        ]
+    )
+    assert config_from_args(args) == HfQuantConfig(
+        bits=8, group_size=64, symmetric=False, modules_to_not_convert=["lm_head", "model.layers.*.mlp.down_proj"]
+    )
     assert config_from_args(convert.parse_args(["a", "b", "--group-size", "none"])).group_size is None
     assert convert.parse_args(["a", "b", "--max-shard-size", "50000000"]).max_shard_size == 50_000_000  # bytes
     assert convert.parse_args(["a", "b", "--max-shard-size", "50MB"]).max_shard_size == "50MB"
@@ -76,16 +103,23 @@ def test_config_from_args_defaults_and_values():
     assert config_from_args(args) == HfQuantConfig(bits=4, method="sinq", module_overrides={"v_proj": {"bits": 8}})
 
 
-@pytest.mark.parametrize("argv,code,message", [
-    (["convert", "s", "d", "--bits", "3"], 2, "invalid choice: 3"),
-    (["convert", "s", "d", "--group-size", "100"], 2, "group_size=100 is not allowed"),
-    (["convert", "s", "d", "--group-size", "big"], 2, "--group-size 'big' is not an integer"),
-    (["convert", "s", "d", "--method", "awq"], 2, "method='awq' is not allowed"),
-    (["convert", "s", "d", "--module-overrides", "{v_proj"], 2, "--module-overrides '{v_proj' is not JSON"),
-    (["convert", "s", "d", "--module-overrides", '{"v_proj": {"bits": 3}}'], 2, "module_overrides['v_proj']: bits=3"),
-    (["convert", "/nonexistent/model", "d"], 1, "not a folder"),
-    (["inspect", "/nonexistent/model"], 1, "no config.json"),
-])
+@pytest.mark.parametrize(
+    "argv,code,message",
+    [
+        (["convert", "s", "d", "--bits", "3"], 2, "invalid choice: 3"),
+        (["convert", "s", "d", "--group-size", "100"], 2, "group_size=100 is not allowed"),
+        (["convert", "s", "d", "--group-size", "big"], 2, "--group-size 'big' is not an integer"),
+        (["convert", "s", "d", "--method", "awq"], 2, "method='awq' is not allowed"),
+        (["convert", "s", "d", "--module-overrides", "{v_proj"], 2, "--module-overrides '{v_proj' is not JSON"),
+        (
+            ["convert", "s", "d", "--module-overrides", '{"v_proj": {"bits": 3}}'],
+            2,
+            "module_overrides['v_proj']: bits=3",
+        ),
+        (["convert", "/nonexistent/model", "d"], 1, "not a folder"),
+        (["inspect", "/nonexistent/model"], 1, "no config.json"),
+    ],
+)
 def test_errors_are_one_line_with_the_fix(argv, code, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -132,9 +166,21 @@ def test_an_error_without_ctrl_c_keeps_its_exit_status(capsys, monkeypatch, tmp_
 
 
 def test_convert_as_a_user_then_refuse_to_overwrite(llama_with_tokenizer, tmp_path, capsys):
-    result = run("convert", str(llama_with_tokenizer), "int4", "--bits", "4", "--group-size", "32",
-                 "--max-shard-size", "60KB", "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--no-progress",
-                 cwd=tmp_path)
+    result = run(
+        "convert",
+        str(llama_with_tokenizer),
+        "int4",
+        "--bits",
+        "4",
+        "--group-size",
+        "32",
+        "--max-shard-size",
+        "60KB",
+        "--base-model",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("wrote int4: 14 tensors quantized")
     out = tmp_path / "int4"
@@ -155,13 +201,29 @@ def test_eval_records_results_in_the_card(llama_with_tokenizer, tmp_path, capsys
     out = tmp_path / "int8"
     assert main(["convert", str(llama_with_tokenizer), str(out), "--bits", "8", "--no-progress"]) == 0
     capsys.readouterr()
-    argv = ["eval", str(out), "--baseline", str(llama_with_tokenizer), "--max-tokens", "96", "--max-length", "32",
-            "--new-tokens", "4", "--repeats", "1", "--json"]
+    argv = [
+        "eval",
+        str(out),
+        "--baseline",
+        str(llama_with_tokenizer),
+        "--max-tokens",
+        "96",
+        "--max-length",
+        "32",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ]
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads((out / "hfquant_eval.json").read_text())
     assert printed == saved
-    assert [row["label"] for row in saved["results"]] == ["this model (hfquant int8)", f"{llama_with_tokenizer.name} (bfloat16)"]
+    assert [row["label"] for row in saved["results"]] == [
+        "this model (hfquant int8)",
+        f"{llama_with_tokenizer.name} (bfloat16)",
+    ]
     assert saved["tokens"] == 96
     for row in saved["results"]:
         assert row["perplexity"] > 1 and row["tokens_per_second"] > 0
@@ -210,8 +272,18 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
 
-    out = user("convert", str(src), "SmolLM2-int4", "--bits", "4", "--group-size", "128",
-               "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--no-progress")
+    out = user(
+        "convert",
+        str(src),
+        "SmolLM2-int4",
+        "--bits",
+        "4",
+        "--group-size",
+        "128",
+        "--base-model",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "--no-progress",
+    )
     assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
     report = user("inspect", "SmolLM2-int4")
     # the 4-bit default's data-free mixed precision: down projections (K=1536) at group 64 instead of the asked 128,
@@ -220,14 +292,19 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
     # which the config line summarizes
     assert "model.layers.*.mlp.down_proj        30     4     64  no         rtn" in report
     assert "model.layers.*.self_attn.v_proj     15     8    576  yes        rtn" in report
-    assert "model.layers.*.self_attn.q_proj     30     4     64" in report  # K=576: the largest power of two dividing it
+    assert (
+        "model.layers.*.self_attn.q_proj     30     4     64" in report
+    )  # K=576: the largest power of two dividing it
     assert "fold_column_scales=True" in report and "method=sinq" in report
-    assert ('module_overrides={210 layers: {"bits": 4, "group_size": 128, "method": "rtn", "symmetric": false}, '
-            '{"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
-            '{"bits": 8, "group_size": null, "method": "rtn", "symmetric": true}; per layer in the table below}') in report
+    assert (
+        'module_overrides={210 layers: {"bits": 4, "group_size": 128, "method": "rtn", "symmetric": false}, '
+        '{"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
+        '{"bits": 8, "group_size": null, "method": "rtn", "symmetric": true}; per layer in the table below}'
+    ) in report
     assert "lm_head: tied to model.embed_tokens.weight" in report
-    measured = user("eval", "SmolLM2-int4", "--max-tokens", "128", "--max-length", "64", "--new-tokens", "3",
-                    "--repeats", "1")  # the --baseline path is tested on the tiny model
+    measured = user(
+        "eval", "SmolLM2-int4", "--max-tokens", "128", "--max-length", "64", "--new-tokens", "3", "--repeats", "1"
+    )  # the --baseline path is tested on the tiny model
     assert "this model (hfquant int4)" in measured
     card = (tmp_path / "SmolLM2-int4" / "README.md").read_text()
     assert "| this model (hfquant int4) |" in card and "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import auto_class, input_ids, model_output
 
 from hfquant import HfQuantConfig
 from hfquant.core import rtn
 from hfquant.nn.linear import QuantLinear
 
-from helpers import auto_class, input_ids, model_output
-
 
 def _heavy_tailed(rows: int = 64, cols: int = 256) -> torch.Tensor:
     """Gaussian values divided by the square root of uniform ones: a few large values per group, as in LLM weights."""
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(rows, cols, generator=generator) / torch.rand(rows, cols, generator=generator).clamp_min(0.05).sqrt()
+    return (
+        torch.randn(rows, cols, generator=generator)
+        / torch.rand(rows, cols, generator=generator).clamp_min(0.05).sqrt()
+    )
 
 
 @pytest.mark.parametrize("bits, symmetric", [(4, False), (4, True), (8, True), (8, False)])
@@ -34,7 +36,7 @@ def test_mse_error_is_never_above_minmax_and_lower_on_heavy_tails(bits, symmetri
 def test_mse_codes_use_the_stored_format():
     weight = _heavy_tailed()
     plain, searched = (rtn.quantize_weight(weight, 4, 32, False, c) for c in rtn.CLIPPING)
-    for a, b in zip(plain, searched):
+    for a, b in zip(plain, searched, strict=False):
         assert a.dtype == b.dtype and a.shape == b.shape
     assert int(searched.q.max()) <= 15 and int(searched.zero_point.max()) <= 15
 
@@ -49,8 +51,10 @@ def test_unknown_clipping_is_refused_naming_the_choices():
 def test_mse_checkpoint_records_clipping_and_reloads_bit_exactly(float_checkpoint, tmp_path):
     src = float_checkpoint("llama", torch.bfloat16)
     configs = {c: HfQuantConfig(bits=4, group_size=32, method="rtn", clipping=c) for c in rtn.CLIPPING}
-    models = {c: auto_class("llama").from_pretrained(src, quantization_config=q, device_map="cpu")
-              for c, q in configs.items()}
+    models = {
+        c: auto_class("llama").from_pretrained(src, quantization_config=q, device_map="cpu")
+        for c, q in configs.items()
+    }
     layer = "model.layers.0.mlp.down_proj"
     scales = {c: m.get_submodule(layer).weight_scale for c, m in models.items()}
     assert not torch.equal(scales["mse"], scales["minmax"])  # the search chose other ranges

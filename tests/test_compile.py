@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfquant.config import HfQuantConfig
 from hfquant.core.format import StoredFormat
+from hfquant.integration.quantizer import HfQuantQuantizer
+from hfquant.nn.linear import QuantLinear
 from hfquant.ops import gemv, kernels
 from hfquant.ops.kernels import Kernel
-from hfquant.nn.linear import QuantLinear
-from hfquant.integration.quantizer import HfQuantQuantizer
-from hfquant.config import HfQuantConfig
 
 
 @pytest.mark.parametrize(
@@ -47,15 +47,19 @@ def test_quantizer_reports_itself_compileable():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # eager: the README's fast path
-def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the_eager_tokens(float_checkpoint,
-                                                                                            attention):
+def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the_eager_tokens(
+    float_checkpoint, attention
+):
     """The transformers way to compile decoding: `generate(cache_implementation="static", compile_config=...)`. On CPU
     transformers compiles only when the config asks for every device (`_compile_all_devices`, README)."""
     from transformers import AutoModelForCausalLM, CompileConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        float_checkpoint("llama", torch.bfloat16), quantization_config=HfQuantConfig(bits=4, group_size=32),
-        dtype=torch.bfloat16, device_map="cpu", attn_implementation=attention,
+        float_checkpoint("llama", torch.bfloat16),
+        quantization_config=HfQuantConfig(bits=4, group_size=32),
+        dtype=torch.bfloat16,
+        device_map="cpu",
+        attn_implementation=attention,
     )
     assert any(getattr(m, "kernel", None) == Kernel.INT4PACK_MM_CPU for m in model.modules())
     ids = torch.tensor([[1, 5, 9, 3, 7]])

@@ -9,9 +9,22 @@ import pytest
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig, validate_config_values
 
 FIELDS = {
-    "quant_method", "bits", "group_size", "symmetric", "modules_to_not_convert", "format_version",
-    "embedding_dtype", "norm_dtype", "lm_head", "compute_dtype", "method", "module_overrides", "mixed_precision",
-    "fold_column_scales", "clipping", "decode_activations",
+    "quant_method",
+    "bits",
+    "group_size",
+    "symmetric",
+    "modules_to_not_convert",
+    "format_version",
+    "embedding_dtype",
+    "norm_dtype",
+    "lm_head",
+    "compute_dtype",
+    "method",
+    "module_overrides",
+    "mixed_precision",
+    "fold_column_scales",
+    "clipping",
+    "decode_activations",
 }
 
 # (field, bad value, error type the docstring promises: TypeError for a wrong type, ValueError for a wrong value)

@@ -25,7 +25,12 @@ CASES = {
     "llama-int4-g32-fp32": ("llama", torch.float32, None, dict(bits=4, group_size=32)),
     "llama_tied-int8-bf16": ("llama_tied", torch.bfloat16, None, dict(bits=8)),
     "llama-int4-default-group-skip": ("llama", torch.bfloat16, None, dict(bits=4, modules_to_not_convert=["o_proj"])),
-    "gpt2-conv1d-int4-g64-sym-fp32-as-bf16": ("gpt2", torch.float32, torch.bfloat16, dict(bits=4, group_size=64, symmetric=True)),
+    "gpt2-conv1d-int4-g64-sym-fp32-as-bf16": (
+        "gpt2",
+        torch.float32,
+        torch.bfloat16,
+        dict(bits=4, group_size=64, symmetric=True),
+    ),
     "bert-int8-g32-asym-fp32": ("bert", torch.float32, None, dict(bits=8, group_size=32, symmetric=False)),
     "llama-int4-g32-sinq-bf16": ("llama", torch.bfloat16, None, dict(bits=4, group_size=32, method="sinq")),
     "gpt2-conv1d-int8-sinq-fp32": ("gpt2", torch.float32, None, dict(bits=8, method="sinq")),
@@ -74,17 +79,30 @@ def test_identical_to_quantize_on_load_then_save(float_checkpoint, tmp_path, cas
     arch, source_dtype, load_dtype, qconfig = CASES[case]
     src = float_checkpoint(arch, source_dtype)
     expected = on_load_and_save(src, tmp_path / "on-load", arch, load_dtype, qconfig)
-    result = convert(src, tmp_path / "converted", HfQuantConfig(**qconfig), max_shard_size=SHARD_SIZE,
-                     dtype=load_dtype or "auto", progress=False)
+    result = convert(
+        src,
+        tmp_path / "converted",
+        HfQuantConfig(**qconfig),
+        max_shard_size=SHARD_SIZE,
+        dtype=load_dtype or "auto",
+        progress=False,
+    )
     assert_same_checkpoint(expected, tmp_path / "converted")
     assert len(result.shards) > 1
     assert result.quantized_layers == sum(1 for name in read_tensors(expected) if name.endswith(".weight_scale"))
 
 
-@pytest.mark.parametrize("arch,rename", [
-    ("gpt2", lambda key: key.removeprefix("transformer.")),  # the original gpt2 checkpoints have no prefix
-    ("bert", lambda key: key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")),
-], ids=["gpt2-no-prefix", "bert-legacy-gamma-beta"])
+@pytest.mark.parametrize(
+    "arch,rename",
+    [
+        ("gpt2", lambda key: key.removeprefix("transformer.")),  # the original gpt2 checkpoints have no prefix
+        (
+            "bert",
+            lambda key: key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"),
+        ),
+    ],
+    ids=["gpt2-no-prefix", "bert-legacy-gamma-beta"],
+)
 def test_identical_with_legacy_checkpoint_names(float_checkpoint, tmp_path, arch, rename):
     """transformers renames legacy keys on load and back on save; convert names its output the same way."""
     src = tmp_path / "legacy"
@@ -122,7 +140,13 @@ def test_copies_small_files_and_writes_card(float_checkpoint, tmp_path):
     convert(src, tmp_path / "out", HfQuantConfig(bits=8), progress=False)
     out = tmp_path / "out"
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer_config.json", "generation_config.json", "README.md"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "README.md",
+    } <= names
     assert not names & {"pytorch_model.bin", ".hidden"}
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
     card = (out / "README.md").read_text()
@@ -171,8 +195,14 @@ def test_failure_midway_leaves_dst_and_no_temporary_folder(float_checkpoint, tmp
 
     monkeypatch.setattr(safetensors_torch, "save_file", failing_save)
     with pytest.raises(Boom):
-        convert(float_checkpoint("llama"), dst, HfQuantConfig(bits=4, group_size=32), max_shard_size=SHARD_SIZE,
-                overwrite=True, progress=False)
+        convert(
+            float_checkpoint("llama"),
+            dst,
+            HfQuantConfig(bits=4, group_size=32),
+            max_shard_size=SHARD_SIZE,
+            overwrite=True,
+            progress=False,
+        )
     assert len(written) == 3 and written[0].parent.name.startswith(".dst.tmp-")  # shards go to a folder beside DST
     assert (dst / "model.safetensors").read_bytes() == b"previous good checkpoint"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
@@ -237,8 +267,13 @@ def test_smollm2_identical_to_on_load_with_bounded_memory(tmp_path):
     src = build_example_model()
     shard = "50MB"
     # cwd: the repository root, where `-c` code finds benchmarks/ (not installed)
-    result = subprocess.run([sys.executable, "-c", _MEASURED_CONVERT, str(src), str(tmp_path / "converted"), shard],
-                            capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURED_CONVERT, str(src), str(tmp_path / "converted"), shard],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     kwargs = dict(quantization_config=HfQuantConfig(bits=4), dtype=torch.bfloat16, device_map="cpu")

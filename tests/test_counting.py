@@ -38,8 +38,9 @@ def test_peft_counts_equal_a_float_model_with_the_same_lora(float_checkpoint):
     import hfquant.peft
 
     path = float_checkpoint("llama")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                "up_proj", "down_proj"])
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=HfQuantConfig(bits=4, group_size=32))
     peft_model = hfquant.peft.get_peft_model(model, config)

@@ -21,21 +21,37 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.helpers import cosine_similarity, input_ids, model_output
 
-NEW_FIELDS = {"embedding_dtype": EMBEDDING_DTYPES, "norm_dtype": NORM_DTYPES, "lm_head": LM_HEAD_POLICIES,
-              "compute_dtype": COMPUTE_DTYPES}
+NEW_FIELDS = {
+    "embedding_dtype": EMBEDDING_DTYPES,
+    "norm_dtype": NORM_DTYPES,
+    "lm_head": LM_HEAD_POLICIES,
+    "compute_dtype": COMPUTE_DTYPES,
+}
 INVALID = [
-    ("embedding_dtype", "int2", ValueError), ("embedding_dtype", "fp16", ValueError), ("embedding_dtype", "Int8", ValueError),
-    ("embedding_dtype", torch.float16, TypeError), ("embedding_dtype", None, TypeError), ("embedding_dtype", 8, TypeError),
-    ("norm_dtype", "int8", ValueError), ("norm_dtype", "float64", ValueError), ("norm_dtype", True, TypeError),
-    ("lm_head", "float16", ValueError), ("lm_head", "int2", ValueError), ("lm_head", False, TypeError),
-    ("compute_dtype", "int8", ValueError), ("compute_dtype", "half", ValueError), ("compute_dtype", torch.float32, TypeError),
+    ("embedding_dtype", "int2", ValueError),
+    ("embedding_dtype", "fp16", ValueError),
+    ("embedding_dtype", "Int8", ValueError),
+    ("embedding_dtype", torch.float16, TypeError),
+    ("embedding_dtype", None, TypeError),
+    ("embedding_dtype", 8, TypeError),
+    ("norm_dtype", "int8", ValueError),
+    ("norm_dtype", "float64", ValueError),
+    ("norm_dtype", True, TypeError),
+    ("lm_head", "float16", ValueError),
+    ("lm_head", "int2", ValueError),
+    ("lm_head", False, TypeError),
+    ("compute_dtype", "int8", ValueError),
+    ("compute_dtype", "half", ValueError),
+    ("compute_dtype", torch.float32, TypeError),
 ]
 
 
 @pytest.mark.parametrize("field, value, error", INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID])
 def test_invalid_values_are_refused_naming_value_and_allowed_ones(field, value, error):
-    for make in (lambda: HfQuantConfig(**{field: value}),
-                 lambda: HfQuantConfig.from_dict(HfQuantConfig().to_dict() | {field: value})):
+    for make in (
+        lambda: HfQuantConfig(**{field: value}),
+        lambda: HfQuantConfig.from_dict(HfQuantConfig().to_dict() | {field: value}),
+    ):
         with pytest.raises(error) as info:
             make()
         assert type(info.value) is error
@@ -60,15 +76,30 @@ def test_every_allowed_value_round_trips_through_config_json():
 def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     config = HfQuantConfig()
     assert (config.embedding_dtype, config.norm_dtype, config.lm_head, config.compute_dtype) == (
-        "auto", "auto", "keep", "auto",
+        "auto",
+        "auto",
+        "keep",
+        "auto",
     )
-    old = {"quant_method": "hfquant", "format_version": 1, "bits": 4, "group_size": 128, "symmetric": False,
-           "modules_to_not_convert": []}
+    old = {
+        "quant_method": "hfquant",
+        "format_version": 1,
+        "bits": 4,
+        "group_size": 128,
+        "symmetric": False,
+        "modules_to_not_convert": [],
+    }
     # a config.json without method / mixed_precision holds plain RTN, whatever today's defaults are
     legacy = HfQuantConfig.from_dict(old)
     assert legacy == HfQuantConfig(bits=4, group_size=128, symmetric=False, method="rtn", mixed_precision="none")
     assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {
-        "method", "module_overrides", "mixed_precision", "fold_column_scales", "clipping", "decode_activations"}
+        "method",
+        "module_overrides",
+        "mixed_precision",
+        "fold_column_scales",
+        "clipping",
+        "decode_activations",
+    }
     assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
     assert (legacy.fold_column_scales, legacy.clipping, legacy.decode_activations) == (False, "minmax", "float")
 
@@ -123,11 +154,15 @@ MIXED_COSINE_MIN = 0.9995
 
 
 @pytest.mark.parametrize("arch", ["llama_tied", "gpt2"])
-def test_float_embeddings_and_norms_keep_their_dtype_and_a_reload_restores_every_dtype(float_checkpoint, tmp_path, arch):
+def test_float_embeddings_and_norms_keep_their_dtype_and_a_reload_restores_every_dtype(
+    float_checkpoint, tmp_path, arch
+):
     path = float_checkpoint(arch)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu")
     config = HfQuantConfig(bits=8, embedding_dtype="float16", norm_dtype="bfloat16")
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
     norms = set(find_norms(model))
     embeddings = {name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
     assert norms and embeddings
@@ -154,7 +189,9 @@ def test_float_embeddings_and_norms_keep_their_dtype_and_a_reload_restores_every
 def test_float32_norms_in_a_bfloat16_model_compute_in_float32(float_checkpoint):
     path = float_checkpoint("llama")
     config = HfQuantConfig(bits=8, norm_dtype="float32")
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.bfloat16, device_map="cpu"
+    )
     norm = model.model.layers[0].input_layernorm
     assert norm.weight.dtype == torch.float32
     seen = {}
@@ -167,7 +204,9 @@ def test_float32_norms_in_a_bfloat16_model_compute_in_float32(float_checkpoint):
 def test_compute_dtype_replaces_the_load_dtype(float_checkpoint, tmp_path):
     path = float_checkpoint("llama")
     config = HfQuantConfig(bits=8, compute_dtype="float32")
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.bfloat16, device_map="cpu"
+    )
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert model_output(model, input_ids()).dtype == torch.float32
     model.save_pretrained(tmp_path)
@@ -190,10 +229,13 @@ def _expected_bytes(model) -> int:
     point, 2 per input feature for a SINQ layer's column scale, plus the CPU int4 kernel's (K/g, N, 2) scale/zero
     tensor; a table shared by a tied lm_head once."""
     total, seen = 0, set()
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            n, k = (module.out_features, module.in_features) if isinstance(module, QuantLinear) else (
-                module.num_embeddings, module.embedding_dim)
+            n, k = (
+                (module.out_features, module.in_features)
+                if isinstance(module, QuantLinear)
+                else (module.num_embeddings, module.embedding_dim)
+            )
             groups = k // module.group_size
             if id(module.weight) not in seen:
                 seen.add(id(module.weight))

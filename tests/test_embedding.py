@@ -63,7 +63,9 @@ def test_lookup_unpacks_only_the_gathered_rows(monkeypatch):
     dequantized = []
     original_dequantize = rtn.dequantize_weight
     monkeypatch.setattr(
-        rtn, "dequantize_weight", lambda codes, *a, **k: dequantized.append(codes.shape[0]) or original_dequantize(codes, *a, **k)
+        rtn,
+        "dequantize_weight",
+        lambda codes, *a, **k: dequantized.append(codes.shape[0]) or original_dequantize(codes, *a, **k),
     )
     module(torch.tensor([[3, 4000, 3]]))
     assert seen == [(3, 32)]  # three rows of 32 packed bytes, not the 4096-row table
@@ -137,7 +139,9 @@ def test_tied_embedding_and_lm_head_share_one_quantized_tensor(float_checkpoint,
     path = float_checkpoint("llama_tied")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu")
     config = HfQuantConfig(**TIED[name])
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
     embedding, head = model.model.embed_tokens, model.lm_head
     assert isinstance(embedding, QuantEmbedding) and isinstance(head, QuantLinear)
     assert embedding.weight is head.weight and embedding.weight_scale is head.weight_scale
@@ -217,7 +221,9 @@ def test_smollm2_with_quantized_embedding(smollm2, tmp_path, name):
 
     path, tokenizer, bf16_ppl, bf16_footprint = smollm2
     config = HfQuantConfig(**SMOLLM2[name])
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.bfloat16, device_map="cpu"
+    )
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     footprint = model.get_memory_footprint()

@@ -62,7 +62,9 @@ def test_reference_text_slices_one_corpus():
     assert reference_text(1000, offset=2000) == whole[2000:]
 
 
-@pytest.mark.parametrize("kwargs", [{"n_chars": 0}, {"n_chars": -5}, {"n_chars": 10, "offset": -1}, {"n_chars": 10**9}])
+@pytest.mark.parametrize(
+    "kwargs", [{"n_chars": 0}, {"n_chars": -5}, {"n_chars": 10, "offset": -1}, {"n_chars": 10**9}]
+)
 def test_reference_text_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         reference_text(**kwargs)
@@ -103,6 +105,7 @@ def test_perplexity_overlapping_windows_scores_each_token_once(model, tok):
     # max_length=100, stride=50: windows [0,100) scores 1..99, [50,150) scores 100..149,
     # [100,200) scores 150..199. Compute each token's NLL from its own window's logits.
     with torch.no_grad():
+
         def nlls(begin, end, first):
             logits = model(input_ids=ids[begin:end].unsqueeze(0)).logits[0].double()
             logp = torch.log_softmax(logits, dim=-1)
@@ -116,9 +119,7 @@ def test_perplexity_overlapping_windows_scores_each_token_once(model, tok):
 
 def test_perplexity_max_tokens_truncates(model, tok):
     text = reference_text(400)
-    assert perplexity(model, tok, text, max_tokens=150) == pytest.approx(
-        perplexity(model, tok, text[:150]), rel=1e-6
-    )
+    assert perplexity(model, tok, text, max_tokens=150) == pytest.approx(perplexity(model, tok, text[:150]), rel=1e-6)
 
 
 def test_perplexity_is_deterministic_and_restores_mode(model, tok):
@@ -180,8 +181,9 @@ def test_decode_perplexity_equals_the_whole_window_loss(model, tok):
     ids = _ids(tok, text)
     got = decode_perplexity(model, tok, text, max_tokens=ids.shape[1])
     assert got == pytest.approx(math.exp(_hf_loss(model, ids)), rel=1e-4)
-    assert decode_perplexity(model, tok, text, max_tokens=40) == pytest.approx(math.exp(_hf_loss(model, ids[:, :40])),
-                                                                                rel=1e-4)
+    assert decode_perplexity(model, tok, text, max_tokens=40) == pytest.approx(
+        math.exp(_hf_loss(model, ids[:, :40])), rel=1e-4
+    )
 
 
 def test_decode_perplexity_rejects_bad_arguments(model, tok):
@@ -241,7 +243,9 @@ def test_generate_answer_is_greedy_and_returns_only_new_text(model, tok):
 
 def test_generate_answer_uses_chat_template(model):
     tok = tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
     seen = []
     real_generate = model.generate
 

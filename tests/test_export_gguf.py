@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hfquant import HfQuantConfig, QuantLinear  # noqa: E402
 from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4  # noqa: E402
-from hfquant.commands.export_gguf import gguf_pre_tokenizer  # noqa: E402
 from hfquant.commands.convert import convert  # noqa: E402
 from hfquant.commands.export import export_checkpoint  # noqa: E402
+from hfquant.commands.export_gguf import gguf_pre_tokenizer  # noqa: E402
 
 try:
     from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
@@ -108,8 +108,14 @@ def test_qwen2_is_written_unpermuted_with_its_biases(tmp_path, name):
     from transformers import Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, **TOKENIZER_VOCAB)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **TOKENIZER_VOCAB,
+    )
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     with torch.no_grad():  # Qwen2 initializes its q/k/v biases to zero: make them matter
         for layer in model.model.layers:
@@ -129,10 +135,16 @@ def test_qwen2_is_written_unpermuted_with_its_biases(tmp_path, name):
 def test_pre_tokenizers_get_llama_cpp_names():
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
     assert gguf_pre_tokenizer(byte_level) == "gpt-2"
-    assert gguf_pre_tokenizer({"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
-    regex = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-             "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+    assert (
+        gguf_pre_tokenizer(
+            {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+        )
+        == "smollm"
+    )
+    regex = (
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+        "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    )
     for pattern, expected in ((regex, "llama-bpe"), (regex.replace("{1,3}", ""), "qwen2"), ("\\s+", None)):
         split = {"type": "Split", "pattern": {"Regex": json.loads(json.dumps(pattern))}, "behavior": "Isolated"}
         steps = [split, dict(byte_level, use_regex=False)]
@@ -153,21 +165,50 @@ def test_special_tokens_are_control_tokens_for_llama_cpp(source, tmp_path):
 
 def _sentencepiece_style_tokenizer():
     """A Llama-2 / Mistral style tokenizer.json: BPE with byte fallback over "▁"-prefixed pieces."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"<0x{i:02X}>": 3 + i for i in range(256)})
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "el", "lo", "▁hel", "▁hello", "▁w", "or", "▁wor", "ld",
-              "▁world"]
+    pieces = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "▁h",
+        "el",
+        "lo",
+        "▁hel",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+    ]
     vocab.update({piece: len(vocab) + i for i, piece in enumerate(pieces)})
-    merges = [("▁", "h"), ("e", "l"), ("l", "o"), ("▁h", "el"), ("▁hel", "lo"), ("▁", "w"), ("o", "r"),
-              ("▁w", "or"), ("l", "d"), ("▁wor", "ld")]
+    merges = [
+        ("▁", "h"),
+        ("e", "l"),
+        ("l", "o"),
+        ("▁h", "el"),
+        ("▁hel", "lo"),
+        ("▁", "w"),
+        ("o", "r"),
+        ("▁w", "or"),
+        ("l", "d"),
+        ("▁wor", "ld"),
+    ]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = None
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
@@ -175,8 +216,9 @@ def test_a_sentencepiece_style_tokenizer_is_written_as_llamas(tmp_path):
     tokenizer = _sentencepiece_style_tokenizer()
     size = len(tokenizer)
     source = tmp_path / "mistral-like"
-    tiny_model("llama", dtype=torch.bfloat16, vocab_size=size + 3, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0).save_pretrained(source)
+    tiny_model(
+        "llama", dtype=torch.bfloat16, vocab_size=size + 3, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    ).save_pretrained(source)
     tokenizer.save_pretrained(source)
     folder = _quantized(source, tmp_path, "int8")
     export_checkpoint(folder, folder / "model.gguf", format="gguf")
@@ -258,18 +300,27 @@ def test_smollm2_gguf_exports_decode_hfquants_greedy_tokens(tmp_path):
     from hfquant.example_model import build_example_model
 
     src = build_example_model()
-    for name, settings in (("int8", dict(bits=8)), ("int4-sym", dict(CONFIGS["int4-sym"], group_size=64)),
-                           ("int4-asym", CONFIGS["int4-asym"])):
+    for name, settings in (
+        ("int8", dict(bits=8)),
+        ("int4-sym", dict(CONFIGS["int4-sym"], group_size=64)),
+        ("int4-asym", CONFIGS["int4-asym"]),
+    ):
         folder = tmp_path / name
         convert(src, folder, HfQuantConfig(**settings), progress=False, card=False)
         export_checkpoint(folder, folder / "model.gguf", format="gguf")
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                               add_generation_prompt=True, tokenize=False)
-        assert AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")(prompt).input_ids == tokenizer(prompt).input_ids
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+        )
+        assert (
+            AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")(prompt).input_ids
+            == tokenizer(prompt).input_ids
+        )
         ids = torch.tensor([tokenizer(prompt).input_ids])
         tokens = []
-        for model in (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                      AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)):
-            tokens.append(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
+        for model in (
+            AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+            AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32),
+        ):
+            tokens.append(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
         assert torch.equal(tokens[0], tokens[1]), (name, tokenizer.decode(tokens[0]), tokenizer.decode(tokens[1]))

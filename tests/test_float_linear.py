@@ -7,8 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hfquant.nn.float_linear import (
+    FloatLinear,
+    one_row_linear,
+    restore_nn_linear,
+    takes_one_row_path,
+    use_float_linear,
+)
 from hfquant.ops import gemv, native
-from hfquant.nn.float_linear import FloatLinear, one_row_linear, restore_nn_linear, takes_one_row_path, use_float_linear
 
 
 def _within_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -149,7 +155,11 @@ def test_swap_touches_only_plain_linear_and_round_trips():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert use_float_linear(model) == 2
     assert [type(m).__name__ for m in model.modules()][1:] == [
-        "FloatLinear", "OwnLinear", "Sequential", "FloatLinear", "ReLU"
+        "FloatLinear",
+        "OwnLinear",
+        "Sequential",
+        "FloatLinear",
+        "ReLU",
     ]
     assert model.state_dict().keys() == state.keys()
     assert restore_nn_linear(model) == 2
@@ -161,7 +171,9 @@ needs_bf16_gemv = pytest.mark.skipif(not gemv.native_bf16_works(), reason="no na
 
 
 @needs_bf16_gemv
-@pytest.mark.parametrize("n, k, with_bias", [(49152, 576, False), (4096, 576, True), (96, 2048, True), (64, 32, False)])
+@pytest.mark.parametrize(
+    "n, k, with_bias", [(49152, 576, False), (4096, 576, True), (96, 2048, True), (64, 32, False)]
+)
 def test_native_bf16_gemv_within_one_rounding_of_float64(n, k, with_bias):
     """vdpbf16ps sums bfloat16 products in float32 lanes, rounded once to bfloat16: the same bound as ATen's GEMV."""
     generator = torch.Generator().manual_seed(n + k)

@@ -24,7 +24,9 @@ def _contents(path: Path) -> str:
 def test_publish_into_an_absent_dst(tmp_path):
     dst = tmp_path / "dst"
     with folders.temporary_folder(dst) as tmp:
-        assert tmp.parent == tmp_path and tmp.name.startswith(".dst.tmp-") and oct(tmp.stat().st_mode & 0o777) == "0o755"
+        assert (
+            tmp.parent == tmp_path and tmp.name.startswith(".dst.tmp-") and oct(tmp.stat().st_mode & 0o777) == "0o755"
+        )
         (tmp / "file.txt").write_text("new")
         folders.publish_folder(tmp, dst, overwrite=False)
     assert _contents(dst) == "new"

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from helpers import auto_class, input_ids, model_output, tiny_model
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hfquant import HfQuantConfig
@@ -21,8 +22,6 @@ from hfquant.core.format import Method
 from hfquant.integration.folding import find_blocks, plan_folds
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import plan_layers
-
-from helpers import auto_class, input_ids, model_output, tiny_config, tiny_model
 
 TOLERANCE = 1e-4
 """Largest |logit difference| / max |logit| allowed between a float32 model and its folded copy: float32 rounding of
@@ -42,14 +41,25 @@ def _with_outliers(model) -> None:
 
 
 def _qwen2(**overrides):
-    values = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    values = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(Qwen2Config(**(values | overrides))).float().eval()
 
 
-MODELS = {"llama-gqa": lambda: tiny_model("llama"), "llama-mha": lambda: tiny_model("llama", num_key_value_heads=4),
-          "qwen2-bias": _qwen2}
+MODELS = {
+    "llama-gqa": lambda: tiny_model("llama"),
+    "llama-mha": lambda: tiny_model("llama", num_key_value_heads=4),
+    "qwen2-bias": _qwen2,
+}
 
 
 def _fold_state(model, config: HfQuantConfig):
@@ -75,8 +85,9 @@ def test_fold_is_an_identity_of_the_float_model(name):
     transforms, folded = _fold_state(model, HfQuantConfig(bits=4, group_size=32))
     blocks = find_blocks(model)
     assert len(blocks) == 2 and set(transforms) == {m for b in blocks for m in b}
-    spread = max((t.col_scale if t.col_scale is not None else t.row_scale).log().abs().max().item()
-                 for t in transforms.values())
+    spread = max(
+        (t.col_scale if t.col_scale is not None else t.row_scale).log().abs().max().item() for t in transforms.values()
+    )
     assert spread > 0.5  # scales far from 1: a wrong fold would show
     model.load_state_dict(folded)
     after = model_output(model, ids)
@@ -118,11 +129,13 @@ def test_fold_into_norm_gives_back_the_norm_exactly():
 
 def test_default_4bit_checkpoint_is_plain_rtn_reloads_bit_exactly_and_exports(float_checkpoint, tmp_path):
     src = float_checkpoint("llama", torch.bfloat16)
-    model = auto_class("llama").from_pretrained(src, quantization_config=HfQuantConfig(bits=4, group_size=32),
-                                                device_map="cpu")
+    model = auto_class("llama").from_pretrained(
+        src, quantization_config=HfQuantConfig(bits=4, group_size=32), device_map="cpu"
+    )
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    assert layers and all(m.format.method is Method.RTN and "weight_col_scale" not in m._buffers
-                          for m in layers.values())
+    assert layers and all(
+        m.format.method is Method.RTN and "weight_col_scale" not in m._buffers for m in layers.values()
+    )
     source = auto_class("llama").from_pretrained(src, device_map="cpu")
     norm = "model.layers.0.input_layernorm.weight"
     assert not torch.equal(model.state_dict()[norm], source.state_dict()[norm])  # the fold moved into the norm
@@ -158,8 +171,9 @@ def test_folded_int4_is_closer_to_float_than_plain_rtn(float_checkpoint, tmp_pat
 
 def test_a_fold_needs_every_matrix_it_changes_quantized(float_checkpoint):
     config = HfQuantConfig(bits=4, group_size=32, modules_to_not_convert=["o_proj"])
-    model = auto_class("llama").from_pretrained(float_checkpoint("llama"), quantization_config=config,
-                                                device_map="cpu")
+    model = auto_class("llama").from_pretrained(
+        float_checkpoint("llama"), quantization_config=config, device_map="cpu"
+    )
     folds = model.hf_quantizer.folds
     assert "model.layers.0.self_attn.o_proj" not in folds
     assert folds["model.layers.0.self_attn.v_proj"].row_scale is None  # nothing of o_proj moved into v_proj
@@ -180,8 +194,20 @@ def test_defaults_and_the_cli_flag():
     assert HfQuantConfig(bits=4).fold_column_scales is True
     assert HfQuantConfig(bits=4, method="rtn").fold_column_scales is False
     assert HfQuantConfig(bits=8).fold_column_scales is False
-    assert HfQuantConfig.from_dict({"bits": 4, "group_size": 64, "symmetric": True, "modules_to_not_convert": [],
-                                    "format_version": 1}).fold_column_scales is False  # written before the field
+    assert (
+        HfQuantConfig.from_dict(
+            {"bits": 4, "group_size": 64, "symmetric": True, "modules_to_not_convert": [], "format_version": 1}
+        ).fold_column_scales
+        is False
+    )  # written before the field
     parser = build_parser()
-    assert config_from_args(parser.parse_args(["convert", "a", "b", "--no-fold-column-scales"])).fold_column_scales is False
-    assert config_from_args(parser.parse_args(["convert", "a", "b", "--method", "rtn", "--fold-column-scales"])).fold_column_scales is True
+    assert (
+        config_from_args(parser.parse_args(["convert", "a", "b", "--no-fold-column-scales"])).fold_column_scales
+        is False
+    )
+    assert (
+        config_from_args(
+            parser.parse_args(["convert", "a", "b", "--method", "rtn", "--fold-column-scales"])
+        ).fold_column_scales
+        is True
+    )

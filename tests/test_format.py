@@ -17,16 +17,38 @@ from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 
 # (format, rows, in_features) -> {name: (dtype, shape)}, written out by hand from docs/format.md
 SPECS = [
-    (StoredFormat(8, 64, True), (48,), 128,
-     {"weight": (torch.int8, (48, 128)), "weight_scale": (torch.bfloat16, (48, 2))}),
-    (StoredFormat(8, 128, False), (48,), 128,
-     {"weight": (torch.uint8, (48, 128)), "weight_scale": (torch.bfloat16, (48, 1)),
-      "weight_zero_point": (torch.uint8, (48, 1))}),
-    (StoredFormat(4, 32, True), (48,), 128,
-     {"weight": (torch.uint8, (48, 64)), "weight_scale": (torch.bfloat16, (48, 4))}),
-    (StoredFormat(4, 32, False), (3, 48), 128,
-     {"weight": (torch.uint8, (3, 48, 64)), "weight_scale": (torch.bfloat16, (3, 48, 4)),
-      "weight_zero_point": (torch.uint8, (3, 48, 4))}),
+    (
+        StoredFormat(8, 64, True),
+        (48,),
+        128,
+        {"weight": (torch.int8, (48, 128)), "weight_scale": (torch.bfloat16, (48, 2))},
+    ),
+    (
+        StoredFormat(8, 128, False),
+        (48,),
+        128,
+        {
+            "weight": (torch.uint8, (48, 128)),
+            "weight_scale": (torch.bfloat16, (48, 1)),
+            "weight_zero_point": (torch.uint8, (48, 1)),
+        },
+    ),
+    (
+        StoredFormat(4, 32, True),
+        (48,),
+        128,
+        {"weight": (torch.uint8, (48, 64)), "weight_scale": (torch.bfloat16, (48, 4))},
+    ),
+    (
+        StoredFormat(4, 32, False),
+        (3, 48),
+        128,
+        {
+            "weight": (torch.uint8, (3, 48, 64)),
+            "weight_scale": (torch.bfloat16, (3, 48, 4)),
+            "weight_zero_point": (torch.uint8, (3, 48, 4)),
+        },
+    ),
 ]
 SPEC_IDS = ["int8-sym", "int8-asym", "int4-sym", "int4-asym-experts"]
 
@@ -55,7 +77,9 @@ def test_modules_and_quantization_store_exactly_the_specified_tensors(fmt, rows,
             assert {name: (t.dtype, tuple(t.shape)) for name, t in buffers.items()} == expected
         layer = QuantLinear(k, n, fmt)
         assert layer.format is fmt and (layer.bits, layer.group_size, layer.symmetric) == (
-            fmt.bits, fmt.group_size, fmt.symmetric
+            fmt.bits,
+            fmt.group_size,
+            fmt.symmetric,
         )
         assert f"bits={fmt.bits}, group_size={fmt.group_size}, symmetric={fmt.symmetric}" in repr(layer)
     else:
@@ -64,7 +88,9 @@ def test_modules_and_quantization_store_exactly_the_specified_tensors(fmt, rows,
         source = nn.Module()
         source.act_fn = nn.SiLU()
         experts = QuantExperts(source, {"down_proj": (*rows, k)}, {"down_proj": fmt})
-        state = {name.replace("down_proj", "weight"): (t.dtype, tuple(t.shape)) for name, t in experts.state_dict().items()}
+        state = {
+            name.replace("down_proj", "weight"): (t.dtype, tuple(t.shape)) for name, t in experts.state_dict().items()
+        }
         assert state == expected
         assert experts.stored_names() == [name.replace("weight", "down_proj") for name in expected]
         assert (experts.bits, experts.symmetric, experts.group_sizes) == (fmt.bits, fmt.symmetric, {"down_proj": 32})
@@ -79,9 +105,9 @@ def test_worked_example_of_the_docstring():
     scale = stored["weight_scale"].float().item()
     assert 0.05 <= scale < 0.0501  # rounded up to the next bfloat16 value
     codes = torch.tensor([[0, 6, 15, 8]], dtype=torch.uint8)
-    assert rtn.dequantize_weight(codes, stored["weight_scale"], stored["weight_zero_point"], 4, False)[0, 0].item() == (
-        pytest.approx(-0.3, rel=1e-3)
-    )
+    assert rtn.dequantize_weight(codes, stored["weight_scale"], stored["weight_zero_point"], 4, False)[
+        0, 0
+    ].item() == (pytest.approx(-0.3, rel=1e-3))
 
 
 def test_describe_and_value_semantics():

@@ -42,8 +42,14 @@ def hub(monkeypatch):
 def folder(float_checkpoint, tmp_path_factory):
     """A converted tiny Llama in three shards, with a tokenizer file and a card."""
     out = tmp_path_factory.mktemp("push") / "tiny-int4"
-    convert(float_checkpoint("llama", torch.bfloat16), out, HfQuantConfig(bits=4, group_size=32), max_shard_size="60KB",
-            base_model=BASE, progress=False)
+    convert(
+        float_checkpoint("llama", torch.bfloat16),
+        out,
+        HfQuantConfig(bits=4, group_size=32),
+        max_shard_size="60KB",
+        base_model=BASE,
+        progress=False,
+    )
     (out / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
     return out
 
@@ -89,13 +95,16 @@ def test_handwritten_readme_is_uploaded_unchanged(hub, folder, tmp_path):
     assert hub.state.files("me/own-card")["README.md"] == b"# my own words\n"
 
 
-@pytest.mark.parametrize("kind,status,message", [
-    ("create", 401, r"create the repo me/x.*401 Unauthorized.*hf auth login"),
-    ("commit", 401, r"commit \d+ files to me/x.*401.*HF_TOKEN"),
-    ("preupload", 404, r"me/x was not found \(404"),
-    ("commit", 500, r"500 \(server error\).*nothing was committed, try again later"),
-    ("lfs-upload", 403, r"Error while uploading 'model-0000\d-of-00003.safetensors'.*403 Forbidden.*write access"),
-])
+@pytest.mark.parametrize(
+    "kind,status,message",
+    [
+        ("create", 401, r"create the repo me/x.*401 Unauthorized.*hf auth login"),
+        ("commit", 401, r"commit \d+ files to me/x.*401.*HF_TOKEN"),
+        ("preupload", 404, r"me/x was not found \(404"),
+        ("commit", 500, r"500 \(server error\).*nothing was committed, try again later"),
+        ("lfs-upload", 403, r"Error while uploading 'model-0000\d-of-00003.safetensors'.*403 Forbidden.*write access"),
+    ],
+)
 def test_server_errors_become_clear_messages(hub, folder, kind, status, message):
     hub.state.fail[kind] = status
     with pytest.raises(HubError, match=message):
@@ -115,8 +124,9 @@ def test_model_push_to_hub_writes_the_hfquant_card(hub, float_checkpoint):
     """push_to_hub of a model quantized on load sends hfquant's card instead of transformers' generic one."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8),
-                                                 device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8), device_map="cpu"
+    )
     model.push_to_hub("me/on-load-int8", tags=["my-tag"])
     remote = hub.state.files("me/on-load-int8")
     card = remote["README.md"].decode()
@@ -132,8 +142,9 @@ def test_save_pretrained_with_push_to_hub_pushes_the_marked_save(hub, float_chec
     would upload from inside its save, before hfquant marks the config. The repo is named after the folder."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8),
-                                                 device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8), device_map="cpu"
+    )
     model.save_pretrained(tmp_path / "saved-int8", push_to_hub=True, commit_message="saved and pushed")
     (repo_id,) = [name for name in hub.state.repos if name.split("/")[-1] == "saved-int8"]
     remote = hub.state.files(repo_id)
@@ -146,13 +157,26 @@ def test_save_pretrained_with_push_to_hub_pushes_the_marked_save(hub, float_chec
 
 def test_cli_push_as_a_user(hub, folder):
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test_token", "HF_HUB_DISABLE_XET": "1"}
-    command = [sys.executable, "-m", "hfquant.commands.cli", "push", str(folder), "me/cli", "--revision", "dev",
-               "--commit-message", "from the cli"]
+    command = [
+        sys.executable,
+        "-m",
+        "hfquant.commands.cli",
+        "push",
+        str(folder),
+        "me/cli",
+        "--revision",
+        "dev",
+        "--commit-message",
+        "from the cli",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pushed" in result.stdout and "me/cli" in result.stdout
     assert hub.state.commits[-1]["header"]["summary"] == "from the cli"
-    assert hub.state.files("me/cli", "dev")["model.safetensors.index.json"] == (folder / "model.safetensors.index.json").read_bytes()
+    assert (
+        hub.state.files("me/cli", "dev")["model.safetensors.index.json"]
+        == (folder / "model.safetensors.index.json").read_bytes()
+    )
 
 
 def test_cli_push_error_exit_code_and_message(hub, folder, capsys):
@@ -188,8 +212,9 @@ def test_push_to_hub_after_dequantize_pushes_the_float_model(hub, float_checkpoi
     """dequantize() gives a plain float model: push_to_hub is then transformers' own (it raised AttributeError)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8),
-                                                 device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8), device_map="cpu"
+    )
     model.dequantize()
     model.push_to_hub("me/dequantized")
     remote = hub.state.files("me/dequantized")

@@ -52,8 +52,12 @@ def logits(folder: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", [c for c in CASES if "embedding" not in c] + ["overrides"])
 def test_export_then_import_gives_the_same_bytes(llama_bf16, tmp_path, case):
-    kwargs = CASES.get(case) or dict(bits=4, group_size=32, module_overrides={
-        "v_proj": {"bits": 8}, "down_proj": {"group_size": 64, "symmetric": True}}, modules_to_not_convert=["o_proj"])
+    kwargs = CASES.get(case) or dict(
+        bits=4,
+        group_size=32,
+        module_overrides={"v_proj": {"bits": 8}, "down_proj": {"group_size": 64, "symmetric": True}},
+        modules_to_not_convert=["o_proj"],
+    )
     original, exported, back = tmp_path / "hfquant", tmp_path / "ct", tmp_path / "back"
     convert(llama_bf16, original, hfquant_config(**kwargs), max_shard_size="40KB", progress=False, card=False)
     export_checkpoint(original, exported, max_shard_size="40KB")
@@ -70,7 +74,9 @@ def test_export_then_import_gives_the_same_bytes(llama_bf16, tmp_path, case):
 # -- checkpoints written by compressed-tensors itself ------------------------------------------------------------
 
 
-def write_with_compressed_tensors(float_folder: Path, out: Path, scheme: QuantizationScheme) -> dict[str, torch.Tensor]:
+def write_with_compressed_tensors(
+    float_folder: Path, out: Path, scheme: QuantizationScheme
+) -> dict[str, torch.Tensor]:
     """Quantize every Linear but lm_head of `float_folder` with compressed-tensors' min-max qparams and its own
     `PackedQuantizationCompressor.compress`, save it as llm-compressor does; returns each layer's decompressed weight."""
     model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.bfloat16)
@@ -97,8 +103,12 @@ def write_with_compressed_tensors(float_folder: Path, out: Path, scheme: Quantiz
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((float_folder / "config.json").read_text())
-    qconfig = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                                 quantization_status="compressed", ignore=["lm_head"])
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format="pack-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    )
     config["quantization_config"] = qconfig.model_dump(mode="json")
     (out / "config.json").write_text(json.dumps(config))
     return expected
@@ -138,15 +148,23 @@ def _edit_config(folder: Path, edit) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="weight"), "actorder.*g_idx"),
-    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "dynamic": True,
-                                                                      "strategy": "token"}), "input_activations"),
-    (lambda q: q.update(format="naive-quantized"), "format 'naive-quantized'"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), "3-bit"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), "group size in"),
-    (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv cache"),
-], ids=["actorder", "w4a8", "naive", "3-bit", "group-16", "kv-cache"])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="weight"), "actorder.*g_idx"),
+        (
+            lambda q: q["config_groups"]["group_0"].update(
+                input_activations={"num_bits": 8, "dynamic": True, "strategy": "token"}
+            ),
+            "input_activations",
+        ),
+        (lambda q: q.update(format="naive-quantized"), "format 'naive-quantized'"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), "3-bit"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), "group size in"),
+        (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv cache"),
+    ],
+    ids=["actorder", "w4a8", "naive", "3-bit", "group-16", "kv-cache"],
+)
 def test_unsupported_schemes_are_refused(llama_bf16, tmp_path, edit, message):
     src = tmp_path / "ct"
     convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=4, group_size=32), progress=False, card=False)
@@ -180,8 +198,9 @@ def test_cli_import(llama_bf16, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "14 layers imported in 1 format(s)" in result.stdout
-    bad = subprocess.run([*command[:-2], str(tmp_path / "hfquant"), str(tmp_path / "x")], capture_output=True,
-                         text=True, timeout=300)
+    bad = subprocess.run(
+        [*command[:-2], str(tmp_path / "hfquant"), str(tmp_path / "x")], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2 and "quant_method 'hfquant'" in bad.stderr
 
 
@@ -199,8 +218,9 @@ def test_smollm2_w4a16_from_compressed_tensors_decodes_on_hfquant_kernels(tmp_pa
         from tests.test_export_compressed_tensors import load_without_hfquant
 
     src = build_example_model()
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=64, symmetric=True,
-                                                                             strategy="group"))
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=64, symmetric=True, strategy="group")
+    )
     expected = write_with_compressed_tensors(src, tmp_path / "ct", scheme)
     import_checkpoint(tmp_path / "ct", tmp_path / "hfquant", max_shard_size="50MB")
     assert verify(tmp_path / "hfquant").ok
@@ -212,11 +232,13 @@ def test_smollm2_w4a16_from_compressed_tensors_decodes_on_hfquant_kernels(tmp_pa
     tokenizer = AutoTokenizer.from_pretrained(src)
     prompt = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        tokens = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:]
+        tokens = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1] :]
     # transformers' greedy tokens from its logits of the same prompt extended token by token is what generate does;
     # the reader returns the logits of prompt + hfquant's tokens, whose argmaxes are transformers' own next tokens
-    read = load_without_hfquant(tmp_path / "ct", torch.cat([prompt[0], tokens[:-1]])[None], tmp_path / "read.safetensors")
-    their_logits = read["logits"][0, prompt.shape[1] - 1:].float()
+    read = load_without_hfquant(
+        tmp_path / "ct", torch.cat([prompt[0], tokens[:-1]])[None], tmp_path / "read.safetensors"
+    )
+    their_logits = read["logits"][0, prompt.shape[1] - 1 :].float()
     theirs = their_logits.argmax(-1)
     print("hfquant greedy", tokens.tolist(), "transformers next tokens", theirs.tolist())
     # hfquant's int4 kernels sum in another order than transformers' bf16 matmul on the same weights: a near-tie may

@@ -11,8 +11,18 @@ from hfquant import HfQuantConfig
 from hfquant.commands.convert import convert
 from hfquant.commands.inspection import format_report, inspect_checkpoint, layer_kind
 
-LLAMA_KINDS = [f"model.layers.*.{p}" for p in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
-                                               "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")]
+LLAMA_KINDS = [
+    f"model.layers.*.{p}"
+    for p in (
+        "mlp.down_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "self_attn.k_proj",
+        "self_attn.o_proj",
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +54,8 @@ def test_int4_kinds_bits_groups_and_bytes(converted):
     for kind, row in rows.items():
         in_features = 128 if kind.endswith("down_proj") else 64
         out_features = {"down_proj": 64, "gate_proj": 128, "up_proj": 128, "k_proj": 32, "v_proj": 32}.get(
-            kind.rpartition(".")[2], 64)
+            kind.rpartition(".")[2], 64
+        )
         groups = in_features // row["group_size"]
         assert (row["count"], row["bits"], row["symmetric"]) == (2, 4, False)
         assert row["group_size"] == (128 if kind.endswith("down_proj") else 64)
@@ -58,9 +69,15 @@ def test_int4_kinds_bits_groups_and_bytes(converted):
     assert totals["file_bytes"] > totals["tensor_bytes"]  # plus the safetensors header
     assert report["quantization_config"]["bits"] == 4
     floats = {row["kind"]: row for row in report["float_tensors"]}
-    assert floats["model.embed_tokens.weight"] == {"kind": "model.embed_tokens.weight", "count": 1, "dtype": "float32",
-                                                   "bytes": 256 * 64 * 4}
-    assert report["float_layers"] == [{"kind": "lm_head", "count": 1, "reason": "output embedding (lm_head), kept in float"}]
+    assert floats["model.embed_tokens.weight"] == {
+        "kind": "model.embed_tokens.weight",
+        "count": 1,
+        "dtype": "float32",
+        "bytes": 256 * 64 * 4,
+    }
+    assert report["float_layers"] == [
+        {"kind": "lm_head", "count": 1, "reason": "output embedding (lm_head), kept in float"}
+    ]
 
 
 def test_int8_per_channel_and_reasons(converted):

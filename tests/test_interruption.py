@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -244,7 +243,11 @@ def driver(tmp_path_factory):
     path = tmp_path_factory.mktemp("driver") / "driver.py"
     path.write_text(DRIVER)
     process = subprocess.Popen(
-        [sys.executable, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"},
     )
     yield process
@@ -283,8 +286,14 @@ def _phases(log: list[str]) -> tuple[list[int], list[int]]:
 def _trial(name, state, action) -> dict:
     """One interrupted run; after a SIGKILL (leftovers possible) a rerun with --overwrite follows."""
     rerun = ARGS_NEW + ["--overwrite"] if action.get("signal") == "KILL" else None
-    return {"kind": "trial", "name": name, "state": state, "args": ARGS_NEW + ["--overwrite"] * (state == "previous"),
-            "action": action, "rerun_args": rerun}
+    return {
+        "kind": "trial",
+        "name": name,
+        "state": state,
+        "args": ARGS_NEW + ["--overwrite"] * (state == "previous"),
+        "action": action,
+        "rerun_args": rerun,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +306,7 @@ def logs(driver, work, source) -> dict:
         {"kind": "prepare", "name": "over", "state": "previous", "args": ARGS_NEW + ["--overwrite"]},
     ]
     results = _drive(driver, tmp, source, steps)
-    for name, result in results.items():
+    for _name, result in results.items():
         assert result["rc"] == 0, result["stderr"]
     assert verify(tmp / "out" / "dst").problems == []
     assert results["over"]["snapshot"] == results["new"]["snapshot"]
@@ -314,11 +323,21 @@ def _plan(logs: dict) -> list[dict]:
         points = [(op, when) for op in writing for when in ("before", "after")] + [(writing[0] - 1, "before")]
         for sig in ("KILL", "INT"):
             for op, when in rng.sample(points, POINTS_PER_SIGNAL):
-                steps.append(_trial(f"{state}-{sig}-{when}-{op}", state, {"kind": "signal", "signal": sig, "op": op, "when": when}))
+                steps.append(
+                    _trial(
+                        f"{state}-{sig}-{when}-{op}", state, {"kind": "signal", "signal": sig, "op": op, "when": when}
+                    )
+                )
         for op in publishing:
             for when in ("before", "after"):
                 for sig in ("KILL", "INT"):
-                    steps.append(_trial(f"{state}-{sig}-{when}-{op}", state, {"kind": "signal", "signal": sig, "op": op, "when": when}))
+                    steps.append(
+                        _trial(
+                            f"{state}-{sig}-{when}-{op}",
+                            state,
+                            {"kind": "signal", "signal": sig, "op": op, "when": when},
+                        )
+                    )
     return steps
 
 
@@ -381,9 +400,15 @@ def windows(driver, work, source, logs) -> dict:
     steps = [
         _trial("absent-INT-after-tmp", "absent", {"kind": "signal", "signal": "INT", "op": tmpdir, "when": "after"}),
         _trial("absent-INT-before-tmp", "absent", {"kind": "signal", "signal": "INT", "op": tmpdir, "when": "before"}),
-        _trial("previous-KILL-after-swap", "previous", {"kind": "signal", "signal": "KILL", "op": swap, "when": "after"}),
-        _trial("previous-INT-after-swap", "previous", {"kind": "signal", "signal": "INT", "op": swap, "when": "after"}),
-        _trial("previous-INT-before-swap", "previous", {"kind": "signal", "signal": "INT", "op": swap, "when": "before"}),
+        _trial(
+            "previous-KILL-after-swap", "previous", {"kind": "signal", "signal": "KILL", "op": swap, "when": "after"}
+        ),
+        _trial(
+            "previous-INT-after-swap", "previous", {"kind": "signal", "signal": "INT", "op": swap, "when": "after"}
+        ),
+        _trial(
+            "previous-INT-before-swap", "previous", {"kind": "signal", "signal": "INT", "op": swap, "when": "before"}
+        ),
     ]
     return _drive(driver, work, source, steps)
 
@@ -449,9 +474,23 @@ def races(driver, work, source, logs) -> dict:
     writing, publishing = _phases(log)
     steps = [
         # both pass every check, then publish at the same moment
-        {"kind": "race", "name": "together", "state": "absent", "args": ARGS_NEW, "op": publishing[0], "order": "together"},
+        {
+            "kind": "race",
+            "name": "together",
+            "state": "absent",
+            "args": ARGS_NEW,
+            "op": publishing[0],
+            "order": "together",
+        },
         # the second reaches publishing after the first has finished
-        {"kind": "race", "name": "staggered", "state": "absent", "args": ARGS_NEW, "op": writing[-1], "order": "staggered"},
+        {
+            "kind": "race",
+            "name": "staggered",
+            "state": "absent",
+            "args": ARGS_NEW,
+            "op": writing[-1],
+            "order": "staggered",
+        },
     ]
     return _drive(driver, work, source, steps)
 
@@ -496,9 +535,22 @@ def test_ctrl_c_from_a_terminal_with_a_worker(tmp_path, source):
     convert(source, dst, HfQuantConfig(bits=8), max_shard_size="60KB", progress=False)
     before = _snapshot(dst)
     process = subprocess.Popen(
-        [sys.executable, "-m", "hfquant.commands.cli", "convert", str(source), str(dst), *ARGS_NEW, "--workers", "1",
-         "--overwrite"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "hfquant.commands.cli",
+            "convert",
+            str(source),
+            str(dst),
+            *ARGS_NEW,
+            "--workers",
+            "1",
+            "--overwrite",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "TQDM_DISABLE": "1"},
     )
     try:
@@ -526,8 +578,11 @@ def _snapshot(folder: Path) -> dict | None:
 
     if not folder.exists():
         return None
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 # -- the real example model (slow) ----------------------------------------------------------------------------------
@@ -538,8 +593,8 @@ def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
     """SmolLM2-135M: convert at 8 bits, record sha256 sums and verify; then convert at 4 bits over it, interrupted by
     SIGINT and by SIGKILL at seeded moments of its writing: every time DST still verifies with the same sums (the same
     bytes); a final rerun at 4 bits completes and verifies."""
-    from hfquant.example_model import build_example_model
     from hfquant.checkpoint.checksums import write_checksums
+    from hfquant.example_model import build_example_model
 
     source = build_example_model()
     dst = tmp_path / "out" / "dst"
@@ -548,7 +603,10 @@ def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
     def command(*args: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "hfquant.commands.cli", "convert", str(source), str(dst), "--no-progress", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
 
     first = command("--bits", "8", "--max-shard-size", "50MB")

@@ -13,7 +13,9 @@ from hfquant.ops import choice, gemv, native, torch_ops
 from hfquant.ops.kernels import Kernel
 
 NEEDS_NATIVE = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's native int4 GEMV does not work here")
-NEEDS_NATIVE_INT8 = pytest.mark.skipif(not gemv.native_int8_works(), reason="hfquant's native int8 GEMV does not work here")
+NEEDS_NATIVE_INT8 = pytest.mark.skipif(
+    not gemv.native_int8_works(), reason="hfquant's native int8 GEMV does not work here"
+)
 
 
 @pytest.fixture
@@ -79,7 +81,10 @@ def test_a_malformed_cache_file_is_ignored_and_rewritten(fresh, monkeypatch, con
     calls = []
     monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5, 2e-5, calls))
     assert choice.int4_row_uses_native(2048, 2048, 128) is True and len(calls) == 1
-    assert json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["int4 2048x2048 g128"]["kernel"] == "native"
+    assert (
+        json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["int4 2048x2048 g128"]["kernel"]
+        == "native"
+    )
 
 
 def test_the_environment_forces_a_kernel_without_timing_and_refuses_other_values(fresh, monkeypatch):
@@ -148,8 +153,11 @@ def test_int8_measurement_times_both_kernels_and_the_gemv_matches_float64(fresh)
         bound = reference.abs() * 2**-8 + 1e-6 * reference.abs().max() + 1.01 * activation
         assert ((y - reference).abs() <= bound).all(), (n, k)
     with pytest.raises(RuntimeError, match="K % 16"):
-        native.int8_gemv(torch.zeros((1, 40), dtype=torch.bfloat16), torch.zeros((8, 40), dtype=torch.int8),
-                         torch.ones(8, dtype=torch.bfloat16))
+        native.int8_gemv(
+            torch.zeros((1, 40), dtype=torch.bfloat16),
+            torch.zeros((8, 40), dtype=torch.int8),
+            torch.ones(8, dtype=torch.bfloat16),
+        )
 
 
 def test_int8_shapes_have_their_own_cache_entries(fresh, monkeypatch):
@@ -182,10 +190,14 @@ def test_one_row_of_a_prepared_int8_layer_runs_the_kernel_chosen_for_its_shape(f
 
 
 @NEEDS_NATIVE
-@pytest.mark.parametrize("native_us, aten_us, compiled", [(10.0, 30.0, True), (12.5, 14.8, False)],
-                         ids=["gemv-wins-by-more-than-the-op-call", "gemv-wins-by-less"])
-def test_compiled_graphs_keep_the_gemv_only_where_it_beats_the_custom_op_overhead(fresh, monkeypatch, native_us,
-                                                                               aten_us, compiled):
+@pytest.mark.parametrize(
+    "native_us, aten_us, compiled",
+    [(10.0, 30.0, True), (12.5, 14.8, False)],
+    ids=["gemv-wins-by-more-than-the-op-call", "gemv-wins-by-less"],
+)
+def test_compiled_graphs_keep_the_gemv_only_where_it_beats_the_custom_op_overhead(
+    fresh, monkeypatch, native_us, aten_us, compiled
+):
     """A compiled graph calls the GEMV as a Python custom op (about 9 us more per call here): a shape where the GEMV
     wins by less than that runs aten's kernel when compiled, the GEMV in eager (SmolLM2's 576 x 576 layers: 12.5 vs
     14.8 us made compiled decoding 0.88x aten's speed)."""

@@ -20,11 +20,10 @@ import pytest
 import torch
 
 import hfquant
+from hfquant.core import packing, rtn
+from hfquant.core.format import StoredFormat
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
-from hfquant.core import packing
-from hfquant.core import rtn
-from hfquant.core.format import StoredFormat
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
@@ -57,7 +56,9 @@ def _layer(bits: int, symmetric: bool, group: int, n: int, k: int, seed: int = 0
 def _runtime(kernel: str, qt, stored: torch.Tensor, k: int, dtype: torch.dtype):
     source = qt.q if kernel in kernels.INT4_KERNELS else stored
     weight = kernels.prepare_weight(kernel, source, k)
-    scale_zero = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel in kernels.INT4_KERNELS else None
+    scale_zero = (
+        kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel in kernels.INT4_KERNELS else None
+    )
     return weight, scale_zero
 
 
@@ -71,13 +72,16 @@ def test_select_kernel_on_cpu(case):
 def test_select_kernel_falls_back_to_dequant_without_a_working_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "kernel_works", lambda kernel, device: kernel == "dequant")
     for _, bits, symmetric, group, n, k in CASES:
-        assert kernels.select_kernel(
-            StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device="cpu"
-        ) == Kernel.DEQUANT
+        assert (
+            kernels.select_kernel(StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device="cpu")
+            == Kernel.DEQUANT
+        )
 
 
 def test_select_kernel_on_an_unknown_device_is_dequant():
-    assert kernels.select_kernel(StoredFormat(8, 64, True), in_features=64, out_features=64, device="meta") == "dequant"
+    assert (
+        kernels.select_kernel(StoredFormat(8, 64, True), in_features=64, out_features=64, device="meta") == "dequant"
+    )
     assert kernels.kernel_works(Kernel.DEQUANT, "meta")
 
 
@@ -149,10 +153,15 @@ def test_quantized_matmul_matches_the_dequantize_reference(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize(
     "kernel, bits, symmetric, group, n, k",
-    [("int8pack_mm", 8, True, 128, 200, 128), ("int4pack_mm_cpu", 4, False, 32, 192, 128),
-     ("int4pack_mm_cpu", 4, True, 64, 320, 256)],
+    [
+        ("int8pack_mm", 8, True, 128, 200, 128),
+        ("int4pack_mm_cpu", 4, False, 32, 192, 128),
+        ("int4pack_mm_cpu", 4, True, 64, 320, 256),
+    ],
 )
-def test_many_rows_run_chunk_by_chunk_and_match_the_reference(monkeypatch, dtype, kernel, bits, symmetric, group, n, k):
+def test_many_rows_run_chunk_by_chunk_and_match_the_reference(
+    monkeypatch, dtype, kernel, bits, symmetric, group, n, k
+):
     """Prefill-sized inputs take the dequantize-a-chunk + float GEMM path; with a tiny chunk budget every 64 output
     channels are one chunk, so a wrong column offset or block order shows. Also: no big activation makes float16
     overflow (x @ q.T with |q| up to 127 would)."""
@@ -164,7 +173,9 @@ def test_many_rows_run_chunk_by_chunk_and_match_the_reference(monkeypatch, dtype
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a))
     for scale in (1.0, 300.0):
-        x = (torch.randn((kernels.GEMM_MIN_ROWS[kernel] + 5, k), generator=torch.Generator().manual_seed(1)) * scale).to(dtype)
+        x = (
+            torch.randn((kernels.GEMM_MIN_ROWS[kernel] + 5, k), generator=torch.Generator().manual_seed(1)) * scale
+        ).to(dtype)
         y = kernels.quantized_matmul(kernel, x, weight, qt.scale, qt.zero_point, scale_zero, **options)
         reference = kernels.quantized_matmul("dequant", x, stored, qt.scale, qt.zero_point, None, **options)
         assert torch.isfinite(y).all()

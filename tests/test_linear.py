@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfquant.ops import kernels
-from hfquant.core import packing
-from hfquant.core import rtn
+from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.nn.linear import QuantLinear, quantize_to_buffers
+from hfquant.ops import kernels
 
 try:
     from helpers import cosine_similarity
@@ -80,7 +79,11 @@ def test_buffers_have_the_documented_dtypes_and_shapes():
         for bias in (True, False):
             layer = QuantLinear(96, 64, StoredFormat(bits, 32, symmetric), bias=bias, dtype=torch.float16)
             state = layer.state_dict()
-            expected = {"weight", "weight_scale"} | ({"bias"} if bias else set()) | (set() if symmetric else {"weight_zero_point"})
+            expected = (
+                {"weight", "weight_scale"}
+                | ({"bias"} if bias else set())
+                | (set() if symmetric else {"weight_zero_point"})
+            )
             assert set(state) == expected
             assert state["weight"].shape == weight_shape and state["weight"].dtype == weight_dtype
             assert state["weight_scale"].shape == (64, 3) and state["weight_scale"].dtype == torch.bfloat16
@@ -130,8 +133,10 @@ def test_prepare_kernel_keeps_the_state_dict_bit_exact(fmt, bias, device):
     layer = QuantLinear.from_float(weight, b, StoredFormat(bits, group, symmetric))
     before = {key: value.clone() for key, value in layer.state_dict().items()}
     kernel = layer.prepare_kernel()
-    assert kernel == layer.kernel == kernels.select_kernel(
-        StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device=device
+    assert (
+        kernel
+        == layer.kernel
+        == kernels.select_kernel(StoredFormat(bits, group, symmetric), in_features=k, out_features=n, device=device)
     )
     for attempt in range(2):  # prepare_kernel is idempotent
         after = layer.state_dict()

@@ -40,7 +40,7 @@ def _touch_100_mib() -> tuple[bool, float, float, float, float]:
 def test_peak_rss_grows_after_touching_100_mib():
     # The kernel may reclaim other pages of this process meanwhile (file pages of checkpoints mapped by earlier
     # tests; this VM runs DAMON reclaim), which lowers VmRSS by a few MiB to tens of MiB: up to three attempts.
-    for attempt in range(3):
+    for _attempt in range(3):
         was_reset, peak_before, rss_before, rss_during, peak_after = _touch_100_mib()
         if rss_during - rss_before > 90:
             break
@@ -176,7 +176,12 @@ def test_import_model_code_imports_the_class_module_before_a_load(tmp_path):
         f"import_model_code({str(tmp_path)!r})\n"
         "print(before, name in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["False", "True"]

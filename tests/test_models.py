@@ -8,10 +8,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.core.rtn import effective_group_size
 from hfquant.nn.float_linear import FloatLinear
 from hfquant.nn.linear import quantize_to_buffers
 from hfquant.ops.kernels import select_kernel
-from hfquant.core.rtn import effective_group_size
 
 try:
     from helpers import ARCHITECTURES, auto_class, cosine_similarity, input_ids, model_output
@@ -36,8 +36,14 @@ def _expected_quantized(arch: str) -> set[str]:
     if arch == "gpt2":
         children = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
         return {f"transformer.h.{i}.{c}" for i in range(2) for c in children}
-    children = ["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                "intermediate.dense", "output.dense"]
+    children = [
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
+        "attention.output.dense",
+        "intermediate.dense",
+        "output.dense",
+    ]
     return {f"encoder.layer.{i}.{c}" for i in range(2) for c in children} | {"pooler.dense"}
 
 
@@ -53,7 +59,9 @@ def _quant_layers(model) -> dict[str, QuantLinear]:
 
 
 def _float_layers(model) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and not isinstance(m, QuantLinear)}
+    return {
+        n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and not isinstance(m, QuantLinear)
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -159,8 +167,18 @@ def test_group_size_falls_back_to_the_largest_power_of_two_divisor(float_checkpo
 
 
 @pytest.mark.parametrize(
-    "device_map", ["auto", {"": "cpu"}, {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu",
-                                         "model.rotary_emb": "cpu", "lm_head": "cpu"}],
+    "device_map",
+    [
+        "auto",
+        {"": "cpu"},
+        {
+            "model.embed_tokens": "cpu",
+            "model.layers": "cpu",
+            "model.norm": "cpu",
+            "model.rotary_emb": "cpu",
+            "lm_head": "cpu",
+        },
+    ],
     ids=["auto", "root", "per_module"],
 )
 def test_device_maps(float_checkpoint, device_map):
@@ -183,14 +201,26 @@ def test_quantized_model_reports_its_quantization(float_checkpoint):
     rule = {"model.layers.1.self_attn.v_proj": {"bits": 8}}
     asked = HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=rule)
     # and, first, the fold's entries: every projection of both Llama blocks stored with RTN at its resolved format
-    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                   "mlp.up_proj", "mlp.down_proj")
+    projections = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
     folded = {}
     for name in (f"model.layers.{i}.{p}" for i in range(2) for p in projections):
         bits, group_size, symmetric, _ = asked.layer_settings(name)
         folded[name] = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "method": "rtn"}
     # the rule's layer is folded too: its entry, complete, replaces the rule's (a fold entry states the whole format)
-    assert folded["model.layers.1.self_attn.v_proj"] == {"bits": 8, "group_size": None, "symmetric": True, "method": "rtn"}
+    assert folded["model.layers.1.self_attn.v_proj"] == {
+        "bits": 8,
+        "group_size": None,
+        "symmetric": True,
+        "method": "rtn",
+    }
     expected = HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=folded)
     assert model.config.quantization_config == expected
     assert list(model.config.quantization_config.module_overrides) == list(expected.module_overrides)

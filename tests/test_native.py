@@ -15,8 +15,8 @@ import torch
 
 from hfquant import QuantLinear
 from hfquant.core import packing, rtn
-from hfquant.ops import gemv, kernels, native, torch_ops
 from hfquant.core.format import StoredFormat
+from hfquant.ops import gemv, kernels, native, torch_ops
 
 try:
     from helpers import run_python
@@ -234,10 +234,15 @@ def _plant(tmp_path, cache, mode: int, record: bool):
     source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
     compiler = _shutil.which("cc")
     env = {**os.environ, "HFQUANT_CACHE": str(cache)}
-    folder = Path(subprocess.run(
-        [sys.executable, "-c", f"from hfquant.ops import native; print(native.library_folder({compiler!r}))"],
-        capture_output=True, text=True, env=env, check=True,
-    ).stdout.strip())
+    folder = Path(
+        subprocess.run(
+            [sys.executable, "-c", f"from hfquant.ops import native; print(native.library_folder({compiler!r}))"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        ).stdout.strip()
+    )
     folder.mkdir(parents=True)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "int4_cpu.so"), str(source)], check=True)
     if record:  # even a matching hash record does not make a folder others can write trusted
@@ -259,8 +264,10 @@ def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path, mode, record):
     assert not sentinel.exists(), "the planted library's constructor ran"
 
 
-@pytest.mark.parametrize("value,enabled", [("0", False), ("false", False), ("No", False), ("OFF", False),
-                                           ("1", True), ("true", True), ("", True)])
+@pytest.mark.parametrize(
+    "value,enabled",
+    [("0", False), ("false", False), ("No", False), ("OFF", False), ("1", True), ("true", True), ("", True)],
+)
 def test_hfquant_native_spellings(monkeypatch, value, enabled):
     monkeypatch.setenv("HFQUANT_NATIVE", value)
     assert native.native_enabled() is enabled

@@ -11,8 +11,9 @@ import torch
 from hfquant.core import packing, rtn
 from hfquant.ops import gemv, native
 
-pytestmark = pytest.mark.skipif(not gemv.native_int4_works(),
-                                reason="native kernels unavailable here (no compiler or no AVX512-BF16)")
+pytestmark = pytest.mark.skipif(
+    not gemv.native_int4_works(), reason="native kernels unavailable here (no compiler or no AVX512-BF16)"
+)
 
 FORMATS = [(4, False), (4, True), (8, True), (8, False)]
 
@@ -86,7 +87,7 @@ def test_same_result_for_any_thread_count():
     finally:
         torch.set_num_threads(threads)
     many = native.rtn_quantize(weight, 4, 128, False)
-    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=False))
 
 
 def test_refuses_arguments_it_does_not_handle():
@@ -105,8 +106,9 @@ def test_out_rows_of_a_larger_buffer_get_the_same_bytes(bits, symmetric):
     codes = torch.full((96, 128 if bits == 4 else 256), 7, dtype=want[0].dtype)
     scale = torch.zeros((96, 4), dtype=torch.bfloat16)
     zero_point = None if symmetric else torch.full((96, 4), 9, dtype=torch.uint8)
-    got = native.rtn_quantize(weight[32:64], bits, 64, symmetric,
-                              out=(codes[32:64], scale[32:64], None if symmetric else zero_point[32:64]))
+    got = native.rtn_quantize(
+        weight[32:64], bits, 64, symmetric, out=(codes[32:64], scale[32:64], None if symmetric else zero_point[32:64])
+    )
     assert got[0].data_ptr() == codes[32:64].data_ptr()
     assert torch.equal(codes[32:64], want[0]) and bool((codes[:32] == 7).all()) and bool((codes[64:] == 7).all())
     assert torch.equal(scale[32:64].view(torch.int16), want[1].view(torch.int16)) and not scale[64:].any()
@@ -117,10 +119,17 @@ def test_out_rows_of_a_larger_buffer_get_the_same_bytes(bits, symmetric):
 def test_out_of_the_wrong_shape_dtype_or_layout_is_refused_by_name():
     weight = torch.randn((64, 128)).to(torch.bfloat16)
     scale = torch.empty((64, 2), dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"out codes must be a contiguous CPU torch.uint8 tensor of shape \(64, 64\)"):
+    with pytest.raises(
+        RuntimeError, match=r"out codes must be a contiguous CPU torch.uint8 tensor of shape \(64, 64\)"
+    ):
         native.rtn_quantize(weight, 4, 64, True, out=(torch.empty((64, 128), dtype=torch.uint8), scale, None))
     with pytest.raises(RuntimeError, match="out scale .* not contiguous"):
-        native.rtn_quantize(weight, 4, 64, True,
-                            out=(torch.empty((64, 64), dtype=torch.uint8), torch.empty((2, 64), dtype=torch.bfloat16).t(), None))
+        native.rtn_quantize(
+            weight,
+            4,
+            64,
+            True,
+            out=(torch.empty((64, 64), dtype=torch.uint8), torch.empty((2, 64), dtype=torch.bfloat16).t(), None),
+        )
     with pytest.raises(RuntimeError, match="out zero_point must be a contiguous"):
         native.rtn_quantize(weight, 4, 64, False, out=(torch.empty((64, 64), dtype=torch.uint8), scale, None))

@@ -23,8 +23,14 @@ RELATIVE_TOLERANCE = 1e-5
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def float_checkpoint(request, tmp_path_factory):
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=request.param,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=request.param,
     )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("float")
@@ -55,8 +61,10 @@ def _split_load(path, tmp_path, config=None, **kwargs):
 
 def _offloaded_quantized(model) -> dict[str, torch.nn.Module]:
     return {
-        name: m for name, m in model.named_modules()
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and "weight" not in m._non_persistent_buffers_set
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, (QuantLinear, QuantEmbedding))
+        and "weight" not in m._non_persistent_buffers_set
         and m.weight.device.type == "meta"
     }
 
@@ -118,7 +126,10 @@ def test_gpu_and_cpu_split(float_checkpoint, tmp_path):
     resident = AutoModelForCausalLM.from_pretrained(float_checkpoint, quantization_config=config, device_map="cpu")
     budget = resident.get_memory_footprint() // 2
     model = AutoModelForCausalLM.from_pretrained(
-        float_checkpoint, quantization_config=config, device_map="auto", max_memory={0: budget, "cpu": 2**30},
+        float_checkpoint,
+        quantization_config=config,
+        device_map="auto",
+        max_memory={0: budget, "cpu": 2**30},
     )
     assert {0, "cpu"} <= set(model.hf_device_map.values()) or {"cuda:0", "cpu"} <= set(model.hf_device_map.values())
     expected = _logits(resident)

@@ -44,7 +44,9 @@ def test_mixed_precision_checkpoint_round_trips(float_checkpoint, tmp_path):
 def test_convert_writes_the_same_mixed_precision_files(float_checkpoint, tmp_path):
     src = float_checkpoint("llama")
     config = HfQuantConfig(bits=4, group_size=32, module_overrides=OVERRIDES)
-    auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu").save_pretrained(tmp_path / "a")
+    auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu").save_pretrained(
+        tmp_path / "a"
+    )
     convert(src, tmp_path / "b", config, progress=False)
     want, got = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert sorted(want) == sorted(got)

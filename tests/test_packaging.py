@@ -34,7 +34,10 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     isolation = [] if _setuptools_version() < (70, 1) else ["--no-build-isolation"]
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", *isolation, "-q", "-w", str(wheels)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("hfquant-*.whl")

@@ -75,28 +75,60 @@ def test_a_worker_error_and_a_silent_worker_are_reported(tmp_path):
 
 
 def test_targets_use_the_paired_median():
-    group = {"engines": ["hfquant-int8", "llamacpp-q8_0"], "rounds": [{"read_gbs": 31.5}, {"read_gbs": 48.0}], "pairs": [
-        {"mine": "hfquant-int8", "theirs": "llamacpp-q8_0", "rounds": 5, "median": 0.92, "min": 0.9, "max": 0.95,
-         "mine_tok_s": 23.0, "theirs_tok_s": 25.0},
-        {"mine": "hfquant-int8 +compile", "theirs": "llamacpp-q8_0", "rounds": 5, "median": 1.25, "min": 1.1,
-         "max": 1.3, "mine_tok_s": 31.25, "theirs_tok_s": 25.0},
-    ], "error": "llamacpp-q8_0: worker exited with status 1"}
+    group = {
+        "engines": ["hfquant-int8", "llamacpp-q8_0"],
+        "rounds": [{"read_gbs": 31.5}, {"read_gbs": 48.0}],
+        "pairs": [
+            {
+                "mine": "hfquant-int8",
+                "theirs": "llamacpp-q8_0",
+                "rounds": 5,
+                "median": 0.92,
+                "min": 0.9,
+                "max": 0.95,
+                "mine_tok_s": 23.0,
+                "theirs_tok_s": 25.0,
+            },
+            {
+                "mine": "hfquant-int8 +compile",
+                "theirs": "llamacpp-q8_0",
+                "rounds": 5,
+                "median": 1.25,
+                "min": 1.1,
+                "max": 1.3,
+                "mine_tok_s": 31.25,
+                "theirs_tok_s": 25.0,
+            },
+        ],
+        "error": "llamacpp-q8_0: worker exited with status 1",
+    }
     speed = {c["target"]: c for c in paired.paired_targets([group], speed=True)}
     assert not speed["hfquant-int8 decode >= 1.2x llamacpp-q8_0 (same weights, paired median of 5 rounds)"]["met"]
     assert speed["hfquant-int8 +compile decode >= 1.2x llamacpp-q8_0 (same weights, paired median of 5 rounds)"]["met"]
     small = paired.paired_targets([group], speed=False)
     assert [c["target"] for c in small] == [
-        "hfquant-int8 +compile decode >= 0.8x llamacpp-q8_0 (same weights, paired median of 5 rounds)"]
+        "hfquant-int8 +compile decode >= 0.8x llamacpp-q8_0 (same weights, paired median of 5 rounds)"
+    ]
     table = paired.render([group])
     assert "| hfquant-int8 +compile | llamacpp-q8_0 | 5 | 31.25 | 25.00 | 1.25x (1.10-1.30) | 31.5-48.0 |" in table
     assert "stopped: llamacpp-q8_0: worker exited with status 1" in table
 
 
 def test_without_llama_cpp_the_group_says_why(tmp_path):
-    args = benchmark.build_parser().parse_args(["--paired-rounds", "2", "--out", str(tmp_path), "--compile",
-                                                "--llama-python", str(tmp_path / "no" / "python")])
-    groups = paired.for_workload(tmp_path, ["bf16", "llamacpp-q8_0"], args, benchmark.QUICK,
-                                 benchmark.quantization_config, None)
+    args = benchmark.build_parser().parse_args(
+        [
+            "--paired-rounds",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--compile",
+            "--llama-python",
+            str(tmp_path / "no" / "python"),
+        ]
+    )
+    groups = paired.for_workload(
+        tmp_path, ["bf16", "llamacpp-q8_0"], args, benchmark.QUICK, benchmark.quantization_config, None
+    )
     assert len(groups) == 1 and groups[0]["rounds"] == [] and "no llama-cpp-python" in groups[0]["error"]
     assert groups[0]["engines"] == ["hfquant-int8", "hfquant-int8 +compile", "llamacpp-q8_0"]
 
@@ -128,8 +160,24 @@ def test_benchmark_reports_paired_rounds_and_their_targets(tmp_path):
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{stand_in}'\n")
     fake.chmod(0o755)
     out = tmp_path / "bench"
-    rc = benchmark.main(["--model", str(path), "--quick", "--compile", "--methods", "llamacpp-q8_0", "--paired-rounds", "2",
-                         "--llama-python", str(fake), "--out", str(out), "--timeout", "300"])
+    rc = benchmark.main(
+        [
+            "--model",
+            str(path),
+            "--quick",
+            "--compile",
+            "--methods",
+            "llamacpp-q8_0",
+            "--paired-rounds",
+            "2",
+            "--llama-python",
+            str(fake),
+            "--out",
+            str(out),
+            "--timeout",
+            "300",
+        ]
+    )
     data = json.loads((out / "benchmark.json").read_text())["workloads"]["model"]
     (group,) = data["paired"]
     assert group["error"] is None and len(group["rounds"]) == 2, group
@@ -140,6 +188,7 @@ def test_benchmark_reports_paired_rounds_and_their_targets(tmp_path):
     # not the speed workload: only the compiled fast path has a target (0.8x), as for the rows
     target = [t for t in data["targets"] if "paired median of 2 rounds" in t["target"]]
     assert [t["target"] for t in target] == [
-        "hfquant-int8 +compile decode >= 0.8x llamacpp-q8_0 (same weights, paired median of 2 rounds)"]
+        "hfquant-int8 +compile decode >= 0.8x llamacpp-q8_0 (same weights, paired median of 2 rounds)"
+    ]
     assert "Paired decode rounds (2 per group" in (out / "benchmark.md").read_text()
     assert rc in (0, 1)  # the llama.cpp row itself fails: the stand-in does not speak the row worker's protocol

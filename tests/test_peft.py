@@ -40,7 +40,8 @@ def test_all_linear_wraps_every_quantlinear_but_lm_head(float_checkpoint):
     peft_model = hfquant.peft.get_peft_model(model, _config())
     wrapped = {
         name.removeprefix("base_model.model.")
-        for name, module in peft_model.named_modules() if isinstance(module, hfquant.peft.HfQuantLoraLinear)
+        for name, module in peft_model.named_modules()
+        if isinstance(module, hfquant.peft.HfQuantLoraLinear)
     }
     assert wrapped == quantized - {"lm_head"}
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
@@ -66,8 +67,15 @@ def test_trainer_lowers_the_loss_and_the_adapter_reloads(float_checkpoint, tmp_p
 
     before = loss()
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=4, max_steps=15,
-        learning_rate=1e-2, report_to=[], save_strategy="no", logging_steps=100, disable_tqdm=True,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=15,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=100,
+        disable_tqdm=True,
     )
     Trainer(model=peft_model, args=args, train_dataset=data).train()
     after = loss()
@@ -97,9 +105,9 @@ def test_trainer_lowers_the_loss_and_the_adapter_reloads(float_checkpoint, tmp_p
     layer = reloaded.base_model.model.model.layers[0].self_attn.q_proj
     original = layer.base_layer.stored_weight().clone()
     layer.merge()
-    assert isinstance(layer.base_layer, QuantLinear) and layer.base_layer.format == layer._original_base[
-        "default"
-    ].format
+    assert (
+        isinstance(layer.base_layer, QuantLinear) and layer.base_layer.format == layer._original_base["default"].format
+    )
     layer.unmerge()
     assert torch.equal(layer.base_layer.stored_weight(), original)
     merged = reloaded.merge_and_unload()
@@ -141,8 +149,15 @@ def test_trainer_with_torch_compile_trains_the_adapter(float_checkpoint, tmp_pat
     frozen = {name: buffer.clone() for name, buffer in peft_model.named_buffers() if name.endswith(".weight")}
     lora = {name: p.detach().clone() for name, p in peft_model.named_parameters() if p.requires_grad}
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=4, max_steps=8,
-        learning_rate=1e-2, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=8,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
         torch_compile=True,
     )
     trainer = Trainer(model=peft_model, args=args, train_dataset=data)

@@ -120,7 +120,8 @@ def test_half_step_bound_on_hypothesis_chosen_values(data, bits, symmetric, dtyp
     values = data.draw(
         st.lists(
             st.floats(-limit, limit, allow_nan=False, allow_infinity=False, width=FLOAT_WIDTH[dtype]),
-            min_size=rows * k, max_size=rows * k,
+            min_size=rows * k,
+            max_size=rows * k,
         ),
         label="values",
     )
@@ -186,15 +187,21 @@ def test_save_load_identity(shape, symmetric, dtype, bias, seed, prepare):
 
 
 @SETTINGS
-@given(k=st.integers(1, 4096), group=st.sampled_from([32, 64, 128, 256, 512, 1024, None]), bits=st.sampled_from([8, 4]))
+@given(
+    k=st.integers(1, 4096), group=st.sampled_from([32, 64, 128, 256, 512, 1024, None]), bits=st.sampled_from([8, 4])
+)
 def test_effective_group_size_divides_or_keeps_float(k, group, bits):
     effective = effective_group_size(k, group, bits)
     if effective is None:
         assert (bits == 4 and k % 2) or (group is not None and (k & -k) < 32)
         with pytest.raises(ValueError):
-            QuantLinear(k, 4, StoredFormat(bits, group if group is not None else k, True)) if (bits == 4 and k % 2) else (
-                quantize_weight(torch.zeros(1, k), bits, group, True)
-            )
+            QuantLinear(k, 4, StoredFormat(bits, group if group is not None else k, True)) if (
+                bits == 4 and k % 2
+            ) else (quantize_weight(torch.zeros(1, k), bits, group, True))
         return
     assert k % effective == 0
-    assert effective == k if group is None else (effective == group or (math.log2(effective).is_integer() and effective >= 32))
+    assert (
+        effective == k
+        if group is None
+        else (effective == group or (math.log2(effective).is_integer() and effective >= 32))
+    )

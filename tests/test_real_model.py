@@ -59,8 +59,13 @@ _RELOAD_WORKER = textwrap.dedent(
 
 def _run(code: str, *args: str) -> None:
     # cwd: the repository root, where `-c` code finds benchmarks/ (not installed)
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900,
-                            cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -180,9 +185,16 @@ def test_reloaded_model_runs_batches_of_1_4_17(quantized, tokenizer):
 
 
 QUESTIONS = (
-    "What is the capital of France?", "What is 2 plus 3?", "Name a primary color.", "What language is spoken in Spain?",
-    "Who wrote Romeo and Juliet?", "How many legs does a spider have?", "What is the boiling point of water?",
-    "Translate 'thank you' into French.", "What is the largest planet?", "Give a synonym for happy.",
+    "What is the capital of France?",
+    "What is 2 plus 3?",
+    "Name a primary color.",
+    "What language is spoken in Spain?",
+    "Who wrote Romeo and Juliet?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Translate 'thank you' into French.",
+    "What is the largest planet?",
+    "Give a synonym for happy.",
 )
 
 
@@ -195,8 +207,9 @@ def bf16_chats(example_model, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(example_model, dtype=torch.bfloat16, device_map="cpu")
     chats = []
     for question in QUESTIONS:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.inference_mode():
             ids = model.generate(**prompt, max_new_tokens=24, do_sample=False)
             chats.append((ids, prompt["input_ids"].shape[1], model(ids).logits.float().log_softmax(-1)))
@@ -247,8 +260,9 @@ def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, t
     """A few Trainer steps of LoRA (r=8, every linear but lm_head) over SmolLM2 quantized on load to int4 group 64
     lower the loss on held-out text of the same kind (pydoc topics: train on one half, score the other)."""
     pytest.importorskip("peft")
-    from peft import LoraConfig
     from pydoc_data.topics import topics
+
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import hfquant.peft
@@ -256,7 +270,7 @@ def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, t
 
     text = "\n\n".join(topics[key] for key in sorted(topics))
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    train, held = ids[:128 * 24].reshape(24, 128), ids[ids.numel() // 2:][:128 * 4].reshape(4, 128)
+    train, held = ids[: 128 * 24].reshape(24, 128), ids[ids.numel() // 2 :][: 128 * 4].reshape(4, 128)
     model = AutoModelForCausalLM.from_pretrained(
         example_model, dtype=torch.bfloat16, device_map="cpu", quantization_config=HfQuantConfig(bits=4, group_size=64)
     )
@@ -272,8 +286,15 @@ def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, t
 
     before = held_out_loss()
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=4, max_steps=6,
-        learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
     Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in train]).train()
     after = held_out_loss()

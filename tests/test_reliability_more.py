@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig
-from hfquant.checkpoint.files import CHECKPOINT_ID_KEY, checkpoint_ids, read_checkpoint_id
+from hfquant.checkpoint.files import checkpoint_ids, read_checkpoint_id
 from hfquant.commands.convert import convert
 from hfquant.commands.hub import HubError, hub_timeout, push_folder
 from hfquant.commands.verify import verify
@@ -59,8 +59,9 @@ def test_every_shard_of_a_convert_carries_one_checkpoint_id(two_saves, float_che
     """One id per save, derived from the bytes: another convert of the same source gives the same files."""
     a, b = two_saves
     again = tmp_path / "again"
-    convert(float_checkpoint("llama"), again, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False,
-            card=False)
+    convert(
+        float_checkpoint("llama"), again, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False, card=False
+    )
     assert all(path.read_bytes() == (again / path.name).read_bytes() for path in _shards(a))
     ids_a = {read_checkpoint_id(p) for p in _shards(a)}
     ids_b = {read_checkpoint_id(p) for p in _shards(b)}
@@ -177,12 +178,14 @@ class _RawServer:
                 try:
                     conn.recv(65536)
                     body = b"<html><body>Sign in to the network</body></html>"
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
-                                 b"Connection: close\r\n\r\n%s" % (len(body), body))
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
+                        b"Connection: close\r\n\r\n%s" % (len(body), body)
+                    )
                 except OSError:
                     pass
 
-    def __enter__(self) -> "_RawServer":
+    def __enter__(self) -> _RawServer:
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
         return self
@@ -251,26 +254,44 @@ def _with(key, value):
     def change(config):
         config[key] = value
         return config
+
     return change
 
 
 SRC_DAMAGES = {
     "config a list": (lambda f: _edit_config(f, lambda c: [c]), r"config.json must hold a JSON object, not a list"),
-    "config truncated": (lambda f: (f / "config.json").write_text((f / "config.json").read_text()[:40]),
-                         r"config.json is not valid JSON"),
-    "dtype float17": (lambda f: _edit_config(f, _with("dtype", "float17")),
-                      r"config.json: dtype='float17' is not a float torch dtype"),
-    "dtype a number": (lambda f: _edit_config(f, _with("dtype", 16)), r"config.json: dtype=16 is not a float torch dtype"),
-    "architectures a string": (lambda f: _edit_config(f, _with("architectures", "LlamaForCausalLM")),
-                               r"config.json: architectures='LlamaForCausalLM' is not a list of class names"),
-    "unknown model_type": (lambda f: _edit_config(f, _with("model_type", "llama9")),
-                           r"config.json: model_type='llama9' is not a model type transformers \S+ knows; upgrade"),
-    "index a list": (lambda f: (f / "model.safetensors.index.json").write_text("[]"),
-                     r"model.safetensors.index.json must be an object .* found list"),
-    "index without weight_map": (lambda f: (f / "model.safetensors.index.json").write_text('{"metadata": {}}'),
-                                 r"model.safetensors.index.json must be an object .* found \['metadata'\]"),
-    "index truncated": (lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": {'),
-                        r"model.safetensors.index.json is not valid JSON"),
+    "config truncated": (
+        lambda f: (f / "config.json").write_text((f / "config.json").read_text()[:40]),
+        r"config.json is not valid JSON",
+    ),
+    "dtype float17": (
+        lambda f: _edit_config(f, _with("dtype", "float17")),
+        r"config.json: dtype='float17' is not a float torch dtype",
+    ),
+    "dtype a number": (
+        lambda f: _edit_config(f, _with("dtype", 16)),
+        r"config.json: dtype=16 is not a float torch dtype",
+    ),
+    "architectures a string": (
+        lambda f: _edit_config(f, _with("architectures", "LlamaForCausalLM")),
+        r"config.json: architectures='LlamaForCausalLM' is not a list of class names",
+    ),
+    "unknown model_type": (
+        lambda f: _edit_config(f, _with("model_type", "llama9")),
+        r"config.json: model_type='llama9' is not a model type transformers \S+ knows; upgrade",
+    ),
+    "index a list": (
+        lambda f: (f / "model.safetensors.index.json").write_text("[]"),
+        r"model.safetensors.index.json must be an object .* found list",
+    ),
+    "index without weight_map": (
+        lambda f: (f / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+        r"model.safetensors.index.json must be an object .* found \['metadata'\]",
+    ),
+    "index truncated": (
+        lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": {'),
+        r"model.safetensors.index.json is not valid JSON",
+    ),
 }
 
 
@@ -352,15 +373,20 @@ def test_out_of_memory_while_quantizing_is_one_line_and_leaves_nothing(sharded_s
 def test_out_of_memory_while_quantizing_on_load_is_a_memory_error_naming_the_tensor(sharded_source, monkeypatch):
     """transformers turns any error in a conversion into a generic RuntimeError with a traceback text: hfquant keeps
     the MemoryError and says what to do."""
-    import hfquant.integration.quantizer as quantizer
     from transformers import AutoModelForCausalLM
+
+    import hfquant.integration.quantizer as quantizer
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError()
 
     monkeypatch.setattr(quantizer, "quantize_to_buffers", out_of_memory)
-    with pytest.raises(MemoryError, match=r"out of memory while quantizing model\.layers\.\d+\..*weight .*hfquant convert"):
-        AutoModelForCausalLM.from_pretrained(sharded_source, quantization_config=HfQuantConfig(bits=8), device_map="cpu")
+    with pytest.raises(
+        MemoryError, match=r"out of memory while quantizing model\.layers\.\d+\..*weight .*hfquant convert"
+    ):
+        AutoModelForCausalLM.from_pretrained(
+            sharded_source, quantization_config=HfQuantConfig(bits=8), device_map="cpu"
+        )
 
 
 # -- an hfquant checkpoint loaded without hfquant -------------------------------------------------------------------
@@ -402,14 +428,29 @@ def saves_of_every_kind(float_checkpoint, tmp_path_factory):
     return folders
 
 
-@pytest.mark.parametrize("kind", ["convert-8", "on-load-8", "over-existing-8", "reloaded-8", "convert-4", "on-load-4",
-                                  "over-existing-4", "reloaded-4"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "convert-8",
+        "on-load-8",
+        "over-existing-8",
+        "reloaded-8",
+        "convert-4",
+        "on-load-4",
+        "over-existing-4",
+        "reloaded-4",
+    ],
+)
 def test_plain_transformers_refuses_an_hfquant_checkpoint_naming_hfquant(saves_of_every_kind, kind):
     """Without hfquant, AutoModelForCausalLM raises naming hfquant (config.json's model_type is "hfquant"), where
     transformers alone loaded the int8 codes as float weights with a warning. Fails if any way of saving leaves the
     model's own model_type in config.json."""
-    result = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(saves_of_every_kind[kind])], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _PLAIN_LOAD, str(saves_of_every_kind[kind])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("ERROR ValueError") and "model type `hfquant`" in result.stdout, result.stdout
 

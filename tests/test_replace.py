@@ -195,13 +195,16 @@ def test_module_overrides_give_matching_layers_their_own_format():
     assert plans["layers.1.up_proj"].format is None
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"v_proj": {"bits": 3}}, ["module_overrides['v_proj']", "bits=3"]),
-    ({"v_proj": {"group": 64}}, ["module_overrides['v_proj']", "'group'", "bits"]),
-    ({"v_proj": {"method": "gptq"}}, ["module_overrides['v_proj']", "method='gptq'"]),
-    ({"": {"bits": 8}}, ["non-empty module patterns"]),
-    (["v_proj"], ["must map module patterns"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"v_proj": {"bits": 3}}, ["module_overrides['v_proj']", "bits=3"]),
+        ({"v_proj": {"group": 64}}, ["module_overrides['v_proj']", "'group'", "bits"]),
+        ({"v_proj": {"method": "gptq"}}, ["module_overrides['v_proj']", "method='gptq'"]),
+        ({"": {"bits": 8}}, ["non-empty module patterns"]),
+        (["v_proj"], ["must map module patterns"]),
+    ],
+)
 def test_bad_module_overrides_are_named(overrides, words):
     with pytest.raises((TypeError, ValueError)) as info:
         HfQuantConfig(bits=4, module_overrides=overrides)

@@ -48,8 +48,11 @@ def _violations(path: Path) -> list[str]:
             func = node.func
             if isinstance(func, ast.Name) and func.id in FORBIDDEN_BUILTINS:
                 found.append(f"{where} calls {func.id}()")
-            if isinstance(func, ast.Attribute) and func.attr == "load" and isinstance(func.value, ast.Name) and (
-                func.value.id == "torch"
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr == "load"
+                and isinstance(func.value, ast.Name)
+                and (func.value.id == "torch")
             ):
                 found.append(f"{where} calls torch.load (pickle)")
             for keyword in node.keywords:
@@ -61,8 +64,10 @@ def _violations(path: Path) -> list[str]:
                     found.append(f"{where} passes weights_only=False (pickle)")
         elif isinstance(node, ast.Assign):  # os.environ["HF_TRUST_REMOTE_CODE"] = ...
             for target in node.targets:
-                if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) and (
-                    "TRUST_REMOTE_CODE" in str(target.slice.value)
+                if (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.slice, ast.Constant)
+                    and ("TRUST_REMOTE_CODE" in str(target.slice.value))
                 ):
                     found.append(f"{where} sets {target.slice.value}")
     return found
@@ -78,8 +83,16 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
     )
     found = _violations(bad)
     assert len(found) == 9, found
-    for words in ("imports pickle", "imports from dill", "calls eval()", "calls exec()", "torch.load (pickle)",
-                  "weights_only=False", "trust_remote_code=True", "HF_TRUST_REMOTE_CODE"):
+    for words in (
+        "imports pickle",
+        "imports from dill",
+        "calls eval()",
+        "calls exec()",
+        "torch.load (pickle)",
+        "weights_only=False",
+        "trust_remote_code=True",
+        "HF_TRUST_REMOTE_CODE",
+    ):
         assert any(words in v for v in found), words
 
 
@@ -126,7 +139,10 @@ def _hostile(folder: Path, tmp_path: Path, keep_safetensors: bool) -> tuple[Path
         "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilForCausalLM\n"
     )
     config = json.loads((target / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    config["auto_map"] = {
+        "AutoConfig": "modeling_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+    }
     (target / "config.json").write_text(json.dumps(config))
     return target, sentinels
 
@@ -162,7 +178,11 @@ def test_metadata_strings_are_never_interpreted(tmp_path):
 def test_json_constants_and_duplicates_are_refused(tmp_path):
     from hfquant.checkpoint.files import read_json
 
-    for text, words in (('{"a": NaN}', "NaN"), ('{"a": Infinity}', "Infinity"), ('{"a": 1, "a": 2}', "'a' appears twice")):
+    for text, words in (
+        ('{"a": NaN}', "NaN"),
+        ('{"a": Infinity}', "Infinity"),
+        ('{"a": 1, "a": 2}', "'a' appears twice"),
+    ):
         path = tmp_path / "x.json"
         path.write_text(text)
         with pytest.raises(ValueError, match="x.json is not valid JSON") as info:

@@ -15,8 +15,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.nn.float_linear import FloatLinear
 from hfquant.config import matches_module
+from hfquant.nn.float_linear import FloatLinear
 
 try:
     from helpers import auto_class, input_ids, model_output
@@ -59,10 +59,16 @@ def saved(float_checkpoint, tmp_path_factory):
     def make(name: str) -> Saved:
         if name not in cache:
             arch, dtype, qconfig = VARIANTS[name]
-            model = auto_class(arch).from_pretrained(
-                float_checkpoint(arch, dtype), quantization_config=HfQuantConfig(**qconfig), dtype=dtype,
-                device_map="cpu",
-            ).eval()
+            model = (
+                auto_class(arch)
+                .from_pretrained(
+                    float_checkpoint(arch, dtype),
+                    quantization_config=HfQuantConfig(**qconfig),
+                    dtype=dtype,
+                    device_map="cpu",
+                )
+                .eval()
+            )
             path = tmp_path_factory.mktemp(name)
             model.save_pretrained(path, max_shard_size=SHARD_SIZE)
             cache[name] = Saved(name, arch, dtype, qconfig, model, path)
@@ -227,7 +233,9 @@ def test_reload_in_a_fresh_process_gives_identical_logits(saved, tmp_path):
     arguments = [str(x) for case in cases for x in (case.name, case.arch, case.path)]
     result = subprocess.run(
         [sys.executable, "-c", _CHILD, str(ids_file), str(out_file), *arguments],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = torch.load(out_file)
@@ -291,9 +299,13 @@ def test_dequantize_after_save_pretrained(saved, name, tmp_path, float_checkpoin
     # save_pretrained leaves model.config.dtype as a string ("float32"), which transformers hands to dequantize()
     case = saved(name)
     arch, dtype, qconfig = VARIANTS[name]
-    model = auto_class(arch).from_pretrained(
-        float_checkpoint(arch, dtype), quantization_config=HfQuantConfig(**qconfig), dtype=dtype, device_map="cpu"
-    ).eval()
+    model = (
+        auto_class(arch)
+        .from_pretrained(
+            float_checkpoint(arch, dtype), quantization_config=HfQuantConfig(**qconfig), dtype=dtype, device_map="cpu"
+        )
+        .eval()
+    )
     model.save_pretrained(tmp_path)
     plain = model.dequantize()
     assert not _quant_layers(plain)

@@ -70,8 +70,9 @@ def test_scratch_buffers_give_the_same_scales_across_shapes():
         assert torch.equal(sinq.column_scale(weight, 64, scratch=scratch), sinq.column_scale(weight, 64))
         parts = [weight, torch.randn(rows // 2, cols, generator=generator)]
         factors = torch.rand(rows // 2, generator=generator) + 0.5
-        expected = sinq.column_scale(torch.cat([parts[0], parts[1].to(torch.bfloat16)
-                                                * factors.to(torch.bfloat16)[:, None]]), 64)
+        expected = sinq.column_scale(
+            torch.cat([parts[0], parts[1].to(torch.bfloat16) * factors.to(torch.bfloat16)[:, None]]), 64
+        )
         assert torch.equal(folding.column_scale_of(parts, 64, row_scales=[None, factors], scratch=scratch), expected)
         assert torch.equal(folding.column_scale_of(parts, 64, row_scales=[None, factors]), expected)
 
@@ -144,7 +145,9 @@ def test_to_float16_then_save_keeps_the_stored_scales_and_reloads(float_checkpoi
     """`model.to(torch.float16)` cast every float tensor, the stored bfloat16 scales too, and the saved checkpoint was
     then refused on reload; the scales' dtype is part of the format and stays bfloat16."""
     config = HfQuantConfig(bits=4, group_size=32, method="sinq", fold_column_scales=False)
-    model = auto_class("llama").from_pretrained(float_checkpoint("llama"), quantization_config=config, device_map="cpu")
+    model = auto_class("llama").from_pretrained(
+        float_checkpoint("llama"), quantization_config=config, device_map="cpu"
+    )
     model = model.to(torch.float16)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight_scale.dtype == torch.bfloat16 and layer.weight_col_scale.dtype == torch.bfloat16

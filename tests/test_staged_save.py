@@ -55,7 +55,9 @@ def test_resave_keeps_other_files_and_leaves_no_stale_weights(quantized, tmp_pat
     names = {p.name for p in out.iterdir()}
     assert "model.safetensors" not in names and "pytorch_model.bin" not in names
     assert "model.safetensors.index.json" in names and any(n.startswith("model-0000") for n in names)
-    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}' and (out / "README.md").read_text() == "my notes\n"
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}' and (
+        out / "README.md"
+    ).read_text() == "my notes\n"
     assert (out / "runs" / "log.txt").read_text() == "step 1\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no hidden folder left behind
     reloaded = auto_class("llama").from_pretrained(out, device_map="cpu")

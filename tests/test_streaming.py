@@ -27,8 +27,10 @@ def calls(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("total, every", [(0, 16 * MIB), (270 * 10**6, 16 * MIB), (2_350_000_000, 2_350_000_000 // 32),
-                                          (16 * 10**9, 256 * MIB)])
+@pytest.mark.parametrize(
+    "total, every",
+    [(0, 16 * MIB), (270 * 10**6, 16 * MIB), (2_350_000_000, 2_350_000_000 // 32), (16 * 10**9, 256 * MIB)],
+)
 def test_share_of_the_checkpoint_within_16_and_256_mib(total, every):
     assert PageReleaser.for_checkpoint(total).every_bytes == every
 

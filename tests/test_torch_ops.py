@@ -68,11 +68,13 @@ def test_operators_name_what_they_refuse():
     with pytest.raises(RuntimeError, match="refused N=96, K=256, group_size=64"):  # N not a multiple of 64
         torch.ops.hfquant_cpu.int4_gemv(x, weight[:96].contiguous(), scale_zero[:, :96].contiguous(), 64)
     with pytest.raises(RuntimeError, match="scale must hold N=8 values, got shape \\[3\\]"):
-        torch.ops.hfquant_cpu.int8_gemv(torch.zeros((1, 32)).bfloat16(), torch.zeros((8, 32), dtype=torch.int8),
-                                        torch.ones(3).bfloat16())
+        torch.ops.hfquant_cpu.int8_gemv(
+            torch.zeros((1, 32)).bfloat16(), torch.zeros((8, 32), dtype=torch.int8), torch.ones(3).bfloat16()
+        )
     with pytest.raises(RuntimeError, match="refused N=8, K=40"):
-        torch.ops.hfquant_cpu.int8_gemv(torch.zeros((1, 40)).bfloat16(), torch.zeros((8, 40), dtype=torch.int8),
-                                        torch.ones(8).bfloat16())
+        torch.ops.hfquant_cpu.int8_gemv(
+            torch.zeros((1, 40)).bfloat16(), torch.zeros((8, 40), dtype=torch.int8), torch.ones(8).bfloat16()
+        )
 
 
 @needs_operators
@@ -151,8 +153,10 @@ def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path):
     source = tmp_path / "planted.c"
     source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
     env = {"HFQUANT_CACHE": str(cache), "CC": "cc", "CXX": "c++"}
-    where = f"from hfquant.ops import torch_ops; print(torch_ops.library_folder({shutil.which('cc')!r}, " \
-            f"{shutil.which('c++')!r}))"
+    where = (
+        f"from hfquant.ops import torch_ops; print(torch_ops.library_folder({shutil.which('cc')!r}, "
+        f"{shutil.which('c++')!r}))"
+    )
     folder = Path(run_python(where, **env).stdout.strip().splitlines()[-1])
     folder.mkdir(parents=True)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "torch_ops.so"), str(source)], check=True)

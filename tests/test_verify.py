@@ -42,7 +42,9 @@ def quantized(float_checkpoint, tmp_path_factory):
         if name not in cache:
             arch, dtype, qconfig, shard = VARIANTS[name]
             model = auto_class(arch).from_pretrained(
-                float_checkpoint(arch, dtype), quantization_config=HfQuantConfig(**qconfig), dtype=dtype,
+                float_checkpoint(arch, dtype),
+                quantization_config=HfQuantConfig(**qconfig),
+                dtype=dtype,
                 device_map="cpu",
             )
             path = tmp_path_factory.mktemp(name)
@@ -256,7 +258,13 @@ def _wrong_size(header):
 
 def _scale_dtype(folder):
     _rewrite(folder, SCALE, lambda t: t.float())
-    return [SCALE, "float32", "expected bfloat16 (64, 4)", "4-bit QuantLinear (group size 32, asymmetric)", "restore config.json"]
+    return [
+        SCALE,
+        "float32",
+        "expected bfloat16 (64, 4)",
+        "4-bit QuantLinear (group size 32, asymmetric)",
+        "restore config.json",
+    ]
 
 
 def _scale_shape(folder):
@@ -358,7 +366,7 @@ def _config_not_json(folder):
 
 def _duplicate_key(folder):
     text = (folder / "config.json").read_text()
-    (folder / "config.json").write_text(text.replace('{', '{"model_type": "gpt2", ', 1))
+    (folder / "config.json").write_text(text.replace("{", '{"model_type": "gpt2", ', 1))
     return ["config.json", "'model_type' appears twice"]
 
 
@@ -451,8 +459,19 @@ def test_custom_architecture_is_not_imported_and_only_files_are_checked(copy_of)
 
 # -- the same checks at load time ---------------------------------------------------------------------------------
 
-LOAD_DAMAGES = ["scale dtype", "scale shape", "weight signed", "weight float", "zero point missing", "truncated shard",
-                "header not JSON", "config bits not the files'", "scale NaN", "scale zero", "zero point above the codes"]
+LOAD_DAMAGES = [
+    "scale dtype",
+    "scale shape",
+    "weight signed",
+    "weight float",
+    "zero point missing",
+    "truncated shard",
+    "header not JSON",
+    "config bits not the files'",
+    "scale NaN",
+    "scale zero",
+    "zero point above the codes",
+]
 
 
 @pytest.mark.parametrize("damage", LOAD_DAMAGES)
@@ -502,8 +521,12 @@ def test_command_lists_every_problem_and_exits_1(copy_of):
 
     damaged = copy_of()
     expected = [_scale_shape(damaged), _weight_signed(damaged)]
-    run = subprocess.run([sys.executable, "-m", "hfquant.commands.cli", "verify", str(damaged)], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "hfquant.commands.cli", "verify", str(damaged)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stderr
     assert f"{damaged}: 2 problem(s):" in run.stderr
     lines = [line for line in run.stderr.splitlines() if line.startswith("  - ")]

@@ -59,8 +59,16 @@ needs_avx2_a8 = pytest.mark.skipif(not native.int4_a8_supported(32), reason="nee
 
 @pytest.mark.parametrize(
     "n, k, group, symmetric, block_n",
-    [(64, 64, 32, False, 64), (192, 576, 64, False, 64), (1536, 576, 64, True, 64), (576, 1536, 128, False, 64),
-     (128, 4096, 256, True, 64), (32, 64, 32, False, 32), (96, 576, 64, True, 32), (576, 1536, 128, False, 32)],
+    [
+        (64, 64, 32, False, 64),
+        (192, 576, 64, False, 64),
+        (1536, 576, 64, True, 64),
+        (576, 1536, 128, False, 64),
+        (128, 4096, 256, True, 64),
+        (32, 64, 32, False, 32),
+        (96, 576, 64, True, 32),
+        (576, 1536, 128, False, 32),
+    ],
 )
 def test_the_gemv_computes_the_formula_of_its_source(n, k, group, symmetric, block_n):
     """Against the stated formula in float64: the kernel sums in float32 and rounds once to bfloat16, so each output
@@ -93,8 +101,10 @@ def test_the_gemv_stays_within_its_error_bound_of_the_float_product(n, k, group)
 def test_the_operator_gives_the_ctypes_bits_and_names_what_it_refuses():
     q, weight, scale_zero, x = _layer(192, 576, 64)
     if torch_ops.loaded():
-        assert torch.equal(torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, 64, 64),
-                           native.int4_gemv_a8(x, weight, scale_zero, 64))
+        assert torch.equal(
+            torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, 64, 64),
+            native.int4_gemv_a8(x, weight, scale_zero, 64),
+        )
     q16, weight16, scale_zero16, x16 = _layer(128, 64, 16)
     with pytest.raises(RuntimeError, match="group_size=16.*multiple of 32"):
         torch_ops.int4_gemv_a8(x16, weight16, scale_zero16, 16)
@@ -115,8 +125,9 @@ def test_the_config_names_a_bad_value_and_round_trips():
 
 
 def _row_layer(int8_activations: bool) -> tuple[QuantLinear, torch.Tensor]:
-    layer = QuantLinear.from_float(torch.randn((192, 576), generator=torch.Generator().manual_seed(4)), None,
-                                   StoredFormat(4, 64, False))
+    layer = QuantLinear.from_float(
+        torch.randn((192, 576), generator=torch.Generator().manual_seed(4)), None, StoredFormat(4, 64, False)
+    )
     layer.prepare_kernel(torch.bfloat16)
     layer.decode_activations = "int8" if int8_activations else "float"
     return layer, torch.randn((1, 576), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -153,8 +164,9 @@ def test_a_compiled_w4a8_layer_has_no_graph_break_and_matches_eager():
 @needs_a8
 def test_a_model_loads_saves_and_reloads_with_int8_decode_activations(float_checkpoint, tmp_path):
     config = HfQuantConfig(bits=4, group_size=32, method="rtn", mixed_precision="none", decode_activations="int8")
-    model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=config,
-                                                 dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama"), quantization_config=config, dtype=torch.bfloat16
+    )
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.decode_activations == "int8" for m in layers)
     model.save_pretrained(tmp_path)
@@ -164,20 +176,23 @@ def test_a_model_loads_saves_and_reloads_with_int8_decode_activations(float_chec
     ids = torch.tensor([[5, 17, 42]])
     with torch.inference_mode():
         expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert torch.equal(reloaded.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                             pad_token_id=0), expected)
+        assert torch.equal(
+            reloaded.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0), expected
+        )
 
 
-def test_a_machine_without_the_w4a8_gemv_says_so_and_decodes_with_float_activations(float_checkpoint, monkeypatch,
-                                                                                   caplog):
+def test_a_machine_without_the_w4a8_gemv_says_so_and_decodes_with_float_activations(
+    float_checkpoint, monkeypatch, caplog
+):
     from hfquant.integration import decode_activations
 
     monkeypatch.setattr(kernels, "_NATIVE_INT4_A8", False)
     monkeypatch.setattr(kernels, "_note_cpu_int4_layout", lambda: None)  # keep the patched value through loading
     config = HfQuantConfig(bits=4, group_size=32, method="rtn", mixed_precision="none", decode_activations="int8")
     with caplog.at_level("WARNING", logger=decode_activations.__name__):
-        model = AutoModelForCausalLM.from_pretrained(float_checkpoint("llama"), quantization_config=config,
-                                                     dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(
+            float_checkpoint("llama"), quantization_config=config, dtype=torch.bfloat16
+        )
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not any(m.kernel == kernels.Kernel.INT4PACK_MM_CPU for m in layers):
         pytest.skip("the CPU int4 kernel does not serve this model here")
@@ -222,8 +237,11 @@ def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_gemvs(float_checkpoi
         assert out.shape == (1, 7)
         print("ok")
     """
-    result = run_python(code.replace("PATH", repr(str(float_checkpoint("llama")))), ATEN_CPU_CAPABILITY="avx2",
-                        HFQUANT_KERNEL_CHOICE="native")
+    result = run_python(
+        code.replace("PATH", repr(str(float_checkpoint("llama")))),
+        ATEN_CPU_CAPABILITY="avx2",
+        HFQUANT_KERNEL_CHOICE="native",
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 

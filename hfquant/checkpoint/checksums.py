@@ -58,10 +58,14 @@ def checksum_problems(folder: str | os.PathLike) -> tuple[list[str], int]:
         return [str(error)], 0
     fix = "the file changed after it was written (damaged or edited copy): copy it again"
     if (
-        not isinstance(manifest, dict) or set(manifest) != _FIELDS or manifest["algorithm"] != "sha256"
+        not isinstance(manifest, dict)
+        or set(manifest) != _FIELDS
+        or manifest["algorithm"] != "sha256"
         or not isinstance(manifest["files"], dict)
     ):
-        return [f'{SUMS_NAME} must be {{"algorithm": "sha256", "files": {{name: sha256 hex}}}}; restore it or delete it'], 0
+        return [
+            f'{SUMS_NAME} must be {{"algorithm": "sha256", "files": {{name: sha256 hex}}}}; restore it or delete it'
+        ], 0
     problems = []
     checked = 0
     for name, digest in sorted(manifest["files"].items()):

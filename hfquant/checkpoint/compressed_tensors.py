@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from typing import Callable, Iterable, Mapping, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -48,8 +49,17 @@ scheme of the first one: their schemes must all be the same (vLLM's compressed-t
 `find_matched_target`, 0.32)."""
 
 __all__ = [
-    "QUANT_METHOD", "FORMAT", "ExportLayer", "OutputTensor", "Scheme", "plan_layers", "plan_outputs",
-    "quantization_config", "export_tensor", "pack_words", "pack_zero_point",
+    "QUANT_METHOD",
+    "FORMAT",
+    "ExportLayer",
+    "OutputTensor",
+    "Scheme",
+    "plan_layers",
+    "plan_outputs",
+    "quantization_config",
+    "export_tensor",
+    "pack_words",
+    "pack_zero_point",
 ]
 
 QUANT_METHOD = "compressed-tensors"
@@ -68,8 +78,11 @@ class Scheme(NamedTuple):
     def weights(self) -> dict:
         """The `weights` QuantizationArgs of the group, as compressed-tensors' JSON schema spells them."""
         return {
-            "num_bits": self.bits, "type": "int", "symmetric": self.symmetric,
-            "strategy": "channel" if self.group_size is None else "group", "group_size": self.group_size,
+            "num_bits": self.bits,
+            "type": "int",
+            "symmetric": self.symmetric,
+            "strategy": "channel" if self.group_size is None else "group",
+            "group_size": self.group_size,
             "dynamic": False,
         }
 
@@ -191,15 +204,40 @@ def plan_outputs(
         if layer.dequantize:
             outputs.append(OutputTensor(key, compute_dtype, (n, k), "dequantized", layer.name, layer))
             continue
-        outputs.append(OutputTensor(f"{layer.name}.weight_packed", torch.int32, (n, math.ceil(k * fmt.bits / 32)),
-                                    "weight_packed", layer.name, layer))
-        outputs.append(OutputTensor(f"{layer.name}.weight_scale", rtn.SCALE_DTYPE, (n, k // fmt.group_size),
-                                    "weight_scale", layer.name, layer))
+        outputs.append(
+            OutputTensor(
+                f"{layer.name}.weight_packed",
+                torch.int32,
+                (n, math.ceil(k * fmt.bits / 32)),
+                "weight_packed",
+                layer.name,
+                layer,
+            )
+        )
+        outputs.append(
+            OutputTensor(
+                f"{layer.name}.weight_scale",
+                rtn.SCALE_DTYPE,
+                (n, k // fmt.group_size),
+                "weight_scale",
+                layer.name,
+                layer,
+            )
+        )
         if not fmt.symmetric:
-            outputs.append(OutputTensor(f"{layer.name}.weight_zero_point", torch.int32,
-                                        (math.ceil(n * fmt.bits / 32), k // fmt.group_size), "weight_zero_point",
-                                        layer.name, layer))
-        outputs.append(OutputTensor(f"{layer.name}.weight_shape", torch.int64, (2,), "weight_shape", layer.name, layer))
+            outputs.append(
+                OutputTensor(
+                    f"{layer.name}.weight_zero_point",
+                    torch.int32,
+                    (math.ceil(n * fmt.bits / 32), k // fmt.group_size),
+                    "weight_zero_point",
+                    layer.name,
+                    layer,
+                )
+            )
+        outputs.append(
+            OutputTensor(f"{layer.name}.weight_shape", torch.int64, (2,), "weight_shape", layer.name, layer)
+        )
     return outputs
 
 
@@ -219,9 +257,14 @@ def fused_scheme_conflicts(layers: list[ExportLayer], ignore: Iterable[str]) -> 
                 continue
             found = [schemes[n] for n in names]
             if len(set(found)) > 1:
-                words = ["float" if s is None else f"{s.bits}-bit " + (
-                    "per-channel" if s.group_size is None else f"group {s.group_size}") + (
-                    " symmetric" if s.symmetric else " asymmetric") for s in found]
+                words = [
+                    "float"
+                    if s is None
+                    else f"{s.bits}-bit "
+                    + ("per-channel" if s.group_size is None else f"group {s.group_size}")
+                    + (" symmetric" if s.symmetric else " asymmetric")
+                    for s in found
+                ]
                 conflicts.append(f"{parent}.{{{','.join(siblings)}}}: {', '.join(words)}")
     return conflicts
 
@@ -239,7 +282,8 @@ def quantization_config(layers: list[ExportLayer], ignore: Iterable[str]) -> dic
             "this export is valid compressed-tensors, but vLLM fuses q/k/v and gate/up into one layer each and needs "
             "one scheme for the layers it fuses; %d set(s) differ, e.g. %s. To serve it with vLLM, quantize those "
             "layers alike (e.g. mixed_precision='none': the 4-bit default's data-free rule stores late v_proj in int8)",
-            len(conflicts), conflicts[0],
+            len(conflicts),
+            conflicts[0],
         )
     schemes: dict[Scheme, list[str]] = {}
     for layer in layers:
@@ -248,11 +292,19 @@ def quantization_config(layers: list[ExportLayer], ignore: Iterable[str]) -> dic
     groups = {}
     for i, (scheme, names) in enumerate(schemes.items()):
         targets = ["Linear"] if len(schemes) == 1 else list(names)
-        groups[f"group_{i}"] = {"targets": targets, "weights": scheme.weights(), "input_activations": None,
-                                "output_activations": None}
+        groups[f"group_{i}"] = {
+            "targets": targets,
+            "weights": scheme.weights(),
+            "input_activations": None,
+            "output_activations": None,
+        }
     return {
-        "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
-        "config_groups": groups, "ignore": sorted(set(ignore)), "kv_cache_scheme": None,
+        "quant_method": QUANT_METHOD,
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": sorted(set(ignore)),
+        "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -24,8 +24,15 @@ from hfquant.core.format import StoredFormat
 from hfquant.core.packing import unpack_int4
 
 __all__ = [
-    "PRESETS", "IMPORT_GROUP_SIZES", "read_quantization_config", "matches_target", "plan_import", "plan_import_outputs",
-    "unpack_words", "unpack_zero_point", "import_tensor",
+    "PRESETS",
+    "IMPORT_GROUP_SIZES",
+    "read_quantization_config",
+    "matches_target",
+    "plan_import",
+    "plan_import_outputs",
+    "unpack_words",
+    "unpack_zero_point",
+    "import_tensor",
 ]
 
 PRESETS = {"W4A16": Scheme(4, 128, True), "W4A16_ASYM": Scheme(4, 128, False), "W8A16": Scheme(8, 128, True)}
@@ -39,17 +46,21 @@ def _weights_scheme(group: str, entry: dict) -> Scheme:
     where = f"config_groups[{group!r}]"
     for field in ("input_activations", "output_activations"):
         if entry.get(field) is not None:
-            raise ValueError(f"{where} quantizes {field} (e.g. W4A8, W8A8); hfquant stores weight-only schemes "
-                             "(W4A16, W8A16) and computes with float activations")
+            raise ValueError(
+                f"{where} quantizes {field} (e.g. W4A8, W8A8); hfquant stores weight-only schemes "
+                "(W4A16, W8A16) and computes with float activations"
+            )
     if entry.get("format") not in (None, FORMAT):
         raise ValueError(f"{where} has format {entry.get('format')!r}; hfquant imports {FORMAT!r} only")
     args = entry.get("weights")
     if not isinstance(args, dict):
         raise ValueError(f"{where} has no weights arguments; hfquant imports weight-quantized groups only")
     if args.get("actorder") not in (None, False):
-        raise ValueError(f"{where} uses actorder={args['actorder']!r}: activation ordering permutes the input columns "
-                         "of each group (g_idx), while hfquant's groups are consecutive columns; export from "
-                         "llm-compressor without actorder")
+        raise ValueError(
+            f"{where} uses actorder={args['actorder']!r}: activation ordering permutes the input columns "
+            "of each group (g_idx), while hfquant's groups are consecutive columns; export from "
+            "llm-compressor without actorder"
+        )
     bits, kind, strategy = args.get("num_bits"), args.get("type", "int"), args.get("strategy")
     if kind != "int" or bits not in (4, 8):
         raise ValueError(f"{where} stores {kind} {bits}-bit weights; hfquant imports int 4 and int 8 only")
@@ -59,8 +70,10 @@ def _weights_scheme(group: str, entry: dict) -> Scheme:
     if strategy == "channel" or (strategy is None and group_size == -1):
         return Scheme(bits, None, bool(args.get("symmetric", True)))
     if strategy not in ("group", None) or group_size not in IMPORT_GROUP_SIZES:
-        raise ValueError(f"{where} has strategy {strategy!r}, group_size {group_size!r}; hfquant imports strategy "
-                         f"'channel' or 'group' with a group size in {list(IMPORT_GROUP_SIZES)}")
+        raise ValueError(
+            f"{where} has strategy {strategy!r}, group_size {group_size!r}; hfquant imports strategy "
+            f"'channel' or 'group' with a group size in {list(IMPORT_GROUP_SIZES)}"
+        )
     return Scheme(bits, group_size, bool(args.get("symmetric", True)))
 
 
@@ -76,8 +89,10 @@ def read_quantization_config(qconfig: dict) -> tuple[list[tuple[list[str], Schem
         method = qconfig.get("quant_method") if isinstance(qconfig, dict) else None
         raise ValueError(f"quantization_config has quant_method {method!r}; hfquant import reads {QUANT_METHOD!r}")
     if qconfig.get("format") not in (FORMAT, "mixed-precision"):
-        raise ValueError(f"quantization_config has format {qconfig.get('format')!r}; hfquant imports {FORMAT!r} "
-                         "(int weights packed in int32) only")
+        raise ValueError(
+            f"quantization_config has format {qconfig.get('format')!r}; hfquant imports {FORMAT!r} "
+            "(int weights packed in int32) only"
+        )
     if qconfig.get("kv_cache_scheme") is not None:
         raise ValueError("quantization_config quantizes the kv cache (kv_cache_scheme); hfquant does not")
     if qconfig.get("quantization_status", "compressed") != "compressed":
@@ -86,12 +101,16 @@ def read_quantization_config(qconfig: dict) -> tuple[list[tuple[list[str], Schem
     for group, entry in (qconfig.get("config_groups") or {}).items():
         if isinstance(entry, list):
             if group.upper() not in PRESETS:
-                raise ValueError(f"config_groups[{group!r}] is the preset {group!r}; hfquant imports {sorted(PRESETS)}")
+                raise ValueError(
+                    f"config_groups[{group!r}] is the preset {group!r}; hfquant imports {sorted(PRESETS)}"
+                )
             groups.append((list(entry), PRESETS[group.upper()]))
         elif isinstance(entry, dict):
             if entry.get("format") is None and qconfig.get("format") != FORMAT:
-                raise ValueError(f"config_groups[{group!r}] has no format in a mixed-precision config; hfquant "
-                                 f"imports {FORMAT!r} groups only")
+                raise ValueError(
+                    f"config_groups[{group!r}] has no format in a mixed-precision config; hfquant "
+                    f"imports {FORMAT!r} groups only"
+                )
             groups.append((list(entry.get("targets") or []), _weights_scheme(group, entry)))
         else:
             raise ValueError(f"config_groups[{group!r}] is {type(entry).__name__}; expected a scheme or a preset")
@@ -122,12 +141,19 @@ def plan_import(
     for key in headers:
         prefix, _, tensor = key.rpartition(".")
         if tensor == "weight_g_idx":
-            raise ValueError(f"{prefix} has weight_g_idx (activation ordering): its group of each input column is "
-                             "permuted, hfquant's groups are consecutive columns; export without actorder")
+            raise ValueError(
+                f"{prefix} has weight_g_idx (activation ordering): its group of each input column is "
+                "permuted, hfquant's groups are consecutive columns; export without actorder"
+            )
         if tensor != "weight_packed":
             continue
-        extra = sorted(k.rpartition(".")[2] for k in headers if k.startswith(f"{prefix}.weight_")
-                       and k.rpartition(".")[0] == prefix and k.rpartition(".")[2] not in _LAYER_TENSORS)
+        extra = sorted(
+            k.rpartition(".")[2]
+            for k in headers
+            if k.startswith(f"{prefix}.weight_")
+            and k.rpartition(".")[0] == prefix
+            and k.rpartition(".")[2] not in _LAYER_TENSORS
+        )
         if extra:
             raise ValueError(f"{prefix} stores {extra}, which hfquant's weight-only format has no tensor for")
         names = classes(prefix)
@@ -137,14 +163,18 @@ def plan_import(
         packed, scale = headers[key], headers.get(f"{prefix}.weight_scale")
         zero = headers.get(f"{prefix}.weight_zero_point")
         if scale is None or f"{prefix}.weight_shape" not in headers or (zero is None) != scheme.symmetric:
-            raise ValueError(f"{prefix}: weight_scale, weight_shape and (asymmetric only) weight_zero_point are "
-                             f"needed; found {sorted(k for k in headers if k.startswith(prefix + '.'))}")
+            raise ValueError(
+                f"{prefix}: weight_scale, weight_shape and (asymmetric only) weight_zero_point are "
+                f"needed; found {sorted(k for k in headers if k.startswith(prefix + '.'))}"
+            )
         n, groups_per_row = scale.shape
         k = packed.shape[1] * 32 // scheme.bits
         group_size = scheme.group_size or k
         if k % group_size or k // group_size != groups_per_row or packed.shape[0] != n:
-            raise ValueError(f"{prefix}: weight_packed {packed.describe()} and weight_scale {scale.describe()} do not "
-                             f"fit {scheme}; hfquant imports layers whose input width is a multiple of the group size")
+            raise ValueError(
+                f"{prefix}: weight_packed {packed.describe()} and weight_scale {scale.describe()} do not "
+                f"fit {scheme}; hfquant imports layers whose input width is a multiple of the group size"
+            )
         layers.append(ExportLayer(prefix, StoredFormat(scheme.bits, group_size, scheme.symmetric), n, k, False))
     return layers
 
@@ -194,16 +224,20 @@ def import_tensor(output: OutputTensor, read: Callable[[str], torch.Tensor]) -> 
     if output.role == "import_weight":
         shape = read(f"{name}.weight_shape")
         if shape.tolist() != [layer.rows, layer.in_features]:
-            raise ValueError(f"{name}.weight_shape is {shape.tolist()}, the packed tensors hold "
-                             f"[{layer.rows}, {layer.in_features}]; only unpadded layers can be imported")
+            raise ValueError(
+                f"{name}.weight_shape is {shape.tolist()}, the packed tensors hold "
+                f"[{layer.rows}, {layer.in_features}]; only unpadded layers can be imported"
+            )
         codes = unpack_words(read(f"{name}.weight_packed"), output.shape[1])
         tensor = (codes ^ 0x80).view(torch.int8) if fmt.bits == 8 and fmt.symmetric else codes
     elif output.role == "import_weight_scale":
         source = read(f"{name}.weight_scale")
         tensor = source.to(rtn.SCALE_DTYPE)
         if not torch.equal(tensor.to(source.dtype), source):
-            raise ValueError(f"{name}.weight_scale is {source.dtype} with values bfloat16 cannot hold exactly; "
-                             "hfquant stores bfloat16 scales and imports only what it holds bit for bit")
+            raise ValueError(
+                f"{name}.weight_scale is {source.dtype} with values bfloat16 cannot hold exactly; "
+                "hfquant stores bfloat16 scales and imports only what it holds bit for bit"
+            )
         if not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
             raise ValueError(f"{name}.weight_scale holds scales that are not finite and > 0; hfquant refuses those")
     elif output.role == "import_weight_zero_point":
@@ -211,6 +245,8 @@ def import_tensor(output: OutputTensor, read: Callable[[str], torch.Tensor]) -> 
     else:
         raise ValueError(f"unknown output role {output.role!r}")
     if tensor.dtype != output.dtype or tuple(tensor.shape) != output.shape:
-        raise ValueError(f"{output.name}: made {tensor.dtype} {tuple(tensor.shape)}, planned {output.dtype} "
-                         f"{output.shape} from the headers")
+        raise ValueError(
+            f"{output.name}: made {tensor.dtype} {tuple(tensor.shape)}, planned {output.dtype} "
+            f"{output.shape} from the headers"
+        )
     return tensor.contiguous()

@@ -16,28 +16,63 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.checkpoint.model_type import unmark
+from hfquant.core.dtypes import dtype_name, torch_dtype
 
 __all__ = [
-    "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "MAX_JSON_BYTES", "SAFETENSORS_DTYPES",
-    "TensorHeader", "read_json", "is_plain_file_name", "read_index", "tensor_files", "open_safetensors",
-    "read_headers", "read_tensor", "first_float_dtype", "write_shard", "write_index", "stays_inside", "require_inside",
-    "CHECKPOINT_ID_KEY", "PLACEHOLDER_METADATA", "stamp_checkpoint_ids", "read_checkpoint_id", "checkpoint_ids", "mixed_checkpoint_problem", "read_config",
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "WEIGHT_SUFFIXES",
+    "MAX_JSON_BYTES",
+    "SAFETENSORS_DTYPES",
+    "TensorHeader",
+    "read_json",
+    "is_plain_file_name",
+    "read_index",
+    "tensor_files",
+    "open_safetensors",
+    "read_headers",
+    "read_tensor",
+    "first_float_dtype",
+    "write_shard",
+    "write_index",
+    "stays_inside",
+    "require_inside",
+    "CHECKPOINT_ID_KEY",
+    "PLACEHOLDER_METADATA",
+    "stamp_checkpoint_ids",
+    "read_checkpoint_id",
+    "checkpoint_ids",
+    "mixed_checkpoint_problem",
+    "read_config",
     "write_json",
 ]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".pb", ".tflite")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".pb",
+    ".tflite",
+)
 """Weight files of any framework; hfquant reads only the safetensors ones."""
 MAX_JSON_BYTES = 64 * 2**20
 """Largest config.json / index / manifest read, in bytes."""
@@ -45,10 +80,25 @@ MAX_JSON_BYTES = 64 * 2**20
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     code: getattr(torch, name)
     for code, name in {
-        "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "F16": "float16",
-        "BF16": "bfloat16", "U32": "uint32", "I32": "int32", "F32": "float32", "U64": "uint64", "I64": "int64",
-        "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-        "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+        "BOOL": "bool",
+        "U8": "uint8",
+        "I8": "int8",
+        "U16": "uint16",
+        "I16": "int16",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "U32": "uint32",
+        "I32": "int32",
+        "F32": "float32",
+        "U64": "uint64",
+        "I64": "int64",
+        "F64": "float64",
+        "C64": "complex64",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        "F8_E8M0": "float8_e8m0fnu",
     }.items()
     if hasattr(torch, name)
 }
@@ -135,14 +185,17 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / CONFIG_NAME
     config = read_json(path)
     if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, not a {type(config).__name__}; restore it from the original "
-                         "checkpoint")
+        raise ValueError(
+            f"{path} must hold a JSON object, not a {type(config).__name__}; restore it from the original checkpoint"
+        )
     architectures = config.get("architectures")
     if architectures is not None and not (
         isinstance(architectures, list) and all(isinstance(name, str) and name for name in architectures)
     ):
-        raise ValueError(f"{path}: architectures={architectures!r} is not a list of class names such as "
-                         '["LlamaForCausalLM"]; restore it from the original checkpoint')
+        raise ValueError(
+            f"{path}: architectures={architectures!r} is not a list of class names such as "
+            '["LlamaForCausalLM"]; restore it from the original checkpoint'
+        )
     for field in ("dtype", "torch_dtype"):
         value = config.get(field)
         if value is None or value == "auto":
@@ -151,8 +204,10 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
             if not isinstance(value, str) or not torch_dtype(value).is_floating_point:
                 raise ValueError(value)
         except ValueError:
-            raise ValueError(f"{path}: {field}={value!r} is not a float torch dtype; write one of \"bfloat16\", "
-                             "\"float16\", \"float32\" (the dtype of the checkpoint's weights), or remove the field") from None
+            raise ValueError(
+                f'{path}: {field}={value!r} is not a float torch dtype; write one of "bfloat16", '
+                '"float16", "float32" (the dtype of the checkpoint\'s weights), or remove the field'
+            ) from None
     return unmark(config, path)
 
 
@@ -162,7 +217,10 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
 def is_plain_file_name(value: Any) -> bool:
     """Whether `value` names a file directly inside a folder: a non-empty string without '/', '\\', NUL, '.' or '..'."""
     return (
-        isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\\" not in value
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and "/" not in value
+        and "\\" not in value
         and "\x00" not in value
     )
 
@@ -245,7 +303,11 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, Path]:
         require_inside(folder, single)
         return {name: single for name in read_headers(single)}
     others = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    hint = f" (found {others}; hfquant reads safetensors only: load it with from_pretrained and save_pretrained it)" if others else ""
+    hint = (
+        f" (found {others}; hfquant reads safetensors only: load it with from_pretrained and save_pretrained it)"
+        if others
+        else ""
+    )
     raise FileNotFoundError(f"{folder} has no {SINGLE_NAME} or {INDEX_NAME}{hint}")
 
 

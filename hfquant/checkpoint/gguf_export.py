@@ -80,8 +80,9 @@ def reblock_int8(codes: torch.Tensor, scale: torch.Tensor, name: str) -> Reblock
     return Reblocked(out.reshape(n, -1), "Q8_0")
 
 
-def reblock_int4(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int,
-                 name: str) -> Reblocked:
+def reblock_int4(
+    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int, name: str
+) -> Reblocked:
     """Q4_0 (symmetric) or Q4_1 (asymmetric) blocks of an int4 group-wise layer.
 
     Args:
@@ -97,8 +98,10 @@ def reblock_int4(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Ten
     """
     n, k = codes.shape
     if group_size % BLOCK or k % group_size:
-        raise ValueError(f"{name}: group_size={group_size} is not a multiple of {BLOCK}, the GGUF block; GGUF cannot "
-                         "hold this layer without requantizing it")
+        raise ValueError(
+            f"{name}: group_size={group_size} is not a multiple of {BLOCK}, the GGUF block; GGUF cannot "
+            "hold this layer without requantizing it"
+        )
     blocks = k // BLOCK
     d = _per_block(_fp16_scales(scale, name), group_size)
     q = codes.reshape(n, blocks, BLOCK).numpy()

@@ -73,8 +73,10 @@ def unmark(config: dict[str, Any], source: str | os.PathLike = "config.json") ->
         return config
     base = config.get(BASE_MODEL_TYPE_KEY)
     if not isinstance(base, str) or not base or base == MODEL_TYPE:
-        raise ValueError(f"{source}: model_type is {MODEL_TYPE!r} but {BASE_MODEL_TYPE_KEY}={base!r} is not the "
-                         "model's own type (such as \"llama\"); restore config.json from the quantized checkpoint")
+        raise ValueError(
+            f"{source}: model_type is {MODEL_TYPE!r} but {BASE_MODEL_TYPE_KEY}={base!r} is not the "
+            'model\'s own type (such as "llama"); restore config.json from the quantized checkpoint'
+        )
     rest = {key: value for key, value in config.items() if key not in ("model_type", BASE_MODEL_TYPE_KEY)}
     return {"model_type": base, **rest}
 

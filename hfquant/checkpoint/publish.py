@@ -24,11 +24,17 @@ import secrets
 import shutil
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 __all__ = [
-    "check_destination", "deferred_sigint", "exchange", "publish_cache_folder", "publish_folder", "remove_folder", "rename_noreplace",
+    "check_destination",
+    "deferred_sigint",
+    "exchange",
+    "publish_cache_folder",
+    "publish_folder",
+    "remove_folder",
+    "rename_noreplace",
     "temporary_folder",
 ]
 

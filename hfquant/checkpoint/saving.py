@@ -27,8 +27,9 @@ import os
 import re
 import shutil
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hfquant.checkpoint.files import stamp_checkpoint_ids
 from hfquant.checkpoint.model_type import mark_config_file

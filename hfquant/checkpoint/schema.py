@@ -12,7 +12,8 @@ integration layer computes that mapping), so this module needs only torch and th
 from __future__ import annotations
 
 import re
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -66,7 +67,9 @@ def expected_tensors(model: nn.Module) -> tuple[dict[str, Expected], dict[str, s
             if key not in state:
                 continue
             exact = hfquant and not isinstance(tensor, nn.Parameter)
-            expected[key] = Expected(dtype_name(tensor.dtype), tuple(tensor.shape), exact, _layer_text(module) if exact else "")
+            expected[key] = Expected(
+                dtype_name(tensor.dtype), tuple(tensor.shape), exact, _layer_text(module) if exact else ""
+            )
     aliases: dict[int, set[str]] = {}
     for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
         model.named_buffers(remove_duplicate=False)

@@ -121,12 +121,12 @@ class PageReleaser:
         self.pending = 0
 
     @classmethod
-    def for_checkpoint(cls, total_bytes: int) -> "PageReleaser":
+    def for_checkpoint(cls, total_bytes: int) -> PageReleaser:
         """One release per 1/32 of a checkpoint of `total_bytes`, within [MIN_BYTES, MAX_BYTES] (16-256 MiB)."""
         return cls(min(cls.MAX_BYTES, max(cls.MIN_BYTES, total_bytes // 32)))
 
     @classmethod
-    def for_files(cls, files) -> "PageReleaser":
+    def for_files(cls, files) -> PageReleaser:
         """`for_checkpoint` of the summed sizes of `files` (paths; missing ones count 0)."""
         return cls.for_checkpoint(sum(os.path.getsize(f) for f in files if os.path.isfile(f)))
 

@@ -27,9 +27,18 @@ from hfquant.commands.inspection import format_report, human_bytes, inspect_chec
 from hfquant.config import FIELD_NAMES, HfQuantConfig
 from hfquant.version import __version__
 
-__all__ = ["CARD_MARKER", "EVAL_FILE", "TEMPLATE_PATH", "build_card", "write_card", "is_hfquant_card", "read_base_model"]
+__all__ = [
+    "CARD_MARKER",
+    "EVAL_FILE",
+    "TEMPLATE_PATH",
+    "build_card",
+    "write_card",
+    "is_hfquant_card",
+    "read_base_model",
+]
 
 logger = logging.getLogger(__name__)
+
 
 def _template_path() -> Path:
     package = Path(__file__).resolve().parents[1]
@@ -93,8 +102,11 @@ def _auto_class(architecture: str | None) -> str:
 
 def _versions() -> dict[str, str]:
 
-    return {"hfquant_version": __version__, "transformers_version": transformers.__version__,
-            "torch_version": torch.__version__}
+    return {
+        "hfquant_version": __version__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+    }
 
 
 def build_card(
@@ -151,11 +163,15 @@ def build_card(
         granularity = f"groups of {qconfig['group_size']} inputs per scale"
         fallback = [g for g in groups if g != qconfig["group_size"]]
         if fallback:
-            granularity += (f" ({' or '.join(map(str, fallback))} in the layers whose input width "
-                            f"{qconfig['group_size']} does not divide)")
+            granularity += (
+                f" ({' or '.join(map(str, fallback))} in the layers whose input width "
+                f"{qconfig['group_size']} does not divide)"
+            )
     symmetric = all(row["symmetric"] for row in report["quantized"])
     architecture = report["architecture"]
-    carried = {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
+    carried = (
+        {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
+    )
     carried.update({k: v for k, v in previous.items() if k in _CARRIED_METADATA and k not in carried})
     tags = ["hfquant", *[f"int{b}" for b in bits], *[f"{b}-bit" for b in bits], "quantized", "weight-only", "rtn"]
     card_data = ModelCardData(

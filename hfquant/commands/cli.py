@@ -52,7 +52,13 @@ DEFAULT_PROMPT = "The Python language reference describes"
 """Prompt of the decode-speed measurement of `hfquant eval`."""
 
 _OPTIONS_OF_THEIR_OWN = (
-    "quant_method", "format_version", "bits", "group_size", "symmetric", "modules_to_not_convert", "module_overrides",
+    "quant_method",
+    "format_version",
+    "bits",
+    "group_size",
+    "symmetric",
+    "modules_to_not_convert",
+    "module_overrides",
     "fold_column_scales",
 )
 """Config fields that are not plain `--field VALUE` options: fixed, or spelled --symmetric/--asymmetric, or several
@@ -84,7 +90,7 @@ def _json_object(text: str) -> Any:
         return json.loads(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(
-            f"--module-overrides {text!r} is not JSON ({error}); write e.g. '{{\"v_proj\": {{\"bits\": 8}}}}'"
+            f'--module-overrides {text!r} is not JSON ({error}); write e.g. \'{{"v_proj": {{"bits": 8}}}}\''
         ) from None
 
 
@@ -93,27 +99,55 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     other field of `hfquant.config.FIELDS`, with its help and allowed values. A value left out keeps the config's
     default (argparse.SUPPRESS), so `HfQuantConfig` applies its own defaults and validation."""
     group = parser.add_argument_group("quantization (the fields of HfQuantConfig)")
-    group.add_argument("--bits", type=int, default=4, choices=list(_field("bits").choices),
-                       help=f"{_field('bits').help} (default 4)")
-    group.add_argument("--group-size", type=_group_size, default=argparse.SUPPRESS, metavar="N",
-                       help=_field("group_size").help.replace("None", "'none'"))
+    group.add_argument(
+        "--bits", type=int, default=4, choices=list(_field("bits").choices), help=f"{_field('bits').help} (default 4)"
+    )
+    group.add_argument(
+        "--group-size",
+        type=_group_size,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help=_field("group_size").help.replace("None", "'none'"),
+    )
     sym = group.add_mutually_exclusive_group()
-    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
-                     help="signed codes, no zero point (default at 8 bits, the only form the int8 kernel runs)")
-    sym.add_argument("--asymmetric", dest="symmetric", action="store_false",
-                     help="unsigned codes with a uint8 zero point per group (default at 4 bits)")
-    group.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
-                       help=_field("modules_to_not_convert").help)
-    group.add_argument("--fold-column-scales", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                       help=_field("fold_column_scales").help)
-    group.add_argument("--module-overrides", type=_json_object, default=argparse.SUPPRESS, metavar="JSON",
-                       help=_field("module_overrides").help + " (a JSON object)")
+    sym.add_argument(
+        "--symmetric",
+        dest="symmetric",
+        action="store_true",
+        default=None,
+        help="signed codes, no zero point (default at 8 bits, the only form the int8 kernel runs)",
+    )
+    sym.add_argument(
+        "--asymmetric",
+        dest="symmetric",
+        action="store_false",
+        help="unsigned codes with a uint8 zero point per group (default at 4 bits)",
+    )
+    group.add_argument(
+        "--modules-to-not-convert", nargs="*", default=[], metavar="NAME", help=_field("modules_to_not_convert").help
+    )
+    group.add_argument(
+        "--fold-column-scales",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help=_field("fold_column_scales").help,
+    )
+    group.add_argument(
+        "--module-overrides",
+        type=_json_object,
+        default=argparse.SUPPRESS,
+        metavar="JSON",
+        help=_field("module_overrides").help + " (a JSON object)",
+    )
     defaults = HfQuantConfig().to_dict()
     for field in FIELDS:
         if field.name in _OPTIONS_OF_THEIR_OWN:
             continue
         group.add_argument(
-            "--" + field.name.replace("_", "-"), dest=field.name, default=argparse.SUPPRESS, metavar="VALUE",
+            "--" + field.name.replace("_", "-"),
+            dest=field.name,
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
             help=f"{field.help}; one of {', '.join(map(str, field.choices))} (default {defaults[field.name]})",
         )
 
@@ -136,28 +170,50 @@ def build_parser() -> argparse.ArgumentParser:
         "README.md. The tensors are the ones from_pretrained(SRC, quantization_config=...) then save_pretrained "
         "writes. DST is written into a temporary folder beside it and renamed at the end.",
     )
-    c.add_argument("src", metavar="SRC",
-                   help="float checkpoint: a local folder (config.json + model.safetensors or shards), or a Hub repo "
-                   "id (org/name) when the Hub is reachable")
+    c.add_argument(
+        "src",
+        metavar="SRC",
+        help="float checkpoint: a local folder (config.json + model.safetensors or shards), or a Hub repo "
+        "id (org/name) when the Hub is reachable",
+    )
     c.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
     _add_config_options(c)
     out = c.add_argument_group("output")
-    out.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                     help="load dtype, as from_pretrained(dtype=...): float tensors are stored in it and weights are "
-                     "cast to it before quantizing; auto = config.json's dtype, else the checkpoint's (default auto)")
-    out.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
-                     help="largest output shard, e.g. 500MB or 5GB. Memory peaks near one source tensor plus twice "
-                     "one shard (safetensors copies a shard to bytes as it writes it) (default 2GB)")
-    out.add_argument("--workers", type=int, default=0, metavar="N",
-                     help="quantize in N worker processes of one torch thread each, overlapped with the reading and "
-                     "writing done here; each process costs about 400 MB for its own torch and skeleton "
-                     "(default 0: quantize in this process with all torch threads)")
+    out.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="load dtype, as from_pretrained(dtype=...): float tensors are stored in it and weights are "
+        "cast to it before quantizing; auto = config.json's dtype, else the checkpoint's (default auto)",
+    )
+    out.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default="2GB",
+        metavar="SIZE",
+        help="largest output shard, e.g. 500MB or 5GB. Memory peaks near one source tensor plus twice "
+        "one shard (safetensors copies a shard to bytes as it writes it) (default 2GB)",
+    )
+    out.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="quantize in N worker processes of one torch thread each, overlapped with the reading and "
+        "writing done here; each process costs about 400 MB for its own torch and skeleton "
+        "(default 0: quantize in this process with all torch threads)",
+    )
     out.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
-    out.add_argument("--revision", default=None,
-                     help="branch, tag or commit of SRC when it is a Hub repo id (default main)")
-    out.add_argument("--base-model", default=None, metavar="REPO_ID",
-                     help="Hub repo id of the float model, for the card's base_model (default: SRC when it is a repo "
-                     "id, or the repo of a Hub cache folder)")
+    out.add_argument(
+        "--revision", default=None, help="branch, tag or commit of SRC when it is a Hub repo id (default main)"
+    )
+    out.add_argument(
+        "--base-model",
+        default=None,
+        metavar="REPO_ID",
+        help="Hub repo id of the float model, for the card's base_model (default: SRC when it is a repo "
+        "id, or the repo of a Hub cache folder)",
+    )
     out.add_argument("--no-card", dest="card", action="store_false", help="do not write README.md")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
@@ -179,9 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
         "dtype and shape quantization_config gives it, and the sha256 sums recorded in hfquant.sha256.json.",
     )
     v.add_argument("path", metavar="PATH", help="checkpoint folder")
-    v.add_argument("--write-checksums", action="store_true",
-                   help="when no problem is found, record the sha256 of config.json, the index and the shards in "
-                   "hfquant.sha256.json (for a folder written by save_pretrained)")
+    v.add_argument(
+        "--write-checksums",
+        action="store_true",
+        help="when no problem is found, record the sha256 of config.json, the index and the shards in "
+        "hfquant.sha256.json (for a folder written by save_pretrained)",
+    )
 
     e = sub.add_parser(
         "eval",
@@ -192,14 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("path", metavar="PATH", help="quantized checkpoint folder (a causal LM)")
     e.add_argument("--baseline", metavar="SRC", help="float checkpoint to measure the same way (folder or repo id)")
-    e.add_argument("--text-file", type=Path, metavar="FILE", help="UTF-8 text for the perplexity instead of the built-in one")
-    e.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default all)")
-    e.add_argument("--max-length", type=int, default=512, metavar="N", help="perplexity window in tokens (default 512)")
-    e.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens generated per speed run (default 64)")
+    e.add_argument(
+        "--text-file", type=Path, metavar="FILE", help="UTF-8 text for the perplexity instead of the built-in one"
+    )
+    e.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default all)"
+    )
+    e.add_argument(
+        "--max-length", type=int, default=512, metavar="N", help="perplexity window in tokens (default 512)"
+    )
+    e.add_argument(
+        "--new-tokens", type=int, default=64, metavar="N", help="tokens generated per speed run (default 64)"
+    )
     e.add_argument("--repeats", type=int, default=3, metavar="N", help="speed runs; the best counts (default 3)")
     e.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the speed runs")
-    e.add_argument("--no-save", dest="save", action="store_false",
-                   help="do not write hfquant_eval.json nor update README.md")
+    e.add_argument(
+        "--no-save", dest="save", action="store_false", help="do not write hfquant_eval.json nor update README.md"
+    )
     e.add_argument("--json", action="store_true", help="print the results as JSON")
 
     p = sub.add_parser(
@@ -211,12 +279,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", metavar="PATH", help="checkpoint folder (from hfquant convert or save_pretrained)")
     p.add_argument("repo_id", metavar="REPO_ID", help="model repo, org/name")
-    p.add_argument("--private", action="store_true", default=None, help="create the repo private (an existing repo keeps its visibility)")
-    p.add_argument("--revision", default=None, metavar="BRANCH", help="branch to commit to, created if missing (default main)")
-    p.add_argument("--commit-message", default=None, metavar="MSG", help="commit title (default: Upload NAME quantized with hfquant)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="give up when the Hub does not answer a connection, read or write within SECONDS (default: "
-                   f"${HUB_TIMEOUT_ENV} or {DEFAULT_HUB_TIMEOUT:g})")
+    p.add_argument(
+        "--private",
+        action="store_true",
+        default=None,
+        help="create the repo private (an existing repo keeps its visibility)",
+    )
+    p.add_argument(
+        "--revision", default=None, metavar="BRANCH", help="branch to commit to, created if missing (default main)"
+    )
+    p.add_argument(
+        "--commit-message",
+        default=None,
+        metavar="MSG",
+        help="commit title (default: Upload NAME quantized with hfquant)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up when the Hub does not answer a connection, read or write within SECONDS (default: "
+        f"${HUB_TIMEOUT_ENV} or {DEFAULT_HUB_TIMEOUT:g})",
+    )
 
     x = sub.add_parser(
         "export",
@@ -229,10 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
         "symmetric as Q4_0, int4 asymmetric as Q4_1, re-blocked from the stored codes.",
     )
     x.add_argument("src", metavar="SRC", help="hfquant checkpoint folder")
-    x.add_argument("dst", metavar="DST", help="output folder (a .gguf file with --format gguf); must not exist unless --overwrite")
+    x.add_argument(
+        "dst", metavar="DST", help="output folder (a .gguf file with --format gguf); must not exist unless --overwrite"
+    )
     x.add_argument("--format", required=True, choices=list(FORMATS), help="the format to write")
-    x.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
-                   help="largest output shard, e.g. 500MB or 5GB (default 2GB)")
+    x.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default="2GB",
+        metavar="SIZE",
+        help="largest output shard, e.g. 500MB or 5GB (default 2GB)",
+    )
     x.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
 
     m = sub.add_parser(
@@ -245,8 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("src", metavar="SRC", help="compressed-tensors checkpoint folder")
     m.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
-    m.add_argument("--max-shard-size", type=_shard_size, default="2GB", metavar="SIZE",
-                   help="largest output shard, e.g. 500MB or 5GB (default 2GB)")
+    m.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default="2GB",
+        metavar="SIZE",
+        help="largest output shard, e.g. 500MB or 5GB (default 2GB)",
+    )
     m.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
     return parser
 
@@ -254,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> HfQuantConfig:
     """`HfQuantConfig` from parsed `convert` arguments; raises the config's ValueError/TypeError on bad values."""
     kwargs: dict[str, Any] = {
-        "bits": args.bits, "symmetric": args.symmetric, "modules_to_not_convert": list(args.modules_to_not_convert),
+        "bits": args.bits,
+        "symmetric": args.symmetric,
+        "modules_to_not_convert": list(args.modules_to_not_convert),
     }
     for name in FIELD_NAMES:
         if name not in kwargs and hasattr(args, name):
@@ -278,8 +377,16 @@ def _convert(args: argparse.Namespace) -> int:
     if Path(args.src).expanduser().is_dir():
         check_source_config(args.src)
     result = convert(
-        args.src, args.dst, config, max_shard_size=args.max_shard_size, dtype=args.dtype, workers=args.workers,
-        overwrite=args.overwrite, revision=args.revision, base_model=args.base_model, progress=args.progress,
+        args.src,
+        args.dst,
+        config,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        revision=args.revision,
+        base_model=args.base_model,
+        progress=args.progress,
         card=args.card,
     )
     print(
@@ -320,8 +427,10 @@ def evaluate(
         text_name = f"`{Path(text_file).name}` ({len(text)} characters)"
     else:
         text = reference_text()
-        text_name = (f"CPython's `pydoc_data.topics` (Python {platform.python_version()}, first "
-                     f"{DEFAULT_REFERENCE_CHARS} characters)")
+        text_name = (
+            f"CPython's `pydoc_data.topics` (Python {platform.python_version()}, first "
+            f"{DEFAULT_REFERENCE_CHARS} characters)"
+        )
     rows, tokens = [], None
     for role, source in (("quantized", path), ("baseline", baseline)):
         if source is None:
@@ -341,29 +450,51 @@ def evaluate(
         kind = f"hfquant int{qconfig['bits']}" if qconfig and qconfig.get("quant_method") == "hfquant" else dtype
         label = f"{'this model' if role == 'quantized' else Path(str(source)).name} ({kind})"
         logger.info("measuring %s", label)
-        rows.append({
-            "label": label,
-            # a folder's name, never its absolute path: this file is meant for the Hub, not machine-specific
-            "path": Path(str(source)).expanduser().name if Path(str(source)).expanduser().exists() else str(source),
-            "perplexity": perplexity(model, tokenizer, text, max_length=max_length, stride=max_length, max_tokens=max_tokens),
-            "tokens_per_second": decode_tokens_per_second(model, tokenizer, prompt, new_tokens=new_tokens, repeats=repeats),
-        })
+        rows.append(
+            {
+                "label": label,
+                # a folder's name, never its absolute path: this file is meant for the Hub, not machine-specific
+                "path": Path(str(source)).expanduser().name
+                if Path(str(source)).expanduser().exists()
+                else str(source),
+                "perplexity": perplexity(
+                    model, tokenizer, text, max_length=max_length, stride=max_length, max_tokens=max_tokens
+                ),
+                "tokens_per_second": decode_tokens_per_second(
+                    model, tokenizer, prompt, new_tokens=new_tokens, repeats=repeats
+                ),
+            }
+        )
         del model
         gc.collect()
     return {
-        "text": text_name, "tokens": tokens, "max_length": max_length, "new_tokens": new_tokens,
-        "device": f"CPU ({torch.get_num_threads()} threads, torch {torch.__version__})", "results": rows,
+        "text": text_name,
+        "tokens": tokens,
+        "max_length": max_length,
+        "new_tokens": new_tokens,
+        "device": f"CPU ({torch.get_num_threads()} threads, torch {torch.__version__})",
+        "results": rows,
     }
 
 
 def _eval(args: argparse.Namespace) -> int:
-    measured = evaluate(args.path, args.baseline, args.text_file, args.max_tokens, args.max_length, args.new_tokens,
-                        args.repeats, args.prompt)
+    measured = evaluate(
+        args.path,
+        args.baseline,
+        args.text_file,
+        args.max_tokens,
+        args.max_length,
+        args.new_tokens,
+        args.repeats,
+        args.prompt,
+    )
     if args.json:
         print(json.dumps(measured, indent=2))
     else:
         width = max(len(row["label"]) for row in measured["results"])
-        print(f"perplexity on {measured['text']}, {measured['tokens']} tokens; decode: {measured['new_tokens']} new tokens, batch 1")
+        print(
+            f"perplexity on {measured['text']}, {measured['tokens']} tokens; decode: {measured['new_tokens']} new tokens, batch 1"
+        )
         print(f"{'model':<{width}}  {'perplexity':>10}  {'decode tok/s':>12}")
         for row in measured["results"]:
             print(f"{row['label']:<{width}}  {row['perplexity']:>10.3f}  {row['tokens_per_second']:>12.1f}")
@@ -371,8 +502,12 @@ def _eval(args: argparse.Namespace) -> int:
     if args.save and folder.is_dir():
         outside = {name for name in (EVAL_FILE, "README.md") if not stays_inside(folder, folder / name)}
         for name in sorted(outside):
-            logger.warning("not writing %s: it is a link to %s, outside %s (links that leave it are never followed)",
-                           name, (folder / name).resolve(), folder)
+            logger.warning(
+                "not writing %s: it is a link to %s, outside %s (links that leave it are never followed)",
+                name,
+                (folder / name).resolve(),
+                folder,
+            )
         if EVAL_FILE not in outside:
             (folder / EVAL_FILE).write_text(json.dumps(measured, indent=2) + "\n", encoding="utf-8")
             logger.info("saved %s", folder / EVAL_FILE)
@@ -384,8 +519,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
-                       commit_message=args.commit_message, timeout=args.timeout)
+    info = push_folder(
+        args.path,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        timeout=args.timeout,
+    )
     print(f"pushed {args.path} to {args.repo_id}: {info.commit_url}")
     return 0
 
@@ -401,33 +542,45 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     if args.write_checksums:
         print(f"recorded sha256 sums in {write_checksums(args.path)}")
-    print(f"ok: {args.path}: {result.tensors} tensors in {result.files} file(s) match the config"
-          + (f", {result.checksums} sha256 sums match" if result.checksums else ""))
+    print(
+        f"ok: {args.path}: {result.tensors} tensors in {result.files} file(s) match the config"
+        + (f", {result.checksums} sha256 sums match" if result.checksums else "")
+    )
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    result = export_checkpoint(args.src, args.dst, args.format, max_shard_size=args.max_shard_size,
-                               overwrite=args.overwrite)
+    result = export_checkpoint(
+        args.src, args.dst, args.format, max_shard_size=args.max_shard_size, overwrite=args.overwrite
+    )
     if args.format == "gguf":
         types = ", ".join(f"{count} {kind}" for kind, count in sorted(result.types.items()))
         print(f"wrote {result.dst} (gguf): {types} tensors in {result.seconds:.1f} s")
         return 0
-    print(f"wrote {result.dst} ({args.format}): {result.quantized_layers} layers quantized in "
-          f"{result.config_groups} config group(s), {result.dequantized_layers} written dequantized, "
-          f"{len(result.shards)} shard(s) in {result.seconds:.1f} s")
+    print(
+        f"wrote {result.dst} ({args.format}): {result.quantized_layers} layers quantized in "
+        f"{result.config_groups} config group(s), {result.dequantized_layers} written dequantized, "
+        f"{len(result.shards)} shard(s) in {result.seconds:.1f} s"
+    )
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
     result = import_checkpoint(args.src, args.dst, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    print(f"wrote {result.dst}: {result.quantized_layers} layers imported in {result.config_groups} format(s), "
-          f"{len(result.shards)} shard(s) in {result.seconds:.1f} s")
+    print(
+        f"wrote {result.dst}: {result.quantized_layers} layers imported in {result.config_groups} format(s), "
+        f"{len(result.shards)} shard(s) in {result.seconds:.1f} s"
+    )
     return 0
 
 
 _COMMANDS = {
-    "convert": _convert, "inspect": _inspect, "eval": _eval, "push": _push, "verify": _verify, "export": _export,
+    "convert": _convert,
+    "inspect": _inspect,
+    "eval": _eval,
+    "push": _push,
+    "verify": _verify,
+    "export": _export,
     "import": _import,
 }
 
@@ -449,9 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError as error:
         if interrupted:
             parser.exit(130, _INTERRUPTED)
-        parser.exit(1, f"hfquant: error: out of memory{f' ({error})' if str(error) else ''}; close other programs or "
-                       f"use a machine with more memory{_MEMORY_HINTS.get(args.command, '')} (an unfinished DST is "
-                       "removed; an existing one is left as it was)\n")
+        parser.exit(
+            1,
+            f"hfquant: error: out of memory{f' ({error})' if str(error) else ''}; close other programs or "
+            f"use a machine with more memory{_MEMORY_HINTS.get(args.command, '')} (an unfinished DST is "
+            "removed; an existing one is left as it was)\n",
+        )
     except Exception as error:
         # Ctrl-C inside some C extensions (torch, safetensors) surfaces as another exception; it is still Ctrl-C
         if interrupted:

@@ -29,10 +29,11 @@ import re
 import shutil
 import time
 from collections import deque
-from contextlib import contextmanager
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from huggingface_hub import snapshot_download, split_torch_state_dict_into_shards
@@ -53,7 +54,6 @@ from hfquant.checkpoint.files import (
     INDEX_NAME,
     WEIGHT_SUFFIXES,
     open_safetensors,
-    read_json,
     read_tensor,
     stays_inside,
     tensor_files,
@@ -72,7 +72,12 @@ from hfquant.integration.counting import quantized_weight_count
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = [
-    "ConvertResult", "convert", "resolve_source", "base_model_of", "copy_small_files", "shard_plan",
+    "ConvertResult",
+    "convert",
+    "resolve_source",
+    "base_model_of",
+    "copy_small_files",
+    "shard_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,11 +119,15 @@ def resolve_source(src: str | os.PathLike, revision: str | None = None) -> Path:
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise NotADirectoryError(f"SRC {str(src)!r} is a file; pass the folder that holds config.json and the weights")
+            raise NotADirectoryError(
+                f"SRC {str(src)!r} is a file; pass the folder that holds config.json and the weights"
+            )
         return path
     text = str(src)
     if not _REPO_ID.match(text) or text.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"SRC {text!r} is not a folder; pass a local checkpoint folder or a Hub repo id (org/name)")
+        raise FileNotFoundError(
+            f"SRC {text!r} is not a folder; pass a local checkpoint folder or a Hub repo id (org/name)"
+        )
     try:
         folder = snapshot_download(text, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
     except RepositoryNotFoundError:
@@ -127,7 +136,9 @@ def resolve_source(src: str | os.PathLike, revision: str | None = None) -> Path:
             "or log in (hf auth login / HF_TOKEN) for a private or gated repo"
         ) from None
     except RevisionNotFoundError:
-        raise OSError(f"the Hub repo {text!r} has no revision {revision!r}; pass an existing branch, tag or commit") from None
+        raise OSError(
+            f"the Hub repo {text!r} has no revision {revision!r}; pass an existing branch, tag or commit"
+        ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise OSError(
@@ -247,7 +258,9 @@ def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _write_weights(outputs: list[Output], split, folder: Path, workers: int, worker_args: tuple, progress: bool) -> int:
+def _write_weights(
+    outputs: list[Output], split, folder: Path, workers: int, worker_args: tuple, progress: bool
+) -> int:
     """Read, quantize and write every shard of `split`; returns the bytes of tensor data written.
 
     A job's results are kept until all its tensors are written (a layer's buffers may straddle two shards).
@@ -286,7 +299,9 @@ def _write_weights(outputs: list[Output], split, folder: Path, workers: int, wor
                     )
                 tensors[name] = tensor.contiguous()
                 written += tensor.numel() * tensor.element_size()
-            write_shard(folder / filename, tensors)  # an OSError leaves DST untouched: the shard is in a temporary folder
+            write_shard(
+                folder / filename, tensors
+            )  # an OSError leaves DST untouched: the shard is in a temporary folder
             del tensors
     finally:
         results.close()
@@ -302,14 +317,19 @@ def copy_small_files(src: Path, dst: Path, skipped: set[str] = SKIPPED_FILES) ->
         if name.startswith(".") or name in skipped or name.endswith(WEIGHT_SUFFIXES):
             continue
         if not stays_inside(src, path):
-            logger.warning("not copying %s: it is a link to %s, outside SRC (links that leave it are never followed)",
-                           path, path.resolve())
+            logger.warning(
+                "not copying %s: it is a link to %s, outside SRC (links that leave it are never followed)",
+                path,
+                path.resolve(),
+            )
             continue
         if path.is_dir():
             logger.info("not copying folder %s (convert copies the top-level files only)", path)
             continue
         if path.stat().st_size > MAX_COPIED_FILE_BYTES:
-            logger.warning("not copying %s: %d bytes is more than a tokenizer or config file", path, path.stat().st_size)
+            logger.warning(
+                "not copying %s: %d bytes is more than a tokenizer or config file", path, path.stat().st_size
+            )
             continue
         shutil.copyfile(path, dst / name)
         copied.append(name)
@@ -393,7 +413,8 @@ def convert(
     _use_quantizer(model, quantizer)
     outputs, missing = plan_outputs(model, quantizer, load_dtype, files)
     unquantizable = [
-        key for key in missing
+        key
+        for key in missing
         if key.endswith(("weight", "weight_scale")) and is_hfquant_module(model.get_submodule(key.rpartition(".")[0]))
     ]
     if unquantizable:
@@ -405,7 +426,11 @@ def convert(
     if missing:
         logger.warning(
             "%s has no tensor for %d model tensor(s) (%s%s); from_pretrained would initialize them, convert leaves "
-            "them out as the source does", folder, len(missing), ", ".join(missing[:5]), ", ..." if len(missing) > 5 else "",
+            "them out as the source does",
+            folder,
+            len(missing),
+            ", ".join(missing[:5]),
+            ", ..." if len(missing) > 5 else "",
         )
     split = shard_plan(outputs, max_shard_size)
 
@@ -438,8 +463,12 @@ def convert(
     quantized_jobs = {out.job for out in outputs if out.job is not None and out.model_key != out.job.model_key}
     source_bytes = sum(p.stat().st_size for p in set(files.values()))
     result = ConvertResult(
-        dst, list(split.filename_to_tensors), len(quantized_jobs), sum(out.job not in quantized_jobs for out in outputs),
-        written, source_bytes,
+        dst,
+        list(split.filename_to_tensors),
+        len(quantized_jobs),
+        sum(out.job not in quantized_jobs for out in outputs),
+        written,
+        source_bytes,
         time.perf_counter() - start,
     )
     logger.info("converted %s -> %s: %d layers quantized in %.1f s", src, dst, result.quantized_layers, result.seconds)

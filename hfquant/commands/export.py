@@ -29,8 +29,17 @@ from hfquant.checkpoint import compressed_tensors as ct
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import SUMS_NAME
 from hfquant.checkpoint.files import (
-    CONFIG_NAME, INDEX_NAME, first_float_dtype, open_safetensors, read_headers, read_tensor,
-    require_inside, tensor_files, write_index, write_json, write_shard,
+    CONFIG_NAME,
+    INDEX_NAME,
+    first_float_dtype,
+    open_safetensors,
+    read_headers,
+    read_tensor,
+    require_inside,
+    tensor_files,
+    write_index,
+    write_json,
+    write_shard,
 )
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.commands import convert
@@ -41,7 +50,12 @@ from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = [
-    "FORMATS", "ExportResult", "export_checkpoint", "check_dst", "copy_small_files", "write_shards",
+    "FORMATS",
+    "ExportResult",
+    "export_checkpoint",
+    "check_dst",
+    "copy_small_files",
+    "write_shards",
 ]
 
 logger = logging.getLogger(__name__)
@@ -200,9 +214,22 @@ def export_checkpoint(
         write_json(tmp / CONFIG_NAME, config)
         copy_small_files(folder, tmp)
         folders.publish_folder(tmp, dst, overwrite)
-    result = ExportResult(dst, list(split.filename_to_tensors), len(quantized), len(layers) - len(quantized),
-                          len(qconfig["config_groups"]), time.perf_counter() - start)
-    logger.info("exported %s -> %s (%s): %d layers quantized, %d dequantized, %d config group(s) in %.1f s",
-                src, dst, format, result.quantized_layers, result.dequantized_layers, result.config_groups,
-                result.seconds)
+    result = ExportResult(
+        dst,
+        list(split.filename_to_tensors),
+        len(quantized),
+        len(layers) - len(quantized),
+        len(qconfig["config_groups"]),
+        time.perf_counter() - start,
+    )
+    logger.info(
+        "exported %s -> %s (%s): %d layers quantized, %d dequantized, %d config group(s) in %.1f s",
+        src,
+        dst,
+        format,
+        result.quantized_layers,
+        result.dequantized_layers,
+        result.config_groups,
+        result.seconds,
+    )
     return result

@@ -34,7 +34,14 @@ import gguf
 import numpy as np
 import torch
 
-from hfquant.checkpoint.files import CONFIG_NAME, open_safetensors, read_config, read_tensor, require_inside, tensor_files
+from hfquant.checkpoint.files import (
+    CONFIG_NAME,
+    open_safetensors,
+    read_config,
+    read_tensor,
+    require_inside,
+    tensor_files,
+)
 from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4, reblock_int8
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core.packing import unpack_int4
@@ -49,17 +56,28 @@ GGUF_MODEL_TYPES = tuple(GGUF_ARCHITECTURES)
 PERMUTED_ARCHITECTURES = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp stores permuted (its converter permutes Llama's, not Qwen2's)."""
 
-_LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-                 "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_LLAMA3_SPLIT = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace("\\p{N}{1,3}", "\\p{N}")
 
 _LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
-_QUANT_TYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0,
-                "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+_QUANT_TYPES = {
+    "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
 
 
 class GgufResult(NamedTuple):
@@ -115,7 +133,9 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
     rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta there; 4.x kept it at the top
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type={rope.get('rope_type')!r}: the GGUF export writes the default rotary embedding only")
+        raise ValueError(
+            f"rope_type={rope.get('rope_type')!r}: the GGUF export writes the default rotary embedding only"
+        )
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(config["vocab_size"])
@@ -157,15 +177,19 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
         if tokenizer_json.exists() and not (folder / "vocab.json").exists():
             pre = gguf_pre_tokenizer(json.loads(tokenizer_json.read_text(encoding="utf-8")).get("pre_tokenizer"))
         if pre is None:
-            logger.warning("%s: llama.cpp has no pre-tokenizer matching this tokenizer's; written as 'default', so "
-                           "llama.cpp may split text differently (token ids given to it directly are unaffected)",
-                           tokenizer_json)
+            logger.warning(
+                "%s: llama.cpp has no pre-tokenizer matching this tokenizer's; written as 'default', so "
+                "llama.cpp may split text differently (token ids given to it directly are unaffected)",
+                tokenizer_json,
+            )
     except (FileNotFoundError, ValueError) as bpe_error:
         try:
             vocab, model, pre = gguf.vocab.LlamaHfVocab(folder), "llama", None
         except (FileNotFoundError, TypeError, ValueError, OSError) as llama_error:
-            raise ValueError(f"{folder}: the GGUF export writes byte-level BPE tokenizers ({bpe_error}) and "
-                             f"SentencePiece-style BPE with byte fallback ({llama_error}) only") from None
+            raise ValueError(
+                f"{folder}: the GGUF export writes byte-level BPE tokenizers ({bpe_error}) and "
+                f"SentencePiece-style BPE with byte fallback ({llama_error}) only"
+            ) from None
     tokens, scores, types = [], [], []
     for text, score, kind in vocab.all_tokens():
         tokens.append(text)
@@ -200,20 +224,31 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     folder, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
-    for name in (CONFIG_NAME, "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json"):
+    for name in (
+        CONFIG_NAME,
+        "tokenizer.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+    ):
         if (folder / name).exists() or (folder / name).is_symlink():
             require_inside(folder, folder / name)  # an untrusted folder: no link out of it is read
     config = read_config(folder)
     if "quantization_config" not in config or config["quantization_config"].get("quant_method") != "hfquant":
         raise ValueError(f"{folder} is not an hfquant checkpoint (config.json has no hfquant quantization_config)")
     if config.get("model_type") not in GGUF_MODEL_TYPES:
-        raise ValueError(f"{folder}: model_type={config.get('model_type')!r}; the GGUF export writes {list(GGUF_MODEL_TYPES)}")
+        raise ValueError(
+            f"{folder}: model_type={config.get('model_type')!r}; the GGUF export writes {list(GGUF_MODEL_TYPES)}"
+        )
     files = tensor_files(folder)
     if any(name.endswith(".weight_col_scale") for name in files):
         layer = next(name for name in files if name.endswith(".weight_col_scale")).rpartition(".")[0]
-        raise ValueError(f"{layer} stores a SINQ column scale, which GGUF has no tensor for: convert with the 4-bit "
-                         "default (it folds the scales in Llama blocks) or method='rtn'")
+        raise ValueError(
+            f"{layer} stores a SINQ column scale, which GGUF has no tensor for: convert with the 4-bit "
+            "default (it folds the scales in Llama blocks) or method='rtn'"
+        )
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -294,6 +329,9 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     finally:
         handles.clear()
     if inexact:
-        logger.warning("GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16 (largest weight "
-                       "error %.3g)", inexact, max_error)
+        logger.warning(
+            "GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16 (largest weight error %.3g)",
+            inexact,
+            max_error,
+        )
     return GgufResult(dst, types, inexact, max_error, time.perf_counter() - start)

@@ -33,8 +33,15 @@ from hfquant.checkpoint.files import stays_inside
 from hfquant.commands.cards import build_card, is_hfquant_card, read_base_model
 from hfquant.commands.convert import base_model_of
 
-__all__ = ["HubError", "push_folder", "attach_model_card", "push_model_to_hub", "hub_timeout", "DEFAULT_HUB_TIMEOUT",
-           "HUB_TIMEOUT_ENV"]
+__all__ = [
+    "HubError",
+    "push_folder",
+    "attach_model_card",
+    "push_model_to_hub",
+    "hub_timeout",
+    "DEFAULT_HUB_TIMEOUT",
+    "HUB_TIMEOUT_ENV",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,22 +100,30 @@ def _session_timeout(seconds: float):
 
 
 def _is_timeout(error: BaseException) -> bool:
-    return isinstance(error, TimeoutError) or any(cls.__name__.endswith("TimeoutException") for cls in type(error).__mro__)
+    return isinstance(error, TimeoutError) or any(
+        cls.__name__.endswith("TimeoutException") for cls in type(error).__mro__
+    )
 
 
 def _explain(error: Exception, repo_id: str, action: str, endpoint: str, timeout: float = DEFAULT_HUB_TIMEOUT) -> str:
     """A message for a failed Hub call: what failed, the status, and what to do."""
 
     if _is_timeout(error):
-        return (f"cannot {action}: the Hub at {endpoint} did not answer within {timeout:g} s; check the network or "
-                f"HF_ENDPOINT, or wait longer with --timeout SECONDS (or {HUB_TIMEOUT_ENV}=SECONDS)")
+        return (
+            f"cannot {action}: the Hub at {endpoint} did not answer within {timeout:g} s; check the network or "
+            f"HF_ENDPOINT, or wait longer with --timeout SECONDS (or {HUB_TIMEOUT_ENV}=SECONDS)"
+        )
     if isinstance(error, json.JSONDecodeError):
-        return (f"cannot {action}: the Hub at {endpoint} answered something that is not JSON ({error}); check that "
-                "HF_ENDPOINT is a Hugging Face Hub (a proxy or a captive portal may have answered instead)")
+        return (
+            f"cannot {action}: the Hub at {endpoint} answered something that is not JSON ({error}); check that "
+            "HF_ENDPOINT is a Hugging Face Hub (a proxy or a captive portal may have answered instead)"
+        )
     if isinstance(error, OfflineModeIsEnabled):
         return f"cannot {action}: huggingface_hub is in offline mode (HF_HUB_OFFLINE=1); unset it to push"
     if not isinstance(error, HfHubHTTPError):
-        return f"cannot {action}: the Hub at {endpoint} could not be reached ({error}); check the network or HF_ENDPOINT"
+        return (
+            f"cannot {action}: the Hub at {endpoint} could not be reached ({error}); check the network or HF_ENDPOINT"
+        )
     response = getattr(error, "response", None)
     status = getattr(response, "status_code", None)
     detail = getattr(error, "server_message", None) or ""
@@ -117,16 +132,22 @@ def _explain(error: Exception, repo_id: str, action: str, endpoint: str, timeout
         fix = "log in with `hf auth login` or set HF_TOKEN to a token with write access"
         return f"cannot {action}: the Hub rejected the credentials (401 Unauthorized){detail}; {fix}"
     if status == 403:
-        return (f"cannot {action}: your token may not write to {repo_id} (403 Forbidden){detail}; use a token with "
-                "write access to that user or organization")
+        return (
+            f"cannot {action}: your token may not write to {repo_id} (403 Forbidden){detail}; use a token with "
+            "write access to that user or organization"
+        )
     if isinstance(error, RevisionNotFoundError):
         return f"cannot {action}: {repo_id} has no such revision (404){detail}; pass an existing branch or create it"
     if status == 404:
-        return (f"cannot {action}: {repo_id} was not found (404 Not Found){detail}; check the repo id "
-                "(org/name) and that your token can see it")
+        return (
+            f"cannot {action}: {repo_id} was not found (404 Not Found){detail}; check the repo id "
+            "(org/name) and that your token can see it"
+        )
     if status is not None and status >= 500:
-        return (f"cannot {action}: the Hub failed with {status} (server error){detail}; nothing was committed, try "
-                "again later")
+        return (
+            f"cannot {action}: the Hub failed with {status} (server error){detail}; nothing was committed, try "
+            "again later"
+        )
     return f"cannot {action}: the Hub answered {status}{detail}"
 
 
@@ -139,8 +160,12 @@ def _operations(folder: Path, readme: bytes | None) -> list:
         if not path.is_file() or any(part.startswith(".") for part in relative.parts):
             continue
         if not stays_inside(folder, path):
-            logger.warning("not uploading %s: it is a link to %s, outside %s (links that leave it are never followed)",
-                           relative, path.resolve(), folder)
+            logger.warning(
+                "not uploading %s: it is a link to %s, outside %s (links that leave it are never followed)",
+                relative,
+                path.resolve(),
+                folder,
+            )
             continue
         name = relative.as_posix()
         if name == "README.md" and readme is not None:
@@ -245,7 +270,10 @@ def push_folder(
 
 def attach_model_card(model) -> None:
     """Make `model.push_to_hub` push with hfquant's card (`push_model_to_hub`); idempotent, this instance only."""
-    if isinstance(getattr(model, "push_to_hub", None), types.MethodType) and model.push_to_hub.__func__ is push_model_to_hub:
+    if (
+        isinstance(getattr(model, "push_to_hub", None), types.MethodType)
+        and model.push_to_hub.__func__ is push_model_to_hub
+    ):
         return
     model.push_to_hub = types.MethodType(push_model_to_hub, model)
 
@@ -289,8 +317,16 @@ def push_model_to_hub(
     """
     if getattr(model, "hf_quantizer", None) is None:  # dequantize()d: a plain float model, transformers' own push
         return type(model).push_to_hub(
-            model, repo_id, commit_message=commit_message, commit_description=commit_description, private=private,
-            token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags or [],
+            model,
+            repo_id,
+            commit_message=commit_message,
+            commit_description=commit_description,
+            private=private,
+            token=token,
+            revision=revision,
+            create_pr=create_pr,
+            max_shard_size=max_shard_size,
+            tags=tags or [],
             **unused,
         )
     if unused:
@@ -307,7 +343,15 @@ def push_model_to_hub(
     with tempfile.TemporaryDirectory(prefix="hfquant-push-") as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         return push_folder(
-            tmp, repo_id, private=private, revision=revision, commit_message=commit_message or "Upload model",
-            commit_description=commit_description, create_pr=create_pr, token=token, base_model=base_model,
-            command=command, tags=tags,
+            tmp,
+            repo_id,
+            private=private,
+            revision=revision,
+            commit_message=commit_message or "Upload model",
+            commit_description=commit_description,
+            create_pr=create_pr,
+            token=token,
+            base_model=base_model,
+            command=command,
+            tags=tags,
         )

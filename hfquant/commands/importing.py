@@ -29,7 +29,13 @@ from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
 from hfquant.checkpoint.files import (
-    CONFIG_NAME, read_headers, read_json, require_inside, tensor_files, write_index, write_json,
+    CONFIG_NAME,
+    read_headers,
+    read_json,
+    require_inside,
+    tensor_files,
+    write_index,
+    write_json,
 )
 from hfquant.checkpoint.model_type import mark
 from hfquant.commands.convert import shard_plan
@@ -49,12 +55,23 @@ def hfquant_config_for(layers: list[ExportLayer], float_linears: list[str]) -> H
     schemes = Counter(layer.scheme for layer in layers)
     base = schemes.most_common(1)[0][0]
     overrides = {
-        layer.name: {"bits": layer.scheme.bits, "group_size": layer.scheme.group_size,
-                     "symmetric": layer.scheme.symmetric, "method": "rtn"}
-        for layer in layers if layer.scheme != base
+        layer.name: {
+            "bits": layer.scheme.bits,
+            "group_size": layer.scheme.group_size,
+            "symmetric": layer.scheme.symmetric,
+            "method": "rtn",
+        }
+        for layer in layers
+        if layer.scheme != base
     }
-    kwargs = dict(bits=base.bits, group_size=base.group_size, symmetric=base.symmetric, method="rtn",
-                  module_overrides=overrides, modules_to_not_convert=sorted(float_linears))
+    kwargs = dict(
+        bits=base.bits,
+        group_size=base.group_size,
+        symmetric=base.symmetric,
+        method="rtn",
+        module_overrides=overrides,
+        modules_to_not_convert=sorted(float_linears),
+    )
     if "mixed_precision" in FIELD_NAMES:  # no data-free allocation on top: the layers' formats are given
         kwargs["mixed_precision"] = "none"
     return HfQuantConfig(**kwargs)
@@ -86,7 +103,9 @@ def import_checkpoint(
     require_inside(folder, folder / CONFIG_NAME)
     config = read_json(folder / CONFIG_NAME)
     if not isinstance(config, dict) or "quantization_config" not in config:
-        raise ValueError(f"{folder / CONFIG_NAME} has no quantization_config; SRC must be a compressed-tensors checkpoint")
+        raise ValueError(
+            f"{folder / CONFIG_NAME} has no quantization_config; SRC must be a compressed-tensors checkpoint"
+        )
     groups, ignore = ct.read_quantization_config(config["quantization_config"])
     files = tensor_files(folder)
     headers = {}
@@ -105,18 +124,23 @@ def import_checkpoint(
     for layer in layers:
         module = modules.get(layer.name)
         if module is not None and module is output:
-            raise ValueError(f"{layer.name} (the output embedding) is quantized; hfquant's lm_head int4 / int8 use "
-                             "their own group sizes, so it cannot be imported bit for bit: export it with the lm_head "
-                             "in ignore")
+            raise ValueError(
+                f"{layer.name} (the output embedding) is quantized; hfquant's lm_head int4 / int8 use "
+                "their own group sizes, so it cannot be imported bit for bit: export it with the lm_head "
+                "in ignore"
+            )
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"{layer.name} is quantized but is not an nn.Linear of {type(model).__name__} "
-                             f"({type(module).__name__ if module is not None else 'no such module'}); hfquant imports "
-                             "Linear layers")
+            raise ValueError(
+                f"{layer.name} is quantized but is not an nn.Linear of {type(model).__name__} "
+                f"({type(module).__name__ if module is not None else 'no such module'}); hfquant imports "
+                "Linear layers"
+            )
     if not layers:
         raise ValueError(f"{folder} holds no weight_packed tensor; nothing to import")
     quantized = {layer.name for layer in layers}
-    float_linears = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized
-                     and m is not output]
+    float_linears = [
+        n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized and m is not output
+    ]
     hfconfig = hfquant_config_for(layers, float_linears)
     outputs = ct.plan_import_outputs(headers, layers)
     split = shard_plan(outputs, max_shard_size)
@@ -131,8 +155,20 @@ def import_checkpoint(
         copy_small_files(folder, tmp)
         write_checksums(tmp)
         folders.publish_folder(tmp, dst, overwrite)
-    result = ExportResult(dst, list(split.filename_to_tensors), len(layers), 0,
-                          len({layer.scheme for layer in layers}), time.perf_counter() - start)
-    logger.info("imported %s -> %s: %d layers in %d format(s) in %.1f s", src, dst, len(layers), result.config_groups,
-                result.seconds)
+    result = ExportResult(
+        dst,
+        list(split.filename_to_tensors),
+        len(layers),
+        0,
+        len({layer.scheme for layer in layers}),
+        time.perf_counter() - start,
+    )
+    logger.info(
+        "imported %s -> %s: %d layers in %d format(s) in %.1f s",
+        src,
+        dst,
+        len(layers),
+        result.config_groups,
+        result.seconds,
+    )
     return result

@@ -30,7 +30,6 @@ __all__ = ["inspect_checkpoint", "format_report", "layer_kind", "human_bytes"]
 logger = logging.getLogger(__name__)
 
 
-
 def layer_kind(name: str) -> str:
     """`model.layers.12.mlp.down_proj` -> `model.layers.*.mlp.down_proj` (every all-digit component becomes `*`)."""
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
@@ -59,7 +58,9 @@ def _float_skeleton(folder: Path):
     try:
         model, _, _ = build_skeleton(folder, "auto", None)
     except (ValueError, OSError, ImportError, TypeError, KeyError, AttributeError) as error:
-        logger.warning("cannot build the model skeleton of %s (%s); layer shapes come from the config only", folder, error)
+        logger.warning(
+            "cannot build the model skeleton of %s (%s); layer shapes come from the config only", folder, error
+        )
         return None
     return model
 
@@ -172,8 +173,19 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         in_features = float_numel // rows
         method = "sinq" if col_name in tensors else "rtn"
         key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors, method)
-        row = quantized.setdefault(key, {"kind": key[0], "count": 0, "bits": bits, "group_size": key[2],
-                                         "symmetric": key[3], "method": method, "bytes": 0, "float_bytes": 0})
+        row = quantized.setdefault(
+            key,
+            {
+                "kind": key[0],
+                "count": 0,
+                "bits": bits,
+                "group_size": key[2],
+                "symmetric": key[3],
+                "method": method,
+                "bytes": 0,
+                "float_bytes": 0,
+            },
+        )
         row["count"] += 1
         row["bytes"] += sum(tensors[p].nbytes for p in parts)
         row["float_bytes"] += float_numel * float_itemsize
@@ -222,7 +234,10 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
 
     def line(cells):
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
 
     return [line(header)] + [line(r) for r in rows]
 
@@ -238,11 +253,28 @@ def format_report(report: dict[str, Any]) -> str:
     if report["quantized"]:
         out.append("")
         rows = [
-            [r["kind"], r["count"], r["bits"], r["group_size"], "yes" if r["symmetric"] else "no", r["method"],
-             human_bytes(r["bytes"]), human_bytes(r["float_bytes"])]
+            [
+                r["kind"],
+                r["count"],
+                r["bits"],
+                r["group_size"],
+                "yes" if r["symmetric"] else "no",
+                r["method"],
+                human_bytes(r["bytes"]),
+                human_bytes(r["float_bytes"]),
+            ]
             for r in report["quantized"]
         ]
-        header = ["quantized layers", "count", "bits", "group", "symmetric", "method", "bytes", f"as {report['dtype']}"]
+        header = [
+            "quantized layers",
+            "count",
+            "bits",
+            "group",
+            "symmetric",
+            "method",
+            "bytes",
+            f"as {report['dtype']}",
+        ]
         out += _table(header, rows, {1, 2, 3, 6, 7})
     if report["float_tensors"]:
         out.append("")
@@ -250,11 +282,15 @@ def format_report(report: dict[str, Any]) -> str:
         out += _table(["float tensors", "count", "dtype", "bytes"], rows, {1, 3})
     totals = report["totals"]
     out.append("")
-    line = (f"total: {totals['tensors']} tensors, {human_bytes(totals['tensor_bytes'])} "
-            f"({human_bytes(totals['file_bytes'])} on disk)")
+    line = (
+        f"total: {totals['tensors']} tensors, {human_bytes(totals['tensor_bytes'])} "
+        f"({human_bytes(totals['file_bytes'])} on disk)"
+    )
     if totals["ratio"] is not None and qconfig is not None:
-        line += (f" vs {human_bytes(totals['float_bytes'])} in {report['dtype']}: {totals['ratio']:.2f}x the float "
-                 f"size ({1 / totals['ratio']:.2f}x smaller)")
+        line += (
+            f" vs {human_bytes(totals['float_bytes'])} in {report['dtype']}: {totals['ratio']:.2f}x the float "
+            f"size ({1 / totals['ratio']:.2f}x smaller)"
+        )
     out.append(line)
     if report["float_layers"]:
         out.append("")

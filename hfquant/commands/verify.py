@@ -34,11 +34,11 @@ from hfquant.checkpoint.files import (
     SINGLE_NAME,
     WEIGHT_SUFFIXES,
     TensorHeader,
-    open_safetensors,
-    read_headers,
     checkpoint_ids,
     mixed_checkpoint_problem,
+    open_safetensors,
     read_config,
+    read_headers,
     read_index,
     read_tensor,
     require_inside,
@@ -177,7 +177,9 @@ def _checkpoint_headers(folder: Path, problems: list[str]) -> tuple[dict[str, Te
     return tensors, read
 
 
-def _value_problems(folder: Path, model, tensors: dict[str, TensorHeader], key_map: dict[str, str | None]) -> list[str]:
+def _value_problems(
+    folder: Path, model, tensors: dict[str, TensorHeader], key_map: dict[str, str | None]
+) -> list[str]:
     """`value_problem` of every stored scale and zero point of an hfquant module, read from the files."""
     wanted: dict[str, list[tuple[str, int]]] = {}  # shard -> [(file key, bits)]
     for file_key, header in tensors.items():
@@ -225,7 +227,9 @@ def verify(path: str | os.PathLike) -> VerifyResult:
             _, quant_config = read_quantization_config(folder)
         except (ValueError, TypeError) as error:
             text = str(error)
-            problems.append(text if text.startswith((CONFIG_NAME, str(folder / CONFIG_NAME))) else f"{CONFIG_NAME}: {text}")
+            problems.append(
+                text if text.startswith((CONFIG_NAME, str(folder / CONFIG_NAME))) else f"{CONFIG_NAME}: {text}"
+            )
     tensors, shards = _checkpoint_headers(folder, problems)
     try:
         mixed = mixed_checkpoint_problem(checkpoint_ids(folder / shard for shard in shards))

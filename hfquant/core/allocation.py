@@ -23,7 +23,8 @@ every layer's format and a reload never runs the rule again.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["MIXED_PRECISION", "VALUE_PROJECTIONS", "DOWN_PROJECTIONS", "DOWN_GROUP_SIZE", "data_free_overrides"]
 

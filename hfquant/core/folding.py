@@ -45,7 +45,7 @@ class Transform(NamedTuple):
     row_scale: torch.Tensor | None = None
     col_scale: torch.Tensor | None = None
 
-    def merged(self, other: "Transform") -> "Transform":
+    def merged(self, other: Transform) -> Transform:
         """This transform with the vectors `other` sets (a module gets its row and column scales from two folds)."""
         return Transform(
             other.row_scale if other.row_scale is not None else self.row_scale,
@@ -70,11 +70,15 @@ def apply(tensor: torch.Tensor, transform: Transform, transposed: bool = False) 
     rows = out.shape[0]
     if transform.row_scale is not None:
         if transform.row_scale.shape != (rows,):
-            raise ValueError(f"row scale of {tuple(transform.row_scale.shape)} does not fit a tensor of {tuple(tensor.shape)}")
+            raise ValueError(
+                f"row scale of {tuple(transform.row_scale.shape)} does not fit a tensor of {tuple(tensor.shape)}"
+            )
         out = out * (transform.row_scale[:, None] if out.dim() == 2 else transform.row_scale)
     if transform.col_scale is not None and out.dim() == 2:
         if transform.col_scale.shape != (out.shape[1],):
-            raise ValueError(f"column scale of {tuple(transform.col_scale.shape)} does not fit a weight of {tuple(tensor.shape)}")
+            raise ValueError(
+                f"column scale of {tuple(transform.col_scale.shape)} does not fit a weight of {tuple(tensor.shape)}"
+            )
         out = out / transform.col_scale
     return out.t() if transposed else out
 
@@ -85,8 +89,12 @@ def tile_size(in_features: int, group_sizes: list[int | None]) -> int:
     return min((g or in_features) for g in group_sizes) if group_sizes else in_features
 
 
-def column_scale_of(weights: list[torch.Tensor], group_size: int, row_scales: list[torch.Tensor | None] | None = None,
-                    scratch: Scratch | None = None) -> torch.Tensor:
+def column_scale_of(
+    weights: list[torch.Tensor],
+    group_size: int,
+    row_scales: list[torch.Tensor | None] | None = None,
+    scratch: Scratch | None = None,
+) -> torch.Tensor:
     """The SINQ column scale (K,) float32 shared by matrices that read the same input: `sinq.column_scale` of the
     matrices (N_i, K) stacked along their rows, balanced per tile of `group_size` columns.
 
@@ -106,10 +114,12 @@ def column_scale_of(weights: list[torch.Tensor], group_size: int, row_scales: li
     if len(weights) == 1 and row_scales[0] is None:
         return sinq.column_scale(weights[0], group_size, scratch=scratch)
     shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
-    stacked = torch.empty(shape, dtype=torch.bfloat16) if scratch is None else scratch.take("stacked", shape, torch.bfloat16)
+    stacked = (
+        torch.empty(shape, dtype=torch.bfloat16) if scratch is None else scratch.take("stacked", shape, torch.bfloat16)
+    )
     start = 0
-    for weight, rows in zip(weights, row_scales):
-        part = stacked[start:start + weight.shape[0]]
+    for weight, rows in zip(weights, row_scales, strict=False):
+        part = stacked[start : start + weight.shape[0]]
         part.copy_(weight)
         if rows is not None:
             part.mul_(rows.to(torch.bfloat16)[:, None])
@@ -135,7 +145,9 @@ def fold_into_norm(norm_weight: torch.Tensor, col_scale: torch.Tensor) -> tuple[
     return Transform(row_scale=effective), effective
 
 
-def share_across_heads(col_scale: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def share_across_heads(
+    col_scale: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Column scale of `o_proj` made foldable into `v_proj` under grouped-query attention.
 
     Query head h reads key/value head h // (num_heads // num_kv_heads) (transformers' `repeat_kv`), so the heads of a

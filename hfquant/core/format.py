@@ -143,7 +143,7 @@ class StoredFormat:
         }
 
     def describe(self) -> str:
-        """"4-bit, group size 32, asymmetric" (", SINQ" added for that method): the format in words, for messages."""
+        """ "4-bit, group size 32, asymmetric" (", SINQ" added for that method): the format in words, for messages."""
         text = f"{self.bits}-bit, group size {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}"
         return text + (", SINQ" if self.method is Method.SINQ else "")
 

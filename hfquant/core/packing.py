@@ -165,9 +165,7 @@ def from_cpu_int4_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return layout.unpack(packed, n, k)
 
 
-def scale_zero_for_int4(
-    scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
+def scale_zero_for_int4(scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """(N, G) scale and zero point -> (G, N, 2) `dtype` tensor [scale, (8 - z) * scale] for the int4 kernels.
 
     Symmetric 4-bit codes carry the implicit zero point 8, so their zero term is 0.

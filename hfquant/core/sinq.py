@@ -39,8 +39,9 @@ class NonFiniteWeightError(ValueError):
     """The weight holds NaN or Inf: no column scale exists."""
 
 
-def column_scale(weight: torch.Tensor, group_size: int, iterations: int = ITERATIONS,
-                 scratch: Scratch | None = None) -> torch.Tensor:
+def column_scale(
+    weight: torch.Tensor, group_size: int, iterations: int = ITERATIONS, scratch: Scratch | None = None
+) -> torch.Tensor:
     """The SINQ column scale of a weight (N, K), balanced per tile of `group_size` columns.
 
     Args:

@@ -8,14 +8,27 @@ from pathlib import Path
 
 from torch import nn
 
-from hfquant.checkpoint.files import TensorHeader, checkpoint_ids, mixed_checkpoint_problem, read_headers, require_inside
+from hfquant.checkpoint.files import (
+    TensorHeader,
+    checkpoint_ids,
+    mixed_checkpoint_problem,
+    read_headers,
+    require_inside,
+)
 from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
 from hfquant.integration.conversions import model_key_map
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.linear import QuantLinear
 
-__all__ = ["read_single_copies", "check_stored_tensors", "confirm_checkpoint_unchanged", "stored_value_problems", "weights_to_quantize", "warn_offloaded_buffers"]
+__all__ = [
+    "read_single_copies",
+    "check_stored_tensors",
+    "confirm_checkpoint_unchanged",
+    "stored_value_problems",
+    "weights_to_quantize",
+    "warn_offloaded_buffers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +145,16 @@ def warn_offloaded_buffers(model) -> None:
             f"{m_name}.{n}" if m_name else n
             for m_name, m in module.named_modules()
             for n, b in m._buffers.items()
-            if b is not None and b.device.type != "meta" and not b.is_floating_point()
+            if b is not None
+            and b.device.type != "meta"
+            and not b.is_floating_point()
             and n not in m._non_persistent_buffers_set
         ]
         if resident:
             logger.warning(
                 "hfquant: %s is offloaded to disk but its quantized tensors (%s, ...) stay in RAM; pass "
-                "offload_buffers=True to from_pretrained to offload them too", name or "the model", resident[0],
+                "offload_buffers=True to from_pretrained to offload them too",
+                name or "the model",
+                resident[0],
             )
             return

@@ -36,8 +36,10 @@ class HfQuantCheckpointConfig(PretrainedConfig):
         config_dict = unmark(config_dict)
         base = config_dict["model_type"]
         if base not in CONFIG_MAPPING:
-            raise ValueError(f"config.json: {BASE_MODEL_TYPE_KEY}={base!r} is not a model type this transformers "
-                             "knows; upgrade transformers (pip install -U transformers)")
+            raise ValueError(
+                f"config.json: {BASE_MODEL_TYPE_KEY}={base!r} is not a model type this transformers "
+                "knows; upgrade transformers (pip install -U transformers)"
+            )
         return CONFIG_MAPPING[base].from_dict(config_dict, **kwargs)
 
 

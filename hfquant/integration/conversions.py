@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -84,7 +85,9 @@ class Output(NamedTuple):
 def _tied_targets(model, state_dict_names: list[str]) -> set[str]:
     """Names that `save_pretrained` drops as tied duplicates (`remove_tied_weights_from_state_dict`, by identity)."""
     groups: dict[int, list[str]] = {}
-    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
         if name in state_dict_names:
             groups.setdefault(id(tensor), []).append(name)
     patterns = []
@@ -119,7 +122,9 @@ def plan_outputs(model, quantizer, load_dtype: torch.dtype, files: dict[str, Pat
     converted: set[str] = set()  # model keys made by a WeightConverter (fused or split tensors)
     for key, (renamed, pattern) in _renamed_keys(model, files, conversions).items():
         if renamed not in meta_state:
-            logger.info("source tensor %s is not used by %s (from_pretrained ignores it too)", key, type(model).__name__)
+            logger.info(
+                "source tensor %s is not used by %s (from_pretrained ignores it too)", key, type(model).__name__
+            )
             continue
         if pattern is not None:
             converted.add(renamed)

@@ -35,4 +35,5 @@ def apply_decode_activations(model: nn.Module) -> None:
         if any(layer.kernel == Kernel.INT4PACK_MM_CPU for layer in layers):
             logger.warning(
                 "hfquant: decode_activations='int8' asks for W4A8 decoding, which needs a C compiler and an x86-64 CPU "
-                "with AVX512-VNNI or AVX2; this machine decodes the int4 layers with float activations instead")
+                "with AVX512-VNNI or AVX2; this machine decodes the int4 layers with float activations instead"
+            )

@@ -54,11 +54,13 @@ def plan_embeddings_and_head(
     tied_params = dict(getattr(model, "all_tied_weights_keys", None) or {})
     tied = {
         t.removesuffix(".weight"): s.removesuffix(".weight")
-        for t, s in tied_params.items() if t.endswith(".weight") and s.endswith(".weight")
+        for t, s in tied_params.items()
+        if t.endswith(".weight") and s.endswith(".weight")
     }
     head = module_name(model, output_embeddings(model))
     embeddings = [
-        name for name, module in modules.items()
+        name
+        for name, module in modules.items()
         if embedding_kind(module) is not None and not matches_module(name, user_skip)
     ]
     # storage of each embedding that holds its own tensor; tied copies follow their source
@@ -88,8 +90,11 @@ def plan_embeddings_and_head(
         if kind in QUANTIZED_STORAGE:
             fmt = quantized_format(kind, config, module.embedding_dim)
             if fmt is None:
-                logger.info("hfquant keeps embedding %s in float: embedding_dim=%d has no group size",
-                            name, module.embedding_dim)
+                logger.info(
+                    "hfquant keeps embedding %s in float: embedding_dim=%d has no group size",
+                    name,
+                    module.embedding_dim,
+                )
                 continue
             replace_with_quant_embedding(model, name, fmt, compute)
             quantized[name] = fmt

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,8 +31,8 @@ from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core import folding, sinq
 from hfquant.core.folding import Transform
-from hfquant.core.scratch import Scratch
 from hfquant.core.format import Method
+from hfquant.core.scratch import Scratch
 from hfquant.integration.conversions import model_key_map
 
 __all__ = ["FOLDABLE_MODEL_TYPES", "Block", "find_blocks", "plan_folds", "fold_overrides", "checkpoint_reader"]
@@ -69,23 +70,35 @@ def find_blocks(model: nn.Module) -> list[Block]:
         return []
     blocks = []
     for name, module in model.named_modules():
-        if not (_has(module, "input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
-                and _has(module.self_attn, "q_proj", "k_proj", "v_proj", "o_proj")
-                and _has(module.mlp, "gate_proj", "up_proj", "down_proj")):
+        if not (
+            _has(module, "input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+            and _has(module.self_attn, "q_proj", "k_proj", "v_proj", "o_proj")
+            and _has(module.mlp, "gate_proj", "up_proj", "down_proj")
+        ):
             continue
         norms = (module.input_layernorm, module.post_attention_layernorm)
         if any(getattr(n, "weight", None) is None or getattr(n, "bias", None) is not None for n in norms):
             continue
         p = f"{name}." if name else ""
-        blocks.append(Block(
-            f"{p}input_layernorm", f"{p}self_attn.q_proj", f"{p}self_attn.k_proj", f"{p}self_attn.v_proj",
-            f"{p}self_attn.o_proj", f"{p}post_attention_layernorm", f"{p}mlp.gate_proj", f"{p}mlp.up_proj",
-            f"{p}mlp.down_proj",
-        ))
+        blocks.append(
+            Block(
+                f"{p}input_layernorm",
+                f"{p}self_attn.q_proj",
+                f"{p}self_attn.k_proj",
+                f"{p}self_attn.v_proj",
+                f"{p}self_attn.o_proj",
+                f"{p}post_attention_layernorm",
+                f"{p}mlp.gate_proj",
+                f"{p}mlp.up_proj",
+                f"{p}mlp.down_proj",
+            )
+        )
     return blocks
 
 
-def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Tensor], progress: bool | None = None) -> dict[str, Transform]:
+def plan_folds(
+    model: nn.Module, plans: Iterable, read: Callable[[str], torch.Tensor], progress: bool | None = None
+) -> dict[str, Transform]:
     """The fold of every foldable block of `model`, computed from its float weights.
 
     Args:
@@ -105,8 +118,11 @@ def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Te
     """
     blocks = find_blocks(model)
     if not blocks:
-        logger.info("hfquant: no foldable decoder block in %s (fold_column_scales acts on %s): nothing folded",
-                    type(model).__name__, ", ".join(FOLDABLE_MODEL_TYPES))
+        logger.info(
+            "hfquant: no foldable decoder block in %s (fold_column_scales acts on %s): nothing folded",
+            type(model).__name__,
+            ", ".join(FOLDABLE_MODEL_TYPES),
+        )
         return {}
     formats = {plan.name: plan.format for plan in plans}
     config = getattr(model.config, "get_text_config", lambda: model.config)()
@@ -120,13 +136,19 @@ def plan_folds(model: nn.Module, plans: Iterable, read: Callable[[str], torch.Te
 
     scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
     with _on_cpu_in_float32():  # from_pretrained prepares the model under the meta device and the load dtype
-        for block in tqdm(blocks, desc="hfquant: column scales to fold", unit="block", disable=_progress_disabled(progress)):
+        for block in tqdm(
+            blocks, desc="hfquant: column scales to fold", unit="block", disable=_progress_disabled(progress)
+        ):
             try:
                 transforms.update(_fold_block(block, read, tile, formats, num_heads, num_kv_heads, scratch))
             except (KeyError, sinq.NonFiniteWeightError) as error:
                 # Left unfolded, its layers go through the load's own checks, which name the tensor and the fix.
                 reason = error.args[0] if error.args else error
-                logger.warning("hfquant: the column scales of %s are not folded: %s", block.attention_norm.rpartition(".")[0], reason)
+                logger.warning(
+                    "hfquant: the column scales of %s are not folded: %s",
+                    block.attention_norm.rpartition(".")[0],
+                    reason,
+                )
             release_checkpoint_pages()
     scratch.clear()
     logger.info("hfquant: column scales folded in %d block(s), %d module(s) changed", len(blocks), len(transforms))
@@ -148,8 +170,9 @@ def _on_cpu_in_float32() -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads: int,
-                scratch: Scratch | None = None) -> dict[str, Transform]:
+def _fold_block(
+    block: Block, read, tile, formats, num_heads: int, num_kv_heads: int, scratch: Scratch | None = None
+) -> dict[str, Transform]:
     """The folds of one block (see `plan_folds`): {module name: Transform}, merged where two folds change one module.
 
     Raises:
@@ -175,9 +198,12 @@ def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads:
     if {block.q, block.k, block.v} <= quantized:
         # v's rows carry o_proj's fold; only the statistics read the scaled copy (in bfloat16, as `hfquant.core.sinq`
         # computes them): the stored layer is rescaled exactly, in float32, when it is quantized
-        scale = folding.column_scale_of([read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")],
-                                        tile(block.q, block.k, block.v), row_scales=[None, None, v_rows],
-                                        scratch=scratch)
+        scale = folding.column_scale_of(
+            [read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")],
+            tile(block.q, block.k, block.v),
+            row_scales=[None, None, v_rows],
+            scratch=scratch,
+        )
         norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
         add(block.attention_norm, norm)
         for name in (block.q, block.k, block.v):
@@ -187,8 +213,12 @@ def _fold_block(block: Block, read, tile, formats, num_heads: int, num_kv_heads:
         add(block.down, Transform(col_scale=up_rows))
         add(block.up, Transform(row_scale=up_rows))
     if {block.gate, block.up} <= quantized:
-        scale = folding.column_scale_of([read(block.gate + ".weight"), read(block.up + ".weight")],
-                                        tile(block.gate, block.up), row_scales=[None, up_rows], scratch=scratch)
+        scale = folding.column_scale_of(
+            [read(block.gate + ".weight"), read(block.up + ".weight")],
+            tile(block.gate, block.up),
+            row_scales=[None, up_rows],
+            scratch=scratch,
+        )
         norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)
         add(block.mlp_norm, norm)
         for name in (block.gate, block.up):
@@ -211,7 +241,9 @@ def fold_overrides(config, plans: Iterable, transforms: dict[str, Transform]) ->
 
 
 @contextmanager
-def checkpoint_reader(model: nn.Module, files: Iterable[str | os.PathLike], quantizer=None) -> Iterator[Callable[[str], torch.Tensor]]:
+def checkpoint_reader(
+    model: nn.Module, files: Iterable[str | os.PathLike], quantizer=None
+) -> Iterator[Callable[[str], torch.Tensor]]:
     """A function reading one model tensor by its model name from the safetensors `files` of a checkpoint (the file
     names renamed as transformers renames them on load); the files stay open while the context lasts.
 

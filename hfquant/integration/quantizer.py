@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.integrations.accelerate import offload_weight
 from transformers.quantizers.auto import (
-    AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer,
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
 )
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
@@ -45,8 +49,8 @@ from hfquant.integration import checks
 from hfquant.integration.config_type import register_model_type, restore_base_model_type
 from hfquant.integration.counting import count_quantized_weights
 from hfquant.integration.decode_activations import apply_decode_activations
-from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
 from hfquant.integration.embeddings import module_name, output_embeddings, plan_embeddings_and_head
+from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts, quantize_experts_tensor
 from hfquant.nn.float_linear import restore_nn_linear, use_float_linear
@@ -94,7 +98,7 @@ def plan_model(model, config: HfQuantConfig, quantizing: bool = False) -> tuple[
 class HfQuantQuantize(ConversionOps):
     """Conversion op run by transformers on one float weight tensor as it streams in: float -> stored buffers."""
 
-    def __init__(self, hf_quantizer: "HfQuantQuantizer"):
+    def __init__(self, hf_quantizer: HfQuantQuantizer):
         self.hf_quantizer = hf_quantizer
 
     def convert(self, input_dict: dict[str, Any], model=None, **kwargs) -> dict[str, torch.Tensor]:
@@ -108,7 +112,9 @@ class HfQuantQuantize(ConversionOps):
                     if getattr(module, "transposed_source", False):
                         tensor = tensor.t()
                     prefix = key[: -len("weight")]
-                    clipping = self.hf_quantizer.quantization_config.clipping if isinstance(module, QuantLinear) else "minmax"
+                    clipping = (
+                        self.hf_quantizer.quantization_config.clipping if isinstance(module, QuantLinear) else "minmax"
+                    )
                     buffers = quantize_to_buffers(tensor, module.format, clipping, fold)
                     result.update({prefix + name: buffer for name, buffer in buffers.items()})
                     self.hf_quantizer.quantized_keys.add(key)
@@ -157,7 +163,9 @@ class HfQuantQuantizer(HfQuantizer):
         self.ties: list[tuple[str, str]] = []  # (module reading the tensors, module holding them), after loading
         self.adapters: dict[str, tuple[torch.dtype, bool]] = {}  # module -> (storage dtype, cast its float inputs)
         self.expert_conversions: list[tuple[Any, Any]] = []  # (model's converter, our copy for scales / zero points)
-        self.folds: dict[str, folding.Transform] = {}  # module name -> its fold (fold_column_scales), set before loading
+        self.folds: dict[
+            str, folding.Transform
+        ] = {}  # module name -> its fold (fold_column_scales), set before loading
         self.page_releaser = PageReleaser()  # sized by the checkpoint in _process_model_before_weight_loading
 
     # -- environment -------------------------------------------------------------------------------------------
@@ -212,8 +220,11 @@ class HfQuantQuantizer(HfQuantizer):
         warning says so."""
         files = [str(f) for f in (checkpoint_files or [])]
         if not files or not all(f.endswith(".safetensors") for f in files):
-            logger.warning("hfquant: fold_column_scales needs a safetensors checkpoint to read before loading (got %s); "
-                           "the layers are quantized without folding", files or "no checkpoint files")
+            logger.warning(
+                "hfquant: fold_column_scales needs a safetensors checkpoint to read before loading (got %s); "
+                "the layers are quantized without folding",
+                files or "no checkpoint files",
+            )
             return
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError(
@@ -237,7 +248,8 @@ class HfQuantQuantizer(HfQuantizer):
                 logger.warning(
                     "hfquant keeps the MoE experts %s in float (%s): only (experts, out, in) weights without biases "
                     "are quantized; list them in modules_to_not_convert to silence this warning",
-                    plan.name, plan.reason,
+                    plan.name,
+                    plan.reason,
                 )
             else:
                 replace_with_quant_experts(model, plan, config.bits, config.symmetric, compute)

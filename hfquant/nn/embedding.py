@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfquant.core import packing
-from hfquant.core import rtn
+from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat, require_format
 from hfquant.nn.linear import QuantLinear, StoredWeight, quantize_to_buffers
 from hfquant.ops.kernels import INT4_KERNELS, Kernel
@@ -90,7 +89,7 @@ class QuantEmbedding(StoredWeight):
         fmt: StoredFormat,
         padding_idx: int | None = None,
         embed_scale: float | None = None,
-    ) -> "QuantEmbedding":
+    ) -> QuantEmbedding:
         """Quantize a float table (num_embeddings, embedding_dim) into a new module returning `weight.dtype` rows."""
         num, dim = weight.shape
         module = cls(num, dim, fmt, padding_idx, weight.dtype, "meta", embed_scale)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfquant.core import packing
-from hfquant.core import rtn
+from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat, require_format
 from hfquant.nn.linear import KeepsStoredScales, quantize_to_buffers
 from hfquant.ops import kernels

@@ -102,7 +102,9 @@ class FloatLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes_one_row_path(x, self.weight) and not (
-            torch.compiler.is_compiling() and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+            torch.compiler.is_compiling()
+            and torch.is_grad_enabled()
+            and (x.requires_grad or self.weight.requires_grad)
         ):
             return one_row_linear(x, self.weight, self.bias)
         return super().forward(x)

@@ -30,8 +30,11 @@ class KeepsStoredScales(nn.Module):
         super()._apply(fn, recurse)
         for name, tensor in self._buffers.items():
             if (
-                tensor is not None and name.endswith("scale") and name not in self._non_persistent_buffers_set
-                and tensor.is_floating_point() and tensor.dtype != rtn.SCALE_DTYPE
+                tensor is not None
+                and name.endswith("scale")
+                and name not in self._non_persistent_buffers_set
+                and tensor.is_floating_point()
+                and tensor.dtype != rtn.SCALE_DTYPE
             ):
                 self._buffers[name] = tensor.to(rtn.SCALE_DTYPE)
         return self
@@ -129,7 +132,7 @@ class QuantLinear(StoredWeight):
         self.decode_activations = "float"
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: StoredFormat) -> "QuantLinear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: StoredFormat) -> QuantLinear:
         """Quantize a float weight (out_features, in_features) into a new layer (kernel not yet prepared)."""
         out_features, in_features = weight.shape
         layer = cls(in_features, out_features, fmt, bias is not None, weight.dtype, "meta")
@@ -143,7 +146,8 @@ class QuantLinear(StoredWeight):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
-            f"kernel={self.kernel}" + (f", method={self.format.method}" if self.format.method is not Method.RTN else "")
+            f"kernel={self.kernel}"
+            + (f", method={self.format.method}" if self.format.method is not Method.RTN else "")
         )
 
     # -- layouts ------------------------------------------------------------------------------------------------
@@ -213,7 +217,9 @@ class QuantLinear(StoredWeight):
         codes = self._codes() if self.bits == 4 else self.weight
         col_scale = self._buffers.get("weight_col_scale")
         if col_scale is None:
-            return rtn.dequantize_weight(codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype)
+            return rtn.dequantize_weight(
+                codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype
+            )
         weight = rtn.dequantize_weight(
             codes, self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, torch.float32
         )
@@ -243,7 +249,9 @@ class QuantLinear(StoredWeight):
         # sizeable share of a small layer's decode call (docs/performance.md); accelerate's hooks swap tensors in
         # these same dicts.
         buffers = self._buffers
-        col_scale = buffers.get("weight_col_scale")  # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
+        col_scale = buffers.get(
+            "weight_col_scale"
+        )  # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
         if col_scale is not None:
             x = x * col_scale.to(x.dtype)
         # The int4 kernels take the (scale, zero) pairs of `scale_zero`; only the others and the backward read the
@@ -315,9 +323,13 @@ def quantize_to_buffers(
                 chunk = chunk.float()  # exact, as rtn.quantize_weight's own float32 copy
             zero_point = buffers.get("weight_zero_point")
             # written straight into the layer's rows (contiguous): no chunk-sized temporaries, no copy
-            native.rtn_quantize(chunk, fmt.bits, fmt.group_size, fmt.symmetric,
-                                out=(stored[rows], buffers["weight_scale"][rows],
-                                     None if zero_point is None else zero_point[rows]))
+            native.rtn_quantize(
+                chunk,
+                fmt.bits,
+                fmt.group_size,
+                fmt.symmetric,
+                out=(stored[rows], buffers["weight_scale"][rows], None if zero_point is None else zero_point[rows]),
+            )
             continue
         q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
         stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q

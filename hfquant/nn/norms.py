@@ -34,7 +34,9 @@ def is_norm(module: nn.Module) -> bool:
 def find_norms(model: nn.Module) -> list[str]:
     """Dotted names of every norm of `model` that holds parameters, in module order."""
     return [
-        name for name, module in model.named_modules() if is_norm(module) and next(module.parameters(), None) is not None
+        name
+        for name, module in model.named_modules()
+        if is_norm(module) and next(module.parameters(), None) is not None
     ]
 
 

@@ -5,7 +5,8 @@ get their configured dtype here too."""
 from __future__ import annotations
 
 import logging
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -182,7 +183,12 @@ def replace_with_quant_embedding(
     old = model.get_submodule(name)
     scale = getattr(old, "scalar_embed_scale", None) if embedding_kind(old) == "scaled" else None
     new = QuantEmbedding(
-        old.num_embeddings, old.embedding_dim, fmt, old.padding_idx, dtype, "meta",
+        old.num_embeddings,
+        old.embedding_dim,
+        fmt,
+        old.padding_idx,
+        dtype,
+        "meta",
         float(scale) if scale is not None else None,
     )
     if not persistent:
@@ -192,13 +198,19 @@ def replace_with_quant_embedding(
     return new
 
 
-def replace_tied_quant_linear(model: nn.Module, name: str, fmt: StoredFormat, dtype: torch.dtype | None) -> QuantLinear:
+def replace_tied_quant_linear(
+    model: nn.Module, name: str, fmt: StoredFormat, dtype: torch.dtype | None
+) -> QuantLinear:
     """Swap the output embedding `name` (tied to a quantized input embedding) for a `QuantLinear` whose tensors are
     non-persistent buffers: they are the embedding's, assigned after loading, and saved once, under its name."""
     old = model.get_submodule(name)
     new = QuantLinear(
-        old.in_features, old.out_features, fmt, bias=old.bias is not None,
-        dtype=dtype if dtype is not None else old.weight.dtype, device="meta",
+        old.in_features,
+        old.out_features,
+        fmt,
+        bias=old.bias is not None,
+        dtype=dtype if dtype is not None else old.weight.dtype,
+        device="meta",
     )
     new._non_persistent_buffers_set.update(n for n in new._buffers if n != "bias")
     new.requires_grad_(False)

@@ -25,8 +25,17 @@ _ROW_ALIGN = 64
 
 
 def dequantized_rows(
-    kernel: Kernel, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-    bits: int, symmetric: bool, out_features: int, in_features: int, start: int, stop: int, dtype: torch.dtype,
+    kernel: Kernel,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    bits: int,
+    symmetric: bool,
+    out_features: int,
+    in_features: int,
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rows [start, stop) of the dequantized weight, (stop - start, in_features) in `dtype`.
 
@@ -51,14 +60,29 @@ def dequantized_rows(
 
 @torch.library.custom_op("hfquant::quantized_matmul", mutates_args=())
 def _quantized_matmul_op(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-    scale_zero: torch.Tensor | None, kernel: str, bits: int, group_size: int, symmetric: bool,
-    in_features: int, out_features: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    scale_zero: torch.Tensor | None,
+    kernel: str,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    in_features: int,
+    out_features: int,
 ) -> torch.Tensor:
     fmt = StoredFormat(bits, group_size, symmetric)
     y = kernels.quantized_matmul(
-        Kernel(kernel), x, weight, scale, zero_point, scale_zero, fmt,
-        in_features=in_features, out_features=out_features,
+        Kernel(kernel),
+        x,
+        weight,
+        scale,
+        zero_point,
+        scale_zero,
+        fmt,
+        in_features=in_features,
+        out_features=out_features,
     )
     return y.clone() if y.data_ptr() == x.data_ptr() else y
 
@@ -70,8 +94,15 @@ def _(x, weight, scale, zero_point, scale_zero, kernel, bits, group_size, symmet
 
 @torch.library.custom_op("hfquant::quantized_matmul_backward", mutates_args=())
 def _quantized_matmul_backward_op(
-    grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-    kernel: str, bits: int, symmetric: bool, in_features: int, out_features: int,
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    kernel: str,
+    bits: int,
+    symmetric: bool,
+    in_features: int,
+    out_features: int,
 ) -> torch.Tensor:
     kernel = Kernel(kernel)
     grad2d = grad.reshape(-1, out_features)
@@ -134,10 +165,27 @@ def quantized_matmul_trainable(
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
         return kernels.quantized_matmul(
-            kernel, x, runtime_weight, scale, zero_point, scale_zero, fmt,
-            in_features=in_features, out_features=out_features, int8_activations=int8_activations,
+            kernel,
+            x,
+            runtime_weight,
+            scale,
+            zero_point,
+            scale_zero,
+            fmt,
+            in_features=in_features,
+            out_features=out_features,
+            int8_activations=int8_activations,
         )
     return _quantized_matmul_op(
-        x, runtime_weight, scale, zero_point, scale_zero, Kernel(kernel).value, fmt.bits, fmt.group_size,
-        fmt.symmetric, in_features, out_features,
+        x,
+        runtime_weight,
+        scale,
+        zero_point,
+        scale_zero,
+        Kernel(kernel).value,
+        fmt.bits,
+        fmt.group_size,
+        fmt.symmetric,
+        in_features,
+        out_features,
     )

@@ -38,8 +38,14 @@ from hfquant.core import packing, paths
 from hfquant.ops import machine, native, torch_ops
 
 __all__ = [
-    "CHOICES", "choice_mode", "int4_row_uses_native", "int8_row_uses_native", "measure_int4_row", "measure_int8_row",
-    "cache_file", "cpu_signature",
+    "CHOICES",
+    "choice_mode",
+    "int4_row_uses_native",
+    "int8_row_uses_native",
+    "measure_int4_row",
+    "measure_int8_row",
+    "cache_file",
+    "cpu_signature",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,13 +81,15 @@ def cpu_signature() -> str:
     flags | torch V (aten CAPABILITY) | kernels D" (a changed kernel is timed again; CAPABILITY is the instruction set
     PyTorch dispatches to, which `ATEN_CPU_CAPABILITY` can lower, and which sets the int4 layout)."""
     family, model = machine.cpuinfo_field("cpu family"), machine.cpuinfo_field("model")
-    return (f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
-            f"torch {torch.__version__} (aten {torch.backends.cpu.get_cpu_capability()}) | "
-            f"kernels {native.source_digest()}")
+    return (
+        f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
+        f"torch {torch.__version__} (aten {torch.backends.cpu.get_cpu_capability()}) | "
+        f"kernels {native.source_digest()}"
+    )
 
 
 def _shape_key(n: int, k: int, group_size: int | None) -> str:
-    """"int4 2048x2048 g128" / "int8 2048x2048": the key of a layer shape in the cache."""
+    """ "int4 2048x2048 g128" / "int8 2048x2048": the key of a layer shape in the cache."""
     return f"int4 {n}x{k} g{group_size}" if group_size is not None else f"int8 {n}x{k}"
 
 
@@ -264,10 +272,22 @@ def _decide(key: str, measure) -> bool:
             _decisions[key] = False
             return False
         cached = seconds["native"] < seconds["aten"]
-        _store(signature, key, {"kernel": "native" if cached else "aten",
-                                "native_us": round(seconds["native"] * 1e6, 2), "aten_us": round(seconds["aten"] * 1e6, 2)})
-        logger.info("hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
-                    key, machine.cpu_name(), seconds["native"] * 1e6, seconds["aten"] * 1e6,
-                    "hfquant GEMV" if cached else "aten")
+        _store(
+            signature,
+            key,
+            {
+                "kernel": "native" if cached else "aten",
+                "native_us": round(seconds["native"] * 1e6, 2),
+                "aten_us": round(seconds["aten"] * 1e6, 2),
+            },
+        )
+        logger.info(
+            "hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
+            key,
+            machine.cpu_name(),
+            seconds["native"] * 1e6,
+            seconds["aten"] * 1e6,
+            "hfquant GEMV" if cached else "aten",
+        )
     _decisions[key] = cached
     return cached

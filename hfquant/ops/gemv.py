@@ -25,10 +25,27 @@ from hfquant.core import packing, rtn
 from hfquant.ops import choice, native, torch_ops
 
 __all__ = [
-    "NATIVE_INT4_ROWS", "NATIVE_INT8_ROWS", "choose_int4_row_kernel", "choose_int8_row_kernel", "native_int4_works",
-    "native_int8_works", "int4_gemv_op", "int8_gemv_op", "COMPILED_INT4_ROWS", "COMPILED_INT8_ROWS",
-    "custom_op_overhead_s", "NATIVE_BF16_ROWS", "choose_bf16_row_kernel", "native_bf16_works", "int4_row", "int8_row",
-    "native_int4_a8_works", "int4_gemv_a8_op", "int4_a8_row", "native_int4_avx2_works", "int4_gemv_avx2_op",
+    "NATIVE_INT4_ROWS",
+    "NATIVE_INT8_ROWS",
+    "choose_int4_row_kernel",
+    "choose_int8_row_kernel",
+    "native_int4_works",
+    "native_int8_works",
+    "int4_gemv_op",
+    "int8_gemv_op",
+    "COMPILED_INT4_ROWS",
+    "COMPILED_INT8_ROWS",
+    "custom_op_overhead_s",
+    "NATIVE_BF16_ROWS",
+    "choose_bf16_row_kernel",
+    "native_bf16_works",
+    "int4_row",
+    "int8_row",
+    "native_int4_a8_works",
+    "int4_gemv_a8_op",
+    "int4_a8_row",
+    "native_int4_avx2_works",
+    "int4_gemv_avx2_op",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,10 +63,12 @@ def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int)
     shape = (out_features, in_features, group_size)
     if shape not in NATIVE_INT4_ROWS:
         usable = (native_int4_works() and out_features % 64 == 0) or (
-            native_int4_avx2_works() and out_features % 32 == 0 and group_size % 32 == 0)
+            native_int4_avx2_works() and out_features % 32 == 0 and group_size % 32 == 0
+        )
         NATIVE_INT4_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
         COMPILED_INT4_ROWS[shape] = NATIVE_INT4_ROWS[shape] and _wins_compiled(
-            choice.row_timings(out_features, in_features, group_size))
+            choice.row_timings(out_features, in_features, group_size)
+        )
     return NATIVE_INT4_ROWS[shape]
 
 
@@ -86,7 +105,7 @@ def choose_bf16_row_kernel(out_features: int, in_features: int) -> bool:
     return NATIVE_BF16_ROWS[shape]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_bf16_works() -> bool:
     """True if hfquant's bf16 GEMV (`native.bf16_gemv`) loads here and, on a small random layer (96 x 256, with a
     bias), matches ATen's `F.linear` within 1% of the output range. Cached."""
@@ -107,7 +126,7 @@ def native_bf16_works() -> bool:
     return works
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def custom_op_overhead_s() -> float:
     """Seconds one GEMV call costs more in a compiled graph than in eager. 0 where hfquant's dispatcher operators are
     registered (`torch_ops.AVAILABLE`: both call them) or the int8 GEMV does not run; else the Python custom op's
@@ -146,7 +165,8 @@ def choose_int8_row_kernel(out_features: int, in_features: int) -> bool:
         usable = in_features % 16 == 0 and native_int8_works()
         NATIVE_INT8_ROWS[shape] = usable and choice.int8_row_uses_native(out_features, in_features)
         COMPILED_INT8_ROWS[shape] = NATIVE_INT8_ROWS[shape] and _wins_compiled(
-            choice.row_timings(out_features, in_features, None))
+            choice.row_timings(out_features, in_features, None)
+        )
     return NATIVE_INT8_ROWS[shape]
 
 
@@ -166,7 +186,7 @@ def _int4_probe():
     return q, x, runtime, sz, torch.ops.aten._weight_int4pack_mm_for_cpu(x, runtime, group, sz).float()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_int4_works() -> bool:
     """True if hfquant's native int4 kernels (`hfquant.ops.native`) build and load here, the CPU layout has 64-row "halves"
     blocks, and on a small random layer (128 x 256, group 64, asymmetric) both the single-row GEMV and x @ (the
@@ -193,7 +213,7 @@ def native_int4_works() -> bool:
     return works
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_int8_works() -> bool:
     """True if hfquant's native int8 GEMV (`hfquant.ops.native.int8_gemv`) loads here and, on a small random layer
     (96 x 256), matches the aten kernel within 1% of the output range. Cached."""
@@ -260,7 +280,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_siz
 
 
 @torch.library.custom_op("hfquant::int4_gemv_avx2", mutates_args=())
-def int4_gemv_avx2_op(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_gemv_avx2_op(
+    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """`native.int4_gemv_avx2` as an opaque op for torch.compile."""
     return native.int4_gemv_avx2(x, weight, scale_zero, group_size)
 
@@ -292,7 +314,7 @@ def int4_a8_row(
     return torch_ops.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_int4_avx2_works() -> bool:
     """True where PyTorch packs int4 weights in 32-row blocks (CPUs without AVX-512, or `ATEN_CPU_CAPABILITY=avx2`),
     the AVX2 GEMV (`native.int4_gemv_avx2`) runs, and on a small random layer (128 x 256, group 64, asymmetric) it
@@ -314,7 +336,7 @@ def native_int4_avx2_works() -> bool:
     return works
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_int4_a8_works() -> bool:
     """True if the W4A8 GEMV (`native.int4_gemv_a8`) runs here on PyTorch's int4 CPU layout (64-row blocks with
     AVX512-VNNI, 32-row blocks with AVX2) and, on a small random layer (128 x 256, group 64, asymmetric), stays within
@@ -333,7 +355,9 @@ def native_int4_a8_works() -> bool:
     weight = rtn.dequantize_weight(q.q, q.scale, q.zero_point, 4, False, dtype=torch.float32)
     bound = weight.abs().sum(dim=1) * x.float().abs().max() / 254 + 0.01 * reference.abs().max()
     works = bool(((y - reference).abs() <= bound).all())
-    works = works and _operator_agrees(lambda: torch_ops.int4_gemv_a8(x, runtime, sz, group, layout.block_n).float(), y)
+    works = works and _operator_agrees(
+        lambda: torch_ops.int4_gemv_a8(x, runtime, sz, group, layout.block_n).float(), y
+    )
     if not works:
         logger.warning("hfquant's W4A8 GEMV disagrees with the aten int4 kernel; decode_activations='int8' is ignored")
     return works

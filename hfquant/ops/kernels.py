@@ -36,8 +36,7 @@ import logging
 
 import torch
 
-from hfquant.core import packing
-from hfquant.core import rtn
+from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
 from hfquant.ops import gemv, native
@@ -151,7 +150,12 @@ def _note_cpu_int4_layout() -> None:
 
 def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """Inverse of `prepare_packed_int4`: the runtime weight of an int4 kernel -> the stored (N, K // 2) layout."""
-    if kernel == Kernel.INT4PACK_MM_CPU and _NATIVE_INT4 and runtime_weight.device.type == "cpu" and out_features % 64 == 0:
+    if (
+        kernel == Kernel.INT4PACK_MM_CPU
+        and _NATIVE_INT4
+        and runtime_weight.device.type == "cpu"
+        and out_features % 64 == 0
+    ):
         return native.int4_repack(runtime_weight, to_cpu_layout=False)
     return packing.pack_int4(restore_codes(kernel, runtime_weight, out_features, in_features))
 
@@ -321,8 +325,12 @@ def _takes_int4_a8(
     with `a8=False` the AVX2 one): one bfloat16 row, bfloat16 (scale, zero) pairs, whole blocks of the layout, groups
     of a multiple of 32; with `a8`, also that the W4A8 GEMV works here (`_NATIVE_INT4_A8`)."""
     return (
-        (_NATIVE_INT4_A8 or not a8) and x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16
-        and scale_zero.dtype == torch.bfloat16 and out_features % _CPU_INT4_BLOCKS == 0 and group_size % 32 == 0
+        (_NATIVE_INT4_A8 or not a8)
+        and x2d.shape[0] == 1
+        and x2d.dtype == torch.bfloat16
+        and scale_zero.dtype == torch.bfloat16
+        and out_features % _CPU_INT4_BLOCKS == 0
+        and group_size % 32 == 0
     )
 
 
@@ -420,8 +428,10 @@ def _dequantized_gemm(
                 )
         else:
             weight_t = torch.cat(
-                [torch.addcmul(chunk_offset[..., cols], nibbles.to(x2d.dtype), chunk_step[..., cols])
-                 for nibbles, cols in halves],
+                [
+                    torch.addcmul(chunk_offset[..., cols], nibbles.to(x2d.dtype), chunk_step[..., cols])
+                    for nibbles, cols in halves
+                ],
                 dim=-1,
             )
         product(weight_t.reshape(in_features, stop - start), start, stop)
@@ -447,17 +457,28 @@ def _probe(kernel: Kernel, device: str) -> bool:
     source = q.q.to(device)
     runtime = prepare_weight(kernel, source, k)
     sz = scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16).to(device) if fmt.bits == 4 else None
-    y = quantized_matmul(
-        kernel, x.to(device), runtime, q.scale.to(device), None if q.zero_point is None else q.zero_point.to(device),
-        sz, fmt, in_features=k, out_features=n,
-    ).float().cpu()
+    y = (
+        quantized_matmul(
+            kernel,
+            x.to(device),
+            runtime,
+            q.scale.to(device),
+            None if q.zero_point is None else q.zero_point.to(device),
+            sz,
+            fmt,
+            in_features=k,
+            out_features=n,
+        )
+        .float()
+        .cpu()
+    )
     close = torch.allclose(y, reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
     if close and fmt.bits == 4:
         close = torch.equal(restore_codes(kernel, runtime, n, k).cpu(), q.q)
     return close
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_works(kernel: Kernel, device: str) -> bool:
     """True if `kernel` exists in this PyTorch build and matches the dequantize reference on `device`.
 
@@ -478,7 +499,7 @@ def kernel_works(kernel: Kernel, device: str) -> bool:
     return works
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_nibble_order_for(device: str) -> bool:
     """Whether `_convert_weight_to_int4pack` wants the even column in the high nibble (PyTorch >= 2.5 does)."""
     generator = torch.Generator().manual_seed(1)

@@ -36,17 +36,34 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from hfquant.core import paths
 
 __all__ = [
-    "native_enabled", "library_folder", "int4_cpu_library", "int4_gemv", "int4_gemv_a8", "int4_a8_supported", "built_library",
-    "int4_gemv_avx2", "int4_dequantize_t", "int8_gemv", "int4_repack",
-    "rtn_quantize", "source_digest", "bf16_gemv", "cached_library", "run_compiler", "c_compiler", "SOURCES", "HEADERS", "FLAGS",
+    "native_enabled",
+    "library_folder",
+    "int4_cpu_library",
+    "int4_gemv",
+    "int4_gemv_a8",
+    "int4_a8_supported",
+    "built_library",
+    "int4_gemv_avx2",
+    "int4_dequantize_t",
+    "int8_gemv",
+    "int4_repack",
+    "rtn_quantize",
+    "source_digest",
+    "bf16_gemv",
+    "cached_library",
+    "run_compiler",
+    "c_compiler",
+    "SOURCES",
+    "HEADERS",
+    "FLAGS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,7 +124,11 @@ def library_folder(compiler: str) -> Path:
 def _private(path: Path) -> bool:
     """Owned by this user and writable by no one else (not a symlink)."""
     info = path.lstat()
-    return not stat.S_ISLNK(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return (
+        not stat.S_ISLNK(info.st_mode)
+        and info.st_uid == os.getuid()
+        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -172,7 +193,9 @@ def cached_library(folder: Path, name: str, build: Callable[[Path, Path], None])
         folder = Path(tempfile.mkdtemp(prefix="hfquant-native-"))  # 0700, removed with the process's temp files
         logger.warning(
             "hfquant: the native kernel cache %s is not private to this user (owner or permissions); building into "
-            "%s instead", library.parent, folder,
+            "%s instead",
+            library.parent,
+            folder,
         )
     elif library.exists():
         logger.warning("hfquant: %s does not match its recorded sha256 or is not private; building it again", library)
@@ -181,13 +204,14 @@ def cached_library(folder: Path, name: str, build: Callable[[Path, Path], None])
 
 def _build_c_library(compiler: str) -> Path:
     """`int4_cpu.so`: the C sources in one library, for ctypes."""
+
     def build(output: Path, scratch: Path) -> None:
         run_compiler([compiler, *FLAGS, "-o", str(output), *map(str, SOURCES), *_LIBRARIES])
 
     return cached_library(library_folder(compiler), "int4_cpu.so", build)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def built_library() -> ctypes.CDLL | None:
     """The kernel library loaded on any x86-64 CPU (each kernel checks the instructions it needs: `int4_cpu_library`
     for the AVX-512 ones, `int4_a8_supported` for the W4A8 GEMV), or None: native kernels off, no C compiler, a failed
@@ -223,15 +247,16 @@ def built_library() -> ctypes.CDLL | None:
     library.hfquant_bf16_gemv.restype = ctypes.c_int
     library.hfquant_bf16_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
     library.hfquant_rtn_quantize.restype = ctypes.c_int
-    library.hfquant_rtn_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [
-        ctypes.c_void_p] * 3
+    library.hfquant_rtn_quantize.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
+    )
     for name in ("hfquant_int4_to_cpu_layout", "hfquant_int4_from_cpu_layout"):
         getattr(library, name).restype = ctypes.c_int
         getattr(library, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     return library
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def int4_cpu_library() -> ctypes.CDLL | None:
     """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 / int8 / bf16 GEMVs, the int4
     dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
@@ -298,8 +323,9 @@ def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tens
     library = _loaded_library(any_x86=True)
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
-    status = library.hfquant_int4_gemv_avx2(x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(),
-                                            out_features, x.shape[-1], group_size)
+    status = library.hfquant_int4_gemv_avx2(
+        x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(), out_features, x.shape[-1], group_size
+    )
     if status:
         raise RuntimeError(
             f"hfquant native AVX2 int4 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size} "
@@ -335,8 +361,16 @@ def int4_gemv_a8(
     library = _loaded_library(any_x86=True)
     out_features = weight.shape[0]
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
-    status = library.hfquant_int4_gemv_a8(x.data_ptr(), weight.data_ptr(), scale_zero.data_ptr(), y.data_ptr(),
-                                          out_features, x.shape[-1], group_size, block_n)
+    status = library.hfquant_int4_gemv_a8(
+        x.data_ptr(),
+        weight.data_ptr(),
+        scale_zero.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        x.shape[-1],
+        group_size,
+        block_n,
+    )
     if status:
         raise RuntimeError(
             f"hfquant native W4A8 GEMV refused N={out_features}, K={x.shape[-1]}, group_size={group_size}, "
@@ -389,8 +423,9 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     library = _loaded_library()
     out_features, in_features = weight.shape
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
-    status = library.hfquant_int8_gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), out_features,
-                                       in_features)
+    status = library.hfquant_int8_gemv(
+        x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), out_features, in_features
+    )
     if status:
         raise RuntimeError(f"hfquant native int8 GEMV refused N={out_features}, K={in_features} (needs K % 16 == 0)")
     return y
@@ -419,7 +454,10 @@ def int4_repack(weight: torch.Tensor, to_cpu_layout: bool) -> torch.Tensor:
 
 
 def rtn_quantize(
-    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+    weight: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest quantization of a CPU weight in one C pass (`csrc/rtn_cpu.c`), bit for bit what
@@ -443,8 +481,10 @@ def rtn_quantize(
     """
     library = _loaded_library()
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or weight.device.type != "cpu":
-        raise RuntimeError(f"rtn_quantize needs a 2-D bfloat16 or float32 CPU weight, got {weight.dtype} "
-                           f"{tuple(weight.shape)} on {weight.device}")
+        raise RuntimeError(
+            f"rtn_quantize needs a 2-D bfloat16 or float32 CPU weight, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
     weight = weight.contiguous()
     n, k = weight.shape
     groups = k // group_size if group_size > 0 else 0
@@ -455,18 +495,37 @@ def rtn_quantize(
     }
     if out is None:
         out = tuple(None if spec is None else torch.empty(spec[0], dtype=spec[1]) for spec in specs.values())
-    for (name, spec), tensor in zip(specs.items(), out):
-        if (spec is None) != (tensor is None) or tensor is not None and (
-                tuple(tensor.shape) != spec[0] or tensor.dtype != spec[1] or not tensor.is_contiguous()
-                or tensor.device.type != "cpu"):
+    for (name, spec), tensor in zip(specs.items(), out, strict=False):
+        if (
+            (spec is None) != (tensor is None)
+            or tensor is not None
+            and (
+                tuple(tensor.shape) != spec[0]
+                or tensor.dtype != spec[1]
+                or not tensor.is_contiguous()
+                or tensor.device.type != "cpu"
+            )
+        ):
             wanted = "None" if spec is None else f"a contiguous CPU {spec[1]} tensor of shape {spec[0]}"
-            got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}" + (
-                "" if tensor.is_contiguous() else ", not contiguous")
+            got = (
+                "None"
+                if tensor is None
+                else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+                + ("" if tensor.is_contiguous() else ", not contiguous")
+            )
             raise RuntimeError(f"rtn_quantize: out {name} must be {wanted}, got {got}")
     codes, scale, zero_point = out
     status = library.hfquant_rtn_quantize(
-        weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric),
-        codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr(),
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        n,
+        k,
+        group_size,
+        bits,
+        int(symmetric),
+        codes.data_ptr(),
+        scale.data_ptr(),
+        None if zero_point is None else zero_point.data_ptr(),
     )
     if status == 2:
         raise ValueError("cannot quantize a weight that contains NaN or Inf values")
@@ -490,8 +549,14 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     library = _loaded_library()
     out_features, in_features = weight.shape
     y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
-    status = library.hfquant_bf16_gemv(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       y.data_ptr(), out_features, in_features)
+    status = library.hfquant_bf16_gemv(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        in_features,
+    )
     if status:
         raise RuntimeError(f"hfquant native bf16 GEMV refused N={out_features}, K={in_features} (needs K % 32 == 0)")
     return y

@@ -34,8 +34,16 @@ import torch
 from hfquant.core import paths
 from hfquant.ops import native
 
-__all__ = ["loaded", "library_folder", "CPP_SOURCE", "AVAILABLE", "int4_gemv", "int4_gemv_avx2", "int4_gemv_a8",
-           "int8_gemv"]
+__all__ = [
+    "loaded",
+    "library_folder",
+    "CPP_SOURCE",
+    "AVAILABLE",
+    "int4_gemv",
+    "int4_gemv_avx2",
+    "int4_gemv_a8",
+    "int8_gemv",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +87,28 @@ def _build(c_compiler: str, cpp_compiler: str) -> Path:
             flags = [flag for flag in native.FLAGS if flag != "-shared"]
             native.run_compiler([c_compiler, *flags, "-c", str(source), "-o", str(obj)])
             objects.append(str(obj))
-        native.run_compiler([
-            cpp_compiler, *_CPP_FLAGS, f"-I{torch_folder / 'include'}", str(CPP_SOURCE), *objects,
-            f"-L{torch_folder / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_folder / 'lib'}",
-            "-lm", "-o", str(output),
-        ])
+        native.run_compiler(
+            [
+                cpp_compiler,
+                *_CPP_FLAGS,
+                f"-I{torch_folder / 'include'}",
+                str(CPP_SOURCE),
+                *objects,
+                f"-L{torch_folder / 'lib'}",
+                "-ltorch",
+                "-ltorch_cpu",
+                "-lc10",
+                f"-Wl,-rpath,{torch_folder / 'lib'}",
+                "-lm",
+                "-o",
+                str(output),
+            ]
+        )
 
     return native.cached_library(library_folder(c_compiler, cpp_compiler), "torch_ops.so", build)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def loaded() -> bool:
     """Whether `torch.ops.hfquant_cpu.int4_gemv` / `int8_gemv` are registered in this process: builds (or takes from
     the cache) and loads `torch_ops.so` on the first call, and registers the fake kernels torch.compile traces with.
@@ -97,15 +117,18 @@ def loaded() -> bool:
         return False
     c_compiler, cpp_compiler = native.c_compiler(), _cpp_compiler()
     if c_compiler is None or cpp_compiler is None:
-        logger.info("hfquant's GEMV operators unavailable: no C++ compiler ($CXX or c++); calling the C kernels "
-                    "through ctypes")
+        logger.info(
+            "hfquant's GEMV operators unavailable: no C++ compiler ($CXX or c++); calling the C kernels through ctypes"
+        )
         return False
     try:
         torch.ops.load_library(str(_build(c_compiler, cpp_compiler)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.info("hfquant's GEMV operators unavailable: build or load failed (%s); calling the C kernels through "
-                    "ctypes", str(detail)[-2000:])
+        logger.info(
+            "hfquant's GEMV operators unavailable: build or load failed (%s); calling the C kernels through ctypes",
+            str(detail)[-2000:],
+        )
         return False
     _register_fakes()
     global AVAILABLE
@@ -152,6 +175,7 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype."""
+
     @torch.library.register_fake("hfquant_cpu::int4_gemv")
     def _(x, weight, scale_zero, group_size):
         return x.new_empty((1, weight.shape[0]))
