@@ -6,6 +6,7 @@ import signal
 
 import pytest
 import torch
+from helpers import tiny_model
 
 
 def pytest_configure(config):
@@ -14,12 +15,6 @@ def pytest_configure(config):
     start (which inherit an ignored signal, never a handler)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-try:
-    from helpers import tiny_model
-except ImportError:  # tests/ imported as a package
-    from tests.helpers import tiny_model
 
 
 @pytest.fixture(

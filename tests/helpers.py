@@ -3,10 +3,7 @@ and outputs, and one measure of how close two outputs are. Fixtures live in conf
 
 Test modules import them as
 
-    try:
-        from helpers import tiny_model
-    except ImportError:  # tests/ imported as a package
-        from tests.helpers import tiny_model
+    from helpers import tiny_model
 """
 
 from __future__ import annotations
@@ -15,9 +12,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModel,
@@ -121,3 +120,14 @@ def run_python(code: str, timeout: float = 600, **env: str) -> subprocess.Comple
         env={**os.environ, **env},
         timeout=timeout,
     )
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard of `folder`; a name stored twice is an error."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                assert key not in tensors, f"{key} stored twice"
+                tensors[key] = handle.get_tensor(key)
+    return tensors

