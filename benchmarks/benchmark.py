@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -65,6 +64,19 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from benchmarks.methods import (
+    DECODE_PROMPT,
+    FULL,
+    METHODS,
+    PIP_HINT,
+    QUICK,
+    _installed,
+    load_kwargs,
+    quantization_config,
+    use_compiled_decode,
+    worker_env,
+)
 
 __all__ = [
     "METHODS",
@@ -78,51 +90,6 @@ __all__ = [
     "check_targets",
 ]
 
-# name -> (module a peer needs, or None; what it is)
-METHODS: dict[str, tuple[str | None, str]] = {
-    "bf16": (None, "no quantization"),
-    "hfquant-int8": (None, "HfQuantConfig(bits=8): per-channel symmetric int8"),
-    "hfquant-int4": (
-        None,
-        "HfQuantConfig(bits=4, group_size=128): the 4-bit defaults (SINQ, asymmetric, data-free mixed precision)",
-    ),
-    "hfquant-int4-rtn": (
-        None,
-        "HfQuantConfig(bits=4, group_size=128, method='rtn', mixed_precision='none'): plain "
-        "round-to-nearest, every layer int4",
-    ),
-    "hfquant-int4-sym": (
-        None,
-        "HfQuantConfig(bits=4, group_size=128, symmetric=True, method='rtn', "
-        "mixed_precision='none'): the weights llama.cpp's Q4_0 holds exactly",
-    ),
-    "hfquant-int4-a8": (
-        None,
-        "hfquant-int4 with decode_activations='int8': W4A8 decode steps (int8 activations per "
-        "block of 32, as llama.cpp's Q4 kernels)",
-    ),
-    "hfquant-int4-sym-a8": (
-        None,
-        "hfquant-int4-sym with decode_activations='int8': the weights and the activation rounding of llama.cpp's Q4_0",
-    ),
-    "torchao-int8": ("torchao", "TorchAoConfig(Int8WeightOnlyConfig())"),
-    "torchao-int4": (
-        "torchao",
-        "TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=128)): Int4OpaqueTensor, "
-        "_weight_int4pack_mm_for_cpu (torchao 0.18's CPU int4 layout)",
-    ),
-    "quanto-int8": ("optimum.quanto", "QuantoConfig(weights='int8')"),
-    "quanto-int4": ("optimum.quanto", "QuantoConfig(weights='int4')"),
-    "bnb-int8": ("bitsandbytes", "BitsAndBytesConfig(load_in_8bit=True)"),
-    "bnb-nf4": ("bitsandbytes", "BitsAndBytesConfig(load_in_4bit=True, nf4, bf16 compute)"),
-    "llamacpp-q8_0": (
-        "llama.cpp",
-        "llama-cpp-python on hfquant-int8's weights as GGUF Q8_0 (benchmarks/llama_cpp.py)",
-    ),
-    "llamacpp-q4_0": ("llama.cpp", "llama-cpp-python on hfquant-int4-sym's weights as GGUF Q4_0"),
-    "llamacpp-q4_1": ("llama.cpp", "llama-cpp-python on hfquant-int4-rtn's weights as GGUF Q4_1"),
-    "llamacpp-int4": ("llama.cpp", "llama-cpp-python on hfquant-int4's weights (Q4_1, its int8 layers Q8_0)"),
-}
 WORKLOADS = ("real", "1b")
 # Keys of every row in the JSON output (None where not measured).
 ROW_KEYS = (
@@ -150,92 +117,11 @@ ROW_KEYS = (
     "wall_s",
     "log",
 )
-PIP_HINT = "pip install 'hfquant[bench]'"
-DECODE_PROMPT = "The history of the Roman Empire begins"
 MIB = 1024 * 1024
 GB = 10**9
-FULL = {
-    "prefill_tokens": 512,
-    "prefill_repeats": 3,
-    "decode_tokens": 64,
-    "decode_repeats": 3,
-    "ppl_tokens": None,
-    "bandwidth_mib": 1024,
-    "bandwidth_repeats": 5,
-}
-QUICK = {
-    "prefill_tokens": 32,
-    "prefill_repeats": 1,
-    "decode_tokens": 8,
-    "decode_repeats": 1,
-    "ppl_tokens": 128,
-    "bandwidth_mib": 64,
-    "bandwidth_repeats": 2,
-}
 
 
 # ----------------------------------------------------------------------------- measurements
-
-
-def _installed(module: str) -> bool:
-    """Whether ``module`` (dotted names too, e.g. ``optimum.quanto``) can be imported, without importing it."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a missing parent package
-        return False
-
-
-def quantization_config(method: str):
-    """The ``quantization_config`` argument of ``from_pretrained`` for ``method`` (None for bf16).
-
-    Raises:
-        ValueError: unknown method.
-        ImportError: the peer library is missing (message gives the pip command).
-    """
-    import torch
-
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; choose from {', '.join(METHODS)}")
-    requires = METHODS[method][0]
-    if requires == "llama.cpp":
-        raise ValueError(f"{method} runs in llama.cpp, not through from_pretrained (benchmarks/llama_cpp.py)")
-    if requires is not None and not _installed(requires):
-        raise ImportError(f"{method} needs {requires}, which is not installed: {PIP_HINT}")
-    if method == "bf16":
-        return None
-    if method.startswith("hfquant-") and method.endswith("-a8"):
-        config = quantization_config(method.removesuffix("-a8"))
-        config.decode_activations = "int8"
-        return config
-    if method.startswith("hfquant-"):
-        import hfquant
-
-        if method == "hfquant-int8":
-            return hfquant.HfQuantConfig(bits=8)
-        if method == "hfquant-int4-rtn":
-            return hfquant.HfQuantConfig(bits=4, group_size=128, method="rtn", mixed_precision="none")
-        if method == "hfquant-int4-sym":
-            return hfquant.HfQuantConfig(bits=4, group_size=128, symmetric=True, method="rtn", mixed_precision="none")
-        return hfquant.HfQuantConfig(bits=4, group_size=128)
-    if method.startswith("torchao-"):
-        from transformers import TorchAoConfig
-
-        if method == "torchao-int8":
-            from torchao.quantization import Int8WeightOnlyConfig
-
-            return TorchAoConfig(Int8WeightOnlyConfig())
-        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-
-        return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=128))
-    if method.startswith("quanto-"):
-        from transformers import QuantoConfig
-
-        return QuantoConfig(weights=method.removeprefix("quanto-"))
-    from transformers import BitsAndBytesConfig
-
-    if method == "bnb-int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
 QUANTIZE_SAMPLE_LAYERS = 2
@@ -428,33 +314,6 @@ def _save_size(model, target: Path, keep: bool) -> tuple[int | None, str | None]
 # ----------------------------------------------------------------------------- worker (child process)
 
 
-def load_kwargs(method: str, variant: str) -> dict:
-    """The keyword arguments of the worker's `from_pretrained` for `method` and `variant` ("eager" or "compile"):
-    bfloat16 on the CPU, the method's quantization config, and eager attention for "compile" (see the module
-    docstring)."""
-    import torch
-
-    kwargs = {"dtype": torch.bfloat16, "device_map": "cpu"}
-    if variant == "compile":
-        kwargs["attn_implementation"] = "eager"
-    config = quantization_config(method)
-    if config is not None:
-        kwargs["quantization_config"] = config
-    return kwargs
-
-
-def use_compiled_decode(model) -> None:
-    """Set up the README's fast path on `model`: a static cache and `CompileConfig(fullgraph=True)` in its
-    generation config, with transformers' `_compile_all_devices` switch (its auto-compile otherwise runs on
-    accelerators only), so that `generate` runs the decode steps through the compiled forward."""
-    from transformers import CompileConfig
-
-    compile_config = CompileConfig(fullgraph=True, mode="default")
-    compile_config._compile_all_devices = True  # transformers' own switch for compiling on CPU
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.compile_config = compile_config
-
-
 def _measure(args, result: dict, save_result) -> None:
     """Fill ``result`` step by step, calling ``save_result()`` after each, so that a failure or a timeout keeps
     the numbers measured before it.  Decode comes before prefill: it is the headline number, and a slow peer's
@@ -567,14 +426,6 @@ def _row(method: str, variant: str, **values) -> dict:
     row = dict.fromkeys(ROW_KEYS)
     row.update(method=method, variant=variant, **values)
     return row
-
-
-def worker_env() -> dict:
-    """The environment of an hfquant worker process: this one's, with the repository root first on PYTHONPATH (the
-    child imports benchmarks/ from there, it is never installed, and hfquant from there too when it is not
-    installed)."""
-    package_root = str(Path(__file__).resolve().parents[1])
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
 
 
 def _spawn(method: str, variant: str, workload: str, model: Path, args) -> dict:

@@ -145,7 +145,7 @@ def prepare(method: str, model: Path, out: Path, quantization_config) -> Path:
 def engine_args(path: Path, sizes: dict) -> dict:
     """The JSON argument of `WORKER` and `SERVER` for the GGUF file `path` and the benchmark's `sizes`: the prompt,
     all CPUs as threads, token counts and repeats."""
-    from benchmarks.benchmark import DECODE_PROMPT
+    from benchmarks.methods import DECODE_PROMPT
 
     return {
         "model": str(path),

@@ -232,7 +232,7 @@ def for_workload(
     `args.paired_rounds` rounds. A llama.cpp method without llama-cpp-python, or whose GGUF export fails, gives a
     group with the error and no rounds."""
     from benchmarks import llama_cpp
-    from benchmarks.benchmark import worker_env
+    from benchmarks.methods import worker_env
 
     python = Path(args.llama_python) if args.llama_python else llama_cpp.default_python()
     hf_env, llama_env = worker_env(), llama_cpp.engine_env()
@@ -271,7 +271,7 @@ def _serve(argv: list[str] | None = None) -> int:
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from benchmarks.benchmark import DECODE_PROMPT, FULL, QUICK, load_kwargs, use_compiled_decode
+        from benchmarks.methods import DECODE_PROMPT, FULL, QUICK, load_kwargs, use_compiled_decode
         from hfquant.commands.evaluation import decode_tokens_per_second
 
         tokens = (QUICK if args.quick else FULL)["decode_tokens"]
