@@ -69,9 +69,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "int4_intdot_cpu.c", "rtn_cpu.c", "bf16_cpu.c")
+    Path(__file__).with_name("csrc") / name
+    for name in ("int4_cpu.c", "int4_intdot_cpu.c", "int8_cpu.c", "rtn_cpu.c", "bf16_cpu.c")
 )
-HEADERS = (Path(__file__).with_name("csrc") / "bf16_bits.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16_bits.h", "hfquant_kernels.h"))
 """Headers the C sources include: part of what a built library is cached under."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 _LIBRARIES = ("-lm",)
