@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hfquant.core import packing, paths
-from hfquant.ops import machine, native, torch_ops
+from hfquant.ops import machine, native, native_build, torch_ops
 
 __all__ = [
     "CHOICES",
@@ -84,7 +84,7 @@ def cpu_signature() -> str:
     return (
         f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
         f"torch {torch.__version__} (aten {torch.backends.cpu.get_cpu_capability()}) | "
-        f"kernels {native.source_digest()}"
+        f"kernels {native_build.source_digest()}"
     )
 
 

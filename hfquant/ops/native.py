@@ -1,25 +1,20 @@
-"""hfquant's own C kernels, built on first use (`csrc/int4_cpu.c`, `csrc/rtn_cpu.c`): the single-row int4 and int8
-GEMVs, the int4 dequantization that feeds the prefill GEMM, the int4 repacking, and the round-to-nearest quantizer.
+"""hfquant's own C kernels, called through ctypes: the single-row int4 GEMVs (`csrc/int4_cpu.c`, and by integer dot
+products `csrc/int4_intdot_cpu.c`), the int8 GEMV (`csrc/int8_cpu.c`), the bfloat16 GEMV (`csrc/bf16_cpu.c`), the int4
+dequantization that feeds the prefill GEMM, the int4 repacking (`csrc/int4_cpu.c`) and the round-to-nearest quantizer
+(`csrc/rtn_cpu.c`). Their prototypes: `csrc/hfquant_kernels.h`.
 
 Why our own: for one activation row (batch-1 decode) PyTorch's `_weight_int4pack_mm_for_cpu` is limited by its
 instruction count, not by memory: it reads an int4 weight well below the memory bandwidth. `csrc/int4_cpu.c` reads
-the same bytes (the aten CPU layout, so nothing is repacked) with a table lookup per code and AVX512-BF16 dot
-products, closer to memory speed; several rows still go to the aten kernel. For prefill (`kernels._dequantized_gemm`)
+the same bytes (the aten CPU layout, so nothing is repacked) with a few shuffles and bit operations per pair of
+inputs and AVX512-BF16 dot products, closer to memory speed; several rows still go to the aten kernel. For prefill (`kernels._dequantized_gemm`)
 the same file turns a slice of output channels into the (K, slice) bfloat16 operand of `torch.mm` in one pass, where
 the torch ops took six. `csrc/rtn_cpu.c` quantizes a weight in one pass where `hfquant.core.rtn` takes about six
 torch passes and a float32 copy, with the same bytes out (it bounds quantize-on-load). Measured speeds:
 docs/performance.md.
 
-The sources ship inside the package. On first use they are compiled with the system C compiler (`$CC`, else `cc`;
-`-O3 -fopenmp`) into `<cache>/native/<hash>/int4_cpu.so`, where `<cache>` is `$HFQUANT_CACHE` or
-`~/.cache/hfquant` and the hash covers the sources, the flags and the compiler's version line; the library is written
-under a temporary name and renamed, so concurrent first uses do not see half a file. It is loaded with ctypes and
-called with raw pointers. OpenMP resolves to the libgomp torch already loaded, so `torch.set_num_threads` applies.
-
-Loading a library runs its code, so a cached one is loaded only when it is ours and private: the folders from
-`<cache>/native` down and the file are owned by this user and writable by nobody else, and the file's sha256 equals
-the one recorded beside it (`int4_cpu.so.sha256`) when it was built. A cache that fails this is never loaded from:
-the kernel is built into a private temporary folder for this process instead (logged at WARNING level).
+The library is built on first use, cached and trust-checked by `hfquant.ops.native_build`; this module loads it with
+ctypes, declares the C signatures and calls the kernels with raw pointers. OpenMP resolves to the libgomp torch
+already loaded, so `torch.set_num_threads` applies.
 
 Not available (None, logged once at INFO level) when: `HFQUANT_NATIVE` is 0/false/no/off, the machine is not x86-64
 with AVX512-F/BW/VL and AVX512-BF16, no compiler works, or the build fails. hfquant then uses the aten kernel alone.
@@ -29,202 +24,67 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import stat
 import subprocess
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from hfquant.core import paths
+from hfquant.ops import native_build
 
 __all__ = [
-    "native_enabled",
-    "library_folder",
+    "built_library",
     "int4_cpu_library",
     "int4_gemv",
     "int4_gemv_a8",
     "int4_a8_supported",
-    "built_library",
     "int4_gemv_avx2",
     "int4_dequantize_t",
     "int8_gemv",
     "int4_repack",
     "rtn_quantize",
-    "source_digest",
     "bf16_gemv",
-    "cached_library",
-    "run_compiler",
-    "c_compiler",
-    "SOURCES",
-    "HEADERS",
-    "FLAGS",
 ]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("int4_cpu.c", "int4_intdot_cpu.c", "rtn_cpu.c", "bf16_cpu.c")
-)
-HEADERS = (Path(__file__).with_name("csrc") / "bf16_bits.h",)
-"""Headers the C sources include: part of what a built library is cached under."""
-FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-_LIBRARIES = ("-lm",)
 _ABI = 5
+"""`HFQUANT_INT4_CPU_ABI` of `csrc/int4_cpu.c`: a library built from other signatures is not called."""
 
-
-def c_compiler() -> str | None:
-    """The C compiler's path: `$CC`, else `cc`, found on PATH; None without one."""
-    name = os.environ.get("CC") or "cc"
-    return shutil.which(name)
-
-
-_OFF = ("0", "false", "no", "off")
-_ON = ("", "1", "true", "yes", "on")
-
-
-def native_enabled() -> bool:
-    """Whether `HFQUANT_NATIVE` allows the native kernels (unset: yes).
-
-    Raises:
-        ValueError: a value that is neither one of 0/false/no/off nor one of 1/true/yes/on (any case), naming it.
-    """
-    value = os.environ.get("HFQUANT_NATIVE", "")
-    if value.strip().lower() in _OFF:
-        return False
-    if value.strip().lower() in _ON:
-        return True
-    raise ValueError(
-        f"HFQUANT_NATIVE={value!r} is not understood; use one of {list(_OFF)} to turn hfquant's native kernels off, "
-        f"or one of {list(_ON[1:])} (or leave it unset) to use them"
-    )
-
-
-def source_digest() -> str:
-    """12 hex digits of the sha256 of every kernel source (`csrc/`, with the C++ operators of `torch_ops`): kernel
-    timings recorded for other sources are stale."""
-    sources = sorted(Path(__file__).with_name("csrc").iterdir())
-    return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:12]
-
-
-def library_folder(compiler: str) -> Path:
-    """`<cache>/native/<hash of sources, headers, flags and compiler version>`: where the built library is cached."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    first_line = (version.splitlines() or [""])[0]
-    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
-    digest = hashlib.sha256(sources + " ".join(FLAGS + _LIBRARIES).encode() + first_line.encode()).hexdigest()[:16]
-    return paths.cache_dir() / "native" / digest
-
-
-def _private(path: Path) -> bool:
-    """Owned by this user and writable by no one else (not a symlink)."""
-    info = path.lstat()
-    return (
-        not stat.S_ISLNK(info.st_mode)
-        and info.st_uid == os.getuid()
-        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _trusted(library: Path) -> bool:
-    """Whether the cached `library` may be loaded: it, its hash record and its folders from `native/` down are ours
-    and private, and its sha256 is the recorded one."""
-    record = library.with_name(library.name + ".sha256")
-    try:
-        private = all(_private(p) for p in (library.parent.parent, library.parent, library, record))
-        return private and record.read_text().strip() == _sha256(library)
-    except OSError:
-        return False
-
-
-def _compile(folder: Path, name: str, build: Callable[[Path, Path], None]) -> Path:
-    """Build `folder/name` under a temporary name (`build(output, scratch folder)` runs the compiler), record its
-    sha256, rename into place; returns the library."""
-    library = folder / name
-    handle, partial = tempfile.mkstemp(prefix=f".{library.stem}-", suffix=".so", dir=folder)
-    os.close(handle)
-    try:
-        with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            build(Path(partial), Path(scratch))
-        os.chmod(partial, 0o700)
-        record = folder / f"{name}.sha256"
-        record_partial = folder / f".{name}.sha256.{os.getpid()}"
-        record_partial.write_text(_sha256(Path(partial)) + "\n")
-        os.chmod(record_partial, 0o600)
-        os.replace(record_partial, record)
-        os.replace(partial, library)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return library
-
-
-def run_compiler(command: list[str]) -> None:
-    """Run one compiler command (5 minutes at most); raises subprocess.CalledProcessError with its output."""
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
-
-
-def cached_library(folder: Path, name: str, build: Callable[[Path, Path], None]) -> Path:
-    """The library `name` to load: the cached one in `folder` when it is trusted (`_trusted`), else built again
-    (`_compile`) into the cache, or, when the cache folders are not ours and private, into a private temporary folder
-    of this process.
-
-    Raises:
-        OSError / subprocess.CalledProcessError / subprocess.TimeoutExpired: the build failed.
-    """
-    library = folder / name
-    if library.exists() and _trusted(library):
-        return library
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        usable = _private(folder.parent) and _private(folder)
-    except OSError:
-        usable = False
-    if not usable:
-        folder = Path(tempfile.mkdtemp(prefix="hfquant-native-"))  # 0700, removed with the process's temp files
-        logger.warning(
-            "hfquant: the native kernel cache %s is not private to this user (owner or permissions); building into "
-            "%s instead",
-            library.parent,
-            folder,
-        )
-    elif library.exists():
-        logger.warning("hfquant: %s does not match its recorded sha256 or is not private; building it again", library)
-    return _compile(folder, name, build)
-
-
-def _build_c_library(compiler: str) -> Path:
-    """`int4_cpu.so`: the C sources in one library, for ctypes."""
-
-    def build(output: Path, scratch: Path) -> None:
-        run_compiler([compiler, *FLAGS, "-o", str(output), *map(str, SOURCES), *_LIBRARIES])
-
-    return cached_library(library_folder(compiler), "int4_cpu.so", build)
+_POINTER, _INT, _INT64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {
+    "hfquant_int4_gemv": [_POINTER] * 4 + [_INT64] * 3,
+    "hfquant_int4_gemv_a8": [_POINTER] * 4 + [_INT64] * 4,
+    "hfquant_int4_gemv_avx2": [_POINTER] * 4 + [_INT64] * 3,
+    "hfquant_int4_a8_supported": [_INT64],
+    "hfquant_int4_dequantize_t": [_POINTER] * 3 + [_INT64] * 5,
+    "hfquant_int8_gemv": [_POINTER] * 4 + [_INT64] * 2,
+    "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
+    "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3,
+    "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
+    "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
+}
+"""Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 
 
 @functools.cache
 def built_library() -> ctypes.CDLL | None:
     """The kernel library loaded on any x86-64 CPU (each kernel checks the instructions it needs: `int4_cpu_library`
     for the AVX-512 ones, `int4_a8_supported` for the W4A8 GEMV), or None: native kernels off, no C compiler, a failed
-    build or a stale ABI (the reason logged at INFO level)."""
-    if not native_enabled():
+    build or a stale ABI (the reason logged at INFO level).
+
+    Raises:
+        ValueError: `HFQUANT_NATIVE` holds a value `native_build.native_enabled` does not understand.
+    """
+    if not native_build.native_enabled():
         logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=%s", os.environ.get("HFQUANT_NATIVE"))
         return None
-    compiler = c_compiler()
+    compiler = native_build.c_compiler()
     if compiler is None:
         logger.info("hfquant native int4 kernels unavailable: no C compiler ($CC or cc); using the aten kernel")
         return None
     try:
-        library = ctypes.CDLL(str(_build_c_library(compiler)))
+        library = ctypes.CDLL(str(native_build.build_c_library(compiler)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.info("hfquant native int4 kernels unavailable: build failed (%s); using the aten kernel", detail)
@@ -232,27 +92,10 @@ def built_library() -> ctypes.CDLL | None:
     if library.hfquant_int4_cpu_abi() != _ABI:
         logger.info("hfquant native int4 kernels unavailable: the library's ABI is not %d", _ABI)
         return None
-    library.hfquant_int4_gemv.restype = ctypes.c_int
-    library.hfquant_int4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    library.hfquant_int4_gemv_a8.restype = ctypes.c_int
-    library.hfquant_int4_gemv_a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-    library.hfquant_int4_gemv_avx2.restype = ctypes.c_int
-    library.hfquant_int4_gemv_avx2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    library.hfquant_int4_a8_supported.restype = ctypes.c_int
-    library.hfquant_int4_a8_supported.argtypes = [ctypes.c_int64]
-    library.hfquant_int4_dequantize_t.restype = ctypes.c_int
-    library.hfquant_int4_dequantize_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
-    library.hfquant_int8_gemv.restype = ctypes.c_int
-    library.hfquant_int8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
-    library.hfquant_bf16_gemv.restype = ctypes.c_int
-    library.hfquant_bf16_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
-    library.hfquant_rtn_quantize.restype = ctypes.c_int
-    library.hfquant_rtn_quantize.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
-    )
-    for name in ("hfquant_int4_to_cpu_layout", "hfquant_int4_from_cpu_layout"):
-        getattr(library, name).restype = ctypes.c_int
-        getattr(library, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = argtypes
     return library
 
 

@@ -7,12 +7,9 @@ measures it). A small layer's whole product takes 5-20 us, so on a small model t
 paid at all. Registered with PyTorch's dispatcher from C++, a call costs what an aten op's does, in eager and in a
 compiled graph, which then calls it without leaving C++ for Python.
 
-Built on first use like the C library: `csrc/torch_ops.cpp` with the C sources, by the C compiler (`$CC` / `cc`, the
-flags of `native.FLAGS`) and the C++ compiler (`$CXX`, else `c++`; C++20, against the headers and libraries of the
-installed torch), into `<cache>/native/<hash>/torch_ops.so`, the hash covering the sources and headers, the flags, both
-compilers' version lines and torch's version; the same ownership, permission and sha256 checks as the C library
-before loading a cached file (`native.cached_library`). The library is tied to the torch it was built against: a
-different torch build gets another hash, so another build.
+Built on first use like the C library, by `native_build.build_torch_ops`: `csrc/torch_ops.cpp` with the C sources,
+against the headers and libraries of the installed torch, into `<cache>/native/<hash>/torch_ops.so`, with the same
+ownership, permission and sha256 checks before loading a cached file.
 
 Not available (`loaded()` is False, logged once at INFO) wherever the C library is not (`native.built_library`), or
 without a C++ compiler, or when the build or the load fails. hfquant then calls the C kernels through ctypes in eager
@@ -22,22 +19,15 @@ and through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` un
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import torch
 
-from hfquant.core import paths
-from hfquant.ops import native
+from hfquant.ops import native, native_build
 
 __all__ = [
     "loaded",
-    "library_folder",
-    "CPP_SOURCE",
     "AVAILABLE",
     "int4_gemv",
     "int4_gemv_avx2",
@@ -47,65 +37,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CPP_SOURCE = Path(__file__).with_name("csrc") / "torch_ops.cpp"
 AVAILABLE = False
 """Whether the operators are registered (set by `loaded()`); a plain global, so that torch.compile reads it as a
 constant."""
-
-_CPP_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w")
-
-
-def _cpp_compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "c++")
-
-
-def _torch_folder() -> Path:
-    return Path(torch.__file__).parent
-
-
-def library_folder(c_compiler: str, cpp_compiler: str) -> Path:
-    """`<cache>/native/<hash>`: where `torch_ops.so` is cached; the hash covers the C and C++ sources, the flags, both
-    compilers' version lines and the torch version (the library links against torch)."""
-    versions = []
-    for compiler in (c_compiler, cpp_compiler):
-        output = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-        versions.append((output.splitlines() or [""])[0])
-    parts = [source.read_bytes() for source in (*native.SOURCES, *native.HEADERS, CPP_SOURCE)]
-    parts += [" ".join(native.FLAGS + _CPP_FLAGS).encode(), "\n".join(versions).encode()]
-    parts += [f"torch {torch.__version__} {torch.version.git_version}".encode()]
-    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    return paths.cache_dir() / "native" / digest
-
-
-def _build(c_compiler: str, cpp_compiler: str) -> Path:
-    torch_folder = _torch_folder()
-
-    def build(output: Path, scratch: Path) -> None:
-        objects = []
-        for source in native.SOURCES:
-            obj = scratch / (source.stem + ".o")
-            flags = [flag for flag in native.FLAGS if flag != "-shared"]
-            native.run_compiler([c_compiler, *flags, "-c", str(source), "-o", str(obj)])
-            objects.append(str(obj))
-        native.run_compiler(
-            [
-                cpp_compiler,
-                *_CPP_FLAGS,
-                f"-I{torch_folder / 'include'}",
-                str(CPP_SOURCE),
-                *objects,
-                f"-L{torch_folder / 'lib'}",
-                "-ltorch",
-                "-ltorch_cpu",
-                "-lc10",
-                f"-Wl,-rpath,{torch_folder / 'lib'}",
-                "-lm",
-                "-o",
-                str(output),
-            ]
-        )
-
-    return native.cached_library(library_folder(c_compiler, cpp_compiler), "torch_ops.so", build)
 
 
 @functools.cache
@@ -115,14 +49,14 @@ def loaded() -> bool:
     Never raises: False (the reason logged at INFO level) where the operators cannot be had."""
     if native.built_library() is None:
         return False
-    c_compiler, cpp_compiler = native.c_compiler(), _cpp_compiler()
+    c_compiler, cpp_compiler = native_build.c_compiler(), native_build.cpp_compiler()
     if c_compiler is None or cpp_compiler is None:
         logger.info(
             "hfquant's GEMV operators unavailable: no C++ compiler ($CXX or c++); calling the C kernels through ctypes"
         )
         return False
     try:
-        torch.ops.load_library(str(_build(c_compiler, cpp_compiler)))
+        torch.ops.load_library(str(native_build.build_torch_ops(c_compiler, cpp_compiler)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.info(

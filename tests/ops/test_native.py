@@ -1,14 +1,8 @@
 """hfquant's own int4 CPU kernels (hfquant.ops.native, csrc/int4_cpu.c): the single-row GEMV against a float64 reference
 and the aten kernel, thread-count independence, dispatch from QuantLinear, the prefill dequantization, and the
-fallbacks when they cannot be used."""
+fallbacks when they cannot be used (building and trusting the library: test_native_build.py)."""
 
 from __future__ import annotations
-
-import hashlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -211,70 +205,6 @@ def test_prefill_gemm_with_native_dequantization_matches_torch_ops(monkeypatch):
     assert torch.allclose(with_c.float(), with_torch.float(), rtol=2**-6, atol=2**-6 * with_torch.abs().max().item())
 
 
-PLANTED = r"""
-#include <stdio.h>
-__attribute__((constructor)) static void planted(void) {
-    FILE *f = fopen(SENTINEL, "w"); if (f) { fputs("planted code ran", f); fclose(f); }
-}
-int hfquant_int4_cpu_abi(void) { return 2; }
-int hfquant_int4_cpu_supported(void) { return 1; }
-"""
-
-
-def _plant(tmp_path, cache, mode: int, record: bool):
-    """A library with a constructor at the cache path the kernel would be loaded from; returns its sentinel file."""
-    import shutil as _shutil
-
-    sentinel = tmp_path / "SENTINEL"
-    source = tmp_path / "planted.c"
-    source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
-    compiler = _shutil.which("cc")
-    env = {**os.environ, "HFQUANT_CACHE": str(cache)}
-    folder = Path(
-        subprocess.run(
-            [sys.executable, "-c", f"from hfquant.ops import native; print(native.library_folder({compiler!r}))"],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-        ).stdout.strip()
-    )
-    folder.mkdir(parents=True)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "int4_cpu.so"), str(source)], check=True)
-    if record:  # even a matching hash record does not make a folder others can write trusted
-        (folder / "int4_cpu.so.sha256").write_text(hashlib.sha256((folder / "int4_cpu.so").read_bytes()).hexdigest())
-    for path in (folder.parent, folder):
-        path.chmod(mode)
-    return sentinel
-
-
-@needs_native
-@pytest.mark.parametrize("mode,record", [(0o777, True), (0o700, False)], ids=["writable-by-others", "no-hash-record"])
-def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path, mode, record):
-    cache = tmp_path / "cache"
-    sentinel = _plant(tmp_path, cache, mode, record)
-    code = "from hfquant.ops import native; assert native.int4_cpu_library() is not None; print('native ok')"
-    result = run_python(code, HFQUANT_CACHE=str(cache), CC="cc")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "native ok" in result.stdout
-    assert not sentinel.exists(), "the planted library's constructor ran"
-
-
-@pytest.mark.parametrize(
-    "value,enabled",
-    [("0", False), ("false", False), ("No", False), ("OFF", False), ("1", True), ("true", True), ("", True)],
-)
-def test_hfquant_native_spellings(monkeypatch, value, enabled):
-    monkeypatch.setenv("HFQUANT_NATIVE", value)
-    assert native.native_enabled() is enabled
-
-
-def test_hfquant_native_other_values_are_refused(monkeypatch):
-    monkeypatch.setenv("HFQUANT_NATIVE", "maybe")
-    with pytest.raises(ValueError, match="HFQUANT_NATIVE='maybe' is not understood"):
-        native.native_enabled()
-
-
 @needs_native
 @pytest.mark.parametrize("n, k", [(64, 32), (128, 576), (192, 2048)])
 def test_native_repacking_equals_the_torch_path_both_ways(n, k):
@@ -296,15 +226,3 @@ def test_a_prepared_int4_layer_saves_the_bytes_it_was_given():
     assert layer.prepare_kernel(torch.bfloat16) == kernels.Kernel.INT4PACK_MM_CPU
     assert not torch.equal(layer.weight, stored)  # the kernel layout
     assert torch.equal(layer.stored_weight(), stored) and torch.equal(layer.state_dict()["weight"], stored)
-
-
-def test_the_library_cache_key_covers_the_included_header(tmp_path, monkeypatch):
-    """A changed header builds a new library: its bytes are part of the cache folder's hash (C and C++ builds)."""
-    import shutil as _shutil
-
-    compiler = _shutil.which("cc") or pytest.skip("no C compiler")
-    before = native.library_folder(compiler)
-    header = tmp_path / "bf16_bits.h"
-    header.write_bytes(native.HEADERS[0].read_bytes() + b"\n/* changed */\n")
-    monkeypatch.setattr(native, "HEADERS", (header,))
-    assert native.library_folder(compiler) != before

@@ -150,7 +150,7 @@ def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path):
     source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
     env = {"HFQUANT_CACHE": str(cache), "CC": "cc", "CXX": "c++"}
     where = (
-        f"from hfquant.ops import torch_ops; print(torch_ops.library_folder({shutil.which('cc')!r}, "
+        f"from hfquant.ops import native_build; print(native_build.torch_ops_folder({shutil.which('cc')!r}, "
         f"{shutil.which('c++')!r}))"
     )
     folder = Path(run_python(where, **env).stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 on bit patterns, shared by hfquant's C kernels (int4_cpu.c, rtn_cpu.c, bf16_cpu.c).
+/* bfloat16 <-> float32 on bit patterns, shared by hfquant's C kernels (every .c file in this folder).
  * bfloat16 is the upper half of a float32: widening appends 16 zero bits (exact); narrowing rounds to nearest even,
  * as torch's .to(torch.bfloat16) does for finite values (a NaN or infinity is never narrowed here). */
 #ifndef HFQUANT_BF16_BITS_H

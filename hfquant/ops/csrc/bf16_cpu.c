@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16_bits.h"
+#include "hfquant_kernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

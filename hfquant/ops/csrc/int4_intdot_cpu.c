@@ -49,6 +49,7 @@
 #include <stdint.h>
 
 #include "bf16_bits.h"
+#include "hfquant_kernels.h"
 
 #define A8_BLOCK 32
 
@@ -329,7 +330,7 @@ AVX2_TARGET static int gemv_a8_avx2(const uint16_t *x, const uint8_t *weight, co
  * there (chosen per shape against aten's kernel by measurement, hfquant.ops.choice). The activations become int16 per
  * block of 32 inputs, xq = round(x * 32767 / max|x_block|): the rounding error, at most max|x_block| / 65534, is
  * about 1/128 of the bfloat16 rounding of the block's largest input (the argument of the W8A16 int8 GEMV in
- * int4_cpu.c), so the result keeps bfloat16 accuracy. Codes are widened to int16 (vpmovzxbw) and multiplied with
+ * int8_cpu.c), so the result keeps bfloat16 accuracy. Codes are widened to int16 (vpmovzxbw) and multiplied with
  * pairs of activations by vpmaddwd (two products per int32 lane; over a block at most 16 x 2 x 15 x 32767, far from
  * overflow); the zero-point term sums the same int16 activations. Same inputs as the W4A8 GEMV; N % 32 == 0,
  * group % 32 == 0. Returns 1 for a refused shape or a CPU without AVX2 + FMA, 2 when memory runs out. */

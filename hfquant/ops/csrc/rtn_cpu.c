@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "bf16_bits.h"
+#include "hfquant_kernels.h"
 
 /* quantize one group of `group` float32 values into codes (one byte each); returns 1 if a value is not finite */
 static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uint8_t *codes, uint16_t *scale_out,

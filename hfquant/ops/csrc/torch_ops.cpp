@@ -1,16 +1,18 @@
-// hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_intdot_cpu.c) as PyTorch dispatcher operators:
+// hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_intdot_cpu.c, csrc/int8_cpu.c) as PyTorch dispatcher operators:
 // torch.ops.hfquant_cpu.int4_gemv, int4_gemv_avx2 (CPUs without AVX-512), int4_gemv_a8 (activations quantized to
 // int8) and int8_gemv, CPU kernels only.
 //
 // Why: called through ctypes, or through a Python custom op inside a torch.compile graph, each GEMV pays Python's
 // call cost (about 4 us through ctypes, 14 us through torch.library.custom_op on an AMD EPYC Zen 4), as much as the
 // whole product on a small layer. Registered here (PyTorch's TORCH_LIBRARY, c10 dispatcher), a call costs what an
-// aten op does, in eager and in a compiled graph alike (hfquant/ops/native.py builds this file with the C sources
-// into one library; hfquant/ops/gemv.py registers the fake kernels torch.compile traces with).
+// aten op does, in eager and in a compiled graph alike (hfquant/ops/native_build.py builds this file with the C
+// sources into one library; hfquant/ops/torch_ops.py loads it and registers the fake kernels torch.compile traces
+// with).
 //
-// Arguments as the C functions take them (int4_cpu.c): x (1, K) or (K,) contiguous bfloat16; int4: weight
-// (N, K / 2) uint8 in the 64-row "halves" layout of _weight_int4pack_mm_for_cpu, scale_zero (K / group, N, 2)
-// contiguous bfloat16; int8: weight (N, K) contiguous int8, scale (N,) contiguous bfloat16. Output (1, N) bfloat16.
+// Arguments as the C functions take them (hfquant_kernels.h): x (1, K) or (K,) contiguous bfloat16; int4: weight
+// (N, K / 2) uint8 in the layout of _weight_int4pack_mm_for_cpu (64-row "halves" blocks; 32-row blocks for
+// int4_gemv_avx2 and for int4_gemv_a8 with block_n=32), scale_zero (K / group, N, 2) contiguous bfloat16; int8:
+// weight (N, K) contiguous int8, scale (N,) contiguous bfloat16. Output (1, N) bfloat16.
 // A refused shape raises RuntimeError naming it.
 
 #include <ATen/core/Tensor.h>
@@ -19,16 +21,7 @@
 
 #include <cstdint>
 
-extern "C" {
-int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y, int64_t n,
-                      int64_t k, int64_t group);
-int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
-                         int64_t n, int64_t k, int64_t group, int64_t block_n);
-int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
-                           int64_t n, int64_t k, int64_t group);
-int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
-                      int64_t k);
-}
+#include "hfquant_kernels.h"
 
 namespace {
 

@@ -1,0 +1,52 @@
+/* The functions hfquant's kernel library exports, one prototype each: the C files that define them include this
+ * header (so a definition that drifts from its prototype does not compile), and so does torch_ops.cpp, which calls
+ * them. hfquant/ops/native.py declares the same signatures to ctypes (argtypes), by hand: a change here goes there too,
+ * with a new HFQUANT_INT4_CPU_ABI (int4_cpu.c) when an existing signature changes.
+ *
+ * Conventions: bfloat16 tensors travel as uint16_t bit patterns, [scale, zero] bfloat16 pairs as one uint32_t;
+ * every pointer is to contiguous, little-endian memory; n = output features (N), k = input features (K),
+ * group = inputs per scale. The kernels return 0 on success, 1 for a refused shape or a CPU without the instructions
+ * they need, 2 when memory runs out (the GEMVs) or the weight holds a NaN or an infinity (RTN); the *_supported
+ * functions return 1 where the kernels run. Shapes and layouts: the comment at each definition. */
+#ifndef HFQUANT_KERNELS_H
+#define HFQUANT_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* int4_cpu.c: int4 on the 64-row "halves" layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX512-BF16) */
+int hfquant_int4_cpu_abi(void);
+int hfquant_int4_cpu_supported(void);
+int hfquant_int4_to_cpu_layout(const uint8_t *stored, uint8_t *out, int64_t n, int64_t k);
+int hfquant_int4_from_cpu_layout(const uint8_t *layout, uint8_t *stored, int64_t n, int64_t k);
+int hfquant_int4_gemv(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y, int64_t n,
+                      int64_t k, int64_t group);
+int hfquant_int4_dequantize_t(const uint8_t *weight, const uint32_t *scale_zero, uint16_t *out, int64_t n, int64_t k,
+                              int64_t group, int64_t start, int64_t stop);
+
+/* int4_intdot_cpu.c: int4 GEMVs by integer dot products (W4A8 on AVX512-VNNI or AVX2; int16 activations on AVX2) */
+int hfquant_int4_a8_supported(int64_t block_n);
+int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                         int64_t n, int64_t k, int64_t group, int64_t block_n);
+int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
+                           int64_t n, int64_t k, int64_t group);
+
+/* int8_cpu.c: int8 per-channel codes, row-major as stored */
+int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
+                      int64_t k);
+
+/* bf16_cpu.c: bfloat16 weights (the float layers hfquant keeps) */
+int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k);
+
+/* rtn_cpu.c: round-to-nearest quantization in one pass */
+int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
+                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
