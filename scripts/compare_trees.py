@@ -8,12 +8,21 @@ Each (tree, method, run) is a fresh process that imports hfquant from that tree 
 random-weight 1.2B Llama (`benchmarks/random_model.py`, built once and cached) with quantization, `generate` of 32
 tokens (best of 3 after a warm-up), `save_pretrained`, a reload from the page cache and `generate` again. Prints a
 markdown table of medians (min-max) per tree and the after/before ratio of the medians, with the CPU named.
+
+With `--paired-rounds N`, decode only, in paired rounds instead (`benchmarks.paired.run_rounds`): for every benchmark
+method in `--paired-methods` (and with `--compile`, its "+compile" variant: static cache, `torch.compile` fullgraph),
+one long-lived worker per tree loads the model once, then every round asks each worker for one 64-token decode, back
+to back, the order rotating; the table gives each tree's median tokens/s and the median (min-max) of the per-round
+after/before ratios, which this machine's moving memory speed affects far less than runs minutes apart:
+
+    python scripts/compare_trees.py /tmp/before . --paired-rounds 6 --paired-methods hfquant-int4,hfquant-int8 --compile
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -95,13 +104,76 @@ def cell(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def paired(args, source: Path) -> None:
+    """Decode of both trees in paired rounds (see the module docstring); prints the table."""
+    from benchmarks.paired import hfquant_command, pair_ratios, run_rounds
+
+    variants = ["eager", "compile"] if args.compile else ["eager"]
+    lines = [
+        "| method | variant | rounds | before tok/s (median) | after tok/s (median) | after / before per round, median "
+        "(min-max) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    log_dir = Path(tempfile.mkdtemp(prefix="compare-trees-logs-"))
+    trees = (("before", args.before.resolve()), ("after", args.after.resolve()))
+    # `python -m` puts the working directory first on a worker's sys.path, ahead of PYTHONPATH: work from a folder
+    # that holds neither tree, so that each worker imports hfquant and benchmarks/ from its own
+    os.chdir(log_dir)
+    for _, tree in trees:
+        _check_imports_from(tree)
+    for method in args.paired_methods.split(","):
+        for variant in variants:
+            engines = {
+                name: (hfquant_command(method, variant, source, False), _tree_env(tree)) for name, tree in trees
+            }
+            result = run_rounds(engines, args.paired_rounds, timeout=1800, log_dir=log_dir)
+            pair = pair_ratios(result, "after", "before")
+            if pair is None:
+                lines.append(f"| {method} | {variant} | 0 | | | failed: {result['error']} |")
+                continue
+            lines.append(
+                f"| {method} | {variant} | {pair['rounds']} | {pair['theirs_tok_s']:.2f} | {pair['mine_tok_s']:.2f} | "
+                f"{pair['median']:.3f}x ({pair['min']:.3f}-{pair['max']:.3f}) |"
+            )
+            print(lines[-1], file=sys.stderr)
+    print(f"{describe()};  paired rounds; before = {args.before}, after = {args.after}; worker logs in {log_dir}\n")
+    print("\n".join(lines))
+
+
+def _check_imports_from(tree: Path) -> None:
+    """Raise SystemExit unless a worker's environment imports hfquant and benchmarks/ from `tree`."""
+    code = "import hfquant, benchmarks.paired as p; print(hfquant.__file__); print(p.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], env=_tree_env(tree), capture_output=True, text=True)
+    files = done.stdout.split()
+    if done.returncode or len(files) != 2 or not all(Path(f).resolve().is_relative_to(tree) for f in files):
+        raise SystemExit(f"a worker for {tree} would import {files or done.stderr[-500:]}, not that tree")
+
+
+def _tree_env(tree: Path) -> dict:
+    """This process's environment with `tree` first on PYTHONPATH: the worker imports hfquant and benchmarks/ from
+    it."""
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", type=Path, help="source tree of the baseline (a git worktree)")
     parser.add_argument("after", type=Path, help="source tree to compare")
     parser.add_argument("--methods", default="int8,int4-rtn", help=f"comma-separated, of {list(METHODS)}")
     parser.add_argument("--runs", type=int, default=3, help="processes per tree and method (default 3)")
+    parser.add_argument("--paired-rounds", type=int, default=0, help="decode only, in N paired rounds (see above)")
+    parser.add_argument(
+        "--paired-methods", default="hfquant-int4,hfquant-int8", help="benchmark methods for --paired-rounds"
+    )
+    parser.add_argument("--compile", action="store_true", help="with --paired-rounds: the +compile variant too")
+    parser.add_argument("--model", type=Path, help="with --paired-rounds: this float checkpoint instead of the 1.2B")
     args = parser.parse_args(argv)
+    if args.paired_rounds:
+        from benchmarks.random_model import build_random_llama
+
+        paired(args, args.model.resolve() if args.model else build_random_llama())
+        return 0
     methods = args.methods.split(",")
     for method in methods:
         if method not in METHODS:
