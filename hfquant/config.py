@@ -462,9 +462,9 @@ FIELDS: tuple[ConfigField, ...] = (
         "decode_activations",
         "activations of 4-bit layers in one-token decode steps on CPU (x86-64 with AVX512-VNNI or AVX2): 'float' "
         "(the compute dtype) or 'int8' (quantized per block of 32 inputs, as llama.cpp's Q8_0, for integer dot "
-        "products, hfquant.ops.native.int4_gemv_a8, W4A8: faster, slightly less accurate). Runtime only: the "
-        "stored weights are the same, prefill, training and int8 layers are unchanged, and the choice is saved "
-        "with the config so that a reload decodes the same way",
+        "products, hfquant.ops.native.int4_gemv_a8, W4A8: slightly less accurate; faster or not by CPU and layer "
+        "shape, docs/performance.md). Runtime only: the stored weights are the same, prefill, training and int8 "
+        "layers are unchanged, and the choice is saved with the config so that a reload decodes the same way",
         DecodeActivations,
         DecodeActivations.FLOAT,
         _check_choice,
