@@ -314,14 +314,14 @@ class ConfigField(NamedTuple):
 FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "quant_method",
-        f"always {QUANT_METHOD!r}: what transformers reads to pick this quantizer",
+        f"what transformers reads to pick this quantizer: always {QUANT_METHOD!r}",
         None,
         QUANT_METHOD,
         _check_quant_method,
     ),
     ConfigField(
         "format_version",
-        f"on-disk format version; only {FORMAT_VERSION} is read",
+        f"on-disk format version: only {FORMAT_VERSION} is read",
         None,
         FORMAT_VERSION,
         _check_format_version,
@@ -366,9 +366,10 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "fold_column_scales",
-        "True: in the decoder blocks of Llama, Mistral, Qwen2 and Qwen3, SINQ column scales are folded into the "
-        "model (an exact identity of the float model; hfquant.core.folding): those of q/k/v and gate/up into the "
-        "norm before them, o_proj's into v_proj's rows, down_proj's into up_proj's rows; those layers are then "
+        "where SINQ's column scales live: True: in the decoder blocks of Llama, Mistral, Qwen2 and Qwen3, they "
+        "are folded into the model (an exact identity of the float model; hfquant.core.folding): those of q/k/v "
+        "and gate/up into the norm before them, o_proj's into v_proj's rows, down_proj's into up_proj's rows; "
+        "those layers are then "
         "stored as plain RTN int4/int8 (entries {'method': 'rtn'} put first in module_overrides when quantizing), "
         "which compressed-tensors, vLLM and GGUF read. Needs a float safetensors checkpoint (each block's weights "
         "are read once before the load). False: column scales of method 'sinq' are stored beside the layers "
@@ -391,8 +392,8 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "symmetric",
-        "True: signed codes with an implicit zero point (the default at 8 bits); False: unsigned codes with a "
-        "uint8 zero point per group (the default at 4 bits)",
+        "the codes' zero point: True: signed codes with an implicit zero point (the default at 8 bits); False: "
+        "unsigned codes with a uint8 zero point per group (the default at 4 bits)",
         (False, True),
         lambda resolved: default_symmetric(resolved["bits"]),
         _check_bool,
@@ -400,7 +401,7 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "module_overrides",
-        "per-module settings, {pattern: {bits, group_size, symmetric, method}} "
+        "per-module settings: {pattern: {bits, group_size, symmetric, method}} "
         "(any subset): Linear layers matching a pattern (the rules of modules_to_not_convert; the first "
         'matching pattern wins) use these values instead of the config\'s, e.g. {"v_proj": {"bits": 8}}; '
         "a bits override without group_size / symmetric takes that width's defaults. Embeddings, the lm_head and "
@@ -474,6 +475,8 @@ FIELDS: tuple[ConfigField, ...] = (
 whose default depends on it): the one list the config, the CLI and the model card read."""
 FIELD_NAMES = tuple(field.name for field in FIELDS)
 
+_BY_NAME = {field.name: field for field in FIELDS}
+
 _CHOICES = {field.name: field.choices for field in FIELDS if isinstance(field.choices, enum.EnumMeta)}
 """{field name: enum} of the closed string choices, whose attributes hold enum members."""
 
@@ -494,7 +497,8 @@ def validate_fields(values: Mapping[str, Any]) -> None:
         TypeError: a value has the wrong type (for example `bits="4"`).
     """
     if "quant_method" in values:
-        _check_quant_method(FIELDS[0], values["quant_method"])
+        field = _BY_NAME["quant_method"]
+        field.check(field, values["quant_method"])
     unknown = set(values) - set(FIELD_NAMES)
     if unknown:
         raise ValueError(
