@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 
-from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig, validate_config_values
+from hfquant import config as config_module
+from hfquant.config import (
+    FIELD_NAMES,
+    FORMAT_VERSION,
+    QUANT_METHOD,
+    Clipping,
+    DecodeActivations,
+    EmbeddingDtype,
+    FloatDtype,
+    HfQuantConfig,
+    LmHead,
+    Method,
+    MixedPrecision,
+    validate_config_values,
+)
+from hfquant.core import allocation, dtypes, rtn
 
 FIELDS = {
     "quant_method",
@@ -196,3 +212,163 @@ def test_configs_that_differ_are_not_equal():
     assert base != HfQuantConfig(bits=4, symmetric=True)
     assert base != HfQuantConfig(bits=4, modules_to_not_convert=["lm_head"])
     assert base != base.to_dict()
+
+
+# -- the field table and its closed choices ------------------------------------------------------------------------
+
+
+def test_fields_table_is_the_constructor_the_dict_and_the_docstring():
+    assert set(FIELD_NAMES) == FIELDS and len(FIELD_NAMES) == len(FIELDS)
+    keywords = [
+        p
+        for p in inspect.signature(HfQuantConfig).parameters.values()
+        if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
+    assert [p.name for p in keywords] == [
+        "bits",
+        "group_size",
+        "symmetric",
+        "modules_to_not_convert",
+        "format_version",
+        "quant_method",
+        "embedding_dtype",
+        "norm_dtype",
+        "lm_head",
+        "compute_dtype",
+        "method",
+        "module_overrides",
+        "mixed_precision",
+        "fold_column_scales",
+        "clipping",
+        "decode_activations",
+    ]  # positional order of the public constructor
+    assert list(HfQuantConfig().to_dict()) == list(FIELD_NAMES)
+    for field in config_module.FIELDS:
+        assert f"        {field.name}" in HfQuantConfig.__doc__ and field.help in HfQuantConfig.__doc__
+
+
+def test_defaults_come_from_the_table():
+    for bits in (8, 4):
+        config = HfQuantConfig(bits=bits)
+        resolved = config_module.resolve_defaults({"bits": bits})
+        assert config.to_dict() == {name: config_module._plain(value) for name, value in resolved.items()}
+    assert HfQuantConfig(bits=8).to_dict() == HfQuantConfig(bits=8, method=None, symmetric=None).to_dict()
+    with pytest.raises(TypeError, match="embedding_dtype must be a string"):
+        HfQuantConfig(embedding_dtype=None)  # None means the default only where the table says so
+
+
+def test_to_json_string_is_unchanged():
+    # The exact text of config.json's quantization_config: a saved checkpoint must stay byte-identical.
+    assert HfQuantConfig().to_json_string() == (
+        '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
+        '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format_version": 1,\n  "group_size": 128,\n'
+        '  "lm_head": "keep",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
+        '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
+    )
+    assert json.loads(HfQuantConfig(bits=8).to_json_string()) == {
+        "bits": 8,
+        "clipping": "minmax",
+        "compute_dtype": "auto",
+        "decode_activations": "float",
+        "embedding_dtype": "auto",
+        "fold_column_scales": False,
+        "format_version": 1,
+        "group_size": None,
+        "lm_head": "keep",
+        "method": "rtn",
+        "mixed_precision": "none",
+        "module_overrides": {},
+        "modules_to_not_convert": [],
+        "norm_dtype": "auto",
+        "quant_method": "hfquant",
+        "symmetric": True,
+    }
+
+
+CHOICES = {
+    "method": (Method, "sinq", Method.SINQ),
+    "mixed_precision": (MixedPrecision, "none", MixedPrecision.NONE),
+    "clipping": (Clipping, "mse", Clipping.MSE),
+    "embedding_dtype": (EmbeddingDtype, "int8", EmbeddingDtype.INT8),
+    "norm_dtype": (FloatDtype, "float32", FloatDtype.FLOAT32),
+    "lm_head": (LmHead, "int4", LmHead.INT4),
+    "compute_dtype": (FloatDtype, "bfloat16", FloatDtype.BFLOAT16),
+    "decode_activations": (DecodeActivations, "int8", DecodeActivations.INT8),
+}
+
+
+@pytest.mark.parametrize("field", list(CHOICES))
+def test_closed_choices_are_str_enums_stored_as_members_and_written_as_strings(field):
+    enum_class, text, member = CHOICES[field]
+    assert issubclass(enum_class, str)
+    for given in (text, member):
+        config = HfQuantConfig(**{field: given})
+        assert getattr(config, field) is member and getattr(config, field) == text
+        value = config.to_dict()[field]
+        assert type(value) is str and value == text
+        assert json.loads(config.to_json_string())[field] == text
+        assert HfQuantConfig.from_dict(config.to_dict()) == config
+    assert str(member) == text and f"{member}" == text
+    if field != "method":  # a config Choice quotes as its value (`lm_head='int4'`); Method keeps the enum's repr
+        assert repr(member) == repr(text)
+    config = HfQuantConfig(bits=8)
+    setattr(config, field, text)  # in place, as a plain string: stored as the member too
+    assert getattr(config, field) is member
+    setattr(config, field, "no-such-value")  # kept as given, for validate() to name
+    with pytest.raises(ValueError, match="no-such-value"):
+        config.validate()
+
+
+def test_every_closed_choice_of_the_table_is_an_enum():
+    enums = {f.name: f.choices for f in config_module.FIELDS if isinstance(f.choices, type)}
+    assert {name: enums[name] for name in CHOICES} == {name: c[0] for name, c in CHOICES.items()}
+    assert set(enums) == set(CHOICES)
+
+
+def test_enums_match_the_values_the_core_modules_accept():
+    assert tuple(m.value for m in MixedPrecision) == allocation.MIXED_PRECISION
+    assert tuple(m.value for m in Clipping) == rtn.CLIPPING
+    assert {m.value for m in FloatDtype} - {"auto"} == set(dtypes.FLOAT_DTYPES)
+    assert {m.value for m in EmbeddingDtype} == {m.value for m in FloatDtype} | {"int8", "int4"}
+    assert HfQuantConfig().layer_settings("x") == (4, 128, False, Method.SINQ)
+
+
+def test_choice_error_names_the_value_the_allowed_ones_and_the_field():
+    with pytest.raises(ValueError) as info:
+        HfQuantConfig(clipping="p99")
+    assert str(info.value) == (
+        "clipping='p99' is not allowed; use one of ['minmax', 'mse'] (each group's range for Linear / Conv1D "
+        "weights, after SINQ's column scale or a fold)."
+    )
+
+
+def test_another_quantizers_config_is_refused_for_its_quant_method_first():
+    with pytest.raises(ValueError, match="quant_method='gptq' is not handled by HfQuantConfig"):
+        HfQuantConfig.from_dict({"quant_method": "gptq", "bits": 4, "desc_act": True})
+
+
+def test_config_json_of_earlier_versions_loads_with_what_it_stored():
+    first = {
+        "quant_method": "hfquant",
+        "bits": 4,
+        "group_size": 64,
+        "symmetric": False,
+        "modules_to_not_convert": [],
+        "format_version": 1,
+    }
+    config = HfQuantConfig.from_dict(first)
+    assert (config.method, config.mixed_precision, config.fold_column_scales, config.clipping) == (
+        Method.RTN,
+        MixedPrecision.NONE,
+        False,
+        Clipping.MINMAX,
+    )
+    assert config.decode_activations is DecodeActivations.FLOAT and config.embedding_dtype is EmbeddingDtype.AUTO
+    sinq_before_folding = HfQuantConfig.from_dict(first | {"method": "sinq"})
+    assert sinq_before_folding.fold_column_scales is False  # column scales were stored beside the layers
+    assert config_module.LEGACY_DEFAULTS == {
+        "method": "rtn",
+        "mixed_precision": "none",
+        "clipping": "minmax",
+        "fold_column_scales": False,
+    }
