@@ -16,7 +16,8 @@ different torch build gets another hash, so another build.
 
 Not available (`loaded()` is False, logged once at INFO) wherever the C library is not (`native.built_library`), or
 without a C++ compiler, or when the build or the load fails. hfquant then calls the C kernels through ctypes in eager
-and through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` under torch.compile (`hfquant.ops.gemv`).
+and through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` under torch.compile (`gemv.RowCall`, decided
+per layer by `hfquant.ops.plan.plan_kernel`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ __all__ = [
     "loaded",
     "library_folder",
     "CPP_SOURCE",
-    "AVAILABLE",
     "int4_gemv",
     "int4_gemv_avx2",
     "int4_gemv_a8",
@@ -48,10 +48,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CPP_SOURCE = Path(__file__).with_name("csrc") / "torch_ops.cpp"
-AVAILABLE = False
-"""Whether the operators are registered (set by `loaded()`); a plain global, so that torch.compile reads it as a
-constant."""
-
 _CPP_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w")
 
 
@@ -131,26 +127,25 @@ def loaded() -> bool:
         )
         return False
     _register_fakes()
-    global AVAILABLE
-    AVAILABLE = True
     return True
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """`native.int4_gemv` (same arguments, same (1, N) bfloat16 result, bit for bit) through the dispatcher operator
-    when it is registered (`AVAILABLE`), else through ctypes.
+    when it is registered (`loaded()`), else through ctypes. For measurements and checks: a layer's decode step calls
+    the GEMV its plan names (`gemv.row_product`).
 
     Raises:
         RuntimeError: the kernels are unavailable or refused the arguments (naming them).
     """
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int4_gemv(x, weight, scale_zero, group_size)
     return native.int4_gemv(x, weight, scale_zero, group_size)
 
 
 def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """`native.int4_gemv_avx2` through the dispatcher operator when it is registered, else through ctypes."""
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int4_gemv_avx2(x, weight, scale_zero, group_size)
     return native.int4_gemv_avx2(x, weight, scale_zero, group_size)
 
@@ -160,7 +155,7 @@ def int4_gemv_a8(
 ) -> torch.Tensor:
     """`native.int4_gemv_a8` through the dispatcher operator when it is registered, else through ctypes; as
     `int4_gemv`."""
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
     return native.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
 
@@ -168,7 +163,7 @@ def int4_gemv_a8(
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`native.int8_gemv` through the dispatcher operator when it is registered, else through ctypes; as
     `int4_gemv`."""
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int8_gemv(x, weight, scale)
     return native.int8_gemv(x, weight, scale)
 
