@@ -297,7 +297,7 @@ class QuantLinear(StoredWeight):
         y = quantized_matmul_trainable(self.plan, tensors, x)  # the inference kernel unless x requires grad
         bias = self._parameters.get("bias")
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # (a no-op .to() costs more than the test)
         return y
 
 

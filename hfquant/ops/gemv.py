@@ -74,7 +74,7 @@ class RowCall(str, enum.Enum):
     """The Python custom op `torch.ops.hfquant.*` below (compiled graphs, where the operators do not build)."""
 
 
-def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors) -> torch.Tensor:
+def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors, plan) -> torch.Tensor:
     """y = x @ w_hat.T for one bfloat16 row by the native GEMV `row` (not `RowKernel.ATEN`), called as `call`.
 
     Args:
@@ -82,6 +82,8 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors) -> torc
         tensors: the layer's `kernels.LayerTensors`: for the int4 GEMVs `weight` in PyTorch's CPU int4 layout
             ((N, K // 2) uint8) and `scale_zero` ((K // group_size, N, 2), converted to x's dtype here); for the
             int8 GEMV the stored (N, K) int8 `weight` and (N, 1) `scale`.
+        plan: the layer's `kernels.KernelPlan` (the int4 GEMVs read its `group_size`; a compiled graph guards each
+            field it reads, so the int8 GEMV reads none).
     Returns:
         (1, N) bfloat16.
     """
@@ -92,7 +94,9 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors) -> torc
             x = x.clone(memory_format=torch.contiguous_format)
         elif not x.is_contiguous() or x.data_ptr() % 64:
             x = x.contiguous() if not x.is_contiguous() else x.clone()
-        scale = tensors.scale.reshape(-1).to(x.dtype)
+        scale = tensors.scale.reshape(-1)
+        if scale.dtype != x.dtype:  # (a no-op .to() costs more than this test)
+            scale = scale.to(x.dtype)
         if call is RowCall.OPERATOR:
             return torch.ops.hfquant_cpu.int8_gemv(x, tensors.weight, scale)
         op = native.int8_gemv if call is RowCall.CTYPES else int8_gemv_op
@@ -102,7 +106,7 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors) -> torc
     scale_zero = tensors.scale_zero
     if scale_zero.dtype != x.dtype:
         scale_zero = scale_zero.to(x.dtype)
-    return _int4_row(row, call, x, tensors.weight, scale_zero, x.shape[1] // scale_zero.shape[0])
+    return _int4_row(row, call, x, tensors.weight, scale_zero, plan.group_size)
 
 
 def _int4_row(

@@ -378,20 +378,21 @@ def quantized_matmul(plan: KernelPlan, tensors: LayerTensors, x: torch.Tensor) -
     then `F.linear`). `tensors` are the layer's (`LayerTensors`).
     """
     shape = x.shape
-    x2d = x.reshape(-1, shape[-1])
+    flat = len(shape) == 2  # (M, K) already: no reshape either way (each costs about 1 us in eager)
+    x2d = x if flat else x.reshape(-1, shape[-1])
     if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16:
         if torch.compiler.is_compiling():
             row, call = plan.compiled_row, plan.compiled_row_call
         else:
             row, call = plan.row, plan.row_call
         if row is not RowKernel.ATEN:
-            y = gemv.row_product(row, call, x2d, tensors)
-            return y.reshape(*shape[:-1], y.shape[-1])
+            y = gemv.row_product(row, call, x2d, tensors, plan)
+            return y if flat else y.reshape(*shape[:-1], -1)  # (1, N), N > 0
     if x2d.shape[0] >= plan.gemm_min_rows:
         y = _dequantized_gemm(plan, tensors, x2d)
     else:
         y = _kernel_product(plan, tensors, x2d)
-    return y.reshape(*shape[:-1], y.shape[-1])
+    return y if flat else y.reshape(*shape[:-1], y.shape[-1])
 
 
 def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) -> torch.Tensor:
@@ -412,7 +413,9 @@ def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) 
             x2d = x2d.clone(memory_format=torch.contiguous_format)
         elif not x2d.is_contiguous() or x2d.data_ptr() % 64:
             x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
-        channel_scale = tensors.scale.reshape(-1).to(x2d.dtype)
+        channel_scale = tensors.scale.reshape(-1)
+        if channel_scale.dtype != x2d.dtype:  # (a no-op .to() costs more than this test)
+            channel_scale = channel_scale.to(x2d.dtype)
         return torch.ops.aten._weight_int8pack_mm(x2d, tensors.weight, channel_scale)
     if kernel is Kernel.INT4PACK_MM_CUDA:
         xb = x2d.to(torch.bfloat16).contiguous()
