@@ -43,8 +43,11 @@ __all__ = [
     "choice_mode",
     "int4_row_uses_native",
     "int8_row_uses_native",
+    "bf16_row_uses_native",
+    "row_timings",
     "measure_int4_row",
     "measure_int8_row",
+    "measure_bf16_row",
     "cache_file",
     "cpu_signature",
 ]

@@ -179,10 +179,6 @@ class KernelPlan:
         """The plan whose `key` this is."""
         return cls(**json.loads(key))
 
-    @property
-    def format(self) -> StoredFormat:
-        return StoredFormat(self.bits, self.group_size, self.symmetric)
-
 
 _PLAN_ENUMS = {
     "kernel": Kernel,
