@@ -16,7 +16,7 @@ from hfquant.core.format import StoredFormat, require_format
 from hfquant.nn.linear import KeepsStoredScales, quantize_to_buffers
 from hfquant.ops import kernels
 from hfquant.ops.autograd import quantized_matmul_trainable
-from hfquant.ops.kernels import Kernel
+from hfquant.ops.kernels import Kernel, LayerTensors
 
 __all__ = ["QuantExperts", "experts_layout", "quantize_experts_tensor", "EXPERT_PROJECTIONS"]
 
@@ -158,9 +158,8 @@ class QuantExperts(KeepsStoredScales):
         kernel = kernels.select_kernel(fmt, in_features=k, out_features=n, device=codes.device)
         if kernel != Kernel.INT8PACK_MM:
             kernel = Kernel.DEQUANT
-        return quantized_matmul_trainable(
-            kernel, x, codes, scale, zero_point, None, fmt, in_features=k, out_features=n
-        )
+        plan = kernels.plain_plan(kernel, fmt, k, n, codes.device.type)  # cached: no one-row GEMVs for experts
+        return quantized_matmul_trainable(plan, LayerTensors(codes, scale, zero_point), x)
 
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float (E, N, K) tensor of projection `name` in `dtype`."""

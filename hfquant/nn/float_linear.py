@@ -9,8 +9,8 @@ call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32 accumu
 another order, so an output may differ from oneDNN's by one bfloat16 rounding step (8 of 49152 outputs in a SmolLM2
 lm_head test, both equally far from a float64 reference). From 2 rows on oneDNN's GEMM is as fast or faster, so only
 single rows take this path; where hfquant's own bf16 GEMV (`csrc/bf16_cpu.c`, AVX512-BF16 dot products) was timed
-faster for a layer's shape on this CPU (`gemv.choose_bf16_row_kernel`, when `use_float_linear` runs), it serves them
-instead. float16 and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory
+faster for a layer's shape on this CPU (`hfquant.ops.plan.plan_bf16_row`, when `use_float_linear` runs; the layer
+keeps the decision as `row_kernel`), it serves them instead. float16 and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory
 speed) and keep the default path.
 
 The switch is the process-wide `torch.backends.mkldnn.enabled` flag, set for the duration of one call and restored
@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfquant.ops import gemv, native
+from hfquant.ops import native, plan
+from hfquant.ops.gemv import RowKernel
 
 __all__ = ["FloatLinear", "one_row_linear", "takes_one_row_path", "use_float_linear", "restore_nn_linear"]
 
@@ -41,10 +42,10 @@ def takes_one_row_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """hfquant's bf16 GEMV where it was timed faster for this shape (`gemv.NATIVE_BF16_ROWS`), else ATen's."""
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, native_gemv: bool) -> torch.Tensor:
+    """hfquant's bf16 GEMV where the layer's plan says so (`native_gemv`) and the tensors suit it, else ATen's."""
     if (
-        gemv.NATIVE_BF16_ROWS.get(tuple(weight.shape))
+        native_gemv
         and x.is_contiguous()
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
@@ -63,22 +64,31 @@ def _linear_without_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 @torch.library.custom_op("hfquant::one_row_linear", mutates_args=())
-def _one_row_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _one_row(x, weight, bias)
+def _one_row_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, native_gemv: bool
+) -> torch.Tensor:
+    return _one_row(x, weight, bias, native_gemv)
 
 
 @_one_row_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, native_gemv: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` computed by ATen's GEMV instead of oneDNN.
+def one_row_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    row_kernel: RowKernel = RowKernel.ATEN,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed by ATen's GEMV instead of oneDNN, or by hfquant's bf16 GEMV with
+    `row_kernel` `RowKernel.BF16_GEMV` (a layer's `plan_bf16_row`; where x, weight and bias are contiguous).
 
     Args:
         x: (..., in_features) with one row in all (x.numel() == in_features), bfloat16, CPU.
         weight: (out_features, in_features) bfloat16, CPU.
         bias: (out_features,) or None.
+        row_kernel: `RowKernel.ATEN` or `RowKernel.BF16_GEMV`.
     Returns:
         (..., out_features) bfloat16, the dot products accumulated in float32 and rounded once (oneDNN sums in
         another order: an output may differ from `F.linear`'s by one bfloat16 rounding step).
@@ -87,9 +97,10 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     flag is switched directly, which costs less than the custom op's dispatch (docs/performance.md). Meant for
     inference: under torch.compile with gradients required, call `F.linear` instead (the op has no backward).
     """
+    native_gemv = row_kernel is RowKernel.BF16_GEMV
     if torch.compiler.is_compiling():
-        return _one_row_linear_op(x, weight, bias)
-    return _one_row(x, weight, bias)
+        return _one_row_linear_op(x, weight, bias, native_gemv)
+    return _one_row(x, weight, bias, native_gemv)
 
 
 class FloatLinear(nn.Linear):
@@ -97,8 +108,11 @@ class FloatLinear(nn.Linear):
     to float32 summation order, but a single bfloat16 row on CPU runs `one_row_linear`.
 
     hfquant turns the plain `nn.Linear` layers of a model it quantized into this class after loading
-    (`use_float_linear`) and back on `model.dequantize()` (`restore_nn_linear`).
+    (`use_float_linear`, which plans `row_kernel`) and back on `model.dequantize()` (`restore_nn_linear`).
     """
+
+    row_kernel: RowKernel = RowKernel.ATEN
+    """The kernel of one bfloat16 row (`plan.plan_bf16_row`): ATen's GEMV, or hfquant's bf16 GEMV."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes_one_row_path(x, self.weight) and not (
@@ -106,22 +120,21 @@ class FloatLinear(nn.Linear):
             and torch.is_grad_enabled()
             and (x.requires_grad or self.weight.requires_grad)
         ):
-            return one_row_linear(x, self.weight, self.bias)
+            return one_row_linear(x, self.weight, self.bias, self.row_kernel)
         return super().forward(x)
 
 
 def use_float_linear(model: nn.Module) -> int:
     """Make every module of `model` whose type is exactly `nn.Linear` a `FloatLinear` (class swap in place, as
-    `torch.nn.utils.parametrize` does: parameters, ties and hooks stay). Subclasses with their own forward are left
-    alone. Returns the number of layers changed."""
+    `torch.nn.utils.parametrize` does: parameters, ties and hooks stay), with the kernel of its single rows planned
+    (`row_kernel`, `plan.plan_bf16_row`: timed per shape for bfloat16 CPU weights). Subclasses with their own forward
+    are left alone. Returns the number of layers changed."""
     changed = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = FloatLinear
             changed += 1
-            weight = module.weight
-            if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
-                gemv.choose_bf16_row_kernel(*weight.shape)  # which GEMV serves its single rows, timed per shape
+            module.row_kernel = plan.plan_bf16_row(module.weight)
     return changed
 
 
@@ -131,5 +144,6 @@ def restore_nn_linear(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is FloatLinear:
             module.__class__ = nn.Linear
+            module.__dict__.pop("row_kernel", None)
             changed += 1
     return changed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -11,9 +12,10 @@ from transformers.pytorch_utils import Conv1D
 from hfquant.core import packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
-from hfquant.ops import gemv, kernels, native
+from hfquant.ops import kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
-from hfquant.ops.kernels import Kernel
+from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan, LayerTensors
+from hfquant.ops.plan import plan_kernel
 
 __all__ = ["KeepsStoredScales", "StoredWeight", "QuantLinear", "quantize_to_buffers"]
 
@@ -80,7 +82,8 @@ class StoredWeight(KeepsStoredScales):
 
 
 class QuantLinear(StoredWeight):
-    """y = x @ dequantize(weight).T + bias, computed by the kernel `hfquant.ops.kernels.select_kernel` picks.
+    """y = x @ dequantize(weight).T + bias, computed as the layer's kernel plan says (`plan`, a `KernelPlan` from
+    `hfquant.ops.plan.plan_kernel`, made by `prepare_kernel`).
 
     Stored tensors (registered buffers; these are exactly what `state_dict()` and the files hold, see docs/format.md):
         weight, weight_scale[, weight_zero_point]: the tensors of `fmt` for a weight (out_features, in_features),
@@ -91,7 +94,8 @@ class QuantLinear(StoredWeight):
     same bytes reordered); `state_dict()` always gives back the stored layout, bit for bit.
 
     `decode_activations` ("float" or "int8", `HfQuantConfig.decode_activations`; the quantizer sets it) chooses
-    the W4A8 GEMV for single bfloat16 rows of a CPU int4 layer (`kernels.quantized_matmul`).
+    the W4A8 GEMV for single bfloat16 rows of a CPU int4 layer; setting it plans the layer again. `kernel` is the
+    plan's `Kernel`.
 
     Args:
         in_features, out_features: as in `nn.Linear` (for a `Conv1D`, in_features = nx, out_features = nf).
@@ -122,14 +126,13 @@ class QuantLinear(StoredWeight):
         super().__init__(fmt, (out_features,), in_features, device)
         self.in_features = in_features
         self.out_features = out_features
-        self.kernel = Kernel.DEQUANT
+        self.plan = self._unprepared_plan(DecodeActivations.FLOAT)
         self.register_buffer("scale_zero", None, persistent=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
         self.compute_dtype = dtype
-        self.decode_activations = "float"
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: StoredFormat) -> QuantLinear:
@@ -150,6 +153,40 @@ class QuantLinear(StoredWeight):
             + (f", method={self.format.method}" if self.format.method is not Method.RTN else "")
         )
 
+    # -- the plan -----------------------------------------------------------------------------------------------
+
+    @property
+    def kernel(self) -> Kernel:
+        """The matmul of the layer (`plan.kernel`; `Kernel.DEQUANT` until `prepare_kernel`)."""
+        return self.plan.kernel
+
+    @property
+    def decode_activations(self) -> DecodeActivations:
+        """ "float" or "int8" (a `DecodeActivations`, equal to its string)."""
+        return self.plan.activations
+
+    @decode_activations.setter
+    def decode_activations(self, value: DecodeActivations | str) -> None:
+        """Plan the prepared layer again for `value` ("float" or "int8"; ValueError otherwise)."""
+        if self.plan.kernel == Kernel.DEQUANT:  # unprepared, or no one-row kernel to choose
+            self.plan = dataclasses.replace(self.plan, activations=DecodeActivations(value))
+        else:
+            self.plan = self._plan(value)
+
+    def _unprepared_plan(self, activations: DecodeActivations) -> KernelPlan:
+        plan = kernels.plain_plan(Kernel.DEQUANT, self.format, self.in_features, self.out_features, "cpu")
+        return dataclasses.replace(plan, activations=activations)
+
+    def _plan(self, activations: DecodeActivations | str) -> KernelPlan:
+        """`plan_kernel` for this layer on its device and compute dtype."""
+        return plan_kernel(
+            self.format, self.in_features, self.out_features, self.weight.device, self._compute_dtype(), activations
+        )
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The activation dtype the kernels are prepared for: `compute_dtype`, else the bias dtype, else bfloat16."""
+        return self.compute_dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
+
     # -- layouts ------------------------------------------------------------------------------------------------
 
     def _codes(self) -> torch.Tensor:
@@ -166,7 +203,8 @@ class QuantLinear(StoredWeight):
 
     @torch.no_grad()
     def prepare_kernel(self, dtype: torch.dtype | None = None) -> Kernel:
-        """Pick the kernel for the current device and repack `weight` for it; returns the kernel.
+        """Plan the kernels for the current device (`plan_kernel`) and repack `weight` for the plan's kernel; returns
+        the kernel.
 
         Idempotent: calling it again first restores the stored layout. `dtype` is the activation dtype the
         int4 scale/zero tensor is built in (default: the bias dtype, else bfloat16).
@@ -174,25 +212,20 @@ class QuantLinear(StoredWeight):
         if self.weight.device.type == "meta":
             return self.kernel
         stored = self.stored_weight()
-        self.kernel = Kernel.DEQUANT
+        activations = self.plan.activations
+        self.plan = self._unprepared_plan(activations)
         self.scale_zero = None
         if dtype is not None:
             self.compute_dtype = dtype
-        compute_dtype = self.compute_dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
-        kernel = kernels.select_kernel(
-            self.format, in_features=self.in_features, out_features=self.out_features, device=self.weight.device
-        )
+        plan = self._plan(activations)
+        kernel = plan.kernel
         if kernel in kernels.INT4_KERNELS:
             self.weight = kernels.prepare_packed_int4(kernel, stored, self.in_features)
-            sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else compute_dtype
+            sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else self._compute_dtype()
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
-            if kernel == Kernel.INT4PACK_MM_CPU and sz_dtype == torch.bfloat16:  # one-row kernel, timed per shape
-                gemv.choose_int4_row_kernel(self.out_features, self.in_features, self.group_size)
         else:
             self.weight = kernels.prepare_weight(kernel, stored, self.in_features)
-            if kernel == Kernel.INT8PACK_MM and compute_dtype == torch.bfloat16 and self.weight.device.type == "cpu":
-                gemv.choose_int8_row_kernel(self.out_features, self.in_features)  # one-row kernel, timed per shape
-        self.kernel = kernel
+        self.plan = plan
         return kernel
 
     # -- state dict: always the stored layout ---------------------------------------------------------------------
@@ -206,7 +239,7 @@ class QuantLinear(StoredWeight):
         # Loading writes the stored layout into `weight`: forget any kernel layout first.
         if self.kernel in kernels.INT4_KERNELS:
             self.weight = self.stored_weight()
-        self.kernel = Kernel.DEQUANT
+        self.plan = self._unprepared_plan(self.plan.activations)
         self.scale_zero = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -260,21 +293,11 @@ class QuantLinear(StoredWeight):
         zero_point = None
         if scale_zero is None or (x.requires_grad and torch.is_grad_enabled()):
             zero_point = buffers.get("weight_zero_point")
-        y = quantized_matmul_trainable(  # the inference kernel unchanged unless x requires grad
-            self.kernel,
-            x,
-            buffers["weight"],
-            buffers["weight_scale"],
-            zero_point,
-            scale_zero,
-            self.format,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            int8_activations=self.decode_activations == "int8",
-        )
+        tensors = LayerTensors(buffers["weight"], buffers["weight_scale"], zero_point, scale_zero)
+        y = quantized_matmul_trainable(self.plan, tensors, x)  # the inference kernel unless x requires grad
         bias = self._parameters.get("bias")
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # (a no-op .to() costs more than the test)
         return y
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from hfquant.core import packing, rtn
-from hfquant.core.format import StoredFormat
 from hfquant.ops import kernels
-from hfquant.ops.kernels import Kernel
+from hfquant.ops.kernels import Kernel, KernelPlan, LayerTensors
 
 __all__ = ["quantized_matmul_trainable", "dequantized_rows"]
 
@@ -25,37 +24,30 @@ _ROW_ALIGN = 64
 
 
 def dequantized_rows(
-    kernel: Kernel,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    bits: int,
-    symmetric: bool,
-    out_features: int,
-    in_features: int,
-    start: int,
-    stop: int,
-    dtype: torch.dtype,
+    plan: KernelPlan, tensors: LayerTensors, start: int, stop: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows [start, stop) of the dequantized weight, (stop - start, in_features) in `dtype`.
 
-    `weight` is the runtime weight of `kernel` (the stored layout except for the int4 kernels); `start` must be a
-    multiple of 64 for `Kernel.INT4PACK_MM_CPU`. Raises ValueError for `Kernel.INT4PACK_MM_CUDA` row slices other
-    than the whole weight (that layout is restored whole).
+    `tensors.weight` is the runtime weight of `plan.kernel` (the stored layout except for the int4 kernels); `start`
+    must be a multiple of 64 for `Kernel.INT4PACK_MM_CPU`. Reads the stored scales and zero points of `tensors`.
+
+    Raises:
+        ValueError: `Kernel.INT4PACK_MM_CUDA` row slices other than the whole weight (that layout is restored whole).
     """
     rows = slice(start, stop)
+    weight, kernel = tensors.weight, plan.kernel
     if kernel == Kernel.INT4PACK_MM_CPU:
-        codes = packing.from_cpu_int4_layout(weight[rows], stop - start, in_features)
+        codes = packing.from_cpu_int4_layout(weight[rows], stop - start, plan.in_features)
     elif kernel == Kernel.INT4PACK_MM_CUDA:
-        if (start, stop) != (0, out_features):
+        if (start, stop) != (0, plan.out_features):
             raise ValueError("the CUDA int4 layout is restored whole: pass start=0, stop=out_features")
-        codes = kernels.restore_codes(kernel, weight, out_features, in_features)
-    elif bits == 4:
+        codes = kernels.restore_codes(kernel, weight, plan.out_features, plan.in_features)
+    elif plan.bits == 4:
         codes = packing.unpack_int4(weight[rows])
     else:
         codes = weight[rows]
-    zp = None if zero_point is None else zero_point[rows]
-    return rtn.dequantize_weight(codes, scale[rows], zp, bits, symmetric, dtype)
+    zp = None if tensors.zero_point is None else tensors.zero_point[rows]
+    return rtn.dequantize_weight(codes, tensors.scale[rows], zp, plan.bits, plan.symmetric, dtype)
 
 
 @torch.library.custom_op("hfquant::quantized_matmul", mutates_args=())
@@ -65,127 +57,71 @@ def _quantized_matmul_op(
     scale: torch.Tensor,
     zero_point: torch.Tensor | None,
     scale_zero: torch.Tensor | None,
-    kernel: str,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
-    in_features: int,
-    out_features: int,
+    plan: str,
 ) -> torch.Tensor:
-    fmt = StoredFormat(bits, group_size, symmetric)
-    y = kernels.quantized_matmul(
-        Kernel(kernel),
-        x,
-        weight,
-        scale,
-        zero_point,
-        scale_zero,
-        fmt,
-        in_features=in_features,
-        out_features=out_features,
-    )
+    """`kernels.quantized_matmul` with the plan passed as its `KernelPlan.key` (custom ops take plain values)."""
+    tensors = LayerTensors(weight, scale, zero_point, scale_zero)
+    y = kernels.quantized_matmul(KernelPlan.from_key(plan), tensors, x)
     return y.clone() if y.data_ptr() == x.data_ptr() else y
 
 
 @_quantized_matmul_op.register_fake
-def _(x, weight, scale, zero_point, scale_zero, kernel, bits, group_size, symmetric, in_features, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
+def _(x, weight, scale, zero_point, scale_zero, plan):
+    return x.new_empty((*x.shape[:-1], KernelPlan.from_key(plan).out_features))
 
 
 @torch.library.custom_op("hfquant::quantized_matmul_backward", mutates_args=())
 def _quantized_matmul_backward_op(
-    grad: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    kernel: str,
-    bits: int,
-    symmetric: bool,
-    in_features: int,
-    out_features: int,
+    grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, plan: str
 ) -> torch.Tensor:
-    kernel = Kernel(kernel)
+    """grad_x (..., K) = grad (..., N) @ w_hat, one chunk of w_hat's rows at a time (`dequantized_rows`)."""
+    plan = KernelPlan.from_key(plan)
+    tensors = LayerTensors(weight, scale, zero_point)
+    in_features, out_features = plan.in_features, plan.out_features
     grad2d = grad.reshape(-1, out_features)
     grad_x = torch.zeros((grad2d.shape[0], in_features), dtype=torch.float32, device=grad.device)
-    if kernel == Kernel.INT4PACK_MM_CUDA:
+    if plan.kernel == Kernel.INT4PACK_MM_CUDA:
         step = out_features
     else:
         step = max(1, _CHUNK_BYTES // (4 * in_features))
         step = max(_ROW_ALIGN, step // _ROW_ALIGN * _ROW_ALIGN)
     for start in range(0, out_features, step):
         stop = min(out_features, start + step)
-        w = dequantized_rows(
-            kernel, weight, scale, zero_point, bits, symmetric, out_features, in_features, start, stop, grad.dtype
-        )
+        w = dequantized_rows(plan, tensors, start, stop, grad.dtype)
         grad_x.add_(torch.mm(grad2d[:, start:stop], w))
     return grad_x.to(grad.dtype).reshape(*grad.shape[:-1], in_features)
 
 
 @_quantized_matmul_backward_op.register_fake
-def _(grad, weight, scale, zero_point, kernel, bits, symmetric, in_features, out_features):
-    return grad.new_empty((*grad.shape[:-1], in_features))
+def _(grad, weight, scale, zero_point, plan):
+    return grad.new_empty((*grad.shape[:-1], KernelPlan.from_key(plan).in_features))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, scale, zero_point, _scale_zero, kernel, bits, _group, symmetric, in_features, out_features = inputs
+    x, weight, scale, zero_point, _scale_zero, plan = inputs
     ctx.save_for_backward(weight, scale, zero_point)
-    ctx.args = (kernel, bits, symmetric, in_features, out_features)
+    ctx.plan = plan
 
 
 def _backward(ctx, grad):
     weight, scale, zero_point = ctx.saved_tensors
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = _quantized_matmul_backward_op(grad.contiguous(), weight, scale, zero_point, *ctx.args)
-    return grad_x, None, None, None, None, None, None, None, None, None, None
+        grad_x = _quantized_matmul_backward_op(grad.contiguous(), weight, scale, zero_point, ctx.plan)
+    return grad_x, None, None, None, None, None
 
 
 _quantized_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def quantized_matmul_trainable(
-    kernel: Kernel,
-    x: torch.Tensor,
-    runtime_weight: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    scale_zero: torch.Tensor | None,
-    fmt: StoredFormat,
-    *,
-    in_features: int,
-    out_features: int,
-    int8_activations: bool = False,
-) -> torch.Tensor:
+def quantized_matmul_trainable(plan: KernelPlan, tensors: LayerTensors, x: torch.Tensor) -> torch.Tensor:
     """`kernels.quantized_matmul` (x (..., K) float -> (..., N) in x's dtype) that also gives grad_x.
 
     When `x` requires grad (and grad mode is on), the product goes through the `hfquant::quantized_matmul` custom op
-    and its autograd rule; otherwise it is exactly `kernels.quantized_matmul` (the inference path, unchanged). The
-    stored tensors never get a gradient (they are integer codes and frozen scales). Arguments as for
-    `kernels.quantized_matmul` (`int8_activations` applies to the inference path only).
+    and its autograd rule (`tensors.zero_point` must then be the stored zero points, not None, for an asymmetric
+    layer); otherwise it is exactly `kernels.quantized_matmul` (the inference path, unchanged). The stored tensors
+    never get a gradient (they are integer codes and frozen scales).
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return kernels.quantized_matmul(
-            kernel,
-            x,
-            runtime_weight,
-            scale,
-            zero_point,
-            scale_zero,
-            fmt,
-            in_features=in_features,
-            out_features=out_features,
-            int8_activations=int8_activations,
-        )
-    return _quantized_matmul_op(
-        x,
-        runtime_weight,
-        scale,
-        zero_point,
-        scale_zero,
-        Kernel(kernel).value,
-        fmt.bits,
-        fmt.group_size,
-        fmt.symmetric,
-        in_features,
-        out_features,
-    )
+        return kernels.quantized_matmul(plan, tensors, x)
+    return _quantized_matmul_op(x, *tensors, plan.key)

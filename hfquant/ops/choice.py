@@ -25,6 +25,7 @@ entry can only pick the other, equally correct kernel); a malformed one is ignor
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -42,8 +43,11 @@ __all__ = [
     "choice_mode",
     "int4_row_uses_native",
     "int8_row_uses_native",
+    "bf16_row_uses_native",
+    "row_timings",
     "measure_int4_row",
     "measure_int8_row",
+    "measure_bf16_row",
     "cache_file",
     "cpu_signature",
 ]
@@ -56,7 +60,6 @@ _CACHE_NAME = "kernel-choices.json"
 _WORKING_SET_BYTES = 64 * 2**20
 _MAX_COPIES = 256  # small layers: 256 copies keep the timing short; such weights are cheap either way
 _PASSES = 3
-_decisions: dict[str, bool] = {}  # shape key -> uses hfquant's GEMV
 
 
 def choice_mode() -> str:
@@ -88,9 +91,9 @@ def cpu_signature() -> str:
     )
 
 
-def _shape_key(n: int, k: int, group_size: int | None) -> str:
-    """ "int4 2048x2048 g128" / "int8 2048x2048": the key of a layer shape in the cache."""
-    return f"int4 {n}x{k} g{group_size}" if group_size is not None else f"int8 {n}x{k}"
+def _shape_key(kind: str, n: int, k: int, group_size: int | None) -> str:
+    """ "int4 2048x2048 g128" / "int8 2048x2048" / "bf16 2048x2048": the key of a layer shape in the cache."""
+    return f"{kind} {n}x{k} g{group_size}" if kind == "int4" else f"{kind} {n}x{k}"
 
 
 def _read_cache() -> dict:
@@ -108,11 +111,16 @@ def _entry(signature: str, key: str) -> dict | None:
     return entry if isinstance(entry, dict) else None
 
 
-def _cached(signature: str, key: str) -> bool | None:
+def _cached(signature: str, key: str) -> tuple[bool, tuple[float, float] | None] | None:
+    """(uses the GEMV, (GEMV s, aten s) or None) as the cache file records `key` under `signature`, or None."""
     entry = _entry(signature, key)
-    if entry is not None and entry.get("kernel") in ("native", "aten"):
-        return entry["kernel"] == "native"
-    return None
+    if entry is None or entry.get("kernel") not in ("native", "aten"):
+        return None
+    try:
+        timings = float(entry["native_us"]) * 1e-6, float(entry["aten_us"]) * 1e-6
+    except (KeyError, TypeError, ValueError):
+        timings = None
+    return entry["kernel"] == "native", timings
 
 
 def _store(signature: str, key: str, entry: dict) -> None:
@@ -202,7 +210,7 @@ def measure_bf16_row(n: int, k: int) -> dict[str, float]:
 
 def bf16_row_uses_native(n: int, k: int) -> bool:
     """`int4_row_uses_native` for an (N, K) bfloat16 layer kept in float (`FloatLinear`)."""
-    return _decide(f"bf16 {n}x{k}", lambda: measure_bf16_row(n, k))
+    return _decide("bf16", n, k, None)
 
 
 def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -235,59 +243,62 @@ def int4_row_uses_native(n: int, k: int, group_size: int) -> bool:
     Raises:
         ValueError: a bad `HFQUANT_KERNEL_CHOICE`.
     """
-    return _decide(_shape_key(n, k, group_size), lambda: measure_int4_row(n, k, group_size))
+    return _decide("int4", n, k, group_size)
 
 
 def row_timings(n: int, k: int, group_size: int | None) -> tuple[float, float] | None:
-    """(hfquant GEMV seconds, aten seconds) recorded for one row of this shape on this CPU (int8 when `group_size` is
-    None), or None when the choice was forced (`HFQUANT_KERNEL_CHOICE`) or nothing was measured."""
+    """(hfquant GEMV seconds, aten seconds) of one row of this shape on this CPU (int8 when `group_size` is None), as
+    the decision recorded them (measured first where this process has not decided yet), or None when the choice was
+    forced (`HFQUANT_KERNEL_CHOICE`) or the measurement failed."""
     if choice_mode() != "measure":
         return None
-    entry = _entry(cpu_signature(), _shape_key(n, k, group_size))
-    try:
-        return float(entry["native_us"]) * 1e-6, float(entry["aten_us"]) * 1e-6
-    except (KeyError, TypeError, ValueError):
-        return None
+    return _measured("int4" if group_size is not None else "int8", n, k, group_size)[1]
 
 
 def int8_row_uses_native(n: int, k: int) -> bool:
     """`int4_row_uses_native` for an (N, K) per-channel int8 layer (the caller has checked
     `gemv.native_int8_works`)."""
-    return _decide(_shape_key(n, k, None), lambda: measure_int8_row(n, k))
+    return _decide("int8", n, k, None)
 
 
-def _decide(key: str, measure) -> bool:
+def _decide(kind: str, n: int, k: int, group_size: int | None) -> bool:
     mode = choice_mode()
     if mode != "measure":
         return mode == "native"
-    if key in _decisions:
-        return _decisions[key]
+    return _measured(kind, n, k, group_size)[0]
+
+
+@functools.cache
+def _measured(kind: str, n: int, k: int, group_size: int | None) -> tuple[bool, tuple[float, float] | None]:
+    """(uses hfquant's GEMV, (GEMV s, aten s) or None) for one row of a `kind` ("int4", "int8", "bf16") layer of this
+    shape: from the cache file, else measured and recorded there. Cached per process (`_measured.cache_clear()`
+    forgets, as a new process would)."""
+    key = _shape_key(kind, n, k, group_size)
     signature = cpu_signature()
     cached = _cached(signature, key)
-    if cached is None:
-        try:
-            seconds = measure()
-        except RuntimeError as error:
-            logger.info("hfquant: timing the kernels on %s failed (%s); using aten's", key, error)
-            _decisions[key] = False
-            return False
-        cached = seconds["native"] < seconds["aten"]
-        _store(
-            signature,
-            key,
-            {
-                "kernel": "native" if cached else "aten",
-                "native_us": round(seconds["native"] * 1e6, 2),
-                "aten_us": round(seconds["aten"] * 1e6, 2),
-            },
-        )
-        logger.info(
-            "hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
-            key,
-            machine.cpu_name(),
-            seconds["native"] * 1e6,
-            seconds["aten"] * 1e6,
-            "hfquant GEMV" if cached else "aten",
-        )
-    _decisions[key] = cached
-    return cached
+    if cached is not None:
+        return cached
+    try:
+        if kind == "int4":
+            seconds = measure_int4_row(n, k, group_size)
+        else:
+            seconds = measure_int8_row(n, k) if kind == "int8" else measure_bf16_row(n, k)
+    except RuntimeError as error:
+        logger.info("hfquant: timing the kernels on %s failed (%s); using aten's", key, error)
+        return False, None
+    native_wins = seconds["native"] < seconds["aten"]
+    entry = {
+        "kernel": "native" if native_wins else "aten",
+        "native_us": round(seconds["native"] * 1e6, 2),
+        "aten_us": round(seconds["aten"] * 1e6, 2),
+    }
+    _store(signature, key, entry)
+    logger.info(
+        "hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
+        key,
+        machine.cpu_name(),
+        seconds["native"] * 1e6,
+        seconds["aten"] * 1e6,
+        "hfquant GEMV" if native_wins else "aten",
+    )
+    return native_wins, (entry["native_us"] * 1e-6, entry["aten_us"] * 1e-6)

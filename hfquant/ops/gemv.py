@@ -1,20 +1,21 @@
-"""One activation row (batch-1 decode) on CPU: hfquant's native GEMVs as operators, their checks against the aten
-kernels, and which of the two serves each layer shape.
+"""One activation row (batch-1 decode) on CPU: hfquant's native GEMVs, their checks against the aten kernels, and
+the calls that run them.
 
-`hfquant.ops.native` builds and calls the C kernels; this module decides whether they may serve a layer:
-`native_int4_works` / `native_int8_works` compare them with the aten kernels once per process, and
-`choose_int4_row_kernel` / `choose_int8_row_kernel` record, per layer shape, the kernel that `hfquant.ops.choice`
-timed faster on this CPU (`NATIVE_INT4_ROWS`, `NATIVE_INT8_ROWS`, read by `kernels.quantized_matmul`). The GEMVs are
-called as PyTorch dispatcher operators (`torch.ops.hfquant_cpu.*`, `hfquant.ops.torch_ops`) wherever those build, in
-eager and in torch.compile graphs alike. Where they do not (no C++ compiler), eager calls the C kernels through ctypes
-and compiled graphs through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` below, which cost
-`custom_op_overhead_s()` more per call than an aten op: compiled graphs then keep the GEMV only where it is faster by
-more than that (`COMPILED_INT4_ROWS`, `COMPILED_INT8_ROWS`). On SmolLM2-135M int4 the Python custom op in every layer
-made compiled decoding 0.88x aten's speed (docs/performance.md).
+`hfquant.ops.native` builds and calls the C kernels; this module says whether they may serve a layer
+(`native_int4_works`, `native_int8_works`, ... compare them with the aten kernels once per process) and runs the one a
+layer's plan names (`row_product`, with a `RowKernel` and a `RowCall`). Which kernel serves which layer is decided
+once per layer by `hfquant.ops.plan.plan_kernel`, from the timings of `hfquant.ops.choice`. The GEMVs are called as
+PyTorch dispatcher operators (`torch.ops.hfquant_cpu.*`, `hfquant.ops.torch_ops`) wherever those build, in eager and
+in torch.compile graphs alike (`RowCall.OPERATOR`). Where they do not (no C++ compiler), eager calls the C kernels
+through ctypes (`RowCall.CTYPES`) and compiled graphs through the Python custom ops `hfquant::int4_gemv` /
+`hfquant::int8_gemv` below (`RowCall.CUSTOM_OP`), which cost `custom_op_overhead_s()` more per call than an aten op: a
+plan then keeps the GEMV in compiled graphs only where it is faster by more than that. On SmolLM2-135M int4 the Python
+custom op in every layer made compiled decoding 0.88x aten's speed (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import time
@@ -22,87 +23,111 @@ import time
 import torch
 
 from hfquant.core import packing, rtn
-from hfquant.ops import choice, native, torch_ops
+from hfquant.ops import native, torch_ops
 
 __all__ = [
-    "NATIVE_INT4_ROWS",
-    "NATIVE_INT8_ROWS",
-    "choose_int4_row_kernel",
-    "choose_int8_row_kernel",
+    "RowKernel",
+    "RowCall",
+    "row_product",
     "native_int4_works",
     "native_int8_works",
+    "native_bf16_works",
+    "native_int4_a8_works",
+    "native_int4_avx2_works",
+    "custom_op_overhead_s",
     "int4_gemv_op",
     "int8_gemv_op",
-    "COMPILED_INT4_ROWS",
-    "COMPILED_INT8_ROWS",
-    "custom_op_overhead_s",
-    "NATIVE_BF16_ROWS",
-    "choose_bf16_row_kernel",
-    "native_bf16_works",
-    "int4_row",
-    "int8_row",
-    "native_int4_a8_works",
     "int4_gemv_a8_op",
-    "int4_a8_row",
-    "native_int4_avx2_works",
     "int4_gemv_avx2_op",
 ]
 
 logger = logging.getLogger(__name__)
 
-NATIVE_INT4_ROWS: dict[tuple[int, int, int], bool] = {}
-"""(out_features, in_features, group size) -> whether one bfloat16 row of such a `Kernel.INT4PACK_MM_CPU` layer runs
-hfquant's GEMV (True) or the aten kernel (False), as measured on this CPU (`choose_int4_row_kernel`). A shape not
-listed (a layer prepared before the choice existed) runs the GEMV wherever `_takes_native_int4` holds."""
+
+class RowKernel(str, enum.Enum):
+    """The kernel that multiplies one bfloat16 activation row (batch-1 decode) of a layer on CPU."""
+
+    ATEN = "aten"
+    """The layer's own product: its `Kernel`'s aten op (`F.linear` for a layer kept in float)."""
+    INT4_GEMV = "int4_gemv"
+    """`native.int4_gemv`: PyTorch's CPU int4 layout in 64-row blocks (AVX512-BF16)."""
+    INT4_GEMV_AVX2 = "int4_gemv_avx2"
+    """`native.int4_gemv_avx2`: the CPU int4 layout in 32-row blocks (AVX2 CPUs, or `ATEN_CPU_CAPABILITY=avx2`)."""
+    INT4_A8 = "int4_gemv_a8"
+    """`native.int4_gemv_a8` on 64-row blocks: W4A8, the row quantized to int8 per block of 32 (AVX512-VNNI)."""
+    INT4_A8_AVX2 = "int4_gemv_a8_avx2"
+    """`native.int4_gemv_a8` on 32-row blocks (AVX2)."""
+    INT8_GEMV = "int8_gemv"
+    """`native.int8_gemv`: per-channel int8 weights in the stored row-major layout."""
+    BF16_GEMV = "bf16_gemv"
+    """`native.bf16_gemv`: a bfloat16 weight kept in float (`hfquant.nn.float_linear`)."""
 
 
-def choose_int4_row_kernel(out_features: int, in_features: int, group_size: int) -> bool:
-    """Decide, by measurement on this CPU (`hfquant.ops.choice`), which kernel serves single bfloat16 rows of
-    `Kernel.INT4PACK_MM_CPU` layers of this shape, and record it for `quantized_matmul`; returns True for hfquant's
-    GEMV. Without a working GEMV (`native_int4_works`, or N not a multiple of 64) nothing is measured: False."""
-    shape = (out_features, in_features, group_size)
-    if shape not in NATIVE_INT4_ROWS:
-        usable = (native_int4_works() and out_features % 64 == 0) or (
-            native_int4_avx2_works() and out_features % 32 == 0 and group_size % 32 == 0
-        )
-        NATIVE_INT4_ROWS[shape] = usable and choice.int4_row_uses_native(out_features, in_features, group_size)
-        COMPILED_INT4_ROWS[shape] = NATIVE_INT4_ROWS[shape] and _wins_compiled(
-            choice.row_timings(out_features, in_features, group_size)
-        )
-    return NATIVE_INT4_ROWS[shape]
+class RowCall(str, enum.Enum):
+    """How a native GEMV is called."""
+
+    OPERATOR = "operator"
+    """The PyTorch dispatcher operator `torch.ops.hfquant_cpu.*` (`hfquant.ops.torch_ops`), in eager and in graphs."""
+    CTYPES = "ctypes"
+    """`hfquant.ops.native` through ctypes (eager, where the operators do not build)."""
+    CUSTOM_OP = "custom_op"
+    """The Python custom op `torch.ops.hfquant.*` below (compiled graphs, where the operators do not build)."""
 
 
-COMPILED_INT4_ROWS: dict[tuple[int, int, int], bool] = {}
-"""`NATIVE_INT4_ROWS` for graphs compiled by torch.compile: the GEMV only where it beats aten by more than the custom
-op's call overhead (`custom_op_overhead_s`)."""
+def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors, plan) -> torch.Tensor:
+    """y = x @ w_hat.T for one bfloat16 row by the native GEMV `row` (not `RowKernel.ATEN`), called as `call`.
 
-COMPILED_INT8_ROWS: dict[tuple[int, int], bool] = {}
-"""`NATIVE_INT8_ROWS` for compiled graphs, as `COMPILED_INT4_ROWS`."""
+    Args:
+        x: (1, K) bfloat16.
+        tensors: the layer's `kernels.LayerTensors`: for the int4 GEMVs `weight` in PyTorch's CPU int4 layout
+            ((N, K // 2) uint8) and `scale_zero` ((K // group_size, N, 2), converted to x's dtype here); for the
+            int8 GEMV the stored (N, K) int8 `weight` and (N, 1) `scale`.
+        plan: the layer's `kernels.KernelPlan` (the int4 GEMVs read its `group_size`; a compiled graph guards each
+            field it reads, so the int8 GEMV reads none).
+    Returns:
+        (1, N) bfloat16.
+    """
+    if row is RowKernel.INT8_GEMV:
+        # as for aten's int8 kernel: rows 64-byte aligned (a fresh copy under torch.compile, where the pointer is
+        # unknown at trace time)
+        if torch.compiler.is_compiling():
+            x = x.clone(memory_format=torch.contiguous_format)
+        elif not x.is_contiguous() or x.data_ptr() % 64:
+            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        scale = tensors.scale.reshape(-1)
+        if scale.dtype != x.dtype:  # (a no-op .to() costs more than this test)
+            scale = scale.to(x.dtype)
+        if call is RowCall.OPERATOR:
+            return torch.ops.hfquant_cpu.int8_gemv(x, tensors.weight, scale)
+        op = native.int8_gemv if call is RowCall.CTYPES else int8_gemv_op
+        return op(x, tensors.weight, scale)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    scale_zero = tensors.scale_zero
+    if scale_zero.dtype != x.dtype:
+        scale_zero = scale_zero.to(x.dtype)
+    return _int4_row(row, call, x, tensors.weight, scale_zero, plan.group_size)
 
 
-def _wins_compiled(timings: tuple[float, float] | None) -> bool:
-    """Whether the GEMV, timed (GEMV s, aten s) in eager, stays faster when a compiled graph calls it as a custom op.
-    Without timings (a forced choice) the eager choice stands."""
-    if timings is None:
-        return True
-    native_s, aten_s = timings
-    return native_s + custom_op_overhead_s() < aten_s
-
-
-NATIVE_BF16_ROWS: dict[tuple[int, int], bool] = {}
-"""(out_features, in_features) -> whether one bfloat16 row of a bfloat16 layer kept in float (`FloatLinear`) runs
-hfquant's bf16 GEMV (True) or ATen's (False), as measured on this CPU (`choose_bf16_row_kernel`); a shape not listed
-runs ATen's."""
-
-
-def choose_bf16_row_kernel(out_features: int, in_features: int) -> bool:
-    """`choose_int4_row_kernel` for bfloat16 layers kept in float: True when hfquant's bf16 GEMV serves their single
-    rows. Without a working GEMV (`native_bf16_works`, K % 32) nothing is measured: False."""
-    shape = (out_features, in_features)
-    if shape not in NATIVE_BF16_ROWS:
-        usable = in_features % 32 == 0 and native_bf16_works()
-        NATIVE_BF16_ROWS[shape] = usable and choice.bf16_row_uses_native(out_features, in_features)
-    return NATIVE_BF16_ROWS[shape]
+def _int4_row(
+    row: RowKernel, call: RowCall, x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`row_product` for the int4 GEMVs (arguments as `native.int4_gemv`)."""
+    if row is RowKernel.INT4_GEMV:
+        if call is RowCall.OPERATOR:
+            return torch.ops.hfquant_cpu.int4_gemv(x, weight, scale_zero, group_size)
+        op = native.int4_gemv if call is RowCall.CTYPES else int4_gemv_op
+        return op(x, weight, scale_zero, group_size)
+    if row is RowKernel.INT4_GEMV_AVX2:
+        if call is RowCall.OPERATOR:
+            return torch.ops.hfquant_cpu.int4_gemv_avx2(x, weight, scale_zero, group_size)
+        op = native.int4_gemv_avx2 if call is RowCall.CTYPES else int4_gemv_avx2_op
+        return op(x, weight, scale_zero, group_size)
+    block_n = 64 if row is RowKernel.INT4_A8 else 32
+    if call is RowCall.OPERATOR:
+        return torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
+    op = native.int4_gemv_a8 if call is RowCall.CTYPES else int4_gemv_a8_op
+    return op(x, weight, scale_zero, group_size, block_n)
 
 
 @functools.cache
@@ -129,10 +154,10 @@ def native_bf16_works() -> bool:
 @functools.cache
 def custom_op_overhead_s() -> float:
     """Seconds one GEMV call costs more in a compiled graph than in eager. 0 where hfquant's dispatcher operators are
-    registered (`torch_ops.AVAILABLE`: both call them) or the int8 GEMV does not run; else the Python custom op's
+    registered (`torch_ops.loaded()`: both call them) or the int8 GEMV does not run; else the Python custom op's
     extra cost (`torch.ops.hfquant.int8_gemv` against the ctypes call), measured once per process on a 64 x 64 int8
     layer, best of 5 passes of 200 calls each."""
-    if not native_int8_works() or torch_ops.AVAILABLE:
+    if not native_int8_works() or torch_ops.loaded():
         return 0.0
     x = torch.randn((1, 64)).to(torch.bfloat16)
     weight = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
@@ -149,25 +174,6 @@ def custom_op_overhead_s() -> float:
         return fastest
 
     return max(0.0, best(op) - best(native.int8_gemv))
-
-
-NATIVE_INT8_ROWS: dict[tuple[int, int], bool] = {}
-"""(out_features, in_features) -> whether one bfloat16 row of such a `Kernel.INT8PACK_MM` layer runs hfquant's int8
-GEMV (True) or the aten kernel (False), as measured on this CPU (`choose_int8_row_kernel`); a shape not listed runs the
-aten kernel."""
-
-
-def choose_int8_row_kernel(out_features: int, in_features: int) -> bool:
-    """`choose_int4_row_kernel` for `Kernel.INT8PACK_MM` layers: True when hfquant's int8 GEMV serves their single
-    bfloat16 rows. Without a working GEMV (`native_int8_works`) nothing is measured: False."""
-    shape = (out_features, in_features)
-    if shape not in NATIVE_INT8_ROWS:
-        usable = in_features % 16 == 0 and native_int8_works()
-        NATIVE_INT8_ROWS[shape] = usable and choice.int8_row_uses_native(out_features, in_features)
-        COMPILED_INT8_ROWS[shape] = NATIVE_INT8_ROWS[shape] and _wins_compiled(
-            choice.row_timings(out_features, in_features, None)
-        )
-    return NATIVE_INT8_ROWS[shape]
 
 
 _PROBE_SHAPE = (128, 256, 64)
@@ -292,33 +298,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_siz
     return x.new_empty((1, weight.shape[0]))
 
 
-def int4_row(
-    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int = 64
-) -> torch.Tensor:
-    """hfquant's int4 GEMV of one row (arguments and result as `native.int4_gemv`, or `native.int4_gemv_avx2` for the
-    32-row layout of AVX2 CPUs, `block_n` 32) through the cheapest call at hand: the dispatcher operator
-    (`torch_ops`), else ctypes in eager and the Python custom op in a compiled graph."""
-    if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-        op = int4_gemv_avx2_op if block_n == 32 else int4_gemv_op
-        return op(x, weight, scale_zero, group_size)
-    call = torch_ops.int4_gemv_avx2 if block_n == 32 else torch_ops.int4_gemv
-    return call(x, weight, scale_zero, group_size)
-
-
-def int4_a8_row(
-    x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, block_n: int
-) -> torch.Tensor:
-    """`int4_row` for the W4A8 GEMV (arguments and result as `native.int4_gemv_a8`)."""
-    if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-        return int4_gemv_a8_op(x, weight, scale_zero, group_size, block_n)
-    return torch_ops.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
-
-
 @functools.cache
 def native_int4_avx2_works() -> bool:
     """True where PyTorch packs int4 weights in 32-row blocks (CPUs without AVX-512, or `ATEN_CPU_CAPABILITY=avx2`),
     the AVX2 GEMV (`native.int4_gemv_avx2`) runs, and on a small random layer (128 x 256, group 64, asymmetric) it
-    matches aten's kernel within 1% of the output range. Cached; callers read `kernels._NATIVE_INT4_AVX2`."""
+    matches aten's kernel within 1% of the output range. Cached."""
     layout = packing.cpu_int4_layout()
     if layout is None or layout.block_n != 32 or not layout.full_blocks_halves or native.built_library() is None:
         return False
@@ -341,7 +325,7 @@ def native_int4_a8_works() -> bool:
     """True if the W4A8 GEMV (`native.int4_gemv_a8`) runs here on PyTorch's int4 CPU layout (64-row blocks with
     AVX512-VNNI, 32-row blocks with AVX2) and, on a small random layer (128 x 256, group 64, asymmetric), stays within
     its error bound of aten's `_weight_int4pack_mm_for_cpu`: per output, sum_k |w| * max|x| / 254 (the int8 rounding
-    of the inputs) plus 1% of the output range (bfloat16 roundings). Cached; callers read `kernels._NATIVE_INT4_A8`."""
+    of the inputs) plus 1% of the output range (bfloat16 roundings). Cached."""
     layout = packing.cpu_int4_layout()
     if layout is None or not layout.full_blocks_halves or not native.int4_a8_supported(layout.block_n):
         return False
@@ -361,10 +345,3 @@ def native_int4_a8_works() -> bool:
     if not works:
         logger.warning("hfquant's W4A8 GEMV disagrees with the aten int4 kernel; decode_activations='int8' is ignored")
     return works
-
-
-def int8_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`int4_row` for the int8 GEMV (arguments and result as `native.int8_gemv`)."""
-    if torch.compiler.is_compiling() and not torch_ops.AVAILABLE:
-        return int8_gemv_op(x, weight, scale)
-    return torch_ops.int8_gemv(x, weight, scale)

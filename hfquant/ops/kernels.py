@@ -3,15 +3,14 @@
 Kernels (`Kernel`: PyTorch's aten ops, and one of our own for single int4 rows):
   - `Kernel.INT8PACK_MM` ("int8pack_mm"): `torch.ops.aten._weight_int8pack_mm` (CPU, and CUDA builds that have it),
     int8 symmetric per-channel weights, activations bf16/fp16/fp32. A single bfloat16 row on CPU may run hfquant's
-    int8 GEMV instead (`hfquant.ops.native`), where it works and, timed on the layer's shape on this CPU, is faster
-    (`gemv.choose_int8_row_kernel`).
+    int8 GEMV instead (`hfquant.ops.native`), where it works and, timed on the layer's shape on this CPU, is faster.
   - `Kernel.INT4PACK_MM_CPU` ("int4pack_mm_cpu"): `torch.ops.aten._weight_int4pack_mm_for_cpu`, 4-bit group-wise
     (group 32..256), weight repacked into the CPU layout (`hfquant.core.packing`), scale and zero folded into one
     (K/g, N, 2) tensor. On some CPUs the aten kernel is instruction-bound at one row, so
     a single bfloat16 row (batch-1 decode) of such a layer may run hfquant's own GEMV on the same bytes instead
     (`hfquant.ops.native`, built from `csrc/int4_cpu.c` on first use): where it builds and matches the aten kernel
     (`gemv.native_int4_works`) and, timed on the layer's shape on this CPU, is the faster of the two
-    (`hfquant.ops.gemv`, `hfquant.ops.choice`); elsewhere the aten kernel serves every row.
+    (`hfquant.ops.choice`); elsewhere the aten kernel serves every row.
   - `Kernel.INT4PACK_MM_CUDA` ("int4pack_mm_cuda"): `torch.ops.aten._weight_int4pack_mm` (tinygemm), bf16
     activations, weight repacked with `_convert_weight_to_int4pack`.
   - `Kernel.DEQUANT` ("dequant"): dequantize the weight to the activation dtype and call
@@ -23,16 +22,24 @@ output-channel chunks of the runtime weight and runs the float GEMM (`_dequantiz
 time. Measured timings of every path: docs/performance.md.
 
 Both int4 kernels compute w = (q - 8) * scale + zero with a float `zero`, so an integer zero point z becomes
-zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` is the one place that decides; a kernel
-is only chosen after a small probe on the device matched the dequantize reference (`kernel_works`), so a PyTorch
-build without the op, or with a different layout, falls back to `Kernel.DEQUANT` instead of failing.
+zero = (8 - z) * scale (rounded to the activation dtype). `select_kernel()` picks the kernel; a kernel is only
+chosen after a small probe on the device matched the dequantize reference (`kernel_works`), so a PyTorch build
+without the op, or with a different layout, falls back to `Kernel.DEQUANT` instead of failing.
+
+What runs a layer's products is one value, its `KernelPlan` (the kernel, the one-row GEMV in eager and in compiled
+graphs and how it is called, the activation format, the CPU int4 block, from how many rows the chunked GEMM runs),
+decided once per layer and device by `hfquant.ops.plan.plan_kernel` and stored on the layer; `quantized_matmul(plan,
+tensors, x)` follows it without deciding anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import json
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -40,9 +47,17 @@ from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
 from hfquant.ops import gemv, native
+from hfquant.ops.gemv import RowCall, RowKernel
 
 __all__ = [
     "Kernel",
+    "DecodeActivations",
+    "KernelPlan",
+    "LayerTensors",
+    "plain_plan",
+    "int8_decode_activations_available",
+    "GEMM_MIN_ROWS",
+    "NO_GEMM",
     "INT4_KERNELS",
     "select_kernel",
     "kernel_works",
@@ -84,6 +99,151 @@ INT4_KERNELS = (Kernel.INT4PACK_MM_CPU, Kernel.INT4PACK_MM_CUDA)
 `restore_codes` undoes; the others read the stored layout."""
 
 _INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+
+
+GEMM_MIN_ROWS = {Kernel.INT8PACK_MM: 32, Kernel.INT4PACK_MM_CPU: 128}
+"""Per CPU kernel, the activation rows from which its layers run as "dequantize a chunk, float GEMM" instead. The aten
+int8/int4 kernels pay a cost per activation row several times the float GEMM's; the chunked path pays a fixed
+dequantization of the weight (larger for int4 with torch ops: nibble unpacking and group scales on top of the pass to
+the activation dtype), then the float GEMM's small cost per row. Each threshold sits above the crossover measured for
+its kernel (docs/performance.md, "Prefill"). hfquant's C dequantization (`KernelPlan.native_dequant`) lowers int4's
+fixed cost and so its crossover; the int4 threshold was not lowered for it."""
+
+NO_GEMM = 2**62
+"""`KernelPlan.gemm_min_rows` of a layer without the chunked GEMM: more rows than any call has."""
+
+
+class DecodeActivations(str, enum.Enum):
+    """The activations of a layer's one-token decode steps (`HfQuantConfig.decode_activations`)."""
+
+    FLOAT = "float"
+    """The compute dtype."""
+    INT8 = "int8"
+    """Quantized to int8 per block of 32 (W4A8, CPU int4 layers where `int8_decode_activations_available()`)."""
+
+    @classmethod
+    def _missing_(cls, value):
+        allowed = [member.value for member in cls]
+        raise ValueError(f"decode_activations={value!r} is not supported; use one of {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """Everything that decides which kernel multiplies a layer's activations, decided once per layer and device
+    (`hfquant.ops.plan.plan_kernel`; `plain_plan` for the kernel alone) and read by `quantized_matmul`.
+
+    A frozen, hashable value of enums, ints and bools: a layer stores it (`QuantLinear.plan`) and torch.compile reads
+    it as a constant, guarding only the fields a traced call reads.
+
+    Attributes:
+        kernel: the matmul of the layer (`Kernel`).
+        bits, group_size, symmetric: the stored format of the weight (`StoredFormat`, method aside).
+        in_features, out_features: K and N.
+        activations: the decode activations the layer asked for (`DecodeActivations`); `row` says what runs.
+        row: the kernel of one bfloat16 activation row in eager (`gemv.RowKernel`; `RowKernel.ATEN`: `kernel`).
+        row_call: how eager calls `row` (`RowCall.OPERATOR` or `RowCall.CTYPES`).
+        compiled_row, compiled_row_call: the same inside a torch.compile graph (`RowCall.OPERATOR` or
+            `RowCall.CUSTOM_OP`); the GEMV stays only where it beats aten by more than the custom op's cost.
+        cpu_int4_block: rows per block of PyTorch's CPU int4 layout when its full blocks are "halves" (32 or 64;
+            `hfquant.core.packing`), else 0.
+        gemm_min_rows: the activation rows from which the product runs as `_dequantized_gemm` (`GEMM_MIN_ROWS`;
+            `NO_GEMM` where it does not apply).
+        native_dequant: whether that chunked GEMM dequantizes int4 chunks with hfquant's C kernel (eager, bfloat16).
+    """
+
+    kernel: Kernel
+    bits: int
+    group_size: int
+    symmetric: bool
+    in_features: int
+    out_features: int
+    activations: DecodeActivations = DecodeActivations.FLOAT
+    row: RowKernel = RowKernel.ATEN
+    row_call: RowCall = RowCall.OPERATOR
+    compiled_row: RowKernel = RowKernel.ATEN
+    compiled_row_call: RowCall = RowCall.OPERATOR
+    cpu_int4_block: int = 0
+    gemm_min_rows: int = NO_GEMM
+    native_dequant: bool = False
+    key: str = dataclasses.field(init=False, repr=False, compare=False)
+    """The plan as JSON (`from_key` reads it back): how the autograd custom op receives it."""
+
+    def __post_init__(self) -> None:
+        for name, enum_type in _PLAN_ENUMS.items():
+            object.__setattr__(self, name, enum_type(getattr(self, name)))
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.init}
+        object.__setattr__(self, "key", json.dumps(fields))
+
+    @classmethod
+    def from_key(cls, key: str) -> KernelPlan:
+        """The plan whose `key` this is."""
+        return cls(**json.loads(key))
+
+
+_PLAN_ENUMS = {
+    "kernel": Kernel,
+    "activations": DecodeActivations,
+    "row": RowKernel,
+    "row_call": RowCall,
+    "compiled_row": RowKernel,
+    "compiled_row_call": RowCall,
+}
+
+
+class LayerTensors(NamedTuple):
+    """A layer's tensors as `quantized_matmul` reads them.
+
+    weight: the kernel's runtime weight (`prepare_weight`: the stored layout except for the `INT4_KERNELS`).
+    scale: the stored (N, G) scales (the int8 kernel and `Kernel.DEQUANT` read them).
+    zero_point: the stored (N, G) uint8 zero points, or None (symmetric; or not needed: the int4 kernels read
+        `scale_zero`).
+    scale_zero: the (G, N, 2) tensor of `scale_zero_for_int4` for the int4 kernels, else None.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None = None
+    scale_zero: torch.Tensor | None = None
+
+
+@functools.cache
+def plain_plan(kernel: Kernel, fmt: StoredFormat, in_features: int, out_features: int, device_type: str) -> KernelPlan:
+    """The plan of `kernel` for a layer of this format and shape on a `device_type` ("cpu", "cuda") device, without
+    hfquant's one-row GEMVs (`hfquant.ops.plan.plan_kernel` adds them): every row runs `kernel`, and on CPU many rows
+    the chunked GEMM where the kernel's layout has one. Cached per process."""
+    kernel = Kernel(kernel)
+    block = 0
+    if kernel == Kernel.INT4PACK_MM_CPU:
+        layout = packing.cpu_int4_layout()
+        block = layout.block_n if layout is not None and layout.full_blocks_halves else 0
+    gemm_min_rows = NO_GEMM
+    if (
+        device_type == "cpu"
+        and kernel in GEMM_MIN_ROWS
+        and (kernel != Kernel.INT4PACK_MM_CPU or _whole_blocks(block, out_features))
+    ):
+        gemm_min_rows = GEMM_MIN_ROWS[kernel]
+    return KernelPlan(
+        kernel,
+        fmt.bits,
+        fmt.group_size,
+        fmt.symmetric,
+        in_features,
+        out_features,
+        cpu_int4_block=block,
+        gemm_min_rows=gemm_min_rows,
+    )
+
+
+def _whole_blocks(block: int, out_features: int) -> bool:
+    return block > 0 and out_features % block == 0
+
+
+def int8_decode_activations_available() -> bool:
+    """Whether single bfloat16 rows of CPU int4 layers can run the W4A8 GEMV here: PyTorch's CPU int4 layout has
+    "halves" blocks and the GEMV works on it (`gemv.native_int4_a8_works`)."""
+    layout = packing.cpu_int4_layout()
+    return layout is not None and layout.full_blocks_halves and gemv.native_int4_a8_works()
 
 
 def _cuda_inner_k_tiles(in_features: int) -> int | None:
@@ -132,29 +292,18 @@ def prepare_packed_int4(kernel: Kernel, packed: torch.Tensor, in_features: int) 
     """`prepare_weight` for an int4 kernel from the stored (N, K // 2) packed weight: one native pass into the CPU
     layout where hfquant's kernels work (`gemv.native_int4_works`, N % 64 == 0), else through unpacked codes."""
     if kernel == Kernel.INT4PACK_MM_CPU and packed.device.type == "cpu" and packed.shape[0] % 64 == 0:
-        _note_cpu_int4_layout()
-        if _NATIVE_INT4:
+        if gemv.native_int4_works():
             return native.int4_repack(packed, to_cpu_layout=True)
     return prepare_weight(kernel, packing.unpack_int4(packed), in_features)
-
-
-def _note_cpu_int4_layout() -> None:
-    """Set `_CPU_INT4_BLOCKS` and the `_NATIVE_INT4*` flags for the CPU int4 layout of this PyTorch build."""
-    global _CPU_INT4_BLOCKS, _NATIVE_INT4, _NATIVE_INT4_A8, _NATIVE_INT4_AVX2
-    layout = packing.cpu_int4_layout()
-    _CPU_INT4_BLOCKS = None if layout is None or not layout.full_blocks_halves else layout.block_n
-    _NATIVE_INT4 = gemv.native_int4_works()  # checks the layout too
-    _NATIVE_INT4_A8 = _CPU_INT4_BLOCKS is not None and gemv.native_int4_a8_works()
-    _NATIVE_INT4_AVX2 = _CPU_INT4_BLOCKS == 32 and gemv.native_int4_avx2_works()
 
 
 def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """Inverse of `prepare_packed_int4`: the runtime weight of an int4 kernel -> the stored (N, K // 2) layout."""
     if (
         kernel == Kernel.INT4PACK_MM_CPU
-        and _NATIVE_INT4
         and runtime_weight.device.type == "cpu"
         and out_features % 64 == 0
+        and gemv.native_int4_works()
     ):
         return native.int4_repack(runtime_weight, to_cpu_layout=False)
     return packing.pack_int4(restore_codes(kernel, runtime_weight, out_features, in_features))
@@ -169,7 +318,6 @@ def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: i
             ((N, K) int8/uint8, or (N, K // 2) uint8 packed int4 for `Kernel.DEQUANT`).
     """
     if kernel == Kernel.INT4PACK_MM_CPU:
-        _note_cpu_int4_layout()
         return packing.to_cpu_int4_layout(codes_or_weight)
     if kernel == Kernel.INT4PACK_MM_CUDA:
         tiles = _cuda_inner_k_tiles(in_features)
@@ -217,35 +365,43 @@ def _unpack_cuda_by_identity(runtime_weight: torch.Tensor, n: int, k: int) -> to
     return codes
 
 
-def quantized_matmul(
-    kernel: Kernel,
-    x: torch.Tensor,
-    runtime_weight: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    scale_zero: torch.Tensor | None,
-    fmt: StoredFormat,
-    *,
-    in_features: int,
-    out_features: int,
-    int8_activations: bool = False,
-) -> torch.Tensor:
-    """y = x @ w_hat.T for x (..., K) float; returns (..., N) in x's dtype.
+def quantized_matmul(plan: KernelPlan, tensors: LayerTensors, x: torch.Tensor) -> torch.Tensor:
+    """y = x @ w_hat.T for x (..., K) float; returns (..., N) in x's dtype, computed as `plan` says.
 
-    `fmt` is the stored format of the weight. `scale_zero` is the (G, N, 2) tensor from `scale_zero_for_int4` for the
-    int4 kernels; `scale` (N, G) and `zero_point` are the stored ones (the int8 kernel reads `scale`,
-    `Kernel.DEQUANT` reads both). `int8_activations`: a single bfloat16 row of a `Kernel.INT4PACK_MM_CPU` layer runs
-    the W4A8 GEMV (x quantized to int8 per block of 32) wherever it can (`gemv.native_int4_a8_works`, group_size % 32
-    == 0), instead of the kernel measured fastest for bfloat16 activations; other products are unchanged.
+    One bfloat16 row runs the plan's one-row kernel (`plan.row`, `plan.compiled_row` in a torch.compile graph; W4A8
+    where the layer asked for int8 decode activations and it works here); from `plan.gemm_min_rows` rows the chunked
+    dequantized GEMM (`_dequantized_gemm`); every other call `plan.kernel`'s aten op (`Kernel.DEQUANT`: dequantize,
+    then `F.linear`). `tensors` are the layer's (`LayerTensors`).
     """
-    group_size = fmt.group_size
     shape = x.shape
-    x2d = x.reshape(-1, in_features)
-    if kernel in GEMM_MIN_ROWS and x2d.shape[0] >= GEMM_MIN_ROWS[kernel] and x2d.device.type == "cpu":
-        y = _dequantized_gemm(kernel, x2d, runtime_weight, scale, scale_zero, group_size, out_features)
-        if y is not None:
-            return y.reshape(*shape[:-1], out_features)
-    if kernel == Kernel.INT8PACK_MM:
+    flat = len(shape) == 2  # (M, K) already: no reshape either way (each costs about 1 us in eager)
+    x2d = x if flat else x.reshape(-1, shape[-1])
+    if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16:
+        if torch.compiler.is_compiling():
+            row, call = plan.compiled_row, plan.compiled_row_call
+        else:
+            row, call = plan.row, plan.row_call
+        if row is not RowKernel.ATEN:
+            y = gemv.row_product(row, call, x2d, tensors, plan)
+            return y if flat else y.reshape(*shape[:-1], -1)  # (1, N), N > 0
+    if x2d.shape[0] >= plan.gemm_min_rows:
+        y = _dequantized_gemm(plan, tensors, x2d)
+    else:
+        y = _kernel_product(plan, tensors, x2d)
+    return y if flat else y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) -> torch.Tensor:
+    """(M, K) float x2d @ w_hat.T by `plan.kernel`'s own op; (M, N) in x2d's dtype."""
+    kernel = plan.kernel
+    if kernel is Kernel.INT4PACK_MM_CPU:
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        scale_zero = tensors.scale_zero
+        if scale_zero.dtype != x2d.dtype:
+            scale_zero = scale_zero.to(x2d.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, tensors.weight, plan.group_size, scale_zero)
+    if kernel is Kernel.INT8PACK_MM:
         # The aten kernel needs the activation rows 32-byte aligned (it crashes otherwise); a view at an odd
         # offset is copied into a fresh (64-byte aligned) allocation.
         # Under torch.compile the pointer is unknown at trace time: always hand the kernel a fresh copy there.
@@ -253,189 +409,142 @@ def quantized_matmul(
             x2d = x2d.clone(memory_format=torch.contiguous_format)
         elif not x2d.is_contiguous() or x2d.data_ptr() % 64:
             x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
-        channel_scale = scale.reshape(-1).to(x.dtype)
-        rows = gemv.COMPILED_INT8_ROWS if torch.compiler.is_compiling() else gemv.NATIVE_INT8_ROWS
-        if x2d.shape[0] == 1 and x2d.dtype == torch.bfloat16 and rows.get((out_features, in_features)):
-            y = gemv.int8_row(x2d, runtime_weight, channel_scale)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2d, runtime_weight, channel_scale)
-    elif kernel == Kernel.INT4PACK_MM_CPU:
-        if not x2d.is_contiguous():
-            x2d = x2d.contiguous()
-        sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
-        layer = (out_features, in_features, group_size)
-        native_row = gemv.NATIVE_INT4_ROWS.get(layer, True)
-        if torch.compiler.is_compiling():
-            native_row = gemv.COMPILED_INT4_ROWS.get(layer, native_row)
-        if int8_activations and _takes_int4_a8(x2d, sz, out_features, group_size):
-            y = gemv.int4_a8_row(x2d, runtime_weight, sz, group_size, _CPU_INT4_BLOCKS)
-        elif x2d.shape[0] == 1 and _takes_native_int4(x2d, sz, out_features) and native_row:
-            y = gemv.int4_row(x2d, runtime_weight, sz, group_size)
-        elif _NATIVE_INT4_AVX2 and _takes_int4_a8(x2d, sz, out_features, group_size, False) and native_row:
-            y = gemv.int4_row(x2d, runtime_weight, sz, group_size, block_n=32)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, runtime_weight, group_size, sz)
-    elif kernel == Kernel.INT4PACK_MM_CUDA:
+        channel_scale = tensors.scale.reshape(-1)
+        if channel_scale.dtype != x2d.dtype:  # (a no-op .to() costs more than this test)
+            channel_scale = channel_scale.to(x2d.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x2d, tensors.weight, channel_scale)
+    if kernel is Kernel.INT4PACK_MM_CUDA:
         xb = x2d.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm(xb, runtime_weight, group_size, scale_zero).to(x.dtype)
-    else:
-        codes = packing.unpack_int4(runtime_weight) if fmt.bits == 4 else runtime_weight
-        weight = rtn.dequantize_weight(codes, scale, zero_point, fmt.bits, fmt.symmetric, dtype=x.dtype)
-        y = torch.nn.functional.linear(x2d, weight)
-    return y.reshape(*shape[:-1], out_features)
+        y = torch.ops.aten._weight_int4pack_mm(xb, tensors.weight, plan.group_size, tensors.scale_zero)
+        return y.to(x2d.dtype)
+    bits, symmetric = plan.bits, plan.symmetric
+    codes = packing.unpack_int4(tensors.weight) if bits == 4 else tensors.weight
+    weight = rtn.dequantize_weight(codes, tensors.scale, tensors.zero_point, bits, symmetric, dtype=x2d.dtype)
+    return torch.nn.functional.linear(x2d, weight)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Many rows at once (prefill): dequantize a slice of output channels at a time and run the float GEMM.
 
-GEMM_MIN_ROWS = {Kernel.INT8PACK_MM: 32, Kernel.INT4PACK_MM_CPU: 128}
-"""Per CPU kernel, the activation rows from which its layers run as "dequantize a chunk, float GEMM" instead. The aten
-int8/int4 kernels pay a cost per activation row several times the float GEMM's; the chunked path pays a fixed
-dequantization of the weight (larger for int4 with torch ops: nibble unpacking and group scales on top of the pass to
-the activation dtype), then the float GEMM's small cost per row. Each threshold sits above the crossover measured for
-its kernel (docs/performance.md, "Prefill"). hfquant's C dequantization (`_takes_native_int4`) lowers int4's fixed
-cost and so its crossover; the int4 threshold was not lowered for it."""
-_CPU_INT4_BLOCKS: int | None = None
-"""Rows per block of the CPU int4 layout when its full blocks are "halves" (`hfquant.core.packing`), set by
-`prepare_weight`; a plain global so that torch.compile reads it as a constant."""
-_NATIVE_INT4 = False
-"""Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers run hfquant's own GEMV (`hfquant.ops.native`): set by
-`prepare_weight` when the CPU layout has 64-row "halves" blocks and `gemv.native_int4_works()`; a plain global so that
-torch.compile reads it as a constant."""
-_NATIVE_INT4_AVX2 = False
-"""Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers can run hfquant's AVX2 GEMV (`native.int4_gemv_avx2`,
-`gemv.native_int4_avx2_works`): where PyTorch packs int4 in 32-row blocks; a layer shape runs it where it was timed
-faster than aten's (`gemv.choose_int4_row_kernel`). A plain global, as `_NATIVE_INT4`."""
-_NATIVE_INT4_A8 = False
-"""Whether single bfloat16 rows of `Kernel.INT4PACK_MM_CPU` layers can run the W4A8 GEMV when a layer asks for int8
-activations (`gemv.native_int4_a8_works`: AVX-512 CPUs and, with 32-row blocks, AVX2 ones), set with `_NATIVE_INT4`;
-a plain global, as `_NATIVE_INT4`."""
-
-
-def int8_decode_activations_available() -> bool:
-    """Whether single bfloat16 rows of CPU int4 layers can run the W4A8 GEMV here (`gemv.native_int4_a8_works`; known
-    once a CPU int4 layer has been prepared)."""
-    return _NATIVE_INT4_A8
-
-
-def _takes_int4_a8(
-    x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int, group_size: int, a8: bool = True
-) -> bool:
-    """Whether this `Kernel.INT4PACK_MM_CPU` call has the shape hfquant's block-of-32 GEMVs take (the W4A8 one, and
-    with `a8=False` the AVX2 one): one bfloat16 row, bfloat16 (scale, zero) pairs, whole blocks of the layout, groups
-    of a multiple of 32; with `a8`, also that the W4A8 GEMV works here (`_NATIVE_INT4_A8`)."""
-    return (
-        (_NATIVE_INT4_A8 or not a8)
-        and x2d.shape[0] == 1
-        and x2d.dtype == torch.bfloat16
-        and scale_zero.dtype == torch.bfloat16
-        and out_features % _CPU_INT4_BLOCKS == 0
-        and group_size % 32 == 0
-    )
-
-
-def _takes_native_int4(x2d: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> bool:
-    """Whether hfquant's C kernels (`hfquant.ops.native`) serve this `Kernel.INT4PACK_MM_CPU` call: they are usable
-    here, activations and (scale, zero) pairs are bfloat16, and the layer has whole 64-row blocks."""
-    return (
-        _NATIVE_INT4 and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16 and out_features % 64 == 0
-    )
-
-
 _GEMM_CHUNK_BYTES = 4 * 2**20
 """Dequantized weight per chunk: small enough that the allocator reuses it instead of mapping fresh pages."""
 
 
-def _dequantized_gemm(
-    kernel: Kernel,
-    x2d: torch.Tensor,
-    runtime_weight: torch.Tensor,
-    scale: torch.Tensor,
-    scale_zero: torch.Tensor | None,
-    group_size: int,
-    out_features: int,
-) -> torch.Tensor | None:
-    """y = x2d @ w_hat.T for (M, K) float `x2d` (M >= `GEMM_MIN_ROWS[kernel]`) from the kernel's runtime weight,
-    chunk by chunk of output channels (`_GEMM_CHUNK_BYTES` of dequantized weight each): each chunk is dequantized to
-    x's dtype and multiplied with `torch.mm` into its columns of y. Returns (M, N) in x's dtype, or None when the
-    weight's layout has no chunked path (the caller then runs the kernel).
+def _dequantized_gemm(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) -> torch.Tensor:
+    """y = x2d @ w_hat.T for (M, K) float `x2d` (M >= `plan.gemm_min_rows`) from the kernel's runtime weight, chunk
+    by chunk of output channels (`_GEMM_CHUNK_BYTES` of dequantized weight each, a multiple of 64 rows: whole blocks
+    of the int4 CPU layout): each chunk is dequantized to x's dtype and multiplied with `torch.mm` into its columns of
+    y. Returns (M, N) in x's dtype.
 
-    int8 (per-channel, symmetric): y = (x @ q.T) * scale, the scale applied to the output (to the weight for float16
-    activations, whose range x @ q.T could exceed). int4 (CPU kernel layout, "halves" blocks): w = q * scale +
+    int8 (per-channel, symmetric): `_int8_chunks`. int4 (CPU kernel layout, "halves" blocks): w = q * scale +
     (zero - 8 * scale), the kernel's own formula, written straight into the (K, chunk) layout `torch.mm` reads: in one
-    pass by hfquant's C kernel where `_NATIVE_INT4` holds (bfloat16 activations, N % 64 == 0, eager; several times
-    faster than the torch ops, docs/performance.md), else by torch ops.
+    pass by hfquant's C kernel where `plan.native_dequant` holds (bfloat16 activations and (scale, zero) pairs, eager;
+    several times faster than the torch ops, docs/performance.md, `_int4_chunks_in_c`), else by torch ops
+    (`_int4_chunks`).
     """
-    block = _CPU_INT4_BLOCKS
-    if kernel == Kernel.INT4PACK_MM_CPU and (block is None or out_features % block or scale_zero is None):
-        return None
-    rows, in_features = x2d.shape
-    # Eager writes each chunk in place (out=); torch.compile cannot trace out= into a strided view, so there the
-    # chunks are concatenated instead (inductor fuses it).
-    in_place = not torch.compiler.is_compiling()
-    y = torch.empty((rows, out_features), dtype=x2d.dtype, device=x2d.device) if in_place else None
-    pieces = []
-    # a multiple of 64 rows: whole blocks of the int4 CPU layout (32 or 64 rows) in every chunk
-    chunk = max(64, _GEMM_CHUNK_BYTES // (x2d.element_size() * in_features)) // 64 * 64
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
+    columns = _Columns(x2d, tensors.weight.shape[0])
+    chunk = max(64, _GEMM_CHUNK_BYTES // (x2d.element_size() * x2d.shape[1])) // 64 * 64
+    if plan.kernel is Kernel.INT8PACK_MM:
+        return _int8_chunks(columns, tensors, chunk)
+    scale_zero = tensors.scale_zero
+    # in_place first: a compiled graph then reads no more of the plan than it uses (each field read is a guard)
+    if columns.in_place and plan.native_dequant and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16:
+        return _int4_chunks_in_c(columns, tensors.weight, scale_zero, plan.group_size, chunk)
+    return _int4_chunks(columns, plan, tensors, chunk)
 
-    def product(weight_t: torch.Tensor, start: int, stop: int) -> None:
-        if in_place:
-            torch.mm(x2d, weight_t, out=y[:, start:stop])
+
+class _Columns:
+    """y (M, N) = x2d @ (weight chunks), filled chunk by chunk of output columns: in eager each chunk's product is
+    written in place (out=); torch.compile cannot trace out= into a strided view, so there the chunks are concatenated
+    instead (inductor fuses it)."""
+
+    def __init__(self, x2d: torch.Tensor, out_features: int):
+        self.x2d = x2d
+        self.out_features = out_features
+        self.in_place = not torch.compiler.is_compiling()
+        self.y = (
+            torch.empty((x2d.shape[0], out_features), dtype=x2d.dtype, device=x2d.device) if self.in_place else None
+        )
+        self.pieces = []
+
+    def add(self, weight_t: torch.Tensor, start: int, stop: int) -> None:
+        """Columns [start, stop) of y = x2d @ weight_t, weight_t (K, stop - start)."""
+        if self.in_place:
+            torch.mm(self.x2d, weight_t, out=self.y[:, start:stop])
         else:
-            pieces.append(torch.mm(x2d, weight_t))
+            self.pieces.append(torch.mm(self.x2d, weight_t))
 
-    def result() -> torch.Tensor:
-        return y if in_place else torch.cat(pieces, dim=1)
+    def result(self) -> torch.Tensor:
+        return self.y if self.in_place else torch.cat(self.pieces, dim=1)
 
-    if kernel == Kernel.INT8PACK_MM:
-        channel_scale = scale.reshape(-1).to(x2d.dtype)
-        # float16 would overflow on x @ q.T (|q| up to 127) where x @ w_hat.T does not: scale the weight there
-        scale_weight = x2d.dtype == torch.float16
-        for start in range(0, out_features, chunk):
-            stop = min(out_features, start + chunk)
-            weight = runtime_weight[start:stop].to(x2d.dtype)
-            if scale_weight:
-                weight = weight * channel_scale[start:stop, None]
-            product(weight.t(), start, stop)
-        return result() if scale_weight else result() * channel_scale
-    if in_place and _takes_native_int4(x2d, scale_zero, out_features):
-        # one pass of hfquant's C dequantization per chunk, into one reused buffer
-        buffer = torch.empty(in_features * min(chunk, out_features), dtype=torch.bfloat16, device=x2d.device)
-        for start in range(0, out_features, chunk):
-            stop = min(out_features, start + chunk)
-            weight_t = buffer[: in_features * (stop - start)].view(in_features, stop - start)
-            native.int4_dequantize_t(runtime_weight, scale_zero, group_size, start, stop, weight_t)
-            product(weight_t, start, stop)
-        return result()
+
+def _int8_chunks(columns: _Columns, tensors: LayerTensors, chunk: int) -> torch.Tensor:
+    """`_dequantized_gemm` of an int8 per-channel weight: y = (x @ q.T) * scale, the scale applied to the output (to
+    the weight for float16 activations, whose range x @ q.T could exceed: |q| up to 127)."""
+    dtype, out_features = columns.x2d.dtype, columns.out_features
+    channel_scale = tensors.scale.reshape(-1).to(dtype)
+    scale_weight = dtype == torch.float16
+    for start in range(0, out_features, chunk):
+        stop = min(out_features, start + chunk)
+        weight = tensors.weight[start:stop].to(dtype)
+        if scale_weight:
+            weight = weight * channel_scale[start:stop, None]
+        columns.add(weight.t(), start, stop)
+    return columns.result() if scale_weight else columns.result() * channel_scale
+
+
+def _int4_chunks_in_c(
+    columns: _Columns, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, chunk: int
+) -> torch.Tensor:
+    """`_dequantized_gemm` of a CPU int4 layer, each chunk dequantized by one pass of hfquant's C kernel
+    (`native.int4_dequantize_t`) into one reused bfloat16 buffer."""
+    x2d, out_features = columns.x2d, columns.out_features
+    in_features = x2d.shape[1]
+    buffer = torch.empty(in_features * min(chunk, out_features), dtype=torch.bfloat16, device=x2d.device)
+    for start in range(0, out_features, chunk):
+        stop = min(out_features, start + chunk)
+        weight_t = buffer[: in_features * (stop - start)].view(in_features, stop - start)
+        native.int4_dequantize_t(weight, scale_zero, group_size, start, stop, weight_t)
+        columns.add(weight_t, start, stop)
+    return columns.result()
+
+
+def _int4_chunks(columns: _Columns, plan: KernelPlan, tensors: LayerTensors, chunk: int) -> torch.Tensor:
+    """`_dequantized_gemm` of a CPU int4 layer by torch ops: w = q * step + offset, step = scale and offset = zero -
+    8 * scale per (group, output), written into the (K, chunk) layout `torch.mm` reads."""
+    x2d, out_features = columns.x2d, columns.out_features
+    dtype, in_features = x2d.dtype, x2d.shape[1]
+    block, group_size = plan.cpu_int4_block, plan.group_size
     half, groups = block // 2, in_features // group_size
-    step = scale_zero[..., 0].to(x2d.dtype).contiguous()  # (G, N): w = q * step + offset
-    offset = (scale_zero[..., 1].float() - 8 * scale_zero[..., 0].float()).to(x2d.dtype).contiguous()
+    scale_zero = tensors.scale_zero
+    step = scale_zero[..., 0].to(dtype).contiguous()  # (G, N): w = q * step + offset
+    offset = (scale_zero[..., 1].float() - 8 * scale_zero[..., 0].float()).to(dtype).contiguous()
     for start in range(0, out_features, chunk):
         stop = min(out_features, start + chunk)
         blocks = (stop - start) // block
         # byte [block b, input k, j] holds row b*block + j (low nibble) and row b*block + half + j (high nibble)
-        packed = runtime_weight[start:stop].reshape(blocks, groups, group_size, half).permute(1, 2, 0, 3)
+        packed = tensors.weight[start:stop].reshape(blocks, groups, group_size, half).permute(1, 2, 0, 3)
         chunk_step = step[:, start:stop].reshape(groups, 1, blocks, block)
         chunk_offset = offset[:, start:stop].reshape(groups, 1, blocks, block)
         halves = ((packed & 0x0F, slice(0, half)), (packed >> 4, slice(half, block)))
-        if in_place:
-            weight_t = torch.empty((groups, group_size, blocks, block), dtype=x2d.dtype, device=x2d.device)
+        if columns.in_place:
+            weight_t = torch.empty((groups, group_size, blocks, block), dtype=dtype, device=x2d.device)
             for nibbles, cols in halves:
                 torch.addcmul(
-                    chunk_offset[..., cols], nibbles.to(x2d.dtype), chunk_step[..., cols], out=weight_t[..., cols]
+                    chunk_offset[..., cols], nibbles.to(dtype), chunk_step[..., cols], out=weight_t[..., cols]
                 )
         else:
             weight_t = torch.cat(
                 [
-                    torch.addcmul(chunk_offset[..., cols], nibbles.to(x2d.dtype), chunk_step[..., cols])
+                    torch.addcmul(chunk_offset[..., cols], nibbles.to(dtype), chunk_step[..., cols])
                     for nibbles, cols in halves
                 ],
                 dim=-1,
             )
-        product(weight_t.reshape(in_features, stop - start), start, stop)
-    return result()
+        columns.add(weight_t.reshape(in_features, stop - start), start, stop)
+    return columns.result()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -451,27 +560,15 @@ def _probe(kernel: Kernel, device: str) -> bool:
     x = torch.randn((5, k), generator=generator).to(torch.bfloat16)
     q = rtn.quantize_weight(weight, fmt.bits, fmt.group_size, fmt.symmetric)
     stored = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
-    reference = quantized_matmul(
-        Kernel.DEQUANT, x, stored, q.scale, q.zero_point, None, fmt, in_features=k, out_features=n
-    ).float()
+    reference_plan = plain_plan(Kernel.DEQUANT, fmt, k, n, "cpu")
+    reference = quantized_matmul(reference_plan, LayerTensors(stored, q.scale, q.zero_point), x).float()
     source = q.q.to(device)
     runtime = prepare_weight(kernel, source, k)
     sz = scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16).to(device) if fmt.bits == 4 else None
-    y = (
-        quantized_matmul(
-            kernel,
-            x.to(device),
-            runtime,
-            q.scale.to(device),
-            None if q.zero_point is None else q.zero_point.to(device),
-            sz,
-            fmt,
-            in_features=k,
-            out_features=n,
-        )
-        .float()
-        .cpu()
-    )
+    zero_point = None if q.zero_point is None else q.zero_point.to(device)
+    tensors = LayerTensors(runtime, q.scale.to(device), zero_point, sz)
+    plan = plain_plan(kernel, fmt, k, n, torch.device(device).type)
+    y = quantized_matmul(plan, tensors, x.to(device)).float().cpu()
     close = torch.allclose(y, reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
     if close and fmt.bits == 4:
         close = torch.equal(restore_codes(kernel, runtime, n, k).cpu(), q.q)

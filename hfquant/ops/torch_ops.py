@@ -13,7 +13,8 @@ ownership, permission and sha256 checks before loading a cached file.
 
 Not available (`loaded()` is False, logged once at INFO) wherever the C library is not (`native.built_library`), or
 without a C++ compiler, or when the build or the load fails. hfquant then calls the C kernels through ctypes in eager
-and through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` under torch.compile (`hfquant.ops.gemv`).
+and through the Python custom ops `hfquant::int4_gemv` / `hfquant::int8_gemv` under torch.compile (`gemv.RowCall`, decided
+per layer by `hfquant.ops.plan.plan_kernel`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from hfquant.ops import native, native_build
 
 __all__ = [
     "loaded",
-    "AVAILABLE",
     "int4_gemv",
     "int4_gemv_avx2",
     "int4_gemv_a8",
@@ -36,10 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-AVAILABLE = False
-"""Whether the operators are registered (set by `loaded()`); a plain global, so that torch.compile reads it as a
-constant."""
 
 
 @functools.cache
@@ -65,26 +61,25 @@ def loaded() -> bool:
         )
         return False
     _register_fakes()
-    global AVAILABLE
-    AVAILABLE = True
     return True
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """`native.int4_gemv` (same arguments, same (1, N) bfloat16 result, bit for bit) through the dispatcher operator
-    when it is registered (`AVAILABLE`), else through ctypes.
+    when it is registered (`loaded()`), else through ctypes. For measurements and checks: a layer's decode step calls
+    the GEMV its plan names (`gemv.row_product`).
 
     Raises:
         RuntimeError: the kernels are unavailable or refused the arguments (naming them).
     """
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int4_gemv(x, weight, scale_zero, group_size)
     return native.int4_gemv(x, weight, scale_zero, group_size)
 
 
 def int4_gemv_avx2(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """`native.int4_gemv_avx2` through the dispatcher operator when it is registered, else through ctypes."""
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int4_gemv_avx2(x, weight, scale_zero, group_size)
     return native.int4_gemv_avx2(x, weight, scale_zero, group_size)
 
@@ -94,7 +89,7 @@ def int4_gemv_a8(
 ) -> torch.Tensor:
     """`native.int4_gemv_a8` through the dispatcher operator when it is registered, else through ctypes; as
     `int4_gemv`."""
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
     return native.int4_gemv_a8(x, weight, scale_zero, group_size, block_n)
 
@@ -102,7 +97,7 @@ def int4_gemv_a8(
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`native.int8_gemv` through the dispatcher operator when it is registered, else through ctypes; as
     `int4_gemv`."""
-    if AVAILABLE:
+    if loaded():
         return torch.ops.hfquant_cpu.int8_gemv(x, weight, scale)
     return native.int8_gemv(x, weight, scale)
 

@@ -14,7 +14,8 @@ from hfquant.nn.float_linear import (
     takes_one_row_path,
     use_float_linear,
 )
-from hfquant.ops import gemv, native
+from hfquant.ops import choice, gemv, native
+from hfquant.ops.gemv import RowKernel
 
 
 def _within_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -31,8 +32,7 @@ def _within_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 @pytest.fixture(autouse=True)
 def aten_gemv_unless_asked(monkeypatch):
     """The tests below check ATen's one-row path: no shape takes hfquant's bf16 GEMV unless a test lists it."""
-    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "aten")
-    monkeypatch.setattr(gemv, "NATIVE_BF16_ROWS", {})
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "aten")  # read when use_float_linear plans a layer
 
 
 @pytest.fixture
@@ -191,13 +191,14 @@ def test_native_bf16_gemv_refuses_k_not_a_multiple_of_32():
 
 @needs_bf16_gemv
 def test_one_row_of_a_shape_timed_faster_runs_the_native_gemv(layer, monkeypatch):
-    """A shape listed in NATIVE_BF16_ROWS runs hfquant's GEMV (F.linear is not called), in eager and through the
-    compiled op's Python body; two rows still go to F.linear."""
-    monkeypatch.setitem(gemv.NATIVE_BF16_ROWS, (4096, 576), True)
+    """A layer planned with hfquant's GEMV (`row_kernel`, here as HFQUANT_KERNEL_CHOICE=native plans it) runs it
+    (F.linear is not called), in eager and through the compiled op's Python body; two rows still go to F.linear."""
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
     calls = []
     real_linear = F.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real_linear(*a, **k))
     use_float_linear(nn.Sequential(layer))
+    assert layer.row_kernel is RowKernel.BF16_GEMV
     x = torch.randn((1, 576), dtype=torch.bfloat16)
     y = layer(x)
     assert calls == [] and torch.equal(y, native.bf16_gemv(x, layer.weight, layer.bias))
@@ -208,7 +209,11 @@ def test_one_row_of_a_shape_timed_faster_runs_the_native_gemv(layer, monkeypatch
 
 def test_use_float_linear_asks_the_kernel_choice_for_bfloat16_layers_only(monkeypatch):
     asked = []
-    monkeypatch.setattr(gemv, "choose_bf16_row_kernel", lambda n, k: asked.append((n, k)) or False)
+    monkeypatch.setattr(gemv, "native_bf16_works", lambda: True)
+    monkeypatch.setattr(choice, "bf16_row_uses_native", lambda n, k: asked.append((n, k)) or False)
     model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16), nn.Linear(32, 64).float())
     assert use_float_linear(model) == 2
     assert asked == [(32, 64)]  # the float32 layer keeps the default path and is not timed
+    assert [layer.row_kernel for layer in model] == [RowKernel.ATEN, RowKernel.ATEN]
+    restore_nn_linear(model)
+    assert "row_kernel" not in model[0].__dict__

@@ -9,7 +9,7 @@ from hfquant.config import HfQuantConfig
 from hfquant.core.format import StoredFormat
 from hfquant.integration.quantizer import HfQuantQuantizer
 from hfquant.nn.linear import QuantLinear
-from hfquant.ops import gemv, kernels
+from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
 
@@ -20,9 +20,7 @@ from hfquant.ops.kernels import Kernel
 # 1 row: hfquant's GEMV where it works (forced: HFQUANT_KERNEL_CHOICE=native); 130 >= kernels.GEMM_MIN_ROWS: chunked GEMM
 @pytest.mark.parametrize("rows", [1, 3, 130], ids=["one-row", "decode", "prefill"])
 def test_quant_linear_compiles_without_graph_breaks(bits, group_size, symmetric, kernel, rows, monkeypatch):
-    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
-    monkeypatch.setattr(gemv, "NATIVE_INT4_ROWS", {})
-    monkeypatch.setattr(gemv, "NATIVE_INT8_ROWS", {})
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # read when the layer is planned
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn((256, 512), generator=generator) * 0.02).to(torch.bfloat16)

@@ -9,7 +9,8 @@ import torch
 
 from hfquant import QuantLinear
 from hfquant.core.format import StoredFormat
-from hfquant.ops import choice, gemv, native, torch_ops
+from hfquant.ops import choice, gemv, native, plan
+from hfquant.ops.gemv import RowKernel
 from hfquant.ops.kernels import Kernel
 
 NEEDS_NATIVE = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's native int4 GEMV does not work here")
@@ -20,15 +21,13 @@ NEEDS_NATIVE_INT8 = pytest.mark.skipif(
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """No decision taken yet in this process, an empty cache folder, the default mode."""
+    """No decision taken yet in this process, an empty cache folder, the default mode; the decisions taken here (on
+    made-up timings) are forgotten afterwards."""
     monkeypatch.setenv("HFQUANT_CACHE", str(tmp_path))
     monkeypatch.delenv("HFQUANT_KERNEL_CHOICE", raising=False)
-    monkeypatch.setattr(choice, "_decisions", {})
-    monkeypatch.setattr(gemv, "NATIVE_INT4_ROWS", {})
-    monkeypatch.setattr(gemv, "NATIVE_INT8_ROWS", {})
-    monkeypatch.setattr(gemv, "COMPILED_INT4_ROWS", {})
-    monkeypatch.setattr(gemv, "COMPILED_INT8_ROWS", {})
-    return tmp_path
+    choice._measured.cache_clear()
+    yield tmp_path
+    choice._measured.cache_clear()
 
 
 def _timings(native_s: float, aten_s: float, calls: list):
@@ -59,7 +58,7 @@ def test_the_faster_kernel_is_kept_and_a_tie_goes_to_aten(fresh, monkeypatch, na
 def test_a_new_process_reads_the_decision_from_the_cache_file(fresh, monkeypatch):
     monkeypatch.setattr(choice, "measure_int4_row", _timings(2e-5, 1e-5, []))
     assert choice.int4_row_uses_native(512, 2048, 64) is False
-    monkeypatch.setattr(choice, "_decisions", {})  # as in a new process
+    choice._measured.cache_clear()  # as in a new process
 
     def never(*args):
         raise AssertionError("measured again although the cache file holds the decision")
@@ -68,7 +67,7 @@ def test_a_new_process_reads_the_decision_from_the_cache_file(fresh, monkeypatch
     assert choice.int4_row_uses_native(512, 2048, 64) is False
     # another CPU (or torch) has its own entry: measured there
     monkeypatch.setattr(choice, "cpu_signature", lambda: "Other CPU | family 6 model 143 | avx2 | torch 2.13.0")
-    monkeypatch.setattr(choice, "_decisions", {})
+    choice._measured.cache_clear()
     calls = []
     monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5, 2e-5, calls))
     assert choice.int4_row_uses_native(512, 2048, 64) is True and calls == [(512, 2048, 64)]
@@ -123,13 +122,13 @@ def test_one_row_of_a_prepared_layer_runs_the_kernel_chosen_for_its_shape(fresh,
     monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5 if native_faster else 3e-5, 2e-5, []))
     layer = _layer()
     assert layer.kernel == Kernel.INT4PACK_MM_CPU
-    assert gemv.NATIVE_INT4_ROWS == {(128, 256, 64): native_faster}
+    assert layer.plan.row == (RowKernel.INT4_GEMV if native_faster else RowKernel.ATEN)
     used = []
-    real = torch_ops.int4_gemv
-    monkeypatch.setattr(torch_ops, "int4_gemv", lambda *args: used.append(1) or real(*args))
+    real = gemv.row_product
+    monkeypatch.setattr(gemv, "row_product", lambda *args: used.append(args[0]) or real(*args))
     x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = layer(x)
-    assert bool(used) is native_faster
+    assert used == ([RowKernel.INT4_GEMV] if native_faster else [])
     # either kernel computes the same product: within bf16 rounding of the dequantized reference
     reference = x.float() @ layer.dequantize(torch.float32).t()
     assert torch.allclose(y.float(), reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
@@ -177,10 +176,11 @@ def test_one_row_of_a_prepared_int8_layer_runs_the_kernel_chosen_for_its_shape(f
     weight = torch.randn((96, 256), generator=torch.Generator().manual_seed(0))
     layer = QuantLinear.from_float(weight, None, StoredFormat(8, 256, True))
     layer.prepare_kernel(torch.bfloat16)
-    assert layer.kernel == Kernel.INT8PACK_MM and gemv.NATIVE_INT8_ROWS == {(96, 256): native_faster}
+    assert layer.kernel == Kernel.INT8PACK_MM
+    assert layer.plan.row == (RowKernel.INT8_GEMV if native_faster else RowKernel.ATEN)
     used = []
-    real = torch_ops.int8_gemv
-    monkeypatch.setattr(torch_ops, "int8_gemv", lambda *args: used.append(1) or real(*args))
+    real = gemv.row_product
+    monkeypatch.setattr(gemv, "row_product", lambda *args: used.append(1) or real(*args))
     x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = layer(x)
     assert bool(used) is native_faster
@@ -203,8 +203,9 @@ def test_compiled_graphs_keep_the_gemv_only_where_it_beats_the_custom_op_overhea
     14.8 us made compiled decoding 0.88x aten's speed)."""
     monkeypatch.setattr(choice, "measure_int4_row", _timings(native_us * 1e-6, aten_us * 1e-6, []))
     monkeypatch.setattr(gemv, "custom_op_overhead_s", lambda: 9e-6)
-    assert gemv.choose_int4_row_kernel(576, 576, 64) is True
-    assert gemv.COMPILED_INT4_ROWS[(576, 576, 64)] is compiled
+    layer_plan = plan.plan_kernel(StoredFormat(4, 64, False), 576, 576, "cpu", torch.bfloat16)
+    assert layer_plan.row is RowKernel.INT4_GEMV
+    assert layer_plan.compiled_row is (RowKernel.INT4_GEMV if compiled else RowKernel.ATEN)
     assert choice.row_timings(576, 576, 64) == pytest.approx((native_us * 1e-6, aten_us * 1e-6))
 
 

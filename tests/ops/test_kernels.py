@@ -1,5 +1,8 @@
 """Tests of hfquant.ops.kernels: which kernel `select_kernel` picks on CPU, and each kernel against the dequantize reference.
 
+Products run as a layer's plan says (`hfquant.ops.plan.plan_kernel` with `HFQUANT_KERNEL_CHOICE=native`: one
+bfloat16 row takes hfquant's GEMV wherever it works here), the reference as `kernels.plain_plan(Kernel.DEQUANT, ...)`.
+
 Tolerances (all relative to max |reference| of the output):
   - bfloat16 activations: 2%. The aten kernels and the reference both round the output to bfloat16 (2**-9 relative)
     and the int4 kernels also hold scale and (8 - z) * scale in bfloat16 (2**-9 each), so a few 2**-9 of the
@@ -22,8 +25,8 @@ import torch
 import hfquant
 from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
-from hfquant.ops import kernels
-from hfquant.ops.kernels import Kernel
+from hfquant.ops import kernels, plan
+from hfquant.ops.kernels import Kernel, LayerTensors
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
@@ -51,6 +54,18 @@ def _layer(bits: int, symmetric: bool, group: int, n: int, k: int, seed: int = 0
     qt = rtn.quantize_weight(weight, bits, group, symmetric)
     stored = packing.pack_int4(qt.q) if bits == 4 else qt.q
     return qt, stored
+
+
+@pytest.fixture(autouse=True)
+def gemv_where_it_works(monkeypatch):
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # no timing; read when a plan is made
+
+
+def _plans(kernel: str, fmt: StoredFormat, n: int, k: int, dtype: torch.dtype):
+    """(the layer's plan, the dequantize reference's plan)."""
+    layer_plan = plan.plan_kernel(fmt, k, n, "cpu", dtype)
+    assert layer_plan.kernel == kernel
+    return layer_plan, kernels.plain_plan(Kernel.DEQUANT, fmt, k, n, "cpu")
 
 
 def _runtime(kernel: str, qt, stored: torch.Tensor, k: int, dtype: torch.dtype):
@@ -137,11 +152,12 @@ def test_quantized_matmul_matches_the_dequantize_reference(case, dtype):
     qt, stored = _layer(bits, symmetric, group, n, k, seed=n + k)
     weight, scale_zero = _runtime(kernel, qt, stored, k, dtype)
     w_hat = rtn.dequantize_weight(qt.q, qt.scale, qt.zero_point, bits, symmetric).double()
-    options = dict(fmt=StoredFormat(bits, group, symmetric), in_features=k, out_features=n)
+    layer_plan, reference_plan = _plans(kernel, StoredFormat(bits, group, symmetric), n, k, dtype)
+    tensors = LayerTensors(weight, qt.scale, qt.zero_point, scale_zero)
     for index, batch in enumerate(BATCH_SHAPES):
         x = torch.randn((*batch, k), generator=torch.Generator().manual_seed(index)).to(dtype)
-        y = kernels.quantized_matmul(kernel, x, weight, qt.scale, qt.zero_point, scale_zero, **options)
-        reference = kernels.quantized_matmul("dequant", x, stored, qt.scale, qt.zero_point, None, **options)
+        y = kernels.quantized_matmul(layer_plan, tensors, x)
+        reference = kernels.quantized_matmul(reference_plan, LayerTensors(stored, qt.scale, qt.zero_point), x)
         exact = x.double() @ w_hat.T  # float64 product with the dequantized weight
         assert y.dtype == dtype and y.shape == (*batch, n)
         assert reference.dtype == dtype and reference.shape == (*batch, n)
@@ -168,7 +184,7 @@ def test_many_rows_run_chunk_by_chunk_and_match_the_reference(
     monkeypatch.setattr(kernels, "_GEMM_CHUNK_BYTES", 1)
     qt, stored = _layer(bits, symmetric, group, n, k, seed=n)
     weight, scale_zero = _runtime(kernel, qt, stored, k, dtype)
-    options = dict(fmt=StoredFormat(bits, group, symmetric), in_features=k, out_features=n)
+    layer_plan, reference_plan = _plans(kernel, StoredFormat(bits, group, symmetric), n, k, dtype)
     calls = []
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a))
@@ -176,8 +192,8 @@ def test_many_rows_run_chunk_by_chunk_and_match_the_reference(
         x = (
             torch.randn((kernels.GEMM_MIN_ROWS[kernel] + 5, k), generator=torch.Generator().manual_seed(1)) * scale
         ).to(dtype)
-        y = kernels.quantized_matmul(kernel, x, weight, qt.scale, qt.zero_point, scale_zero, **options)
-        reference = kernels.quantized_matmul("dequant", x, stored, qt.scale, qt.zero_point, None, **options)
+        y = kernels.quantized_matmul(layer_plan, LayerTensors(weight, qt.scale, qt.zero_point, scale_zero), x)
+        reference = kernels.quantized_matmul(reference_plan, LayerTensors(stored, qt.scale, qt.zero_point), x)
         assert torch.isfinite(y).all()
         limit = TOLERANCE[dtype] * reference.double().abs().max().item()
         assert (y.double() - reference.double()).abs().max().item() <= limit
@@ -195,8 +211,10 @@ spec = json.loads(sys.argv[1])
 package = types.ModuleType("hfquant")
 package.__path__ = spec["path"]
 sys.modules["hfquant"] = package
+import os
+os.environ["HFQUANT_KERNEL_CHOICE"] = "native"  # one bfloat16 row: hfquant's GEMV wherever it works, no timing
 import torch
-from hfquant.ops import kernels
+from hfquant.ops import kernels, plan
 from hfquant.core import packing
 from hfquant.core import rtn
 from hfquant.core.format import StoredFormat
@@ -219,11 +237,12 @@ for (expected_kernel, bits, symmetric, group, n, k), dtype_name, batches in spec
     stored = packing.pack_int4(qt.q) if bits == 4 else qt.q
     runtime = kernels.prepare_weight(kernel, qt.q if kernel in kernels.INT4_KERNELS else stored, k)
     sz = kernels.scale_zero_for_int4(qt.scale, qt.zero_point, dtype) if kernel in kernels.INT4_KERNELS else None
-    options = dict(fmt=StoredFormat(bits, group, symmetric), in_features=k, out_features=n)
+    layer_plan = plan.plan_kernel(StoredFormat(bits, group, symmetric), k, n, "cpu", dtype)
+    tensors = kernels.LayerTensors(runtime, qt.scale, qt.zero_point, sz)
     w_hat = rtn.dequantize_weight(qt.q, qt.scale, qt.zero_point, bits, symmetric).double()
 
     def run(x):
-        return kernels.quantized_matmul(kernel, x, runtime, qt.scale, qt.zero_point, sz, **options)
+        return kernels.quantized_matmul(layer_plan, tensors, x)
 
     inputs, outputs = [], []
     for batch in batches:  # contiguous, aligned inputs first

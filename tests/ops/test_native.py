@@ -4,6 +4,8 @@ fallbacks when they cannot be used (building and trusting the library: test_nati
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import run_python
@@ -11,7 +13,9 @@ from helpers import run_python
 from hfquant import QuantLinear
 from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
-from hfquant.ops import gemv, kernels, native, torch_ops
+from hfquant.ops import gemv, kernels, native
+from hfquant.ops.gemv import RowKernel
+from hfquant.ops.kernels import Kernel
 
 needs_native = pytest.mark.skipif(
     not gemv.native_int4_works(), reason="native int4 GEMV unavailable here (no compiler or no AVX512-BF16)"
@@ -21,7 +25,7 @@ needs_native = pytest.mark.skipif(
 def _layer(n: int, k: int, group: int, symmetric: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, symmetric)
-    runtime = kernels.prepare_weight("int4pack_mm_cpu", q.q, k)  # also sets the layout globals kernels reads
+    runtime = kernels.prepare_weight("int4pack_mm_cpu", q.q, k)
     sz = kernels.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     return q, runtime, sz, x
@@ -99,16 +103,18 @@ def test_refuses_shapes_it_does_not_handle():
 @needs_native
 @pytest.mark.parametrize("n", [4096, 80])
 def test_quant_linear_single_row_dispatch(n, monkeypatch):
-    """One bfloat16 row of a 64-row-aligned layer goes through the native GEMV, anything else through aten."""
+    """One bfloat16 row of a 64-row-aligned layer goes through the native GEMV (where chosen: forced here), anything
+    else through aten."""
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
     layer = QuantLinear.from_float(torch.randn(n, 512), None, StoredFormat(4, 128, False))
     layer.prepare_kernel(torch.bfloat16)
     calls = []
-    real = torch_ops.int4_gemv
-    monkeypatch.setattr(torch_ops, "int4_gemv", lambda *a: calls.append(1) or real(*a))
+    real = gemv.row_product
+    monkeypatch.setattr(gemv, "row_product", lambda *a: calls.append(a[0]) or real(*a))
     x = torch.randn((3, 512), dtype=torch.bfloat16)
     rows = torch.cat([layer(x[i : i + 1]) for i in range(3)])
     together = layer(x)
-    assert len(calls) == (3 if n % 64 == 0 else 0)
+    assert calls == ([RowKernel.INT4_GEMV] * 3 if n % 64 == 0 else [])
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.weight, 128, layer.scale_zero)
     # both sum the same products in float32 in different orders and round once to bfloat16
     tolerance = dict(rtol=2**-7, atol=2**-12 * aten.abs().max().item())
@@ -132,11 +138,13 @@ FALLBACK = """
     logging.basicConfig(level=logging.INFO)
     from hfquant import QuantLinear
     from hfquant.ops import kernels, native
+    from hfquant.ops.gemv import RowKernel
     from hfquant.core.format import StoredFormat
     layer = QuantLinear.from_float(torch.randn(128, 256), None, StoredFormat(4, 64, False))
     layer.prepare_kernel(torch.bfloat16)
     x = torch.randn((1, 256), dtype=torch.bfloat16)
-    assert native.int4_cpu_library() is None and not kernels._NATIVE_INT4
+    assert native.int4_cpu_library() is None and layer.plan.row is layer.plan.compiled_row is RowKernel.ATEN
+    assert not layer.plan.native_dequant
     expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.weight, 64, layer.scale_zero)
     assert torch.equal(layer(x), expected)
     print("fallback ok")
@@ -195,11 +203,11 @@ def test_prefill_gemm_with_native_dequantization_matches_torch_ops(monkeypatch):
     calls = []
     real = native.int4_dequantize_t
     monkeypatch.setattr(native, "int4_dequantize_t", lambda *a: calls.append(a[3:5]) or real(*a))
-    monkeypatch.setattr(kernels, "_NATIVE_INT4", True)
-    with_c = kernels._dequantized_gemm("int4pack_mm_cpu", x, runtime, None, sz, 128, n)
+    plan = kernels.plain_plan(Kernel.INT4PACK_MM_CPU, StoredFormat(4, 128, False), k, n, "cpu")
+    tensors = kernels.LayerTensors(runtime, q.scale, None, sz)
+    with_c = kernels._dequantized_gemm(dataclasses.replace(plan, native_dequant=True), tensors, x)
     assert calls == [(0, 1024), (1024, 2048), (2048, 2112)]
-    monkeypatch.setattr(kernels, "_NATIVE_INT4", False)
-    with_torch = kernels._dequantized_gemm("int4pack_mm_cpu", x, runtime, None, sz, 128, n)
+    with_torch = kernels._dequantized_gemm(dataclasses.replace(plan, native_dequant=False), tensors, x)
     assert len(calls) == 3 and with_c.shape == (200, n)
     # weights differ by at most one bfloat16 rounding (the offset is rounded first in the torch path)
     assert torch.allclose(with_c.float(), with_torch.float(), rtol=2**-6, atol=2**-6 * with_torch.abs().max().item())

@@ -182,8 +182,7 @@ def test_a_machine_without_the_w4a8_gemv_says_so_and_decodes_with_float_activati
 ):
     from hfquant.integration import decode_activations
 
-    monkeypatch.setattr(kernels, "_NATIVE_INT4_A8", False)
-    monkeypatch.setattr(kernels, "_note_cpu_int4_layout", lambda: None)  # keep the patched value through loading
+    monkeypatch.setattr(gemv, "native_int4_a8_works", lambda: False)  # read when the layers are planned
     config = HfQuantConfig(bits=4, group_size=32, method="rtn", mixed_precision="none", decode_activations="int8")
     with caplog.at_level("WARNING", logger=decode_activations.__name__):
         model = AutoModelForCausalLM.from_pretrained(
@@ -215,11 +214,11 @@ def test_with_pytorch_at_avx2_a_layer_decodes_with_the_avx2_gemvs(float_checkpoi
                                        StoredFormat(4, 64, False))
         layer.prepare_kernel(torch.bfloat16)
         assert layer.kernel == kernels.Kernel.INT4PACK_MM_CPU and not gemv.native_int4_works()
-        assert kernels._CPU_INT4_BLOCKS == 32 and kernels.int8_decode_activations_available()
+        assert layer.plan.cpu_int4_block == 32 and kernels.int8_decode_activations_available()
         row = torch.randn((1, 576), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
         aten = torch.ops.aten._weight_int4pack_mm_for_cpu(row, layer.weight, 64, layer.scale_zero)
         # HFQUANT_KERNEL_CHOICE=native: the row goes to hfquant's AVX2 GEMV, within bfloat16 rounding of aten's
-        assert kernels._NATIVE_INT4_AVX2 and gemv.NATIVE_INT4_ROWS[(96, 576, 64)]
+        assert layer.plan.row is layer.plan.compiled_row is gemv.RowKernel.INT4_GEMV_AVX2
         plain = layer(row)
         assert torch.equal(plain, native.int4_gemv_avx2(row, layer.weight, layer.scale_zero, 64))
         assert torch.allclose(plain.float(), aten.float(), rtol=0.01, atol=0.01 * aten.float().abs().max().item())

@@ -1,0 +1,135 @@
+"""A layer's kernel plan, decided once per layer and device: `plan_kernel` (quantized layers) and `plan_bf16_row`
+(bfloat16 layers kept in float).
+
+Everything that says which kernel multiplies a layer's activations is decided here, from what is known when the
+layer is prepared, and carried as one immutable value (`kernels.KernelPlan`) that the layer stores:
+
+- the GEMM kernel (`kernels.select_kernel`: the aten kernel that fits the format and passed its probe on the device,
+  else `Kernel.DEQUANT`), and from how many rows its layers run the chunked dequantized GEMM (`kernels.plain_plan`);
+- the one-row (decode) kernel, in eager and in compiled graphs: hfquant's GEMV where it works here (`hfquant.ops.gemv`)
+  and was timed faster on the layer's shape on this CPU (`hfquant.ops.choice`, its disk cache and
+  `HFQUANT_KERNEL_CHOICE`), in compiled graphs only where it beats aten by more than a custom op's call cost
+  (`gemv.custom_op_overhead_s`, 0 where the dispatcher operators load); else aten's kernel;
+- how the GEMV is called (`gemv.RowCall`: the dispatcher operator where `torch_ops.loaded()`, else ctypes in eager and
+  the Python custom op in compiled graphs);
+- the activation format: with `DecodeActivations.INT8`, the W4A8 GEMV for one row of a CPU int4 layer where it works
+  (`gemv.native_int4_a8_works`, whole blocks, groups of a multiple of 32);
+- whether the chunked GEMM of a CPU int4 layer dequantizes in C (`gemv.native_int4_works`, N % 64 == 0).
+
+The probes and timings behind these are cached per process behind their functions, so planning many layers of one
+shape measures once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hfquant.core.format import StoredFormat
+from hfquant.ops import choice, gemv, kernels, torch_ops
+from hfquant.ops.gemv import RowCall, RowKernel
+from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan
+
+__all__ = ["plan_kernel", "plan_bf16_row"]
+
+
+def plan_kernel(
+    fmt: StoredFormat,
+    in_features: int,
+    out_features: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    activations: DecodeActivations | str = DecodeActivations.FLOAT,
+) -> KernelPlan:
+    """The plan of a layer of this stored format and shape on `device` (see the module docstring).
+
+    Args:
+        fmt: the stored format.
+        in_features, out_features: K and N.
+        device: where the layer's tensors are.
+        dtype: the activation dtype the layer was prepared for (its int4 (scale, zero) pairs are built in it); the
+            one-row kernels are timed for bfloat16 layers.
+        activations: "float" or "int8" (`DecodeActivations`).
+    Raises:
+        ValueError: `activations` is not "float" or "int8"; a bad `HFQUANT_KERNEL_CHOICE`.
+    """
+    activations = DecodeActivations(activations)
+    device = torch.device(device)
+    kernel = kernels.select_kernel(fmt, in_features=in_features, out_features=out_features, device=device)
+    plan = dataclasses.replace(
+        kernels.plain_plan(kernel, fmt, in_features, out_features, device.type), activations=activations
+    )
+    if device.type != "cpu":
+        return plan
+    if kernel == Kernel.INT4PACK_MM_CPU:
+        return _int4_rows(plan, dtype)
+    if kernel == Kernel.INT8PACK_MM and dtype == torch.bfloat16:
+        return _int8_rows(plan)
+    return plan
+
+
+def _int4_rows(plan: KernelPlan, dtype: torch.dtype) -> KernelPlan:
+    """`plan` of a CPU int4 layer with its one-row kernels and its C dequantization for the chunked GEMM."""
+    n, k, group_size, block = plan.out_features, plan.in_features, plan.group_size, plan.cpu_int4_block
+    native_dequant = n % 64 == 0 and gemv.native_int4_works()  # the 64-row blocks of the AVX-512 layout
+    plan = dataclasses.replace(plan, native_dequant=native_dequant)
+    whole_blocks = block > 0 and n % block == 0 and group_size % 32 == 0
+    if plan.activations is DecodeActivations.INT8 and whole_blocks and gemv.native_int4_a8_works():
+        row = RowKernel.INT4_A8 if block == 64 else RowKernel.INT4_A8_AVX2
+        return _with_row(plan, row, True)
+    if native_dequant:
+        row = RowKernel.INT4_GEMV
+    elif block == 32 and whole_blocks and gemv.native_int4_avx2_works():
+        row = RowKernel.INT4_GEMV_AVX2
+    else:
+        return plan
+    if dtype != torch.bfloat16:  # not timed: a bfloat16 row of such a layer takes the GEMV
+        return _with_row(plan, row, True)
+    eager = choice.int4_row_uses_native(n, k, group_size)
+    return _with_row(plan, row if eager else RowKernel.ATEN, eager and _wins_compiled(n, k, group_size))
+
+
+def _int8_rows(plan: KernelPlan) -> KernelPlan:
+    """`plan` of a CPU int8 layer (bfloat16 activations) with its one-row kernel."""
+    n, k = plan.out_features, plan.in_features
+    if k % 16 or not gemv.native_int8_works() or not choice.int8_row_uses_native(n, k):
+        return plan
+    return _with_row(plan, RowKernel.INT8_GEMV, _wins_compiled(n, k, None))
+
+
+def _with_row(plan: KernelPlan, row: RowKernel, in_graphs: bool) -> KernelPlan:
+    """`plan` whose one row runs `row` in eager, and in compiled graphs where `in_graphs`, called the cheapest way."""
+    if row is RowKernel.ATEN:
+        return plan
+    operators = torch_ops.loaded()
+    return dataclasses.replace(
+        plan,
+        row=row,
+        row_call=RowCall.OPERATOR if operators else RowCall.CTYPES,
+        compiled_row=row if in_graphs else RowKernel.ATEN,
+        compiled_row_call=RowCall.OPERATOR if operators else RowCall.CUSTOM_OP,
+    )
+
+
+def _wins_compiled(n: int, k: int, group_size: int | None) -> bool:
+    """Whether the GEMV, timed (GEMV s, aten s) in eager, stays faster when a compiled graph calls it as a custom op.
+    Without timings (a forced choice) the eager choice stands."""
+    timings = choice.row_timings(n, k, group_size)
+    if timings is None:
+        return True
+    native_s, aten_s = timings
+    return native_s + gemv.custom_op_overhead_s() < aten_s
+
+
+def plan_bf16_row(weight: torch.Tensor) -> RowKernel:
+    """The kernel of one bfloat16 row of a layer kept in float with this (N, K) weight (`FloatLinear.row_kernel`):
+    `RowKernel.BF16_GEMV` where hfquant's bf16 GEMV works here (`gemv.native_bf16_works`, K % 32 == 0) and was timed
+    faster on the shape on this CPU (`choice.bf16_row_uses_native`), else `RowKernel.ATEN`. Only bfloat16 CPU weights
+    are timed."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return RowKernel.ATEN
+    n, k = weight.shape
+    if k % 32 or not gemv.native_bf16_works() or not choice.bf16_row_uses_native(n, k):
+        return RowKernel.ATEN
+    return RowKernel.BF16_GEMV
