@@ -16,7 +16,7 @@ from hfquant.checkpoint.files import (
     require_inside,
 )
 from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
-from hfquant.integration.conversions import model_key_map
+from hfquant.integration.conversions import key_map
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.linear import QuantLinear
@@ -25,6 +25,7 @@ __all__ = [
     "read_single_copies",
     "check_stored_tensors",
     "confirm_checkpoint_unchanged",
+    "check_reloaded_values",
     "stored_value_problems",
     "weights_to_quantize",
     "warn_offloaded_buffers",
@@ -56,9 +57,10 @@ def read_single_copies(files) -> dict[str, TensorHeader]:
     return tensors
 
 
-def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
+def check_stored_tensors(model: nn.Module, files, conversions: list) -> int:
     """Compare hfquant's stored tensors in the safetensors `files` with the prepared skeleton `model` before a
-    pre-quantized load; returns the tensors compared.
+    pre-quantized load, their names mapped with the weight `conversions` of the load (`get_model_conversion_mapping`
+    with the quantizer); returns the tensors compared.
 
     Raises:
         ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix; a file that
@@ -75,7 +77,7 @@ def check_stored_tensors(model: nn.Module, files, quantizer) -> int:
     if any(value is not None for value in ids.values()):  # compared again after: `confirm_checkpoint_unchanged`
         model._hfquant_checkpoint_ids = ids
     tensors = read_single_copies(files)
-    problems, compared = schema_problems(model, tensors, model_key_map(model, tensors, quantizer), loading=True)
+    problems, compared = schema_problems(model, tensors, key_map(model, tensors, conversions), loading=True)
     if problems:
         raise ValueError(problem_text(problems))
     return compared
@@ -105,6 +107,21 @@ def confirm_checkpoint_unchanged(model) -> None:
                 f"{Path(file).parent}: a convert --overwrite or a copy replaced files meanwhile, so the weights read may "
                 "mix two saves); retry"
             )
+
+
+def check_reloaded_values(model: nn.Module) -> None:
+    """After a pre-quantized load: refuse impossible stored values by name (one NaN or zero scale would turn every
+    logit NaN, silently: `stored_value_problems`), then check that the shards read are still the files'
+    (`confirm_checkpoint_unchanged`: else a `convert --overwrite` swapped the folder meanwhile and the weights may mix
+    two saves).
+
+    Raises:
+        ValueError: naming every impossible value (`problem_text`), or "the checkpoint changed while loading".
+    """
+    problems = stored_value_problems(model)
+    if problems:
+        raise ValueError(problem_text(problems, what="holds impossible values"))
+    confirm_checkpoint_unchanged(model)
 
 
 def stored_value_problems(model) -> list[str]:

@@ -4,8 +4,9 @@ transformers 5.x renames checkpoint keys on load (`WeightRenaming`: legacy names
 splits some tensors (`WeightConverter`: MoE experts); `save_pretrained` applies the reverse. `model_key_map` gives the
 model name of every file tensor (for the schema check of a pre-quantized load and `hfquant verify`); `plan_outputs`
 gives, for `hfquant convert`, every tensor `save_pretrained` would write, in its order and naming, with the source
-tensor it comes from. With `hfquant.integration.quantizer` this is the only module that imports transformers' private
-loading modules (`transformers.core_model_loading`, `transformers.conversion_mapping`).
+tensor it comes from; `expert_scale_conversions` copies the MoE experts' weight merges for their scales and zero
+points. With `hfquant.integration.quantizer` this is the only module that imports transformers' private loading
+modules (`transformers.core_model_loading`, `transformers.conversion_mapping`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from transformers.core_model_loading import (
 )
 
 from hfquant.core.dtypes import dtype_name
+from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts
 
-__all__ = ["model_key_map", "QuantJob", "Output", "plan_outputs"]
+__all__ = [
+    "model_key_map",
+    "key_map",
+    "expert_scale_conversions",
+    "keep_expert_scale_conversions",
+    "QuantJob",
+    "Output",
+    "plan_outputs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +61,75 @@ def _renamed_keys(model, file_keys: Iterable[str], conversions) -> dict[str, tup
 
 
 def model_key_map(model, file_keys: Iterable[str], quantizer=None) -> dict[str, str | None]:
-    """File tensor name -> model state_dict name as the loader renames it (None when a weight converter fuses it)."""
-    conversions = get_model_conversion_mapping(model, None, quantizer)
+    """File tensor name -> model state_dict name as the loader renames it (None when a weight converter fuses it),
+    with the model's conversions and those `quantizer` (a transformers `HfQuantizer`, or None) adds."""
+    return key_map(model, file_keys, get_model_conversion_mapping(model, None, quantizer))
+
+
+def key_map(model, file_keys: Iterable[str], conversions: list) -> dict[str, str | None]:
+    """`model_key_map` with the weight `conversions` given (`get_model_conversion_mapping`'s list)."""
     return {
         key: renamed if pattern is None else None
         for key, (renamed, pattern) in _renamed_keys(model, file_keys, conversions).items()
     }
+
+
+def _expert_scale_copies(converter, suffixes: list[str]) -> list:
+    """Copies of `converter`, a merge of per-expert weights into one `QuantExperts` projection, for each of the
+    `suffixes` ("_scale", "_zero_point"); none when `converter` is not such a merge."""
+    if not isinstance(converter, WeightConverter):
+        return []
+    sources, targets = converter._original_source_patterns, converter._original_target_patterns
+    if len(targets) != 1 or targets[0].rpartition(".")[2] not in EXPERT_PROJECTIONS:
+        return []
+    if not all(source.endswith(".weight") for source in sources):
+        return []
+    return [
+        converter.copy(
+            [source + suffix for source in sources], [targets[0] + suffix], operations=list(converter.operations)
+        )
+        for suffix in suffixes
+    ]
+
+
+def _expert_suffixes(model) -> list[str]:
+    """The stored tensors besides the codes of `model`'s `QuantExperts` projections; none without experts."""
+    experts = next((m for m in model.modules() if isinstance(m, QuantExperts)), None)
+    if experts is None:
+        return []
+    return ["_scale"] + ([] if experts.symmetric else ["_zero_point"])
+
+
+def expert_scale_conversions(conversions: list, model) -> list:
+    """For each converter of `conversions` that merges per-expert weights into a `QuantExperts` tensor of `model`, the
+    copies that merge (on load) and split (on save) its scales and zero points the same way: on disk every expert keeps
+    the layout of a quantized Linear (`experts.3.w1.weight`, `.weight_scale`, `.weight_zero_point`)."""
+    suffixes = _expert_suffixes(model)
+    if not suffixes:
+        return []
+    return [copy for converter in conversions for copy in _expert_scale_copies(converter, suffixes)]
+
+
+def keep_expert_scale_conversions(model) -> None:
+    """After loading: make `save_pretrained` split expert scales like the expert weights whenever the weights' merge
+    was used, by adding to `model._weight_conversions` (transformers keeps the used conversions there) the scale copies
+    (`expert_scale_conversions`) it does not hold yet."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        return
+    held = {_patterns(c) for c in conversions}
+    for copy in expert_scale_conversions(list(conversions), model):
+        if _patterns(copy) not in held:
+            conversions.append(copy)
+
+
+def _patterns(conversion) -> tuple:
+    return (
+        type(conversion),
+        tuple(conversion._original_source_patterns),
+        tuple(conversion._original_target_patterns),
+        conversion.scope_prefix,
+    )
 
 
 class QuantJob(NamedTuple):

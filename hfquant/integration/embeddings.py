@@ -1,13 +1,21 @@
-"""Embeddings and the output embedding under hfquant's quantizer: which are quantized, cast or tied, on the meta model.
+"""Embeddings and the output embedding under hfquant's quantizer: which are quantized, cast or tied, and the ties kept.
 
 `embedding_dtype` stores every `nn.Embedding` in a float dtype or as a `QuantEmbedding`; `lm_head` stores the output
 embedding in float or as a `QuantLinear`. A lm_head tied to the input embedding is one tensor with it: quantized if
 either field asks, stored once, read by both (the ties are hfquant's, not transformers', once the tensors are buffers).
+
+    plan = plan_embeddings(model, config, compute)                 # decided on the meta model, nothing changed
+    replace_embeddings(model, plan.formats, plan.ties, compute)   # the swaps; transformers forgets these ties
+    ... the weights load ...
+    tie_buffers(model, plan.ties)                                  # each tied module gets its source's tensors
+    share_tied_kernels(model, plan.ties)                           # once lm_head picked its kernel: one tensor
+    tie_float_weights(model, plan.ties)                            # after dequantize(): one float tensor again
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -15,56 +23,82 @@ from torch import nn
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import torch_dtype
 from hfquant.core.format import StoredFormat
+from hfquant.nn.embedding import QuantEmbedding
+from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import (
     QUANTIZED_STORAGE,
     LayerPlan,
-    cast_float_params,
     embedding_kind,
     quantized_format,
     replace_tied_quant_linear,
     replace_with_quant_embedding,
-    replace_with_quant_linear,
 )
 
-__all__ = ["plan_embeddings_and_head", "output_embeddings", "module_name"]
+__all__ = [
+    "EmbeddingPlan",
+    "plan_embeddings",
+    "replace_embeddings",
+    "tied_modules",
+    "embedding_storage",
+    "tie_buffers",
+    "share_tied_kernels",
+    "tie_float_weights",
+    "output_embeddings",
+    "module_name",
+]
 
 logger = logging.getLogger(__name__)
 
+_TENSOR_NAMES = ("weight", "weight_scale", "weight_zero_point")
 
-def plan_embeddings_and_head(
-    model: nn.Module,
-    config: HfQuantConfig,
-    compute: torch.dtype,
-    adapters: dict[str, tuple[torch.dtype, bool]],
-    ties: list[tuple[str, str]],
-) -> int:
-    """Swap the embeddings (`embedding_dtype`) and the output embedding (`lm_head`) of the meta-device `model`.
 
-    Quantized embeddings become `QuantEmbedding`s, a quantized untied lm_head a `QuantLinear`, a lm_head tied to a
-    quantized embedding a `QuantLinear` reading that embedding's tensors; float embeddings stored in another dtype
-    are cast. Records in `adapters` (module -> (storage dtype, cast its float inputs)) the modules whose output must
-    be cast back to `compute`, and in `ties` the (module reading the tensors, module holding them) pairs; removes
-    those pairs from transformers' own `all_tied_weights_keys`. Returns the modules quantized.
+class EmbeddingPlan(NamedTuple):
+    """What happens to the embeddings and the output embedding of one model.
 
-    Raises:
-        ValueError: `lm_head` and `embedding_dtype` ask two different formats for one tied tensor.
+    Attributes:
+        formats: embedding -> its stored format, for each embedding that becomes a `QuantEmbedding` holding its tensors.
+        casts: float embedding -> the dtype it is stored in (other than the compute dtype).
+        adapters: module -> (storage dtype, cast its float inputs): modules whose output is cast back to the compute
+            dtype after loading (cast embeddings, their tied copies, a lm_head tied to a cast embedding).
+        ties: (module reading the tensors, module holding them): tied copies of a quantized embedding (which become
+            `QuantEmbedding`s with non-persistent tensors) and a lm_head tied to one (a `QuantLinear` likewise).
+        head: the plan of an untied lm_head stored as a `QuantLinear`, else None.
     """
-    user_skip = config.modules_to_not_convert
-    modules = dict(model.named_modules())
+
+    formats: dict[str, StoredFormat]
+    casts: dict[str, torch.dtype]
+    adapters: dict[str, tuple[torch.dtype, bool]]
+    ties: list[tuple[str, str]]
+    head: LayerPlan | None
+
+
+def tied_modules(model: nn.Module) -> dict[str, str]:
+    """Module reading a tied weight -> module holding it, from transformers' `all_tied_weights_keys` (weights only)."""
     tied_params = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    tied = {
+    return {
         t.removesuffix(".weight"): s.removesuffix(".weight")
         for t, s in tied_params.items()
         if t.endswith(".weight") and s.endswith(".weight")
     }
-    head = module_name(model, output_embeddings(model))
-    embeddings = [
-        name
-        for name, module in modules.items()
-        if embedding_kind(module) is not None and not matches_module(name, user_skip)
-    ]
-    # storage of each embedding that holds its own tensor; tied copies follow their source
-    storage = {name: config.embedding_dtype for name in embeddings if name not in tied}
+
+
+def embedding_storage(
+    model: nn.Module, config: HfQuantConfig, tied: dict[str, str], head: str | None
+) -> dict[str, str]:
+    """The storage ("auto", a float dtype name, "int8"/"int4") of each embedding holding its own tensor: the config's
+    `embedding_dtype`, or `lm_head`'s format for an embedding the lm_head is tied to when only `lm_head` asks for one.
+    Tied copies (`tied`) follow their source and are not listed; `modules_to_not_convert` ones stay as they are.
+
+    Raises:
+        ValueError: `lm_head` and `embedding_dtype` ask two different formats for one tied tensor.
+    """
+    storage = {
+        name: config.embedding_dtype
+        for name, module in model.named_modules()
+        if embedding_kind(module) is not None
+        and not matches_module(name, config.modules_to_not_convert)
+        and name not in tied
+    }
     head_format = None if config.lm_head == "keep" else config.lm_head
     head_source = tied.get(head) if head is not None else None
     if head_source is not None and head_source in storage:
@@ -82,11 +116,17 @@ def plan_embeddings_and_head(
             logger.info("hfquant: %s is tied to %s and reads its %s tensor", head, head_source, asked)
     elif head_source is not None and head_format is not None:
         logger.warning("hfquant keeps %s in float: it is tied to %s, which is not quantized", head, head_source)
+    return storage
 
-    count = 0
-    quantized: dict[str, StoredFormat] = {}
+
+def _stored_formats(
+    model: nn.Module, config: HfQuantConfig, compute: torch.dtype, storage: dict[str, str]
+) -> tuple[dict[str, StoredFormat], dict[str, torch.dtype]]:
+    """(quantized embedding -> format, float embedding -> its dtype other than `compute`) for `storage`; an embedding
+    whose width has no group size stays in float (logged)."""
+    formats, casts = {}, {}
     for name, kind in storage.items():
-        module = modules[name]
+        module = model.get_submodule(name)
         if kind in QUANTIZED_STORAGE:
             fmt = quantized_format(kind, config, module.embedding_dim)
             if fmt is None:
@@ -95,41 +135,110 @@ def plan_embeddings_and_head(
                     name,
                     module.embedding_dim,
                 )
-                continue
-            replace_with_quant_embedding(model, name, fmt, compute)
-            quantized[name] = fmt
-            count += 1
+            else:
+                formats[name] = fmt
         elif kind != "auto" and torch_dtype(kind) != compute:
-            cast_float_params(module, torch_dtype(kind))
-            adapters[name] = (torch_dtype(kind), False)
+            casts[name] = torch_dtype(kind)
+    return formats, casts
+
+
+def _untied_head(model: nn.Module, head: str, config: HfQuantConfig) -> LayerPlan | None:
+    """The plan of the untied output embedding `head` when `lm_head` asks to quantize it, else None."""
+    head_format = None if config.lm_head == "keep" else config.lm_head
+    if not head_format or matches_module(head, config.modules_to_not_convert):
+        return None
+    module = model.get_submodule(head)
+    fmt = quantized_format(head_format, config, module.in_features)
+    if fmt is None:
+        logger.info("hfquant keeps %s in float: in_features=%d has no group size", head, module.in_features)
+        return None
+    return LayerPlan(head, module.in_features, module.out_features, fmt, "", False)
+
+
+def plan_embeddings(model: nn.Module, config: HfQuantConfig, compute: torch.dtype) -> EmbeddingPlan:
+    """The `EmbeddingPlan` of the meta-device `model` for `embedding_dtype` and `lm_head`; the model is not changed.
+
+    Raises:
+        ValueError: `lm_head` and `embedding_dtype` ask two different formats for one tied tensor.
+    """
+    tied = tied_modules(model)
+    head = module_name(model, output_embeddings(model))
+    formats, casts = _stored_formats(model, config, compute, embedding_storage(model, config, tied, head))
+    adapters = {name: (dtype, False) for name, dtype in casts.items()}
+    modules = dict(model.named_modules())
+    ties = []
     for target, source in tied.items():
-        if source in quantized and target != head and embedding_kind(modules.get(target)) is not None:
-            replace_with_quant_embedding(model, target, quantized[source], compute, persistent=False)
+        if source in formats and target != head and embedding_kind(modules.get(target)) is not None:
             ties.append((target, source))
         elif source in adapters and target != head and target in modules:
             adapters[target] = adapters[source]
+    head_plan = None
+    if head is not None and tied.get(head) in formats:
+        ties.append((head, tied[head]))
+    elif head is not None and tied.get(head) in adapters:
+        adapters[head] = (adapters[tied[head]][0], True)
+    elif head is not None and head not in tied:
+        head_plan = _untied_head(model, head, config)
+    return EmbeddingPlan(formats, casts, adapters, ties, head_plan)
 
-    if head is not None and head_source in quantized:
-        replace_tied_quant_linear(model, head, quantized[head_source], compute)
-        ties.append((head, head_source))
-        count += 1
-    elif head is not None and head_source in adapters:
-        adapters[head] = (adapters[head_source][0], True)
-    elif head is not None and head_source is None and head_format and not matches_module(head, user_skip):
-        module = modules[head]
-        fmt = quantized_format(head_format, config, module.in_features)
-        if fmt is None:
-            logger.info("hfquant keeps %s in float: in_features=%d has no group size", head, module.in_features)
+
+def replace_embeddings(
+    model: nn.Module, formats: dict[str, StoredFormat], ties: list[tuple[str, str]], compute: torch.dtype
+) -> int:
+    """Swap the quantized embeddings (`formats`) and the tied modules (`ties`) of the meta-device `model` for empty
+    `QuantEmbedding`s / a `QuantLinear` lm_head, and take those ties out of transformers' `all_tied_weights_keys`
+    (transformers must not tie, nor mark as initialized, what now lives in buffers: the ties are hfquant's). The
+    untied lm_head and the casts are not done here (`EmbeddingPlan.head`, `.casts`). Returns the modules swapped."""
+    for name, fmt in formats.items():
+        replace_with_quant_embedding(model, name, fmt, compute)
+    for target, source in ties:
+        if isinstance(model.get_submodule(target), nn.Linear):  # the output embedding
+            replace_tied_quant_linear(model, target, formats[source], compute)
         else:
-            plan = LayerPlan(head, module.in_features, module.out_features, fmt, "", False)
-            count += replace_with_quant_linear(model, [plan], compute)
-    # transformers must not tie (nor mark as initialized) what now lives in buffers: the ties are ours
+            replace_with_quant_embedding(model, target, formats[source], compute, persistent=False)
     tied_now = {target for target, _ in ties}
     if tied_now and hasattr(model, "all_tied_weights_keys"):
         model.all_tied_weights_keys = {
             t: s for t, s in model.all_tied_weights_keys.items() if t.rpartition(".")[0] not in tied_now
         }
-    return count
+    return len(formats) + len(ties)
+
+
+def tie_buffers(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """After loading, give each tied module (lm_head, T5's encoder/decoder embed_tokens) its source embedding's
+    tensors, on the tied module's device (a source offloaded by accelerate is read from its stored tensor)."""
+    for target_name, source_name in ties:
+        target, source = model.get_submodule(target_name), model.get_submodule(source_name)
+        device = target.weight_scale.device
+        for name in _TENSOR_NAMES:
+            value = getattr(source, name, None)
+            if value is not None and value.device.type == "meta":  # source offloaded: read its stored tensor
+                value = source._hf_hook.weights_map[name]
+            if value is not None:
+                setattr(target, name, value if value.device == device else value.to(device))
+
+
+def share_tied_kernels(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """After the tied lm_head picked its kernel, make the embedding read the very same tensor; tied embedding copies
+    then read their source's tensors and kernel owner."""
+    for target_name, source_name in ties:
+        target, source = model.get_submodule(target_name), model.get_submodule(source_name)
+        if isinstance(target, QuantLinear) and target.weight.device == source.weight.device:
+            how = source.share_with(target)
+            logger.info("hfquant: %s and %s share one tensor (%s)", source_name, target_name, how)
+    for target_name, source_name in ties:
+        target, source = model.get_submodule(target_name), model.get_submodule(source_name)
+        if isinstance(target, QuantEmbedding) and target.weight.device == source.weight.device:
+            for name in _TENSOR_NAMES:
+                setattr(target, name, getattr(source, name))
+            target.set_kernel_owner(source._kernel_owner)
+
+
+def tie_float_weights(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """After dequantizing, make each tied module read its source's float weight: one tensor again, as before
+    quantization."""
+    for target_name, source_name in ties:
+        model.get_submodule(target_name).weight = model.get_submodule(source_name).weight
 
 
 def output_embeddings(model: nn.Module) -> nn.Linear | None:

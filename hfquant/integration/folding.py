@@ -241,9 +241,7 @@ def fold_overrides(config, plans: Iterable, transforms: dict[str, Transform]) ->
 
 
 @contextmanager
-def checkpoint_reader(
-    model: nn.Module, files: Iterable[str | os.PathLike], quantizer=None
-) -> Iterator[Callable[[str], torch.Tensor]]:
+def checkpoint_reader(model: nn.Module, files: Iterable[str | os.PathLike]) -> Iterator[Callable[[str], torch.Tensor]]:
     """A function reading one model tensor by its model name from the safetensors `files` of a checkpoint (the file
     names renamed as transformers renames them on load); the files stay open while the context lasts.
 
@@ -254,7 +252,7 @@ def checkpoint_reader(
     for path in files:
         for key in read_headers(path):
             where.setdefault(key, Path(path))
-    model_keys = model_key_map(model, list(where), quantizer)
+    model_keys = model_key_map(model, list(where))
     source = {model_key: key for key, model_key in model_keys.items() if model_key is not None}
     handles: dict[Path, object] = {}
 

@@ -26,9 +26,6 @@ __all__ = ["model_class", "resolve_dtype", "build_skeleton"]
 def model_class(model_config):
     """The transformers class named by `model_config.architectures`, else the Auto class for its model type.
 
-    `folds` (from another skeleton's `quantizer.folds`, with that quantizer's resolved config) spares a second reading
-    of the checkpoint for `fold_column_scales`.
-
     Raises:
         ValueError: the architecture is not a transformers class (custom code is never run), naming it.
     """
@@ -81,7 +78,8 @@ def build_skeleton(
     (`dtype`, resolved as transformers does, then passed through the quantizer's `update_dtype`). With a
     `quantization_config`, hfquant's quantizer runs its `preprocess_model` on it: the planned layers become meta
     `QuantLinear`s and `config.quantization_config` is set, as in quantize-on-load (`pre_quantized=False`) or in the
-    reload of a quantized checkpoint (`pre_quantized=True`).
+    reload of a quantized checkpoint (`pre_quantized=True`). `folds` (from another skeleton's `quantizer.folds`, with
+    that quantizer's resolved config) spares a second reading of the checkpoint for `fold_column_scales`.
 
     Raises:
         ValueError: the architecture is not a transformers class, or a bad `dtype`; OSError / ValueError from
@@ -98,9 +96,8 @@ def build_skeleton(
     load_dtype = resolve_dtype(dtype, model_config, files)
     quantizer = None
     if quantization_config is not None:
-        quantizer = HfQuantQuantizer(quantization_config, pre_quantized=pre_quantized)
-        if folds:  # computed once by the caller (`fold_column_scales`): not read from the checkpoint again
-            quantizer.folds = dict(folds)
+        # folds computed once by the caller (`fold_column_scales`) are not read from the checkpoint again
+        quantizer = HfQuantQuantizer(quantization_config, folds=folds, pre_quantized=pre_quantized)
         quantizer.validate_environment()
         load_dtype = quantizer.update_dtype(load_dtype)
     with torch.device("meta"):

@@ -288,13 +288,11 @@ def test_unsupported_experts_layout_stays_float_with_a_warning(caplog):
 
     shapes, reason = experts_layout(TransposedExperts())
     assert shapes and "transposed" in reason
-    from hfquant.integration.quantizer import HfQuantQuantizer
+    from hfquant.integration.load_plan import plan_quantized_experts
 
-    quantizer = HfQuantQuantizer(HfQuantConfig(bits=8), pre_quantized=False)
-    quantizer.modules_to_not_convert = []
     model = nn.ModuleDict({"experts": TransposedExperts(), "proj": nn.Linear(H, H)})
     with caplog.at_level(logging.WARNING, logger="hfquant"):
-        assert quantizer._plan_experts(model, torch.float32) == 0
+        assert plan_quantized_experts(model, HfQuantConfig(bits=8), skip=[]) == []
     assert "experts" in caplog.text and "modules_to_not_convert" in caplog.text
     assert isinstance(model["experts"], TransposedExperts)
 

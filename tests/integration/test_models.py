@@ -88,7 +88,7 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
         # What was quantized on load is what QuantLinear.from_float makes of the float weight, bit for bit; a layer
         # whose column scales were folded (the 4-bit default in Llama blocks) holds the folded weight's codes.
         weight = source.weight.t() if transposed else source.weight
-        fold = model.hf_quantizer.folds.get(name)
+        fold = model.hf_quantizer.plan.folds.get(name)
         if fold is None:
             direct = QuantLinear.from_float(weight.detach(), source.bias, layer.format).state_dict()
         else:

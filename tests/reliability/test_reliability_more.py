@@ -352,13 +352,13 @@ def test_verify_lists_a_malformed_config_as_a_problem(two_saves, tmp_path, damag
 
 
 def test_out_of_memory_while_quantizing_is_one_line_and_leaves_nothing(sharded_source, tmp_path, capsys, monkeypatch):
-    import hfquant.integration.quantizer as quantizer
+    import hfquant.integration.quantize_weights as quantize_weights
     from hfquant.commands.cli import main
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(quantizer, "quantize_to_buffers", out_of_memory)
+    monkeypatch.setattr(quantize_weights, "quantize_to_buffers", out_of_memory)
     with pytest.raises(SystemExit) as exit_info:
         main(["convert", str(sharded_source), str(tmp_path / "dst"), "--bits", "8", "--no-progress"])
     err = capsys.readouterr().err
@@ -372,12 +372,12 @@ def test_out_of_memory_while_quantizing_on_load_is_a_memory_error_naming_the_ten
     the MemoryError and says what to do."""
     from transformers import AutoModelForCausalLM
 
-    import hfquant.integration.quantizer as quantizer
+    import hfquant.integration.quantize_weights as quantize_weights
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(quantizer, "quantize_to_buffers", out_of_memory)
+    monkeypatch.setattr(quantize_weights, "quantize_to_buffers", out_of_memory)
     with pytest.raises(
         MemoryError, match=r"out of memory while quantizing model\.layers\.\d+\..*weight .*hfquant convert"
     ):

@@ -1,0 +1,202 @@
+"""What a load does to the model, decided once before any weight is read: `LoadPlan`.
+
+The pre-load hook (`HfQuantQuantizer._process_model_before_weight_loading`) builds it on the meta-device skeleton from
+functions that return values, then applies it; the hooks after loading read it (ties, dtype adapters, folds):
+
+    skip, layers = plan_model(model, config, quantizing=True)      # `quantizer.plan_model`: skips, Linear formats
+    folds, layers = plan_checkpoint_folds(model, config, skip, layers, files, device_map)   # fold_column_scales
+    plan = plan_load(model, config, compute, skip, layers, folds)  # + embeddings, lm_head, ties, experts, norms
+    apply_plan(model, plan, config)                                # the swaps and casts, nothing read yet
+    ... the weights load ...
+    install_adapters(model, plan.adapters, compute)                # modules stored in another float dtype
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hfquant.config import HfQuantConfig, matches_module
+from hfquant.core.dtypes import torch_dtype
+from hfquant.core.folding import Transform
+from hfquant.core.format import StoredFormat
+from hfquant.integration.embeddings import EmbeddingPlan, plan_embeddings, replace_embeddings
+from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
+from hfquant.nn.norms import find_norms, install_dtype_adapter
+from hfquant.nn.replace import (
+    ExpertsPlan,
+    LayerPlan,
+    cast_float_params,
+    plan_experts,
+    plan_layers,
+    replace_with_quant_experts,
+    replace_with_quant_linear,
+)
+
+__all__ = [
+    "LoadPlan",
+    "plan_checkpoint_folds",
+    "plan_quantized_experts",
+    "plan_norm_casts",
+    "plan_load",
+    "apply_plan",
+    "install_adapters",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Every decision of one load, made on the meta-device skeleton before the weights stream in.
+
+    Attributes:
+        compute_dtype: the dtype the model computes in (None before the pre-load hook ran).
+        skip: the modules kept in float: transformers' defaults plus `modules_to_not_convert`.
+        layers: one `LayerPlan` per Linear/Conv1D layer (its stored format, or None and why), an untied quantized
+            lm_head included.
+        embeddings: embedding -> stored format, for each embedding that becomes a `QuantEmbedding` holding its tensors.
+        ties: (module reading the tensors, module holding them): tied embedding copies and a tied lm_head.
+        experts: the fused MoE experts modules that become `QuantExperts`.
+        casts: float module (embedding, norm) -> the dtype it is stored in, other than `compute_dtype`.
+        adapters: module -> (storage dtype, cast its float inputs): modules whose output is cast back to
+            `compute_dtype` after loading.
+        folds: module name -> its `Transform` (`fold_column_scales`), applied to its tensors as they stream in.
+    """
+
+    compute_dtype: torch.dtype | None = None
+    skip: list[str] = field(default_factory=list)
+    layers: list[LayerPlan] = field(default_factory=list)
+    embeddings: dict[str, StoredFormat] = field(default_factory=dict)
+    ties: list[tuple[str, str]] = field(default_factory=list)
+    experts: list[ExpertsPlan] = field(default_factory=list)
+    casts: dict[str, torch.dtype] = field(default_factory=dict)
+    adapters: dict[str, tuple[torch.dtype, bool]] = field(default_factory=dict)
+    folds: dict[str, Transform] = field(default_factory=dict)
+
+
+def plan_checkpoint_folds(
+    model: nn.Module,
+    config: HfQuantConfig,
+    skip: list[str],
+    layers: list[LayerPlan],
+    files: Iterable[str | os.PathLike],
+    device_map=None,
+) -> tuple[dict[str, Transform], list[LayerPlan]]:
+    """`fold_column_scales`: read each decoder block's float weights once from the checkpoint `files`
+    (`hfquant.integration.folding`) and return (the folds for the streaming load, the layer plans). The folded
+    layers are stored with RTN: their entries are put first in `config.module_overrides` and the layers planned
+    again. Without a safetensors checkpoint (a GGUF file, a state dict) nothing is folded and a warning says so.
+
+    Raises:
+        ValueError: `device_map` places modules on "disk" (folds are not supported with disk offload).
+    """
+    files = [str(f) for f in files]
+    if not files or not all(f.endswith(".safetensors") for f in files):
+        logger.warning(
+            "hfquant: fold_column_scales needs a safetensors checkpoint to read before loading (got %s); "
+            "the layers are quantized without folding",
+            files or "no checkpoint files",
+        )
+        return {}, layers
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        raise ValueError(
+            "fold_column_scales does not support disk offload (device_map places modules on 'disk'): quantize with "
+            "a device_map without 'disk' and save, or use fold_column_scales=False"
+        )
+    with checkpoint_reader(model, files) as read:
+        folds = plan_folds(model, layers, read)
+    added = fold_overrides(config, layers, folds)
+    if added:
+        config.prepend_overrides(added)
+        layers = plan_layers(model, config, skip)
+    return folds, layers
+
+
+def plan_quantized_experts(model: nn.Module, config: HfQuantConfig, skip: Iterable[str]) -> list[ExpertsPlan]:
+    """The plans of the fused MoE experts modules of `model` to quantize; each one kept in float is logged (at INFO
+    for `skip`, else a WARNING naming why: only (experts, out, in) weights without biases are quantized)."""
+    quantized = []
+    for plan in plan_experts(model, config.bits, config.group_size, skip):
+        if plan.reason == "modules_to_not_convert":
+            logger.info("hfquant keeps experts %s in float: modules_to_not_convert", plan.name)
+        elif plan.reason:
+            logger.warning(
+                "hfquant keeps the MoE experts %s in float (%s): only (experts, out, in) weights without biases "
+                "are quantized; list them in modules_to_not_convert to silence this warning",
+                plan.name,
+                plan.reason,
+            )
+        else:
+            quantized.append(plan)
+    return quantized
+
+
+def plan_norm_casts(model: nn.Module, config: HfQuantConfig, compute: torch.dtype) -> dict[str, torch.dtype]:
+    """Norm -> its storage dtype when `config.norm_dtype` differs from `compute` (none are listed for "auto");
+    `modules_to_not_convert` norms stay as they are."""
+    name = config.norm_dtype
+    if name == "auto" or torch_dtype(name) == compute:
+        return {}
+    return {
+        norm: torch_dtype(name)
+        for norm in find_norms(model)
+        if not matches_module(norm, config.modules_to_not_convert)
+    }
+
+
+def plan_load(
+    model: nn.Module,
+    config: HfQuantConfig,
+    compute: torch.dtype,
+    skip: list[str],
+    layers: list[LayerPlan],
+    folds: dict[str, Transform],
+) -> LoadPlan:
+    """The `LoadPlan` of the meta-device `model`: `skip` and `layers` (from `quantizer.plan_model`), `folds`, and what
+    `plan_embeddings`, `plan_quantized_experts` and `plan_norm_casts` decide; the model is not changed.
+
+    Raises:
+        ValueError: `lm_head` and `embedding_dtype` ask two different formats for one tied tensor.
+    """
+    embeddings: EmbeddingPlan = plan_embeddings(model, config, compute)
+    head = [embeddings.head] if embeddings.head is not None else []
+    swapped = {plan.name for plan in head} | {target for target, _ in embeddings.ties}
+    norms = plan_norm_casts(model, config, compute)
+    return LoadPlan(
+        compute_dtype=compute,
+        skip=skip,
+        layers=[plan for plan in layers if plan.name not in swapped] + head,
+        embeddings=embeddings.formats,
+        ties=embeddings.ties,
+        experts=plan_quantized_experts(model, config, skip),
+        casts={**embeddings.casts, **norms},
+        adapters={**embeddings.adapters, **{norm: (dtype, True) for norm, dtype in norms.items()}},
+        folds=folds,
+    )
+
+
+def apply_plan(model: nn.Module, plan: LoadPlan, config: HfQuantConfig) -> int:
+    """Swap the planned modules of the meta-device `model` for empty hfquant modules and cast the planned float
+    modules (the experts stored with `config.bits` and `config.symmetric`). Returns the modules swapped."""
+    replaced = replace_embeddings(model, plan.embeddings, plan.ties, plan.compute_dtype)
+    replaced += replace_with_quant_linear(model, plan.layers, plan.compute_dtype)
+    for experts in plan.experts:
+        replace_with_quant_experts(model, experts, config.bits, config.symmetric, plan.compute_dtype)
+    for name, dtype in plan.casts.items():
+        cast_float_params(model.get_submodule(name), dtype)
+    return replaced + len(plan.experts)
+
+
+def install_adapters(model: nn.Module, adapters: dict[str, tuple[torch.dtype, bool]], dtype: torch.dtype) -> None:
+    """After loading: make each module of `adapters` (module -> (storage dtype, cast its float inputs)) whose float
+    parameters are not in `dtype` compute in its storage dtype and return `dtype` (`install_dtype_adapter`)."""
+    for name, (storage, cast_inputs) in adapters.items():
+        module = model.get_submodule(name)
+        if any(p.dtype != dtype for p in module.parameters(recurse=False) if p.is_floating_point()):
+            install_dtype_adapter(module, storage, dtype, cast_inputs)

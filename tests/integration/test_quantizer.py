@@ -1,0 +1,189 @@
+"""The quantizer's hooks called directly: the `LoadPlan` its pre-load hook builds for a tiny model (skipped modules,
+layer formats, ties, dtype adapters), the `LoadReport` its weight op fills during a load (quantized keys), and the
+error path (a failure the op records, raised by name once loading is over)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import auto_class, tiny_config
+from transformers.quantizers.base import HfQuantizer
+
+import hfquant.integration.quantizer as quantizer_module
+from hfquant import HfQuantConfig, QuantLinear
+from hfquant.core.format import Method, StoredFormat
+from hfquant.integration.load_plan import LoadPlan
+from hfquant.integration.load_report import LoadReport
+from hfquant.integration.quantizer import HfQuantQuantizer
+from hfquant.nn.embedding import QuantEmbedding
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _meta_model(arch: str):
+    with torch.device("meta"):
+        return auto_class(arch).from_config(tiny_config(arch))
+
+
+def _prepared(arch: str, config: HfQuantConfig, pre_quantized: bool = False):
+    """(quantizer, meta-device model) after the pre-load hook, called as `from_pretrained` calls it."""
+    quantizer = HfQuantQuantizer(config, pre_quantized=pre_quantized)
+    model = _meta_model(arch)
+    quantizer.preprocess_model(model=model, dtype=torch.float32, device_map={"": "cpu"}, checkpoint_files=None)
+    return quantizer, model
+
+
+def _own_fields(quantizer: HfQuantQuantizer) -> set[str]:
+    """The instance fields the quantizer sets beyond those of transformers' `HfQuantizer.__init__`."""
+
+    class Base(HfQuantizer):  # transformers' base class with its abstract capabilities filled in
+        is_serializable = is_trainable = False
+
+    base = Base(quantizer.quantization_config, pre_quantized=quantizer.pre_quantized)
+    return set(vars(quantizer)) - set(vars(base))
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------
+
+
+def test_the_plan_of_a_tiny_llama_names_the_skipped_modules_and_each_layer_format():
+    config = HfQuantConfig(bits=4, group_size=32, mixed_precision="none", modules_to_not_convert=["layers.1.mlp"])
+    quantizer, model = _prepared("llama", config)
+    plan = quantizer.plan
+    assert "lm_head" in plan.skip and "layers.1.mlp" in plan.skip  # transformers' default and the user's
+    formats = {layer.name: layer.format for layer in plan.layers}
+    int4_g32 = StoredFormat(4, 32, False, Method.SINQ)  # the 4-bit default method
+    for i in range(2):
+        for name in ATTENTION:
+            assert formats[f"model.layers.{i}.self_attn.{name}"] == int4_g32
+    assert formats["model.layers.0.mlp.down_proj"] == int4_g32
+    assert formats["model.layers.1.mlp.down_proj"] is None and formats["lm_head"] is None
+    reasons = {layer.name: layer.reason for layer in plan.layers}
+    assert reasons["model.layers.1.mlp.gate_proj"] == "modules_to_not_convert"
+    assert plan.ties == [] and plan.embeddings == {} and plan.adapters == {}
+    assert plan.compute_dtype == torch.float32
+    # the model is what the plan says
+    quantized = {name for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    assert quantized == {name for name, fmt in formats.items() if fmt is not None}
+
+
+def test_planning_does_not_change_the_model():
+    """`_plan` only decides: the swaps are `apply_plan`'s."""
+    quantizer = HfQuantQuantizer(HfQuantConfig(bits=8, embedding_dtype="int8"), pre_quantized=False)
+    model = _meta_model("llama_tied")
+    before = {name: type(module) for name, module in model.named_modules()}
+    plan = quantizer._plan(model, torch.float32, [], None)
+    assert isinstance(plan, LoadPlan) and plan.ties and any(layer.format for layer in plan.layers)
+    assert {name: type(module) for name, module in model.named_modules()} == before
+
+
+def test_a_lm_head_tied_to_a_quantized_embedding_is_planned_as_a_tie():
+    quantizer, model = _prepared("llama_tied", HfQuantConfig(bits=8, embedding_dtype="int8"))
+    plan = quantizer.plan
+    assert plan.ties == [("lm_head", "model.embed_tokens")]
+    assert list(plan.embeddings) == ["model.embed_tokens"] and plan.embeddings["model.embed_tokens"].bits == 8
+    assert "lm_head" not in {layer.name for layer in plan.layers}  # swapped by the tie, not as a layer
+    assert isinstance(model.lm_head, QuantLinear) and isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert "lm_head.weight" not in model.all_tied_weights_keys  # the tie is hfquant's now
+
+
+def test_an_untied_quantized_lm_head_is_planned_as_a_layer():
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8, lm_head="int4"))
+    head = next(layer for layer in quantizer.plan.layers if layer.name == "lm_head")
+    assert head.format is not None and head.format.bits == 4
+    assert quantizer.plan.ties == []
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 4
+
+
+def test_float_embeddings_in_another_dtype_are_cast_and_get_adapters():
+    quantizer, model = _prepared("llama_tied", HfQuantConfig(bits=8, embedding_dtype="bfloat16"))
+    plan = quantizer.plan
+    assert plan.casts == {"model.embed_tokens": torch.bfloat16}
+    assert plan.adapters == {"model.embed_tokens": (torch.bfloat16, False), "lm_head": (torch.bfloat16, True)}
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert quantizer.quantization_config.compute_dtype == "float32"  # recorded so that a reload restores it
+
+
+def test_conflicting_formats_for_one_tied_tensor_are_refused_while_planning():
+    with pytest.raises(ValueError, match="lm_head='int4' and embedding_dtype='int8' conflict"):
+        _prepared("llama_tied", HfQuantConfig(bits=8, lm_head="int4", embedding_dtype="int8"))
+
+
+def test_folds_given_to_the_constructor_are_the_plan_s():
+    folds = {"model.layers.0.mlp.up_proj": object()}
+    quantizer = HfQuantQuantizer(HfQuantConfig(bits=8), folds=folds, pre_quantized=False)
+    assert quantizer.plan.folds == folds and quantizer.folds == folds
+    assert quantizer.param_needs_quantization(None, "model.layers.0.mlp.up_proj.bias")
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+
+
+def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint):
+    model = auto_class("llama").from_pretrained(
+        float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8), device_map="cpu"
+    )
+    quantizer = model.hf_quantizer
+    layers = {name for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    assert len(layers) == 14
+    assert quantizer.report.quantized_keys == {f"{name}.weight" for name in layers}
+    assert quantizer.report.failed == {} and quantizer.report.out_of_memory == []
+    assert {layer.name for layer in quantizer.plan.layers if layer.format is not None} == layers
+    assert len(_own_fields(quantizer)) <= 4, _own_fields(quantizer)
+    assert _own_fields(quantizer) == {"plan", "report"}
+
+
+def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8))
+    op = quantizer.get_quantize_ops()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    stored = op.convert({key: torch.randn(64, 64), "model.norm.weight": torch.ones(64)}, model=model)
+    assert set(stored) == {key, key + "_scale", "model.norm.weight"}  # symmetric int8: no zero point
+    assert stored[key].dtype == torch.int8 and torch.equal(stored["model.norm.weight"], torch.ones(64))
+    assert quantizer.report.quantized_keys == {key}
+
+
+# -- the error path ------------------------------------------------------------------------------------------------
+
+
+def test_a_tensor_that_fails_is_recorded_then_raised_by_name_after_loading():
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8))
+    key = "model.layers.0.mlp.down_proj.weight"
+    weight = torch.randn(64, 128)
+    weight[3, 5] = float("nan")
+    assert quantizer.get_quantize_ops().convert({key: weight}, model=model) == {}
+    assert list(quantizer.report.failed) == [key] and "NaN" in quantizer.report.failed[key]
+    assert quantizer.failed_tensors is quantizer.report.failed  # what `hfquant convert` reads
+    with pytest.raises(ValueError, match=rf"could not quantize {key}: .*NaN.*modules_to_not_convert=\['model"):
+        quantizer._process_model_after_weight_loading(model)
+
+
+def test_running_out_of_memory_is_recorded_then_raised_as_a_memory_error(monkeypatch):
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(quantizer_module, "quantize_on_load", no_memory)
+    key = "model.layers.1.self_attn.v_proj.weight"
+    quantizer.get_quantize_ops().convert({key: torch.randn(32, 64)}, model=model)
+    assert quantizer.report.out_of_memory == [key] and quantizer.out_of_memory is quantizer.report.out_of_memory
+    with pytest.raises(MemoryError, match=rf"out of memory while quantizing {key} \(1 tensor\(s\)\).*hfquant convert"):
+        quantizer._process_model_after_weight_loading(model)
+
+
+def test_a_layer_the_checkpoint_never_provided_is_refused_after_loading():
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8))
+    quantizer.get_quantize_ops().convert({"model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64)}, model=model)
+    with pytest.raises(ValueError, match=r"the checkpoint has no tensor for model\.layers\.0\.mlp\.down_proj\.weight"):
+        quantizer._process_model_after_weight_loading(model)
+
+
+def test_the_report_raises_out_of_memory_before_other_failures():
+    report = LoadReport(failed={"a.weight": "holds NaN"}, out_of_memory=["b.weight"])
+    with pytest.raises(MemoryError, match="b.weight"):
+        report.raise_failures()
+    report.out_of_memory.clear()
+    with pytest.raises(ValueError, match=r"a\.weight: holds NaN \(1 tensor\(s\) failed: \['a\.weight'\]\)"):
+        report.raise_failures()
+    LoadReport(quantized_keys={"a.weight"}).raise_missing(["a.weight"])  # complete: nothing raised
