@@ -15,7 +15,8 @@ import torch
 from helpers import tiny_tokenizer
 
 from hfquant import HfQuantConfig
-from hfquant.commands.cli import build_parser, config_from_args, main
+from hfquant.commands.cli import build_parser, main
+from hfquant.commands.options import config_from_args
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

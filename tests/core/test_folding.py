@@ -14,14 +14,15 @@ from helpers import auto_class, input_ids, model_output, tiny_model
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hfquant import HfQuantConfig
-from hfquant.commands.cli import build_parser, config_from_args
-from hfquant.commands.export import export_checkpoint
-from hfquant.commands.verify import verify
+from hfquant.commands.cli import build_parser
+from hfquant.commands.options import config_from_args
+from hfquant.conversion.export import export_checkpoint
 from hfquant.core import folding
 from hfquant.core.format import Method
 from hfquant.integration.folding import find_blocks, plan_folds
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import plan_layers
+from hfquant.verification import verify
 
 TOLERANCE = 1e-4
 """Largest |logit difference| / max |logit| allowed between a float32 model and its folded copy: float32 rounding of

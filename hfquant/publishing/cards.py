@@ -4,7 +4,7 @@ template `model_cards/hfquant.jinja`, rendered with `ModelCard.from_template`.
 The card's YAML metadata has `base_model` (when known), `base_model_relation: quantized`, `library_name:
 transformers`, tags (`hfquant`, `int4` or `int8`, ...), and the license and languages of the base model's own card
 when it is at hand. Its body shows the quantization config as a table, sizes against the float model
-(`hfquant.commands.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
+(`hfquant.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
 usage snippet. Every input is read from the checkpoint folder, so the card can be rendered again at any time (`hfquant
 push` does, with the repo id in the snippet).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,18 @@ import transformers
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hfquant.checkpoint.files import stays_inside
-from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
+from hfquant.checkpoint.files import EVAL_FILE, stays_inside
+from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.inspection import format_report, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
 
 __all__ = [
     "CARD_MARKER",
-    "EVAL_FILE",
     "TEMPLATE_PATH",
     "build_card",
     "write_card",
+    "card_for_convert",
     "is_hfquant_card",
     "read_base_model",
 ]
@@ -51,8 +53,6 @@ TEMPLATE_PATH = _template_path()
 `hfquant/model_cards/hfquant.jinja` by a wheel."""
 CARD_MARKER = "hfquant model card"
 """An HTML comment with this text marks a README.md that hfquant generated (and may therefore re-render)."""
-EVAL_FILE = "hfquant_eval.json"
-"""Written into a checkpoint folder by `hfquant eval`; the card shows its results."""
 _CARRIED_METADATA = ("license", "license_name", "license_link", "language")
 
 
@@ -244,3 +244,19 @@ def write_card(folder: str | os.PathLike, **kwargs) -> Path:
     path = Path(folder) / "README.md"
     card.save(path)
     return path
+
+
+def card_for_convert(
+    src: str | os.PathLike, dst: str | os.PathLike, base_model: str | None = None
+) -> Callable[[Path, Path], Path]:
+    """`convert(src, dst, ..., before_publish=card_for_convert(src, dst))`: writes the card into the finished folder
+    before it is published, as `hfquant convert` does. The card is named for `dst`, carries the license and
+    languages of SRC's README.md, and names `base_model`, else SRC when it is a Hub repo id or a Hub cache folder
+    (`base_model_of`)."""
+    name = Path(dst).expanduser().name
+
+    def write(folder: Path, source: Path) -> Path:
+        base = base_model if base_model is not None else base_model_of(src, source)
+        return write_card(folder, base_model=base, base_card=source / "README.md", name=name)
+
+    return write

@@ -28,6 +28,7 @@ from hfquant.checkpoint import compressed_tensors_import as ct
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
+from hfquant.checkpoint.copying import NOT_EXPORTED, copy_small_files
 from hfquant.checkpoint.files import (
     CONFIG_NAME,
     read_headers,
@@ -38,9 +39,9 @@ from hfquant.checkpoint.files import (
     write_json,
 )
 from hfquant.checkpoint.model_type import mark
-from hfquant.commands.convert import shard_plan
-from hfquant.commands.export import ExportResult, check_dst, copy_small_files, write_shards
+from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.conversion.export import ExportResult, check_dst
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = ["import_checkpoint", "hfquant_config_for"]
@@ -152,7 +153,7 @@ def import_checkpoint(
             write_index(tmp, split.tensor_to_filename, dict(split.metadata))
         config = mark(dict(config, quantization_config=hfconfig.to_dict()))
         write_json(tmp / CONFIG_NAME, config)
-        copy_small_files(folder, tmp)
+        copy_small_files(folder, tmp, skipped=NOT_EXPORTED)
         write_checksums(tmp)
         folders.publish_folder(tmp, dst, overwrite)
     result = ExportResult(
