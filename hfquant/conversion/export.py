@@ -30,6 +30,7 @@ from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.copying import NOT_EXPORTED, copy_small_files
 from hfquant.checkpoint.files import (
     CONFIG_NAME,
+    TensorHeader,
     first_float_dtype,
     read_headers,
     require_inside,
@@ -39,6 +40,7 @@ from hfquant.checkpoint.files import (
 )
 from hfquant.checkpoint.model_config import read_quantization_config
 from hfquant.checkpoint.sharding import shard_plan, write_shards
+from hfquant.config import HfQuantConfig
 from hfquant.conversion.export_gguf import export_gguf
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
@@ -106,6 +108,41 @@ def _model_facts(folder: Path, layer_names) -> tuple[dict[str, int], set[str], l
     return in_features, dequantize, linears
 
 
+def _read_source(folder: Path) -> tuple[dict, HfQuantConfig, dict[str, Path], dict[str, TensorHeader]]:
+    """(config.json, its `HfQuantConfig`, tensor name -> shard, tensor name -> header) of the hfquant checkpoint
+    `folder`, read from JSON and the safetensors headers only.
+
+    Raises:
+        ValueError: config.json is a link leaving `folder`, or not an hfquant checkpoint's (`read_quantization_config`).
+        FileNotFoundError: no config.json or no safetensors.
+    """
+    require_inside(folder, folder / CONFIG_NAME)
+    config, hfconfig = read_quantization_config(folder)
+    files = tensor_files(folder)
+    headers = {}
+    for path in dict.fromkeys(files.values()):
+        headers.update(read_headers(path))
+    return config, hfconfig, files, headers
+
+
+def _export_plan(
+    folder: Path, config: dict, hfconfig: HfQuantConfig, headers: dict, files: dict
+) -> tuple[list, dict, list]:
+    """(the layers as compressed-tensors writes them, its `quantization_config`, the output tensors) of the hfquant
+    checkpoint `folder` whose config.json is `config` and safetensors headers are `headers`.
+
+    Raises:
+        ValueError: a layer compressed-tensors cannot express (`_model_facts`, `compressed_tensors.plan_layers`).
+    """
+    candidates = {k.removesuffix(".weight") for k in headers if k.endswith(".weight") and f"{k}_scale" in headers}
+    in_features, dequantize, linears = _model_facts(folder, candidates)
+    layers = ct.plan_layers(headers, in_features.get, lambda name: hfconfig.layer_settings(name)[0], dequantize)
+    quantized = {layer.name for layer in layers if not layer.dequantize}
+    qconfig = ct.quantization_config(layers, [name for name in linears if name not in quantized])
+    outputs = ct.plan_outputs(headers, layers, _compute_dtype(config["quantization_config"], config, files))
+    return layers, qconfig, outputs
+
+
 def export_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -149,19 +186,9 @@ def export_checkpoint(
         raise FileNotFoundError(f"SRC {folder} is not a folder; pass an hfquant checkpoint folder")
     check_dst(dst, folder, overwrite)
     shard_plan([], max_shard_size)
-    require_inside(folder, folder / CONFIG_NAME)
-    config, hfconfig = read_quantization_config(folder)
-    files = tensor_files(folder)
-    headers = {}
-    for path in dict.fromkeys(files.values()):
-        headers.update(read_headers(path))
-
-    candidates = {k.removesuffix(".weight") for k in headers if k.endswith(".weight") and f"{k}_scale" in headers}
-    in_features, dequantize, linears = _model_facts(folder, candidates)
-    layers = ct.plan_layers(headers, in_features.get, lambda name: hfconfig.layer_settings(name)[0], dequantize)
+    config, hfconfig, files, headers = _read_source(folder)
+    layers, qconfig, outputs = _export_plan(folder, config, hfconfig, headers, files)
     quantized = {layer.name for layer in layers if not layer.dequantize}
-    qconfig = ct.quantization_config(layers, [name for name in linears if name not in quantized])
-    outputs = ct.plan_outputs(headers, layers, _compute_dtype(config["quantization_config"], config, files))
     split = shard_plan(outputs, max_shard_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)

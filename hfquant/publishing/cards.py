@@ -155,20 +155,6 @@ def build_card(
         raise FileNotFoundError(f"model card template {template} is missing; reinstall hfquant from its source tree")
 
     bits = sorted({row["bits"] for row in report["quantized"]}) or [qconfig["bits"]]
-    bits_tag = "/".join(f"int{b}" for b in bits)
-    groups = sorted({row["group_size"] for row in report["quantized"]})
-    if qconfig.get("group_size") is None:
-        granularity = "one scale per output channel"
-    else:
-        granularity = f"groups of {qconfig['group_size']} inputs per scale"
-        fallback = [g for g in groups if g != qconfig["group_size"]]
-        if fallback:
-            granularity += (
-                f" ({' or '.join(map(str, fallback))} in the layers whose input width "
-                f"{qconfig['group_size']} does not divide)"
-            )
-    symmetric = all(row["symmetric"] for row in report["quantized"])
-    architecture = report["architecture"]
     carried = (
         {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
     )
@@ -177,28 +163,56 @@ def build_card(
     card_data = ModelCardData(
         base_model=base_model,
         library_name="transformers",
-        pipeline_tag="text-generation" if _auto_class(architecture) == "AutoModelForCausalLM" else None,
+        pipeline_tag="text-generation" if _auto_class(report["architecture"]) == "AutoModelForCausalLM" else None,
         tags=tags,
         base_model_relation="quantized" if base_model else None,
         **carried,
     )
-    evaluation = None
     eval_path = folder / EVAL_FILE
-    if eval_path.is_file():
-        evaluation = json.loads(eval_path.read_text(encoding="utf-8"))
-    totals = report["totals"]
-    title = repo_id.split("/")[-1] if repo_id else name
+    evaluation = json.loads(eval_path.read_text(encoding="utf-8")) if eval_path.is_file() else None
     if command is None:
         command = _convert_command(base_model or "SRC", name, qconfig)
-    kwargs = dict(
+    values = _template_values(report, bits, base_model, evaluation)
+    values.update(
+        model_name=repo_id.split("/")[-1] if repo_id else name,
+        repo_id=repo_id or f"<your-username>/{name}",
+        command=command,
+        command_language="python" if "from_pretrained" in command else "bash",
+    )
+    logger.debug("card for %s:\n%s", folder, format_report(report))
+    return ModelCard.from_template(card_data, template_path=str(template), **values)
+
+
+def _granularity(qconfig: dict[str, Any], report: dict[str, Any]) -> str:
+    """How many inputs share a scale, as the card says it ("groups of 128 inputs per scale (...)")."""
+    if qconfig.get("group_size") is None:
+        return "one scale per output channel"
+    groups = sorted({row["group_size"] for row in report["quantized"]})
+    granularity = f"groups of {qconfig['group_size']} inputs per scale"
+    fallback = [g for g in groups if g != qconfig["group_size"]]
+    if fallback:
+        granularity += (
+            f" ({' or '.join(map(str, fallback))} in the layers whose input width "
+            f"{qconfig['group_size']} does not divide)"
+        )
+    return granularity
+
+
+def _template_values(
+    report: dict[str, Any], bits: list[int], base_model: str | None, evaluation: dict | None
+) -> dict[str, Any]:
+    """The template's values that come from the checkpoint's files (`inspect_checkpoint`'s report, the evaluation)."""
+    qconfig = report["quantization_config"]
+    totals = report["totals"]
+    architecture = report["architecture"]
+    return dict(
         marker=f"{CARD_MARKER}: generated from the files of this folder; edit freely, or re-render with hfquant",
-        model_name=title,
         base_model=base_model,
         architecture=architecture,
         bits_text=" / ".join(f"{b}-bit integers" for b in bits),
-        bits_tag=bits_tag,
-        granularity=granularity,
-        symmetric=symmetric,
+        bits_tag="/".join(f"int{b}" for b in bits),
+        granularity=_granularity(qconfig, report),
+        symmetric=all(row["symmetric"] for row in report["quantized"]),
         dtype=report["dtype"],
         config_rows=_config_rows(qconfig),
         float_size=human_bytes(totals["float_bytes"]),
@@ -212,13 +226,8 @@ def build_card(
         float_layers=report["float_layers"],
         evaluation=evaluation,
         auto_class=_auto_class(architecture),
-        repo_id=repo_id or f"<your-username>/{name}",
-        command=command,
-        command_language="python" if "from_pretrained" in command else "bash",
         **_versions(),
     )
-    logger.debug("card for %s:\n%s", folder, format_report(report))
-    return ModelCard.from_template(card_data, template_path=str(template), **kwargs)
 
 
 def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:

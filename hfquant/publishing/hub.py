@@ -176,6 +176,22 @@ def _operations(folder: Path, readme: bytes | None) -> list:
     return operations
 
 
+def _readme(
+    folder: Path, repo_id: str, base_model: str | None, command: str | None, tags: list[str] | None
+) -> bytes | None:
+    """The card rendered for `repo_id` with the extra `tags`, or None when `folder` holds a hand-written README.md
+    (uploaded unchanged)."""
+    readme_path = folder / "README.md"
+    if readme_path.exists() and not is_hfquant_card(readme_path):
+        logger.info("%s is not an hfquant card: uploading it unchanged", readme_path)
+        return None
+    card = build_card(folder, repo_id=repo_id, base_model=base_model, command=command)
+    for tag in tags or []:
+        if tag not in card.data.tags:
+            card.data.tags.append(tag)
+    return str(card).encode("utf-8")
+
+
 def push_folder(
     folder: str | os.PathLike,
     repo_id: str,
@@ -225,17 +241,7 @@ def push_folder(
     except HFValidationError as error:
         raise ValueError(f"REPO_ID {repo_id!r} is not a Hub repo id: {error}") from None
     timeout = hub_timeout(timeout)
-    readme_path = folder / "README.md"
-    readme = None
-    if not readme_path.exists() or is_hfquant_card(readme_path):
-        card = build_card(folder, repo_id=repo_id, base_model=base_model, command=command)
-        for tag in tags or []:
-            if tag not in card.data.tags:
-                card.data.tags.append(tag)
-        readme = str(card).encode("utf-8")
-    else:
-        logger.info("%s is not an hfquant card: uploading it unchanged", readme_path)
-    operations = _operations(folder, readme)
+    operations = _operations(folder, _readme(folder, repo_id, base_model, command, tags))
     api = HfApi(endpoint=endpoint, token=token)
     failures = (HfHubHTTPError, OfflineModeIsEnabled, json.JSONDecodeError) + _transport_errors()
     action = f"create the repo {repo_id}"
