@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig
 from hfquant.checkpoint.checksums import SUMS_NAME
-from hfquant.checkpoint.source import resolve_source
 from hfquant.commands.cli import main
 from hfquant.conversion.convert import convert
 
@@ -234,21 +233,6 @@ def test_bad_inputs_name_the_value_and_the_fix(float_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="already quantized"):
         convert(tmp_path / "q", tmp_path / "d", HfQuantConfig(bits=8), progress=False)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
-
-
-def test_repo_id_source_offline_gives_a_clear_error(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(OSError, match="Hub could not be reached.*hf download some-org/some-model"):
-        resolve_source("some-org/some-model")
-    with pytest.raises(FileNotFoundError, match="not a folder"):
-        resolve_source(str(tmp_path / "missing" / "model"))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a folder"):
-        resolve_source("./nothing-here")
 
 
 _MEASURED_CONVERT = """
