@@ -146,7 +146,9 @@ def _write_folder(tmp: Path, folder: Path, model, quantizer, outputs: list[Outpu
     and the sums; returns the bytes of tensor data written."""
     resolved = quantizer.quantization_config  # with the mixed-precision and fold entries it wrote
     worker_args = (str(folder), dtype_name(options["load_dtype"]), resolved.to_dict(), quantizer.folds)
-    written = jobs.write_weights(outputs, split, tmp, options["workers"], worker_args, options["progress"])
+    written = jobs.write_weights(
+        options["runner"], outputs, split, tmp, options["workers"], worker_args, options["progress"]
+    )
     if split.is_sharded:
         # as save_pretrained of a loaded model writes it: quantized weights counted (integration.counting)
         total = model.num_parameters() + quantized_weight_count(model)
@@ -209,19 +211,21 @@ def convert(
 
     with _transformers_progress_bars(progress):  # the fold's pre-pass over the blocks has its own bar
         model, load_dtype, quantizer = build_skeleton(folder, dtype, config)
-    jobs.use_quantizer(model, quantizer)
+    runner = jobs.JobRunner(model, quantizer)
     outputs, missing = plan_outputs(model, quantizer, load_dtype, files)
     _check_missing(folder, model, missing)
     split = shard_plan(outputs, max_shard_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    options = dict(load_dtype=load_dtype, workers=workers, progress=progress, before_publish=before_publish)
+    options = dict(
+        runner=runner, load_dtype=load_dtype, workers=workers, progress=progress, before_publish=before_publish
+    )
     try:
         with folders.temporary_folder(dst) as tmp:  # deleted at the end: unfinished, or the version replaced
             written = _write_folder(tmp, folder, model, quantizer, outputs, split, options)
             folders.publish_folder(tmp, dst, overwrite)
     finally:
-        jobs.close()
+        runner.close()
     # a quantized tensor's job also makes its scales; a job making one tensor only rescales it (a fold's norm or bias)
     quantized_jobs = {out.job for out in outputs if out.job is not None and out.model_key != out.job.model_key}
     source_bytes = sum(p.stat().st_size for p in set(files.values()))
