@@ -17,11 +17,11 @@ device_map="cpu", quantization_config=...)`` and measures, in this order:
 - ``tensor_bytes``: :func:`benchmarks.memory.tensor_bytes` of the parameters and buffers, plus the quantization state
   tensors bitsandbytes hangs on its parameters (``SCB``, ``quant_state``), which are neither;
 - ``weight_read_bytes``: bytes read from weights per decoded token, see :func:`weight_bytes_per_token`;
-- ``decode_tok_s``: :func:`hfquant.commands.evaluation.decode_tokens_per_second` (batch 1, 64 greedy tokens, warm-up, best
+- ``decode_tok_s``: :func:`hfquant.evaluation.decode_tokens_per_second` (batch 1, 64 greedy tokens, warm-up, best
   of 3, prefill excluded);
 - ``prefill_ms``: median of 3 forward passes over 512 tokens (batch 1, ``use_cache=True``, ``logits_to_keep=1``
   as in ``generate``'s prefill), after one untimed pass;
-- ``perplexity`` (real workload): :func:`hfquant.commands.evaluation.perplexity` on :func:`hfquant.commands.evaluation.reference_text`;
+- ``perplexity`` (real workload): :func:`hfquant.evaluation.perplexity` on :func:`hfquant.evaluation.reference_text`;
 - ``files_bytes``: ``*.safetensors`` bytes written by ``save_pretrained`` (deleted afterwards unless
   ``--keep-saved``); ``files_note`` says why when the method cannot save.
 
@@ -274,7 +274,7 @@ def memory_bandwidth(size_mib: int = 1024, repeats: int = 5) -> dict:
 
 
 def _prefill_ids(tokenizer, n: int):
-    from hfquant.commands.evaluation import reference_text
+    from hfquant.evaluation import reference_text
 
     ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][:, :n]
     if ids.shape[1] < n:
@@ -321,7 +321,7 @@ def _measure(args, result: dict, save_result) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.memory import import_model_code, peak_rss_mib, reset_peak_rss, rss_mib, tensor_bytes
-    from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text
+    from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text
 
     sizes = QUICK if args.quick else FULL
     kwargs = load_kwargs(args.method, args.variant)

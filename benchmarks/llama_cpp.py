@@ -1,7 +1,7 @@
 """llama.cpp as a peer row of the benchmark, on hfquant's own weights (issue #13 item 4).
 
 Each `llamacpp-*` method runs the weights of one hfquant method (`TWINS`): the benchmark's checkpoint is quantized
-file to file by `hfquant.commands.convert.convert` with that method's `HfQuantConfig`, exported with
+file to file by `hfquant.conversion.convert.convert` with that method's `HfQuantConfig`, exported with
 `hfquant.export_checkpoint(..., format="gguf")` (int8 -> Q8_0, int4 symmetric -> Q4_0, int4 asymmetric -> Q4_1, float
 tensors F16/BF16), and run by llama-cpp-python in its own virtual environment (`--llama-python`; `python
 scripts/engines.py --engines llama.cpp` builds and installs it). Both are cached under `<out>/gguf/`.
@@ -130,14 +130,14 @@ def prepare(method: str, model: Path, out: Path, quantization_config) -> Path:
         quantization_config: the benchmark's `quantization_config` function (method -> HfQuantConfig).
     """
     import hfquant
-    from hfquant.commands.convert import convert
+    from hfquant.conversion.convert import convert
 
     twin = TWINS[method]
     folder = out / "gguf" / f"{model.name}-{twin}"
     target = folder.with_suffix(".gguf")
     if not target.exists():
         if not (folder / "config.json").exists():
-            convert(model, folder, quantization_config(twin), progress=False, card=False, overwrite=True)
+            convert(model, folder, quantization_config(twin), progress=False, overwrite=True)
         hfquant.export_checkpoint(folder, target, format="gguf", overwrite=True)
     return target
 

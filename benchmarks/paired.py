@@ -272,7 +272,7 @@ def _serve(argv: list[str] | None = None) -> int:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from benchmarks.methods import DECODE_PROMPT, FULL, QUICK, load_kwargs, use_compiled_decode
-        from hfquant.commands.evaluation import decode_tokens_per_second
+        from hfquant.evaluation import decode_tokens_per_second
 
         tokens = (QUICK if args.quick else FULL)["decode_tokens"]
         tokenizer = AutoTokenizer.from_pretrained(args.model)

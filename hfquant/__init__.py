@@ -3,20 +3,23 @@
 `import hfquant` registers `quant_method="hfquant"` with transformers, so that
 `AutoModelForCausalLM.from_pretrained(path, quantization_config=hfquant.HfQuantConfig(bits=4))` quantizes on load
 and `from_pretrained(saved_path)` reloads a saved quantized checkpoint. It also makes `push_to_hub` of the models it
-loads send hfquant's model card (`hfquant.commands.hub.attach_model_card`).
+loads send hfquant's model card (`hfquant.publishing.hub.attach_model_card`).
 
 The package is layered, imports pointing only downward (docs/architecture.md): `core` (math, stored format) ->
-`ops` (kernels) -> `nn` (modules) -> `checkpoint` (files) -> `integration` (transformers hooks) -> `commands`.
+`ops` (kernels) -> `nn` (modules) -> `checkpoint` (files) -> `integration` (transformers hooks) -> the library users
+call (`conversion`, `inspection`, `verification`, `evaluation`) -> `publishing` (cards, Hub) -> `commands` (the CLI).
 """
 
-from hfquant.commands.export import export_checkpoint
-from hfquant.commands.hub import attach_model_card
-from hfquant.commands.importing import import_checkpoint
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
+from hfquant.conversion.convert import convert
+from hfquant.conversion.export import export_checkpoint
+from hfquant.conversion.importing import import_checkpoint
+from hfquant.evaluation import evaluate
 from hfquant.integration.quantizer import HfQuantQuantizer, register
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.linear import QuantLinear
+from hfquant.publishing.hub import attach_model_card
 from hfquant.version import __version__
 
 __all__ = [
@@ -28,8 +31,10 @@ __all__ = [
     "QuantExperts",
     "QuantLinear",
     "register",
+    "convert",
     "export_checkpoint",
     "import_checkpoint",
+    "evaluate",
     "__version__",
 ]
 

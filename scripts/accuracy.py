@@ -46,7 +46,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa:
 
 import hfquant  # noqa: E402
 from benchmarks.machine import cpu_name, describe  # noqa: E402
-from hfquant.commands.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
+from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
 from hfquant.example_model import build_example_model  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}

@@ -5,9 +5,10 @@
         --out-dir out/batch [--perplexity] [--json out/batch/summary.json]
 
 Each option set is written exactly as the quantization options of `hfquant convert` (same parser, same checks). Every
-(source, option set) pair is converted with `hfquant.commands.convert.convert` into OUT_DIR/<source name>-<options slug>, e.g.
-`smollm2-135m-instruct-bf16-int4-g128`. `--perplexity` also measures each output and each float source on the
-built-in text (`hfquant.commands.evaluation.reference_text`). A failed conversion is reported in the table and the others go
+(source, option set) pair is converted with `hfquant.conversion.convert.convert` into OUT_DIR/<source name>-<options
+slug>, e.g. `smollm2-135m-instruct-bf16-int4-g128`, with the model card `hfquant convert` writes
+(`hfquant.publishing.cards.card_for_convert`). `--perplexity` also measures each output and each float source on the
+built-in text (`hfquant.evaluation.reference_text`). A failed conversion is reported in the table and the others go
 on; the exit code is 1 when any failed.
 """
 
@@ -21,9 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from hfquant.commands.cli import build_parser, config_from_args
-from hfquant.commands.convert import convert, resolve_source
-from hfquant.commands.inspection import human_bytes
+from hfquant.checkpoint.source import resolve_source
+from hfquant.commands.cli import build_parser
+from hfquant.commands.options import config_from_args
+from hfquant.conversion.convert import convert
+from hfquant.inspection import human_bytes
+from hfquant.publishing.cards import card_for_convert
 
 
 def slug(config) -> str:
@@ -47,7 +51,7 @@ def perplexity_of(path: Path) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hfquant  # noqa: F401  (registers the quantizer for the quantized checkpoints)
-    from hfquant.commands.evaluation import perplexity, reference_text
+    from hfquant.evaluation import perplexity, reference_text
 
     model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                         max_shard_size=args.max_shard_size,
                         workers=args.workers,
                         overwrite=args.overwrite,
+                        before_publish=card_for_convert(source, dst),  # the card `hfquant convert` writes
                     )
                 except (ValueError, TypeError, OSError) as error:
                     row["error"] = str(error)

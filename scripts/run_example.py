@@ -60,7 +60,7 @@ MIB = 1024 * 1024
 def _check_batch(tokenizer):
     import torch
 
-    from hfquant.commands.evaluation import reference_text
+    from hfquant.evaluation import reference_text
 
     ids = tokenizer(reference_text(4000, offset=100_000), return_tensors="pt")["input_ids"][0]
     n = CHECK_ROWS * CHECK_COLS
@@ -153,7 +153,7 @@ def worker_reload(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hfquant  # noqa: F401  (registers quant_method "hfquant" so quantized checkpoints load)
-    from hfquant.commands.evaluation import decode_tokens_per_second, generate_answer, perplexity, reference_text
+    from hfquant.evaluation import decode_tokens_per_second, generate_answer, perplexity, reference_text
 
     out = Path(args.out)
     saved = out / args.method
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if any(r.get("load", {}).get("peak_reset_ok") is False for r in results.values()):
         notes.append("* peak RSS could not be reset in the worker; the value includes the import-time peak.")
-    from hfquant.commands.evaluation import DEFAULT_REFERENCE_CHARS
+    from hfquant.evaluation import DEFAULT_REFERENCE_CHARS
 
     notes.append(
         f"Perplexity: fixed {DEFAULT_REFERENCE_CHARS}-character slice of CPython's pydoc topics, 512-token windows. Decode: batch 1, greedy, "

@@ -31,6 +31,7 @@ __all__ = [
     "CONFIG_NAME",
     "INDEX_NAME",
     "SINGLE_NAME",
+    "EVAL_FILE",
     "WEIGHT_SUFFIXES",
     "MAX_JSON_BYTES",
     "SAFETENSORS_DTYPES",
@@ -60,6 +61,8 @@ __all__ = [
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+EVAL_FILE = "hfquant_eval.json"
+"""What `hfquant eval` writes into a checkpoint folder (`hfquant.evaluation.evaluate`'s results); the card shows them."""
 WEIGHT_SUFFIXES = (
     ".safetensors",
     ".bin",

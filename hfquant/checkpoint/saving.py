@@ -126,7 +126,7 @@ _HUB_ARGUMENTS = ("repo_id", "commit_message", "create_pr", "private", "token", 
 def _staged_save_pretrained(model, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
     """`model.save_pretrained` of a model hfquant loaded: the class's own, through `save_staged`. With
     `push_to_hub=True` the folder is saved (and marked) first, then `model.push_to_hub` uploads a save of the model
-    (hfquant's, with its card, once `hfquant.commands.hub.attach_model_card` ran); the repo defaults to the folder's
+    (hfquant's, with its card, once `hfquant.publishing.hub.attach_model_card` ran); the repo defaults to the folder's
     name, as transformers names it."""
     if not kwargs.pop("push_to_hub", False):
         return save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)

@@ -1,2 +1,4 @@
-"""Layer 5, what users run: `convert`, `inspection`, `verify`, `evaluation`, `cards`, `hub` and the `cli` over them.
-May import every layer below; nothing below imports it."""
+"""Layer 7, the `hfquant` command line only (argparse): `cli` builds the parser and maps errors to exit statuses, one
+module per subcommand adds its parser and runs it over the library (`hfquant.conversion`, `hfquant.inspection`,
+`hfquant.verification`, `hfquant.evaluation`, `hfquant.publishing`), `options` turns the quantization options into
+an `HfQuantConfig`. Nothing in the package imports it."""

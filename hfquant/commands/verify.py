@@ -1,254 +1,48 @@
-"""Checking a quantized checkpoint against its config without loading a weight: `hfquant verify PATH`.
-
-Only JSON and safetensors headers are read, never pickle and never code from the checkpoint
-(`hfquant.checkpoint.files` reads them):
-
-1. `config.json`: `quantization_config` must be an hfquant config, parsed by `HfQuantConfig.from_dict` (its fields
-   are an allowlist; an unknown field or format version is a problem).
-2. `model.safetensors.index.json` when present: every shard it names exists and is a plain file name in the folder,
-   every tensor it maps is in that shard, every tensor of a shard is in the index, no tensor is in two shards.
-3. Every shard's header, read with `safe_open`: the safetensors library refuses a truncated or padded file, a
-   header that is not JSON, unknown dtypes and offsets that do not tile the data.
-4. The schema and the values (`hfquant.checkpoint.schema`): the model skeleton is built on the meta device from `config.json` (a
-   transformers class only, `trust_remote_code=False`) and hfquant's quantizer swaps its layers exactly as a reload
-   does. Every stored tensor of an hfquant module must be in the files with exactly the dtype and shape the config
-   gives; every other tensor must have the model's shape; a model tensor absent from the files (and not tied to one
-   that is present), or a file tensor the model does not have, is a problem. Every stored scale must be finite and
-   > 0, every zero point within the codes of its bit width (these small tensors are read; the codes are not).
-5. Checksums, when recorded (`hfquant.checkpoint.checksums`).
-"""
+"""`hfquant verify PATH [--write-checksums]`: a checkpoint against its config (`hfquant.verification`); exit 1
+listing the problems."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Any, NamedTuple
+import argparse
+import sys
 
-import transformers
-from transformers import CONFIG_MAPPING
+from hfquant.checkpoint.checksums import write_checksums
+from hfquant.verification import verify
 
-from hfquant.checkpoint.checksums import SUMS_NAME, checksum_problems
-from hfquant.checkpoint.files import (
-    CONFIG_NAME,
-    INDEX_NAME,
-    SINGLE_NAME,
-    WEIGHT_SUFFIXES,
-    TensorHeader,
-    checkpoint_ids,
-    mixed_checkpoint_problem,
-    open_safetensors,
-    read_config,
-    read_headers,
-    read_index,
-    read_tensor,
-    require_inside,
-)
-from hfquant.checkpoint.schema import is_hfquant_module, schema_problems, value_problem
-from hfquant.config import QUANT_METHOD, HfQuantConfig
-from hfquant.integration.conversions import model_key_map
-from hfquant.integration.skeleton import build_skeleton
-
-__all__ = ["VerifyResult", "read_model_config", "read_quantization_config", "verify"]
+__all__ = ["add_parser", "run"]
 
 
-class VerifyResult(NamedTuple):
-    """What `verify` found: `problems` (empty when the checkpoint is sound), counts, and notes (checks not run)."""
-
-    problems: list[str]
-    tensors: int
-    files: int
-    checksums: int
-    notes: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def read_model_config(folder: str | os.PathLike) -> dict[str, Any]:
-    """`read_config`, and a `model_type` this transformers knows (transformers' own error is a page of text).
-
-    Raises:
-        FileNotFoundError: no config.json.
-        ValueError: as `read_config`, or an unknown `model_type`, naming the file, the value and the fix.
-    """
-    config = read_config(folder)
-    model_type = config.get("model_type")
-    if model_type is not None and (not isinstance(model_type, str) or model_type not in CONFIG_MAPPING):
-        raise ValueError(
-            f"{Path(folder) / CONFIG_NAME}: model_type={model_type!r} is not a model type transformers "
-            f"{transformers.__version__} knows; upgrade transformers (pip install -U transformers), or restore "
-            "config.json from the original checkpoint"
-        )
-    return config
+def add_parser(sub) -> None:
+    """The `verify` subcommand's parser, added to the subparsers `sub`."""
+    v = sub.add_parser(
+        "verify",
+        help="check a quantized checkpoint against its config without loading it; exit 1 listing the problems",
+        description="Read config.json, the index and the safetensors headers of PATH (never a weight, never code) "
+        "and check that every shard the index names exists and holds its tensors, that every tensor has the name, "
+        "dtype and shape quantization_config gives it, and the sha256 sums recorded in hfquant.sha256.json.",
+    )
+    v.add_argument("path", metavar="PATH", help="checkpoint folder")
+    v.add_argument(
+        "--write-checksums",
+        action="store_true",
+        help="when no problem is found, record the sha256 of config.json, the index and the shards in "
+        "hfquant.sha256.json (for a folder written by save_pretrained)",
+    )
 
 
-def read_quantization_config(folder: str | os.PathLike) -> tuple[dict, HfQuantConfig]:
-    """(config.json as a dict, its `HfQuantConfig`).
-
-    Raises:
-        FileNotFoundError: no config.json.
-        ValueError: config.json is not a JSON object or malformed (`read_model_config`), has no `quantization_config`, or one of another method, or one
-            `HfQuantConfig` refuses (unknown field, unknown format version, bad value); the message says which.
-        TypeError: a field has the wrong type (from `HfQuantConfig`).
-    """
-    folder = Path(folder)
-    config = read_model_config(folder)
-    quant = config.get("quantization_config")
-    if quant is None:
-        raise ValueError(
-            f"{CONFIG_NAME} has no quantization_config: {folder} is not a quantized checkpoint; quantize it with "
-            "hfquant convert SRC DST"
-        )
-    if not isinstance(quant, dict):
-        raise ValueError(f"{CONFIG_NAME}: quantization_config must be a JSON object, got {type(quant).__name__}")
-    method = quant.get("quant_method")
-    if method != QUANT_METHOD:
-        raise ValueError(
-            f"{CONFIG_NAME}: quantization_config has quant_method={method!r}, not {QUANT_METHOD!r}; this checkpoint "
-            "was quantized by another method: load it with the library for that method, not hfquant"
-        )
-    return config, HfQuantConfig.from_dict(dict(quant))
-
-
-def _shard_names(folder: Path, problems: list[str]) -> tuple[list[str], dict[str, str] | None]:
-    """(shard file names to read, the index's weight_map or None); problems of the index appended."""
-    if (folder / INDEX_NAME).is_file():
-        try:
-            weight_map = read_index(folder)
-        except ValueError as error:
-            problems.append(str(error))
-            return [], None
-        shards = sorted(set(weight_map.values()))
-        for name in sorted(p.name for p in folder.glob("*.safetensors") if p.name not in shards):
-            problems.append(
-                f"{name} is not named in {INDEX_NAME}, so from_pretrained ignores it: delete it, or restore the index "
-                "that names it"
-            )
-        return shards, weight_map
-    if (folder / SINGLE_NAME).is_file():
-        return [SINGLE_NAME], None
-    others = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    hint = f" (found {others}, which hfquant never reads: only safetensors are loaded)" if others else ""
-    problems.append(f"{folder} has no {SINGLE_NAME} or {INDEX_NAME}{hint}; copy the complete checkpoint")
-    return [], None
-
-
-def _checkpoint_headers(folder: Path, problems: list[str]) -> tuple[dict[str, TensorHeader], list[str]]:
-    """Headers of the checkpoint's tensors (name -> header) and the shard names read; problems appended."""
-    shards, weight_map = _shard_names(folder, problems)
-    tensors: dict[str, TensorHeader] = {}
-    read: list[str] = []
-    for shard in shards:
-        path = folder / shard
-        try:
-            require_inside(folder, path)
-        except ValueError as error:
-            problems.append(str(error))
-            continue
-        if not path.is_file():
-            problems.append(
-                f"{shard} is named in {INDEX_NAME} but missing from {folder}; copy the complete checkpoint again"
-            )
-            continue
-        try:
-            found = read_headers(path)
-        except ValueError as error:
-            problems.append(str(error))
-            continue
-        read.append(shard)
-        for key, header in found.items():
-            if key in tensors:
-                problems.append(f"{key} is stored twice, in {tensors[key].file} and {shard}; remove one copy")
-                continue
-            tensors[key] = header
-            if weight_map is not None and key not in weight_map:
-                problems.append(
-                    f"{key} is in {shard} but not in {INDEX_NAME}; the index and the shards are from different "
-                    "saves: copy the complete checkpoint again"
-                )
-    for key, shard in sorted((weight_map or {}).items()):
-        if shard in read and (key not in tensors or tensors[key].file != shard):
-            where = f"is in {tensors[key].file}" if key in tensors else "is in no shard"
-            problems.append(
-                f"{INDEX_NAME} maps {key} to {shard}, which has no tensor {key!r} (it {where}); the index and the "
-                "shards are from different saves: copy the complete checkpoint again"
-            )
-    return tensors, read
-
-
-def _value_problems(
-    folder: Path, model, tensors: dict[str, TensorHeader], key_map: dict[str, str | None]
-) -> list[str]:
-    """`value_problem` of every stored scale and zero point of an hfquant module, read from the files."""
-    wanted: dict[str, list[tuple[str, int]]] = {}  # shard -> [(file key, bits)]
-    for file_key, header in tensors.items():
-        model_key = key_map.get(file_key)
-        if model_key is None or not model_key.endswith(("scale", "zero_point")):
-            continue
-        module = model.get_submodule(model_key.rpartition(".")[0])
-        if is_hfquant_module(module) and hasattr(module, "bits"):
-            wanted.setdefault(header.file, []).append((file_key, module.bits))
-    problems = []
-    for shard, keys in sorted(wanted.items()):
-        path = folder / shard
-        try:
-            with open_safetensors(path) as handle:
-                for key, bits in keys:
-                    problem = value_problem(key, read_tensor(handle, path, key), bits)
-                    if problem is not None:
-                        problems.append(f"{problem} (in {shard})")
-        except ValueError as error:
-            problems.append(str(error))
-    return problems
-
-
-def verify(path: str | os.PathLike) -> VerifyResult:
-    """Check the quantized checkpoint folder `path` (see the module docstring); nothing is loaded or executed.
-
-    Returns:
-        A `VerifyResult`; `problems` lists every problem found, each naming the file or tensor and the fix.
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        NotADirectoryError: `path` is a file.
-    """
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise FileNotFoundError(f"{folder} does not exist; pass the folder of a quantized checkpoint")
-    if not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is a file; pass the folder that holds config.json and the safetensors")
-    problems: list[str] = []
-    notes: list[str] = []
-    quant_config = None
-    if not (folder / CONFIG_NAME).is_file():
-        problems.append(f"{folder} has no {CONFIG_NAME}; copy the complete checkpoint")
-    else:
-        try:
-            _, quant_config = read_quantization_config(folder)
-        except (ValueError, TypeError) as error:
-            text = str(error)
-            problems.append(
-                text if text.startswith((CONFIG_NAME, str(folder / CONFIG_NAME))) else f"{CONFIG_NAME}: {text}"
-            )
-    tensors, shards = _checkpoint_headers(folder, problems)
-    try:
-        mixed = mixed_checkpoint_problem(checkpoint_ids(folder / shard for shard in shards))
-    except ValueError:  # an unreadable shard is reported by the header check
-        mixed = None
-    if mixed is not None:
-        problems.append(mixed)
-    compared = 0
-    if quant_config is not None and tensors:
-        try:
-            model, _, quantizer = build_skeleton(folder, "auto", quant_config, pre_quantized=True)
-        except (ValueError, OSError, KeyError, TypeError) as error:
-            notes.append(f"schema not checked: {error}")
-        else:
-            key_map = model_key_map(model, tensors, quantizer)
-            schema, compared = schema_problems(model, tensors, key_map, loading=False)
-            problems += schema + _value_problems(folder, model, tensors, key_map)
-    sums, checksummed = checksum_problems(folder)
-    problems += sums
-    if not (folder / SUMS_NAME).is_file():
-        notes.append(f"no {SUMS_NAME}: file contents not checked against recorded sha256 sums")
-    return VerifyResult(problems, compared, len(shards), checksummed, notes)
+def run(args: argparse.Namespace) -> int:
+    result = verify(args.path)
+    for note in result.notes:
+        print(f"note: {note}")
+    if result.problems:
+        print(f"hfquant: {args.path}: {len(result.problems)} problem(s):", file=sys.stderr)
+        for problem in result.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 1
+    if args.write_checksums:
+        print(f"recorded sha256 sums in {write_checksums(args.path)}")
+    print(
+        f"ok: {args.path}: {result.tensors} tensors in {result.files} file(s) match the config"
+        + (f", {result.checksums} sha256 sums match" if result.checksums else "")
+    )
+    return 0

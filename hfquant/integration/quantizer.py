@@ -154,21 +154,6 @@ class HfQuantQuantizer(HfQuantizer):
         self.plan = LoadPlan(folds=dict(folds or {}))  # replaced by the pre-load hook's
         self.report = LoadReport()  # replaced by one sized for the checkpoint in the pre-load hook
 
-    @property
-    def folds(self) -> dict[str, Transform]:
-        """The plan's folds (`fold_column_scales`): module name -> `Transform`."""
-        return self.plan.folds
-
-    @property
-    def failed_tensors(self) -> dict[str, str]:
-        """The report's failures, checkpoint key -> why (`hfquant convert` raises each one by name)."""
-        return self.report.failed
-
-    @property
-    def out_of_memory(self) -> list[str]:
-        """The report's keys whose quantization ran out of memory (`hfquant convert` raises a MemoryError)."""
-        return self.report.out_of_memory
-
     # -- environment -------------------------------------------------------------------------------------------
 
     def validate_environment(self, *args, **kwargs):

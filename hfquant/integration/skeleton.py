@@ -78,7 +78,7 @@ def build_skeleton(
     (`dtype`, resolved as transformers does, then passed through the quantizer's `update_dtype`). With a
     `quantization_config`, hfquant's quantizer runs its `preprocess_model` on it: the planned layers become meta
     `QuantLinear`s and `config.quantization_config` is set, as in quantize-on-load (`pre_quantized=False`) or in the
-    reload of a quantized checkpoint (`pre_quantized=True`). `folds` (from another skeleton's `quantizer.folds`, with
+    reload of a quantized checkpoint (`pre_quantized=True`). `folds` (from another skeleton's `quantizer.plan.folds`, with
     that quantizer's resolved config) spares a second reading of the checkpoint for `fold_column_scales`.
 
     Raises:

@@ -10,10 +10,10 @@ from helpers import auto_class
 
 from hfquant import HfQuantConfig
 from hfquant.checkpoint.files import stays_inside
-from hfquant.commands.convert import convert
-from hfquant.commands.hub import _operations
-from hfquant.commands.inspection import inspect_checkpoint
-from hfquant.commands.verify import verify
+from hfquant.conversion.convert import convert
+from hfquant.inspection import inspect_checkpoint
+from hfquant.publishing.hub import _operations
+from hfquant.verification import verify
 
 
 def test_stays_inside(tmp_path):

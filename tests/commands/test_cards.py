@@ -1,4 +1,4 @@
-"""`hfquant.commands.cards`: the model card's metadata (through huggingface_hub's ModelCardData) and body, from the files."""
+"""`hfquant.publishing.cards`: the model card's metadata (through huggingface_hub's ModelCardData) and body, from the files."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 from huggingface_hub import ModelCard
 
 from hfquant import HfQuantConfig
-from hfquant.commands.cards import EVAL_FILE, build_card, is_hfquant_card, write_card
-from hfquant.commands.convert import convert
-from hfquant.commands.inspection import human_bytes, inspect_checkpoint
+from hfquant.checkpoint.files import EVAL_FILE
+from hfquant.conversion.convert import convert
+from hfquant.inspection import human_bytes, inspect_checkpoint
+from hfquant.publishing.cards import build_card, is_hfquant_card, write_card
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -24,7 +25,6 @@ def llama_int4(float_checkpoint, tmp_path):
         out,
         HfQuantConfig(bits=4, group_size=32, mixed_precision="none"),
         progress=False,
-        card=False,
     )
     return out
 
@@ -42,7 +42,7 @@ def test_metadata(llama_int4):
 
 def test_int8_encoder_card(float_checkpoint, tmp_path):
     out = tmp_path / "bert-int8"
-    convert(float_checkpoint("bert"), out, HfQuantConfig(bits=8), progress=False, card=False)
+    convert(float_checkpoint("bert"), out, HfQuantConfig(bits=8), progress=False)
     card = build_card(out)
     data = card.data.to_dict()
     assert "int8" in data["tags"] and "int4" not in data["tags"]

@@ -15,7 +15,8 @@ import torch
 from helpers import tiny_tokenizer
 
 from hfquant import HfQuantConfig
-from hfquant.commands.cli import build_parser, config_from_args, main
+from hfquant.commands.cli import build_parser, main
+from hfquant.commands.options import config_from_args
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -308,3 +309,21 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
     local = tmp_path / "SmolLM2-int4"
     assert sorted(remote) == sorted(p.name for p in local.iterdir())
     assert remote["model.safetensors"] == (local / "model.safetensors").read_bytes()
+
+
+def test_the_library_functions_users_call_are_at_the_top_level():
+    """The command line runs the library: its functions are importable from `hfquant` and from the modules named for
+    them, never from `hfquant.commands`."""
+    import hfquant
+    from hfquant.conversion.convert import convert
+    from hfquant.conversion.export import export_checkpoint
+    from hfquant.conversion.importing import import_checkpoint
+    from hfquant.evaluation import evaluate
+
+    assert (hfquant.convert, hfquant.export_checkpoint, hfquant.import_checkpoint, hfquant.evaluate) == (
+        convert,
+        export_checkpoint,
+        import_checkpoint,
+        evaluate,
+    )
+    assert {"convert", "export_checkpoint", "import_checkpoint", "evaluate"} <= set(hfquant.__all__)

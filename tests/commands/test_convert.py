@@ -1,4 +1,4 @@
-"""`hfquant.commands.convert`: file-to-file quantization equal to quantize-on-load + save_pretrained, written atomically."""
+"""`hfquant.conversion.convert` (and `hfquant convert` for what the command adds: the card): file-to-file quantization equal to quantize-on-load + save_pretrained, written atomically."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from helpers import auto_class, read_tensors
 from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig
-from hfquant.commands.convert import convert, resolve_source
+from hfquant.checkpoint.checksums import SUMS_NAME
+from hfquant.commands.cli import main
+from hfquant.conversion.convert import convert
 
 SHARD_SIZE = "40KB"  # the tiny models are 100-300 KB: several shards, and a layer's tensors may straddle two
 
@@ -121,7 +123,9 @@ def test_copies_small_files_and_writes_card(float_checkpoint, tmp_path):
     (src / "pytorch_model.bin").write_bytes(b"old weights")
     (src / ".hidden").write_text("x")
     (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# float model\n")
-    convert(src, tmp_path / "out", HfQuantConfig(bits=8), progress=False)
+    convert(src, tmp_path / "library", HfQuantConfig(bits=8), progress=False)
+    assert not (tmp_path / "library" / "README.md").exists()  # the library writes no card, nor copies SRC's
+    assert main(["convert", str(src), str(tmp_path / "out"), "--bits", "8", "--no-progress"]) == 0
     out = tmp_path / "out"
     names = {p.name for p in out.iterdir()}
     assert {
@@ -131,10 +135,29 @@ def test_copies_small_files_and_writes_card(float_checkpoint, tmp_path):
         "generation_config.json",
         "README.md",
     } <= names
+    assert names - {"README.md"} == {p.name for p in (tmp_path / "library").iterdir()}
     assert not names & {"pytorch_model.bin", ".hidden"}
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
     card = (out / "README.md").read_text()
     assert "hfquant" in card and "license: apache-2.0" in card  # the float model's license carries over
+    assert json.loads((out / SUMS_NAME).read_text()) == json.loads((tmp_path / "library" / SUMS_NAME).read_text())
+
+
+def test_before_publish_adds_files_in_the_same_atomic_step(float_checkpoint, tmp_path):
+    """What `before_publish` writes is in the folder when DST appears; it sees the temporary folder and SRC."""
+    src = float_checkpoint("llama")
+    seen = []
+
+    def add(folder, source):
+        seen.append(
+            (folder.parent == tmp_path, folder.name.startswith(".dst.tmp-"), source, (tmp_path / "dst").exists())
+        )
+        (folder / "notes.txt").write_text("made by the caller")
+
+    convert(src, tmp_path / "dst", HfQuantConfig(bits=8), progress=False, before_publish=add)
+    assert seen == [(True, True, src, False)]
+    assert (tmp_path / "dst" / "notes.txt").read_text() == "made by the caller"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
 def test_refuses_to_overwrite_without_overwrite(float_checkpoint, tmp_path):
@@ -212,25 +235,10 @@ def test_bad_inputs_name_the_value_and_the_fix(float_checkpoint, tmp_path):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
-def test_repo_id_source_offline_gives_a_clear_error(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(OSError, match="Hub could not be reached.*hf download some-org/some-model"):
-        resolve_source("some-org/some-model")
-    with pytest.raises(FileNotFoundError, match="not a folder"):
-        resolve_source(str(tmp_path / "missing" / "model"))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a folder"):
-        resolve_source("./nothing-here")
-
-
 _MEASURED_CONVERT = """
 import json, sys
 import hfquant, safetensors.torch, transformers.core_model_loading  # imported before the baseline is taken
-from hfquant.commands.convert import convert
+from hfquant.conversion.convert import convert
 from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib
 src, dst, shard = sys.argv[1:4]
 before = rss_mib()

@@ -1,4 +1,4 @@
-"""Fast tests of hfquant.commands.evaluation on a tiny random Llama (no checkpoint needed)."""
+"""Fast tests of hfquant.evaluation on a tiny random Llama (no checkpoint needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
-from hfquant.commands.evaluation import (
+from hfquant.evaluation import (
     DEFAULT_REFERENCE_CHARS,
     decode_perplexity,
     decode_tokens_per_second,

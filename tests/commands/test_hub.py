@@ -1,4 +1,4 @@
-"""`hfquant.commands.hub` against a local stand-in of the Hub (tests/hub_server.py): one commit, every byte, clear errors."""
+"""`hfquant.publishing.hub` against a local stand-in of the Hub (tests/hub_server.py): one commit, every byte, clear errors."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from hub_server import HubServer
 
 from hfquant import HfQuantConfig
-from hfquant.commands.cards import CARD_MARKER
-from hfquant.commands.convert import convert
-from hfquant.commands.hub import HubError, push_folder
+from hfquant.conversion.convert import convert
+from hfquant.publishing.cards import CARD_MARKER, card_for_convert
+from hfquant.publishing.hub import HubError, push_folder
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -43,8 +43,8 @@ def folder(float_checkpoint, tmp_path_factory):
         out,
         HfQuantConfig(bits=4, group_size=32),
         max_shard_size="60KB",
-        base_model=BASE,
         progress=False,
+        before_publish=card_for_convert("tiny-int4", out, base_model=BASE),  # as `hfquant convert --base-model`
     )
     (out / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
     return out

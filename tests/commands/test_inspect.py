@@ -1,4 +1,4 @@
-"""`hfquant.commands.inspection`: per-kind bits, group sizes and bytes read from the safetensors headers, float layers and why."""
+"""`hfquant.inspection`: per-kind bits, group sizes and bytes read from the safetensors headers, float layers and why."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hfquant import HfQuantConfig
-from hfquant.commands.convert import convert
-from hfquant.commands.inspection import format_report, inspect_checkpoint, layer_kind
+from hfquant.conversion.convert import convert
+from hfquant.inspection import format_report, inspect_checkpoint, layer_kind
 
 LLAMA_KINDS = [
     f"model.layers.*.{p}"
@@ -34,7 +34,7 @@ def converted(float_checkpoint, tmp_path_factory):
         key = (arch, dtype, json.dumps(qconfig, sort_keys=True))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{arch}-inspect") / "model"
-            convert(float_checkpoint(arch, dtype), out, HfQuantConfig(**qconfig), progress=False, card=False)
+            convert(float_checkpoint(arch, dtype), out, HfQuantConfig(**qconfig), progress=False)
             cache[key] = out
         return cache[key]
 

@@ -1,4 +1,4 @@
-"""`hfquant.commands.verify`: a sound checkpoint passes; each damaged index, header, tensor, config or checksum is reported
+"""`hfquant.verification`: a sound checkpoint passes; each damaged index, header, tensor, config or checksum is reported
 by name with its fix; and a pre-quantized `from_pretrained` of a tensor of the wrong dtype or shape fails loudly."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from hfquant import HfQuantConfig
 from hfquant.checkpoint.checksums import SUMS_NAME, write_checksums
 from hfquant.checkpoint.files import SAFETENSORS_DTYPES, read_headers
-from hfquant.commands.verify import verify
+from hfquant.verification import verify
 
 INDEX = "model.safetensors.index.json"
 # (architecture, dtype, HfQuantConfig kwargs, max_shard_size): every stored layout, Conv1D, bias, tied lm_head.

@@ -14,14 +14,15 @@ from helpers import auto_class, input_ids, model_output, tiny_model
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hfquant import HfQuantConfig
-from hfquant.commands.cli import build_parser, config_from_args
-from hfquant.commands.export import export_checkpoint
-from hfquant.commands.verify import verify
+from hfquant.commands.cli import build_parser
+from hfquant.commands.options import config_from_args
+from hfquant.conversion.export import export_checkpoint
 from hfquant.core import folding
 from hfquant.core.format import Method
 from hfquant.integration.folding import find_blocks, plan_folds
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import plan_layers
+from hfquant.verification import verify
 
 TOLERANCE = 1e-4
 """Largest |logit difference| / max |logit| allowed between a float32 model and its folded copy: float32 rounding of
@@ -174,7 +175,7 @@ def test_a_fold_needs_every_matrix_it_changes_quantized(float_checkpoint):
     model = auto_class("llama").from_pretrained(
         float_checkpoint("llama"), quantization_config=config, device_map="cpu"
     )
-    folds = model.hf_quantizer.folds
+    folds = model.hf_quantizer.plan.folds
     assert "model.layers.0.self_attn.o_proj" not in folds
     assert folds["model.layers.0.self_attn.v_proj"].row_scale is None  # nothing of o_proj moved into v_proj
     assert folds["model.layers.0.self_attn.v_proj"].col_scale is not None  # q/k/v still share the norm's fold
@@ -187,7 +188,7 @@ def test_other_architectures_keep_stored_column_scales(float_checkpoint, arch):
     assert config.fold_column_scales is True and config.method == "sinq"
     model = auto_class(arch).from_pretrained(float_checkpoint(arch), quantization_config=config, device_map="cpu")
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert layers and all(m.format.method is Method.SINQ for m in layers) and model.hf_quantizer.folds == {}
+    assert layers and all(m.format.method is Method.SINQ for m in layers) and model.hf_quantizer.plan.folds == {}
 
 
 def test_defaults_and_the_cli_flag():

@@ -7,9 +7,9 @@ import torch
 from helpers import auto_class, input_ids, model_output
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.commands.verify import verify
 from hfquant.core import rtn, sinq
 from hfquant.core.format import Method, StoredFormat
+from hfquant.verification import verify
 
 
 def outlier_weight(n: int = 256, k: int = 512, seed: int = 0) -> torch.Tensor:

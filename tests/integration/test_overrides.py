@@ -7,10 +7,10 @@ from helpers import auto_class, input_ids, model_output
 from safetensors.torch import load_file
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.commands.convert import convert
-from hfquant.commands.inspection import inspect_checkpoint
-from hfquant.commands.verify import verify
+from hfquant.conversion.convert import convert
 from hfquant.core.format import Method, StoredFormat
+from hfquant.inspection import inspect_checkpoint
+from hfquant.verification import verify
 
 OVERRIDES = {"v_proj": {"bits": 8}, "model.layers.1.mlp.*": {"method": "sinq", "group_size": 64}}
 

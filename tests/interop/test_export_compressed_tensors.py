@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from hfquant import HfQuantConfig, QuantEmbedding, QuantLinear
 from hfquant.checkpoint.compressed_tensors import pack_words, pack_zero_point
-from hfquant.commands.convert import convert
-from hfquant.commands.export import export_checkpoint
+from hfquant.conversion.convert import convert
+from hfquant.conversion.export import export_checkpoint
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized import (  # noqa: E402
@@ -97,7 +97,7 @@ def _quantized_modules(model) -> dict[str, torch.nn.Module]:
 @pytest.mark.parametrize("case", CASES)
 def test_every_layer_decompresses_to_hfquant_weights(llama_bf16, tmp_path, case):
     src, dst = tmp_path / "hfquant", tmp_path / "ct"
-    convert(llama_bf16, src, hfquant_config(**CASES[case]), progress=False, card=False)
+    convert(llama_bf16, src, hfquant_config(**CASES[case]), progress=False)
     result = export_checkpoint(src, dst, format="compressed-tensors")
     qconfig = json.loads((dst / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qconfig)  # compressed-tensors' own schema accepts it
@@ -141,7 +141,6 @@ def test_sinq_is_refused_naming_the_layer_and_dst_is_untouched(llama_bf16, tmp_p
         src,
         hfquant_config(bits=4, group_size=32, method="sinq", fold_column_scales=False, modules_to_not_convert=["mlp"]),
         progress=False,
-        card=False,
     )
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj.*weight_col_scale.*method='rtn'"):
         export_checkpoint(src, dst)
@@ -162,7 +161,7 @@ def test_fused_layers_with_different_schemes_are_named_for_vllm(float_checkpoint
         "default": HfQuantConfig(bits=4, group_size=32),
         "uniform": HfQuantConfig(bits=4, group_size=32, mixed_precision="none"),
     }.items():
-        convert(src, tmp_path / name, config, progress=False, card=False)
+        convert(src, tmp_path / name, config, progress=False)
         caplog.clear()
         with caplog.at_level("WARNING", logger="hfquant.checkpoint.compressed_tensors"):
             export_checkpoint(tmp_path / name, tmp_path / f"{name}-ct")
@@ -180,7 +179,7 @@ def test_fused_layers_with_different_schemes_are_named_for_vllm(float_checkpoint
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_links_leaving_src_are_refused(llama_bf16, tmp_path, name):
     src, outside = tmp_path / "hfquant", tmp_path / "outside"
-    convert(llama_bf16, src, hfquant_config(bits=8), progress=False, card=False)
+    convert(llama_bf16, src, hfquant_config(bits=8), progress=False)
     outside.mkdir()
     (src / name).rename(outside / name)
     (src / name).symlink_to(outside / name)
@@ -195,7 +194,7 @@ def test_refusals_name_the_value(llama_bf16, tmp_path):
     with pytest.raises(ValueError, match="no quantization_config"):
         export_checkpoint(llama_bf16, tmp_path / "x")
     src = tmp_path / "q"
-    convert(llama_bf16, src, hfquant_config(bits=8), progress=False, card=False)
+    convert(llama_bf16, src, hfquant_config(bits=8), progress=False)
     (tmp_path / "exists").mkdir()
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_checkpoint(src, tmp_path / "exists")
@@ -271,7 +270,7 @@ def test_plain_transformers_loads_the_export(llama_bf16, tmp_path, case):
         "int8-channel": dict(bits=8),
     }[case]
     src, dst = tmp_path / "hfquant", tmp_path / "ct"
-    convert(llama_bf16, src, hfquant_config(**kwargs), progress=False, card=False)
+    convert(llama_bf16, src, hfquant_config(**kwargs), progress=False)
     export_checkpoint(src, dst)
     ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     numbers = assert_transformers_reads_it(src, dst, ids, tmp_path)
@@ -280,7 +279,7 @@ def test_plain_transformers_loads_the_export(llama_bf16, tmp_path, case):
 
 def test_cli_export(llama_bf16, tmp_path):
     src = tmp_path / "hfquant"
-    convert(llama_bf16, src, hfquant_config(bits=4, group_size=32), progress=False, card=False)
+    convert(llama_bf16, src, hfquant_config(bits=4, group_size=32), progress=False)
     command = [
         sys.executable,
         "-m",
@@ -318,7 +317,7 @@ def test_smollm2_export_loads_in_plain_transformers(tmp_path, kwargs):
     from hfquant.example_model import build_example_model
 
     src, dst = tmp_path / "hfquant", tmp_path / "ct"
-    convert(build_example_model(), src, hfquant_config(**kwargs), progress=False, card=False)
+    convert(build_example_model(), src, hfquant_config(**kwargs), progress=False)
     result = export_checkpoint(src, dst, max_shard_size="100MB")
     assert result.quantized_layers == 210 and result.config_groups == 1 and len(result.shards) > 1
     ids = torch.randint(3, 49152, (1, 24), generator=torch.Generator().manual_seed(0))

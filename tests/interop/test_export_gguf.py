@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hfquant import HfQuantConfig, QuantLinear  # noqa: E402
 from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4  # noqa: E402
-from hfquant.commands.convert import convert  # noqa: E402
-from hfquant.commands.export import export_checkpoint  # noqa: E402
-from hfquant.commands.export_gguf import gguf_pre_tokenizer  # noqa: E402
+from hfquant.conversion.convert import convert  # noqa: E402
+from hfquant.conversion.export import export_checkpoint  # noqa: E402
+from hfquant.conversion.export_gguf import gguf_pre_tokenizer  # noqa: E402
 
 CONFIGS = {
     "int8": dict(bits=8),
@@ -44,7 +44,7 @@ def source(tmp_path_factory) -> Path:
 
 def _quantized(source: Path, root: Path, name: str) -> Path:
     out = root / name
-    convert(source, out, HfQuantConfig(**CONFIGS[name]), progress=False, card=False)
+    convert(source, out, HfQuantConfig(**CONFIGS[name]), progress=False)
     return out
 
 
@@ -247,11 +247,11 @@ def test_llama_permutation_is_the_inverse_of_transformers_gguf_reader():
 
 def test_refusals_name_the_reason(source, tmp_path, float_checkpoint):
     stored_scales = tmp_path / "sinq-stored"
-    convert(source, stored_scales, HfQuantConfig(bits=4, fold_column_scales=False), progress=False, card=False)
+    convert(source, stored_scales, HfQuantConfig(bits=4, fold_column_scales=False), progress=False)
     with pytest.raises(ValueError, match=r"SINQ column scale, which GGUF has no tensor for.*method='rtn'"):
         export_checkpoint(stored_scales, tmp_path / "a.gguf", format="gguf")
     gpt2 = tmp_path / "gpt2"
-    convert(float_checkpoint("gpt2"), gpt2, HfQuantConfig(bits=8), progress=False, card=False)
+    convert(float_checkpoint("gpt2"), gpt2, HfQuantConfig(bits=8), progress=False)
     with pytest.raises(ValueError, match=r"model_type='gpt2'; the GGUF export writes \['llama', 'mistral', 'qwen2'\]"):
         export_checkpoint(gpt2, tmp_path / "b.gguf", format="gguf")
     with pytest.raises(ValueError, match="not an hfquant checkpoint"):
@@ -265,7 +265,7 @@ def test_an_existing_dst_is_kept_unless_overwrite_and_a_failed_export_leaves_it(
     dst.write_bytes(b"previous")
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_checkpoint(folder, dst, format="gguf")
-    import hfquant.commands.export_gguf as module
+    import hfquant.conversion.export_gguf as module
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -302,7 +302,7 @@ def test_smollm2_gguf_exports_decode_hfquants_greedy_tokens(tmp_path):
         ("int4-asym", CONFIGS["int4-asym"]),
     ):
         folder = tmp_path / name
-        convert(src, folder, HfQuantConfig(**settings), progress=False, card=False)
+        convert(src, folder, HfQuantConfig(**settings), progress=False)
         export_checkpoint(folder, folder / "model.gguf", format="gguf")
         tokenizer = AutoTokenizer.from_pretrained(folder)
         prompt = tokenizer.apply_chat_template(

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from hfquant import QuantLinear
-from hfquant.commands.convert import convert
-from hfquant.commands.export import export_checkpoint
-from hfquant.commands.importing import import_checkpoint
-from hfquant.commands.verify import verify
+from hfquant.conversion.convert import convert
+from hfquant.conversion.export import export_checkpoint
+from hfquant.conversion.importing import import_checkpoint
+from hfquant.verification import verify
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor  # noqa: E402
@@ -52,7 +52,7 @@ def test_export_then_import_gives_the_same_bytes(llama_bf16, tmp_path, case):
         modules_to_not_convert=["o_proj"],
     )
     original, exported, back = tmp_path / "hfquant", tmp_path / "ct", tmp_path / "back"
-    convert(llama_bf16, original, hfquant_config(**kwargs), max_shard_size="40KB", progress=False, card=False)
+    convert(llama_bf16, original, hfquant_config(**kwargs), max_shard_size="40KB", progress=False)
     export_checkpoint(original, exported, max_shard_size="40KB")
     result = import_checkpoint(exported, back, max_shard_size="40KB")
     want, got = read_tensors(original), read_tensors(back)
@@ -160,7 +160,7 @@ def _edit_config(folder: Path, edit) -> None:
 )
 def test_unsupported_schemes_are_refused(llama_bf16, tmp_path, edit, message):
     src = tmp_path / "ct"
-    convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=4, group_size=32), progress=False, card=False)
+    convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=4, group_size=32), progress=False)
     export_checkpoint(tmp_path / "hfquant", src)
     _edit_config(src, edit)
     with pytest.raises(ValueError, match=message):
@@ -169,7 +169,7 @@ def test_unsupported_schemes_are_refused(llama_bf16, tmp_path, edit, message):
 
 
 def test_g_idx_and_inexact_scales_are_refused(llama_bf16, tmp_path):
-    convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=4, group_size=32), progress=False, card=False)
+    convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=4, group_size=32), progress=False)
     export_checkpoint(tmp_path / "hfquant", tmp_path / "ct")
     tensors = read_tensors(tmp_path / "ct")
     name = "model.layers.0.self_attn.q_proj"
@@ -185,7 +185,7 @@ def test_g_idx_and_inexact_scales_are_refused(llama_bf16, tmp_path):
 
 
 def test_cli_import(llama_bf16, tmp_path):
-    convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=8), progress=False, card=False)
+    convert(llama_bf16, tmp_path / "hfquant", hfquant_config(bits=8), progress=False)
     export_checkpoint(tmp_path / "hfquant", tmp_path / "ct")
     command = [sys.executable, "-m", "hfquant.commands.cli", "import", str(tmp_path / "ct"), str(tmp_path / "back")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -200,7 +200,7 @@ PPL_TOKENS = 1024  # two windows of 512: enough to separate the bounds above, 2 
 def smollm2():
     from transformers import AutoTokenizer
 
-    from hfquant.commands.evaluation import perplexity, reference_text
+    from hfquant.evaluation import perplexity, reference_text
     from hfquant.example_model import build_example_model
 
     path = build_example_model()
@@ -213,7 +213,7 @@ def smollm2():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SMOLLM2))
 def test_smollm2_with_quantized_embedding(smollm2, tmp_path, name):
-    from hfquant.commands.evaluation import perplexity, reference_text
+    from hfquant.evaluation import perplexity, reference_text
 
     path, tokenizer, bf16_ppl, bf16_footprint = smollm2
     config = HfQuantConfig(**SMOLLM2[name])

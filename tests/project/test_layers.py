@@ -20,10 +20,17 @@ LAYERS = {  # module prefix -> layer, lowest first; the longest matching prefix 
     "hfquant.nn": 2,
     "hfquant.checkpoint": 3,
     "hfquant.integration": 4,
-    "hfquant.commands": 5,
+    # the library users call: checkpoints made from checkpoints, reading them, checking them, measuring models
+    "hfquant.conversion": 5,
+    "hfquant.inspection": 5,
+    "hfquant.verification": 5,
+    "hfquant.evaluation": 5,
     "hfquant.example_model": 5,
-    "hfquant": 6,  # the package root registers the integration and wires the commands' Hub hook
+    "hfquant.publishing": 6,  # model cards (from inspection's report) and the Hub
+    "hfquant.commands": 7,  # the command line only
+    "hfquant": 8,  # the package root registers the integration and wires publishing's Hub hook; peft.py
 }
+LIBRARY = LAYERS["hfquant.conversion"]
 PRIVATE_LOADING = (
     "transformers.core_model_loading",
     "transformers.conversion_mapping",
@@ -121,13 +128,40 @@ def test_transformers_private_loading_modules_only_in_the_integration_layer():
     assert users <= PRIVATE_ALLOWED, sorted(users - PRIVATE_ALLOWED)
 
 
+def _imported_from(roots: list[str], graph) -> set[str]:
+    """`roots` and every hfquant module they import, directly or through others."""
+    seen, todo = set(), list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += [t for t in graph[module][0] if t != "hfquant"]
+    return seen
+
+
 def test_the_loading_path_never_imports_the_hub_or_the_cards():
+    """What from_pretrained runs (the integration layer and everything it imports) never imports huggingface_hub, the
+    cards or the command line; the checkpoint layer's file-to-file helpers (`sharding`, `source`) may use the Hub
+    client, the loading path does not reach them."""
     _, graph = _graph()
-    below_commands = [m for m in graph if _layer(m) < LAYERS["hfquant.commands"]]
-    for module in below_commands:
+    loading = _imported_from([m for m in graph if m.startswith("hfquant.integration")], graph)
+    assert "hfquant.integration.quantizer" in loading and "hfquant.checkpoint.files" in loading
+    for module in loading:
         ours, others = graph[module]
+        assert _layer(module) < LIBRARY, module
         assert not any(o.startswith("huggingface_hub") for o in others), module
-        assert not any(t.startswith("hfquant.commands") for t in ours), module
+    assert not any(m.startswith(("hfquant.publishing", "hfquant.commands")) for m in loading)
+
+
+def test_only_the_command_line_lives_in_commands():
+    """`hfquant.commands` is imported by nothing else of the package; every module in it parses arguments."""
+    modules, graph = _graph()
+    users = {m for m, (ours, _) in graph.items() if not m.startswith("hfquant.commands") and m != "hfquant"}
+    assert not [m for m in users if any(t.startswith("hfquant.commands") for t in graph[m][0])]
+    for module, path in modules.items():
+        if module.startswith("hfquant.commands.") and module != "hfquant.commands.options":
+            text = path.read_text(encoding="utf-8")
+            assert "def add_parser(" in text or "add_subparsers(" in text, module
 
 
 def test_ruff_lint_and_format_are_clean():

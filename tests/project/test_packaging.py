@@ -42,7 +42,7 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("hfquant-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"hfquant/__init__.py", "hfquant/commands/cards.py", "hfquant/integration/quantizer.py"} <= names
+    assert {"hfquant/__init__.py", "hfquant/publishing/cards.py", "hfquant/integration/quantizer.py"} <= names
     # cards.TEMPLATE_PATH looks for it there first (the source tree's model_cards/ is not installed)
     template = zipfile.ZipFile(wheel).read("hfquant/model_cards/hfquant.jinja")
     assert template == (ROOT / "model_cards" / "hfquant.jinja").read_bytes()

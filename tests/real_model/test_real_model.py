@@ -89,7 +89,7 @@ def tokenizer(example_model):
 
 @pytest.fixture(scope="module")
 def token_ids(tokenizer, tmp_path_factory) -> Path:
-    from hfquant.commands.evaluation import reference_text
+    from hfquant.evaluation import reference_text
 
     ids = tokenizer(reference_text(4000), return_tensors="pt").input_ids[:, :96]
     path = tmp_path_factory.mktemp("ids") / "ids.pt"
@@ -101,7 +101,7 @@ def token_ids(tokenizer, tmp_path_factory) -> Path:
 def bf16_perplexity(example_model, tokenizer) -> float:
     from transformers import AutoModelForCausalLM
 
-    from hfquant.commands.evaluation import perplexity, reference_text
+    from hfquant.evaluation import perplexity, reference_text
 
     model = AutoModelForCausalLM.from_pretrained(example_model, dtype=torch.bfloat16, device_map="cpu")
     value = perplexity(model, tokenizer, reference_text())
@@ -126,7 +126,7 @@ def test_perplexity_within_bound_of_bf16(quantized, tokenizer, bf16_perplexity):
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401  (registers the quantizer)
-    from hfquant.commands.evaluation import perplexity, reference_text
+    from hfquant.evaluation import perplexity, reference_text
 
     bits, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -163,7 +163,7 @@ def test_reloaded_model_runs_batches_of_1_4_17(quantized, tokenizer):
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401
-    from hfquant.commands.evaluation import reference_text
+    from hfquant.evaluation import reference_text
 
     _, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -246,7 +246,7 @@ def test_int8_answers_a_prompt(quantized, tokenizer):
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401
-    from hfquant.commands.evaluation import generate_answer
+    from hfquant.evaluation import generate_answer
 
     bits, out, _ = quantized
     if bits != 8:

@@ -18,10 +18,10 @@ from helpers import auto_class, input_ids, model_output
 from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.commands.verify import verify
 from hfquant.core.format import StoredFormat
 from hfquant.core.rtn import dequantize_weight, quantize_weight
 from hfquant.nn.float_linear import FloatLinear
+from hfquant.verification import verify
 
 GROUPS = "[32, 64, 128, 256, 512, 1024]"
 
@@ -430,7 +430,7 @@ def test_shape_the_group_size_cannot_fit_is_refused_by_the_modules(make, error, 
 
 
 def _convert(src, dst, **kwargs):
-    from hfquant.commands.convert import convert
+    from hfquant.conversion.convert import convert
 
     config = kwargs.pop("config", HfQuantConfig(bits=4, group_size=32))
     return convert(src, dst, config, progress=False, **kwargs)
@@ -651,7 +651,7 @@ def test_command_says_what_is_wrong_in_one_line(
 )
 def test_quantize_on_load_and_convert_refuse_a_missing_weight(float_checkpoint, tmp_path, arch, key):
     """Its buffers would keep the uninitialized memory they were allocated with: both paths name the tensor."""
-    from hfquant.commands.convert import convert
+    from hfquant.conversion.convert import convert
 
     src = tmp_path / "src"
     shutil.copytree(float_checkpoint(arch), src)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hfquant.commands.verify import verify
+from hfquant.verification import verify
 
 SEED = 20251121
 POINTS_PER_SIGNAL = 3  # random points per signal and scenario in the writing phase
@@ -36,7 +36,7 @@ import builtins, errno, hashlib, io, json, os, shutil, signal, sys, tempfile, ti
 from pathlib import Path
 
 import hfquant.commands.cli
-import hfquant.commands.convert  # noqa: F401  (everything convert needs is imported before forking)
+import hfquant.conversion.convert  # noqa: F401  (everything convert needs is imported before forking)
 import hfquant.checkpoint.publish
 import safetensors.torch
 import transformers  # noqa: F401
@@ -529,7 +529,7 @@ def test_ctrl_c_from_a_terminal_with_a_worker(tmp_path, source):
     (what Ctrl-C in a terminal does) at a seeded random moment after its temporary folder appears: the worker and the
     command stop, DST keeps the previous version byte for byte, nothing is left beside it, exit status 130."""
     from hfquant import HfQuantConfig
-    from hfquant.commands.convert import convert
+    from hfquant.conversion.convert import convert
 
     dst = tmp_path / "out" / "dst"
     convert(source, dst, HfQuantConfig(bits=8), max_shard_size="60KB", progress=False)

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from hfquant import HfQuantConfig
 from hfquant.checkpoint.files import checkpoint_ids, read_checkpoint_id
-from hfquant.commands.convert import convert
-from hfquant.commands.hub import HubError, hub_timeout, push_folder
-from hfquant.commands.verify import verify
+from hfquant.conversion.convert import convert
 from hfquant.integration.checks import confirm_checkpoint_unchanged
+from hfquant.publishing.hub import HubError, hub_timeout, push_folder
+from hfquant.verification import verify
 
 SHARD_SIZE = "20KB"
 
@@ -38,7 +38,7 @@ def two_saves(float_checkpoint, tmp_path_factory):
     tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"] * 2
     save_file(tensors, edited / "model.safetensors", metadata={"format": "pt"})
     for name, source in (("a", src), ("b", edited)):
-        convert(source, root / name, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False, card=False)
+        convert(source, root / name, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False)
     return root / "a", root / "b"
 
 
@@ -59,9 +59,7 @@ def test_every_shard_of_a_convert_carries_one_checkpoint_id(two_saves, float_che
     """One id per save, derived from the bytes: another convert of the same source gives the same files."""
     a, b = two_saves
     again = tmp_path / "again"
-    convert(
-        float_checkpoint("llama"), again, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False, card=False
-    )
+    convert(float_checkpoint("llama"), again, HfQuantConfig(bits=8), max_shard_size=SHARD_SIZE, progress=False)
     assert all(path.read_bytes() == (again / path.name).read_bytes() for path in _shards(a))
     ids_a = {read_checkpoint_id(p) for p in _shards(a)}
     ids_b = {read_checkpoint_id(p) for p in _shards(b)}
@@ -332,7 +330,7 @@ def test_malformed_source_files_are_one_line_naming_the_file(sharded_source, tmp
 @pytest.mark.parametrize("damage", ["config a list", "dtype float17", "unknown model_type"])
 def test_convert_from_python_refuses_a_malformed_config_in_one_value_error(sharded_source, tmp_path, damage):
     """The same check as the CLI's, in `convert` itself (a list config.json was an AttributeError from Python)."""
-    from hfquant.commands.convert import convert
+    from hfquant.conversion.convert import convert
 
     src = tmp_path / "src"
     shutil.copytree(sharded_source, src)
@@ -413,7 +411,7 @@ def saves_of_every_kind(float_checkpoint, tmp_path_factory):
     folders = {}
     for bits in (8, 4):
         folders[f"convert-{bits}"] = root / f"convert-{bits}"
-        convert(src, folders[f"convert-{bits}"], HfQuantConfig(bits=bits, group_size=32), progress=False, card=False)
+        convert(src, folders[f"convert-{bits}"], HfQuantConfig(bits=bits, group_size=32), progress=False)
         model = AutoModelForCausalLM.from_pretrained(src, quantization_config=HfQuantConfig(bits=bits, group_size=32))
         folders[f"on-load-{bits}"] = root / f"on-load-{bits}"
         model.save_pretrained(folders[f"on-load-{bits}"])

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import hfquant
 from hfquant import HfQuantConfig
 from hfquant.checkpoint.files import read_headers
-from hfquant.commands.verify import verify
+from hfquant.verification import verify
 
 PACKAGE = Path(hfquant.__file__).parent
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}

@@ -6,6 +6,8 @@
 * :func:`decode_perplexity` - perplexity scored one token at a time through the KV cache (decode steps).
 * :func:`decode_tokens_per_second` - greedy batch-1 decode throughput, prefill excluded.
 * :func:`generate_answer` - greedy answer to a prompt, through the chat template when present.
+* :func:`evaluate` - perplexity and decode speed of a checkpoint (and of a float baseline), loaded one at a time:
+  what ``hfquant eval`` measures and records for the model card.
 
 Every function runs the model under :func:`torch.inference_mode` and leaves the
 model in the train/eval mode it found it in.
@@ -14,14 +16,22 @@ model in the train/eval mode it found it in.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import os
+import platform
 import time
+from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
+
+from hfquant.checkpoint.source import resolve_source
+from hfquant.core.dtypes import dtype_name
 
 logger = logging.get_logger(__name__)
 
@@ -31,13 +41,17 @@ __all__ = [
     "decode_perplexity",
     "decode_tokens_per_second",
     "generate_answer",
+    "evaluate",
     "DEFAULT_REFERENCE_CHARS",
+    "DEFAULT_PROMPT",
 ]
 
 # ~5.6k tokens with the SmolLM2 tokenizer: one perplexity evaluation of a 135M bf16
 # model takes ~7 s on 2 CPU cores (11 windows of 512 tokens).
 DEFAULT_REFERENCE_CHARS = 24_000
 _REFERENCE_SEPARATOR = "\n\n"
+DEFAULT_PROMPT = "The Python language reference describes"
+"""Prompt of the decode-speed measurement of `evaluate` (`hfquant eval`)."""
 
 
 def reference_text(n_chars: int = DEFAULT_REFERENCE_CHARS, offset: int = 0) -> str:
@@ -359,3 +373,89 @@ def generate_answer(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new
         out = model.generate(**inputs, **_generation_kwargs(tokenizer, model), max_new_tokens=max_new_tokens)
     new_ids = out[0, inputs["input_ids"].shape[1] :]
     return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+
+
+def _measured_row(
+    source: str | os.PathLike, role: str, text: str, prompt: str, settings: dict
+) -> tuple[dict[str, Any], int]:
+    """One model's row of `evaluate` and the tokens of `text` it scores: loaded from `source` on the CPU, measured,
+    and released. `settings`: max_tokens, max_length, new_tokens, repeats.
+
+    Raises:
+        ValueError: not a causal LM.
+    """
+    folder = resolve_source(source)
+    config = AutoConfig.from_pretrained(folder)
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or []):
+        raise ValueError(f"{source} is a {config.architectures}, not a causal LM; eval measures causal LMs only")
+    qconfig = getattr(config, "quantization_config", None)
+    qconfig = qconfig if isinstance(qconfig, dict) else (qconfig.to_dict() if qconfig is not None else None)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+    tokens = int(tokenizer(text, return_tensors="pt")["input_ids"].shape[1])
+    tokens = min(tokens, settings["max_tokens"]) if settings["max_tokens"] else tokens
+    dtype = dtype_name(model.dtype)
+    kind = f"hfquant int{qconfig['bits']}" if qconfig and qconfig.get("quant_method") == "hfquant" else dtype
+    label = f"{'this model' if role == 'quantized' else Path(str(source)).name} ({kind})"
+    logger.info("measuring %s", label)
+    max_length = settings["max_length"]
+    row = {
+        "label": label,
+        # a folder's name, never its absolute path: this file is meant for the Hub, not machine-specific
+        "path": Path(str(source)).expanduser().name if Path(str(source)).expanduser().exists() else str(source),
+        "perplexity": perplexity(
+            model, tokenizer, text, max_length=max_length, stride=max_length, max_tokens=settings["max_tokens"]
+        ),
+        "tokens_per_second": decode_tokens_per_second(
+            model, tokenizer, prompt, new_tokens=settings["new_tokens"], repeats=settings["repeats"]
+        ),
+    }
+    del model
+    gc.collect()
+    return row, tokens
+
+
+def evaluate(
+    path: str | os.PathLike,
+    baseline: str | os.PathLike | None = None,
+    text_file: str | os.PathLike | None = None,
+    max_tokens: int | None = None,
+    max_length: int = 512,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    prompt: str = DEFAULT_PROMPT,
+) -> dict[str, Any]:
+    """Perplexity and decode tokens/s of the causal LM `path` (and of `baseline`), one model in memory at a time:
+    `perplexity` on `text_file` (default: `reference_text()`) in windows of `max_length` tokens, and
+    `decode_tokens_per_second` of `prompt`. `path` and `baseline` are local folders or Hub repo ids.
+
+    Returns a JSON-native dict: text (what was scored), tokens, max_length, new_tokens, device, and results (one row
+    per model: label, path, perplexity, tokens_per_second).
+
+    Raises:
+        ValueError: a model is not a causal LM, or the text is too short.
+        OSError: a path or the text file cannot be read.
+    """
+    if text_file is not None:
+        text = Path(text_file).read_text(encoding="utf-8")
+        text_name = f"`{Path(text_file).name}` ({len(text)} characters)"
+    else:
+        text = reference_text()
+        text_name = (
+            f"CPython's `pydoc_data.topics` (Python {platform.python_version()}, first "
+            f"{DEFAULT_REFERENCE_CHARS} characters)"
+        )
+    settings = dict(max_tokens=max_tokens, max_length=max_length, new_tokens=new_tokens, repeats=repeats)
+    measured = [
+        _measured_row(source, role, text, prompt, settings)
+        for role, source in (("quantized", path), ("baseline", baseline))
+        if source is not None
+    ]
+    return {
+        "text": text_name,
+        "tokens": measured[0][1],  # as the quantized model's tokenizer counts them
+        "max_length": max_length,
+        "new_tokens": new_tokens,
+        "device": f"CPU ({torch.get_num_threads()} threads, torch {torch.__version__})",
+        "results": [row for row, _ in measured],
+    }

@@ -144,7 +144,42 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     model = _float_skeleton(folder)
     float_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()} if model is not None else {}
+    quantized, quantized_modules, consumed = _quantized_rows(tensors, float_shapes, qconfig, float_itemsize)
+    float_rows = _float_rows(tensors, consumed)
+    layers: dict[tuple, dict] = {}
+    if model is not None and qconfig is not None:
+        for item in _float_layer_reasons(model, qconfig, quantized_modules, set(tensors)):
+            key = (layer_kind(item["name"]), item["reason"])
+            layers.setdefault(key, {"kind": key[0], "count": 0, "reason": key[1]})["count"] += 1
 
+    tensor_bytes = sum(header.nbytes for header in tensors.values())
+    float_bytes = sum(r["float_bytes"] for r in quantized) + sum(r["bytes"] for r in float_rows)
+    return {
+        "path": str(folder),
+        "architecture": (config_json.get("architectures") or [None])[0],
+        "dtype": float_dtype,
+        "quantization_config": qconfig,
+        "quantized": sorted(quantized, key=lambda r: _natural(r["kind"])),
+        "float_tensors": sorted(float_rows, key=lambda r: _natural(r["kind"])),
+        "float_layers": sorted(layers.values(), key=lambda r: _natural(r["kind"])),
+        "totals": {
+            "tensors": len(tensors),
+            "quantized_layers": sum(r["count"] for r in quantized),
+            "tensor_bytes": tensor_bytes,
+            "file_bytes": file_bytes,
+            "float_bytes": float_bytes,
+            "ratio": tensor_bytes / float_bytes if float_bytes else None,
+        },
+    }
+
+
+def _quantized_rows(
+    tensors: dict[str, TensorHeader], float_shapes: dict[str, tuple], qconfig: dict | None, float_itemsize: int
+) -> tuple[list[dict], set[str], set[str]]:
+    """(one row per kind / bits / group / symmetry / method of the quantized tensors: count, bytes, float_bytes; the
+    quantized modules; every stored tensor that belongs to a quantized one). A tensor `X` is quantized when `X_scale`
+    or, for `P.weight`, `P.weight_scale` is stored; its bits follow from the float shape (`float_shapes`, else the
+    config's bits)."""
     quantized: dict[tuple, dict] = {}
     quantized_modules: set[str] = set()
     consumed: set[str] = set()
@@ -189,7 +224,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         row["count"] += 1
         row["bytes"] += sum(tensors[p].nbytes for p in parts)
         row["float_bytes"] += float_numel * float_itemsize
+    return list(quantized.values()), quantized_modules, consumed
 
+
+def _float_rows(tensors: dict[str, TensorHeader], consumed: set[str]) -> list[dict]:
+    """One row per kind / dtype of the stored tensors not in `consumed`: count, dtype, bytes."""
     float_rows: dict[tuple, dict] = {}
     for name, header in tensors.items():
         if name in consumed:
@@ -198,32 +237,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         row = float_rows.setdefault(key, {"kind": key[0], "count": 0, "dtype": key[1], "bytes": 0})
         row["count"] += 1
         row["bytes"] += header.nbytes
-
-    layers: dict[tuple, dict] = {}
-    if model is not None and qconfig is not None:
-        for item in _float_layer_reasons(model, qconfig, quantized_modules, set(tensors)):
-            key = (layer_kind(item["name"]), item["reason"])
-            layers.setdefault(key, {"kind": key[0], "count": 0, "reason": key[1]})["count"] += 1
-
-    tensor_bytes = sum(header.nbytes for header in tensors.values())
-    float_bytes = sum(r["float_bytes"] for r in quantized.values()) + sum(r["bytes"] for r in float_rows.values())
-    return {
-        "path": str(folder),
-        "architecture": (config_json.get("architectures") or [None])[0],
-        "dtype": float_dtype,
-        "quantization_config": qconfig,
-        "quantized": sorted(quantized.values(), key=lambda r: _natural(r["kind"])),
-        "float_tensors": sorted(float_rows.values(), key=lambda r: _natural(r["kind"])),
-        "float_layers": sorted(layers.values(), key=lambda r: _natural(r["kind"])),
-        "totals": {
-            "tensors": len(tensors),
-            "quantized_layers": sum(r["count"] for r in quantized.values()),
-            "tensor_bytes": tensor_bytes,
-            "file_bytes": file_bytes,
-            "float_bytes": float_bytes,
-            "ratio": tensor_bytes / float_bytes if float_bytes else None,
-        },
-    }
+    return list(float_rows.values())
 
 
 def _natural(text: str) -> list:

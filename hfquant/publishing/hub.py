@@ -2,7 +2,7 @@
 
 `push_folder(path, repo_id)` creates the repo if needed (`HfApi.create_repo`), and the branch for `revision`, then
 commits every file of `path` with a single `HfApi.create_commit`. The README.md it sends is the hfquant card rendered
-for `repo_id` (`hfquant.commands.cards`) unless the folder holds a hand-written README.md, which is sent as it is.
+for `repo_id` (`hfquant.publishing.cards`) unless the folder holds a hand-written README.md, which is sent as it is.
 
 `attach_model_card(model)` makes `model.push_to_hub(...)` of a model quantized on load (or reloaded) save the model and
 push it the same way, so the Hub gets hfquant's card instead of transformers' generic one.
@@ -30,8 +30,8 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, Revisio
 from huggingface_hub.utils import HFValidationError, get_session, validate_repo_id
 
 from hfquant.checkpoint.files import stays_inside
-from hfquant.commands.cards import build_card, is_hfquant_card, read_base_model
-from hfquant.commands.convert import base_model_of
+from hfquant.checkpoint.source import base_model_of
+from hfquant.publishing.cards import build_card, is_hfquant_card, read_base_model
 
 __all__ = [
     "HubError",
@@ -176,6 +176,22 @@ def _operations(folder: Path, readme: bytes | None) -> list:
     return operations
 
 
+def _readme(
+    folder: Path, repo_id: str, base_model: str | None, command: str | None, tags: list[str] | None
+) -> bytes | None:
+    """The card rendered for `repo_id` with the extra `tags`, or None when `folder` holds a hand-written README.md
+    (uploaded unchanged)."""
+    readme_path = folder / "README.md"
+    if readme_path.exists() and not is_hfquant_card(readme_path):
+        logger.info("%s is not an hfquant card: uploading it unchanged", readme_path)
+        return None
+    card = build_card(folder, repo_id=repo_id, base_model=base_model, command=command)
+    for tag in tags or []:
+        if tag not in card.data.tags:
+            card.data.tags.append(tag)
+    return str(card).encode("utf-8")
+
+
 def push_folder(
     folder: str | os.PathLike,
     repo_id: str,
@@ -201,7 +217,7 @@ def push_folder(
         revision: branch to commit to (created from main when missing); default main.
         commit_message, commit_description, create_pr: as `HfApi.create_commit`.
         token: Hub token; default: the logged-in token or HF_TOKEN.
-        base_model, command, tags: for the card rendered for `repo_id` (see `hfquant.commands.cards.build_card`); extra tags
+        base_model, command, tags: for the card rendered for `repo_id` (see `hfquant.publishing.cards.build_card`); extra tags
             are added to its metadata.
         endpoint: Hub URL; default HF_ENDPOINT or https://huggingface.co.
         timeout: seconds to wait for a connection and for each read or write (`hub_timeout`); default
@@ -225,17 +241,7 @@ def push_folder(
     except HFValidationError as error:
         raise ValueError(f"REPO_ID {repo_id!r} is not a Hub repo id: {error}") from None
     timeout = hub_timeout(timeout)
-    readme_path = folder / "README.md"
-    readme = None
-    if not readme_path.exists() or is_hfquant_card(readme_path):
-        card = build_card(folder, repo_id=repo_id, base_model=base_model, command=command)
-        for tag in tags or []:
-            if tag not in card.data.tags:
-                card.data.tags.append(tag)
-        readme = str(card).encode("utf-8")
-    else:
-        logger.info("%s is not an hfquant card: uploading it unchanged", readme_path)
-    operations = _operations(folder, readme)
+    operations = _operations(folder, _readme(folder, repo_id, base_model, command, tags))
     api = HfApi(endpoint=endpoint, token=token)
     failures = (HfHubHTTPError, OfflineModeIsEnabled, json.JSONDecodeError) + _transport_errors()
     action = f"create the repo {repo_id}"

@@ -4,7 +4,7 @@ template `model_cards/hfquant.jinja`, rendered with `ModelCard.from_template`.
 The card's YAML metadata has `base_model` (when known), `base_model_relation: quantized`, `library_name:
 transformers`, tags (`hfquant`, `int4` or `int8`, ...), and the license and languages of the base model's own card
 when it is at hand. Its body shows the quantization config as a table, sizes against the float model
-(`hfquant.commands.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
+(`hfquant.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
 usage snippet. Every input is read from the checkpoint folder, so the card can be rendered again at any time (`hfquant
 push` does, with the repo id in the snippet).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,18 @@ import transformers
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hfquant.checkpoint.files import stays_inside
-from hfquant.commands.inspection import format_report, human_bytes, inspect_checkpoint
+from hfquant.checkpoint.files import EVAL_FILE, stays_inside
+from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.inspection import format_report, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
 
 __all__ = [
     "CARD_MARKER",
-    "EVAL_FILE",
     "TEMPLATE_PATH",
     "build_card",
     "write_card",
+    "card_for_convert",
     "is_hfquant_card",
     "read_base_model",
 ]
@@ -51,8 +53,6 @@ TEMPLATE_PATH = _template_path()
 `hfquant/model_cards/hfquant.jinja` by a wheel."""
 CARD_MARKER = "hfquant model card"
 """An HTML comment with this text marks a README.md that hfquant generated (and may therefore re-render)."""
-EVAL_FILE = "hfquant_eval.json"
-"""Written into a checkpoint folder by `hfquant eval`; the card shows its results."""
 _CARRIED_METADATA = ("license", "license_name", "license_link", "language")
 
 
@@ -155,20 +155,6 @@ def build_card(
         raise FileNotFoundError(f"model card template {template} is missing; reinstall hfquant from its source tree")
 
     bits = sorted({row["bits"] for row in report["quantized"]}) or [qconfig["bits"]]
-    bits_tag = "/".join(f"int{b}" for b in bits)
-    groups = sorted({row["group_size"] for row in report["quantized"]})
-    if qconfig.get("group_size") is None:
-        granularity = "one scale per output channel"
-    else:
-        granularity = f"groups of {qconfig['group_size']} inputs per scale"
-        fallback = [g for g in groups if g != qconfig["group_size"]]
-        if fallback:
-            granularity += (
-                f" ({' or '.join(map(str, fallback))} in the layers whose input width "
-                f"{qconfig['group_size']} does not divide)"
-            )
-    symmetric = all(row["symmetric"] for row in report["quantized"])
-    architecture = report["architecture"]
     carried = (
         {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
     )
@@ -177,28 +163,56 @@ def build_card(
     card_data = ModelCardData(
         base_model=base_model,
         library_name="transformers",
-        pipeline_tag="text-generation" if _auto_class(architecture) == "AutoModelForCausalLM" else None,
+        pipeline_tag="text-generation" if _auto_class(report["architecture"]) == "AutoModelForCausalLM" else None,
         tags=tags,
         base_model_relation="quantized" if base_model else None,
         **carried,
     )
-    evaluation = None
     eval_path = folder / EVAL_FILE
-    if eval_path.is_file():
-        evaluation = json.loads(eval_path.read_text(encoding="utf-8"))
-    totals = report["totals"]
-    title = repo_id.split("/")[-1] if repo_id else name
+    evaluation = json.loads(eval_path.read_text(encoding="utf-8")) if eval_path.is_file() else None
     if command is None:
         command = _convert_command(base_model or "SRC", name, qconfig)
-    kwargs = dict(
+    values = _template_values(report, bits, base_model, evaluation)
+    values.update(
+        model_name=repo_id.split("/")[-1] if repo_id else name,
+        repo_id=repo_id or f"<your-username>/{name}",
+        command=command,
+        command_language="python" if "from_pretrained" in command else "bash",
+    )
+    logger.debug("card for %s:\n%s", folder, format_report(report))
+    return ModelCard.from_template(card_data, template_path=str(template), **values)
+
+
+def _granularity(qconfig: dict[str, Any], report: dict[str, Any]) -> str:
+    """How many inputs share a scale, as the card says it ("groups of 128 inputs per scale (...)")."""
+    if qconfig.get("group_size") is None:
+        return "one scale per output channel"
+    groups = sorted({row["group_size"] for row in report["quantized"]})
+    granularity = f"groups of {qconfig['group_size']} inputs per scale"
+    fallback = [g for g in groups if g != qconfig["group_size"]]
+    if fallback:
+        granularity += (
+            f" ({' or '.join(map(str, fallback))} in the layers whose input width "
+            f"{qconfig['group_size']} does not divide)"
+        )
+    return granularity
+
+
+def _template_values(
+    report: dict[str, Any], bits: list[int], base_model: str | None, evaluation: dict | None
+) -> dict[str, Any]:
+    """The template's values that come from the checkpoint's files (`inspect_checkpoint`'s report, the evaluation)."""
+    qconfig = report["quantization_config"]
+    totals = report["totals"]
+    architecture = report["architecture"]
+    return dict(
         marker=f"{CARD_MARKER}: generated from the files of this folder; edit freely, or re-render with hfquant",
-        model_name=title,
         base_model=base_model,
         architecture=architecture,
         bits_text=" / ".join(f"{b}-bit integers" for b in bits),
-        bits_tag=bits_tag,
-        granularity=granularity,
-        symmetric=symmetric,
+        bits_tag="/".join(f"int{b}" for b in bits),
+        granularity=_granularity(qconfig, report),
+        symmetric=all(row["symmetric"] for row in report["quantized"]),
         dtype=report["dtype"],
         config_rows=_config_rows(qconfig),
         float_size=human_bytes(totals["float_bytes"]),
@@ -212,13 +226,8 @@ def build_card(
         float_layers=report["float_layers"],
         evaluation=evaluation,
         auto_class=_auto_class(architecture),
-        repo_id=repo_id or f"<your-username>/{name}",
-        command=command,
-        command_language="python" if "from_pretrained" in command else "bash",
         **_versions(),
     )
-    logger.debug("card for %s:\n%s", folder, format_report(report))
-    return ModelCard.from_template(card_data, template_path=str(template), **kwargs)
 
 
 def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:
@@ -244,3 +253,19 @@ def write_card(folder: str | os.PathLike, **kwargs) -> Path:
     path = Path(folder) / "README.md"
     card.save(path)
     return path
+
+
+def card_for_convert(
+    src: str | os.PathLike, dst: str | os.PathLike, base_model: str | None = None
+) -> Callable[[Path, Path], Path]:
+    """`convert(src, dst, ..., before_publish=card_for_convert(src, dst))`: writes the card into the finished folder
+    before it is published, as `hfquant convert` does. The card is named for `dst`, carries the license and
+    languages of SRC's README.md, and names `base_model`, else SRC when it is a Hub repo id or a Hub cache folder
+    (`base_model_of`)."""
+    name = Path(dst).expanduser().name
+
+    def write(folder: Path, source: Path) -> Path:
+        base = base_model if base_model is not None else base_model_of(src, source)
+        return write_card(folder, base_model=base, base_card=source / "README.md", name=name)
+
+    return write

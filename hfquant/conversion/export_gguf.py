@@ -27,6 +27,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,7 +43,7 @@ from hfquant.checkpoint.files import (
     require_inside,
     tensor_files,
 )
-from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4, reblock_int8
+from hfquant.checkpoint.gguf_export import Reblocked, llama_permutation, reblock_int4, reblock_int8
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core.packing import unpack_int4
 
@@ -211,28 +212,25 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
     gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=len(tokens)).add_to_gguf(writer)
 
 
-def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> GgufResult:
-    """Write the hfquant checkpoint folder `src` (Llama, Mistral or Qwen2) as the GGUF file `dst`.
+_READ_FILES = (
+    CONFIG_NAME,
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+"""The non-weight files of SRC the export reads (none may be a link leaving SRC)."""
+
+
+def _checked_source(folder: Path) -> tuple[dict, dict[str, Path]]:
+    """(config.json, tensor name -> shard) of an hfquant checkpoint of an architecture GGUF takes, without SINQ scales.
 
     Raises:
-        ValueError: not an hfquant checkpoint, another architecture, a layer GGUF cannot hold (named, with why), a
-            tokenizer that is not byte-level BPE.
-        FileExistsError: `dst` exists and `overwrite` is False.
-        OSError: the file could not be written; `dst` is left as it was.
+        ValueError: a link leaving `folder`, not an hfquant checkpoint, another architecture, a SINQ column scale.
     """
-    start = time.perf_counter()
-    folder, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
-    for name in (
-        CONFIG_NAME,
-        "tokenizer.json",
-        "vocab.json",
-        "merges.txt",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-    ):
+    for name in _READ_FILES:
         if (folder / name).exists() or (folder / name).is_symlink():
             require_inside(folder, folder / name)  # an untrusted folder: no link out of it is read
     config = read_config(folder)
@@ -249,6 +247,81 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
             f"{layer} stores a SINQ column scale, which GGUF has no tensor for: convert with the 4-bit "
             "default (it folds the scales in Llama blocks) or method='rtn'"
         )
+    return config, files
+
+
+def _quantized_blocks(module: str, weight: torch.Tensor, read, files, perm: torch.Tensor | None):
+    """The stored codes of `module` re-blocked (`reblock_int8` / `reblock_int4`), rows in `perm` order when given."""
+    scale = read(module + ".weight_scale")
+    zero = read(module + ".weight_zero_point") if module + ".weight_zero_point" in files else None
+    if weight.dtype == torch.int8:
+        blocks = reblock_int8(weight, scale, module)
+        if perm is not None:
+            blocks.data = blocks.data[perm.numpy()]
+        return blocks
+    codes = unpack_int4(weight)
+    group = codes.shape[1] // scale.shape[1]
+    if perm is not None:
+        codes, scale = codes[perm], scale[perm]
+        zero = None if zero is None else zero[perm]
+    return reblock_int4(codes, scale, zero, group, module)
+
+
+def _add_module(
+    writer: gguf.GGUFWriter, module: str, gguf_name: str, read, files, permutation
+) -> tuple[list[str], Reblocked | None]:
+    """Add `module`'s weight (re-blocked when quantized, else as `_float_tensor`) and bias (F32) to `writer`;
+    returns (the GGUF type of each tensor written, the re-blocked weight or None)."""
+    weight = read(module + ".weight")
+    perm = permutation(gguf_name, weight.shape[0])
+    written: list[str] = []
+    blocks = None
+    if module + ".weight_scale" in files:
+        blocks = _quantized_blocks(module, weight, read, files, perm)
+        writer.add_tensor(gguf_name + ".weight", blocks.data, raw_dtype=_QUANT_TYPES[blocks.kind])
+        written.append(blocks.kind)
+    else:
+        array, raw = _float_tensor(weight if perm is None else weight[perm], norm=gguf_name.endswith("norm"))
+        writer.add_tensor(gguf_name + ".weight", array, raw_dtype=raw)
+        written.append(raw.name if raw is not None else "F16" if array.dtype == np.float16 else "F32")
+    if module + ".bias" in files:
+        bias = read(module + ".bias").float()
+        perm = permutation(gguf_name, bias.shape[0])
+        writer.add_tensor(gguf_name + ".bias", (bias if perm is None else bias[perm]).numpy())
+        written.append("F32")
+    return written, blocks
+
+
+def _replace_atomically(dst: Path, write) -> None:
+    """`write(path)` into a temporary file beside `dst`, given the usual file mode and renamed to `dst`; on any failure
+    the temporary file is removed and `dst` is left as it was."""
+    handle, partial = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(handle)
+    try:
+        write(partial)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)  # mkstemp made it private; a finished file gets the usual mode
+        os.replace(partial, dst)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+
+
+def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> GgufResult:
+    """Write the hfquant checkpoint folder `src` (Llama, Mistral or Qwen2) as the GGUF file `dst`.
+
+    Raises:
+        ValueError: not an hfquant checkpoint, another architecture, a layer GGUF cannot hold (named, with why), a
+            tokenizer that is not byte-level BPE.
+        FileExistsError: `dst` exists and `overwrite` is False.
+        OSError: the file could not be written; `dst` is left as it was.
+    """
+    start = time.perf_counter()
+    folder, dst = Path(src), Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    config, files = _checked_source(folder)
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -266,68 +339,34 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
             handles[path] = open_safetensors(path)
         return read_tensor(handles[path], path, name)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(handle)
-    types: dict[str, int] = {}
-    inexact, max_error = 0, 0.0
-    try:
-        writer = gguf.GGUFWriter(partial, architecture)
+    written: list[str] = []
+    reblocked: list[Reblocked] = []
+
+    def write(path: str) -> None:
+        writer = gguf.GGUFWriter(path, architecture)
         _add_hyperparameters(writer, config)
         _add_tokenizer(writer, folder, config["vocab_size"])
-        modules = sorted({name.rpartition(".")[0] for name in files if name.endswith(".weight")})
-        for module in modules:
+        for module in sorted({name.rpartition(".")[0] for name in files if name.endswith(".weight")}):
             gguf_name = _gguf_name(module)
             if gguf_name is None:
                 raise ValueError(f"{module}: no GGUF tensor of the llama architecture takes this module")
-            weight = read(module + ".weight")
-            if module + ".weight_scale" in files:
-                scale = read(module + ".weight_scale")
-                zero = read(module + ".weight_zero_point") if module + ".weight_zero_point" in files else None
-                if weight.dtype == torch.int8:
-                    blocks = reblock_int8(weight, scale, module)
-                    perm = permutation(gguf_name, weight.shape[0])
-                    if perm is not None:
-                        blocks.data = blocks.data[perm.numpy()]
-                else:
-                    codes = unpack_int4(weight)
-                    group = codes.shape[1] // scale.shape[1]
-                    perm = permutation(gguf_name, codes.shape[0])
-                    if perm is not None:
-                        codes, scale = codes[perm], scale[perm]
-                        zero = None if zero is None else zero[perm]
-                    blocks = reblock_int4(codes, scale, zero, group, module)
-                    inexact += blocks.inexact_blocks
-                    max_error = max(max_error, blocks.max_error)
-                writer.add_tensor(gguf_name + ".weight", blocks.data, raw_dtype=_QUANT_TYPES[blocks.kind])
-                types[blocks.kind] = types.get(blocks.kind, 0) + 1
-            else:
-                perm = permutation(gguf_name, weight.shape[0])
-                if perm is not None:
-                    weight = weight[perm]
-                array, raw = _float_tensor(weight, norm=gguf_name.endswith("norm"))
-                writer.add_tensor(gguf_name + ".weight", array, raw_dtype=raw)
-                kind = raw.name if raw is not None else "F16" if array.dtype == np.float16 else "F32"
-                types[kind] = types.get(kind, 0) + 1
-            if module + ".bias" in files:
-                bias = read(module + ".bias").float()
-                perm = permutation(gguf_name, bias.shape[0])
-                writer.add_tensor(gguf_name + ".bias", (bias if perm is None else bias[perm]).numpy())
-                types["F32"] = types.get("F32", 0) + 1
+            kinds, blocks = _add_module(writer, module, gguf_name, read, files, permutation)
+            written.extend(kinds)
+            reblocked.extend([blocks] if blocks is not None else [])
             release_checkpoint_pages()
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)  # mkstemp made it private; a finished file gets the usual mode
-        os.replace(partial, dst)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _replace_atomically(dst, write)
     finally:
         handles.clear()
+    types = dict(Counter(written))
+    inexact = sum(blocks.inexact_blocks for blocks in reblocked)  # Q4_1 offsets only; 0 for the other types
+    max_error = max([blocks.max_error for blocks in reblocked], default=0.0)
     if inexact:
         logger.warning(
             "GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16 (largest weight error %.3g)",

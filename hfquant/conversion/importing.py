@@ -28,6 +28,7 @@ from hfquant.checkpoint import compressed_tensors_import as ct
 from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.checksums import write_checksums
 from hfquant.checkpoint.compressed_tensors import ExportLayer
+from hfquant.checkpoint.copying import NOT_EXPORTED, copy_small_files
 from hfquant.checkpoint.files import (
     CONFIG_NAME,
     read_headers,
@@ -38,9 +39,9 @@ from hfquant.checkpoint.files import (
     write_json,
 )
 from hfquant.checkpoint.model_type import mark
-from hfquant.commands.convert import shard_plan
-from hfquant.commands.export import ExportResult, check_dst, copy_small_files, write_shards
+from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.conversion.export import ExportResult, check_dst
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = ["import_checkpoint", "hfquant_config_for"]
@@ -75,6 +76,45 @@ def hfquant_config_for(layers: list[ExportLayer], float_linears: list[str]) -> H
     if "mixed_precision" in FIELD_NAMES:  # no data-free allocation on top: the layers' formats are given
         kwargs["mixed_precision"] = "none"
     return HfQuantConfig(**kwargs)
+
+
+def _import_plan(folder: Path, headers: dict, groups, ignore) -> tuple[list[ExportLayer], list[str]]:
+    """(the pack-quantized layers to import, matched to `groups` as compressed-tensors matches them, and the Linear
+    layers left in float), from the float skeleton of `folder` built on the meta device.
+
+    Raises:
+        ValueError: no layer is quantized, the output embedding is, or a quantized layer is not an nn.Linear.
+    """
+    model, _, _ = build_skeleton(folder, "auto", None)
+    modules = dict(model.named_modules())
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def classes(name: str) -> list[str]:
+        module = modules.get(name)
+        return [] if module is None else [cls.__name__ for cls in type(module).__mro__]
+
+    layers = ct.plan_import(headers, groups, ignore, classes)
+    for layer in layers:
+        module = modules.get(layer.name)
+        if module is not None and module is output:
+            raise ValueError(
+                f"{layer.name} (the output embedding) is quantized; hfquant's lm_head int4 / int8 use "
+                "their own group sizes, so it cannot be imported bit for bit: export it with the lm_head "
+                "in ignore"
+            )
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"{layer.name} is quantized but is not an nn.Linear of {type(model).__name__} "
+                f"({type(module).__name__ if module is not None else 'no such module'}); hfquant imports "
+                "Linear layers"
+            )
+    if not layers:
+        raise ValueError(f"{folder} holds no weight_packed tensor; nothing to import")
+    quantized = {layer.name for layer in layers}
+    float_linears = [
+        n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized and m is not output
+    ]
+    return layers, float_linears
 
 
 def import_checkpoint(
@@ -112,35 +152,7 @@ def import_checkpoint(
     for path in dict.fromkeys(files.values()):
         headers.update(read_headers(path))
 
-    model, _, _ = build_skeleton(folder, "auto", None)
-    modules = dict(model.named_modules())
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-
-    def classes(name: str) -> list[str]:
-        module = modules.get(name)
-        return [] if module is None else [cls.__name__ for cls in type(module).__mro__]
-
-    layers = ct.plan_import(headers, groups, ignore, classes)
-    for layer in layers:
-        module = modules.get(layer.name)
-        if module is not None and module is output:
-            raise ValueError(
-                f"{layer.name} (the output embedding) is quantized; hfquant's lm_head int4 / int8 use "
-                "their own group sizes, so it cannot be imported bit for bit: export it with the lm_head "
-                "in ignore"
-            )
-        if not isinstance(module, nn.Linear):
-            raise ValueError(
-                f"{layer.name} is quantized but is not an nn.Linear of {type(model).__name__} "
-                f"({type(module).__name__ if module is not None else 'no such module'}); hfquant imports "
-                "Linear layers"
-            )
-    if not layers:
-        raise ValueError(f"{folder} holds no weight_packed tensor; nothing to import")
-    quantized = {layer.name for layer in layers}
-    float_linears = [
-        n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized and m is not output
-    ]
+    layers, float_linears = _import_plan(folder, headers, groups, ignore)
     hfconfig = hfquant_config_for(layers, float_linears)
     outputs = ct.plan_import_outputs(headers, layers)
     split = shard_plan(outputs, max_shard_size)
@@ -152,7 +164,7 @@ def import_checkpoint(
             write_index(tmp, split.tensor_to_filename, dict(split.metadata))
         config = mark(dict(config, quantization_config=hfconfig.to_dict()))
         write_json(tmp / CONFIG_NAME, config)
-        copy_small_files(folder, tmp)
+        copy_small_files(folder, tmp, skipped=NOT_EXPORTED)
         write_checksums(tmp)
         folders.publish_folder(tmp, dst, overwrite)
     result = ExportResult(

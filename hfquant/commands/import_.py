@@ -1,0 +1,42 @@
+"""`hfquant import SRC DST`: a compressed-tensors pack-quantized checkpoint as an hfquant one
+(`hfquant.conversion.importing`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from hfquant.commands.options import shard_size
+from hfquant.conversion.importing import import_checkpoint
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    """The `import` subcommand's parser, added to the subparsers `sub`."""
+    m = sub.add_parser(
+        "import",
+        help="turn a compressed-tensors pack-quantized checkpoint (llm-compressor W4A16 / W8A16) into an hfquant one",
+        description="Write the compressed-tensors pack-quantized checkpoint SRC (int4 or int8 weights, symmetric or "
+        "asymmetric, group or channel scales) as the hfquant checkpoint DST, bit for bit, so that it runs on "
+        "hfquant's kernels. Activation or kv-cache quantization, actorder / g_idx and other formats are refused "
+        "with the reason. DST is written into a temporary folder and renamed at the end.",
+    )
+    m.add_argument("src", metavar="SRC", help="compressed-tensors checkpoint folder")
+    m.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
+    m.add_argument(
+        "--max-shard-size",
+        type=shard_size,
+        default="2GB",
+        metavar="SIZE",
+        help="largest output shard, e.g. 500MB or 5GB (default 2GB)",
+    )
+    m.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = import_checkpoint(args.src, args.dst, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    print(
+        f"wrote {result.dst}: {result.quantized_layers} layers imported in {result.config_groups} format(s), "
+        f"{len(result.shards)} shard(s) in {result.seconds:.1f} s"
+    )
+    return 0
