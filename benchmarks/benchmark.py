@@ -2,7 +2,7 @@
 
     python scripts/benchmark.py [--workload real|1b|both] [--methods bf16,hfquant-int8,...] [--compile] [--quick]
 
-Workloads: ``real`` is the SmolLM2-135M example model (:mod:`hfquant.example_model`), measured for accuracy
+Workloads: ``real`` is the SmolLM2-135M example model (:mod:`benchmarks.example_model`), measured for accuracy
 (perplexity) and everything else; ``1b`` is a random-weight 1.2B Llama (:mod:`benchmarks.random_model`) for speed and
 memory (perplexity is skipped: the weights are random).  ``--model PATH`` benchmarks one local checkpoint
 instead (workload name ``model``).
@@ -759,7 +759,7 @@ def _workloads(args) -> dict[str, Path]:
     for name in names:
         print(f"Preparing the {name} workload checkpoint...", flush=True)
         if name == "real":
-            from hfquant.example_model import build_example_model
+            from benchmarks.example_model import build_example_model
 
             paths[name] = build_example_model()
         else:

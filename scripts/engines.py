@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hfquant  # noqa: E402
-from hfquant.example_model import build_example_model  # noqa: E402
+from benchmarks.example_model import build_example_model  # noqa: E402
 
 EXPORTS = {
     "int4-g64-sym": dict(bits=4, group_size=64, symmetric=True, method="rtn", mixed_precision="none"),

@@ -69,9 +69,9 @@ def worker(
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     import hfquant.peft
+    from benchmarks.example_model import build_example_model
     from benchmarks.memory import dir_size_bytes, peak_rss_mib
     from hfquant import HfQuantConfig
-    from hfquant.example_model import build_example_model
 
     path = model_path or build_example_model()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
 
     if args.model is None:
-        from hfquant.example_model import build_example_model
+        from benchmarks.example_model import build_example_model
 
         print("Preparing the example model (SmolLM2-135M-Instruct, bf16 safetensors)...", flush=True)
         try:

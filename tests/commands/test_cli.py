@@ -256,7 +256,7 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
 
     from hub_server import HubServer
 
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     src = build_example_model()
     hfquant = [sys.executable, "-m", "hfquant.commands.cli"]

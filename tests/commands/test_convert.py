@@ -254,7 +254,7 @@ def test_smollm2_identical_to_on_load_with_bounded_memory(tmp_path):
     import subprocess
     import sys
 
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     src = build_example_model()
     shard = "50MB"

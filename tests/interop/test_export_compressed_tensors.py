@@ -314,7 +314,7 @@ def test_cli_export(llama_bf16, tmp_path):
     ids=["int4-g64-sym", "int4-g64-asym", "int8-channel", "int4-g64-sym-sinq-folded"],
 )
 def test_smollm2_export_loads_in_plain_transformers(tmp_path, kwargs):
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     src, dst = tmp_path / "hfquant", tmp_path / "ct"
     convert(build_example_model(), src, hfquant_config(**kwargs), progress=False)

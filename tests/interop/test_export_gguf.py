@@ -293,7 +293,7 @@ def test_smollm2_gguf_exports_decode_hfquants_greedy_tokens(tmp_path):
     """The real SmolLM2 (tied embeddings, 9 query / 3 key-value heads) at int8, int4 g64 symmetric and asymmetric:
     transformers' GGUF load gives the first 12 greedy tokens of the hfquant model (both in float32), and the GGUF
     tokenizer the same ids for the chat prompt."""
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     src = build_example_model()
     for name, settings in (

@@ -204,7 +204,7 @@ def test_smollm2_w4a16_from_compressed_tensors_decodes_on_hfquant_kernels(tmp_pa
     from test_export_compressed_tensors import load_without_hfquant
     from transformers import AutoTokenizer
 
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     src = build_example_model()
     scheme = QuantizationScheme(

@@ -200,8 +200,8 @@ PPL_TOKENS = 1024  # two windows of 512: enough to separate the bounds above, 2 
 def smollm2():
     from transformers import AutoTokenizer
 
+    from benchmarks.example_model import build_example_model
     from hfquant.evaluation import perplexity, reference_text
-    from hfquant.example_model import build_example_model
 
     path = build_example_model()
     tokenizer = AutoTokenizer.from_pretrained(path)

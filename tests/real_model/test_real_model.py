@@ -75,7 +75,7 @@ def _files_bytes(folder: Path) -> int:
 
 @pytest.fixture(scope="module")
 def example_model() -> Path:
-    from hfquant.example_model import build_example_model
+    from benchmarks.example_model import build_example_model
 
     return build_example_model()
 

@@ -593,8 +593,8 @@ def test_real_model_interrupted_over_a_verified_previous_version(tmp_path):
     """SmolLM2-135M: convert at 8 bits, record sha256 sums and verify; then convert at 4 bits over it, interrupted by
     SIGINT and by SIGKILL at seeded moments of its writing: every time DST still verifies with the same sums (the same
     bytes); a final rerun at 4 bits completes and verifies."""
+    from benchmarks.example_model import build_example_model
     from hfquant.checkpoint.checksums import write_checksums
-    from hfquant.example_model import build_example_model
 
     source = build_example_model()
     dst = tmp_path / "out" / "dst"
