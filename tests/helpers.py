@@ -122,6 +122,10 @@ def run_python(code: str, timeout: float = 600, **env: str) -> subprocess.Comple
     )
 
 
+SHARD_SIZE = "20KB"
+"""A shard size that splits a tiny test model into several shards."""
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every shard of `folder`; a name stored twice is an error."""
     tensors: dict[str, torch.Tensor] = {}
