@@ -161,9 +161,8 @@ def write_weights(
                     )
                 tensors[name] = tensor.contiguous()
                 written += tensor.numel() * tensor.element_size()
-            write_shard(
-                folder / filename, tensors
-            )  # an OSError leaves DST untouched: the shard is in a temporary folder
+            # an OSError leaves DST untouched: the shard is in a temporary folder
+            write_shard(folder / filename, tensors)
             del tensors
     finally:
         results.close()

@@ -282,9 +282,8 @@ class QuantLinear(StoredWeight):
         # sizeable share of a small layer's decode call (docs/performance.md); accelerate's hooks swap tensors in
         # these same dicts.
         buffers = self._buffers
-        col_scale = buffers.get(
-            "weight_col_scale"
-        )  # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
+        # SINQ: w = dequantize(q) * c, so x @ w.T = (x * c) @ dequantize(q).T
+        col_scale = buffers.get("weight_col_scale")
         if col_scale is not None:
             x = x * col_scale.to(x.dtype)
         # The int4 kernels take the (scale, zero) pairs of `scale_zero`; only the others and the backward read the
