@@ -1,9 +1,8 @@
 """Reusable scratch buffers for passes that make one large temporary per weight.
 
 A fresh CPU tensor above glibc's mmap threshold (at most 32 MiB) is a new mapping: the first write to each of its pages
-faults, and the kernel zeroes the page. Measured on a 67 MB bfloat16 weight (AMD EPYC, torch 2.13): a transposed copy
-into a new tensor 17.8 ms and a squaring 19.5 ms, against 3.6 ms for a batched matrix-vector product that reads the
-same bytes. A pass over every weight of a model (the fold pre-pass, `hfquant.integration.folding`) that writes into
+faults, and the kernel zeroes the page: a copy into a fresh weight-sized tensor costs several times a product that
+reads the same bytes (docs/performance.md, "SINQ column scales"). A pass over every weight of a model (the fold pre-pass, `hfquant.integration.folding`) that writes into
 the same buffers instead pays those faults once.
 
     scratch = Scratch()

@@ -2,10 +2,9 @@
 
 For each width two kernels read the same runtime weight: PyTorch's (`aten._weight_int4pack_mm_for_cpu` on the CPU
 int4 layout of `hfquant.core.packing`; `aten._weight_int8pack_mm` on the stored row-major int8 codes) and hfquant's own
-GEMV (`hfquant.ops.native`, AVX-512). Which one is faster depends on the CPU, not on the code: on the AMD EPYC machine
-of 2026-11-24 hfquant's int4 GEMV took 0.74-0.99x aten's time and its int8 GEMV 0.51-0.96x, while on an Intel Xeon
-with AVX512-FP16 (issue #13) the int4 GEMV took about 1.2x. So the first time a layer shape is prepared, both kernels
-are timed on weights of that shape and the faster one is kept:
+GEMV (`hfquant.ops.native`). Which one is faster depends on the CPU, not on the code: hfquant's GEMVs were faster
+on the AMD EPYC machines measured and slower on an Intel Xeon with AVX512-FP16 (figures in docs/performance.md). So
+the first time a layer shape is planned, both kernels are timed on weights of that shape and the faster one is kept:
 
     uses_native = int4_row_uses_native(out_features, in_features, group_size)   # True: hfquant's GEMV
     uses_native = int8_row_uses_native(out_features, in_features)

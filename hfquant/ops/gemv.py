@@ -9,8 +9,8 @@ PyTorch dispatcher operators (`torch.ops.hfquant_cpu.*`, `hfquant.ops.torch_ops`
 in torch.compile graphs alike (`RowCall.OPERATOR`). Where they do not (no C++ compiler), eager calls the C kernels
 through ctypes (`RowCall.CTYPES`) and compiled graphs through the Python custom ops `hfquant::int4_gemv` /
 `hfquant::int8_gemv` below (`RowCall.CUSTOM_OP`), which cost `custom_op_overhead_s()` more per call than an aten op: a
-plan then keeps the GEMV in compiled graphs only where it is faster by more than that. On SmolLM2-135M int4 the Python
-custom op in every layer made compiled decoding 0.88x aten's speed (docs/performance.md).
+plan then keeps the GEMV in compiled graphs only where it is faster by more than that (on a small model a custom op in
+every layer made compiled decoding slower than aten's: docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """hfquant's one-row GEMVs as PyTorch dispatcher operators: `torch.ops.hfquant_cpu.int4_gemv`, `int4_gemv_a8` (W4A8)
 and `int8_gemv` (`csrc/torch_ops.cpp`).
 
-Why: the C kernels (`hfquant.ops.native`) are called through ctypes, which costs about 4 us of Python per call, and
-inside a `torch.compile` graph through a Python custom op, about 14 us (AMD EPYC Zen 4; `gemv.custom_op_overhead_s`
-measures it). A small layer's whole product takes 5-20 us, so on a small model that overhead decided whether the GEMV
-paid at all. Registered with PyTorch's dispatcher from C++, a call costs what an aten op's does, in eager and in a
+Why: the C kernels (`hfquant.ops.native`) are called through ctypes, which costs several microseconds of Python per
+call, and inside a `torch.compile` graph through a Python custom op, more (`gemv.custom_op_overhead_s` measures it;
+figures in docs/performance.md). A small layer's whole product takes about as long, so on a small model that overhead
+decided whether the GEMV paid at all. Registered with PyTorch's dispatcher from C++, a call costs what an aten op's does, in eager and in a
 compiled graph, which then calls it without leaving C++ for Python.
 
 Built on first use like the C library, by `native_build.build_torch_ops`: `csrc/torch_ops.cpp` with the C sources,
