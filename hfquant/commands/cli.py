@@ -5,7 +5,7 @@
     hfquant eval PATH [--baseline SRC] [--text-file FILE]
     hfquant push PATH REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--timeout SECONDS]
     hfquant verify PATH [--write-checksums]
-    hfquant export SRC DST --format compressed-tensors [--overwrite] [--max-shard-size SIZE]
+    hfquant export SRC DST [--format compressed-tensors|gguf] [--overwrite] [--max-shard-size SIZE]
     hfquant import SRC DST [--overwrite] [--max-shard-size SIZE]
 
 Each subcommand's parser and what it runs live in a module of `hfquant.commands` named for it (`convert`,
@@ -16,20 +16,29 @@ safetensors checkpoint file to file (`hfquant.conversion.convert`) and writes it
 card; `push` uploads a folder to the Hub in one commit (`hfquant.publishing.hub`). The quantization options are the
 fields of `HfQuantConfig`, with its docstring as their help (`hfquant.commands.options`). This module builds the
 parser, runs the subcommand and turns its errors into one line and an exit status.
+
+Every subcommand also takes the common options (`--no-progress`, `-v/--verbose`: `hfquant.commands.options`), and
+`hfquant --version` prints the version. A subcommand's argument error prints that subcommand's usage, with the
+closest option names for a misspelt one. Building the parser and parsing imports the standard library and
+`hfquant.commands` only (their `run` imports the library), and only the chosen subcommand gets its arguments (those
+of `convert` read `hfquant.config`): with the console script's entry (`hfquant_cli`, which defers the package root),
+`--help`, `--version` and argument errors answer without importing torch or transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 
 from hfquant.commands import convert, eval_, export, import_, inspect_, push, verify
-from hfquant.publishing.hub import HubError
+from hfquant.version import __version__
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "parse_args", "run"]
 
 logger = logging.getLogger("hfquant")
 
@@ -42,29 +51,92 @@ _SUBCOMMANDS = {
     "export": export,
     "import": import_,
 }
-"""Subcommand -> its module (`add_parser(sub)`, `run(args) -> exit status`), in the order of the help."""
+"""Subcommand -> its module (`HELP`, `add_parser(sub) -> its parser`, `run(args) -> exit status`, and optionally
+`check_args(args)` for checks across arguments, raising ValueError), in the order of the help."""
 _COMMANDS = {name: module.run for name, module in _SUBCOMMANDS.items()}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The `hfquant` parser. `commands`: the subcommands given their arguments (default all); the others are listed
+    by name and `HELP` only, so that parsing one command does not build (and import what builds) the others."""
+    full = set(_SUBCOMMANDS if commands is None else commands)
     parser = argparse.ArgumentParser(
         prog="hfquant",
-        description="Weight-only int8/int4 round-to-nearest quantization for Hugging Face transformers: convert "
-        "checkpoints, inspect them, measure them, publish them.",
+        description="Weight-only int8/int4 quantization for Hugging Face transformers (SINQ at 4 bits, "
+        "round-to-nearest at 8, by default): convert checkpoints, inspect them, measure them, publish them.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what hfquant does (INFO level)")
+    parser.add_argument("--version", action="version", version=f"hfquant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in _SUBCOMMANDS.values():
-        module.add_parser(sub)
+    for name, module in _SUBCOMMANDS.items():
+        if name in full:
+            module.add_parser(sub)
+        else:
+            sub.add_parser(name, help=module.HELP)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `hfquant` console script; returns the exit code."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand named in `argv`: its first word that is not an option (no top-level option takes a value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's message for the arguments `parser` does not know, with the closest option names it does know."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    guesses = {
+        match
+        for word in extras
+        if word.startswith("--")
+        for match in difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+    }
+    hint = f"; did you mean {', '.join(sorted(guesses))}?" if guesses else ""
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`argv` (default `sys.argv[1:]`) parsed. An error exits with status 2 and the usage of the subcommand it
+    concerns (argparse alone gives the top-level usage for an unknown option of a subcommand); an unknown subcommand
+    is answered with the closest names."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = _command_in(argv)
+    parser = build_parser([command] if command in _SUBCOMMANDS else [])
+    if command is not None and command not in _SUBCOMMANDS:
+        close = difflib.get_close_matches(command, list(_SUBCOMMANDS), n=1)
+        parser.error(
+            f"argument COMMAND: invalid choice: {command!r} (choose from {', '.join(_SUBCOMMANDS)})"
+            + (f"; did you mean {close[0]}?" if close else "")
+        )
+    args, extras = parser.parse_known_args(argv)
+    subparser = _subparsers(parser)[args.command]
+    if extras:
+        subparser.error(_unrecognized(extras, subparser))
+    check_args = getattr(_SUBCOMMANDS[args.command], "check_args", None)
+    if check_args is not None:
+        try:
+            check_args(args)
+        except ValueError as error:
+            subparser.error(str(error))
+    return args
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m hfquant.commands.cli` (the console script's is `hfquant_cli.main`); returns the
+    exit code."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its errors become one line on stderr and an exit status: 2 for ValueError/TypeError
+    (bad values), 1 for OSError and Hub errors, 130 for Ctrl-C; other exceptions propagate."""
+    from hfquant.publishing.hub import HubError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.verbose:
         logging.getLogger("hfquant").setLevel(logging.INFO)
     interrupted: list[int] = []
@@ -72,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        parser.exit(130, _INTERRUPTED)
+        _exit(130, _INTERRUPTED)
     except MemoryError as error:
         if interrupted:
-            parser.exit(130, _INTERRUPTED)
-        parser.exit(
+            _exit(130, _INTERRUPTED)
+        _exit(
             1,
             f"hfquant: error: out of memory{f' ({error})' if str(error) else ''}; close other programs or "
             f"use a machine with more memory{_MEMORY_HINTS.get(args.command, '')} (an unfinished DST is "
@@ -85,16 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         # Ctrl-C inside some C extensions (torch, safetensors) surfaces as another exception; it is still Ctrl-C
         if interrupted:
-            parser.exit(130, _INTERRUPTED)
+            _exit(130, _INTERRUPTED)
         if isinstance(error, (ValueError, TypeError)):
-            parser.exit(2, f"hfquant: error: {error}\n")
+            _exit(2, f"hfquant: error: {error}\n")
         if isinstance(error, (OSError, HubError)):
-            parser.exit(1, f"hfquant: error: {error}\n")
+            _exit(1, f"hfquant: error: {error}\n")
         raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return 2
+
+
+def _exit(status: int, message: str) -> None:
+    """`message` on stderr, then exit with `status` (as argparse's `parser.exit`)."""
+    sys.stderr.write(message)
+    sys.exit(status)
 
 
 _MEMORY_HINTS = {

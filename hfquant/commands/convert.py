@@ -1,25 +1,32 @@
 """`hfquant convert SRC DST`: a float checkpoint quantized file to file (`hfquant.conversion.convert`), with the
-model card written into the folder before it is published (`hfquant.publishing.cards`)."""
+model card written into the folder before it is published (`hfquant.publishing.cards`). The library is imported
+by `run`, so that the parser is built without torch (`hfquant.commands.options`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from hfquant.checkpoint.model_config import check_source_config
-from hfquant.commands.options import add_config_options, config_from_args, shard_size
-from hfquant.conversion.convert import convert
-from hfquant.inspection import human_bytes
-from hfquant.publishing.cards import card_for_convert
+from hfquant.commands.options import (
+    add_common_options,
+    add_config_options,
+    add_overwrite_option,
+    add_shard_size_option,
+    apply_progress_option,
+    config_from_args,
+)
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "quantize a float safetensors checkpoint into a new folder, tensor by tensor"
+"""The line of the `hfquant --help` listing."""
 
 
-def add_parser(sub) -> None:
-    """The `convert` subcommand's parser, added to the subparsers `sub`."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The `convert` subcommand's parser, added to the subparsers `sub` and returned."""
     c = sub.add_parser(
         "convert",
-        help="quantize a float safetensors checkpoint into a new folder, tensor by tensor",
+        help=HELP,
         description="Read the safetensors of SRC one tensor at a time (only the model skeleton is built, on the meta "
         "device), quantize every Linear/Conv1D weight the quantizer plans, and write DST: shards and their index, "
         "config.json with quantization_config, the tokenizer and other small files of SRC, and a model card as "
@@ -42,13 +49,10 @@ def add_parser(sub) -> None:
         help="load dtype, as from_pretrained(dtype=...): float tensors are stored in it and weights are "
         "cast to it before quantizing; auto = config.json's dtype, else the checkpoint's (default auto)",
     )
-    out.add_argument(
-        "--max-shard-size",
-        type=shard_size,
-        default="2GB",
-        metavar="SIZE",
-        help="largest output shard, e.g. 500MB or 5GB. Memory peaks near one source tensor plus twice "
-        "one shard (safetensors copies a shard to bytes as it writes it) (default 2GB)",
+    add_shard_size_option(
+        out,
+        note=". Memory peaks near one source tensor plus twice one shard (safetensors copies a shard to bytes as "
+        "it writes it)",
     )
     out.add_argument(
         "--workers",
@@ -59,7 +63,7 @@ def add_parser(sub) -> None:
         "writing done here; each process costs about 400 MB for its own torch and skeleton "
         "(default 0: quantize in this process with all torch threads)",
     )
-    out.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once DST is complete)")
+    add_overwrite_option(out)
     out.add_argument(
         "--revision", default=None, help="branch, tag or commit of SRC when it is a Hub repo id (default main)"
     )
@@ -71,10 +75,17 @@ def add_parser(sub) -> None:
         "id, or the repo of a Hub cache folder)",
     )
     out.add_argument("--no-card", dest="card", action="store_false", help="do not write README.md")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_common_options(c)
+    return c
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfquant.checkpoint.model_config import check_source_config
+    from hfquant.conversion.convert import convert
+    from hfquant.inspection import human_bytes
+    from hfquant.publishing.cards import card_for_convert
+
+    apply_progress_option(args)
     config = config_from_args(args)
     if Path(args.src).expanduser().is_dir():
         check_source_config(args.src)

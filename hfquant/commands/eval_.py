@@ -8,20 +8,21 @@ import json
 import logging
 from pathlib import Path
 
-from hfquant.checkpoint.files import EVAL_FILE, stays_inside
-from hfquant.evaluation import DEFAULT_PROMPT, evaluate
-from hfquant.publishing.cards import is_hfquant_card, write_card
+from hfquant.commands.options import add_common_options, apply_progress_option
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "measure perplexity and decode speed, next to a float baseline"
+"""The line of the `hfquant --help` listing."""
 
 
-def add_parser(sub) -> None:
-    """The `eval` subcommand's parser, added to the subparsers `sub`."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The `eval` subcommand's parser, added to the subparsers `sub` and returned."""
     e = sub.add_parser(
         "eval",
-        help="measure perplexity and decode speed, next to a float baseline",
+        help=HELP,
         description="Load PATH (and --baseline) with from_pretrained on the CPU and measure perplexity on a text "
         "(default: CPython's own pydoc_data.topics, no download) and greedy batch-1 decode speed. The results are "
         "saved as hfquant_eval.json in PATH and shown in its model card (README.md, if hfquant wrote it).",
@@ -41,11 +42,15 @@ def add_parser(sub) -> None:
         "--new-tokens", type=int, default=64, metavar="N", help="tokens generated per speed run (default 64)"
     )
     e.add_argument("--repeats", type=int, default=3, metavar="N", help="speed runs; the best counts (default 3)")
-    e.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the speed runs")
+    e.add_argument(
+        "--prompt", default=None, help="prompt of the speed runs (default: hfquant.evaluation.DEFAULT_PROMPT)"
+    )
     e.add_argument(
         "--no-save", dest="save", action="store_false", help="do not write hfquant_eval.json nor update README.md"
     )
     e.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_common_options(e)
+    return e
 
 
 def _print_table(measured: dict) -> None:
@@ -61,6 +66,9 @@ def _print_table(measured: dict) -> None:
 def _save(folder: Path, measured: dict) -> None:
     """`EVAL_FILE` written into `folder` and its card re-rendered (when hfquant wrote it or there is none), never
     through a link that leaves the folder (logged)."""
+    from hfquant.checkpoint.files import EVAL_FILE, stays_inside
+    from hfquant.publishing.cards import is_hfquant_card, write_card
+
     outside = {name for name in (EVAL_FILE, "README.md") if not stays_inside(folder, folder / name)}
     for name in sorted(outside):
         logger.warning(
@@ -79,6 +87,9 @@ def _save(folder: Path, measured: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfquant.evaluation import DEFAULT_PROMPT, evaluate
+
+    apply_progress_option(args)
     measured = evaluate(
         args.path,
         args.baseline,
@@ -87,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_length,
         args.new_tokens,
         args.repeats,
-        args.prompt,
+        DEFAULT_PROMPT if args.prompt is None else args.prompt,
     )
     if args.json:
         print(json.dumps(measured, indent=2))

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from hfquant.publishing.hub import DEFAULT_HUB_TIMEOUT, HUB_TIMEOUT_ENV, push_folder
+from hfquant.commands.options import add_common_options, apply_progress_option
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "upload a checkpoint folder to the Hugging Face Hub in one commit"
+"""The line of the `hfquant --help` listing."""
 
 
-def add_parser(sub) -> None:
-    """The `push` subcommand's parser, added to the subparsers `sub`."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The `push` subcommand's parser, added to the subparsers `sub` and returned."""
     p = sub.add_parser(
         "push",
-        help="upload a checkpoint folder to the Hugging Face Hub in one commit",
+        help=HELP,
         description="Create REPO_ID if needed and commit every file of PATH to it in a single commit, with the "
         "model card rendered for REPO_ID (a README.md that hfquant did not write is uploaded unchanged). Uses the "
         "token of `hf auth login` or HF_TOKEN, and HF_ENDPOINT when set.",
@@ -41,11 +44,16 @@ def add_parser(sub) -> None:
         default=None,
         metavar="SECONDS",
         help="give up when the Hub does not answer a connection, read or write within SECONDS (default: "
-        f"${HUB_TIMEOUT_ENV} or {DEFAULT_HUB_TIMEOUT:g})",
+        "$HFQUANT_HUB_TIMEOUT or 60)",
     )
+    add_common_options(p)
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfquant.publishing.hub import push_folder
+
+    apply_progress_option(args)
     info = push_folder(
         args.path,
         args.repo_id,

@@ -6,17 +6,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hfquant.checkpoint.checksums import write_checksums
-from hfquant.verification import verify
+from hfquant.commands.options import add_common_options
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "check a quantized checkpoint against its config without loading it; exit 1 listing the problems"
+"""The line of the `hfquant --help` listing."""
 
 
-def add_parser(sub) -> None:
-    """The `verify` subcommand's parser, added to the subparsers `sub`."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The `verify` subcommand's parser, added to the subparsers `sub` and returned."""
     v = sub.add_parser(
         "verify",
-        help="check a quantized checkpoint against its config without loading it; exit 1 listing the problems",
+        help=HELP,
         description="Read config.json, the index and the safetensors headers of PATH (never a weight, never code) "
         "and check that every shard the index names exists and holds its tensors, that every tensor has the name, "
         "dtype and shape quantization_config gives it, and the sha256 sums recorded in hfquant.sha256.json.",
@@ -28,9 +30,14 @@ def add_parser(sub) -> None:
         help="when no problem is found, record the sha256 of config.json, the index and the shards in "
         "hfquant.sha256.json (for a folder written by save_pretrained)",
     )
+    add_common_options(v)
+    return v
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfquant.checkpoint.checksums import write_checksums
+    from hfquant.verification import verify
+
     result = verify(args.path)
     for note in result.notes:
         print(f"note: {note}")

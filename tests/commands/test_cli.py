@@ -15,6 +15,7 @@ import torch
 from helpers import tiny_tokenizer
 
 from hfquant import HfQuantConfig
+from hfquant.commands import export
 from hfquant.commands.cli import build_parser, main
 from hfquant.commands.options import config_from_args
 
@@ -327,3 +328,172 @@ def test_the_library_functions_users_call_are_at_the_top_level():
         evaluate,
     )
     assert {"convert", "export_checkpoint", "import_checkpoint", "evaluate"} <= set(hfquant.__all__)
+
+
+# -- answering without the library: --help, --version and argument errors -------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_HEAVY = ("torch", "transformers", "safetensors", "huggingface_hub")
+"""What the parser must not import: torch and transformers take seconds (the whole cost of a slow --help)."""
+
+
+def entry(*args: str) -> subprocess.CompletedProcess:
+    """The console script's entry (`hfquant_cli.main`, as pyproject.toml's [project.scripts] runs it), in a process of
+    its own, printing on exit which of `_HEAVY` were imported."""
+    code = (
+        "import atexit, sys\n"
+        f"atexit.register(lambda: print('imported:', *[m for m in {_HEAVY!r} if m in sys.modules], file=sys.stderr))\n"
+        "import hfquant_cli\n"
+        f"sys.exit(hfquant_cli.main({list(args)!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _imported(result: subprocess.CompletedProcess) -> list[str]:
+    return result.stderr.rsplit("imported:", 1)[1].split()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        [],
+        ["conver", "a", "b"],
+        ["inspect", "--help"],
+        ["inspect", "x", "--jsn"],
+        ["verify", "--help"],
+        ["eval", "x", "--max-tokenz", "3"],
+        ["push", "--help"],
+        ["export", "a", "b"],
+        ["import", "a"],
+    ],
+)
+def test_help_version_and_argument_errors_import_neither_torch_nor_transformers(argv):
+    """The property behind `hfquant --help` answering at once (times in docs/performance.md, "The command line's
+    answers"): until a command runs, nothing heavier than the standard library is imported, not even the package
+    root (which registers with transformers)."""
+    result = entry(*argv)
+    assert result.returncode in (0, 2), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert _imported(result) == []
+
+
+def test_convert_help_imports_the_config_only():
+    """`convert`'s options are the config's FIELDS, so its parser imports hfquant.config (and transformers with it);
+    the other subcommands' parsers, the library and the package root are still not imported."""
+    code = (
+        "import sys, hfquant_cli\n"
+        "try:\n    hfquant_cli.main(['convert', 'a', 'b', '--bitz', '4'])\n"
+        "except SystemExit:\n"
+        "    print(*sorted(m for m in sys.modules if m.startswith('hfquant.') and not m.startswith("
+        "('hfquant.commands', 'hfquant.core', 'hfquant.version'))))\n"
+        "    print(hasattr(sys.modules['hfquant'], 'HfQuantConfig'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.stdout.split() == ["hfquant.config", "False"], result.stderr[-2000:]
+
+
+def test_version():
+    from hfquant.version import __version__
+
+    result = entry("--version")
+    assert result.returncode == 0 and result.stdout == f"hfquant {__version__}\n"
+    assert run("--version").stdout == f"hfquant {__version__}\n"
+
+
+def test_a_command_run_through_the_entry_has_the_whole_package(tmp_path):
+    """After parsing, the entry runs the package root: the command sees `import hfquant`'s registration."""
+    code = (
+        "import sys, hfquant_cli\n"
+        "import hfquant.commands.cli as cli\n"
+        "def probe(args):\n"
+        "    import hfquant\n"
+        "    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING\n"
+        "    print(AUTO_QUANTIZER_MAPPING['hfquant'] is hfquant.HfQuantQuantizer, hfquant.__version__)\n"
+        "    return 0\n"
+        "cli._COMMANDS['inspect'] = probe\n"
+        f"sys.exit(hfquant_cli.main(['inspect', {str(tmp_path)!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[0] == "True"
+
+
+@pytest.mark.parametrize(
+    "argv,usage,message",
+    [
+        (
+            ["convert", "a", "b", "--bitz", "4"],
+            "usage: hfquant convert",
+            "unrecognized arguments: --bitz 4; did you mean --bits?",
+        ),
+        (["inspect", "x", "--jsn"], "usage: hfquant inspect", "unrecognized arguments: --jsn; did you mean --json?"),
+        (["export", "a", "b.gguf", "--overwirte"], "usage: hfquant export", "did you mean --overwrite?"),
+        (["verify", "x", "--nonsense-option"], "usage: hfquant verify", "unrecognized arguments: --nonsense-option\n"),
+        (
+            ["conver", "a", "b"],
+            "usage: hfquant [-h]",
+            "invalid choice: 'conver' (choose from convert, inspect, verify, eval, push, export, import); did you mean convert?",
+        ),
+    ],
+)
+def test_an_argument_error_shows_its_subcommands_usage_and_the_close_option(argv, usage, message):
+    for result in (entry(*argv), run(*argv)):
+        assert result.returncode == 2
+        assert result.stderr.startswith(usage), result.stderr
+        assert message in result.stderr
+
+
+def test_every_command_takes_the_common_options():
+    """--no-progress and -v/--verbose on every subcommand (before or after it for -v), defined once."""
+    parser = build_parser()
+    positionals = {"push": ["p", "o/r"], "export": ["s", "d.gguf"], "import": ["s", "d"], "convert": ["s", "d"]}
+    for name in _subparsers(parser):
+        argv = [name, *positionals.get(name, ["p"])]
+        assert parser.parse_args(argv).progress is True and parser.parse_args(argv).verbose is False
+        args = parser.parse_args([*argv, "--no-progress", "-v"])
+        assert args.progress is False and args.verbose is True, name
+        assert parser.parse_args(["-v", *argv]).verbose is True
+    for name in ("convert", "export", "import"):
+        assert parser.parse_args([name, "s", "d.gguf", "--overwrite"]).overwrite is True
+
+
+def test_no_progress_reaches_import_and_export(tmp_path):
+    """The commands that refused --no-progress take it and run (to the library's own error on a missing SRC)."""
+    for command in ("import", "export"):
+        result = run(command, str(tmp_path / "missing"), str(tmp_path / "out.gguf"), "--no-progress")
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith("hfquant: error:") and "missing" in result.stderr
+
+
+def test_export_format_from_a_gguf_destination():
+    from hfquant.commands.cli import parse_args
+    from hfquant.conversion.export import FORMATS
+
+    assert export.FORMATS == FORMATS  # the parser's choices are the exporter's
+    assert parse_args(["export", "s", "model.gguf"]).format == "gguf"
+    assert parse_args(["export", "s", "Model.GGUF"]).format == "gguf"
+    assert parse_args(["export", "s", "d", "--format", "compressed-tensors"]).format == "compressed-tensors"
+    assert parse_args(["export", "s", "d.gguf", "--format", "compressed-tensors"]).format == "compressed-tensors"
+    result = run("export", "s", "d")
+    assert result.returncode == 2 and result.stderr.startswith("usage: hfquant export")
+    assert "--format is required unless DST ends in .gguf ('d' does not); choose one of compressed-tensors, gguf" in (
+        result.stderr
+    )
+
+
+def test_push_timeout_help_names_the_hubs_defaults():
+    """push's help spells the timeout's variable and default so that its parser does not import the Hub client."""
+    from hfquant.publishing.hub import DEFAULT_HUB_TIMEOUT, HUB_TIMEOUT_ENV
+
+    push = _subparsers(build_parser())["push"]
+    (timeout,) = [action for action in push._actions if "--timeout" in action.option_strings]
+    assert f"${HUB_TIMEOUT_ENV} or {DEFAULT_HUB_TIMEOUT:g})" in timeout.help
+
+
+def test_help_names_the_default_method():
+    words = " ".join(entry("--help").stdout.split())  # argparse wraps lines to the terminal's width
+    assert "round-to-nearest quantization" not in words
+    assert "(SINQ at 4 bits, round-to-nearest at 8, by default)" in words

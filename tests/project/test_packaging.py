@@ -24,7 +24,7 @@ def _setuptools_version() -> tuple[int, ...]:
 def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     source = tmp_path / "source"  # a copy: setuptools writes build/ into the tree it builds
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "hfquant_cli.py"):
         shutil.copy(ROOT / name, source / name)
     for name in ("hfquant", "model_cards", "benchmarks"):  # benchmarks/ too: the build must leave it out
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -43,6 +43,10 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     (wheel,) = wheels.glob("hfquant-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"hfquant/__init__.py", "hfquant/publishing/cards.py", "hfquant/integration/quantizer.py"} <= names
+    # the console script's entry, beside the package (it parses the command line before the package root runs)
+    assert "hfquant_cli.py" in names
+    entry_points = next(name for name in names if name.endswith(".dist-info/entry_points.txt"))
+    assert "hfquant = hfquant_cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     # cards.TEMPLATE_PATH looks for it there first (the source tree's model_cards/ is not installed)
     template = zipfile.ZipFile(wheel).read("hfquant/model_cards/hfquant.jinja")
     assert template == (ROOT / "model_cards" / "hfquant.jinja").read_bytes()
