@@ -231,7 +231,7 @@ def test_fresh_venv_without_extras(tmp_path):
         )
         assert install.returncode == 0, install.stderr[-3000:]
     code = """
-import importlib.util, json
+import importlib.util, json, sys
 import hfquant
 def error_of(module):
     try:
@@ -239,13 +239,16 @@ def error_of(module):
     except ImportError as error:
         return str(error)
 print("RESULTS " + json.dumps({
+    "file": hfquant.__file__.startswith(sys.prefix),
     "gguf": importlib.util.find_spec("gguf") is None,
     "peft": error_of("hfquant.peft"),
     "export_gguf": error_of("hfquant.conversion.export_gguf"),
 }))
 """
-    run = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # the venv's packages only
+    run = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert results_of(run) == {
+        "file": True,
         "gguf": True,
         "peft": "LoRA adapters (hfquant.peft) needs peft: pip install 'hfquant[peft]'",
         "export_gguf": "GGUF export needs gguf: pip install 'hfquant[gguf]'",
