@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import TOKENIZER_VOCAB, run_python, tiny_model, tiny_tokenizer
 
-from hfquant.core.optional import GGUF, PEFT
+from hfquant.core.optional import GGUF, PEFT, OptionalDependency, require
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -162,6 +162,22 @@ def float_source(tmp_path_factory) -> Path:
     tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+def test_require_imports_or_names_the_pip_command(tmp_path, monkeypatch):
+    """`require`: the module when installed; a missing package -> ImportError with the feature and the pip command;
+    a module missing inside an installed package is that package's own error, not reported as the package missing."""
+    assert require(OptionalDependency("json", "json", "none", "Reading JSON")) is json
+    with pytest.raises(ImportError) as missing:
+        require(OptionalDependency("hfquant_test_absent", "absent-pkg", "absent", "The absent feature"))
+    assert str(missing.value) == "The absent feature needs absent-pkg: pip install 'hfquant[absent]'"
+    (tmp_path / "hfquant_test_broken").mkdir()
+    (tmp_path / "hfquant_test_broken" / "__init__.py").write_text("import hfquant_test_inner_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError) as inner:
+        require(OptionalDependency("hfquant_test_broken", "broken", "broken", "The broken feature"))
+    assert inner.value.name == "hfquant_test_inner_missing"
+    monkeypatch.delitem(sys.modules, "hfquant_test_broken", raising=False)
 
 
 def test_every_optional_package_is_an_extra_and_hidden_here():
