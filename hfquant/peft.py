@@ -9,7 +9,7 @@ do exactly those two steps and return peft's own objects:
     ...  # train (transformers' Trainer), peft_model.save_pretrained(adapter_dir)
     peft_model = hfquant.peft.load_adapter(model, adapter_dir)
 
-Requires `pip install peft`.
+Requires peft, an optional dependency: `pip install 'hfquant[peft]'` (`hfquant.core.optional.PEFT`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hfquant.core.optional import PEFT
 from hfquant.integration.counting import count_quantized_weights_in_peft
 from hfquant.nn.linear import QuantLinear
 
@@ -29,8 +30,10 @@ try:
     from peft import get_peft_model as _peft_get_peft_model
     from peft.tuners.lora.layer import LoraLayer
     from peft.tuners.tuners_utils import check_adapters_to_merge
-except ImportError as error:  # pragma: no cover - exercised only without peft
-    raise ImportError("hfquant.peft needs peft: pip install peft") from error
+except ModuleNotFoundError as error:  # tests/project/test_bare_install.py runs this without peft
+    if not PEFT.is_missing(error):
+        raise
+    raise PEFT.missing() from error
 
 __all__ = ["HfQuantLoraLinear", "get_peft_model", "load_adapter"]
 

@@ -41,7 +41,6 @@ from hfquant.checkpoint.files import (
 from hfquant.checkpoint.model_config import read_quantization_config
 from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import HfQuantConfig
-from hfquant.conversion.export_gguf import export_gguf
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.skeleton import build_skeleton
 
@@ -174,12 +173,15 @@ def export_checkpoint(
             the index or a shard is a link leaving `src`.
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
         FileNotFoundError: `src` has no config.json or no safetensors.
+        ImportError: format "gguf" without the gguf package (an optional dependency), with its pip command.
         OSError: a file could not be written; `dst` is left as it was.
     """
     start = time.perf_counter()
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not an export format; allowed: {list(FORMATS)}")
     if format == "gguf":  # one file for llama.cpp (`hfquant.conversion.export_gguf`), not a folder
+        from hfquant.conversion.export_gguf import export_gguf  # imports gguf, an optional dependency
+
         return export_gguf(src, dst, overwrite=overwrite)
     folder, dst = Path(src).expanduser(), Path(dst).expanduser()
     if not folder.is_dir():

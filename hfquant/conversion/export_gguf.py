@@ -31,7 +31,6 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
-import gguf
 import numpy as np
 import torch
 
@@ -45,7 +44,10 @@ from hfquant.checkpoint.files import (
 )
 from hfquant.checkpoint.gguf_export import Reblocked, llama_permutation, reblock_int4, reblock_int8
 from hfquant.checkpoint.streaming import release_checkpoint_pages
+from hfquant.core.optional import GGUF, require
 from hfquant.core.packing import unpack_int4
+
+gguf = require(GGUF)  # ImportError with the pip command when gguf is not installed
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_MODEL_TYPES", "GgufResult", "export_gguf", "gguf_pre_tokenizer"]
 
