@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; its errors become one line on stderr and an exit status: 2 for ValueError/TypeError
-    (bad values), 1 for OSError and Hub errors, 130 for Ctrl-C; other exceptions propagate."""
+    (bad values), 1 for OSError, Hub errors and a missing optional package (ImportError, naming its pip command), 130
+    for Ctrl-C; other exceptions propagate."""
     from hfquant.publishing.hub import HubError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             _exit(130, _INTERRUPTED)
         if isinstance(error, (ValueError, TypeError)):
             _exit(2, f"hfquant: error: {error}\n")
-        if isinstance(error, (OSError, HubError)):
+        if isinstance(error, (OSError, HubError, ImportError)):
             _exit(1, f"hfquant: error: {error}\n")
         raise
     finally:

@@ -163,6 +163,20 @@ def test_an_error_without_ctrl_c_keeps_its_exit_status(capsys, monkeypatch, tmp_
     assert exit.value.code == 2 and capsys.readouterr().err == "hfquant: error: bits=3 is not allowed\n"
 
 
+def test_a_missing_optional_package_is_one_line_exit_1(capsys, monkeypatch, tmp_path):
+    import hfquant.commands.cli
+    from hfquant.core.optional import GGUF
+
+    def needs_gguf(args):
+        raise GGUF.missing()
+
+    monkeypatch.setitem(hfquant.commands.cli._COMMANDS, "export", needs_gguf)
+    with pytest.raises(SystemExit) as exit:
+        main(["export", str(tmp_path), str(tmp_path / "model.gguf")])
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and err.count("\n") == 1 and "pip install 'hfquant[gguf]'" in err, err
+
+
 def test_convert_as_a_user_then_refuse_to_overwrite(llama_with_tokenizer, tmp_path, capsys):
     result = run(
         "convert",
