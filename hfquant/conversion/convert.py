@@ -95,13 +95,12 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
 
     Raises:
         FileNotFoundError / OSError: as `resolve_source`, or no config.json.
-        ValueError: `dst` is SRC, config.json malformed or naming an unknown model type, SRC already quantized, or
+        ValueError: `dst` is SRC, inside it or contains it, config.json malformed or naming an unknown model type, SRC already quantized, or
             the config refuses its values.
     """
     config.validate()
     folder = resolve_source(src, revision)
-    if dst.resolve() == folder.resolve():
-        raise ValueError(f"DST {dst} is SRC; write the quantized checkpoint to another folder")
+    folders.check_apart_from_source(dst, folder, "the quantized checkpoint")
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; SRC must be a transformers checkpoint folder")
     existing = read_model_config(folder).get("quantization_config")  # a malformed config.json: one ValueError
@@ -198,10 +197,13 @@ def convert(
     Raises:
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
         FileNotFoundError / OSError: `src` is missing, has no safetensors, or is an unreachable repo id.
-        ValueError / TypeError: a bad option (the message names the value and the fix).
+        ValueError / TypeError: a bad option (the message names the value and the fix); `dst` is `src`, inside it
+            or contains it (links and `..` resolved; checked before any work).
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
+    if Path(src).expanduser().is_dir():  # a local SRC: before "exists, pass --overwrite" leads into the trap
+        folders.check_apart_from_source(dst, src, "the quantized checkpoint")
     folders.check_destination(dst, overwrite)
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0: quantize in this process)")
@@ -223,6 +225,7 @@ def convert(
     try:
         with folders.temporary_folder(dst) as tmp:  # deleted at the end: unfinished, or the version replaced
             written = _write_folder(tmp, folder, model, quantizer, outputs, split, options)
+            folders.give_umask_modes(tmp)
             folders.publish_folder(tmp, dst, overwrite)
     finally:
         runner.close()
