@@ -112,6 +112,18 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
     return folder
 
 
+def _check_destination(src, dst: Path, overwrite: bool) -> None:
+    """`dst` checked before any work: apart from a local `src` first (else "exists, pass --overwrite" would lead a
+    user whose DST contains SRC into deleting it), then `check_destination`; a Hub SRC is checked once downloaded.
+
+    Raises:
+        ValueError, FileExistsError, NotADirectoryError: naming the paths and the fix.
+    """
+    if Path(src).expanduser().is_dir():
+        folders.check_apart_from_source(dst, src, "the quantized checkpoint")
+    folders.check_destination(dst, overwrite)
+
+
 def _check_missing(folder: Path, model, missing: list[str]) -> None:
     """Refuse a quantized layer with no source weight; log other model tensors the files do not have.
 
@@ -197,14 +209,11 @@ def convert(
     Raises:
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
         FileNotFoundError / OSError: `src` is missing, has no safetensors, or is an unreachable repo id.
-        ValueError / TypeError: a bad option (the message names the value and the fix); `dst` is `src`, inside it
-            or contains it (links and `..` resolved; checked before any work).
+        ValueError / TypeError: a bad option, or `dst` is `src`, inside it or contains it (names the value and the fix).
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
-    if Path(src).expanduser().is_dir():  # a local SRC: before "exists, pass --overwrite" leads into the trap
-        folders.check_apart_from_source(dst, src, "the quantized checkpoint")
-    folders.check_destination(dst, overwrite)
+    _check_destination(src, dst, overwrite)
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0: quantize in this process)")
     shard_plan([], max_shard_size)  # parses max_shard_size: a bad value fails before any work
