@@ -213,27 +213,36 @@ def _named(path: Path, real: Path) -> str:
     return str(path) if Path(os.path.abspath(path)) == real else f"{path} (= {real})"
 
 
-def check_apart_from_source(dst: str | os.PathLike, src: str | os.PathLike, written: str = "the output") -> None:
-    """Refuse a destination `dst` (folder or file) that is the source folder `src`, lies inside it, or contains it,
-    with symlinks and `..` resolved in both paths: replacing a folder that contains the source deletes the source,
-    and writing inside the source changes it. Call it before any work, with the local source folder.
+def check_apart_from_source(
+    dst: str | os.PathLike, src: str | os.PathLike, written: str = "the output", *, file: bool = False
+) -> None:
+    """Refuse a destination `dst` that is the source folder `src`, lies inside it, or contains it, with symlinks and
+    `..` resolved in both paths: replacing a folder that contains the source deletes the source, and writing inside
+    the source changes it. Call it before any work, with the local source folder.
+
+    A `file` destination (one file, replaced by a rename) is the entry `dst.name` in its resolved parent folder (a
+    link there is replaced, not its target); it may be a new file inside `src` (transformers loads a GGUF from the
+    checkpoint folder: `from_pretrained(folder, gguf_file=...)`), never an existing one (a shard, config.json).
 
     Raises:
         ValueError: one line naming both paths (and what links or `..` made of them) and the fix.
     """
     dst, src = Path(dst).expanduser(), Path(src).expanduser()
-    real_dst, real_src = dst.resolve(), src.resolve()
+    real_dst = dst.parent.resolve() / dst.name if file and dst.name not in ("", ".", "..") else dst.resolve()
+    real_src = src.resolve()
     if real_dst == real_src:
         relation = "is"
     elif real_dst.is_relative_to(real_src):
-        relation = "is inside"
+        if file and not os.path.lexists(real_dst):
+            return
+        relation = "is an existing file in" if file else "is inside"
     elif real_src.is_relative_to(real_dst):
         relation = "contains"
     else:
         return
     raise ValueError(
         f"DST {_named(dst, real_dst)} {relation} SRC {_named(src, real_src)}; writing there would change or delete "
-        f"SRC: write {written} to another folder, outside SRC"
+        f"SRC: write {written} {'under a new name or outside SRC' if file else 'to another folder, outside SRC'}"
     )
 
 

@@ -314,13 +314,13 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     Raises:
         ValueError: not an hfquant checkpoint, another architecture, a layer GGUF cannot hold (named, with why), a
             tokenizer that is not byte-level BPE.
-        ValueError: `dst` is `src`, inside it or contains it (links and `..` resolved; before any work).
+        ValueError: `dst` is `src`, an existing file in it, or contains it (links and `..` resolved; before any work).
         FileExistsError: `dst` exists and `overwrite` is False.
         OSError: the file could not be written; `dst` is left as it was.
     """
     start = time.perf_counter()
     folder, dst = Path(src), Path(dst)
-    folders.check_apart_from_source(dst, folder, "the GGUF file")
+    folders.check_apart_from_source(dst, folder, "the GGUF file", file=True)
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     config, files = _checked_source(folder)
