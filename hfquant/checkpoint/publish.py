@@ -220,20 +220,19 @@ def check_apart_from_source(
     `..` resolved in both paths: replacing a folder that contains the source deletes the source, and writing inside
     the source changes it. Call it before any work, with the local source folder.
 
-    A `file` destination (one file, replaced by a rename) is the entry `dst.name` in its resolved parent folder (a
-    link there is replaced, not its target); it may be a new file inside `src` (transformers loads a GGUF from the
-    checkpoint folder: `from_pretrained(folder, gguf_file=...)`), never an existing one (a shard, config.json).
+    A `file` destination (one file, written beside and renamed over it) may be a new file inside `src` (transformers
+    loads a GGUF from the checkpoint folder: `from_pretrained(folder, gguf_file=...)`), never an existing one (a
+    shard, config.json, or a link into SRC).
 
     Raises:
         ValueError: one line naming both paths (and what links or `..` made of them) and the fix.
     """
     dst, src = Path(dst).expanduser(), Path(src).expanduser()
-    real_dst = dst.parent.resolve() / dst.name if file and dst.name not in ("", ".", "..") else dst.resolve()
-    real_src = src.resolve()
+    real_dst, real_src = dst.resolve(), src.resolve()
     if real_dst == real_src:
         relation = "is"
     elif real_dst.is_relative_to(real_src):
-        if file and not os.path.lexists(real_dst):
+        if file and not (os.path.lexists(dst) or os.path.lexists(real_dst)):
             return
         relation = "is an existing file in" if file else "is inside"
     elif real_src.is_relative_to(real_dst):
