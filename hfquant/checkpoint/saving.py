@@ -11,7 +11,9 @@ files, and swaps the two folders in one atomic step (`hfquant.checkpoint.publish
     attach_staged_save(model)   # model.save_pretrained(...) now does the above (what hfquant does on load)
 
 An empty or absent destination is written directly, as transformers does. A destination that is a symlink is
-written through by transformers itself (hfquant does not replace a link it did not create).
+written through by transformers itself (hfquant does not replace a link it did not create). Either way what the save
+wrote gets the modes the umask asks for (safetensors writes its files owner-only), and a model's `save_pretrained`
+refuses the folder it was loaded from, one inside it or one containing it (`check_apart_from_source`).
 
 Either way the saved `config.json` gets `model_type` "hfquant" (`hfquant.checkpoint.model_type.mark_config_file`)
 before the folder is published, so that transformers without hfquant refuses the checkpoint by name.

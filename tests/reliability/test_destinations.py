@@ -222,7 +222,7 @@ def _modes(folder: Path) -> dict[str, int]:
     return found
 
 
-@pytest.fixture(params=[0o022, 0o027])
+@pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])
 def umask(request):
     """The process's umask set for the test, then restored."""
     previous = os.umask(request.param)
