@@ -280,3 +280,17 @@ def test_save_pretrained_files_follow_the_umask(origins, tmp_path, umask):
     }
     carried = {name: mode for name, mode in modes.items() if name not in saved and name not in shards and name != "."}
     assert carried and set(carried.values()) == {0o600}, carried
+
+
+def test_save_pretrained_through_a_link_gives_the_umask_to_the_weights_only(origins, tmp_path, umask):
+    """A destination that is a link is written through by transformers (into whatever folder it names, which may
+    hold other files): the weight files it wrote get the umask's modes, the folder's other files keep theirs."""
+    model = auto_class("llama").from_pretrained(origins["hfquant"], device_map="cpu")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "private.txt").write_text("mine")
+    (target / "private.txt").chmod(0o600)
+    model.save_pretrained(_link(tmp_path / "link", target))
+    modes = _modes(target)
+    assert modes["model.safetensors"] == 0o666 & ~umask
+    assert modes["private.txt"] == 0o600
