@@ -39,11 +39,11 @@ __all__ = [
     "deferred_sigint",
     "exchange",
     "give_umask_modes",
+    "process_umask",
     "publish_cache_folder",
     "publish_folder",
     "remove_folder",
     "rename_noreplace",
-    "process_umask",
     "temporary_folder",
 ]
 

@@ -95,8 +95,8 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
 
     Raises:
         FileNotFoundError / OSError: as `resolve_source`, or no config.json.
-        ValueError: `dst` is SRC, inside it or contains it, config.json malformed or naming an unknown model type, SRC already quantized, or
-            the config refuses its values.
+        ValueError: `dst` is SRC, inside it or contains it, config.json malformed or naming an unknown model type, SRC
+            already quantized, or the config refuses its values.
     """
     config.validate()
     folder = resolve_source(src, revision)
@@ -209,7 +209,7 @@ def convert(
     Raises:
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
         FileNotFoundError / OSError: `src` is missing, has no safetensors, or is an unreachable repo id.
-        ValueError / TypeError: a bad option, or `dst` is `src`, inside it or contains it (names the value and the fix).
+        ValueError / TypeError: a bad option, or `dst` is `src`, inside it or contains it (naming them and the fix).
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
