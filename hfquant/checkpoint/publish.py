@@ -11,6 +11,12 @@ one (DST is the old complete version or the new complete version at every instan
 call or the file system lacks them, the fallback is an existence check and `os.rename`, and for an overwrite two
 renames (DST moved aside, the new folder renamed in, the old one restored on any error or Ctrl-C); a SIGKILL
 between those two renames leaves DST absent with its previous version intact in `.DST.old-*`.
+
+Two rules hold for every writer (convert, export in both formats, import, the staged `save_pretrained`):
+`check_apart_from_source` refuses a destination that is its source, lies inside it or contains it (links and `..`
+resolved), before any work, since publishing over a folder that contains the source deletes the source; and
+`give_umask_modes` gives what is published the modes the process's umask asks for (0666 & ~umask for files, 0777 &
+~umask for folders), as a plain `open`/`mkdir` would, where safetensors and `tempfile` make them owner-only.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = [
+    "check_apart_from_source",
     "check_destination",
     "deferred_sigint",
     "exchange",
+    "give_umask_modes",
+    "process_umask",
     "publish_cache_folder",
     "publish_folder",
     "remove_folder",
@@ -197,6 +206,77 @@ def check_destination(dst: Path, overwrite: bool) -> None:
         raise NotADirectoryError(f"{parent} is a file, so DST {dst} cannot be created under it; pass a folder path")
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
+
+
+def _named(path: Path, real: Path) -> str:
+    """`path` as the user gave it, with where it leads when links or `..` make that another path."""
+    return str(path) if Path(os.path.abspath(path)) == real else f"{path} (= {real})"
+
+
+def check_apart_from_source(
+    dst: str | os.PathLike, src: str | os.PathLike, written: str = "the output", *, file: bool = False
+) -> None:
+    """Refuse a destination `dst` that is the source folder `src`, lies inside it, or contains it, with symlinks and
+    `..` resolved in both paths: replacing a folder that contains the source deletes the source, and writing inside
+    the source changes it. Call it before any work, with the local source folder.
+
+    A `file` destination (one file, written beside and renamed over it) may be a new file inside `src` (transformers
+    loads a GGUF from the checkpoint folder: `from_pretrained(folder, gguf_file=...)`), never an existing one (a
+    shard, config.json, or a link into SRC).
+
+    Raises:
+        ValueError: one line naming both paths (and what links or `..` made of them) and the fix.
+    """
+    dst, src = Path(dst).expanduser(), Path(src).expanduser()
+    real_dst, real_src = dst.resolve(), src.resolve()
+    if real_dst == real_src:
+        relation = "is"
+    elif real_dst.is_relative_to(real_src):
+        if file and not (os.path.lexists(dst) or os.path.lexists(real_dst)):
+            return
+        relation = "is an existing file in" if file else "is inside"
+    elif real_src.is_relative_to(real_dst):
+        relation = "contains"
+    else:
+        return
+    raise ValueError(
+        f"DST {_named(dst, real_dst)} {relation} SRC {_named(src, real_src)}; writing there would change or delete "
+        f"SRC: write {written} {'under a new name or outside SRC' if file else 'to another folder, outside SRC'}"
+    )
+
+
+def process_umask() -> int:
+    """The process's umask (e.g. 0o022), read without changing it where Linux reports it (`/proc/self/status`);
+    elsewhere set to 0o077 for the instant it is read and restored (a file created meanwhile by another thread is
+    private rather than open to all)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def give_umask_modes(folder: Path, *, root: bool = True) -> None:
+    """Give every file under `folder` mode 0666 & ~umask and every folder 0777 & ~umask (`folder` itself too when
+    `root`), as `open` and `mkdir` would: safetensors writes its files 0600 and `tempfile` makes private ones, which
+    a checkpoint served from another account or a container cannot read. Links are left alone, never followed.
+    Call it on what this process wrote, before carrying over files of an old version (hard links share the mode).
+
+    Raises:
+        OSError: a mode could not be set.
+    """
+    mask = process_umask()
+    for parent, folder_names, file_names in os.walk(folder):
+        for name in folder_names:
+            if not os.path.islink(os.path.join(parent, name)):
+                os.chmod(os.path.join(parent, name), 0o777 & ~mask)
+        for name in file_names:
+            if not os.path.islink(os.path.join(parent, name)):
+                os.chmod(os.path.join(parent, name), 0o666 & ~mask)
+    if root:
+        os.chmod(folder, 0o777 & ~mask)
 
 
 def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:

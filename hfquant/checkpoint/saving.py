@@ -11,7 +11,9 @@ files, and swaps the two folders in one atomic step (`hfquant.checkpoint.publish
     attach_staged_save(model)   # model.save_pretrained(...) now does the above (what hfquant does on load)
 
 An empty or absent destination is written directly, as transformers does. A destination that is a symlink is
-written through by transformers itself (hfquant does not replace a link it did not create).
+written through by transformers itself (hfquant does not replace a link it did not create). Either way what the save
+wrote gets the modes the umask asks for (safetensors writes its files owner-only), and a model's `save_pretrained`
+refuses the folder it was loaded from, one inside it or one containing it (`check_apart_from_source`).
 
 Either way the saved `config.json` gets `model_type` "hfquant" (`hfquant.checkpoint.model_type.mark_config_file`)
 before the folder is published, so that transformers without hfquant refuses the checkpoint by name.
@@ -33,7 +35,13 @@ from typing import Any
 
 from hfquant.checkpoint.files import stamp_checkpoint_ids
 from hfquant.checkpoint.model_type import mark_config_file
-from hfquant.checkpoint.publish import publish_folder, temporary_folder
+from hfquant.checkpoint.publish import (
+    check_apart_from_source,
+    give_umask_modes,
+    process_umask,
+    publish_folder,
+    temporary_folder,
+)
 
 __all__ = ["WEIGHT_FILE", "attach_staged_save", "is_weight_file", "save_staged"]
 
@@ -101,16 +109,30 @@ def save_staged(save: Callable[..., Any], save_directory: str | os.PathLike, *ar
     if dst.is_symlink() or not dst.is_dir() or not any(dst.iterdir()):
         result = save(save_directory, *args, **kwargs)
         stamp(save_directory)
+        _give_modes_after_direct_save(dst)
         return result
     if kwargs.get("push_to_hub"):
         kwargs.setdefault("repo_id", dst.resolve().name)
     with temporary_folder(dst) as staging:
         result = save(str(staging), *args, **kwargs)
         stamp(staging)
+        give_umask_modes(staging)  # before the carry-over: its hard links share the old files' modes
         kept = _carry_over(dst, staging)
         publish_folder(staging, dst, overwrite=True)  # afterwards `staging` holds the old folder, deleted on exit
     logger.info("saved into %s by swapping folders; kept %d other entries: %s", dst, len(kept), kept)
     return result
+
+
+def _give_modes_after_direct_save(dst: Path) -> None:
+    """The umask's modes for what a save into an absent or empty folder wrote: everything in it; through a link
+    (whose folder may hold other files), the weight files only (safetensors writes them owner-only)."""
+    if not dst.is_symlink():
+        give_umask_modes(dst, root=False)
+        return
+    mode = 0o666 & ~process_umask()
+    for entry in dst.iterdir():
+        if is_weight_file(entry.name) and entry.is_file() and not entry.is_symlink():
+            entry.chmod(mode)
 
 
 def _finish(folder: str | os.PathLike) -> None:
@@ -127,7 +149,15 @@ def _staged_save_pretrained(model, save_directory: str | os.PathLike, *args: Any
     """`model.save_pretrained` of a model hfquant loaded: the class's own, through `save_staged`. With
     `push_to_hub=True` the folder is saved (and marked) first, then `model.push_to_hub` uploads a save of the model
     (hfquant's, with its card, once `hfquant.publishing.hub.attach_model_card` ran); the repo defaults to the folder's
-    name, as transformers names it."""
+    name, as transformers names it. A `save_directory` that is the folder the model was loaded from, inside it or
+    containing it is refused (`check_apart_from_source`): the swap would delete the checkpoint being read.
+
+    Raises:
+        ValueError: `save_directory` is the model's source folder, inside it or contains it; nothing is written.
+    """
+    source = _source_folder(model)
+    if source is not None:
+        check_apart_from_source(save_directory, source, "the save")
     if not kwargs.pop("push_to_hub", False):
         return save_staged(functools.partial(type(model).save_pretrained, model), save_directory, *args, **kwargs)
     hub = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
@@ -136,6 +166,14 @@ def _staged_save_pretrained(model, save_directory: str | os.PathLike, *args: Any
     shards = {"max_shard_size": kwargs["max_shard_size"]} if "max_shard_size" in kwargs else {}
     model.push_to_hub(repo_id, **hub, **shards)
     return result
+
+
+def _source_folder(model) -> Path | None:
+    """The local folder `model` was loaded from (`name_or_path`), or None (a Hub id, a model built in memory)."""
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name or not Path(name).expanduser().is_dir():
+        return None
+    return Path(name).expanduser()
 
 
 def attach_staged_save(model) -> None:

@@ -95,13 +95,12 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
 
     Raises:
         FileNotFoundError / OSError: as `resolve_source`, or no config.json.
-        ValueError: `dst` is SRC, config.json malformed or naming an unknown model type, SRC already quantized, or
-            the config refuses its values.
+        ValueError: `dst` is SRC, inside it or contains it, config.json malformed or naming an unknown model type, SRC
+            already quantized, or the config refuses its values.
     """
     config.validate()
     folder = resolve_source(src, revision)
-    if dst.resolve() == folder.resolve():
-        raise ValueError(f"DST {dst} is SRC; write the quantized checkpoint to another folder")
+    folders.check_apart_from_source(dst, folder, "the quantized checkpoint")
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; SRC must be a transformers checkpoint folder")
     existing = read_model_config(folder).get("quantization_config")  # a malformed config.json: one ValueError
@@ -111,6 +110,18 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
             "checkpoint it was made from"
         )
     return folder
+
+
+def _check_destination(src, dst: Path, overwrite: bool) -> None:
+    """`dst` checked before any work: apart from a local `src` first (else "exists, pass --overwrite" would lead a
+    user whose DST contains SRC into deleting it), then `check_destination`; a Hub SRC is checked once downloaded.
+
+    Raises:
+        ValueError, FileExistsError, NotADirectoryError: naming the paths and the fix.
+    """
+    if Path(src).expanduser().is_dir():
+        folders.check_apart_from_source(dst, src, "the quantized checkpoint")
+    folders.check_destination(dst, overwrite)
 
 
 def _check_missing(folder: Path, model, missing: list[str]) -> None:
@@ -198,11 +209,11 @@ def convert(
     Raises:
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
         FileNotFoundError / OSError: `src` is missing, has no safetensors, or is an unreachable repo id.
-        ValueError / TypeError: a bad option (the message names the value and the fix).
+        ValueError / TypeError: a bad option, or `dst` is `src`, inside it or contains it (naming them and the fix).
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
-    folders.check_destination(dst, overwrite)
+    _check_destination(src, dst, overwrite)
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0: quantize in this process)")
     shard_plan([], max_shard_size)  # parses max_shard_size: a bad value fails before any work
@@ -223,6 +234,7 @@ def convert(
     try:
         with folders.temporary_folder(dst) as tmp:  # deleted at the end: unfinished, or the version replaced
             written = _write_folder(tmp, folder, model, quantizer, outputs, split, options)
+            folders.give_umask_modes(tmp)
             folders.publish_folder(tmp, dst, overwrite)
     finally:
         runner.close()

@@ -64,14 +64,14 @@ class ExportResult(NamedTuple):
 
 
 def check_dst(dst: Path, src: Path, overwrite: bool) -> None:
-    """Refuse a DST that is a file, lies under a file, exists without `overwrite`, or is SRC (before any work).
+    """Refuse a DST that is SRC, inside it or contains it, is a file, lies under a file, or exists without
+    `overwrite` (before any work).
 
     Raises:
-        FileExistsError, NotADirectoryError, ValueError: naming DST and the fix.
+        FileExistsError, NotADirectoryError, ValueError: naming DST (and SRC) and the fix.
     """
+    folders.check_apart_from_source(dst, src, "the new checkpoint")
     folders.check_destination(dst, overwrite)
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"DST {dst} is SRC; write the export to another folder")
 
 
 def _compute_dtype(qconfig: dict, config: dict, files) -> torch.dtype:
@@ -201,6 +201,7 @@ def export_checkpoint(
         config = dict(config, quantization_config=qconfig)
         write_json(tmp / CONFIG_NAME, config)
         copy_small_files(folder, tmp, skipped=NOT_EXPORTED)
+        folders.give_umask_modes(tmp)
         folders.publish_folder(tmp, dst, overwrite)
     result = ExportResult(
         dst,

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hfquant.checkpoint import publish as folders
 from hfquant.checkpoint.files import (
     CONFIG_NAME,
     open_safetensors,
@@ -301,9 +302,8 @@ def _replace_atomically(dst: Path, write) -> None:
     os.close(handle)
     try:
         write(partial)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)  # mkstemp made it private; a finished file gets the usual mode
+        # mkstemp made it private; a finished file gets the mode the umask asks for
+        os.chmod(partial, 0o666 & ~folders.process_umask())
         os.replace(partial, dst)
     except BaseException:
         Path(partial).unlink(missing_ok=True)
@@ -316,11 +316,13 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     Raises:
         ValueError: not an hfquant checkpoint, another architecture, a layer GGUF cannot hold (named, with why), a
             tokenizer that is not byte-level BPE.
+        ValueError: `dst` is `src`, an existing file in it, or contains it (links and `..` resolved; before any work).
         FileExistsError: `dst` exists and `overwrite` is False.
         OSError: the file could not be written; `dst` is left as it was.
     """
     start = time.perf_counter()
     folder, dst = Path(src), Path(dst)
+    folders.check_apart_from_source(dst, folder, "the GGUF file", file=True)
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     config, files = _checked_source(folder)

@@ -166,6 +166,7 @@ def import_checkpoint(
         write_json(tmp / CONFIG_NAME, config)
         copy_small_files(folder, tmp, skipped=NOT_EXPORTED)
         write_checksums(tmp)
+        folders.give_umask_modes(tmp)
         folders.publish_folder(tmp, dst, overwrite)
     result = ExportResult(
         dst,
