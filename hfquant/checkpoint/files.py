@@ -177,7 +177,8 @@ def read_json(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> Any:
 
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     """`config.json` of a checkpoint folder, with the fields read before any model is built checked: a JSON object,
-    `architectures` a list of class names, `dtype` / `torch_dtype` a torch dtype name or "auto". A config marked with
+    `architectures` a list of class names, `quantization_config` (where present) an object, `dtype` / `torch_dtype` a
+    torch dtype name or "auto". A config marked with
     `model_type` "hfquant" comes back with its base model type (`hfquant.checkpoint.model_type.unmark`).
 
     Raises:
@@ -198,6 +199,12 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(
             f"{path}: architectures={architectures!r} is not a list of class names such as "
             '["LlamaForCausalLM"]; restore it from the original checkpoint'
+        )
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(
+            f"{path}: quantization_config must be a JSON object, got {type(quant).__name__} {quant!r:.40}; restore "
+            "config.json from the original checkpoint (a float checkpoint has no quantization_config)"
         )
     for field in ("dtype", "torch_dtype"):
         value = config.get(field)

@@ -46,6 +46,14 @@ SRC_DAMAGES = {
         lambda f: _edit_config(f, _with("architectures", "LlamaForCausalLM")),
         r"config.json: architectures='LlamaForCausalLM' is not a list of class names",
     ),
+    "quantization_config a string": (
+        lambda f: _edit_config(f, _with("quantization_config", "hfquant")),
+        r"config.json: quantization_config must be a JSON object, got str 'hfquant'",
+    ),
+    "quantization_config false": (
+        lambda f: _edit_config(f, _with("quantization_config", False)),
+        r"config.json: quantization_config must be a JSON object, got bool False",
+    ),
     "unknown model_type": (
         lambda f: _edit_config(f, _with("model_type", "llama9")),
         r"config.json: model_type='llama9' is not a model type transformers \S+ knows; upgrade",
@@ -99,7 +107,9 @@ def test_malformed_source_files_are_one_line_naming_the_file(sharded_source, tmp
         assert exit_info.value.code == 2 and "Traceback" not in err and str(src) in err, err
 
 
-@pytest.mark.parametrize("damage", ["config a list", "dtype float17", "unknown model_type"])
+@pytest.mark.parametrize(
+    "damage", ["config a list", "dtype float17", "unknown model_type", "quantization_config false"]
+)
 def test_convert_from_python_refuses_a_malformed_config_in_one_value_error(sharded_source, tmp_path, damage):
     """The same check as the CLI's, in `convert` itself (a list config.json was an AttributeError from Python)."""
 
@@ -111,7 +121,9 @@ def test_convert_from_python_refuses_a_malformed_config_in_one_value_error(shard
     assert not (tmp_path / "dst").exists()
 
 
-@pytest.mark.parametrize("damage", ["config a list", "dtype float17", "unknown model_type"])
+@pytest.mark.parametrize(
+    "damage", ["config a list", "dtype float17", "unknown model_type", "quantization_config a string"]
+)
 def test_verify_lists_a_malformed_config_as_a_problem(two_saves, tmp_path, damage):
     folder = tmp_path / "q"
     shutil.copytree(two_saves[0], folder)
