@@ -24,20 +24,21 @@ __all__ = ["model_class", "resolve_dtype", "build_skeleton"]
 
 
 def model_class(model_config):
-    """The transformers class named by `model_config.architectures`, else the Auto class for its model type.
+    """The transformers model class named by `model_config.architectures`, else the Auto class for its model type.
 
     Raises:
-        ValueError: the architecture is not a transformers class (custom code is never run), naming it.
+        ValueError: the architecture is not a transformers model class (custom code is never run; a name such as
+            "TrainingArguments" is a class but not a model), naming it.
     """
 
     architectures = getattr(model_config, "architectures", None) or []
     for name in architectures:
         cls = getattr(transformers, name, None)
-        if cls is not None:
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
     if architectures:
         raise ValueError(
-            f"architecture {architectures[0]!r} of config.json is not a transformers class; hfquant does not run "
+            f"architecture {architectures[0]!r} of config.json is not a transformers model class; hfquant does not run "
             "custom (remote) code. Quantize such a model on load with from_pretrained(..., trust_remote_code=True, "
             "quantization_config=HfQuantConfig(...)) and save_pretrained it"
         )
@@ -82,7 +83,7 @@ def build_skeleton(
     that quantizer's resolved config) spares a second reading of the checkpoint for `fold_column_scales`.
 
     Raises:
-        ValueError: the architecture is not a transformers class, or a bad `dtype`; OSError / ValueError from
+        ValueError: the architecture is not a transformers model class, or a bad `dtype`; OSError / ValueError from
             transformers when config.json cannot be read.
     """
 

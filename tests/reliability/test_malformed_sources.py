@@ -107,6 +107,22 @@ def test_malformed_source_files_are_one_line_naming_the_file(sharded_source, tmp
         assert exit_info.value.code == 2 and "Traceback" not in err and str(src) in err, err
 
 
+def test_an_architecture_that_is_a_class_but_not_a_model_is_one_line(sharded_source, tmp_path, capsys):
+    """`architectures: ["TrainingArguments"]` names a transformers class that is not a model: refused by name, exit 2
+    (was an AttributeError traceback from `TrainingArguments._from_config`)."""
+    from hfquant.commands.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(sharded_source, src)
+    _edit_config(src, _with("architectures", ["TrainingArguments"]))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(src), str(tmp_path / "dst"), "--bits", "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert "'TrainingArguments' of config.json is not a transformers model class" in err.strip().splitlines()[-1]
+    assert not (tmp_path / "dst").exists()
+
+
 @pytest.mark.parametrize(
     "damage", ["config a list", "dtype float17", "unknown model_type", "quantization_config false"]
 )
