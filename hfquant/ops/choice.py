@@ -17,7 +17,8 @@ the aten kernel on the shapes it measured.
 
 Decisions are cached in memory, and on disk in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
 the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. The file is data only (a tampered
-entry can only pick the other, equally correct kernel); a malformed one is ignored and rewritten.
+entry can only pick the other, equally correct kernel); a malformed one is ignored and rewritten, and so is anything at
+that path but a regular file of this user's of at most `_MAX_CACHE_BYTES` (a FIFO there would block every load).
 `HFQUANT_KERNEL_CHOICE` overrides: "measure" (default), "native" (always the GEMV where it works, no timing) or
 "aten" (never the GEMV).
 """
@@ -28,6 +29,7 @@ import functools
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 CHOICES = ("measure", "native", "aten")
 """Values of `HFQUANT_KERNEL_CHOICE`."""
 _CACHE_NAME = "kernel-choices.json"
+_MAX_CACHE_BYTES = 2**20  # thousands of entries; a larger file is not this cache
 _WORKING_SET_BYTES = 64 * 2**20
 _MAX_COPIES = 256  # small layers: 256 copies keep the timing short; such weights are cheap either way
 _PASSES = 3
@@ -96,10 +99,22 @@ def _shape_key(kind: str, n: int, k: int, group_size: int | None) -> str:
 
 
 def _read_cache() -> dict:
+    """The cache file's JSON object, or {} when there is none, it is malformed, or it is not a regular file of this
+    user's of at most `_MAX_CACHE_BYTES` (opened without blocking and without following a link, then checked)."""
+    path = cache_file()
     try:
-        data = json.loads(cache_file().read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
         return {}
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_CACHE_BYTES or info.st_uid != os.geteuid():
+            logger.info("hfquant: ignoring %s: not a regular file of this user's of at most 1 MiB", path)
+            return {}
+        try:
+            data = json.loads(handle.read(_MAX_CACHE_BYTES + 1))
+        except (OSError, ValueError):
+            return {}
     return data if isinstance(data, dict) else {}
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -83,6 +85,35 @@ def test_a_malformed_cache_file_is_ignored_and_rewritten(fresh, monkeypatch, con
     assert (
         json.loads(choice.cache_file().read_text())[choice.cpu_signature()]["int4 2048x2048 g128"]["kernel"]
         == "native"
+    )
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge", "another user's"])
+def test_a_cache_path_that_is_not_a_small_file_of_this_user_is_ignored_not_read(fresh, monkeypatch, kind):
+    """A FIFO at the cache path would block every load on its read; a huge file would be read whole; another user's
+    file could steer this user's choices. Each is ignored (and replaced when the new decision is recorded)."""
+    path = choice.cache_file()
+    entry = {choice.cpu_signature(): {"int4 2048x2048 g128": {"kernel": "aten", "native_us": 9, "aten_us": 1}}}
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_text(json.dumps(entry) + " " * (2**20 + 1))
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        path.write_text(json.dumps(entry))
+        os.chown(path, 12345, -1)
+    calls = []
+    monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5, 2e-5, calls))
+    answer = []
+    worker = threading.Thread(target=lambda: answer.append(choice.int4_row_uses_native(2048, 2048, 128)), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "reading the cache path blocked"
+    assert answer == [True] and len(calls) == 1  # measured, not read from the planted entry
+    assert (
+        path.is_file()
+        and json.loads(path.read_text())[choice.cpu_signature()]["int4 2048x2048 g128"]["kernel"] == "native"
     )
 
 
