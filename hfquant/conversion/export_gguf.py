@@ -82,6 +82,15 @@ _QUANT_TYPES = {
     "Q4_0": gguf.GGMLQuantizationType.Q4_0,
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
 }
+_FILE_TYPES = {
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+    "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+    "F32": gguf.LlamaFileType.ALL_F32,
+}
+"""`general.file_type` for a file whose main tensor type is the key (`_add_general`)."""
 
 
 class GgufResult(NamedTuple):
@@ -172,6 +181,18 @@ def _added_tokens(folder: Path) -> dict[int, bool]:
         return {}
     added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
     return {int(item["id"]): bool(item.get("special")) for item in added if isinstance(item, dict) and "id" in item}
+
+
+def _add_general(writer: gguf.GGUFWriter, folder: Path, written: list[str]) -> None:
+    """The `general.*` keys llama.cpp's converter writes besides the architecture: `general.name` (the checkpoint
+    folder's name), `general.file_type` (`gguf.LlamaFileType` of the most common quantized type among the tensors
+    written, as llama.cpp names a file by its main type; of the most common float type when nothing is quantized) and
+    `general.quantization_version` (`gguf.GGML_QUANT_VERSION`, the block layouts' version)."""
+    writer.add_name(folder.resolve().name)
+    quantized = [kind for kind in written if kind in _QUANT_TYPES]
+    main_type = Counter(quantized or written).most_common(1)[0][0]
+    writer.add_file_type(_FILE_TYPES[main_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
@@ -358,6 +379,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
             written.extend(kinds)
             reblocked.extend([blocks] if blocks is not None else [])
             release_checkpoint_pages()
+        _add_general(writer, folder, written)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

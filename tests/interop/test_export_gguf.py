@@ -57,6 +57,12 @@ def test_gguf_reader_and_transformers_read_back_hfquant_weights(source, tmp_path
     # lm_head kept in float: the tiny bf16 model's has values below fp16's normal range, so BF16, exact
     assert {t.tensor_type.name for t in reader.tensors if t.name == "output.weight"} == {"BF16"}
     assert kinds == TYPES[name] and set(result.types) >= kinds
+    # the general keys llama.cpp's converter writes: the name, the main quantized type, the block layouts' version
+    fields = reader.fields
+    assert bytes(fields["general.name"].parts[-1]).decode() == folder.name
+    main = {"int8": "Q8_0", "int4-sym": "Q4_0", "int4-asym": "Q4_1", "int4-default": "Q4_1"}[name]
+    assert int(fields["general.file_type"].parts[-1][0]) == gguf.LlamaFileType["MOSTLY_" + main]
+    assert int(fields["general.quantization_version"].parts[-1][0]) == gguf.GGML_QUANT_VERSION
 
     hfquant_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)
