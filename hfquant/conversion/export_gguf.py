@@ -395,7 +395,9 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     max_error = max([blocks.max_error for blocks in reblocked], default=0.0)
     if inexact:
         logger.warning(
-            "GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16 (largest weight error %.3g)",
+            "GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16, so llama.cpp's weights differ "
+            "from hfquant's by at most %.3g each (a rounding of the offset, well below the quantization error itself); "
+            "for blocks equal bit for bit, quantize with symmetric=True (Q4_0) or bits=8 (Q8_0)",
             inexact,
             max_error,
         )
