@@ -175,9 +175,9 @@ def use_compiled_decode(model) -> None:
     model.generation_config.compile_config = compile_config
 
 
-def worker_env() -> dict:
-    """The environment of an hfquant worker process: this one's, with the repository root first on PYTHONPATH (the
-    child imports benchmarks/ from there, it is never installed, and hfquant from there too when it is not
-    installed)."""
-    package_root = str(Path(__file__).resolve().parents[1])
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+def worker_env(root: Path | None = None) -> dict:
+    """The environment of an hfquant worker process: this one's, with a source tree first on PYTHONPATH (the child
+    imports benchmarks/ from there, it is never installed, and hfquant from there too): `root`, by default this
+    repository's."""
+    tree = str(root if root is not None else Path(__file__).resolve().parents[1])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))

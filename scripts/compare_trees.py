@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.methods import worker_env  # noqa: E402
 
 FIELDS = (
     ("quantize on load, s", "quantize_load_s"),
@@ -124,7 +125,7 @@ def paired(args, source: Path) -> None:
     for method in args.paired_methods.split(","):
         for variant in variants:
             engines = {
-                name: (hfquant_command(method, variant, source, False), _tree_env(tree)) for name, tree in trees
+                name: (hfquant_command(method, variant, source, False), worker_env(tree)) for name, tree in trees
             }
             result = run_rounds(engines, args.paired_rounds, timeout=1800, log_dir=log_dir)
             pair = pair_ratios(result, "after", "before")
@@ -143,17 +144,10 @@ def paired(args, source: Path) -> None:
 def _check_imports_from(tree: Path) -> None:
     """Raise SystemExit unless a worker's environment imports hfquant and benchmarks/ from `tree`."""
     code = "import hfquant, benchmarks.paired as p; print(hfquant.__file__); print(p.__file__)"
-    done = subprocess.run([sys.executable, "-c", code], env=_tree_env(tree), capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], env=worker_env(tree), capture_output=True, text=True)
     files = done.stdout.split()
     if done.returncode or len(files) != 2 or not all(Path(f).resolve().is_relative_to(tree) for f in files):
         raise SystemExit(f"a worker for {tree} would import {files or done.stderr[-500:]}, not that tree")
-
-
-def _tree_env(tree: Path) -> dict:
-    """This process's environment with `tree` first on PYTHONPATH: the worker imports hfquant and benchmarks/ from
-    it."""
-    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path)
 
 
 def main(argv: list[str] | None = None) -> int:
