@@ -52,8 +52,6 @@ def read_quantization_config(folder: str | os.PathLike) -> tuple[dict, HfQuantCo
             f"{CONFIG_NAME} has no quantization_config: {folder} is not a quantized checkpoint; quantize it with "
             "hfquant convert SRC DST"
         )
-    if not isinstance(quant, dict):
-        raise ValueError(f"{CONFIG_NAME}: quantization_config must be a JSON object, got {type(quant).__name__}")
     method = quant.get("quant_method")
     if method != QUANT_METHOD:
         raise ValueError(
