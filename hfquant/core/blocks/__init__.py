@@ -1,0 +1,144 @@
+"""llama.cpp's block formats (GGUF's quantized types) as hfquant stores them: one table of layouts, one entry point
+to quantize a float matrix into blocks and to dequantize them back.
+
+A weight (rows, K) in a block format is stored as one uint8 tensor (rows, K // block_size * type_size): each row is
+its blocks in input order, each block the bytes of llama.cpp's `block_<type>` struct (`ggml-common.h`), little
+endian. The bytes are exactly a GGUF tensor's data, so GGUF export and import are copies (docs/format.md).
+
+The codecs live in one module per family, each defining `quantize_<name>(weight, importance=None)` and
+`dequantize_<name>(data)` with the shapes of `quantize` and `dequantize` below:
+- `legacy`: 32-weight blocks with a float16 scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
+- `kquants`: 256-weight super-blocks with quantized block scales (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K);
+- `iq4`: 4-bit codes on llama.cpp's non-uniform grid (IQ4_NL, 32-weight blocks; IQ4_XS, 256-weight super-blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+
+__all__ = ["BlockLayout", "LAYOUTS", "layout", "quantize", "dequantize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """One of llama.cpp's block types.
+
+    Attributes:
+        name: the GGUF type name in lower case ("q4_k"), as configs and messages write it.
+        ggml_type: gguf-py's `GGMLQuantizationType` value (the number a GGUF file stores).
+        block_size: weights per block (32, or 256 for a super-block, llama.cpp's QK_K).
+        type_size: bytes per block (`sizeof(block_<type>)` in ggml-common.h).
+        bits: bits of one code (the nominal bit width a config asks for).
+        fallback: the type llama.cpp's quantizer uses for rows that `block_size` does not divide (llama-quant.cpp),
+            None for 32-weight types.
+        family: the module under `hfquant.core.blocks` that holds the codec.
+    """
+
+    name: str
+    ggml_type: int
+    block_size: int
+    type_size: int
+    bits: int
+    fallback: str | None
+    family: str
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight, block metadata included (Q4_K: 144 * 8 / 256 = 4.5)."""
+        return self.type_size * 8 / self.block_size
+
+    def divides(self, in_features: int) -> bool:
+        """Whether rows of `in_features` weights are whole blocks of this type."""
+        return in_features > 0 and in_features % self.block_size == 0
+
+    def row_bytes(self, in_features: int) -> int:
+        """Bytes of one stored row of `in_features` weights.
+
+        Raises:
+            ValueError: `block_size` does not divide `in_features`.
+        """
+        if not self.divides(in_features):
+            raise ValueError(
+                f"{self.name} stores rows in blocks of {self.block_size} weights; in_features={in_features} is not a "
+                f"multiple of {self.block_size}"
+                + (f" (llama.cpp uses {self.fallback} for such rows)" if self.fallback else "")
+            )
+        return in_features // self.block_size * self.type_size
+
+
+def _layouts(*rows: tuple) -> dict[str, BlockLayout]:
+    return {row[0]: BlockLayout(*row) for row in rows}
+
+
+LAYOUTS: dict[str, BlockLayout] = _layouts(
+    # name, ggml_type, block_size, type_size, bits, fallback, family
+    ("q4_0", 2, 32, 18, 4, None, "legacy"),
+    ("q4_1", 3, 32, 20, 4, None, "legacy"),
+    ("q5_0", 6, 32, 22, 5, None, "legacy"),
+    ("q5_1", 7, 32, 24, 5, None, "legacy"),
+    ("q8_0", 8, 32, 34, 8, None, "legacy"),
+    ("q2_k", 10, 256, 84, 2, "iq4_nl", "kquants"),
+    ("q3_k", 11, 256, 110, 3, "iq4_nl", "kquants"),
+    ("q4_k", 12, 256, 144, 4, "q5_0", "kquants"),
+    ("q5_k", 13, 256, 176, 5, "q5_1", "kquants"),
+    ("q6_k", 14, 256, 210, 6, "q8_0", "kquants"),
+    ("iq4_nl", 20, 32, 18, 4, None, "iq4"),
+    ("iq4_xs", 23, 256, 136, 4, "iq4_nl", "iq4"),
+)
+"""Every block type hfquant stores, by name (sizes from ggml-common.h; gguf-py's `GGML_QUANT_SIZES` agrees)."""
+
+
+def layout(name: str) -> BlockLayout:
+    """The layout named `name` (case-insensitive).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    found = LAYOUTS.get(str(name).lower()) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"unknown block format {name!r}; allowed values are {list(LAYOUTS)}")
+    return found
+
+
+def _codec(name: str, verb: str):
+    fmt = layout(name)
+    module = importlib.import_module(f"{__name__}.{fmt.family}")
+    return fmt, getattr(module, f"{verb}_{fmt.name}")
+
+
+def quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize `weight` into blocks of type `name`.
+
+    Args:
+        name: a `LAYOUTS` name.
+        weight: (rows, K) float tensor; K a multiple of the type's `block_size`.
+        importance: optional (K,) or (rows, K) float32 weights >= 0 of each element's squared error in the search for
+            block scales (None: the codec's data-free default).
+    Returns:
+        (rows, K // block_size * type_size) uint8: the blocks as GGUF stores them.
+    Raises:
+        ValueError: an unknown name, a weight that is not 2-D, or K not a multiple of the block size.
+    """
+    fmt, function = _codec(name, "quantize")
+    if weight.dim() != 2:
+        raise ValueError(f"{fmt.name} quantizes a 2-D (rows, in_features) weight; got shape {tuple(weight.shape)}")
+    fmt.row_bytes(weight.shape[1])
+    return function(weight, importance)
+
+
+def dequantize(name: str, data: torch.Tensor) -> torch.Tensor:
+    """The float32 weights (rows, K) of blocks `data` (rows, K // block_size * type_size) uint8 of type `name`.
+
+    Raises:
+        ValueError: an unknown name, or data that is not 2-D uint8 of whole blocks.
+    """
+    fmt, function = _codec(name, "dequantize")
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % fmt.type_size:
+        raise ValueError(
+            f"{fmt.name} blocks are a 2-D uint8 tensor of whole {fmt.type_size}-byte blocks per row; got "
+            f"{data.dtype} {tuple(data.shape)}"
+        )
+    return function(data)
