@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from hfquant.core import blocks
 from hfquant.core.allocation import data_free_overrides
 from hfquant.core.format import SUPPORTED_BITS, Method
 
@@ -29,6 +30,9 @@ __all__ = [
     "QUANT_METHOD",
     "Choice",
     "Method",
+    "QuantFormat",
+    "ALL_BITS",
+    "LayerSettings",
     "MixedPrecision",
     "Clipping",
     "FloatDtype",
@@ -49,6 +53,8 @@ __all__ = [
     "validate_config_values",
     "matches_module",
     "default_group_size",
+    "default_format",
+    "resolve_format",
     "default_method",
     "default_mixed_precision",
 ]
@@ -79,6 +85,30 @@ class Choice(str, enum.Enum):
 
     def __repr__(self) -> str:
         return repr(self.value)
+
+
+QuantFormat = Choice(
+    "QuantFormat", [("AUTO", "auto"), ("INT", "int")] + [(name.upper(), name) for name in blocks.LAYOUTS]
+)
+QuantFormat.__doc__ = """`format`: "auto" (by `bits`, `default_format`), "int" (uniform integer codes with a bfloat16 scale per
+group, 4 or 8 bits) or one of llama.cpp's block types (`hfquant.core.blocks.LAYOUTS`: "q4_k", "q3_k", "iq4_xs", ...)."""
+
+ALL_BITS = (8, 6, 5, 4, 3, 2)
+"""Bit widths a config may ask for: 4 and 8 in the uniform integer format or a block format, 2, 3, 5 and 6 in block
+formats only."""
+
+_DEFAULT_BLOCK = {2: "q2_k", 3: "q3_k", 5: "q5_k", 6: "q6_k"}
+
+
+class LayerSettings(NamedTuple):
+    """What the config asks for one Linear layer (`HfQuantConfig.layer_settings`): `format` is resolved ("int" or a
+    block type, never "auto"); `group_size` and `symmetric` apply to "int" only (a block type has its own)."""
+
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    method: Method
+    format: str
 
 
 class MixedPrecision(Choice):
@@ -151,6 +181,28 @@ MIXED_PRECISION = _values(MixedPrecision)
 
 
 # -- defaults that depend on the bit width -------------------------------------------------------------------------
+
+
+def default_format(bits: int) -> str:
+    """The stored format `format="auto"` means at `bits`: "int" at 4 and 8 bits, llama.cpp's k-quant of that width at 2,
+    3, 5 and 6 bits ("q2_k", "q3_k", "q5_k", "q6_k")."""
+    return _DEFAULT_BLOCK.get(bits, "int")
+
+
+def resolve_format(format: str, bits: int) -> str:
+    """`format` with "auto" replaced by `default_format(bits)`."""
+    return default_format(bits) if format == QuantFormat.AUTO else str(format)
+
+
+def _int_format(resolved: Mapping[str, Any]) -> bool:
+    """Whether the resolved fields so far store the uniform integer format (the defaults of method and
+    mixed_precision were measured for it; block formats default to llama.cpp's own recipe, RTN and no mixing)."""
+    return resolve_format(resolved["format"], resolved["bits"]) == QuantFormat.INT
+
+
+def default_bits(format: str) -> int:
+    """The bit width used when none is given: a block format's own, else 4."""
+    return blocks.LAYOUTS[format].bits if format in blocks.LAYOUTS else 4
 
 
 def default_group_size(bits: int) -> int | None:
@@ -238,7 +290,7 @@ def _check_module_names(field: ConfigField, value: Any) -> None:
         )
 
 
-OVERRIDE_KEYS = ("bits", "group_size", "symmetric", "method")
+OVERRIDE_KEYS = ("format", "bits", "group_size", "symmetric", "method")
 """The settings a `module_overrides` entry may give."""
 
 
@@ -259,8 +311,31 @@ def _check_overrides(field: ConfigField, value: Any) -> None:
             )
         try:
             validate_fields(settings)
+            check_format_bits(settings)
         except (TypeError, ValueError) as error:
             raise type(error)(f"module_overrides[{pattern!r}]: {error}") from None
+
+
+def check_format_bits(values: Mapping[str, Any]) -> None:
+    """Refuse a `format` and `bits` that disagree (checked when both are given): "int" stores 4 or 8 bits, a block type
+    its own width, "auto" any of `ALL_BITS`.
+
+    Raises:
+        ValueError: naming both values and what would agree.
+    """
+    if "format" not in values or "bits" not in values:
+        return
+    fmt, bits = str(values["format"]), values["bits"]
+    if fmt == QuantFormat.INT and bits not in SUPPORTED_BITS:
+        raise ValueError(
+            f"format='int' stores {list(SUPPORTED_BITS)} bits, not bits={bits!r}; use format='auto' (which picks "
+            f"{default_format(bits)!r} at {bits} bits) or a block format of that width"
+        )
+    if fmt in blocks.LAYOUTS and bits != blocks.LAYOUTS[fmt].bits:
+        raise ValueError(
+            f"format={fmt!r} stores {blocks.LAYOUTS[fmt].bits}-bit codes, not bits={bits!r}; leave bits out or use "
+            f"bits={blocks.LAYOUTS[fmt].bits}"
+        )
 
 
 # -- the table -----------------------------------------------------------------------------------------------------
@@ -326,7 +401,29 @@ FIELDS: tuple[ConfigField, ...] = (
         FORMAT_VERSION,
         _check_format_version,
     ),
-    ConfigField("bits", "width of the stored integer weights", SUPPORTED_BITS, 4, _check_bits),
+    ConfigField(
+        "format",
+        "how codes and scales are laid out: 'auto' (the default: 'int' at 4 and 8 bits, llama.cpp's k-quant of "
+        "that width at 2, 3, 5 and 6 bits; the config stores the format it picked), 'int' (uniform integer codes with a bfloat16 scale per group and an "
+        "optional zero point: what compressed-tensors and vLLM read) or one of llama.cpp's block types, stored "
+        "byte for byte as GGUF stores them (docs/format.md): " + ", ".join(repr(n) for n in blocks.LAYOUTS) + ". "
+        "A block type's rows must be whole blocks (32 weights, 256 for q2_k-q6_k and iq4_xs); other layers take "
+        "llama.cpp's fallback type (q3_k -> iq4_nl, q4_k -> q5_0, q6_k -> q8_0, ...). group_size and symmetric "
+        "apply to 'int' only",
+        QuantFormat,
+        QuantFormat.AUTO,
+        _check_choice,
+        none_is_default=True,
+        legacy=QuantFormat.INT,
+    ),
+    ConfigField(
+        "bits",
+        "width of the stored integer codes: 4 or 8 in format 'int', 2 to 6 in block formats (default: the block "
+        "format's own, else 4)",
+        ALL_BITS,
+        lambda resolved: default_bits(resolved["format"]),
+        _check_bits,
+    ),
     ConfigField(
         "method",
         "how Linear / Conv1D weights are quantized: 'rtn' (round-to-nearest, the default at 8 bits) or 'sinq' "
@@ -334,7 +431,7 @@ FIELDS: tuple[ConfigField, ...] = (
         "arXiv 2509.22944, stored as weight_col_scale; calibration-free, more accurate; the default at 4 bits). "
         "Embeddings, a quantized lm_head and MoE experts always use RTN",
         Method,
-        lambda resolved: default_method(resolved["bits"]),
+        lambda resolved: default_method(resolved["bits"]) if _int_format(resolved) else Method.RTN,
         _check_choice,
         none_is_default=True,
         legacy=Method.RTN,
@@ -347,7 +444,7 @@ FIELDS: tuple[ConfigField, ...] = (
         "user's entries, which win), so the saved config names every layer's format; 'none' (the default at 8 "
         "bits): every layer alike",
         MixedPrecision,
-        lambda resolved: default_mixed_precision(resolved["bits"]),
+        lambda resolved: default_mixed_precision(resolved["bits"]) if _int_format(resolved) else MixedPrecision.NONE,
         _check_choice,
         none_is_default=True,
         legacy=MixedPrecision.NONE,
@@ -507,6 +604,7 @@ def validate_fields(values: Mapping[str, Any]) -> None:
     for field in FIELDS:
         if field.name in values:
             field.check(field, values[field.name])
+    check_format_bits(values)
 
 
 def validate_config_values(
@@ -531,7 +629,7 @@ def validate_config_values(
 
 def resolve_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
     """Every field's value, in `FIELDS` order: the given one, or the field's default when it is left out (or None
-    for a `none_is_default` field). A tuple given for a list field (`modules_to_not_convert`) becomes a list. Nothing
+    for a `none_is_default` field); `format` "auto" becomes the format it picks (`resolve_format`). A tuple given for a list field (`modules_to_not_convert`) becomes a list. Nothing
     is checked: a default computed from an invalid `bits` is never used, `validate_fields` refuses the `bits` first."""
     resolved: dict[str, Any] = {}
     for field in FIELDS:
@@ -541,6 +639,8 @@ def resolve_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(value, tuple) and isinstance(field.default_for(resolved), list):
             value = list(value)
         resolved[field.name] = value
+    if isinstance(resolved["format"], str) and isinstance(resolved["bits"], int):
+        resolved["format"] = resolve_format(resolved["format"], resolved["bits"])  # "auto" is stored as what it means
     return resolved
 
 
@@ -591,6 +691,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = _DEFAULT,
         format_version: int = _DEFAULT,
         quant_method: str = _DEFAULT,
+        format: str | QuantFormat | None = _DEFAULT,
         embedding_dtype: str | EmbeddingDtype = _DEFAULT,
         norm_dtype: str | FloatDtype = _DEFAULT,
         lm_head: str | LmHead = _DEFAULT,
@@ -646,20 +747,26 @@ class HfQuantConfig(QuantizationConfigMixin):
         layers they name); used by `fold_column_scales`, whose entries state a layer's complete format."""
         self.module_overrides = {**entries, **{p: s for p, s in self.module_overrides.items() if p not in entries}}
 
-    def layer_settings(self, name: str) -> tuple[int, int | None, bool, Method]:
-        """(bits, asked group size, symmetric, method) of the Linear layer `name` (full dotted name): the first
-        `module_overrides` entry whose pattern selects it, completed by the config's own values (at the config's bit
-        width) or that width's defaults (`default_group_size`, `default_symmetric`); the config's values when no
-        pattern selects it. The group size is the asked one: a layer resolves it for its width
+    def layer_settings(self, name: str) -> LayerSettings:
+        """What the config asks for the Linear layer `name` (full dotted name): the first `module_overrides` entry
+        whose pattern selects it, completed by the config's own values (at the config's bit width) or that width's
+        defaults (`default_group_size`, `default_symmetric`, format "auto"); the config's values when no pattern
+        selects it. An entry's `format` without `bits` takes the format's width. The format is resolved for the bit
+        width (`resolve_format`); the group size is the asked one: a layer resolves it for its width
         (`rtn.effective_group_size`)."""
         for pattern, settings in self.module_overrides.items():
             if matches_module(name, [pattern]):
-                bits = settings.get("bits", self.bits)
+                fmt = settings.get("format")
+                bits = settings.get("bits", default_bits(fmt) if fmt not in (None, QuantFormat.AUTO) else self.bits)
                 same = bits == self.bits
+                fmt = fmt if fmt is not None else (self.format if same else QuantFormat.AUTO)
                 group_size = settings.get("group_size", self.group_size if same else default_group_size(bits))
                 symmetric = settings.get("symmetric", self.symmetric if same else default_symmetric(bits))
-                return bits, group_size, symmetric, Method(settings.get("method", self.method))
-        return self.bits, self.group_size, self.symmetric, Method(self.method)
+                method = Method(settings.get("method", self.method))
+                return LayerSettings(bits, group_size, symmetric, method, resolve_format(fmt, bits))
+        return LayerSettings(
+            self.bits, self.group_size, self.symmetric, Method(self.method), resolve_format(self.format, self.bits)
+        )
 
     def validate(self) -> None:
         """Re-check the fields (after a user changed attributes in place); raises like the constructor."""

@@ -11,12 +11,12 @@ import enum
 
 import torch
 
-from hfquant.core import rtn
+from hfquant.core import blocks, rtn
 
 __all__ = ["Method", "StoredFormat", "SUPPORTED_BITS", "require_format"]
 
 SUPPORTED_BITS = (8, 4)
-"""Bit widths a weight can be stored in."""
+"""Bit widths of the uniform integer formats (a block format has its own, `blocks.BlockLayout.bits`)."""
 
 
 class Method(str, enum.Enum):
@@ -60,15 +60,25 @@ class StoredFormat:
     `StoredFormat(4, 4, False).tensor_specs((1,), 4)` is {"weight": (uint8, (1, 2)), "weight_scale": (bfloat16,
     (1, 1)), "weight_zero_point": (uint8, (1, 1))}.
 
+    A block format (`block`, one of llama.cpp's types in `hfquant.core.blocks.LAYOUTS`, e.g. "q4_k") stores the
+    weight as one tensor of GGUF's block bytes instead (docs/format.md, "Block formats"):
+
+        weight: (*rows, K // block_size * type_size) uint8, each row its blocks in input order.
+        weight_col_scale: as above, only with `Method.SINQ`.
+
+    Its bits, group_size and symmetric are the type's (`StoredFormat.of_block`): group_size is the block length (32,
+    or the super-block's 256).
+
     Args:
-        bits: 8 or 4.
+        bits: 8 or 4 (a block format: the type's code width).
         group_size: consecutive input features sharing one scale (and zero point), > 0. A layer's resolved group size
             (`rtn.effective_group_size`), never None: per-channel is group_size = in_features.
         symmetric: signed codes with an implicit zero point, or unsigned codes with a stored zero point.
         method: how the codes were computed (`Method.RTN` or `Method.SINQ`); a string such as "rtn" is converted.
+        block: None for the uniform integer formats, else the block type's name.
     Raises:
-        ValueError: bits not 4 or 8, group_size not positive, or an unknown method (naming the value and what is
-            allowed).
+        ValueError: bits not 4 or 8, group_size not positive, an unknown method or block type, or bits, group_size
+            or symmetric other than the block type's (naming the value and what is allowed).
         TypeError: a field of the wrong type (e.g. bits="4", symmetric=None).
     """
 
@@ -76,11 +86,25 @@ class StoredFormat:
     group_size: int
     symmetric: bool
     method: Method = Method.RTN
+    block: str | None = None
+
+    @classmethod
+    def of_block(cls, name: str, method: Method | str = Method.RTN) -> StoredFormat:
+        """The format of block type `name` ("q4_k", case-insensitive; ValueError for an unknown one)."""
+        layout = blocks.layout(name)
+        return cls(layout.bits, layout.block_size, layout.symmetric, method, layout.name)
+
+    @property
+    def layout(self) -> blocks.BlockLayout | None:
+        """The block type's layout, None for a uniform integer format."""
+        return None if self.block is None else blocks.layout(self.block)
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
             raise TypeError(f"bits must be an int, one of {list(SUPPORTED_BITS)}; got {self.bits!r}")
-        if self.bits not in SUPPORTED_BITS:
+        if self.block is not None:
+            self._check_block()
+        elif self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={self.bits!r} is not supported; allowed values are {list(SUPPORTED_BITS)}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
             raise TypeError(
@@ -100,17 +124,31 @@ class StoredFormat:
                 allowed = [m.value for m in Method]
                 raise ValueError(f"method={self.method!r} is not supported; allowed values are {allowed}") from None
 
+    def _check_block(self) -> None:
+        layout = blocks.layout(self.block)
+        object.__setattr__(self, "block", layout.name)
+        expected = {"bits": layout.bits, "group_size": layout.block_size, "symmetric": layout.symmetric}
+        for name, value in expected.items():
+            if getattr(self, name) != value or isinstance(getattr(self, name), bool) != isinstance(value, bool):
+                raise ValueError(
+                    f"block format {layout.name} stores {name}={value!r}; got {name}={getattr(self, name)!r} "
+                    f"(use StoredFormat.of_block({layout.name!r}))"
+                )
+
     # -- the stored tensors ----------------------------------------------------------------------------------------
 
     @property
     def code_dtype(self) -> torch.dtype:
         """dtype of the stored `weight`: int8 for 8-bit symmetric codes, else uint8 (packed nibbles at 4 bits)."""
-        return torch.int8 if (self.bits == 8 and self.symmetric) else torch.uint8
+        return torch.int8 if (self.bits == 8 and self.symmetric and self.block is None) else torch.uint8
 
     def tensor_names(self) -> tuple[str, ...]:
         """("weight", "weight_scale"[, "weight_zero_point"][, "weight_col_scale"]): the stored tensors, in the order
         `tensor_specs` gives."""
-        names = ("weight", "weight_scale") + (() if self.symmetric else ("weight_zero_point",))
+        if self.block is not None:
+            names = ("weight",)
+        else:
+            names = ("weight", "weight_scale") + (() if self.symmetric else ("weight_zero_point",))
         return names + (("weight_col_scale",) if self.method is Method.SINQ else ())
 
     def tensor_specs(self, rows: tuple[int, ...], in_features: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -119,6 +157,12 @@ class StoredFormat:
         Raises:
             ValueError: group_size does not divide in_features, or 4 bits with an odd in_features.
         """
+        rows = tuple(rows)
+        if self.block is not None:
+            specs = {"weight": (torch.uint8, (*rows, self.layout.row_bytes(in_features)))}
+            if self.method is Method.SINQ:
+                specs["weight_col_scale"] = (rtn.SCALE_DTYPE, (*rows[:-1], in_features))
+            return specs
         if in_features % self.group_size:
             raise ValueError(f"group_size={self.group_size} does not divide in_features={in_features}")
         if self.bits == 4 and in_features % 2:
@@ -143,7 +187,11 @@ class StoredFormat:
         }
 
     def describe(self) -> str:
-        """ "4-bit, group size 32, asymmetric" (", SINQ" added for that method): the format in words, for messages."""
+        """ "4-bit, group size 32, asymmetric" or "q4_k (4.5 bits per weight)" (", SINQ" added for that method): the
+        format in words, for messages."""
+        if self.block is not None:
+            text = f"{self.block} ({self.layout.bits_per_weight:g} bits per weight)"
+            return text + (", SINQ" if self.method is Method.SINQ else "")
         text = f"{self.bits}-bit, group size {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}"
         return text + (", SINQ" if self.method is Method.SINQ else "")
 

@@ -229,14 +229,17 @@ def _fold_block(
 def fold_overrides(config, plans: Iterable, transforms: dict[str, Transform]) -> dict[str, dict]:
     """`module_overrides` entries that store the folded Linear layers with plain RTN (no stored column scale).
 
-    A folded layer keeps its bits, group size and symmetry (`config.layer_settings`) and gets `method="rtn"`; layers
+    A folded layer keeps its bits, group size, symmetry and block format (`config.layer_settings`) and gets `method="rtn"`; layers
     already planned with RTN need no entry. The caller puts the entries first, so that they win over any pattern."""
     added = {}
     for plan in plans:
         if plan.format is None or plan.name not in transforms or plan.format.method is Method.RTN:
             continue
-        bits, group_size, symmetric, _ = config.layer_settings(plan.name)
-        added[plan.name] = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "method": "rtn"}
+        settings = config.layer_settings(plan.name)
+        entry = {"bits": settings.bits, "group_size": settings.group_size, "symmetric": settings.symmetric}
+        added[plan.name] = (
+            entry | ({"format": settings.format} if settings.format != "int" else {}) | {"method": "rtn"}
+        )
     return added
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.core import packing, rtn, sinq
+from hfquant.core import blocks, packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import kernels, native
@@ -146,6 +146,12 @@ class QuantLinear(StoredWeight):
         return layer
 
     def extra_repr(self) -> str:
+        if self.format.block is not None:
+            return (
+                f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.block}, "
+                f"bias={self.bias is not None}, kernel={self.kernel}"
+                + (f", method={self.format.method}" if self.format.method is not Method.RTN else "")
+            )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
@@ -247,6 +253,10 @@ class QuantLinear(StoredWeight):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight (out_features, in_features) in `dtype` that this layer multiplies by."""
+        if self.format.block is not None:
+            weight = blocks.dequantize(self.format.block, self.weight)
+            col_scale = self._buffers.get("weight_col_scale")
+            return (weight if col_scale is None else weight * col_scale.float()).to(dtype)
         codes = self._codes() if self.bits == 4 else self.weight
         col_scale = self._buffers.get("weight_col_scale")
         if col_scale is None:
@@ -292,7 +302,7 @@ class QuantLinear(StoredWeight):
         zero_point = None
         if scale_zero is None or (x.requires_grad and torch.is_grad_enabled()):
             zero_point = buffers.get("weight_zero_point")
-        tensors = LayerTensors(buffers["weight"], buffers["weight_scale"], zero_point, scale_zero)
+        tensors = LayerTensors(buffers["weight"], buffers.get("weight_scale"), zero_point, scale_zero)
         y = quantized_matmul_trainable(self.plan, tensors, x)  # the inference kernel unless x requires grad
         bias = self._parameters.get("bias")
         if bias is not None:
@@ -328,6 +338,9 @@ def quantize_to_buffers(
         col_scale = sinq.column_scale(weight, fmt.group_size).to(weight.device)
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
+    if fmt.block is not None:
+        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale)
+        return buffers
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
     in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
     step = max(1, _CHUNK_BYTES // (4 * k))
@@ -359,3 +372,32 @@ def quantize_to_buffers(
         if q.zero_point is not None:
             buffers["weight_zero_point"][rows] = q.zero_point
     return buffers
+
+
+def _quantize_blocks(
+    weight: torch.Tensor,
+    block: str,
+    stored: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+) -> None:
+    """Quantize the float weight (N, K), rows times `row_scale` and columns divided by `col_scale` when given, into
+    `stored` (N, row bytes) uint8 blocks of type `block` (`blocks.quantize`), a chunk of rows at a time.
+
+    Raises:
+        ValueError: the weight is not float, or holds NaN or Inf values.
+    """
+    n, k = weight.shape
+    if not weight.is_floating_point():
+        raise ValueError(f"expected a float weight, got {weight.dtype}")
+    step = max(1, _CHUNK_BYTES // (4 * k))
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        chunk = weight[rows].float()
+        if not torch.isfinite(chunk).all():
+            raise ValueError("cannot quantize a weight that contains NaN or Inf values")
+        if row_scale is not None:
+            chunk = chunk * row_scale[rows, None]
+        if col_scale is not None:
+            chunk = chunk / col_scale
+        stored[rows] = blocks.quantize(block, chunk)

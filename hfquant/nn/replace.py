@@ -13,7 +13,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant.config import HfQuantConfig, default_group_size, default_symmetric, matches_module
-from hfquant.core.format import StoredFormat
+from hfquant.core import blocks
+from hfquant.core.format import Method, StoredFormat
 from hfquant.core.rtn import effective_group_size
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, experts_layout
@@ -77,7 +78,12 @@ def plan_layers(model: nn.Module, config: HfQuantConfig, skip: Iterable[str]) ->
         if matches_module(name, skip):
             plans.append(LayerPlan(name, in_features, out_features, None, "modules_to_not_convert", transposed))
             continue
-        bits, group_size, symmetric, method = config.layer_settings(name)
+        settings = config.layer_settings(name)
+        if settings.format != "int":
+            fmt, reason = block_format(settings.format, in_features, settings.method)
+            plans.append(LayerPlan(name, in_features, out_features, fmt, reason, transposed))
+            continue
+        bits, group_size, symmetric, method = settings[:4]
         effective = effective_group_size(in_features, group_size, bits)
         if effective is None:
             reason = f"in_features={in_features} has no power-of-two divisor >= 32" + (
@@ -88,6 +94,20 @@ def plan_layers(model: nn.Module, config: HfQuantConfig, skip: Iterable[str]) ->
         fmt = StoredFormat(bits, effective, symmetric, method)
         plans.append(LayerPlan(name, in_features, out_features, fmt, "", transposed))
     return plans
+
+
+def block_format(name: str, in_features: int, method: Method) -> tuple[StoredFormat | None, str]:
+    """(format, reason) of a layer of `in_features` inputs asked to be stored in block type `name`: that type when
+    its blocks divide the rows, else llama.cpp's fallback type for such rows (`BlockLayout.fallback`, as
+    llama-quant.cpp picks it; the reason names both), else (None, why) and the layer stays in float."""
+    layout = blocks.layout(name)
+    if layout.divides(in_features):
+        return StoredFormat.of_block(layout.name, method), ""
+    fallback = blocks.layout(layout.fallback) if layout.fallback else None
+    if fallback is not None and fallback.divides(in_features):
+        reason = f"{layout.name} needs rows of a multiple of {layout.block_size}; in_features={in_features} uses {fallback.name}"
+        return StoredFormat.of_block(fallback.name, method), reason
+    return None, f"in_features={in_features} is not a multiple of {layout.block_size}, the blocks of {layout.name}"
 
 
 def replace_with_quant_linear(model: nn.Module, plans: list[LayerPlan], dtype: torch.dtype | None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hfquant.core import packing, rtn
+from hfquant.core import blocks, packing, rtn
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel, KernelPlan, LayerTensors
 
@@ -36,6 +36,8 @@ def dequantized_rows(
     """
     rows = slice(start, stop)
     weight, kernel = tensors.weight, plan.kernel
+    if plan.block:
+        return blocks.dequantize(plan.block, weight[rows]).to(dtype)
     if kernel == Kernel.INT4PACK_MM_CPU:
         codes = packing.from_cpu_int4_layout(weight[rows], stop - start, plan.in_features)
     elif kernel == Kernel.INT4PACK_MM_CUDA:
@@ -54,7 +56,7 @@ def dequantized_rows(
 def _quantized_matmul_op(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     zero_point: torch.Tensor | None,
     scale_zero: torch.Tensor | None,
     plan: str,
@@ -72,7 +74,7 @@ def _(x, weight, scale, zero_point, scale_zero, plan):
 
 @torch.library.custom_op("hfquant::quantized_matmul_backward", mutates_args=())
 def _quantized_matmul_backward_op(
-    grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, plan: str
+    grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None, plan: str
 ) -> torch.Tensor:
     """grad_x (..., K) = grad (..., N) @ w_hat, one chunk of w_hat's rows at a time (`dequantized_rows`)."""
     plan = KernelPlan.from_key(plan)

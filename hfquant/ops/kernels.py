@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from hfquant.core import packing, rtn
+from hfquant.core import blocks, packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
 from hfquant.ops import gemv, native
@@ -149,6 +149,7 @@ class KernelPlan:
         gemm_min_rows: the activation rows from which the product runs as `_dequantized_gemm` (`GEMM_MIN_ROWS`;
             `NO_GEMM` where it does not apply).
         native_dequant: whether that chunked GEMM dequantizes int4 chunks with hfquant's C kernel (eager, bfloat16).
+        block: the block type of a block format (`StoredFormat.block`, e.g. "q4_k"), "" for the uniform formats.
     """
 
     kernel: Kernel
@@ -165,6 +166,7 @@ class KernelPlan:
     cpu_int4_block: int = 0
     gemm_min_rows: int = NO_GEMM
     native_dequant: bool = False
+    block: str = ""
     key: str = dataclasses.field(init=False, repr=False, compare=False)
     """The plan as JSON (`from_key` reads it back): how the autograd custom op receives it."""
 
@@ -194,14 +196,14 @@ class LayerTensors(NamedTuple):
     """A layer's tensors as `quantized_matmul` reads them.
 
     weight: the kernel's runtime weight (`prepare_weight`: the stored layout except for the `INT4_KERNELS`).
-    scale: the stored (N, G) scales (the int8 kernel and `Kernel.DEQUANT` read them).
+    scale: the stored (N, G) scales (the int8 kernel and `Kernel.DEQUANT` read them); None for a block format.
     zero_point: the stored (N, G) uint8 zero points, or None (symmetric; or not needed: the int4 kernels read
         `scale_zero`).
     scale_zero: the (G, N, 2) tensor of `scale_zero_for_int4` for the int4 kernels, else None.
     """
 
     weight: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor | None
     zero_point: torch.Tensor | None = None
     scale_zero: torch.Tensor | None = None
 
@@ -232,6 +234,7 @@ def plain_plan(kernel: Kernel, fmt: StoredFormat, in_features: int, out_features
         out_features,
         cpu_int4_block=block,
         gemm_min_rows=gemm_min_rows,
+        block=fmt.block or "",
     )
 
 
@@ -254,6 +257,8 @@ def _cuda_inner_k_tiles(in_features: int) -> int | None:
 
 
 def _shape_fits(kernel: Kernel, fmt: StoredFormat, in_features: int, out_features: int) -> bool:
+    if fmt.block is not None:
+        return kernel == Kernel.DEQUANT
     if kernel == Kernel.INT8PACK_MM:
         # The bf16 path of the aten kernel reads rows in 32-byte vectors with no tail: in_features must be a
         # multiple of 16 (it returns garbage or crashes otherwise, seen with torch 2.13).
@@ -417,6 +422,8 @@ def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) 
         xb = x2d.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm(xb, tensors.weight, plan.group_size, tensors.scale_zero)
         return y.to(x2d.dtype)
+    if plan.block:
+        return _block_product(plan, tensors.weight, x2d)
     bits, symmetric = plan.bits, plan.symmetric
     codes = packing.unpack_int4(tensors.weight) if bits == 4 else tensors.weight
     weight = rtn.dequantize_weight(codes, tensors.scale, tensors.zero_point, bits, symmetric, dtype=x2d.dtype)
@@ -453,6 +460,19 @@ def _dequantized_gemm(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor
     if columns.in_place and plan.native_dequant and x2d.dtype == torch.bfloat16 and scale_zero.dtype == torch.bfloat16:
         return _int4_chunks_in_c(columns, tensors.weight, scale_zero, plan.group_size, chunk)
     return _int4_chunks(columns, plan, tensors, chunk)
+
+
+def _block_product(plan: KernelPlan, weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """y = x2d @ w_hat.T for a block format: `blocks.dequantize` of a chunk of output rows at a time (about
+    `_GEMM_CHUNK_BYTES` of float32 weight each), multiplied in x's dtype. Returns (M, N) in x's dtype."""
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    columns = _Columns(x2d, plan.out_features)
+    chunk = max(1, _GEMM_CHUNK_BYTES // (4 * plan.in_features))
+    for start in range(0, plan.out_features, chunk):
+        stop = min(plan.out_features, start + chunk)
+        columns.add(blocks.dequantize(plan.block, weight[start:stop]).to(x2d.dtype).t(), start, stop)
+    return columns.result()
 
 
 class _Columns:

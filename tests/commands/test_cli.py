@@ -104,15 +104,15 @@ def test_config_from_args_defaults_and_values():
 @pytest.mark.parametrize(
     "argv,code,message",
     [
-        (["convert", "s", "d", "--bits", "3"], 2, "invalid choice: 3"),
+        (["convert", "s", "d", "--bits", "7"], 2, "invalid choice: 7"),
         (["convert", "s", "d", "--group-size", "100"], 2, "group_size=100 is not allowed"),
         (["convert", "s", "d", "--group-size", "big"], 2, "--group-size 'big' is not an integer"),
         (["convert", "s", "d", "--method", "awq"], 2, "method='awq' is not allowed"),
         (["convert", "s", "d", "--module-overrides", "{v_proj"], 2, "--module-overrides '{v_proj' is not JSON"),
         (
-            ["convert", "s", "d", "--module-overrides", '{"v_proj": {"bits": 3}}'],
+            ["convert", "s", "d", "--module-overrides", '{"v_proj": {"bits": 7}}'],
             2,
-            "module_overrides['v_proj']: bits=3",
+            "module_overrides['v_proj']: bits=7",
         ),
         (["convert", "/nonexistent/model", "d"], 1, "not a folder"),
         (["inspect", "/nonexistent/model"], 1, "no config.json"),

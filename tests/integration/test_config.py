@@ -20,9 +20,10 @@ from hfquant.config import (
     LmHead,
     Method,
     MixedPrecision,
+    QuantFormat,
     validate_config_values,
 )
-from hfquant.core import allocation, dtypes, rtn
+from hfquant.core import allocation, blocks, dtypes, rtn
 
 FIELDS = {
     "quant_method",
@@ -41,11 +42,12 @@ FIELDS = {
     "fold_column_scales",
     "clipping",
     "decode_activations",
+    "format",
 }
 
 # (field, bad value, error type the docstring promises: TypeError for a wrong type, ValueError for a wrong value)
 INVALID = [
-    ("bits", 3, ValueError),
+    ("bits", 7, ValueError),
     ("bits", 16, ValueError),
     ("bits", "4", TypeError),
     ("bits", True, TypeError),
@@ -107,8 +109,8 @@ def test_validate_rejects_attribute_changed_in_place(field, value, error):
 
 
 def test_error_messages_list_the_allowed_values():
-    with pytest.raises(ValueError, match=r"\[8, 4\]"):
-        HfQuantConfig(bits=3)
+    with pytest.raises(ValueError, match=r"\[8, 6, 5, 4, 3, 2\]"):
+        HfQuantConfig(bits=7)
     with pytest.raises(ValueError, match=r"\[32, 64, 128, 256, 512, 1024\]"):
         HfQuantConfig(bits=4, group_size=48)
     with pytest.raises(ValueError, match=str(FORMAT_VERSION)):
@@ -231,6 +233,7 @@ def test_fields_table_is_the_constructor_the_dict_and_the_docstring():
         "modules_to_not_convert",
         "format_version",
         "quant_method",
+        "format",
         "embedding_dtype",
         "norm_dtype",
         "lm_head",
@@ -261,7 +264,8 @@ def test_to_json_string_is_unchanged():
     # The exact text of config.json's quantization_config: a saved checkpoint must stay byte-identical.
     assert HfQuantConfig().to_json_string() == (
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
-        '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format_version": 1,\n  "group_size": 128,\n'
+        '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "int",\n  "format_version": 1,\n'
+        '  "group_size": 128,\n'
         '  "lm_head": "keep",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
@@ -272,6 +276,7 @@ def test_to_json_string_is_unchanged():
         "decode_activations": "float",
         "embedding_dtype": "auto",
         "fold_column_scales": False,
+        "format": "int",
         "format_version": 1,
         "group_size": None,
         "lm_head": "keep",
@@ -294,6 +299,7 @@ CHOICES = {
     "lm_head": (LmHead, "int4", LmHead.INT4),
     "compute_dtype": (FloatDtype, "bfloat16", FloatDtype.BFLOAT16),
     "decode_activations": (DecodeActivations, "int8", DecodeActivations.INT8),
+    "format": (QuantFormat, "q4_k", QuantFormat.Q4_K),
 }
 
 
@@ -330,7 +336,8 @@ def test_enums_match_the_values_the_core_modules_accept():
     assert tuple(m.value for m in Clipping) == rtn.CLIPPING
     assert {m.value for m in FloatDtype} - {"auto"} == set(dtypes.FLOAT_DTYPES)
     assert {m.value for m in EmbeddingDtype} == {m.value for m in FloatDtype} | {"int8", "int4"}
-    assert HfQuantConfig().layer_settings("x") == (4, 128, False, Method.SINQ)
+    assert HfQuantConfig().layer_settings("x") == (4, 128, False, Method.SINQ, "int")
+    assert {m.value for m in QuantFormat} == {"auto", "int"} | set(blocks.LAYOUTS)
 
 
 def test_choice_error_names_the_value_the_allowed_ones_and_the_field():

@@ -95,7 +95,9 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
         "fold_column_scales",
         "clipping",
         "decode_activations",
+        "format",
     }
+    assert legacy.format == "int"
     assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
     assert (legacy.fold_column_scales, legacy.clipping, legacy.decode_activations) == (False, "minmax", "float")
 

@@ -198,7 +198,7 @@ def test_module_overrides_give_matching_layers_their_own_format():
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        ({"v_proj": {"bits": 3}}, ["module_overrides['v_proj']", "bits=3"]),
+        ({"v_proj": {"bits": 7}}, ["module_overrides['v_proj']", "bits=7"]),
         ({"v_proj": {"group": 64}}, ["module_overrides['v_proj']", "'group'", "bits"]),
         ({"v_proj": {"method": "gptq"}}, ["module_overrides['v_proj']", "method='gptq'"]),
         ({"": {"bits": 8}}, ["non-empty module patterns"]),

@@ -32,6 +32,8 @@ class BlockLayout:
         block_size: weights per block (32, or 256 for a super-block, llama.cpp's QK_K).
         type_size: bytes per block (`sizeof(block_<type>)` in ggml-common.h).
         bits: bits of one code (the nominal bit width a config asks for).
+        symmetric: whether a block is only scaled (w = d * q on a grid centred on 0), not also offset by a stored
+            minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K: w = d * q - m).
         fallback: the type llama.cpp's quantizer uses for rows that `block_size` does not divide (llama-quant.cpp),
             None for 32-weight types.
         family: the module under `hfquant.core.blocks` that holds the codec.
@@ -42,6 +44,7 @@ class BlockLayout:
     block_size: int
     type_size: int
     bits: int
+    symmetric: bool
     fallback: str | None
     family: str
 
@@ -74,19 +77,19 @@ def _layouts(*rows: tuple) -> dict[str, BlockLayout]:
 
 
 LAYOUTS: dict[str, BlockLayout] = _layouts(
-    # name, ggml_type, block_size, type_size, bits, fallback, family
-    ("q4_0", 2, 32, 18, 4, None, "legacy"),
-    ("q4_1", 3, 32, 20, 4, None, "legacy"),
-    ("q5_0", 6, 32, 22, 5, None, "legacy"),
-    ("q5_1", 7, 32, 24, 5, None, "legacy"),
-    ("q8_0", 8, 32, 34, 8, None, "legacy"),
-    ("q2_k", 10, 256, 84, 2, "iq4_nl", "kquants"),
-    ("q3_k", 11, 256, 110, 3, "iq4_nl", "kquants"),
-    ("q4_k", 12, 256, 144, 4, "q5_0", "kquants"),
-    ("q5_k", 13, 256, 176, 5, "q5_1", "kquants"),
-    ("q6_k", 14, 256, 210, 6, "q8_0", "kquants"),
-    ("iq4_nl", 20, 32, 18, 4, None, "iq4"),
-    ("iq4_xs", 23, 256, 136, 4, "iq4_nl", "iq4"),
+    # name, ggml_type, block_size, type_size, bits, symmetric, fallback, family
+    ("q4_0", 2, 32, 18, 4, True, None, "legacy"),
+    ("q4_1", 3, 32, 20, 4, False, None, "legacy"),
+    ("q5_0", 6, 32, 22, 5, True, None, "legacy"),
+    ("q5_1", 7, 32, 24, 5, False, None, "legacy"),
+    ("q8_0", 8, 32, 34, 8, True, None, "legacy"),
+    ("q2_k", 10, 256, 84, 2, False, "iq4_nl", "kquants"),
+    ("q3_k", 11, 256, 110, 3, True, "iq4_nl", "kquants"),
+    ("q4_k", 12, 256, 144, 4, False, "q5_0", "kquants"),
+    ("q5_k", 13, 256, 176, 5, False, "q5_1", "kquants"),
+    ("q6_k", 14, 256, 210, 6, True, "q8_0", "kquants"),
+    ("iq4_nl", 20, 32, 18, 4, True, None, "iq4"),
+    ("iq4_xs", 23, 256, 136, 4, True, "iq4_nl", "iq4"),
 )
 """Every block type hfquant stores, by name (sizes from ggml-common.h; gguf-py's `GGML_QUANT_SIZES` agrees)."""
 

@@ -1,0 +1,91 @@
+"""Block formats (llama.cpp's types, `HfQuantConfig(format=...)`) through quantize-on-load, save and reload.
+
+Each layer must compute x @ dequantize(blocks).T exactly as its stored bytes say, store the bytes docs/format.md
+describes, reload bit-exactly, and fall back to llama.cpp's type for rows its blocks do not divide. The codecs' own
+accuracy and byte layout are tested against gguf-py in tests/core."""
+
+import json
+
+import pytest
+import torch
+from helpers import input_ids, model_output, tiny_model
+from transformers import AutoModelForCausalLM
+
+from hfquant import HfQuantConfig
+from hfquant.core import blocks
+from hfquant.nn.linear import QuantLinear
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+"""A tiny Llama whose rows are whole 256-weight super-blocks."""
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wide") / "float"
+    tiny_model("llama", **WIDE).save_pretrained(folder)
+    return folder
+
+
+def _layers(model):
+    return {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+
+
+@pytest.mark.parametrize("name", list(blocks.LAYOUTS))
+def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tmp_path, name):
+    model = AutoModelForCausalLM.from_pretrained(wide_checkpoint, quantization_config=HfQuantConfig(format=name))
+    layers = _layers(model)
+    assert len(layers) == 14
+    layout = blocks.layout(name)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    for layer in layers.values():
+        assert layer.format.block == name
+        assert layer.weight.dtype == torch.uint8
+        assert tuple(layer.weight.shape) == (
+            layer.out_features,
+            layer.in_features // layout.block_size * layout.type_size,
+        )
+        if layer.in_features == 256:  # the layer multiplies by exactly the weight its bytes describe
+            expected = x @ blocks.dequantize(name, layer.weight).T
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    saved, again = model.state_dict(), reloaded.state_dict()
+    assert saved.keys() == again.keys()
+    assert all(torch.equal(saved[key], again[key]) for key in saved)
+    ids = input_ids()
+    assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k"])
+def test_block_format_stays_close_to_the_float_model(wide_checkpoint, name):
+    """Logits within a tolerance that grows with the quantization step: the relative error of the logits against
+    the float model's is at most 4 * 2**-bits (measured about 2**-bits on this random model)."""
+    float_model = AutoModelForCausalLM.from_pretrained(wide_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(wide_checkpoint, quantization_config=HfQuantConfig(format=name))
+    ids = input_ids()
+    reference, got = model_output(float_model, ids), model_output(model, ids)
+    error = float((got - reference).norm() / reference.norm())
+    assert error < 4 * 2.0 ** -blocks.layout(name).bits, error
+
+
+def test_rows_the_blocks_do_not_divide_take_llama_cpps_fallback_and_the_config_names_it(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "float")  # hidden 64, intermediate 128: no 256-weight rows
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=HfQuantConfig(bits=3))
+    assert {layer.format.block for layer in _layers(model).values()} == {blocks.layout("q3_k").fallback}
+    model.save_pretrained(tmp_path / "q")
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert saved["format"] == "q3_k" and saved["bits"] == 3
+    assert len(saved["module_overrides"]) == 14
+    assert all(entry == {"format": "iq4_nl"} for entry in saved["module_overrides"].values())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert {layer.format.block for layer in _layers(reloaded).values()} == {"iq4_nl"}
+
+
+def test_gradients_flow_through_block_layers_as_through_their_dequantized_weights(wide_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(wide_checkpoint, quantization_config=HfQuantConfig(format="q4_k"))
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
+    layer(x).square().sum().backward()
+    reference_x = x.detach().clone().requires_grad_(True)
+    (reference_x @ layer.dequantize().T).square().sum().backward()
+    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-4, atol=1e-4)
