@@ -378,4 +378,6 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         "mixed_precision": "none",
         "clipping": "minmax",
         "fold_column_scales": False,
+        "format": "int",
     }
+    assert config.format == "int"  # written before block formats existed
