@@ -23,8 +23,8 @@ The preset `--preset compare` is the fixed comparison: SmolLM2-135M (hfquant's e
 tokens per step, bf16 weights, LoRA r=16 (alpha 32, no dropout) on every linear layer but lm_head, AdamW lr 2e-4,
 100 steps, no activation checkpointing; text = pydoc_data.topics (sorted topics joined), first half of the tokens to
 train, second half held out. Each method runs in its own Python process (clean peak RSS). Prints one markdown table:
-held-out perplexity before/after training and after `merge_and_unload()` (for hfquant layers: re-quantized with the
-merged weights), training tokens/s, peak RSS, adapter MiB.
+held-out perplexity before/after training and after `merge_and_unload()` (for hfquant layers: the float model,
+dequantized codes + B @ A), training tokens/s, peak RSS, adapter MiB.
 
     nice python scripts/finetune.py --preset compare                 # 100 steps
     nice python scripts/finetune.py --preset compare --steps 10 --eval-seqs 8 --json out.json
@@ -129,7 +129,7 @@ def worker(
     after = _perplexity(peft_model, held, torch, batch)
     adapter = out / f"adapter-{method}"
     peft_model.save_pretrained(adapter)
-    peak = peak_rss_mib()  # before the merge, which holds the re-quantized layers beside the originals
+    peak = peak_rss_mib()  # before the merge, which makes a float copy of the weights
     merged = _perplexity(peft_model.merge_and_unload(), held, torch, batch)
     return {
         "method": method,
