@@ -536,6 +536,13 @@ def test_export_format_from_a_gguf_destination():
     from hfquant.conversion.export import FORMATS
 
     assert export.FORMATS == FORMATS  # the parser's choices are the exporter's
+    from hfquant.checkpoint.compressed_tensors import ENGINES
+
+    assert export.ENGINES == ENGINES
+    assert parse_args(["export", "s", "d", "--format", "compressed-tensors"]).engine == "vllm"
+    assert parse_args(["export", "s", "d", "--format", "compressed-tensors", "--engine", "transformers"]).engine == (
+        "transformers"
+    )
     assert parse_args(["export", "s", "model.gguf"]).format == "gguf"
     assert parse_args(["export", "s", "Model.GGUF"]).format == "gguf"
     assert parse_args(["export", "s", "d", "--format", "compressed-tensors"]).format == "compressed-tensors"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
+from helpers import MERGES_VOCAB, TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
 from benchmarks import benchmark
 
@@ -274,8 +274,8 @@ def test_gguf_read_bytes_counts_the_embedding_only_as_the_output_layer(tiny_chec
     sizes = {}
     for name, arch in (("untied", "llama"), ("tied", "llama_tied")):
         source = tmp_path / f"{name}-src"
-        tiny_model(arch, dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(source)
-        tiny_tokenizer().save_pretrained(source)
+        tiny_model(arch, dtype=torch.bfloat16, **MERGES_VOCAB).save_pretrained(source)
+        tiny_tokenizer(merges=True).save_pretrained(source)  # the GGUF export needs a merge list
         path = llama_cpp.prepare("llamacpp-q8_0", source, tmp_path / name, benchmark.quantization_config)
         import gguf
 
