@@ -345,18 +345,16 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
     assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
     report = user("inspect", "SmolLM2-int4")
     # the 4-bit default's data-free mixed precision: down projections (K=1536) at group 64 instead of the asked 128,
-    # the value projections of layers 15-29 in int8 (per-channel: group = K); SINQ's column scales folded into the
-    # norms and projections, so every layer is stored as plain RTN with its complete format in module_overrides,
-    # which the config line summarizes
-    assert "model.layers.*.mlp.down_proj        30     4     64  no         rtn" in report
-    assert "model.layers.*.self_attn.v_proj     15     8    576  yes        rtn" in report
-    assert (
-        "model.layers.*.self_attn.q_proj     30     4     64" in report
-    )  # K=576: the largest power of two dividing it
+    # the value projections of layers 15-29 in int8 (per-channel: one group of K); SINQ's column scales folded into
+    # the norms and projections, so every layer is stored as plain RTN codes ("sinq (folded)") with its complete
+    # stored format in module_overrides (K=576 at group 64), which the config line summarizes
+    rows = {tuple(line.split()[:4]): line.split()[4:7] for line in report.splitlines() if line.startswith("model.")}
+    assert rows[("model.layers.*.mlp.down_proj", "30", "4", "64")][:3] == ["no", "sinq", "(folded)"]
+    assert rows[("model.layers.*.self_attn.v_proj", "15", "8", "per-channel")][:3] == ["yes", "sinq", "(folded)"]
+    assert ("model.layers.*.self_attn.q_proj", "30", "4", "64") in rows  # K=576: the largest power of two dividing it
     assert "fold_column_scales=True" in report and "method=sinq" in report
     assert (
-        'module_overrides={210 layers: {"bits": 4, "group_size": 128, "method": "rtn", "symmetric": false}, '
-        '{"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
+        'module_overrides={210 layers: {"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
         '{"bits": 8, "group_size": null, "method": "rtn", "symmetric": true}; per layer in the table below}'
     ) in report
     assert "lm_head: tied to model.embed_tokens.weight" in report
