@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
@@ -46,9 +47,10 @@ __all__ = [
     "DEFAULT_PROMPT",
 ]
 
-# ~5.6k tokens with the SmolLM2 tokenizer: one perplexity evaluation of a 135M bf16
-# model takes ~7 s on 2 CPU cores (11 windows of 512 tokens).
 DEFAULT_REFERENCE_CHARS = 24_000
+"""Characters of `reference_text()` by default, and the slice `evaluate` (`hfquant eval`) scores unless told
+otherwise: about 5.6k tokens with the SmolLM2 tokenizer, 11 windows of 512 tokens (the whole corpus is about 465k
+characters, some 200 windows per model)."""
 _REFERENCE_SEPARATOR = "\n\n"
 DEFAULT_PROMPT = "The Python language reference describes"
 """Prompt of the decode-speed measurement of `evaluate` (`hfquant eval`)."""
@@ -80,12 +82,24 @@ def reference_text(n_chars: int = DEFAULT_REFERENCE_CHARS, offset: int = 0) -> s
         raise ValueError(f"n_chars must be positive, got {n_chars}")
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    corpus = _REFERENCE_SEPARATOR.join(topics[key] for key in sorted(topics))
+    corpus = _reference_corpus()
     if offset + n_chars > len(corpus):
         raise ValueError(
             f"Requested characters [{offset}, {offset + n_chars}) but the reference corpus has only {len(corpus)}"
         )
     return corpus[offset : offset + n_chars]
+
+
+def _reference_corpus() -> str:
+    """The whole text `reference_text` slices: the pydoc topics joined in sorted-key order with blank lines."""
+    return _REFERENCE_SEPARATOR.join(topics[key] for key in sorted(topics))
+
+
+def _bar(total: int, desc: str, unit: str, progress: bool | None):
+    """A tqdm bar on stderr; `progress` None follows transformers' switch
+    (`transformers.utils.logging.disable_progress_bar`), False or True forces it off or on."""
+    enabled = logging.is_progress_bar_enabled() if progress is None else progress
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=False)
 
 
 @contextlib.contextmanager
@@ -120,6 +134,8 @@ def perplexity(
     max_length: int = 512,
     stride: int = 512,
     max_tokens: int | None = None,
+    progress: bool | None = None,
+    desc: str = "perplexity",
 ) -> float:
     """Sliding-window perplexity of a causal LM on ``text``.
 
@@ -147,6 +163,9 @@ def perplexity(
         max_length: window length in tokens (> 1).
         stride: step between window starts in tokens (1 <= stride <= max_length).
         max_tokens: score only the first ``max_tokens`` tokens; ``None`` = all.
+        progress: a tqdm bar over the windows on stderr; ``None`` follows transformers' switch
+            (``transformers.utils.logging.disable_progress_bar``).
+        desc: the bar's label.
 
     Returns:
         The perplexity as a Python ``float`` (>= 1 up to rounding; ``inf`` if
@@ -170,25 +189,30 @@ def perplexity(
         raise ValueError(f"Need at least 2 tokens to compute perplexity, the text has {seq_len}")
     ids = ids.to(_model_device(model))
 
+    # (begin, first, end) of each window that scores tokens [first, end), each with at least one token of context
+    windows = []
+    prev_end = 0
+    for begin in range(0, seq_len, stride):
+        end = min(begin + max_length, seq_len)
+        first = max(prev_end, begin + 1)
+        if first < end:
+            windows.append((begin, first, end))
+        prev_end = end
+        if end == seq_len:
+            break
+
     nll_sum = 0.0
     n_scored = 0
-    prev_end = 0
-    with _eval_mode(model), torch.inference_mode():
-        for begin in range(0, seq_len, stride):
-            end = min(begin + max_length, seq_len)
+    with _eval_mode(model), torch.inference_mode(), _bar(len(windows), desc, "window", progress) as bar:
+        for begin, first, end in windows:
             window = ids[begin:end].unsqueeze(0)
-            # Score positions [first, end): each needs at least one token of context.
-            first = max(prev_end, begin + 1)
-            if first < end:
-                logits = model(input_ids=window, use_cache=False).logits
-                # logits[:, j] predicts window token j + 1.
-                pred = logits[0, first - begin - 1 : end - begin - 1].float()
-                target = window[0, first - begin : end - begin]
-                nll_sum += F.cross_entropy(pred, target, reduction="sum").item()
-                n_scored += end - first
-            prev_end = end
-            if end == seq_len:
-                break
+            logits = model(input_ids=window, use_cache=False).logits
+            # logits[:, j] predicts window token j + 1.
+            pred = logits[0, first - begin - 1 : end - begin - 1].float()
+            target = window[0, first - begin : end - begin]
+            nll_sum += F.cross_entropy(pred, target, reduction="sum").item()
+            n_scored += end - first
+            bar.update()
     if n_scored == 0:
         raise ValueError("No token was scored; use more text or a larger max_length")
     return math.exp(nll_sum / n_scored)
@@ -254,15 +278,18 @@ class _TimingStreamer:
     step with the new token(s), then ``end``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_token: Any = None) -> None:
         self.times: list[float] = []
         self._saw_prompt = False
+        self._on_token = on_token
 
     def put(self, value: torch.Tensor) -> None:
         if not self._saw_prompt:
             self._saw_prompt = True
             return
-        self.times.append(time.perf_counter())
+        self.times.append(time.perf_counter())  # first, so that the bar's drawing is not timed
+        if self._on_token is not None:
+            self._on_token()
 
     def end(self) -> None:
         pass
@@ -275,6 +302,8 @@ def decode_tokens_per_second(
     new_tokens: int = 64,
     repeats: int = 3,
     warmup: bool = True,
+    progress: bool | None = None,
+    desc: str = "decode speed",
 ) -> float:
     """Greedy batch-1 decode throughput in generated tokens per second, prefill excluded.
 
@@ -296,6 +325,9 @@ def decode_tokens_per_second(
         new_tokens: tokens generated per run (>= 2).
         repeats: timed runs (>= 1).
         warmup: do an untimed ``min(new_tokens, 8)``-token run first.
+        progress: a tqdm bar over the generated tokens of every run (warm-up included) on stderr; ``None`` follows
+            transformers' switch.
+        desc: the bar's label.
 
     Returns:
         Tokens per second as a Python ``float``.
@@ -315,13 +347,16 @@ def decode_tokens_per_second(
     inputs = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
     gen_kwargs = _generation_kwargs(tokenizer, model)
 
+    total = (min(new_tokens, 8) if warmup else 0) + repeats * new_tokens
+    bar = _bar(total, desc, "token", progress)
+
     def run(n: int) -> _TimingStreamer:
-        streamer = _TimingStreamer()
+        streamer = _TimingStreamer(bar.update)
         model.generate(**inputs, **gen_kwargs, eos_token_id=None, max_new_tokens=n, streamer=streamer)
         return streamer
 
     best = 0.0
-    with _eval_mode(model), torch.inference_mode():
+    with _eval_mode(model), torch.inference_mode(), bar:
         if warmup:
             run(min(new_tokens, 8))
         for i in range(repeats):
@@ -379,7 +414,7 @@ def _measured_row(
     source: str | os.PathLike, role: str, text: str, prompt: str, settings: dict
 ) -> tuple[dict[str, Any], int]:
     """One model's row of `evaluate` and the tokens of `text` it scores: loaded from `source` on the CPU, measured,
-    and released. `settings`: max_tokens, max_length, new_tokens, repeats.
+    and released. `settings`: max_tokens, max_length, new_tokens, repeats, progress.
 
     Raises:
         ValueError: not a causal LM.
@@ -404,10 +439,23 @@ def _measured_row(
         # a folder's name, never its absolute path: this file is meant for the Hub, not machine-specific
         "path": Path(str(source)).expanduser().name if Path(str(source)).expanduser().exists() else str(source),
         "perplexity": perplexity(
-            model, tokenizer, text, max_length=max_length, stride=max_length, max_tokens=settings["max_tokens"]
+            model,
+            tokenizer,
+            text,
+            max_length=max_length,
+            stride=max_length,
+            max_tokens=settings["max_tokens"],
+            progress=settings["progress"],
+            desc=f"perplexity, {label}",
         ),
         "tokens_per_second": decode_tokens_per_second(
-            model, tokenizer, prompt, new_tokens=settings["new_tokens"], repeats=settings["repeats"]
+            model,
+            tokenizer,
+            prompt,
+            new_tokens=settings["new_tokens"],
+            repeats=settings["repeats"],
+            progress=settings["progress"],
+            desc=f"decode speed, {label}",
         ),
     }
     del model
@@ -424,28 +472,44 @@ def evaluate(
     new_tokens: int = 64,
     repeats: int = 3,
     prompt: str = DEFAULT_PROMPT,
+    max_chars: int | None = DEFAULT_REFERENCE_CHARS,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Perplexity and decode tokens/s of the causal LM `path` (and of `baseline`), one model in memory at a time:
-    `perplexity` on `text_file` (default: `reference_text()`) in windows of `max_length` tokens, and
-    `decode_tokens_per_second` of `prompt`. `path` and `baseline` are local folders or Hub repo ids.
+    `perplexity` on the first `max_chars` characters of `text_file` (default: CPython's pydoc topics, the text of
+    `reference_text`) in windows of `max_length` tokens, and `decode_tokens_per_second` of `prompt`. `path` and
+    `baseline` are local folders or Hub repo ids.
 
-    Returns a JSON-native dict: text (what was scored), tokens, max_length, new_tokens, device, and results (one row
-    per model: label, path, perplexity, tokens_per_second).
+    Args:
+        max_chars: characters of the text scored, from its start (default `DEFAULT_REFERENCE_CHARS`, 11 windows of
+            512 tokens with the SmolLM2 tokenizer); None scores all of it (the pydoc topics: about 465k characters,
+            some 200 windows per model).
+        progress: tqdm bars (per perplexity window, per generated token) on stderr; None follows transformers'
+            switch (`transformers.utils.logging.disable_progress_bar`).
+
+    Returns a JSON-native dict: text (what was scored, with its slice), characters (scored), tokens, max_length,
+    new_tokens, device, and results (one row per model: label, path, perplexity, tokens_per_second).
 
     Raises:
-        ValueError: a model is not a causal LM, or the text is too short.
+        ValueError: a model is not a causal LM, `max_chars` < 1, or the text is too short.
         OSError: a path or the text file cannot be read.
     """
+    if max_chars is not None and max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1 or None (the whole text), got {max_chars}")
     if text_file is not None:
         text = Path(text_file).read_text(encoding="utf-8")
-        text_name = f"`{Path(text_file).name}` ({len(text)} characters)"
+        name = f"`{Path(text_file).name}`"
     else:
-        text = reference_text()
-        text_name = (
-            f"CPython's `pydoc_data.topics` (Python {platform.python_version()}, first "
-            f"{DEFAULT_REFERENCE_CHARS} characters)"
-        )
-    settings = dict(max_tokens=max_tokens, max_length=max_length, new_tokens=new_tokens, repeats=repeats)
+        text = _reference_corpus()
+        name = f"CPython's `pydoc_data.topics` (Python {platform.python_version()})"
+    if max_chars is None or max_chars >= len(text):
+        text_name = f"{name}, all {len(text)} characters"
+    else:
+        text_name = f"{name}, first {max_chars} of {len(text)} characters"
+        text = text[:max_chars]
+    settings = dict(
+        max_tokens=max_tokens, max_length=max_length, new_tokens=new_tokens, repeats=repeats, progress=progress
+    )
     measured = [
         _measured_row(source, role, text, prompt, settings)
         for role, source in (("quantized", path), ("baseline", baseline))
@@ -453,6 +517,7 @@ def evaluate(
     ]
     return {
         "text": text_name,
+        "characters": len(text),
         "tokens": measured[0][1],  # as the quantized model's tokenizer counts them
         "max_length": max_length,
         "new_tokens": new_tokens,

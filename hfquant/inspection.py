@@ -3,7 +3,10 @@
 A stored tensor `X` is quantized when the files also hold `X_scale` or, for a layer weight `P.weight`,
 `P.weight_scale` (docs/format.md); its bit width and group size follow from the stored shapes and the float shape of
 `X`, which the model skeleton built on the meta device from config.json gives. Tensors are grouped by kind: the
-dotted name with layer indices replaced by `*` (`model.layers.*.mlp.down_proj`).
+dotted name with layer indices replaced by `*` (`model.layers.*.mlp.down_proj`). A layer's method is "sinq" when it
+stores a column scale, "sinq (folded)" when the config folded SINQ's column scales into the model
+(`fold_column_scales`) and the layer, in a folded block, stores plain codes, else "rtn"; its group is "per-channel"
+when one group spans its inputs.
 
 `inspect_checkpoint(path)` returns a JSON-native report; `format_report(report)` renders it as text.
 """
@@ -21,11 +24,17 @@ from typing import Any
 from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, read_headers, tensor_files
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
+from hfquant.core.format import Method
+from hfquant.integration.folding import find_blocks
 from hfquant.integration.quantizer import plan_model
 from hfquant.integration.skeleton import build_skeleton
 from hfquant.nn.replace import linear_shape
 
-__all__ = ["inspect_checkpoint", "format_report", "layer_kind", "human_bytes"]
+__all__ = ["FOLDED_SINQ", "inspect_checkpoint", "format_report", "layer_kind", "human_bytes", "group_text"]
+
+FOLDED_SINQ = "sinq (folded)"
+"""The method of a layer quantized with SINQ whose column scales were folded into the model (`fold_column_scales`):
+stored as plain round-to-nearest codes, computed from the rescaled weights."""
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +87,27 @@ def _shown(field: str, value) -> str:
     return f"{{{len(value)} layers: {', '.join(settings)}; per layer in the table below}}"
 
 
+def group_text(row: dict) -> str:
+    """A quantized row's group as a reader says it: "per-channel" (one group spans the inputs), else its size."""
+    return "per-channel" if row.get("per_channel") else str(row["group_size"])
+
+
+def _folded_layers(model, qconfig: dict | None) -> set[str]:
+    """The Linear layers of `model`'s foldable blocks (`find_blocks`) whose method, as asked, is SINQ, when the config
+    folded column scales: those stored without a column scale are SINQ folded into the model. The asked method is
+    the config's, or a pattern's of `module_overrides`; the entries naming such a layer exactly state its stored
+    format (RTN once folded), so they are left out."""
+    if model is None or not qconfig or qconfig.get("fold_column_scales") is not True:
+        return set()
+    layers = {name for block in find_blocks(model) for name in block._asdict().values() if not name.endswith("norm")}
+    try:
+        overrides = {p: s for p, s in (qconfig.get("module_overrides") or {}).items() if p not in layers}
+        config = HfQuantConfig.from_dict({**qconfig, "module_overrides": overrides})
+    except (TypeError, ValueError):
+        return set()
+    return {name for name in layers if config.layer_settings(name)[3] is Method.SINQ}
+
+
 def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str], stored: set[str]) -> list[dict]:
     """Linear / Conv1D layers of `model` that are not quantized in the files, each with the reason."""
     plans = {}
@@ -122,7 +152,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Report on the checkpoint folder `path`: quantized and float tensors per kind, totals, config, float layers.
 
     Returns a JSON-native dict with keys: path, architecture, dtype, quantization_config (or None), quantized (one
-    row per kind / bits / group / symmetry: count, bytes, float_bytes), float_tensors (one row per kind / dtype),
+    row per kind / bits / group / symmetry / method: count, bits, group_size, per_channel (one group spans the
+    inputs), symmetric, method ("rtn", "sinq" or `FOLDED_SINQ`), bytes, float_bytes), float_tensors (one row per kind / dtype),
     float_layers (Linear / Conv1D layers not quantized, grouped by kind and reason, with a count), totals
     (tensor_bytes, file_bytes, float_bytes, ratio).
 
@@ -144,7 +175,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     model = _float_skeleton(folder)
     float_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()} if model is not None else {}
-    quantized, quantized_modules, consumed = _quantized_rows(tensors, float_shapes, qconfig, float_itemsize)
+    folded = _folded_layers(model, qconfig)
+    quantized, quantized_modules, consumed = _quantized_rows(tensors, float_shapes, qconfig, float_itemsize, folded)
     float_rows = _float_rows(tensors, consumed)
     layers: dict[tuple, dict] = {}
     if model is not None and qconfig is not None:
@@ -174,12 +206,17 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _quantized_rows(
-    tensors: dict[str, TensorHeader], float_shapes: dict[str, tuple], qconfig: dict | None, float_itemsize: int
+    tensors: dict[str, TensorHeader],
+    float_shapes: dict[str, tuple],
+    qconfig: dict | None,
+    float_itemsize: int,
+    folded: set[str],
 ) -> tuple[list[dict], set[str], set[str]]:
     """(one row per kind / bits / group / symmetry / method of the quantized tensors: count, bytes, float_bytes; the
     quantized modules; every stored tensor that belongs to a quantized one). A tensor `X` is quantized when `X_scale`
     or, for `P.weight`, `P.weight_scale` is stored; its bits follow from the float shape (`float_shapes`, else the
-    config's bits)."""
+    config's bits); its method is "sinq" with a stored column scale, `FOLDED_SINQ` for a layer of `folded` without
+    one, else "rtn"."""
     quantized: dict[tuple, dict] = {}
     quantized_modules: set[str] = set()
     consumed: set[str] = set()
@@ -206,7 +243,10 @@ def _quantized_rows(
             bits = int((qconfig or {}).get("bits", 8))
             float_numel = stored_numel * 8 // bits
         in_features = float_numel // rows
-        method = "sinq" if col_name in tensors else "rtn"
+        if col_name in tensors:
+            method = Method.SINQ.value
+        else:
+            method = FOLDED_SINQ if module in folded else Method.RTN.value
         key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors, method)
         row = quantized.setdefault(
             key,
@@ -215,6 +255,7 @@ def _quantized_rows(
                 "count": 0,
                 "bits": bits,
                 "group_size": key[2],
+                "per_channel": groups == 1,
                 "symmetric": key[3],
                 "method": method,
                 "bytes": 0,
@@ -271,7 +312,7 @@ def format_report(report: dict[str, Any]) -> str:
                 r["kind"],
                 r["count"],
                 r["bits"],
-                r["group_size"],
+                group_text(r),
                 "yes" if r["symmetric"] else "no",
                 r["method"],
                 human_bytes(r["bytes"]),

@@ -12,7 +12,8 @@ For each method (bf16 / int8 / int4) two fresh Python processes run one after th
    perplexity on a fixed text, greedy decode tokens/s (batch 1, 64 tokens, best of 3, prefill
    excluded) and the answer to a fixed question.
 
-Fresh processes keep each peak-RSS measurement clean.  A markdown table with ratios
+Fresh processes keep each peak-RSS measurement clean.  A progress bar on stderr names the step running (off with
+``--no-progress``); each step's finish is a line on stdout.  A markdown table with ratios
 against bf16 (from the same run) is printed at the end; a failing method shows its error in
 its row instead of stopping the run.  Worker logs go to ``<out>/logs/``.  The folders
 ``<out>/<method>`` are deleted and rewritten on every run.
@@ -22,7 +23,7 @@ Exit status: 0 when every method succeeded, 1 otherwise.
 Examples:
     python scripts/run_example.py
     python scripts/run_example.py --methods bf16,int4 --group-size 64 --json results.json
-    python scripts/run_example.py --model /path/to/my/llama --out /tmp/hfquant-run
+    python scripts/run_example.py --model /path/to/my/llama --out /tmp/hfquant-run --no-progress
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ SAVE_SHARD_SIZE = "50MB"
 # Fixed batch for the reload exactness check: 2 rows x 64 tokens of the reference text.
 CHECK_ROWS, CHECK_COLS = 2, 64
 MIB = 1024 * 1024
+STEPS = {
+    "load": ("load and quantize", "forward pass", "save"),
+    "reload": ("reload", "reload logits check", "perplexity", "decode speed", "answer"),
+}
+"""The steps of each worker stage, in order: the worker names each one as it starts (`_step`), the driver's bar
+shows it."""
+
+
+def _step(args, name: str) -> None:
+    """Tell the driver that step `name` (one of `STEPS[args.worker]`) starts: a line appended to the status file."""
+    if args.status:
+        with open(args.status, "a", encoding="utf-8") as fh:
+            fh.write(name + "\n")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -110,6 +124,7 @@ def worker_load(args) -> dict:
     import_model_code(args.model)  # module imports are not the load's time or memory
 
     gc.collect()
+    _step(args, "load and quantize")
     peak_reset = reset_peak_rss()
     rss_before = rss_mib()
     t0 = time.perf_counter()
@@ -119,12 +134,14 @@ def worker_load(args) -> dict:
     rss_after = rss_mib()
     footprint = tensor_bytes(model)
 
+    _step(args, "forward pass")
     logits = _logits(model, batch)
     # Safetensors weights that are used as-is (bf16) are memory-mapped and only become
     # resident when first touched; RSS after one forward pass shows the working set.
     rss_after_forward = rss_mib()
     torch.save({"input_ids": batch, "logits": logits}, out / f"{args.method}-logits.pt")
 
+    _step(args, "save")
     saved = out / args.method
     if saved.exists():
         shutil.rmtree(saved)
@@ -158,20 +175,27 @@ def worker_reload(args) -> dict:
     out = Path(args.out)
     saved = out / args.method
     tokenizer = AutoTokenizer.from_pretrained(saved)
+    _step(args, "reload")
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(saved)
     reload_s = time.perf_counter() - t0
 
+    _step(args, "reload logits check")
     ref = torch.load(out / f"{args.method}-logits.pt")
     logits = _logits(model, ref["input_ids"])
     exact = torch.equal(logits, ref["logits"])
     same_shape = logits.shape == ref["logits"].shape
     max_diff = (logits.float() - ref["logits"].float()).abs().max().item() if same_shape else None
 
+    _step(args, "perplexity")
     t0 = time.perf_counter()
-    ppl = perplexity(model, tokenizer, reference_text())
+    ppl = perplexity(model, tokenizer, reference_text(), progress=False)
     ppl_s = time.perf_counter() - t0
-    tps = decode_tokens_per_second(model, tokenizer, DECODE_PROMPT, new_tokens=DECODE_TOKENS, repeats=DECODE_REPEATS)
+    _step(args, "decode speed")
+    tps = decode_tokens_per_second(
+        model, tokenizer, DECODE_PROMPT, new_tokens=DECODE_TOKENS, repeats=DECODE_REPEATS, progress=False
+    )
+    _step(args, "answer")
     answer = generate_answer(model, tokenizer, QUESTION)
     return {
         "reload_s": reload_s,
@@ -202,11 +226,38 @@ def run_worker(args) -> int:
 # ----------------------------------------------------------------------------- driver
 
 
-def _spawn(stage: str, method: str, args, log_dir: Path) -> dict:
-    """Run one worker stage in a fresh interpreter; always returns a dict (maybe with "error")."""
+def _run_showing_steps(cmd: list[str], log, status: Path, bar, method: str, timeout: float) -> int | None:
+    """Run `cmd` (output to `log`) while `bar` shows the step it names in `status`; its exit status, None on
+    timeout (the process killed)."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    start, base, seen = time.monotonic(), bar.n, 0
+    while True:
+        try:
+            rc = proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            rc = None
+        steps = status.read_text(encoding="utf-8").splitlines() if status.is_file() else []
+        if len(steps) > seen:
+            seen = len(steps)
+            bar.set_description(f"{method}: {steps[-1]}", refresh=False)
+            bar.n = base + seen - 1
+        bar.refresh()
+        if rc is not None:
+            return rc
+        if time.monotonic() - start > timeout:
+            proc.kill()
+            proc.wait()
+            return None
+
+
+def _spawn(stage: str, method: str, args, log_dir: Path, bar) -> dict:
+    """Run one worker stage in a fresh interpreter, `bar` showing its steps; always returns a dict (maybe with
+    "error")."""
     out = Path(args.out)
     result = out / f"{method}-{stage}.json"
     result.unlink(missing_ok=True)
+    status = out / f"{method}-{stage}.steps"
+    status.unlink(missing_ok=True)
     log = log_dir / f"{method}-{stage}.log"
     cmd = [
         sys.executable,
@@ -217,6 +268,8 @@ def _spawn(stage: str, method: str, args, log_dir: Path) -> dict:
         method,
         "--_result",
         str(result),
+        "--_status",
+        str(status),
         "--model",
         str(args.model),
         "--out",
@@ -225,12 +278,11 @@ def _spawn(stage: str, method: str, args, log_dir: Path) -> dict:
     if args.group_size is not None:
         cmd += ["--group-size", str(args.group_size)]
     t0 = time.perf_counter()
+    start = bar.n
     with open(log, "w") as fh:
-        try:
-            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        rc = _run_showing_steps(cmd, fh, status, bar, method, args.timeout)
+    bar.n = start + len(STEPS[stage])
+    bar.refresh()
     wall = time.perf_counter() - t0
     data: dict = {}
     if result.is_file():
@@ -327,9 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=1800, help="seconds allowed per worker process (default: 1800)"
     )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar (it goes to stderr)"
+    )
     parser.add_argument("--_worker", dest="worker", choices=["load", "reload"], help=argparse.SUPPRESS)
     parser.add_argument("--_method", dest="method", help=argparse.SUPPRESS)
     parser.add_argument("--_result", dest="result", help=argparse.SUPPRESS)
+    parser.add_argument("--_status", dest="status", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.group_size is not None and args.group_size <= 0:
         args.group_size = None
@@ -376,21 +432,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     load_before = _loadavg()
 
+    from tqdm.auto import tqdm
+
     results: dict[str, dict] = {}
-    for method in methods:
-        entry: dict = {}
-        results[method] = entry
-        print(f"[{method}] load + save ...", end=" ", flush=True)
-        entry["load"] = _spawn("load", method, args, log_dir)
-        if "error" in entry["load"]:
-            print(f"FAILED ({entry['load']['error']}; log: {entry['load']['log']})", flush=True)
-            continue
-        print(f"done in {entry['load']['wall_s']:.1f} s; reload + evaluate ...", end=" ", flush=True)
-        entry["reload"] = _spawn("reload", method, args, log_dir)
-        if "error" in entry["reload"]:
-            print(f"FAILED ({entry['reload']['error']}; log: {entry['reload']['log']})", flush=True)
-        else:
-            print(f"done in {entry['reload']['wall_s']:.1f} s", flush=True)
+    total = len(methods) * sum(len(steps) for steps in STEPS.values())
+    with tqdm(total=total, unit="step", disable=not args.progress, file=sys.stderr) as bar:
+        for method in methods:
+            entry: dict = {}
+            results[method] = entry
+            for stage, label in (("load", "load + save"), ("reload", "reload + evaluate")):
+                entry[stage] = _spawn(stage, method, args, log_dir, bar)
+                done = entry[stage]
+                if "error" in done:
+                    bar.write(f"[{method}] {label}: FAILED ({done['error']}; log: {done['log']})", file=sys.stdout)
+                    bar.n = bar.n + (len(STEPS["reload"]) if stage == "load" else 0)
+                    break
+                bar.write(f"[{method}] {label}: done in {done['wall_s']:.1f} s", file=sys.stdout)
+        sys.stdout.flush()
 
     print()
     print(render_table(results))

@@ -74,6 +74,10 @@ def auto_class(arch: str):
     return AutoModel if arch == "bert" else AutoModelForCausalLM
 
 
+MERGES_VOCAB = dict(TOKENIZER_VOCAB, vocab_size=258)
+"""`TOKENIZER_VOCAB` for `tiny_tokenizer(merges=True)`: one more token."""
+
+
 def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """Randomly initialised model of `tiny_config(arch, **overrides)` in `dtype`, eval mode.
 
@@ -84,12 +88,17 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch
     return auto_class(arch).from_config(tiny_config(arch, **overrides)).to(dtype).eval()
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: one token per UTF-8 byte (256) plus ``<eos>`` (id 256)."""
+def tiny_tokenizer(merges: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: one token per UTF-8 byte (256) plus ``<eos>`` (id 256); with `merges` also one BPE merge,
+    "Ġ" + "t" -> "Ġt" (id 257; a model for it has `MERGES_VOCAB`), as llama.cpp needs a merge list in a GGUF file."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    pairs = []
+    if merges:
+        vocab["\u0120t"] = len(vocab)
+        pairs = [("\u0120", "t")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")

@@ -10,12 +10,29 @@ to these compressed-tensors tensors, bit for bit:
 | `P.weight` 8 bits symmetric: (N, K) int8 q | `P.weight_packed` (N, K/4) int32: bytes q + 128 (the sign bit flipped), four per word |
 | `P.weight` 8 bits asymmetric: (N, K) uint8 q | `P.weight_packed` (N, K/4) int32: the same bytes (compressed-tensors' q - 128, stored + 128) |
 | `P.weight_scale` (N, G) bfloat16 | `P.weight_scale` (N, G) bfloat16, unchanged |
-| `P.weight_zero_point` (N, G) uint8 z | `P.weight_zero_point` (ceil(N / (32 / bits)), G) int32: z packed along N (its zero point z - 2^(bits-1), stored + 2^(bits-1), i.e. the byte or nibble z), column by column |
+| `P.weight_zero_point` (N, G) uint8 z | `P.weight_zero_point` (ceil(N / (32 / bits)), G) int32: z packed along N (its zero point z - 2^(bits-1), stored + 2^(bits-1), i.e. the byte or nibble z), column by column; for engine "transformers" (N, G) int32, those words in its first rows and zeros after |
 | (the shape) | `P.weight_shape` (2,) int64 [N, K] |
 
 Both dequantize to `(q - z) * scale` per group (compressed-tensors with signed q and z, hfquant with unsigned ones,
 the difference cancels), so compressed-tensors' own `unpack_from_int32` and `dequantize` give hfquant's weights.
 A row whose packed bytes are not a multiple of 4 is padded with zero bytes, as `pack_to_int32` pads.
+
+Two engines read these files, and in their current versions they disagree on one tensor, the zero point of an
+asymmetric layer (`ENGINES`):
+
+- "vllm": the layout above, which compressed-tensors' own `compress` writes and vLLM (its `weight_zero_point`
+  parameter is (N * bits / 32, G)) and llm-compressor read. vLLM fuses q/k/v and gate/up into one layer with one
+  scheme, so a fused set whose members are stored in different formats (the 4-bit default's int8 late v_proj beside
+  int4 q/k_proj) is written in float, all of the set (`vllm_float_layers`), with a warning naming the sets.
+- "transformers": transformers 5 (5.24) with compressed-tensors 0.20 builds the model on the meta device and
+  compresses it there, which leaves the zero point unpacked, (N, G) in the group's `zp_dtype`; a packed zero point
+  is then a shape mismatch, and its decompression later unpacks whatever tensor it holds with `unpack_from_int32`,
+  which reads only the first ceil(N * bits / 32) rows. So the zero point is written (N, G) int32 with the packed
+  words in those rows and zeros below, and the group's `zp_dtype` is "torch.int32": it loads quantized (the
+  packed codes kept until the first forward decompresses them) and decompresses to the same weights. vLLM refuses
+  that shape.
+
+Symmetric layers have no zero point: both engines read the same files.
 
 Not expressible, so refused (`ValueError` naming the layer): a `weight_col_scale` (method "sinq" multiplies every
 input column by its own scale, which compressed-tensors has no tensor for). Quantized embeddings and a quantized
@@ -49,6 +66,7 @@ scheme of the first one: their schemes must all be the same (vLLM's compressed-t
 `find_matched_target`, 0.32)."""
 
 __all__ = [
+    "ENGINES",
     "QUANT_METHOD",
     "FORMAT",
     "ExportLayer",
@@ -60,10 +78,13 @@ __all__ = [
     "export_tensor",
     "pack_words",
     "pack_zero_point",
+    "vllm_float_layers",
 ]
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
+ENGINES = ("vllm", "transformers")
+"""The readers an export is laid out for: they differ in the zero point of asymmetric layers (module docstring)."""
 _DEQUANT_CHUNK_BYTES = 4 * 2**20
 """float32 bytes dequantized at a time for an embedding or lm_head written in float."""
 
@@ -75,9 +96,10 @@ class Scheme(NamedTuple):
     group_size: int | None
     symmetric: bool
 
-    def weights(self) -> dict:
-        """The `weights` QuantizationArgs of the group, as compressed-tensors' JSON schema spells them."""
-        return {
+    def weights(self, engine: str = "vllm") -> dict:
+        """The `weights` QuantizationArgs of the group, as compressed-tensors' JSON schema spells them; for engine
+        "transformers" an asymmetric group also names its zero point's dtype (`zp_dtype` "torch.int32")."""
+        args = {
             "num_bits": self.bits,
             "type": "int",
             "symmetric": self.symmetric,
@@ -85,6 +107,9 @@ class Scheme(NamedTuple):
             "group_size": self.group_size,
             "dynamic": False,
         }
+        if engine == "transformers" and not self.symmetric:
+            args["zp_dtype"] = "torch.int32"
+        return args
 
 
 class ExportLayer(NamedTuple):
@@ -187,10 +212,15 @@ def plan_layers(
 
 
 def plan_outputs(
-    headers: Mapping[str, TensorHeader], layers: list[ExportLayer], compute_dtype: torch.dtype
+    headers: Mapping[str, TensorHeader],
+    layers: list[ExportLayer],
+    compute_dtype: torch.dtype,
+    engine: str = "vllm",
 ) -> list[OutputTensor]:
     """Every tensor of the export, in the source's order: each layer's compressed-tensors tensors (or its
-    dequantized `weight` in `compute_dtype`) where its `weight` was, every other tensor copied."""
+    dequantized `weight` in `compute_dtype`) where its `weight` was, every other tensor copied. `engine` (one of
+    `ENGINES`) sets the zero point's rows: ceil(N * bits / 32) for "vllm", N for "transformers"."""
+    _check_engine(engine)
     owned = {src: layer for layer in layers for src in layer.sources()}
     outputs = []
     for key, header in headers.items():
@@ -229,7 +259,7 @@ def plan_outputs(
                 OutputTensor(
                     f"{layer.name}.weight_zero_point",
                     torch.int32,
-                    (math.ceil(n * fmt.bits / 32), k // fmt.group_size),
+                    (math.ceil(n * fmt.bits / 32) if engine == "vllm" else n, k // fmt.group_size),
                     "weight_zero_point",
                     layer.name,
                     layer,
@@ -241,50 +271,79 @@ def plan_outputs(
     return outputs
 
 
+def _fused_sets(layers: list[ExportLayer], ignore: Iterable[str]) -> list[tuple[list[str], list[Scheme | None]]]:
+    """(member names, their schemes: None for float) of every fused sibling set (`FUSED_SIBLINGS` under one parent
+    module) whose members do not share one scheme, or of which some are written in float."""
+    schemes = {layer.name: (None if layer.dequantize else layer.scheme) for layer in layers}
+    schemes.update({name: None for name in ignore})
+    found = []
+    for parent in sorted({name.rpartition(".")[0] for name in schemes}):
+        for siblings in FUSED_SIBLINGS:
+            names = [f"{parent}.{s}" if parent else s for s in siblings]
+            if all(n in schemes for n in names) and len({schemes[n] for n in names}) > 1:
+                found.append((names, [schemes[n] for n in names]))
+    return found
+
+
+def _describe(scheme: Scheme | None) -> str:
+    if scheme is None:
+        return "float"
+    group = "per-channel" if scheme.group_size is None else f"group {scheme.group_size}"
+    return f"{scheme.bits}-bit {group} {'symmetric' if scheme.symmetric else 'asymmetric'}"
+
+
 def fused_scheme_conflicts(layers: list[ExportLayer], ignore: Iterable[str]) -> list[str]:
     """Fused sibling sets (`FUSED_SIBLINGS` under one parent module) whose members do not share one scheme, or of
     which some are written in float (`ignore`, a dequantized layer): one line each, e.g.
     "model.layers.15.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 64 asymmetric, 4-bit group 64 asymmetric,
     8-bit per-channel symmetric". vLLM refuses such a checkpoint (or fails to load it); compressed-tensors'
     own readers do not mind."""
-    schemes = {layer.name: (None if layer.dequantize else layer.scheme) for layer in layers}
-    schemes.update({name: None for name in ignore})
-    conflicts = []
-    for parent in sorted({name.rpartition(".")[0] for name in schemes}):
-        for siblings in FUSED_SIBLINGS:
-            names = [f"{parent}.{s}" if parent else s for s in siblings]
-            if not all(n in schemes for n in names):
-                continue
-            found = [schemes[n] for n in names]
-            if len(set(found)) > 1:
-                words = [
-                    "float"
-                    if s is None
-                    else f"{s.bits}-bit "
-                    + ("per-channel" if s.group_size is None else f"group {s.group_size}")
-                    + (" symmetric" if s.symmetric else " asymmetric")
-                    for s in found
-                ]
-                conflicts.append(f"{parent}.{{{','.join(siblings)}}}: {', '.join(words)}")
-    return conflicts
+    lines = []
+    for names, schemes in _fused_sets(layers, ignore):
+        parent = names[0].rpartition(".")[0]
+        siblings = ",".join(n.rpartition(".")[2] for n in names)
+        lines.append(f"{parent}.{{{siblings}}}: {', '.join(_describe(s) for s in schemes)}")
+    return lines
 
 
-def quantization_config(layers: list[ExportLayer], ignore: Iterable[str]) -> dict:
+def vllm_float_layers(layers: list[ExportLayer], ignore: Iterable[str]) -> list[str]:
+    """The quantized layers to write in float for vLLM: every member of a fused set that `fused_scheme_conflicts`
+    names (vLLM quantizes a fused layer with one scheme, so the set is served in float instead, as the same
+    dequantized weights hfquant computes with). Logs one warning naming the sets and the alternative."""
+    conflicts = fused_scheme_conflicts(layers, ignore)
+    if not conflicts:
+        return []
+    quantized = {layer.name for layer in layers if not layer.dequantize}
+    names = [n for members, _ in _fused_sets(layers, ignore) for n in members if n in quantized]
+    logger.warning(
+        "vLLM fuses q/k/v and gate/up into one layer each with one scheme; %d set(s) are stored in different formats "
+        "(e.g. %s), so their %d quantized layers are written in float (dequantized, listed in 'ignore'). To keep them "
+        "quantized, convert with one format for the set (hfquant convert ... --mixed-precision none), or export with "
+        "engine='transformers' (--engine transformers), whose reader takes mixed sets",
+        len(conflicts),
+        conflicts[0],
+        len(names),
+    )
+    return names
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not an engine the export is laid out for; allowed: {list(ENGINES)}")
+
+
+def quantization_config(layers: list[ExportLayer], ignore: Iterable[str], engine: str = "vllm") -> dict:
     """`quantization_config` of config.json in compressed-tensors' schema (its `QuantizationConfig`).
 
     One `config_groups` entry per distinct (bits, group size, symmetric) of the layers written quantized, in order
     of first appearance, named group_0, group_1, ...; with one group its targets are ["Linear"] (every Linear not
-    in `ignore`), with several each lists its layers by name. `ignore`: the Linear layers kept in float.
+    in `ignore`), with several each lists its layers by name. `ignore`: the Linear layers kept in float. For
+    `engine` "transformers" asymmetric groups carry `zp_dtype` "torch.int32" (`Scheme.weights`).
+
+    Raises:
+        ValueError: an `engine` not in `ENGINES`.
     """
-    conflicts = fused_scheme_conflicts(layers, ignore)
-    if conflicts:
-        logger.warning(
-            "this export is valid compressed-tensors, but vLLM fuses q/k/v and gate/up into one layer each and needs "
-            "one scheme for the layers it fuses; %d set(s) differ, e.g. %s. To serve it with vLLM, quantize those "
-            "layers alike (e.g. mixed_precision='none': the 4-bit default's data-free rule stores late v_proj in int8)",
-            len(conflicts),
-            conflicts[0],
-        )
+    _check_engine(engine)
     schemes: dict[Scheme, list[str]] = {}
     for layer in layers:
         if not layer.dequantize:
@@ -294,7 +353,7 @@ def quantization_config(layers: list[ExportLayer], ignore: Iterable[str]) -> dic
         targets = ["Linear"] if len(schemes) == 1 else list(names)
         groups[f"group_{i}"] = {
             "targets": targets,
-            "weights": scheme.weights(),
+            "weights": scheme.weights(engine),
             "input_activations": None,
             "output_activations": None,
         }
@@ -381,6 +440,8 @@ def export_tensor(output: OutputTensor, read: Callable[[str], torch.Tensor]) -> 
         tensor = pack_words(codes)
     elif output.role == "weight_zero_point":
         tensor = pack_zero_point(read(f"{layer.name}.weight_zero_point"), layer.fmt.bits)
+        if output.shape[0] > tensor.shape[0]:  # engine "transformers": the words in the first rows of (N, G)
+            tensor = torch.nn.functional.pad(tensor, (0, 0, 0, output.shape[0] - tensor.shape[0]))
     else:
         raise ValueError(f"unknown output role {output.role!r}")
     if tensor.dtype != output.dtype or tuple(tensor.shape) != output.shape:

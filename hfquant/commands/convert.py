@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         revision=args.revision,
         progress=args.progress,
-        before_publish=card_for_convert(args.src, args.dst, args.base_model) if args.card else None,
+        before_publish=card_for_convert(args.src, args.dst, args.base_model, config, args.dtype)
+        if args.card
+        else None,
     )
     print(
         f"wrote {result.dst}: {result.quantized_layers} tensors quantized, {result.float_tensors} kept in float, "

@@ -17,6 +17,10 @@ __all__ = ["HELP", "add_parser", "run"]
 HELP = "measure perplexity and decode speed, next to a float baseline"
 """The line of the `hfquant --help` listing."""
 
+DEFAULT_MAX_CHARS = 24_000
+"""`--max-chars` by default: `hfquant.evaluation.DEFAULT_REFERENCE_CHARS`, written out here so that the parser (and
+`--help`) is built without importing torch; a test holds the two equal."""
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """The `eval` subcommand's parser, added to the subparsers `sub` and returned."""
@@ -24,16 +28,38 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "eval",
         help=HELP,
         description="Load PATH (and --baseline) with from_pretrained on the CPU and measure perplexity on a text "
-        "(default: CPython's own pydoc_data.topics, no download) and greedy batch-1 decode speed. The results are "
-        "saved as hfquant_eval.json in PATH and shown in its model card (README.md, if hfquant wrote it).",
+        f"(default: the first {DEFAULT_MAX_CHARS} characters of CPython's own pydoc_data.topics, no download, about "
+        "5.6k tokens; --full-text scores all of its ~465k characters, some 20 times longer) and greedy batch-1 "
+        "decode speed. The results are saved as hfquant_eval.json in PATH and shown in its model card (README.md, "
+        "if hfquant wrote it). Progress bars (per perplexity window and generated token) go to stderr.",
     )
     e.add_argument("path", metavar="PATH", help="quantized checkpoint folder (a causal LM)")
     e.add_argument("--baseline", metavar="SRC", help="float checkpoint to measure the same way (folder or repo id)")
     e.add_argument(
         "--text-file", type=Path, metavar="FILE", help="UTF-8 text for the perplexity instead of the built-in one"
     )
+    length = e.add_mutually_exclusive_group()
+    length.add_argument(
+        "--max-chars",
+        type=int,
+        default=DEFAULT_MAX_CHARS,
+        metavar="N",
+        help=f"score the first N characters of the text (default {DEFAULT_MAX_CHARS}: with SmolLM2's tokenizer, "
+        "11 windows of 512 tokens per model)",
+    )
+    length.add_argument(
+        "--full-text",
+        dest="max_chars",
+        action="store_const",
+        const=None,
+        help="score the whole text (the built-in one: ~465k characters, about 20x --max-chars's default)",
+    )
     e.add_argument(
-        "--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default all)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="then score only the first N tokens of those characters (default all)",
     )
     e.add_argument(
         "--max-length", type=int, default=512, metavar="N", help="perplexity window in tokens (default 512)"
@@ -99,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         args.new_tokens,
         args.repeats,
         DEFAULT_PROMPT if args.prompt is None else args.prompt,
+        max_chars=args.max_chars,
+        progress=args.progress,
     )
     if args.json:
         print(json.dumps(measured, indent=2))

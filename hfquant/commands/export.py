@@ -13,10 +13,13 @@ from hfquant.commands.options import (
     apply_progress_option,
 )
 
-__all__ = ["FORMATS", "HELP", "add_parser", "check_args", "run"]
+__all__ = ["ENGINES", "FORMATS", "HELP", "add_parser", "check_args", "run"]
 
 HELP = "write an hfquant checkpoint in another engine's format (compressed-tensors: vLLM, transformers)"
 """The line of the `hfquant --help` listing."""
+
+ENGINES = ("vllm", "transformers")
+"""The choices of --engine: `hfquant.checkpoint.compressed_tensors.ENGINES` (tests/commands/test_cli.py)."""
 
 FORMATS = ("compressed-tensors", "gguf")
 """The choices of --format: `hfquant.conversion.export.FORMATS`, spelt here so that the parser does not import the
@@ -45,6 +48,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=list(FORMATS),
         help="the format to write (default: gguf when DST ends in .gguf, else required)",
     )
+    x.add_argument(
+        "--engine",
+        default="vllm",
+        choices=list(ENGINES),
+        help="compressed-tensors only: the reader to lay the files out for; they differ in asymmetric layers' zero "
+        "points (docs/interop.md). vllm (default): packed, as compressed-tensors writes them; transformers: the "
+        "layout transformers 5 with compressed-tensors 0.20 loads quantized, which vLLM refuses",
+    )
     add_shard_size_option(x)
     add_overwrite_option(x)
     add_common_options(x)
@@ -71,9 +82,17 @@ def run(args: argparse.Namespace) -> int:
     from hfquant.conversion.export import export_checkpoint
 
     apply_progress_option(args)
-    result = export_checkpoint(
-        args.src, args.dst, args.format, max_shard_size=args.max_shard_size, overwrite=args.overwrite
-    )
+    if args.format == "gguf":
+        result = export_checkpoint(args.src, args.dst, args.format, overwrite=args.overwrite)
+    else:
+        result = export_checkpoint(
+            args.src,
+            args.dst,
+            args.format,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            engine=args.engine,
+        )
     if args.format == "gguf":
         types = ", ".join(f"{count} {kind}" for kind, count in sorted(result.types.items()))
         print(f"wrote {result.dst} (gguf): {types} tensors in {result.seconds:.1f} s")

@@ -125,10 +125,11 @@ def _read_source(folder: Path) -> tuple[dict, HfQuantConfig, dict[str, Path], di
 
 
 def _export_plan(
-    folder: Path, config: dict, hfconfig: HfQuantConfig, headers: dict, files: dict
+    folder: Path, config: dict, hfconfig: HfQuantConfig, headers: dict, files: dict, engine: str = "vllm"
 ) -> tuple[list, dict, list]:
     """(the layers as compressed-tensors writes them, its `quantization_config`, the output tensors) of the hfquant
-    checkpoint `folder` whose config.json is `config` and safetensors headers are `headers`.
+    checkpoint `folder` whose config.json is `config` and safetensors headers are `headers`, laid out for `engine`
+    (`compressed_tensors.ENGINES`; for "vllm", fused sets stored in different formats are written in float).
 
     Raises:
         ValueError: a layer compressed-tensors cannot express (`_model_facts`, `compressed_tensors.plan_layers`).
@@ -136,9 +137,13 @@ def _export_plan(
     candidates = {k.removesuffix(".weight") for k in headers if k.endswith(".weight") and f"{k}_scale" in headers}
     in_features, dequantize, linears = _model_facts(folder, candidates)
     layers = ct.plan_layers(headers, in_features.get, lambda name: hfconfig.layer_settings(name)[0], dequantize)
+    float_linears = [name for name in linears if name not in {la.name for la in layers if not la.dequantize}]
+    if engine == "vllm":
+        in_float = set(ct.vllm_float_layers(layers, float_linears))
+        layers = [la._replace(dequantize=True) if la.name in in_float else la for la in layers]
     quantized = {layer.name for layer in layers if not layer.dequantize}
-    qconfig = ct.quantization_config(layers, [name for name in linears if name not in quantized])
-    outputs = ct.plan_outputs(headers, layers, _compute_dtype(config["quantization_config"], config, files))
+    qconfig = ct.quantization_config(layers, [name for name in linears if name not in quantized], engine)
+    outputs = ct.plan_outputs(headers, layers, _compute_dtype(config["quantization_config"], config, files), engine)
     return layers, qconfig, outputs
 
 
@@ -149,6 +154,7 @@ def export_checkpoint(
     *,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
+    engine: str = "vllm",
 ) -> ExportResult:
     """Write the hfquant checkpoint folder `src` as a compressed-tensors `pack-quantized` checkpoint folder `dst`.
 
@@ -166,9 +172,15 @@ def export_checkpoint(
             `hfquant.conversion.export_gguf.GgufResult` (`export_gguf`; `max_shard_size` does not apply).
         max_shard_size: largest output shard, bytes or e.g. "500MB".
         overwrite: replace an existing `dst` (atomically, once the new one is complete).
+        engine: the reader the files are laid out for (`compressed_tensors.ENGINES`; only asymmetric layers
+            differ). "vllm" (default): zero points packed along N, as compressed-tensors' compressor writes them and
+            vLLM reads them; fused q/k/v or gate/up sets stored in different formats are written in float (a
+            warning names them). "transformers": zero points (N, G) int32 as transformers 5 with
+            compressed-tensors 0.20 allocates them, so that it loads the export quantized; vLLM refuses that
+            layout.
 
     Raises:
-        ValueError: an unknown `format`; `src` is not an hfquant checkpoint; a layer compressed-tensors cannot
+        ValueError: an unknown `format` or `engine`; `src` is not an hfquant checkpoint; a layer compressed-tensors cannot
             express (method "sinq", a GPT-2 Conv1D), named with what is allowed; a bad `max_shard_size`; config.json,
             the index or a shard is a link leaving `src`.
         FileExistsError: `dst` exists and `overwrite` is False (checked before any work).
@@ -179,6 +191,8 @@ def export_checkpoint(
     start = time.perf_counter()
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not an export format; allowed: {list(FORMATS)}")
+    if engine not in ct.ENGINES:
+        raise ValueError(f"engine={engine!r} is not an engine the export is laid out for; allowed: {list(ct.ENGINES)}")
     if format == "gguf":  # one file for llama.cpp (`hfquant.conversion.export_gguf`), not a folder
         from hfquant.conversion.export_gguf import export_gguf  # imports gguf, an optional dependency
 
@@ -189,7 +203,7 @@ def export_checkpoint(
     check_dst(dst, folder, overwrite)
     shard_plan([], max_shard_size)
     config, hfconfig, files, headers = _read_source(folder)
-    layers, qconfig, outputs = _export_plan(folder, config, hfconfig, headers, files)
+    layers, qconfig, outputs = _export_plan(folder, config, hfconfig, headers, files, engine)
     quantized = {layer.name for layer in layers if not layer.dequantize}
     split = shard_plan(outputs, max_shard_size)
 

@@ -15,6 +15,13 @@ a warning, since llama.cpp then splits text with its default rule (ids given to 
 renamed at the end: an interrupted export leaves DST as it was. gguf's writer keeps the tensors it is given until it
 writes them, so memory holds the re-blocked model (about its file size), not the float one.
 
+Checked against what llama.cpp requires before anything is written (`check_layout`, `_tokenizer`): the attention
+shapes (heads a multiple of the key/value heads, q/k/v rows equal to heads x head dim; a head dim other than
+hidden / heads, as Mistral-Nemo's, is written as `{arch}.attention.key_length` / `value_length`, which llama.cpp
+otherwise takes as hidden / heads), `vocab_size` equal to the embedding's rows, a tokenizer no larger than those rows
+(llama.cpp sizes the embedding from the token list and refuses the file otherwise; a smaller one is padded with
+unused tokens), and every key of `REQUIRED_KEYS` present in the header.
+
 Refused, with the reason: other architectures; layers with a stored SINQ column scale (GGUF has no tensor for it:
 quantize with the 4-bit default, which folds the scales in Llama blocks, or `method="rtn"`); group sizes that are not
 a multiple of 32; scales fp16 cannot hold.
@@ -39,6 +46,7 @@ from hfquant.checkpoint.files import (
     CONFIG_NAME,
     open_safetensors,
     read_config,
+    read_headers,
     read_tensor,
     require_inside,
     tensor_files,
@@ -50,7 +58,15 @@ from hfquant.core.packing import unpack_int4
 
 gguf = require(GGUF)  # ImportError with the pip command when gguf is not installed
 
-__all__ = ["GGUF_ARCHITECTURES", "GGUF_MODEL_TYPES", "GgufResult", "export_gguf", "gguf_pre_tokenizer"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "GGUF_MODEL_TYPES",
+    "REQUIRED_KEYS",
+    "GgufResult",
+    "check_layout",
+    "export_gguf",
+    "gguf_pre_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +75,27 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 GGUF_MODEL_TYPES = tuple(GGUF_ARCHITECTURES)
 PERMUTED_ARCHITECTURES = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp stores permuted (its converter permutes Llama's, not Qwen2's)."""
+
+REQUIRED_KEYS = (
+    "general.architecture",
+    "{arch}.context_length",
+    "{arch}.embedding_length",
+    "{arch}.block_count",
+    "{arch}.feed_forward_length",
+    "{arch}.attention.head_count",
+    "{arch}.attention.head_count_kv",
+    "{arch}.attention.layer_norm_rms_epsilon",
+    "{arch}.rope.freq_base",
+    "{arch}.rope.dimension_count",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+)
+"""Header keys every export carries (`{arch}`: its GGUF architecture): the hyper-parameters llama.cpp's loader reads
+for "llama" and "qwen2" (those it defaults, head_count_kv, rope.*, are written too, since their defaults are wrong
+for grouped-query attention or another rope base), and the tokenizer. Besides: `tokenizer.ggml.merges` for a
+byte-level BPE ("gpt2") tokenizer, `tokenizer.ggml.scores` for a SentencePiece-style ("llama") one, and
+`{arch}.attention.key_length` / `value_length` when the head dim is not hidden / heads (`_required_keys`)."""
 
 _LLAMA3_SPLIT = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
@@ -143,7 +180,13 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if (
+        head_dim != config["hidden_size"] // heads
+    ):  # llama.cpp's default is hidden / heads (Mistral-Nemo: 160, not 128)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta there; 4.x kept it at the top
     if rope.get("rope_type", "default") != "default":
         raise ValueError(
@@ -195,7 +238,26 @@ def _add_general(writer: gguf.GGUFWriter, folder: Path, written: list[str]) -> N
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+class _Tokenizer(NamedTuple):
+    """The tokenizer as GGUF stores it: llama.cpp's model name ("gpt2" or "llama"), pre-tokenizer, one text, score
+    and `gguf.TokenType` per embedding row, and the special ids / merges (`gguf.SpecialVocab`)."""
+
+    model: str
+    pre: str | None
+    tokens: list
+    scores: list[float]
+    types: list
+    special: object
+
+
+def _tokenizer(folder: Path, rows: int) -> _Tokenizer:
+    """The tokenizer of `folder` for an embedding of `rows` rows (padded with unused tokens up to them).
+
+    Raises:
+        ValueError: neither a byte-level BPE nor a SentencePiece-style BPE tokenizer; more tokens than `rows`
+            (llama.cpp sizes the embedding from the token list, so it would refuse the file); a byte-level BPE
+            without merges (llama.cpp requires the merge list).
+    """
     try:
         vocab, model, pre = gguf.vocab.BpeVocab(folder), "gpt2", None
         tokenizer_json = folder / "tokenizer.json"
@@ -220,20 +282,89 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
         tokens.append(text)
         scores.append(score)
         types.append(kind)
+    if len(tokens) > rows:
+        raise ValueError(
+            f"{folder}: the tokenizer has {len(tokens)} tokens but the embedding has {rows} rows; llama.cpp sizes the "
+            "embedding from the token list and refuses the file. Allowed: at most as many tokens as rows. Resize the "
+            f"float model's embeddings (model.resize_token_embeddings({len(tokens)})) and convert it again"
+        )
     for index, special in _added_tokens(folder).items():
         if index < len(types):  # llama.cpp matches CONTROL / USER_DEFINED tokens in text, not NORMAL ones
             types[index] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
-    while len(tokens) < vocab_size:  # embedding rows without a token
+    while len(tokens) < rows:  # embedding rows without a token
         tokens.append(f"[PAD{len(tokens)}]")
         scores.append(-1000.0)
         types.append(gguf.TokenType.UNUSED)
-    writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre(pre or "default")
-    writer.add_token_list(tokens)
-    if model == "llama":
-        writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=len(tokens)).add_to_gguf(writer)
+    special = gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=len(tokens))
+    if model == "gpt2" and not special.merges:
+        raise ValueError(
+            f"{folder}: the byte-level BPE tokenizer has no merges; llama.cpp's BPE loader requires "
+            "tokenizer.ggml.merges and GGUF cannot store an empty list. Allowed: a tokenizer.json (or merges.txt) "
+            "with at least one merge"
+        )
+    return _Tokenizer(model, pre, tokens, scores, types, special)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: _Tokenizer) -> None:
+    writer.add_tokenizer_model(tokenizer.model)
+    writer.add_tokenizer_pre(tokenizer.pre or "default")
+    writer.add_token_list(tokenizer.tokens)
+    if tokenizer.model == "llama":
+        writer.add_token_scores(tokenizer.scores)
+    writer.add_token_types(tokenizer.types)
+    tokenizer.special.add_to_gguf(writer)
+
+
+def _required_keys(architecture: str, config: dict, tokenizer_model: str) -> list[str]:
+    """The header keys llama.cpp needs in this export (`REQUIRED_KEYS` and the conditional ones)."""
+    keys = [key.format(arch=architecture) for key in REQUIRED_KEYS]
+    keys.append("tokenizer.ggml.merges" if tokenizer_model == "gpt2" else "tokenizer.ggml.scores")
+    heads = config["num_attention_heads"]
+    if (config.get("head_dim") or config["hidden_size"] // heads) != config["hidden_size"] // heads:
+        keys += [f"{architecture}.attention.key_length", f"{architecture}.attention.value_length"]
+    return keys
+
+
+def check_layout(config: dict, shapes: dict[str, tuple[int, ...]]) -> int:
+    """Check config.json's attention and vocabulary sizes against each other and the stored tensor shapes (name ->
+    shape, from the safetensors headers) as llama.cpp reads them; returns the embedding's rows.
+
+    Raises:
+        ValueError: one line naming the value and what is allowed: heads not a positive multiple of the key/value
+            heads; hidden size not divisible by the heads without a `head_dim`; q/k/v rows other than heads x
+            head dim; `vocab_size` other than the embedding's rows; no `model.embed_tokens.weight`.
+    """
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads={heads}, num_key_value_heads={kv_heads}: llama.cpp needs the heads to be a "
+            "positive multiple of the key/value heads"
+        )
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(
+                f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and config.json has no "
+                "head_dim; llama.cpp takes the head dim as hidden / heads"
+            )
+        head_dim = hidden // heads
+    for suffix, count in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+        for name, shape in shapes.items():
+            if name.endswith(f"self_attn.{suffix}.weight") and shape[0] != count * head_dim:
+                raise ValueError(
+                    f"{name} has {shape[0]} rows; config.json gives {count} heads x head dim {head_dim} = "
+                    f"{count * head_dim}, which llama.cpp would use; the checkpoint does not match its config"
+                )
+    embedding = shapes.get("model.embed_tokens.weight")
+    if embedding is None:
+        raise ValueError("no model.embed_tokens.weight; the GGUF export needs the token embedding (token_embd)")
+    if config["vocab_size"] != embedding[0]:
+        raise ValueError(
+            f"vocab_size={config['vocab_size']} in config.json but model.embed_tokens.weight has {embedding[0]} rows; "
+            "llama.cpp needs them equal"
+        )
+    return embedding[0]
 
 
 _READ_FILES = (
@@ -336,7 +467,8 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
 
     Raises:
         ValueError: not an hfquant checkpoint, another architecture, a layer GGUF cannot hold (named, with why), a
-            tokenizer that is not byte-level BPE.
+            tokenizer that is not byte-level BPE or has more tokens than the embedding has rows, attention or
+            vocabulary sizes llama.cpp would read otherwise (`check_layout`); all before anything is written.
         ValueError: `dst` is `src`, an existing file in it, or contains it (links and `..` resolved; before any work).
         FileExistsError: `dst` exists and `overwrite` is False.
         OSError: the file could not be written; `dst` is left as it was.
@@ -347,6 +479,11 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     config, files = _checked_source(folder)
+    shapes = {}
+    for path in dict.fromkeys(files.values()):
+        shapes.update({name: tuple(header.shape) for name, header in read_headers(path).items()})
+    rows = check_layout(config, shapes)
+    tokenizer = _tokenizer(folder, rows)
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -370,7 +507,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     def write(path: str) -> None:
         writer = gguf.GGUFWriter(path, architecture)
         _add_hyperparameters(writer, config)
-        _add_tokenizer(writer, folder, config["vocab_size"])
+        _add_tokenizer(writer, tokenizer)
         for module in sorted({name.rpartition(".")[0] for name in files if name.endswith(".weight")}):
             gguf_name = _gguf_name(module)
             if gguf_name is None:
@@ -380,6 +517,10 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
             reblocked.extend([blocks] if blocks is not None else [])
             release_checkpoint_pages()
         _add_general(writer, folder, written)
+        present = {key for shard in writer.kv_data for key in shard}
+        missing = [key for key in _required_keys(architecture, config, tokenizer.model) if key not in present]
+        if missing:
+            raise ValueError(f"the GGUF header lacks {missing}, which llama.cpp requires; nothing was written")
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

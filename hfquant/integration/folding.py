@@ -137,7 +137,10 @@ def plan_folds(
     scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
     with _on_cpu_in_float32():  # from_pretrained prepares the model under the meta device and the load dtype
         for block in tqdm(
-            blocks, desc="hfquant: column scales to fold", unit="block", disable=_progress_disabled(progress)
+            blocks,
+            desc="hfquant: SINQ column scales (Sinkhorn on each layer's float weights)",
+            unit="layer",
+            disable=_progress_disabled(progress),
         ):
             try:
                 transforms.update(_fold_block(block, read, tile, formats, num_heads, num_kv_heads, scratch))

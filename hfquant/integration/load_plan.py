@@ -5,6 +5,7 @@ functions that return values, then applies it; the hooks after loading read it (
 
     skip, layers = plan_model(model, config, quantizing=True)      # `quantizer.plan_model`: skips, Linear formats
     folds, layers = plan_checkpoint_folds(model, config, skip, layers, files, device_map)   # fold_column_scales
+    layers = record_stored_formats(model, config, skip, layers)   # each layer's stored format into config.json
     plan = plan_load(model, config, compute, skip, layers, folds)  # + embeddings, lm_head, ties, experts, norms
     apply_plan(model, plan, config)                                # the swaps and casts, nothing read yet
     ... the weights load ...
@@ -41,6 +42,8 @@ from hfquant.nn.replace import (
 __all__ = [
     "LoadPlan",
     "plan_checkpoint_folds",
+    "record_stored_formats",
+    "stored_entry",
     "plan_quantized_experts",
     "plan_norm_casts",
     "plan_load",
@@ -116,6 +119,67 @@ def plan_checkpoint_folds(
         config.prepend_overrides(added)
         layers = plan_layers(model, config, skip)
     return folds, layers
+
+
+def stored_entry(config: HfQuantConfig, plan: LayerPlan) -> dict | None:
+    """The complete `module_overrides` entry ({"bits", "group_size", "symmetric", "method"}) stating the stored format
+    of the quantized layer `plan`, or None when that format is the config's own fields (or `plan` stays in float).
+
+    The entry's group size is the asked one (`config.layer_settings`) when the layer stores that one, None when the
+    layer is per-channel (one group of in_features, e.g. 576, which is no valid group size), else the group it
+    stores: 64 for a layer of 576 inputs asked for 128, which does not divide them.
+    """
+    fmt = plan.format
+    if fmt is None:
+        return None
+    asked = config.layer_settings(plan.name)[1]
+    if fmt.group_size == asked:
+        group_size = asked
+    else:
+        group_size = None if fmt.group_size == plan.in_features else fmt.group_size
+    entry = {"bits": fmt.bits, "group_size": group_size, "symmetric": fmt.symmetric, "method": fmt.method.value}
+    own = {"bits": config.bits, "group_size": config.group_size, "symmetric": config.symmetric}
+    same = all(entry[k] == v for k, v in own.items()) and fmt.method == config.method
+    return None if same else entry
+
+
+def record_stored_formats(
+    model: nn.Module, config: HfQuantConfig, skip: list[str], layers: list[LayerPlan]
+) -> list[LayerPlan]:
+    """Write into `config.module_overrides` the stored format of every quantized layer of `layers` that differs from
+    the config's own fields (`stored_entry`), by its full name, so that `config.json` names the format each layer is
+    stored in: a group that fell back because the asked one does not divide in_features, and the data-free rule's and
+    the folds' entries completed to the whole format. An existing entry of that exact name is replaced in place; the
+    others go first (the first matching pattern wins). Called when quantizing, after every other decision on the
+    layers' formats; a reload only reads the entries.
+
+    Returns the layers planned again from the config written, which give every layer the same format (should an
+    entry select a longer name too, as a whole-component suffix of it, that layer gets an exact entry of its own).
+
+    Raises:
+        RuntimeError: no entries rebuild the same formats (a bug; the config is then left as it was).
+    """
+    wanted = {plan.name: plan for plan in layers if plan.format is not None}
+    entries = {name: entry for name, plan in wanted.items() if (entry := stored_entry(config, plan)) is not None}
+    original = config.module_overrides
+    overrides = {**original, **{name: entry for name, entry in entries.items() if name in original}}
+    config.module_overrides = {**{n: e for n, e in entries.items() if n not in original}, **overrides}
+    for _ in range(len(wanted) + 1):
+        replanned = plan_layers(model, config, skip)
+        wrong = [p.name for p in replanned if p.name in wanted and p.format != wanted[p.name].format]
+        if not wrong:
+            return replanned
+        exact = {name: entries.get(name) or _whole_entry(wanted[name]) for name in wrong}
+        config.module_overrides = {**exact, **{p: s for p, s in config.module_overrides.items() if p not in exact}}
+    config.module_overrides = original
+    raise RuntimeError(f"hfquant: no module_overrides rebuild the stored formats of {wrong[:5]}")
+
+
+def _whole_entry(plan: LayerPlan) -> dict:
+    """The complete entry of `plan`'s stored format, also when it is the config's own (see `stored_entry`)."""
+    fmt = plan.format
+    group_size = None if fmt.group_size == plan.in_features else fmt.group_size
+    return {"bits": fmt.bits, "group_size": group_size, "symmetric": fmt.symmetric, "method": fmt.method.value}
 
 
 def plan_quantized_experts(model: nn.Module, config: HfQuantConfig, skip: Iterable[str]) -> list[ExpertsPlan]:

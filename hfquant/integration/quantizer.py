@@ -55,7 +55,14 @@ from hfquant.integration.counting import count_quantized_weights
 from hfquant.integration.decode_activations import apply_decode_activations
 from hfquant.integration.dequantize import dequantize_model
 from hfquant.integration.embeddings import share_tied_kernels, tie_buffers
-from hfquant.integration.load_plan import LoadPlan, apply_plan, install_adapters, plan_checkpoint_folds, plan_load
+from hfquant.integration.load_plan import (
+    LoadPlan,
+    apply_plan,
+    install_adapters,
+    plan_checkpoint_folds,
+    plan_load,
+    record_stored_formats,
+)
 from hfquant.integration.load_report import LoadReport
 from hfquant.integration.quantize_weights import quantize_on_load, requantize_disk_offloaded
 from hfquant.nn.embedding import QuantEmbedding
@@ -210,13 +217,16 @@ class HfQuantQuantizer(HfQuantizer):
     def _plan(self, model, compute: torch.dtype, files: list, device_map) -> LoadPlan:
         """The `LoadPlan` of the meta-device `model`: the skip list and layer formats (`plan_model`), the folds
         (given to the constructor, or read from the checkpoint `files` when `fold_column_scales` asks), then the
-        embeddings, lm_head, ties, experts and norms (`plan_load`). The model is not changed; the config copy gets
-        the `module_overrides` that mixed precision and folding decide."""
+        embeddings, lm_head, ties, experts and norms (`plan_load`). The model is not changed; when quantizing, the
+        config copy gets the `module_overrides` that mixed precision and folding decide, and an entry for each layer
+        stored in another format than the config's fields (`record_stored_formats`)."""
         config = self.quantization_config
         skip, layers = plan_model(model, config, quantizing=not self.pre_quantized)
         folds = self.plan.folds
         if config.fold_column_scales and not self.pre_quantized and not folds:
             folds, layers = plan_checkpoint_folds(model, config, skip, layers, files, device_map)
+        if not self.pre_quantized:
+            layers = record_stored_formats(model, config, skip, layers)
         return plan_load(model, config, compute, skip, layers, folds)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:

@@ -242,7 +242,11 @@ class QuantLinear(StoredWeight):
             destination[prefix + "weight"] = self.stored_weight()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Loading writes the stored layout into `weight`: forget any kernel layout first.
+        # Loading writes the stored layout into `weight`: forget any kernel layout first. A state dict holding none of
+        # this layer's buffers (peft's `load_state_dict(adapter, strict=False)` visits every module) leaves the layer
+        # and its prepared kernel as they are: dropping to the dequantize kernel there changed the model's numerics.
+        if not any(prefix + name in state_dict for name in self._buffers):
+            return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.kernel in kernels.INT4_KERNELS:
             self.weight = self.stored_weight()
         self.plan = self._unprepared_plan(self.plan.activations)

@@ -14,7 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
+from collections import Counter
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from hfquant.checkpoint.files import EVAL_FILE, stays_inside
 from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
-from hfquant.inspection import format_report, human_bytes, inspect_checkpoint
+from hfquant.inspection import FOLDED_SINQ, format_report, group_text, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
 
 __all__ = [
@@ -35,6 +39,10 @@ __all__ = [
     "build_card",
     "write_card",
     "card_for_convert",
+    "convert_command",
+    "asked_settings",
+    "install_lines",
+    "previous_command",
     "is_hfquant_card",
     "read_base_model",
 ]
@@ -79,7 +87,9 @@ def is_hfquant_card(readme: Path) -> bool:
 
 
 def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
-    """(field, value) rows of the card's quantization table, in `hfquant.config.FIELDS` order."""
+    """(field, value) rows of the card's quantization table, in `hfquant.config.FIELDS` order. `module_overrides`
+    is summarized: the entries naming one layer (`_names_a_layer`, which the quantizer writes to record each layer's
+    stored format) are counted, the table of formats below gives them; patterns are shown as written."""
     rows = []
     order = [k for k in FIELD_NAMES if k in qconfig] + sorted(k for k in qconfig if k not in FIELD_NAMES)
     for key in order:
@@ -88,10 +98,54 @@ def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
             value = "per-channel (one scale per output row)"
         elif key == "modules_to_not_convert" and not value:
             value = "none"
+        elif key == "module_overrides":
+            value = _overrides_text(value or {})
         elif isinstance(value, (list, tuple)):
             value = ", ".join(f"`{v}`" for v in value)
         rows.append((key, str(value)))
     return rows
+
+
+def _names_a_layer(pattern: str) -> bool:
+    """Whether a `module_overrides` key names one layer by its full name (it has a layer index: `model.layers.3.
+    mlp.down_proj`), as the quantizer's entries do, rather than a pattern (`v_proj`, `model.layers.*.mlp.*`)."""
+    return not any(ch in pattern for ch in "*?[") and any(part.isdigit() for part in pattern.split("."))
+
+
+def _overrides_text(overrides: dict[str, Any]) -> str:
+    """`module_overrides` in a table cell: patterns as JSON, entries naming a layer counted."""
+    named = [p for p in overrides if _names_a_layer(p)]
+    patterns = {p: s for p, s in overrides.items() if p not in named}
+    parts = [f"`{json.dumps(patterns)}`"] if patterns else []
+    if named:
+        parts.append(f"{len(named)} layers by name, each with the format it is stored in (table below)")
+    return "; ".join(parts) or "none"
+
+
+def _format_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The quantized layers counted per stored format (bits, group, symmetric, method), most common first."""
+    counts: Counter = Counter()
+    for row in report["quantized"]:
+        counts[(row["bits"], group_text(row), row["symmetric"], row["method"])] += row["count"]
+    return [
+        {"bits": bits, "group": group, "symmetric": symmetric, "method": method, "count": count}
+        for (bits, group, symmetric, method), count in counts.most_common()
+    ]
+
+
+_METHOD_TEXT = {
+    "rtn": "round-to-nearest with min/max scales",
+    "sinq": "SINQ (round-to-nearest after a per-input-column scale balanced by Sinkhorn iterations, arXiv "
+    "2509.22944, stored as `weight_col_scale`)",
+    FOLDED_SINQ: "SINQ with its column scales folded into the model (into the norms and the preceding projections, "
+    "an exact identity), so the layers store plain round-to-nearest codes",
+}
+
+
+def _methods_text(report: dict[str, Any]) -> str:
+    """The methods of the quantized layers, named as the tables name them (`sinq (folded)`: ...)."""
+    methods = sorted({row["method"] for row in report["quantized"]}, key=list(_METHOD_TEXT).index)
+    return "; ".join(f"`{m}`: {_METHOD_TEXT[m]}" for m in methods) or "none"
 
 
 def _auto_class(architecture: str | None) -> str:
@@ -126,8 +180,9 @@ def build_card(
         repo_id: Hub repo id for the usage snippet; default "<your-username>/<folder name>".
         base_model: Hub repo id of the float model; default: the `base_model` of the card already in `folder`.
         base_card: README.md of the float model; its license and languages are carried over.
-        command: how the checkpoint was made, shown in the card; default: the `hfquant convert` command that makes
-            it from `base_model`.
+        command: how the checkpoint was made, shown in the card; default: the command of the hfquant card already in
+            `folder`, else the `hfquant convert` command that makes it from `base_model` with the settings of its
+            config (`asked_settings`).
         name: the checkpoint's name (default: the folder's name; `convert` passes DST's while writing a temporary
             folder).
         template_path: Jinja template; default `model_cards/hfquant.jinja`.
@@ -159,7 +214,8 @@ def build_card(
         {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
     )
     carried.update({k: v for k, v in previous.items() if k in _CARRIED_METADATA and k not in carried})
-    tags = ["hfquant", *[f"int{b}" for b in bits], *[f"{b}-bit" for b in bits], "quantized", "weight-only", "rtn"]
+    methods = sorted({row["method"].split()[0] for row in report["quantized"]})  # "sinq (folded)" is sinq
+    tags = ["hfquant", *[f"int{b}" for b in bits], *[f"{b}-bit" for b in bits], "quantized", "weight-only", *methods]
     card_data = ModelCardData(
         base_model=base_model,
         library_name="transformers",
@@ -171,7 +227,9 @@ def build_card(
     eval_path = folder / EVAL_FILE
     evaluation = json.loads(eval_path.read_text(encoding="utf-8")) if eval_path.is_file() else None
     if command is None:
-        command = _convert_command(base_model or "SRC", name, qconfig)
+        command = previous_command(folder / "README.md") or convert_command(
+            base_model or "SRC", name, asked_settings(qconfig, recorded=True)
+        )
     values = _template_values(report, bits, base_model, evaluation)
     values.update(
         model_name=repo_id.split("/")[-1] if repo_id else name,
@@ -187,14 +245,13 @@ def _granularity(qconfig: dict[str, Any], report: dict[str, Any]) -> str:
     """How many inputs share a scale, as the card says it ("groups of 128 inputs per scale (...)")."""
     if qconfig.get("group_size") is None:
         return "one scale per output channel"
-    groups = sorted({row["group_size"] for row in report["quantized"]})
+    groups = sorted({row["group_size"] for row in report["quantized"] if not row.get("per_channel")})
     granularity = f"groups of {qconfig['group_size']} inputs per scale"
     fallback = [g for g in groups if g != qconfig["group_size"]]
     if fallback:
-        granularity += (
-            f" ({' or '.join(map(str, fallback))} in the layers whose input width "
-            f"{qconfig['group_size']} does not divide)"
-        )
+        granularity += f" ({' or '.join(map(str, fallback))} in some layers)"
+    if any(row.get("per_channel") for row in report["quantized"]):
+        granularity += ", one scale per output channel in others"
     return granularity
 
 
@@ -212,6 +269,9 @@ def _template_values(
         bits_text=" / ".join(f"{b}-bit integers" for b in bits),
         bits_tag="/".join(f"int{b}" for b in bits),
         granularity=_granularity(qconfig, report),
+        methods_text=_methods_text(report),
+        format_rows=_format_rows(report),
+        install=install_lines(),
         symmetric=all(row["symmetric"] for row in report["quantized"]),
         dtype=report["dtype"],
         config_rows=_config_rows(qconfig),
@@ -220,7 +280,12 @@ def _template_values(
         ratio=f"{totals['ratio']:.2f}x" if totals["ratio"] else "n/a",
         file_size=human_bytes(totals["file_bytes"]),
         layer_rows=[
-            {**row, "bytes": human_bytes(row["bytes"]), "float_bytes": human_bytes(row["float_bytes"])}
+            {
+                **row,
+                "group": group_text(row),
+                "bytes": human_bytes(row["bytes"]),
+                "float_bytes": human_bytes(row["float_bytes"]),
+            }
             for row in report["quantized"]
         ],
         float_layers=report["float_layers"],
@@ -230,21 +295,72 @@ def _template_values(
     )
 
 
-def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:
-    """The `hfquant convert` command line that makes a checkpoint with `qconfig`."""
+def asked_settings(qconfig: dict[str, Any], recorded: bool = False) -> dict[str, Any]:
+    """The fields of `qconfig` (an `HfQuantConfig.to_dict()`) that differ from the defaults at its bit width, `bits`
+    always: what a user gives to make the same checkpoint. With `recorded` (the config of a quantized checkpoint), the
+    `module_overrides` entries naming one layer are left out: the quantizer wrote them to record each layer's
+    stored format (group fallbacks, the data-free rule, the folds), and makes them again from the other fields."""
     defaults = HfQuantConfig(bits=qconfig["bits"]).to_dict()
-    parts = ["hfquant convert", src, dst]
+    settings = {"bits": qconfig["bits"]}
     for key, value in qconfig.items():
-        if key in ("quant_method", "format_version") or defaults.get(key) == value and key != "bits":
+        if key == "module_overrides" and recorded:
+            value = {p: s for p, s in (value or {}).items() if not _names_a_layer(p)}
+        if key not in ("quant_method", "format_version", "bits") and defaults.get(key) != value:
+            settings[key] = value
+    return settings
+
+
+def convert_command(src: str, dst: str, settings: dict[str, Any], dtype: str = "auto") -> str:
+    """The `hfquant convert SRC DST ...` command line making a checkpoint with `settings` (`asked_settings`, or an
+    `HfQuantConfig.to_dict()`), shell-quoted (`shlex.join`): pasted into a POSIX shell, it runs as is. `dtype`: the
+    `--dtype` option, left out when "auto"."""
+    parts = ["hfquant", "convert", src, dst]
+    defaults = HfQuantConfig(bits=settings["bits"]).to_dict()
+    for key, value in settings.items():
+        if key in ("quant_method", "format_version") or (key != "bits" and defaults.get(key) == value):
             continue
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(flag if value else "--" + ("asymmetric" if key == "symmetric" else f"no-{key}"))
+        if key == "symmetric":
+            parts.append("--symmetric" if value else "--asymmetric")
+        elif isinstance(value, bool):
+            parts.append(flag if value else f"--no-{key.replace('_', '-')}")
         elif isinstance(value, list):
             parts += [flag, *value]
+        elif isinstance(value, dict):
+            parts += [flag, json.dumps(value, separators=(",", ":"))]
         else:
             parts += [flag, "none" if value is None else str(value)]
-    return " ".join(parts)
+    if dtype != "auto":
+        parts += ["--dtype", dtype]
+    return shlex.join(parts)
+
+
+_COMMAND = re.compile(r"^## How it was made$.*?^```(?:bash|python)\n(.*?)\n```", re.MULTILINE | re.DOTALL)
+
+
+def previous_command(readme: Path) -> str | None:
+    """The command of the "How it was made" section of the hfquant card `readme`, or None."""
+    if not is_hfquant_card(readme):
+        return None
+    found = _COMMAND.search(readme.read_text(encoding="utf-8"))
+    return found.group(1) if found else None
+
+
+def install_lines() -> list[str]:
+    """How a downloader installs hfquant, as shell lines: hfquant is not on PyPI; from its source repository when the
+    installed package names one (`Project-URL` / `Home-page` metadata), else from a checkout of its source."""
+    try:
+        meta = metadata.metadata("hfquant")
+        urls = [u.split(",", 1)[-1].strip() for u in meta.get_all("Project-URL") or []] + [meta.get("Home-page")]
+    except metadata.PackageNotFoundError:
+        urls = []
+    url = next((u for u in urls if u and u.startswith("https://")), None)
+    if url:
+        return [f"pip install {shlex.quote(f'hfquant @ git+{url}')}"]
+    return [
+        "# hfquant is not on PyPI and names no public repository: install it from a copy of its source tree",
+        "pip install ./hfquant    # the folder holding hfquant's pyproject.toml",
+    ]
 
 
 def write_card(folder: str | os.PathLike, **kwargs) -> Path:
@@ -256,16 +372,25 @@ def write_card(folder: str | os.PathLike, **kwargs) -> Path:
 
 
 def card_for_convert(
-    src: str | os.PathLike, dst: str | os.PathLike, base_model: str | None = None
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    base_model: str | None = None,
+    config: HfQuantConfig | None = None,
+    dtype: str = "auto",
 ) -> Callable[[Path, Path], Path]:
-    """`convert(src, dst, ..., before_publish=card_for_convert(src, dst))`: writes the card into the finished folder
-    before it is published, as `hfquant convert` does. The card is named for `dst`, carries the license and
-    languages of SRC's README.md, and names `base_model`, else SRC when it is a Hub repo id or a Hub cache folder
-    (`base_model_of`)."""
+    """`convert(src, dst, config, ..., before_publish=card_for_convert(src, dst, config=config))`: writes the card
+    into the finished folder before it is published, as `hfquant convert` does. The card is named for `dst`, carries
+    the license and languages of SRC's README.md, and names `base_model`, else SRC when it is a Hub repo id or a Hub
+    cache folder (`base_model_of`). Its command is `convert_command` with the options `config` and `dtype` as the
+    user gave them, from the base model when known, else from `src` as given; without `config`, the card's
+    default."""
     name = Path(dst).expanduser().name
 
     def write(folder: Path, source: Path) -> Path:
         base = base_model if base_model is not None else base_model_of(src, source)
-        return write_card(folder, base_model=base, base_card=source / "README.md", name=name)
+        command = None
+        if config is not None:
+            command = convert_command(base or str(src), name, asked_settings(config.to_dict()), dtype)
+        return write_card(folder, base_model=base, base_card=source / "README.md", name=name, command=command)
 
     return write

@@ -31,7 +31,7 @@ from huggingface_hub.utils import HFValidationError, get_session, validate_repo_
 
 from hfquant.checkpoint.files import stays_inside
 from hfquant.checkpoint.source import base_model_of
-from hfquant.publishing.cards import build_card, is_hfquant_card, read_base_model
+from hfquant.publishing.cards import asked_settings, build_card, is_hfquant_card, read_base_model
 
 __all__ = [
     "HubError",
@@ -339,7 +339,7 @@ def push_model_to_hub(
         logger.warning("push_to_hub ignores %s", sorted(unused))
     base_model, source = _loaded_from(model)
     config = model.config.quantization_config
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("quant_method", "format_version")}
+    settings = asked_settings(config.to_dict(), recorded=True)  # not the entries recording each layer's format
     arguments = ", ".join(f"{k}={v!r}" for k, v in settings.items())
     command = (
         "import hfquant\nfrom transformers import AutoModelForCausalLM\n\n"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
+from helpers import read_tensors
 from huggingface_hub import ModelCard
 
 from hfquant import HfQuantConfig
@@ -117,3 +119,52 @@ def test_errors(llama_int4, float_checkpoint, tmp_path):
         build_card(llama_int4, template_path=tmp_path / "missing.jinja")
     (tmp_path / "README.md").write_text("# my own card\n")
     assert not is_hfquant_card(tmp_path / "README.md")
+
+
+def _card_command(readme) -> list[str]:
+    """The command of the card's "How it was made" section, split as a POSIX shell splits it."""
+    text = readme.read_text()
+    block = text.split("## How it was made", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return shlex.split(block)
+
+
+def test_card_command_reproduces_the_tensors(float_checkpoint, tmp_path, monkeypatch):
+    """Issue #27 item 2: the card's command, with the user's own options (a JSON module_overrides, a list, a group
+    and a dtype), is shell-quoted; run as the shell would split it, it writes the same tensors and config."""
+    from hfquant.commands.cli import main
+
+    src = float_checkpoint("llama", torch.bfloat16, hidden_size=96)
+    options = ["--bits", "4", "--group-size", "64", "--module-overrides", '{"o_proj": {"bits": 8}}']
+    options += ["--modules-to-not-convert", "k_proj", "--dtype", "float32", "--no-progress"]
+    assert main(["convert", str(src), str(tmp_path / "mine"), *options]) == 0
+    command = _card_command(tmp_path / "mine" / "README.md")
+    assert command[:4] == ["hfquant", "convert", str(src), "mine"]
+    assert command[command.index("--module-overrides") + 1] == '{"o_proj":{"bits":8}}'
+    assert "--dtype" in command and "k_proj" in command
+    (tmp_path / "again").mkdir()
+    monkeypatch.chdir(tmp_path / "again")
+    assert main([*command[1:], "--no-progress"]) == 0
+    want, got = read_tensors(tmp_path / "mine"), read_tensors(tmp_path / "again" / "mine")
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+    configs = [json.loads((p / "config.json").read_text()) for p in (tmp_path / "mine", tmp_path / "again" / "mine")]
+    assert configs[0]["quantization_config"] == configs[1]["quantization_config"]
+    # re-rendered (hfquant push, hfquant eval), the card keeps the command
+    assert _card_command(write_card(tmp_path / "mine", repo_id="me/mine")) == command
+
+
+def test_card_summarizes_layers_names_the_method_and_says_how_to_install(float_checkpoint, tmp_path):
+    """The default 4-bit config records every layer's format in module_overrides: the card counts the layers per
+    format instead of dumping the dict, names the method as its tables do, and installs from source."""
+    out = tmp_path / "default"
+    convert(float_checkpoint("llama", torch.bfloat16, hidden_size=96), out, HfQuantConfig(), progress=False)
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert len(qconfig["module_overrides"]) == 14
+    card = build_card(out, base_model=BASE).content
+    assert "model.layers.0" not in card and '"group_size"' not in card  # no entry of the dict in the card
+    assert "| `module_overrides` | 14 layers by name, each with the format it is stored in (table below) |" in card
+    assert "| 11 | 4 | 32 | no | sinq (folded) |" in card and "| 2 | 4 | 64 | no | sinq (folded) |" in card
+    assert "| 1 | 8 | per-channel | yes | sinq (folded) |" in card
+    assert "round-to-nearest (RTN)" not in card and "`sinq (folded)`: SINQ with its column scales folded" in card
+    assert "pip install hfquant\n" not in card and "not published on PyPI" in card
+    assert not (out / "README.md").exists()  # the library's convert writes no card: the command is made from config
+    assert build_card(out).content.split("```bash\n")[-1].startswith(f"hfquant convert SRC {out.name} --bits 4\n")

@@ -264,6 +264,55 @@ def test_eval_never_writes_through_a_link_that_leaves_the_folder(llama_with_toke
     assert "not writing hfquant_eval.json" in caplog.text and "not writing README.md" in caplog.text
 
 
+def _eval_argv(path: Path, *extra: str) -> list[str]:
+    """`hfquant eval` of `path` with tiny windows and speed runs, results printed as JSON, nothing saved."""
+    small = ["--max-length", "32", "--new-tokens", "3", "--repeats", "1", "--no-save", "--json"]
+    return ["eval", str(path), *small, *extra]
+
+
+def test_eval_scores_a_stated_slice_by_default_and_the_whole_text_on_request(llama_with_tokenizer, capsys):
+    """The default text is the first DEFAULT_REFERENCE_CHARS characters of the pydoc topics, as the help and the
+    output say; --full-text scores all of it, --max-chars N the first N (--max-tokens then cuts the tokens)."""
+    from hfquant.commands.eval_ import DEFAULT_MAX_CHARS
+    from hfquant.evaluation import DEFAULT_REFERENCE_CHARS, _reference_corpus
+
+    assert DEFAULT_MAX_CHARS == DEFAULT_REFERENCE_CHARS  # the parser's copy, kept free of torch
+    corpus = len(_reference_corpus())
+    assert f"first {DEFAULT_MAX_CHARS} characters" in _subparsers(build_parser())["eval"].format_help()
+
+    runs = {}
+    for name, extra in {
+        "default": ["--max-tokens", "64"],
+        "full": ["--full-text", "--max-tokens", "64"],
+        "sliced": ["--max-chars", "100"],
+    }.items():
+        assert main(_eval_argv(llama_with_tokenizer, "--no-progress", *extra)) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["default"]["characters"] == DEFAULT_REFERENCE_CHARS
+    assert f"first {DEFAULT_REFERENCE_CHARS} of {corpus} characters" in runs["default"]["text"]
+    assert runs["full"]["characters"] == corpus and f"all {corpus} characters" in runs["full"]["text"]
+    # the byte-level tokenizer: one token per byte of ASCII text
+    assert (runs["sliced"]["characters"], runs["sliced"]["tokens"]) == (100, 100)
+    assert runs["default"]["tokens"] == runs["full"]["tokens"] == 64
+    with pytest.raises(SystemExit):
+        main(_eval_argv(llama_with_tokenizer, "--full-text", "--max-chars", "100"))
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_eval_progress_bars_on_stderr_and_none_with_no_progress(llama_with_tokenizer, capsys):
+    """A bar per perplexity window and per generated token, on stderr (stdout keeps the JSON); --no-progress: none."""
+    argv = _eval_argv(llama_with_tokenizer, "--max-chars", "200")
+    assert main(argv) == 0
+    shown = capsys.readouterr()
+    json.loads(shown.out)
+    assert "perplexity, this model" in shown.err and "7/7" in shown.err  # 200 tokens in windows of 32
+    assert "decode speed, this model" in shown.err
+    assert main([*argv, "--no-progress"]) == 0
+    quiet = capsys.readouterr()
+    assert json.loads(quiet.out)["results"][0]["perplexity"] == json.loads(shown.out)["results"][0]["perplexity"]
+    assert "perplexity" not in quiet.err and "decode speed" not in quiet.err and "%|" not in quiet.err
+
+
 @pytest.mark.slow
 def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
     """convert, inspect, eval and push on the real SmolLM2, each through the installed command."""
@@ -296,18 +345,16 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
     assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
     report = user("inspect", "SmolLM2-int4")
     # the 4-bit default's data-free mixed precision: down projections (K=1536) at group 64 instead of the asked 128,
-    # the value projections of layers 15-29 in int8 (per-channel: group = K); SINQ's column scales folded into the
-    # norms and projections, so every layer is stored as plain RTN with its complete format in module_overrides,
-    # which the config line summarizes
-    assert "model.layers.*.mlp.down_proj        30     4     64  no         rtn" in report
-    assert "model.layers.*.self_attn.v_proj     15     8    576  yes        rtn" in report
-    assert (
-        "model.layers.*.self_attn.q_proj     30     4     64" in report
-    )  # K=576: the largest power of two dividing it
+    # the value projections of layers 15-29 in int8 (per-channel: one group of K); SINQ's column scales folded into
+    # the norms and projections, so every layer is stored as plain RTN codes ("sinq (folded)") with its complete
+    # stored format in module_overrides (K=576 at group 64), which the config line summarizes
+    rows = {tuple(line.split()[:4]): line.split()[4:7] for line in report.splitlines() if line.startswith("model.")}
+    assert rows[("model.layers.*.mlp.down_proj", "30", "4", "64")][:3] == ["no", "sinq", "(folded)"]
+    assert rows[("model.layers.*.self_attn.v_proj", "15", "8", "per-channel")][:3] == ["yes", "sinq", "(folded)"]
+    assert ("model.layers.*.self_attn.q_proj", "30", "4", "64") in rows  # K=576: the largest power of two dividing it
     assert "fold_column_scales=True" in report and "method=sinq" in report
     assert (
-        'module_overrides={210 layers: {"bits": 4, "group_size": 128, "method": "rtn", "symmetric": false}, '
-        '{"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
+        'module_overrides={210 layers: {"bits": 4, "group_size": 64, "method": "rtn", "symmetric": false}, '
         '{"bits": 8, "group_size": null, "method": "rtn", "symmetric": true}; per layer in the table below}'
     ) in report
     assert "lm_head: tied to model.embed_tokens.weight" in report
@@ -487,6 +534,13 @@ def test_export_format_from_a_gguf_destination():
     from hfquant.conversion.export import FORMATS
 
     assert export.FORMATS == FORMATS  # the parser's choices are the exporter's
+    from hfquant.checkpoint.compressed_tensors import ENGINES
+
+    assert export.ENGINES == ENGINES
+    assert parse_args(["export", "s", "d", "--format", "compressed-tensors"]).engine == "vllm"
+    assert parse_args(["export", "s", "d", "--format", "compressed-tensors", "--engine", "transformers"]).engine == (
+        "transformers"
+    )
     assert parse_args(["export", "s", "model.gguf"]).format == "gguf"
     assert parse_args(["export", "s", "Model.GGUF"]).format == "gguf"
     assert parse_args(["export", "s", "d", "--format", "compressed-tensors"]).format == "compressed-tensors"

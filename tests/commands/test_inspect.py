@@ -9,7 +9,7 @@ import torch
 
 from hfquant import HfQuantConfig
 from hfquant.conversion.convert import convert
-from hfquant.inspection import format_report, inspect_checkpoint, layer_kind
+from hfquant.inspection import FOLDED_SINQ, format_report, inspect_checkpoint, layer_kind
 
 LLAMA_KINDS = [
     f"model.layers.*.{p}"
@@ -87,6 +87,10 @@ def test_int8_per_channel_and_reasons(converted):
     for kind, row in rows.items():
         assert (row["bits"], row["symmetric"]) == (8, True)
         assert row["group_size"] == (128 if kind.endswith("down_proj") else 64)  # per channel: the whole row
+        assert row["per_channel"] is True and row["method"] == "rtn"
+    text = format_report(report)
+    line = next(line for line in text.splitlines() if line.startswith("model.layers.*.mlp.down_proj"))
+    assert line.split()[:5] == ["model.layers.*.mlp.down_proj", "2", "8", "per-channel", "yes"]
     reasons = {row["kind"]: (row["count"], row["reason"]) for row in report["float_layers"]}
     assert reasons["model.layers.*.self_attn.o_proj"] == (2, "listed in modules_to_not_convert")
     assert reasons["lm_head"][1].startswith("tied to model.embed_tokens.weight")
@@ -98,6 +102,27 @@ def test_conv1d_shapes(converted):
     rows = {row["kind"]: row for row in report["quantized"]}
     assert rows["transformer.h.*.attn.c_attn"]["float_bytes"] == 2 * 64 * 192 * 4
     assert rows["transformer.h.*.mlp.c_proj"]["group_size"] == 32
+
+
+def test_methods_as_stored_sinq_folded_sinq_and_rtn(converted):
+    """Issue #27 item 3: the default 4-bit Llama checkpoint folds SINQ (plain codes, no column scale) and is reported
+    as folded SINQ, not as RTN; unfolded SINQ (GPT-2's Conv1D, or fold_column_scales off) stores column scales and
+    is "sinq"; method rtn is "rtn". The v_proj the data-free rule stores in int8 is per-channel."""
+    folded = {row["kind"]: row for row in inspect_checkpoint(converted("llama"))["quantized"]}
+    assert {row["method"] for row in folded.values()} == {FOLDED_SINQ}
+    int8 = [row for row in folded.values() if row["bits"] == 8]
+    assert [(row["kind"], row["count"], row["per_channel"]) for row in int8] == [
+        ("model.layers.*.self_attn.v_proj", 1, True)
+    ]
+    assert {row["method"] for row in inspect_checkpoint(converted("gpt2"))["quantized"]} == {"sinq"}
+    unfolded = inspect_checkpoint(converted("llama", fold_column_scales=False))["quantized"]
+    assert {row["method"] for row in unfolded} == {"sinq"}
+    plain = inspect_checkpoint(converted("llama", method="rtn", mixed_precision="none"))["quantized"]
+    assert {row["method"] for row in plain} == {"rtn"}
+    # a layer asked in RTN by a pattern in a folded checkpoint is RTN
+    mixed = inspect_checkpoint(converted("llama", module_overrides={"o_proj": {"method": "rtn"}}))["quantized"]
+    assert {row["kind"]: row["method"] for row in mixed}["model.layers.*.self_attn.o_proj"] == "rtn"
+    assert {row["kind"]: row["method"] for row in mixed}["model.layers.*.self_attn.q_proj"] == FOLDED_SINQ
 
 
 def test_float_checkpoint(float_checkpoint):

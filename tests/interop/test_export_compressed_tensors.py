@@ -98,7 +98,9 @@ def _quantized_modules(model) -> dict[str, torch.nn.Module]:
 def test_every_layer_decompresses_to_hfquant_weights(llama_bf16, tmp_path, case):
     src, dst = tmp_path / "hfquant", tmp_path / "ct"
     convert(llama_bf16, src, hfquant_config(**CASES[case]), progress=False)
-    result = export_checkpoint(src, dst, format="compressed-tensors")
+    # mixed q/k/v formats: engine "vllm" would write those sets in float (the test above), "transformers" keeps them
+    engine = "transformers" if case.startswith("mixed") else "vllm"
+    result = export_checkpoint(src, dst, format="compressed-tensors", engine=engine)
     qconfig = json.loads((dst / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qconfig)  # compressed-tensors' own schema accepts it
     assert parsed.format == "pack-quantized" and parsed.quantization_status == "compressed"
@@ -153,27 +155,77 @@ def test_sinq_is_refused_naming_the_layer_and_dst_is_untouched(llama_bf16, tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
 
 
-def test_fused_layers_with_different_schemes_are_named_for_vllm(float_checkpoint, tmp_path, caplog):
-    """The 4-bit default's rule puts late v_proj in int8 beside int4 q/k_proj: valid compressed-tensors, but vLLM fuses
-    q/k/v into one layer with one scheme, so the export warns naming the layers; a uniform config does not warn."""
+def test_fused_layers_with_different_schemes_are_written_in_float_for_vllm(float_checkpoint, tmp_path, caplog):
+    """The 4-bit default's rule puts late v_proj in int8 beside int4 q/k_proj: vLLM fuses q/k/v into one layer with
+    one scheme, so for engine "vllm" the export writes those sets in float (hfquant's dequantized weights, listed in
+    `ignore`) with one warning naming them; for engine "transformers", and for a uniform config, all stays
+    quantized without a warning."""
     src = float_checkpoint("llama", torch.bfloat16, num_hidden_layers=4)
     for name, config in {
         "default": HfQuantConfig(bits=4, group_size=32),
         "uniform": HfQuantConfig(bits=4, group_size=32, mixed_precision="none"),
     }.items():
         convert(src, tmp_path / name, config, progress=False)
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="hfquant.checkpoint.compressed_tensors"):
-            export_checkpoint(tmp_path / name, tmp_path / f"{name}-ct")
-        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        if name == "default":
-            assert len(warnings) == 1 and "vLLM" in warnings[0] and "2 set(s)" in warnings[0]
-            assert (
-                "model.layers.2.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 32 asymmetric, 4-bit group 32 "
-                "asymmetric, 8-bit per-channel symmetric"
-            ) in warnings[0]
-        else:
-            assert warnings == []
+        for engine in ("vllm", "transformers"):
+            caplog.clear()
+            dst = tmp_path / f"{name}-{engine}"
+            with caplog.at_level("WARNING", logger="hfquant.checkpoint.compressed_tensors"):
+                result = export_checkpoint(tmp_path / name, dst, engine=engine)
+            warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            ignore = json.loads((dst / "config.json").read_text())["quantization_config"]["ignore"]
+            if name == "default" and engine == "vllm":
+                assert len(warnings) == 1 and "vLLM" in warnings[0] and "2 set(s)" in warnings[0]
+                assert (
+                    "model.layers.2.self_attn.{q_proj,k_proj,v_proj}: 4-bit group 32 asymmetric, 4-bit group 32 "
+                    "asymmetric, 8-bit per-channel symmetric"
+                ) in warnings[0]
+                assert "6 quantized layers are written in float" in warnings[0]
+                assert result.dequantized_layers == 6 and result.config_groups == 1
+                floats = {f"model.layers.{i}.self_attn.{p}" for i in (2, 3) for p in ("q_proj", "k_proj", "v_proj")}
+                assert floats <= set(ignore)
+                model = AutoModelForCausalLM.from_pretrained(tmp_path / name, device_map="cpu")
+                exported = read_tensors(dst)
+                for layer in floats:
+                    assert f"{layer}.weight_packed" not in exported
+                    want = model.get_submodule(layer).dequantize(torch.bfloat16)
+                    assert torch.equal(exported[f"{layer}.weight"], want), layer
+            else:
+                assert warnings == []
+                assert ignore == ["lm_head"] and result.dequantized_layers == 0
+
+
+def test_engine_transformers_lays_zero_points_out_as_transformers_allocates_them(llama_bf16, tmp_path):
+    """Engine "transformers": an asymmetric layer's zero point is (N, G) int32, its first ceil(N * bits / 32) rows
+    the packed words of engine "vllm" and zeros below, and its group says zp_dtype int32; compressed-tensors'
+    decompress gives the same weights from either; every other tensor is the same."""
+    src = tmp_path / "hfquant"
+    convert(llama_bf16, src, hfquant_config(bits=4, group_size=32, symmetric=False), progress=False)
+    export_checkpoint(src, tmp_path / "vllm")
+    export_checkpoint(src, tmp_path / "tf", engine="transformers")
+    packed, padded = read_tensors(tmp_path / "vllm"), read_tensors(tmp_path / "tf")
+    assert sorted(packed) == sorted(padded)
+    qconfig = QuantizationConfig.model_validate(
+        json.loads((tmp_path / "tf" / "config.json").read_text())["quantization_config"]
+    )
+    (scheme,) = qconfig.config_groups.values()
+    assert scheme.weights.zp_dtype == torch.int32 and not scheme.weights.symmetric
+    zero_points = [k for k in packed if k.endswith("weight_zero_point")]
+    assert zero_points
+    for key in packed:
+        if key not in zero_points:
+            assert torch.equal(packed[key], padded[key]), key
+            continue
+        layer = key.removesuffix(".weight_zero_point")
+        n = int(packed[f"{layer}.weight_shape"][0])
+        words = packed[key].shape[0]
+        assert padded[key].shape == (n, packed[key].shape[1]) and padded[key].dtype == torch.int32
+        assert torch.equal(padded[key][:words], packed[key]) and not padded[key][words:].any()
+        local = {k.removeprefix(f"{layer}."): padded[k] for k in padded if k.startswith(f"{layer}.weight_")}
+        want = {k.removeprefix(f"{layer}."): packed[k] for k in packed if k.startswith(f"{layer}.weight_")}
+        got = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+        assert torch.equal(got, PackedQuantizationCompressor.decompress(want, scheme)["weight"]), layer
+    with pytest.raises(ValueError, match=r"engine='sglang'.*\['vllm', 'transformers'\]"):
+        export_checkpoint(src, tmp_path / "x", engine="sglang")
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer  # noqa: E402
+from helpers import MERGES_VOCAB, tiny_model  # noqa: E402
+from helpers import tiny_tokenizer as _byte_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hfquant import HfQuantConfig, QuantLinear  # noqa: E402
@@ -23,6 +24,12 @@ from hfquant.checkpoint.gguf_export import llama_permutation, reblock_int4  # no
 from hfquant.conversion.convert import convert  # noqa: E402
 from hfquant.conversion.export import export_checkpoint  # noqa: E402
 from hfquant.conversion.export_gguf import gguf_pre_tokenizer  # noqa: E402
+
+
+def tiny_tokenizer():
+    """`helpers.tiny_tokenizer` with one merge: llama.cpp reads no byte-level BPE file without a merge list."""
+    return _byte_tokenizer(merges=True)
+
 
 CONFIGS = {
     "int8": dict(bits=8),
@@ -37,7 +44,7 @@ TYPES = {"int8": {"Q8_0"}, "int4-sym": {"Q4_0"}, "int4-asym": {"Q4_1"}, "int4-de
 def source(tmp_path_factory) -> Path:
     """A tiny Llama (4 heads, 2 key/value heads, so q and k are permuted) with a byte-level BPE tokenizer."""
     folder = tmp_path_factory.mktemp("gguf-src")
-    tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(folder)
+    tiny_model("llama", dtype=torch.bfloat16, **MERGES_VOCAB).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 
@@ -116,7 +123,7 @@ def test_qwen2_is_written_unpermuted_with_its_biases(tmp_path, name):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        **TOKENIZER_VOCAB,
+        **MERGES_VOCAB,
     )
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     with torch.no_grad():  # Qwen2 initializes its q/k/v biases to zero: make them matter
@@ -326,3 +333,111 @@ def test_smollm2_gguf_exports_decode_hfquants_greedy_tokens(tmp_path):
         ):
             tokens.append(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
         assert torch.equal(tokens[0], tokens[1]), (name, tokenizer.decode(tokens[0]), tokenizer.decode(tokens[1]))
+
+
+# -- what llama.cpp requires, checked before writing (issue #28 item 3) -----------------------------------------
+
+
+def _field(reader, key):
+    part = reader.fields[key].parts[-1]
+    return bytes(part).decode() if part.dtype == "uint8" else int(part[0])
+
+
+def _keys_present(path: Path, architecture: str, tokenizer_model: str) -> set[str]:
+    from hfquant.conversion.export_gguf import REQUIRED_KEYS
+
+    fields = gguf.GGUFReader(path).fields
+    wanted = [key.format(arch=architecture) for key in REQUIRED_KEYS]
+    wanted.append("tokenizer.ggml.merges" if tokenizer_model == "gpt2" else "tokenizer.ggml.scores")
+    missing = [key for key in wanted if key not in fields]
+    assert not missing, missing
+    return set(fields)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_every_layout_has_the_keys_llama_cpp_requires(tmp_path, model_type):
+    """Llama, Mistral and Qwen2 exports carry every key llama.cpp's loader reads for their architecture; a model whose
+    head dim is hidden / heads gets no key/value length keys (llama.cpp's default is right)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **MERGES_VOCAB,
+    )
+    torch.manual_seed(0)
+    source = tmp_path / model_type
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(source)
+    tiny_tokenizer().save_pretrained(source)
+    folder = _quantized(source, tmp_path, "int8")
+    export_checkpoint(folder, folder / "model.gguf", format="gguf")
+    architecture = "qwen2" if model_type == "qwen2" else "llama"
+    fields = _keys_present(folder / "model.gguf", architecture, "gpt2")
+    assert f"{architecture}.attention.key_length" not in fields
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    assert _field(reader, f"{architecture}.attention.head_count_kv") == 2
+    assert _field(reader, f"{architecture}.rope.dimension_count") == 16
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_written_as_key_and_value_length(tmp_path):
+    """Mistral-Nemo's layout (head_dim 128 with hidden 5120 and 32 heads), tiny: hidden 64, 4 heads of 32 (not 16).
+    The file says key_length = value_length = 32, and transformers' GGUF loader gives hfquant's weights and
+    logits."""
+    source = tmp_path / "nemo-like"
+    tiny_model("llama", dtype=torch.bfloat16, head_dim=32, **MERGES_VOCAB).save_pretrained(source)
+    tiny_tokenizer().save_pretrained(source)
+    assert json.loads((source / "config.json").read_text())["head_dim"] == 32
+    folder = _quantized(source, tmp_path, "int8")
+    export_checkpoint(folder, folder / "model.gguf", format="gguf")
+    fields = _keys_present(folder / "model.gguf", "llama", "gpt2")
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    assert {"llama.attention.key_length", "llama.attention.value_length"} <= fields
+    assert _field(reader, "llama.attention.key_length") == _field(reader, "llama.attention.value_length") == 32
+    assert _field(reader, "llama.rope.dimension_count") == 32
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    assert int(q.shape[-1]) == 4 * 32  # rows: heads x head_dim (gguf lists dims innermost first)
+    _assert_same_model(folder, "head_dim 32")
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_writing(source, tmp_path):
+    """llama.cpp sizes the embedding from the token list: 258 tokens over 200 embedding rows is refused in one line
+    naming both numbers and the fix, and nothing is written (not even a temporary file); so is a byte-level BPE
+    without a merge list, which llama.cpp's BPE loader requires."""
+    small = tmp_path / "small-vocab"
+    tiny_model("llama", dtype=torch.bfloat16, vocab_size=200).save_pretrained(small)
+    tiny_tokenizer().save_pretrained(small)
+    folder = _quantized(small, tmp_path, "int8")
+    dst = tmp_path / "out.gguf"
+    with pytest.raises(ValueError, match=r"has 258 tokens but the embedding has 200 rows.*resize_token_embeddings"):
+        export_checkpoint(folder, dst, format="gguf")
+    assert not dst.exists() and not list(tmp_path.glob(".*.tmp"))
+    no_merges = _quantized(source, tmp_path / "merges", "int8")
+    _byte_tokenizer().save_pretrained(no_merges)  # 257 tokens for 258 rows, no merge
+    with pytest.raises(ValueError, match=r"has no merges; llama.cpp's BPE loader requires tokenizer.ggml.merges"):
+        export_checkpoint(no_merges, dst, format="gguf")
+    assert not dst.exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_attention_shapes_llama_cpp_would_misread_are_refused(source, tmp_path):
+    from hfquant.conversion.export_gguf import check_layout
+
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10}
+    shapes = {
+        "model.embed_tokens.weight": (10, 64),
+        "model.layers.0.self_attn.q_proj.weight": (64, 64),
+        "model.layers.0.self_attn.k_proj.weight": (32, 64),
+        "model.layers.0.self_attn.v_proj.weight": (32, 64),
+    }
+    assert check_layout(config, shapes) == 10
+    with pytest.raises(ValueError, match=r"num_attention_heads=4, num_key_value_heads=3.*multiple"):
+        check_layout(dict(config, num_key_value_heads=3), shapes)
+    with pytest.raises(ValueError, match=r"hidden_size=66 is not divisible by num_attention_heads=4"):
+        check_layout(dict(config, hidden_size=66), shapes)
+    with pytest.raises(ValueError, match=r"k_proj.weight has 32 rows; config.json gives 2 heads x head dim 32 = 64"):
+        check_layout(dict(config, head_dim=32), dict(shapes, **{"model.layers.0.self_attn.q_proj.weight": (128, 64)}))
+    with pytest.raises(ValueError, match=r"vocab_size=12 in config.json but model.embed_tokens.weight has 10 rows"):
+        check_layout(dict(config, vocab_size=12), shapes)

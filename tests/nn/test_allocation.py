@@ -105,7 +105,9 @@ def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpo
     folded = {
         name: {
             "bits": f.bits,
-            "group_size": 128 if f.bits == 4 and "down_proj" not in name else rule.get(name, {}).get("group_size"),
+            # the group each layer stores: down projections 64 (the rule), the others one group of their 64 inputs
+            # (per-channel: None) as 128 does not divide 64, int8 per-channel
+            "group_size": 64 if "down_proj" in name else None,
             "symmetric": f.bits == 8,
             "method": "rtn",
         }
@@ -114,6 +116,7 @@ def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpo
     # each fold entry states the layer's whole format, the rule's bits and group size included, and replaces the
     # rule's entry of that layer
     assert stored["module_overrides"] == folded
+    assert all(stored["module_overrides"][name].items() >= settings.items() for name, settings in rule.items())
     assert {formats[f"model.layers.{i}.mlp.down_proj"].group_size for i in range(4)} == {64}
     reloaded = auto_class("llama").from_pretrained(tmp_path, device_map="cpu")
     assert {name: m.format for name, m in reloaded.named_modules() if isinstance(m, QuantLinear)} == formats

@@ -187,6 +187,25 @@ def test_load_state_dict_into_a_fresh_layer_gives_the_same_forward(fmt, dtype, d
     assert torch.equal(prepared(x), expected)
 
 
+def test_a_state_dict_without_the_layers_tensors_keeps_its_kernel():
+    """`load_state_dict(other, strict=False)` where `other` holds none of the layer's tensors (peft loading a LoRA
+    adapter visits every module) keeps the prepared kernel and its layout: it used to drop every layer to the
+    dequantize kernel, whose bfloat16 sums differ (issue #28: a reloaded adapter's logits 1.9 off)."""
+    weight, bias = _float_layer(256, 64, seed=14, dtype=torch.bfloat16)
+    layer = QuantLinear.from_float(weight, bias, StoredFormat(4, 32, False))
+    assert layer.prepare_kernel(torch.bfloat16) == "int4pack_mm_cpu"
+    parent = torch.nn.Module()
+    parent.proj = layer
+    kernel_layout, scale_zero = layer.weight.clone(), layer.scale_zero.clone()
+    result = parent.load_state_dict({"adapter.weight": torch.zeros(2)}, strict=False)
+    assert result.unexpected_keys == ["adapter.weight"] and "proj.weight" in result.missing_keys
+    assert layer.kernel == "int4pack_mm_cpu"
+    assert torch.equal(layer.weight, kernel_layout) and torch.equal(layer.scale_zero, scale_zero)
+    # one of its tensors in the state dict: the stored layout is written, the kernel is to prepare again
+    parent.load_state_dict({"proj.weight_scale": layer.weight_scale.clone()}, strict=False)
+    assert layer.kernel == "dequant" and layer.scale_zero is None
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_dequantize_equals_rtn_dequantize_weight(fmt, device):
     bits, group, symmetric, k, n = fmt

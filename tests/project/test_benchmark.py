@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
+from helpers import MERGES_VOCAB, TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
 from benchmarks import benchmark
 
@@ -274,8 +274,8 @@ def test_gguf_read_bytes_counts_the_embedding_only_as_the_output_layer(tiny_chec
     sizes = {}
     for name, arch in (("untied", "llama"), ("tied", "llama_tied")):
         source = tmp_path / f"{name}-src"
-        tiny_model(arch, dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(source)
-        tiny_tokenizer().save_pretrained(source)
+        tiny_model(arch, dtype=torch.bfloat16, **MERGES_VOCAB).save_pretrained(source)
+        tiny_tokenizer(merges=True).save_pretrained(source)  # the GGUF export needs a merge list
         path = llama_cpp.prepare("llamacpp-q8_0", source, tmp_path / name, benchmark.quantization_config)
         import gguf
 
@@ -286,3 +286,23 @@ def test_gguf_read_bytes_counts_the_embedding_only_as_the_output_layer(tiny_chec
     assert "output.weight" in tensors and read == sum(tensors.values()) - tensors["token_embd.weight"]
     tensors, read = sizes["tied"]
     assert "output.weight" not in tensors and read == sum(tensors.values())
+
+
+def test_run_example_bar_names_each_step_the_worker_starts(tmp_path):
+    """scripts/run_example.py's driver: the steps a worker names in its status file move the bar and become its
+    label; a worker that outlives the timeout is killed (exit status None)."""
+    import importlib.util
+
+    from tqdm import tqdm
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "run_example.py"
+    spec = importlib.util.spec_from_file_location("run_example_under_test", script)
+    run_example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_example)
+    status = tmp_path / "steps"
+    worker = f"open({str(status)!r}, 'a').write('reload\\nperplexity\\n')"
+    with open(tmp_path / "log", "w") as log, tqdm(total=8, disable=False, file=open(os.devnull, "w")) as bar:
+        rc = run_example._run_showing_steps([sys.executable, "-c", worker], log, status, bar, "int4", timeout=300)
+        assert (rc, bar.n, bar.desc) == (0, 1, "int4: perplexity: ")  # tqdm adds ": "
+        slow = [sys.executable, "-c", "import time; time.sleep(60)"]
+        assert run_example._run_showing_steps(slow, log, tmp_path / "none", bar, "int4", timeout=0.2) is None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
+from helpers import MERGES_VOCAB, TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
 from benchmarks import benchmark, paired
 
@@ -149,8 +149,8 @@ def test_benchmark_reports_paired_rounds_and_their_targets(tmp_path):
     import json
 
     path = tmp_path / "tiny"
-    tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
+    tiny_model("llama", dtype=torch.bfloat16, **MERGES_VOCAB).save_pretrained(path)
+    tiny_tokenizer(merges=True).save_pretrained(path)  # the GGUF export needs a merge list
     fake = tmp_path / "fake-llama-python"
     stand_in = _stand_in([50.0])[2]
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{stand_in}'\n")

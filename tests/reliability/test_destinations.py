@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOKENIZER_VOCAB, auto_class, tiny_model, tiny_tokenizer
+from helpers import MERGES_VOCAB, auto_class, tiny_model, tiny_tokenizer
 
 from hfquant import HfQuantConfig
 from hfquant.checkpoint import publish
@@ -45,8 +45,8 @@ def origins(tmp_path_factory) -> dict[str, Path]:
     exported to compressed-tensors."""
     root = tmp_path_factory.mktemp("origins")
     float_folder = root / "float"
-    tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(float_folder)
-    tiny_tokenizer().save_pretrained(float_folder)
+    tiny_model("llama", dtype=torch.bfloat16, **MERGES_VOCAB).save_pretrained(float_folder)
+    tiny_tokenizer(merges=True).save_pretrained(float_folder)  # a merge list: the GGUF export needs one
     convert(float_folder, root / "hfquant", _config(), progress=False)
     export_checkpoint(root / "hfquant", root / "ct")
     return {"float": float_folder, "hfquant": root / "hfquant", "ct": root / "ct"}
