@@ -122,8 +122,9 @@ def plan_checkpoint_folds(
 
 
 def stored_entry(config: HfQuantConfig, plan: LayerPlan) -> dict | None:
-    """The complete `module_overrides` entry ({"bits", "group_size", "symmetric", "method"}) stating the stored format
-    of the quantized layer `plan`, or None when that format is the config's own fields (or `plan` stays in float).
+    """The complete `module_overrides` entry stating the stored format of the quantized layer `plan`, or None when
+    that format is the config's own fields (or `plan` stays in float): {"format", "method"} for a block format (a
+    fallback type, say), {["format": "int",] "bits", "group_size", "symmetric", "method"} for the integer format.
 
     The entry's group size is the asked one (`config.layer_settings`) when the layer stores that one, None when the
     layer is per-channel (one group of in_features, e.g. 576, which is no valid group size), else the group it
@@ -132,12 +133,17 @@ def stored_entry(config: HfQuantConfig, plan: LayerPlan) -> dict | None:
     fmt = plan.format
     if fmt is None:
         return None
-    asked = config.layer_settings(plan.name)[1]
+    if fmt.block is not None:
+        same = fmt.block == config.format and fmt.method == config.method
+        return None if same else {"format": fmt.block, "method": fmt.method.value}
+    asked = config.layer_settings(plan.name).group_size
     if fmt.group_size == asked:
         group_size = asked
     else:
         group_size = None if fmt.group_size == plan.in_features else fmt.group_size
     entry = {"bits": fmt.bits, "group_size": group_size, "symmetric": fmt.symmetric, "method": fmt.method.value}
+    if config.format != "int":
+        return {"format": "int"} | entry
     own = {"bits": config.bits, "group_size": config.group_size, "symmetric": config.symmetric}
     same = all(entry[k] == v for k, v in own.items()) and fmt.method == config.method
     return None if same else entry
@@ -178,8 +184,11 @@ def record_stored_formats(
 def _whole_entry(plan: LayerPlan) -> dict:
     """The complete entry of `plan`'s stored format, also when it is the config's own (see `stored_entry`)."""
     fmt = plan.format
+    if fmt.block is not None:
+        return {"format": fmt.block, "method": fmt.method.value}
     group_size = None if fmt.group_size == plan.in_features else fmt.group_size
-    return {"bits": fmt.bits, "group_size": group_size, "symmetric": fmt.symmetric, "method": fmt.method.value}
+    entry = {"bits": fmt.bits, "group_size": group_size, "symmetric": fmt.symmetric, "method": fmt.method.value}
+    return {"format": "int"} | entry
 
 
 def plan_quantized_experts(model: nn.Module, config: HfQuantConfig, skip: Iterable[str]) -> list[ExpertsPlan]:

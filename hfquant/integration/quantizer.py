@@ -96,21 +96,7 @@ def plan_model(model, config: HfQuantConfig, quantizing: bool = False) -> tuple[
         if added:
             logger.info("hfquant mixed_precision='auto': %d layer(s) get their own format: %s", len(added), added)
             plans = plan_layers(model, config, skip)
-        _record_fallbacks(config, plans)
     return skip, plans
-
-
-def _record_fallbacks(config: HfQuantConfig, plans: list[LayerPlan]) -> None:
-    """Put a `module_overrides` entry first for each layer stored in a block type's fallback (rows the asked type's
-    blocks do not divide), so that `config.json` names the format every layer is stored in."""
-    entries = {}
-    for plan in plans:
-        if plan.format is not None and plan.format.block is not None:
-            if plan.format.block != config.layer_settings(plan.name).format:
-                entries[plan.name] = {"format": plan.format.block}
-                logger.info("hfquant stores %s as %s: %s", plan.name, plan.format.block, plan.reason)
-    if entries:
-        config.prepend_overrides(entries)
 
 
 class HfQuantQuantize(ConversionOps):
