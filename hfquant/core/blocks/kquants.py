@@ -225,3 +225,246 @@ def dequantize_q6_k(data: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks (rows, K // 256 * 210) uint8 -> (rows, K) float32."""
     codes, sc, d = _fields_q6_k(_blocks(data, 210))
     return _rows(_symmetric(codes.to(torch.int16) - 32, sc, d), data, 210)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared quantization steps. Blocks are (N, 256) float32 rows of super-blocks; `w` the same shape, each element's
+# weight in the squared error. All steps work on every super-block at once.
+
+
+def _f32(value: float) -> float:
+    """`value` rounded to float32, so that a constant llama.cpp computes in float32 matches bit for bit."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _to_half(value: torch.Tensor) -> torch.Tensor:
+    """float32 rounded through float16, as a float16 field stores it."""
+    return value.to(torch.float16).float()
+
+
+def _safe(value: torch.Tensor) -> torch.Tensor:
+    return torch.where(value == 0, torch.ones_like(value), value)
+
+
+def _signed_extreme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, the signed value of largest magnitude, first one on ties) over the last dim of x."""
+    amax, index = x.abs().max(dim=-1)
+    return amax, x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def _super_blocks(weight: torch.Tensor) -> torch.Tensor:
+    if not torch.isfinite(weight).all():
+        raise ValueError("k-quants quantize finite weights; the weight holds NaN or inf")
+    return weight.detach().to(torch.float32).reshape(-1, QK_K)
+
+
+def _importance_blocks(importance: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    if importance is None:
+        return torch.ones(weight.numel() // QK_K, QK_K)
+    imp = importance.detach().to(torch.float32)
+    if imp.shape not in (weight.shape[1:], weight.shape) or (imp < 0).any() or not torch.isfinite(imp).all():
+        raise ValueError(
+            f"importance must be finite, >= 0 and of shape {tuple(weight.shape[1:])} or {tuple(weight.shape)}; got "
+            f"shape {tuple(imp.shape)}"
+        )
+    return imp.expand(weight.shape).reshape(-1, QK_K)
+
+
+def _grid(start: float, step: float, steps, nmax: int) -> list[float]:
+    """`start + step * i + nmax` for each i in `steps`, computed in float32 in llama.cpp's order."""
+    f32 = torch.float32
+    return [((torch.tensor(start, dtype=f32) + torch.tensor(step, dtype=f32) * i) + nmax).item() for i in steps]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# llama.cpp's data-free recipe (ggml-quants.c, `quantize_row_q<n>_K_ref`, what `ggml_quantize_chunk` runs without an
+# importance matrix), re-expressed over all blocks at once. It is the baseline hfquant's quantizers must beat; the
+# tests compare against it where llama.cpp itself is not installed.
+
+
+def _llama_affine_search(x, w, nmax, rmin, rdelta, nstep, use_mad):
+    """make_qkx2_quants on blocks x, w (B, n): (scale (B,), min (B,) >= 0, codes (B, n)) of x ~ scale * L - min."""
+    lo = x.amin(dim=1).clamp(max=0)
+    hi = x.amax(dim=1)
+    flat = hi == lo
+    sum_w, sum_x = w.sum(dim=1), (w * x).sum(dim=1)
+
+    def error(scale, offset, codes):
+        diff = scale[:, None] * codes + offset[:, None] - x
+        return (w * (diff.abs() if use_mad else diff * diff)).sum(dim=1)
+
+    span = _safe(hi - lo)
+    iscale = nmax / span
+    scale = 1 / iscale
+    codes = torch.round(iscale[:, None] * (x - lo[:, None])).clamp(0, nmax)
+    best = error(scale, lo, codes)
+    for factor in _grid(rmin, rdelta, range(nstep + 1), nmax):
+        trial = torch.round((factor / _safe(hi - lo))[:, None] * (x - lo[:, None])).clamp(0, nmax)
+        sum_l, sum_l2, sum_xl = (w * trial).sum(dim=1), (w * trial * trial).sum(dim=1), (w * trial * x).sum(dim=1)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        positive = this_min > 0
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        this_scale = torch.where(positive, sum_xl / sum_l2, this_scale)
+        trial_error = error(this_scale, this_min, trial)
+        better = (det > 0) & (trial_error < best)
+        codes = torch.where(better[:, None], trial, codes)
+        best = torch.where(better, trial_error, best)
+        scale = torch.where(better, this_scale, scale)
+        lo = torch.where(better, this_min, lo)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    codes = torch.where(flat[:, None], torch.zeros_like(codes), codes)
+    return scale, -lo, codes
+
+
+def _llama_q3_search(x, nmax):
+    """make_q3_quants(do_rmse=true) on blocks x (B, n): (signed scale (B,), codes (B, n) in [-nmax, nmax - 1])."""
+    amax, extreme = _signed_extreme(x)
+    codes = torch.round((-nmax / _safe(extreme))[:, None] * x).clamp(-nmax, nmax - 1)
+    w = x * x
+    sum_lx, sum_l2 = (w * x * codes).sum(dim=1), (w * codes * codes).sum(dim=1)
+    for _ in range(5):
+        for i in range(x.shape[1]):
+            wi, xi, li = w[:, i], x[:, i], codes[:, i]
+            slx = sum_lx - wi * xi * li
+            sl2 = sum_l2 - wi * li * li
+            new = torch.round(xi * sl2 / _safe(slx)).clamp(-nmax, nmax - 1)
+            new_lx, new_l2 = slx + wi * xi * new, sl2 + wi * new * new
+            accept = (slx > 0) & (new != li) & (new_l2 > 0) & (new_lx * new_lx * sum_l2 > sum_lx * sum_lx * new_l2)
+            codes[:, i] = torch.where(accept, new, li)
+            sum_lx = torch.where(accept, new_lx, sum_lx)
+            sum_l2 = torch.where(accept, new_l2, sum_l2)
+    scale = torch.where(sum_l2 > 0, sum_lx / _safe(sum_l2), torch.zeros_like(sum_l2))
+    zero = amax < 1e-15
+    return torch.where(zero, torch.zeros_like(scale), scale), torch.where(zero[:, None], -float(nmax), codes)
+
+
+def _llama_qx_search(x, nmax):
+    """make_qx_quants(rmse_type=1, no weights) on blocks x (B, n): (signed scale (B,), codes (B, n) in [-nmax,
+    nmax - 1])."""
+    amax, extreme = _signed_extreme(x)
+    w = x * x
+
+    def trial(factor):
+        codes = torch.round((factor / _safe(extreme))[:, None] * x).clamp(-nmax, nmax - 1)
+        return codes, (w * x * codes).sum(dim=1), (w * codes * codes).sum(dim=1)
+
+    codes, sum_lx, sum_l2 = trial(-nmax)
+    scale = torch.where(sum_l2 > 0, sum_lx / _safe(sum_l2), torch.zeros_like(sum_l2))
+    best = scale * sum_lx
+    for factor in _grid(0.0, 0.1, [i for i in range(-9, 10) if i], nmax):
+        new, sum_lx, sum_l2 = trial(-factor)
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        codes = torch.where(better[:, None], new, codes)
+        scale = torch.where(better, sum_lx / _safe(sum_l2), scale)
+        best = torch.where(better, scale * sum_lx, best)
+    zero = amax < 1e-15
+    return torch.where(zero, torch.zeros_like(scale), scale), torch.where(zero[:, None], -float(nmax), codes)
+
+
+def _requantize_affine(x, d, dmin, sc, m, codes, nmax):
+    """llama.cpp's final pass: each code rounded for the stored block scale and min (blocks whose scale is 0 keep
+    `codes`). x, codes (N, 256); d, dmin (N,); sc, m (N, nsub) -> codes (N, 256)."""
+    n, nsub = sc.shape
+    scale = (d[:, None] * sc)[..., None]
+    offset = (dmin[:, None] * m)[..., None]
+    blocks = x.reshape(n, nsub, -1)
+    fresh = torch.round((blocks + offset) / _safe(scale)).clamp(0, nmax)
+    return torch.where(scale == 0, codes.reshape(n, nsub, -1), fresh).reshape(n, QK_K)
+
+
+def _requantize_symmetric(x, d, sc, codes, qmin, qmax):
+    """The same for the symmetric types: codes in [qmin, qmax] (signed), sc signed."""
+    n, nsub = sc.shape
+    scale = (d[:, None] * sc)[..., None]
+    fresh = torch.round(x.reshape(n, nsub, -1) / _safe(scale)).clamp(qmin, qmax)
+    return torch.where(scale == 0, codes.reshape(n, nsub, -1), fresh).reshape(n, QK_K)
+
+
+def _llama_k4(x, nmax, rmin, nstep):
+    """quantize_row_q4_K_ref / q5_K_ref on x (N, 256): codes, sc, m, d, dmin."""
+    n = x.shape[0]
+    blocks = x.reshape(-1, 32)
+    weights = (blocks * blocks).sum(dim=1, keepdim=True).div(32).sqrt() + blocks.abs()
+    scales, mins, codes = _llama_affine_search(blocks, weights, nmax, rmin, 0.1, nstep, False)
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    max_scale = scales.amax(dim=1).clamp(min=0)
+    max_min = mins.amax(dim=1).clamp(min=0)
+    inv_scale = torch.where(max_scale > 0, 63 / _safe(max_scale), torch.zeros_like(max_scale))
+    inv_min = torch.where(max_min > 0, 63 / _safe(max_min), torch.zeros_like(max_min))
+    sc = torch.round(inv_scale[:, None] * scales).clamp(0, 63)
+    m = torch.round(inv_min[:, None] * mins).clamp(0, 63)
+    d, dmin = _to_half(max_scale / 63), _to_half(max_min / 63)
+    codes = _requantize_affine(x, d, dmin, sc, m, codes.reshape(n, QK_K), nmax)
+    return codes, sc, m, d, dmin
+
+
+def _llama_q2_k(x):
+    n = x.shape[0]
+    blocks = x.reshape(-1, 16)
+    scales, mins, codes = _llama_affine_search(blocks, blocks.abs(), 3, -0.5, 0.1, 15, True)
+    scales, mins = scales.reshape(n, 16), mins.reshape(n, 16)
+    max_scale = scales.amax(dim=1).clamp(min=0)
+    max_min = mins.amax(dim=1).clamp(min=0)
+    sc = torch.round((15 / _safe(max_scale))[:, None] * scales).clamp(0, 15)
+    m = torch.round((15 / _safe(max_min))[:, None] * mins).clamp(0, 15)
+    sc = torch.where(max_scale[:, None] > 0, sc, torch.zeros_like(sc))
+    m = torch.where(max_min[:, None] > 0, m, torch.zeros_like(m))
+    d, dmin = _to_half(max_scale / 15), _to_half(max_min / 15)
+    codes = _requantize_affine(x, d, dmin, sc, m, codes.reshape(n, QK_K), 3)
+    return _bytes_q2_k(codes, sc, m, d, dmin)
+
+
+def _llama_q3_k(x):
+    n = x.shape[0]
+    scales, codes = _llama_q3_search(x.reshape(-1, 16), 4)
+    scales = scales.reshape(n, 16)
+    _, max_scale = _signed_extreme(scales)
+    iscale = -32 / _safe(max_scale)
+    sc = torch.round(iscale[:, None] * scales).clamp(-32, 31)
+    sc = torch.where(max_scale[:, None] != 0, sc, torch.full_like(sc, -32))
+    d = torch.where(max_scale != 0, _to_half(1 / iscale), torch.zeros_like(iscale))
+    codes = _requantize_symmetric(x, d, sc, codes.reshape(n, QK_K), -4, 3)
+    return _bytes_q3_k(codes + 4, sc + 32, d)
+
+
+def _llama_q4_k(x):
+    return _bytes_q4_k(*_llama_k4(x, 15, -1.0, 20))
+
+
+def _llama_q5_k(x):
+    return _bytes_q5_k(*_llama_k4(x, 31, -0.5, 15))
+
+
+def _llama_q6_k(x):
+    n = x.shape[0]
+    blocks = x.reshape(-1, 16)
+    scales, codes = _llama_qx_search(blocks, 32)
+    scales = scales.reshape(n, 16)
+    max_abs, max_scale = _signed_extreme(scales)
+    zero = max_abs < 1e-15
+    iscale = -128 / _safe(max_scale)
+    sc = torch.round(iscale[:, None] * scales).clamp(max=127)
+    d = _to_half(1 / iscale)
+    codes = _requantize_symmetric(x, d, sc, codes.reshape(n, QK_K), -32, 31)
+    data = _bytes_q6_k(codes + 32, sc, d)
+    return torch.where(zero[:, None], torch.zeros_like(data), data)
+
+
+def llama_reference(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's own data-free quantization of `weight` (rows, K) into k-quant `name` (q2_k..q6_k), as hfquant
+    re-expresses it over all blocks at once: the baseline hfquant's quantizers are measured against.
+
+    Returns:
+        (rows, K // 256 * type_size) uint8, the bytes `ggml_quantize_chunk` writes (up to float32 summation order,
+        which can tip a near-tie in a scale search).
+    Raises:
+        ValueError: an unknown name, or a weight that is not 2-D with K a multiple of 256.
+    """
+    recipes = {"q2_k": _llama_q2_k, "q3_k": _llama_q3_k, "q4_k": _llama_q4_k, "q5_k": _llama_q5_k, "q6_k": _llama_q6_k}
+    if name not in recipes:
+        raise ValueError(f"llama_reference covers {list(recipes)}; got {name!r}")
+    if weight.dim() != 2 or weight.shape[1] % QK_K:
+        raise ValueError(f"{name} quantizes a (rows, K) weight with K a multiple of {QK_K}; got {tuple(weight.shape)}")
+    return recipes[name](_super_blocks(weight)).reshape(weight.shape[0], -1)
