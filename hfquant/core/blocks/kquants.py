@@ -32,6 +32,12 @@ import torch
 
 __all__ = [
     "QK_K",
+    "llama_reference",
+    "quantize_q2_k",
+    "quantize_q3_k",
+    "quantize_q4_k",
+    "quantize_q5_k",
+    "quantize_q6_k",
     "dequantize_q2_k",
     "dequantize_q3_k",
     "dequantize_q4_k",
@@ -468,3 +474,254 @@ def llama_reference(name: str, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.shape[1] % QK_K:
         raise ValueError(f"{name} quantizes a (rows, K) weight with K a multiple of {QK_K}; got {tuple(weight.shape)}")
     return recipes[name](_super_blocks(weight)).reshape(weight.shape[0], -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# hfquant's quantizers. The same search shape for every type, each step a least-squares fit or an exhaustive choice
+# among a few integers, every step kept only where it lowers the weighted squared error of the super-block:
+# 1. each block's float scale (and min) from a grid of starting scales, each refit by weighted least squares;
+# 2. the super-block's float16 d (and dmin) from a grid, rounding the block scales to integers against it;
+# 3. alternate: codes rounded for the stored scales; (d, dmin) refit by least squares for those codes and integer
+#    block scales; each block's integer scale (and min) chosen among the neighbours of its least-squares fit.
+
+
+def _codes_affine(x, w, scale, offset, nmax):
+    """Nearest codes of x ~ scale * q - offset, q in [0, nmax]: (codes, weighted squared error over the last dim).
+    x, w (..., n); scale, offset (..., 1)."""
+    codes = torch.round((x + offset) / _safe(scale)).clamp(0, nmax)
+    codes = torch.where(scale == 0, torch.zeros_like(codes), codes)
+    diff = scale * codes - offset - x
+    return codes, (w * diff * diff).sum(dim=-1)
+
+
+def _codes_symmetric(x, w, scale, qmin, qmax):
+    """Nearest codes of x ~ scale * q, q in [qmin, qmax] (scale signed): (codes, weighted squared error)."""
+    codes = torch.round(x / _safe(scale)).clamp(qmin, qmax)
+    codes = torch.where(scale == 0, torch.zeros_like(codes), codes)
+    diff = scale * codes - x
+    return codes, (w * diff * diff).sum(dim=-1)
+
+
+def _lstsq_affine(x, w, codes):
+    """Weighted least squares of x ~ s * codes - o with o >= 0 over the last dim: (s, o), each (...,)."""
+    sw, sl, sl2 = w.sum(-1), (w * codes).sum(-1), (w * codes * codes).sum(-1)
+    sx, slx = (w * x).sum(-1), (w * codes * x).sum(-1)
+    det = sw * sl2 - sl * sl
+    scale = (sw * slx - sx * sl) / _safe(det)
+    offset = -(sl2 * sx - sl * slx) / _safe(det)
+    clipped = (offset < 0) | (det <= 0)
+    scale = torch.where(clipped, slx / _safe(sl2), scale).clamp(min=0)
+    return scale, torch.where(clipped, torch.zeros_like(offset), offset)
+
+
+def _fit_affine(x, w, nmax, factors):
+    """Step 1 for x ~ s * q - o (blocks x, w (B, n)): the best (s, o) over starting scales `factors` / range."""
+    lo = x.amin(dim=-1, keepdim=True).clamp(max=0)
+    span = _safe(x.amax(dim=-1, keepdim=True) - lo)
+    best_s = best_o = best_err = None
+    for factor in factors:
+        codes = torch.round((x - lo) * (factor / span)).clamp(0, nmax)
+        for _ in range(2):
+            s, o = _lstsq_affine(x, w, codes)
+            codes, err = _codes_affine(x, w, s[..., None], o[..., None], nmax)
+        if best_err is None:
+            best_s, best_o, best_err = s, o, err
+        else:
+            better = err < best_err
+            best_s, best_o = torch.where(better, s, best_s), torch.where(better, o, best_o)
+            best_err = torch.where(better, err, best_err)
+    return best_s, best_o
+
+
+def _fit_symmetric(x, w, qmin, qmax, factors):
+    """Step 1 for x ~ s * q (signed s): the best s over starting scales `factors` / the extreme value, mapping it to
+    either end of the code range."""
+    _, extreme = _signed_extreme(x)
+    extreme = _safe(extreme)[..., None]
+    best_s = best_err = None
+    for factor in factors:
+        for end in (qmin, qmax):
+            codes = torch.round(x * (end * factor / extreme)).clamp(qmin, qmax)
+            for _ in range(2):
+                s = (w * codes * x).sum(-1) / _safe((w * codes * codes).sum(-1))
+                codes, err = _codes_symmetric(x, w, s[..., None], qmin, qmax)
+            if best_err is None:
+                best_s, best_err = s, err
+            else:
+                better = err < best_err
+                best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+    return best_s
+
+
+def _round_scales(values, sensitivity, top, lowest, tries):
+    """Step 2: float16 super-block scale d (N,) and integers q (N, nsub) in [lowest, top] with values ~ d * q,
+    minimizing sum(sensitivity * (values - d * q)**2) over d = extreme / (end + t) for t in `tries`."""
+    amax, extreme = _signed_extreme(values)
+    best_d = best_q = best_err = None
+    for end in {top, lowest} - {0}:
+        for t in tries:
+            d = _to_half(extreme / (end + (t if end > 0 else -t)))
+            q = torch.round(values / _safe(d)[:, None]).clamp(lowest, top)
+            err = (sensitivity * (values - d[:, None] * q) ** 2).sum(-1)
+            if best_err is None:
+                best_d, best_q, best_err = d, q, err
+            else:
+                better = err < best_err
+                best_d, best_q = torch.where(better, d, best_d), torch.where(better[:, None], q, best_q)
+                best_err = torch.where(better, err, best_err)
+    zero = amax == 0
+    return torch.where(zero, torch.zeros_like(best_d), best_d), torch.where(zero[:, None], 0.0, best_q)
+
+
+def _refine_affine(x, w, d, dmin, sc, m, nmax, top, rounds):
+    """Step 3 for x ~ d*sc*q - dmin*m on blocks x, w (N, nsub, sub): (codes, sc, m, d, dmin)."""
+
+    def evaluate(d, dmin, sc, m):
+        return _codes_affine(x, w, (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None], nmax)
+
+    codes, err = evaluate(d, dmin, sc, m)
+    for _ in range(rounds):
+        a, b = sc[..., None] * codes, m[..., None].expand_as(codes)
+        saa, sab, sbb = (w * a * a).sum((1, 2)), (w * a * b).sum((1, 2)), (w * b * b).sum((1, 2))
+        sax, sbx = (w * a * x).sum((1, 2)), (w * b * x).sum((1, 2))
+        det = saa * sbb - sab * sab
+        new_d = _to_half((sax * sbb - sab * sbx) / _safe(det))
+        new_dmin = _to_half((sab * sax - saa * sbx) / _safe(det))
+        valid = (det > 0) & (new_d >= 0) & (new_dmin >= 0)
+        new_d, new_dmin = torch.where(valid, new_d, d), torch.where(valid, new_dmin, dmin)
+        new_codes, new_err = evaluate(new_d, new_dmin, sc, m)
+        better = new_err.sum(1) < err.sum(1)
+        d, dmin = torch.where(better, new_d, d), torch.where(better, new_dmin, dmin)
+        codes, err = torch.where(better[:, None, None], new_codes, codes), torch.where(better[:, None], new_err, err)
+
+        scale, offset = _lstsq_affine(x, w, codes)
+        base_sc = torch.round(scale / _safe(d)[:, None])
+        base_m = torch.round(offset / _safe(dmin)[:, None])
+        for dsc in (-1, 0, 1):
+            for dm in (-1, 0, 1):
+                try_sc, try_m = (base_sc + dsc).clamp(0, top), (base_m + dm).clamp(0, top)
+                new_codes, new_err = evaluate(d, dmin, try_sc, try_m)
+                better = new_err < err
+                sc, m = torch.where(better, try_sc, sc), torch.where(better, try_m, m)
+                codes, err = torch.where(better[..., None], new_codes, codes), torch.where(better, new_err, err)
+    return codes, sc, m, d, dmin
+
+
+def _refine_symmetric(x, w, d, sc, qmin, qmax, lowest, top, rounds):
+    """Step 3 for x ~ d*sc*q (signed d, sc, q) on blocks x, w (N, nsub, sub): (codes, sc, d)."""
+
+    def evaluate(d, sc):
+        return _codes_symmetric(x, w, (d[:, None] * sc)[..., None], qmin, qmax)
+
+    codes, err = evaluate(d, sc)
+    for _ in range(rounds):
+        a = sc[..., None] * codes
+        new_d = _to_half((w * a * x).sum((1, 2)) / _safe((w * a * a).sum((1, 2))))
+        new_codes, new_err = evaluate(new_d, sc)
+        better = new_err.sum(1) < err.sum(1)
+        d = torch.where(better, new_d, d)
+        codes, err = torch.where(better[:, None, None], new_codes, codes), torch.where(better[:, None], new_err, err)
+
+        scale = (w * codes * x).sum(-1) / _safe((w * codes * codes).sum(-1))
+        base = torch.round(scale / _safe(d)[:, None])
+        for step in (-1, 0, 1):
+            try_sc = (base + step).clamp(lowest, top)
+            new_codes, new_err = evaluate(d, try_sc)
+            better = new_err < err
+            sc = torch.where(better, try_sc, sc)
+            codes, err = torch.where(better[..., None], new_codes, codes), torch.where(better, new_err, err)
+    return codes, sc, d
+
+
+def _quantize_affine(x, w, sub, nmax, top, factors, tries, rounds):
+    """Steps 1-3 for Q2_K, Q4_K, Q5_K on super-blocks x, w (N, 256): (codes (N, 256), sc, m, d, dmin)."""
+    n, nsub = x.shape[0], QK_K // sub
+    xb, wb = x.reshape(n, nsub, sub), w.reshape(n, nsub, sub)
+    scale, offset = _fit_affine(xb, wb, nmax, factors)
+    codes, _ = _codes_affine(xb, wb, scale[..., None], offset[..., None], nmax)
+    d, sc = _round_scales(scale, (wb * codes * codes).sum(-1), top, 0, tries)
+    dmin, m = _round_scales(offset, wb.sum(-1), top, 0, tries)
+    codes, sc, m, d, dmin = _refine_affine(xb, wb, d, dmin, sc, m, nmax, top, rounds)
+    return codes.reshape(n, QK_K), sc, m, d, dmin
+
+
+def _quantize_symmetric(x, w, qmin, qmax, lowest, top, factors, tries, rounds):
+    """Steps 1-3 for Q3_K and Q6_K (16 blocks of 16) on x, w (N, 256): (signed codes (N, 256), signed sc, d)."""
+    n = x.shape[0]
+    xb, wb = x.reshape(n, 16, 16), w.reshape(n, 16, 16)
+    scale = _fit_symmetric(xb, wb, qmin, qmax, factors)
+    codes, _ = _codes_symmetric(xb, wb, scale[..., None], qmin, qmax)
+    d, sc = _round_scales(scale, (wb * codes * codes).sum(-1), top, lowest, tries)
+    codes, sc, d = _refine_symmetric(xb, wb, d, sc, qmin, qmax, lowest, top, rounds)
+    return codes.reshape(n, QK_K), sc, d
+
+
+_TRIES = [i / 4 for i in range(-4, 5)]
+_CHUNK = 4096  # super-blocks per pass: bounds the search's temporaries to a few tens of MB
+_ROUNDS = 2
+
+
+def _affine_factors(nmax: int) -> list[float]:
+    return [nmax - 2 + 0.2 * i for i in range(16)]
+
+
+_SYMMETRIC_FACTORS = [0.8 + 0.04 * i for i in range(11)]
+
+
+def _by_chunks(quantize_blocks, weight, importance):
+    x, w = _super_blocks(weight), _importance_blocks(importance, weight)
+    parts = [quantize_blocks(x[i : i + _CHUNK], w[i : i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
+    return (
+        torch.cat(parts).reshape(weight.shape[0], -1) if parts else torch.zeros(weight.shape[0], 0, dtype=torch.uint8)
+    )
+
+
+def _q2_k_blocks(x, w):
+    return _bytes_q2_k(*_quantize_affine(x, w, 16, 3, 15, _affine_factors(3), _TRIES, _ROUNDS))
+
+
+def _q3_k_blocks(x, w):
+    codes, sc, d = _quantize_symmetric(x, w, -4, 3, -32, 31, _SYMMETRIC_FACTORS, _TRIES, _ROUNDS)
+    return _bytes_q3_k(codes + 4, sc + 32, d)
+
+
+def _q4_k_blocks(x, w):
+    return _bytes_q4_k(*_quantize_affine(x, w, 32, 15, 63, _affine_factors(15), _TRIES, _ROUNDS))
+
+
+def _q5_k_blocks(x, w):
+    return _bytes_q5_k(*_quantize_affine(x, w, 32, 31, 63, _affine_factors(31), _TRIES, _ROUNDS))
+
+
+def _q6_k_blocks(x, w):
+    codes, sc, d = _quantize_symmetric(x, w, -32, 31, -128, 127, _SYMMETRIC_FACTORS, _TRIES, _ROUNDS)
+    return _bytes_q6_k(codes + 32, sc, d)
+
+
+def quantize_q2_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Q2_K blocks of `weight` (rows, K), K a multiple of 256: (rows, K // 256 * 84) uint8.
+
+    `importance` ((K,) or (rows, K), >= 0) weights each element's squared error; None weighs all alike. Raises
+    ValueError for a non-finite weight or a badly shaped or negative importance.
+    """
+    return _by_chunks(_q2_k_blocks, weight, importance)
+
+
+def quantize_q3_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Q3_K blocks of `weight` (rows, K): (rows, K // 256 * 110) uint8 (arguments as `quantize_q2_k`)."""
+    return _by_chunks(_q3_k_blocks, weight, importance)
+
+
+def quantize_q4_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Q4_K blocks of `weight` (rows, K): (rows, K // 256 * 144) uint8 (arguments as `quantize_q2_k`)."""
+    return _by_chunks(_q4_k_blocks, weight, importance)
+
+
+def quantize_q5_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Q5_K blocks of `weight` (rows, K): (rows, K // 256 * 176) uint8 (arguments as `quantize_q2_k`)."""
+    return _by_chunks(_q5_k_blocks, weight, importance)
+
+
+def quantize_q6_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Q6_K blocks of `weight` (rows, K): (rows, K // 256 * 210) uint8 (arguments as `quantize_q2_k`)."""
+    return _by_chunks(_q6_k_blocks, weight, importance)
