@@ -511,7 +511,11 @@ def _lstsq_affine(x, w, codes):
     offset = -(sl2 * sx - sl * slx) / _safe(det)
     clipped = (offset < 0) | (det <= 0)
     scale = torch.where(clipped, slx / _safe(sl2), scale).clamp(min=0)
-    return scale, torch.where(clipped, torch.zeros_like(offset), offset)
+    offset = torch.where(clipped, torch.zeros_like(offset), offset)
+    # every code 0: the block is its offset alone, the negated weighted mean (a constant negative block)
+    all_zero = sl2 == 0
+    offset = torch.where(all_zero, (-sx / _safe(sw)).clamp(min=0), offset)
+    return torch.where(all_zero, torch.zeros_like(scale), scale), offset
 
 
 def _fit_affine(x, w, nmax, factors):
