@@ -244,8 +244,8 @@ def _f32(value: float) -> float:
 
 
 def _to_half(value: torch.Tensor) -> torch.Tensor:
-    """float32 rounded through float16, as a float16 field stores it."""
-    return value.to(torch.float16).float()
+    """float32 rounded through float16, as a float16 field stores it (saturating at +-65504 instead of inf)."""
+    return value.clamp(-65504.0, 65504.0).to(torch.float16).float()
 
 
 def _safe(value: torch.Tensor) -> torch.Tensor:
@@ -562,7 +562,7 @@ def _round_scales(values, sensitivity, top, lowest, tries):
     minimizing sum(sensitivity * (values - d * q)**2) over d = extreme / (end + t) for t in `tries`."""
     amax, extreme = _signed_extreme(values)
     best_d = best_q = best_err = None
-    for end in {top, lowest} - {0}:
+    for end in (top,) if lowest == 0 else (top, lowest):
         for t in tries:
             d = _to_half(extreme / (end + (t if end > 0 else -t)))
             q = torch.round(values / _safe(d)[:, None]).clamp(lowest, top)
