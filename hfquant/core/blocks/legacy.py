@@ -161,6 +161,12 @@ class Grid:
     def value(self, index: torch.Tensor) -> torch.Tensor:
         return self.values[index]
 
+    def nearest(self, u: torch.Tensor) -> torch.Tensor:
+        """The grid value nearest to each of `u` (float32), as `value(index(u))` without int64 indices."""
+        if self.uniform:
+            return torch.floor(u + 0.5).clamp_(self.low, self.high)
+        return self.values[torch.bucketize(u, self.midpoints, right=True)]
+
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(num))
@@ -188,8 +194,7 @@ def _symmetric_candidates(x, w, grid: Grid, factors: torch.Tensor):
     peak = _signed_absmax(x)  # (n,)
     targets = torch.cat([grid.low * factors, grid.high * factors])  # where the peak lands, both ends of the grid
     scales = peak.unsqueeze(-1) / targets  # (n, C)
-    u = x.unsqueeze(1) * _safe_div(torch.ones_like(scales), scales).unsqueeze(-1)  # (n, C, 32)
-    q = grid.value(grid.index(u))
+    q = grid.nearest(x.unsqueeze(1) * _safe_div(torch.ones_like(scales), scales).unsqueeze(-1))  # (n, C, 32)
     wq = w.unsqueeze(1) * q
     sqx = (wq * x.unsqueeze(1)).sum(-1)
     sqq = (wq * q).sum(-1)
