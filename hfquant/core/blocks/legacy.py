@@ -362,7 +362,7 @@ def quantize_q8_0(weight: torch.Tensor, importance: torch.Tensor | None = None) 
 
     Codes use the whole int8 range [-128, 127] (llama.cpp's quantizer writes [-127, 127]; -128 alone takes a tenth
     off the error on N(0, 1) rows). ggml's CPU Q8_0 dot product (llama-cpp-python 0.3.36, AVX-512) gave the exact
-    result on such blocks: its sign trick applies to the weight side, whose -128 it reads correctly.
+    result on such blocks against activations that ggml quantized (to [-127, 127]); other backends were not checked.
 
     Args:
         importance: optional (K,) or (rows, K) float >= 0 weights of each element's squared error (None: all 1).
