@@ -76,7 +76,7 @@ def test_rows_the_blocks_do_not_divide_take_llama_cpps_fallback_and_the_config_n
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert saved["format"] == "q3_k" and saved["bits"] == 3
     assert len(saved["module_overrides"]) == 14
-    assert all(entry == {"format": "iq4_nl"} for entry in saved["module_overrides"].values())
+    assert all(entry == {"format": "iq4_nl", "method": "rtn"} for entry in saved["module_overrides"].values())
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert {layer.format.block for layer in _layers(reloaded).values()} == {"iq4_nl"}
 

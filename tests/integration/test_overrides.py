@@ -86,7 +86,7 @@ def _recorded_formats(folder, in_features: dict[str, int]) -> dict[str, tuple]:
     config = HfQuantConfig.from_dict(stored)
     formats = {}
     for layer, k in in_features.items():
-        bits, group, symmetric, method = config.layer_settings(layer)
+        bits, group, symmetric, method = config.layer_settings(layer)[:4]
         formats[layer] = (bits, k if group is None else group, symmetric, method.value)
     return formats
 
