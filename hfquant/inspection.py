@@ -21,6 +21,7 @@ from typing import Any
 from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, read_headers, tensor_files
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
+from hfquant.core.text import terminal_safe
 from hfquant.integration.quantizer import plan_model
 from hfquant.integration.skeleton import build_skeleton
 from hfquant.nn.replace import linear_shape
@@ -257,7 +258,8 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`."""
+    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`: each line `terminal_safe`, so that what
+    the checkpoint names (tensors, classes, config strings) shows as escapes (`\\x1b`) rather than acting."""
     out = [f"{report['path']}: {report['architecture']}, float dtype {report['dtype']}"]
     qconfig = report["quantization_config"]
     if qconfig is None:
@@ -312,4 +314,4 @@ def format_report(report: dict[str, Any]) -> str:
         for r in report["float_layers"]:
             count = f" (x{r['count']})" if r["count"] > 1 else ""
             out.append(f"  {r['kind']}{count}: {r['reason']}")
-    return "\n".join(out)
+    return "\n".join(terminal_safe(line) for line in out)

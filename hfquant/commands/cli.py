@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterable
 
 from hfquant.commands import convert, eval_, export, import_, inspect_, push, verify
+from hfquant.core.text import terminal_safe
 from hfquant.version import __version__
 
 __all__ = ["main", "build_parser", "parse_args", "run"]
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     command's temporary files are removed; other exceptions propagate."""
     from hfquant.publishing.hub import HubError
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     if args.verbose:
         logging.getLogger("hfquant").setLevel(logging.INFO)
     interrupted: list[int] = []
@@ -172,9 +173,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _exit(status: int, message: str) -> None:
-    """`message` on stderr, then exit with `status` (as argparse's `parser.exit`)."""
-    sys.stderr.write(message)
+    """`message` on stderr as one line, with what a file put in it (a tensor or file name, a config string) unable to
+    act on the terminal (`terminal_safe`), then exit with `status` (as argparse's `parser.exit`)."""
+    sys.stderr.write(terminal_safe(message.rstrip("\n")) + "\n")
     sys.exit(status)
+
+
+class _TerminalSafeFormatter(logging.Formatter):
+    """A log line whose message cannot act on the terminal (`terminal_safe`): messages embed names from checkpoints."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return terminal_safe(super().formatMessage(record))
+
+
+def _configure_logging() -> None:
+    """What `logging.basicConfig(level=WARNING, format=...)` does (nothing when the root logger has a handler), with
+    messages made `terminal_safe`."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_TerminalSafeFormatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
 
 
 _MEMORY_HINTS = {

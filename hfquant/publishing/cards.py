@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from hfquant.checkpoint.files import EVAL_FILE, stays_inside
 from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.core.text import terminal_safe
 from hfquant.inspection import format_report, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
 
@@ -78,6 +81,28 @@ def is_hfquant_card(readme: Path) -> bool:
         return False
 
 
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|!&~#{}])")
+
+
+def markdown_text(value: object) -> str:
+    """`value` as literal text in the card's Markdown (prose, a table cell): `terminal_safe` (one line, controls as
+    escapes), then every character Markdown or HTML acts on backslash-escaped (CommonMark shows `\\<` as `<`), so a
+    name from the checkpoint cannot open a tag, a link, an image or a table cell. `"a<img src=x>|b"` ->
+    `"a\\<img src=x\\>\\|b"`."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", terminal_safe(value))
+
+
+def markdown_code(value: object) -> str:
+    """`value` for a code span of the card (`` `NAME` ``), where backslashes show as typed: `terminal_safe`, with the
+    backtick (which would end the span) and `|` (which would end a table cell) shown as `\\x60` and `\\x7c`."""
+    return terminal_safe(value).replace("`", "\\x60").replace("|", "\\x7c")
+
+
+def _python_string(value: str) -> str:
+    """`value` for the inside of a double-quoted Python string in the card's usage snippet (one line)."""
+    return terminal_safe(value).replace("\\", "\\\\").replace('"', '\\"')
+
+
 def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, value) rows of the card's quantization table, in `hfquant.config.FIELDS` order."""
     rows = []
@@ -89,8 +114,9 @@ def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
         elif key == "modules_to_not_convert" and not value:
             value = "none"
         elif isinstance(value, (list, tuple)):
-            value = ", ".join(f"`{v}`" for v in value)
-        rows.append((key, str(value)))
+            rows.append((markdown_code(key), ", ".join(f"`{markdown_code(v)}`" for v in value)))
+            continue
+        rows.append((markdown_code(key), markdown_text(value)))
     return rows
 
 
@@ -174,9 +200,9 @@ def build_card(
         command = _convert_command(base_model or "SRC", name, qconfig)
     values = _template_values(report, bits, base_model, evaluation)
     values.update(
-        model_name=repo_id.split("/")[-1] if repo_id else name,
-        repo_id=repo_id or f"<your-username>/{name}",
-        command=command,
+        model_name=markdown_text(repo_id.split("/")[-1] if repo_id else name),
+        repo_id=_python_string(repo_id or f"<your-username>/{name}"),
+        command=terminal_safe(command),
         command_language="python" if "from_pretrained" in command else "bash",
     )
     logger.debug("card for %s:\n%s", folder, format_report(report))
@@ -208,7 +234,7 @@ def _template_values(
     return dict(
         marker=f"{CARD_MARKER}: generated from the files of this folder; edit freely, or re-render with hfquant",
         base_model=base_model,
-        architecture=architecture,
+        architecture=markdown_code(architecture),
         bits_text=" / ".join(f"{b}-bit integers" for b in bits),
         bits_tag="/".join(f"int{b}" for b in bits),
         granularity=_granularity(qconfig, report),
@@ -220,20 +246,41 @@ def _template_values(
         ratio=f"{totals['ratio']:.2f}x" if totals["ratio"] else "n/a",
         file_size=human_bytes(totals["file_bytes"]),
         layer_rows=[
-            {**row, "bytes": human_bytes(row["bytes"]), "float_bytes": human_bytes(row["float_bytes"])}
+            {
+                **row,
+                "kind": markdown_code(row["kind"]),
+                "bytes": human_bytes(row["bytes"]),
+                "float_bytes": human_bytes(row["float_bytes"]),
+            }
             for row in report["quantized"]
         ],
-        float_layers=report["float_layers"],
-        evaluation=evaluation,
+        float_layers=[
+            {**row, "kind": markdown_code(row["kind"]), "reason": markdown_text(row["reason"])}
+            for row in report["float_layers"]
+        ],
+        evaluation=_shown_evaluation(evaluation),
         auto_class=_auto_class(architecture),
         **_versions(),
     )
 
 
+def _shown_evaluation(evaluation: dict | None) -> dict | None:
+    """`hfquant_eval.json` (a file of the folder, so untrusted) with its strings made `markdown_text`."""
+    if not isinstance(evaluation, dict):
+        return None
+    shown = {key: markdown_text(value) if isinstance(value, str) else value for key, value in evaluation.items()}
+    shown["results"] = [
+        {**row, "label": markdown_text(row.get("label", ""))}
+        for row in evaluation.get("results") or []
+        if isinstance(row, dict)
+    ]
+    return shown
+
+
 def _convert_command(src: str, dst: str, qconfig: dict[str, Any]) -> str:
     """The `hfquant convert` command line that makes a checkpoint with `qconfig`."""
     defaults = HfQuantConfig(bits=qconfig["bits"]).to_dict()
-    parts = ["hfquant convert", src, dst]
+    parts = ["hfquant convert", shlex.quote(src), shlex.quote(dst)]  # names that a shell pasted into cannot run
     for key, value in qconfig.items():
         if key in ("quant_method", "format_version") or defaults.get(key) == value and key != "bits":
             continue
