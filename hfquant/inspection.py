@@ -25,6 +25,7 @@ from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, rea
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.core.format import Method
+from hfquant.core.text import terminal_safe
 from hfquant.integration.folding import find_blocks
 from hfquant.integration.quantizer import plan_model
 from hfquant.integration.skeleton import build_skeleton
@@ -298,7 +299,8 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`."""
+    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`: each line `terminal_safe`, so that what
+    the checkpoint names (tensors, classes, config strings) shows as escapes (`\\x1b`) rather than acting."""
     out = [f"{report['path']}: {report['architecture']}, float dtype {report['dtype']}"]
     qconfig = report["quantization_config"]
     if qconfig is None:
@@ -353,4 +355,4 @@ def format_report(report: dict[str, Any]) -> str:
         for r in report["float_layers"]:
             count = f" (x{r['count']})" if r["count"] > 1 else ""
             out.append(f"  {r['kind']}{count}: {r['reason']}")
-    return "\n".join(out)
+    return "\n".join(terminal_safe(line) for line in out)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -450,11 +449,16 @@ def _add_module(
 def _replace_atomically(dst: Path, write) -> None:
     """`write(path)` into a temporary file beside `dst`, given the usual file mode and renamed to `dst`; on any failure
     the temporary file is removed and `dst` is left as it was."""
-    handle, partial = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(handle)
+    while True:  # as tempfile.mkstemp, with a name that fits whatever the length of dst's (folders.hidden_sibling)
+        partial = str(folders.hidden_sibling(dst, "tmp"))
+        try:
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            break
+        except FileExistsError:
+            continue
     try:
         write(partial)
-        # mkstemp made it private; a finished file gets the mode the umask asks for
+        # created private; a finished file gets the mode the umask asks for
         os.chmod(partial, 0o666 & ~folders.process_umask())
         os.replace(partial, dst)
     except BaseException:
