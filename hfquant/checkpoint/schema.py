@@ -77,18 +77,18 @@ def _unused_problem(model: nn.Module, file_key: str, model_key: str, header: Ten
         return None
     if not is_hfquant_module(module) and attribute in module._non_persistent_buffers_set:
         return None
-    where = f"{file_key} (in {header.file}) is used by nothing"
+    where = f"{file_key} (in {header.file}) is not a tensor of {type(model).__name__} as config.json describes it"
     if is_hfquant_module(module):
         stored = [
             n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set
         ]
         return (
-            f"{where}: config.json makes {module_name or 'the model'} a {_layer_text(module)}, which stores "
-            f"{', '.join(stored)} and no {attribute}; {_FIX}"
+            f"{where}: it makes {module_name or 'the model'} a {_layer_text(module)}, which stores {', '.join(stored)} "
+            f"and no {attribute}, so from_pretrained would compute without it; {_FIX}"
         )
     return (
-        f"{where}: config.json keeps {module_name or 'the model'} a float {type(module).__name__}, which has no "
-        f"{attribute}; {_FIX}"
+        f"{where}: it keeps {module_name or 'the model'} a float {type(module).__name__}, which has no {attribute}, "
+        f"so from_pretrained would ignore it; {_FIX}"
     )
 
 
