@@ -131,8 +131,10 @@ def schema_problems(
 ) -> tuple[list[str], int]:
     """Compare the file tensors with the prepared skeleton `model`; returns (problems, tensors compared).
 
-    The one schema check of an hfquant checkpoint (a pre-quantized `from_pretrained`, `hfquant verify`, `inspect`,
-    `export` and `convert` of a quantized SRC all call it, through `hfquant.integration.checks`): each layer's format
+    The one schema check of an hfquant checkpoint: a pre-quantized `from_pretrained` calls it before any weight is read
+    (`hfquant.integration.checks.check_stored_tensors`), `hfquant verify`, `inspect`, `export` and `convert` of a
+    quantized SRC through `hfquant.integration.schema_check`; all but verify (which lists the problems) raise
+    `schema_error`'s one line. Each layer's format
     as config.json resolves it (method, bits, group size, symmetry, `module_overrides`) is in the skeleton's hfquant
     modules, and every file tensor must be a tensor of them: in both modes a file tensor that no tensor of a module of
     `model` takes (a SINQ `weight_col_scale` of a layer the config plans as RTN, a scale of a layer it keeps in float)
@@ -241,11 +243,11 @@ def value_problem(key: str, tensor: torch.Tensor, bits: int) -> str | None:
     return f"{key} holds {int(bad.sum())} impossible {kind} (first: {first} at index {index}); {_VALUES_FIX}"
 
 
-def schema_error(problems: list[str], folder: str | None = None) -> str:
-    """The one-line error of a checkpoint whose tensors do not match its config.json (`schema_problems`): the first
-    problem in full, the tensors of the others named, "hfquant verify" for the full list."""
-    where = f"{folder}: " if folder else ""
-    text = f"{where}the hfquant checkpoint does not match its config"
+def schema_error(problems: list[str]) -> str:
+    """The one-line error of a checkpoint whose tensors do not match its config.json (`schema_problems`,
+    `hfquant.checkpoint.model_config.base_type_problem`): the first problem in full, the tensors of the next three
+    named, "hfquant verify" for the full list. `problems` must not be empty."""
+    text = "the hfquant checkpoint does not match its config"
     if len(problems) == 1:
         return f"{text}: {problems[0]}"
     others = [problem.split(" ", 1)[0] for problem in problems[1:]]
