@@ -54,6 +54,7 @@ from hfquant.checkpoint.gguf_export import Reblocked, llama_permutation, reblock
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core.optional import GGUF, require
 from hfquant.core.packing import unpack_int4
+from hfquant.integration.schema_check import check_checkpoint_schema
 
 gguf = require(GGUF)  # ImportError with the pip command when gguf is not installed
 
@@ -382,7 +383,8 @@ def _checked_source(folder: Path) -> tuple[dict, dict[str, Path]]:
     """(config.json, tensor name -> shard) of an hfquant checkpoint of an architecture GGUF takes, without SINQ scales.
 
     Raises:
-        ValueError: a link leaving `folder`, not an hfquant checkpoint, another architecture, a SINQ column scale.
+        ValueError: a link leaving `folder`, not an hfquant checkpoint, tensors that do not match config.json
+            (`check_checkpoint_schema`), another architecture, a SINQ column scale.
     """
     for name in _READ_FILES:
         if (folder / name).exists() or (folder / name).is_symlink():
@@ -390,6 +392,7 @@ def _checked_source(folder: Path) -> tuple[dict, dict[str, Path]]:
     config = read_config(folder)
     if "quantization_config" not in config or config["quantization_config"].get("quant_method") != "hfquant":
         raise ValueError(f"{folder} is not an hfquant checkpoint (config.json has no hfquant quantization_config)")
+    check_checkpoint_schema(folder)  # config.json against every stored tensor, as from_pretrained checks it
     if config.get("model_type") not in GGUF_MODEL_TYPES:
         raise ValueError(
             f"{folder}: model_type={config.get('model_type')!r}; the GGUF export writes {list(GGUF_MODEL_TYPES)}"
