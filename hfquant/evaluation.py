@@ -410,14 +410,38 @@ def generate_answer(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new
     return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""Files of which a folder holding a tokenizer has at least one (fast, slow SentencePiece, or BPE tokenizers)."""
+
+
+def _tokenizer_folder(folder: Path, tokenizer: str | os.PathLike | None) -> Path:
+    """Where the tokenizer of the model in `folder` is read: `tokenizer` when given (a folder or a Hub repo id), else
+    `folder` itself.
+
+    Raises:
+        FileNotFoundError: `folder` has none of TOKENIZER_FILES and no `tokenizer` was given (transformers would
+            blame a missing sentencepiece or tiktoken instead: it then tries to convert a slow tokenizer there is
+            none of).
+    """
+    if tokenizer is not None:
+        return resolve_source(tokenizer)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer files in {folder} (none of {', '.join(TOKENIZER_FILES)}); pass --tokenizer FOLDER_OR_REPO "
+            "(tokenizer= from Python) naming the tokenizer of the model it was made from, or copy those files into it"
+        )
+    return folder
+
+
 def _measured_row(
     source: str | os.PathLike, role: str, text: str, prompt: str, settings: dict
 ) -> tuple[dict[str, Any], int]:
     """One model's row of `evaluate` and the tokens of `text` it scores: loaded from `source` on the CPU, measured,
-    and released. `settings`: max_tokens, max_length, new_tokens, repeats, progress.
+    and released. `settings`: max_tokens, max_length, new_tokens, repeats, progress, tokenizer.
 
     Raises:
         ValueError: not a causal LM.
+        FileNotFoundError: no tokenizer in the folder, and none given.
     """
     folder = resolve_source(source)
     config = AutoConfig.from_pretrained(folder)
@@ -425,7 +449,7 @@ def _measured_row(
         raise ValueError(f"{source} is a {config.architectures}, not a causal LM; eval measures causal LMs only")
     qconfig = getattr(config, "quantization_config", None)
     qconfig = qconfig if isinstance(qconfig, dict) else (qconfig.to_dict() if qconfig is not None else None)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_folder(folder, settings.get("tokenizer")))
     model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
     tokens = int(tokenizer(text, return_tensors="pt")["input_ids"].shape[1])
     tokens = min(tokens, settings["max_tokens"]) if settings["max_tokens"] else tokens
@@ -474,11 +498,13 @@ def evaluate(
     prompt: str = DEFAULT_PROMPT,
     max_chars: int | None = DEFAULT_REFERENCE_CHARS,
     progress: bool | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Perplexity and decode tokens/s of the causal LM `path` (and of `baseline`), one model in memory at a time:
     `perplexity` on the first `max_chars` characters of `text_file` (default: CPython's pydoc topics, the text of
     `reference_text`) in windows of `max_length` tokens, and `decode_tokens_per_second` of `prompt`. `path` and
-    `baseline` are local folders or Hub repo ids.
+    `baseline` are local folders or Hub repo ids; each model's tokenizer is read from its folder, or from `tokenizer`
+    (a folder or repo id) when given.
 
     Args:
         max_chars: characters of the text scored, from its start (default `DEFAULT_REFERENCE_CHARS`, 11 windows of
@@ -492,7 +518,8 @@ def evaluate(
 
     Raises:
         ValueError: a model is not a causal LM, `max_chars` < 1, or the text is too short.
-        OSError: a path or the text file cannot be read.
+        OSError: a path or the text file cannot be read; FileNotFoundError naming a folder without tokenizer files
+            when `tokenizer` is None.
     """
     if max_chars is not None and max_chars < 1:
         raise ValueError(f"max_chars must be >= 1 or None (the whole text), got {max_chars}")
@@ -508,7 +535,12 @@ def evaluate(
         text_name = f"{name}, first {max_chars} of {len(text)} characters"
         text = text[:max_chars]
     settings = dict(
-        max_tokens=max_tokens, max_length=max_length, new_tokens=new_tokens, repeats=repeats, progress=progress
+        max_tokens=max_tokens,
+        max_length=max_length,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        progress=progress,
+        tokenizer=tokenizer,
     )
     measured = [
         _measured_row(source, role, text, prompt, settings)

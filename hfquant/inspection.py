@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, read_headers, tensor_files
-from hfquant.config import HfQuantConfig, matches_module
+from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.core.format import Method
+from hfquant.core.text import terminal_safe
 from hfquant.integration.folding import find_blocks
 from hfquant.integration.quantizer import plan_model
+from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
 from hfquant.nn.replace import linear_shape
 
@@ -159,13 +161,17 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: `path` has no config.json or no safetensors checkpoint.
-        ValueError: config.json or the index malformed (`read_config`, `read_index`), naming the file and the fix.
+        ValueError: config.json or the index malformed (`read_config`, `read_index`), naming the file and the fix; an
+            hfquant checkpoint whose tensors do not match its config.json (`check_checkpoint_schema`: the message a
+            pre-quantized load and `hfquant verify` give).
     """
     folder = Path(path).expanduser()
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; PATH must be a transformers checkpoint folder")
     config_json = read_config(folder)
     qconfig = config_json.get("quantization_config")
+    if qconfig is not None and qconfig.get("quant_method") == QUANT_METHOD:
+        check_checkpoint_schema(folder)  # a report of tensors config.json does not describe would mislead
     tensors, file_bytes = _read_headers(folder)
     float_dtype = str(config_json.get("dtype") or config_json.get("torch_dtype") or "float32")
     try:
@@ -298,7 +304,8 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`."""
+    """The text `hfquant inspect` prints for a report of `inspect_checkpoint`: each line `terminal_safe`, so that what
+    the checkpoint names (tensors, classes, config strings) shows as escapes (`\\x1b`) rather than acting."""
     out = [f"{report['path']}: {report['architecture']}, float dtype {report['dtype']}"]
     qconfig = report["quantization_config"]
     if qconfig is None:
@@ -353,4 +360,4 @@ def format_report(report: dict[str, Any]) -> str:
         for r in report["float_layers"]:
             count = f" (x{r['count']})" if r["count"] > 1 else ""
             out.append(f"  {r['kind']}{count}: {r['reason']}")
-    return "\n".join(out)
+    return "\n".join(terminal_safe(line) for line in out)

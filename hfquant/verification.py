@@ -9,12 +9,15 @@ Only JSON and safetensors headers are read, never pickle and never code from the
    every tensor it maps is in that shard, every tensor of a shard is in the index, no tensor is in two shards.
 3. Every shard's header, read with `safe_open`: the safetensors library refuses a truncated or padded file, a
    header that is not JSON, unknown dtypes and offsets that do not tile the data.
-4. The schema and the values (`hfquant.checkpoint.schema`): the model skeleton is built on the meta device from `config.json` (a
-   transformers class only, `trust_remote_code=False`) and hfquant's quantizer swaps its layers exactly as a reload
-   does. Every stored tensor of an hfquant module must be in the files with exactly the dtype and shape the config
-   gives; every other tensor must have the model's shape; a model tensor absent from the files (and not tied to one
-   that is present), or a file tensor the model does not have, is a problem. Every stored scale must be finite and
-   > 0, every zero point within the codes of its bit width (these small tensors are read; the codes are not).
+4. The schema and the values (`hfquant.integration.schema_check`, the check a pre-quantized load, `inspect`, `export`
+   and `convert` make too): the base model type must be that of the `architectures` class; the model skeleton is
+   built on the meta device from `config.json` (a transformers class only, `trust_remote_code=False`; a model that
+   cannot be built is a problem, one with custom code a note) and hfquant's quantizer swaps its layers exactly as a
+   reload does. Every stored tensor of an hfquant module must be in the files with exactly the dtype and shape the
+   config gives; every other tensor must have the model's shape; a model tensor absent from the files (and not tied to
+   one that is present), or a file tensor the model does not have (a SINQ column scale under a config saying RTN), is
+   a problem. Every stored scale must be finite and > 0, every zero point within the codes of its bit width (these
+   small tensors are read; the codes are not).
 5. Checksums, when recorded (`hfquant.checkpoint.checksums`).
 """
 
@@ -40,9 +43,8 @@ from hfquant.checkpoint.files import (
     require_inside,
 )
 from hfquant.checkpoint.model_config import read_quantization_config
-from hfquant.checkpoint.schema import is_hfquant_module, schema_problems, value_problem
-from hfquant.integration.conversions import model_key_map
-from hfquant.integration.skeleton import build_skeleton
+from hfquant.checkpoint.schema import is_hfquant_module, value_problem
+from hfquant.integration.schema_check import checkpoint_schema
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -169,12 +171,12 @@ def verify(path: str | os.PathLike) -> VerifyResult:
         raise NotADirectoryError(f"{folder} is a file; pass the folder that holds config.json and the safetensors")
     problems: list[str] = []
     notes: list[str] = []
-    quant_config = None
+    quant_config = config = None
     if not (folder / CONFIG_NAME).is_file():
         problems.append(f"{folder} has no {CONFIG_NAME}; copy the complete checkpoint")
     else:
         try:
-            _, quant_config = read_quantization_config(folder)
+            config, quant_config = read_quantization_config(folder)
         except (ValueError, TypeError) as error:
             text = str(error)
             problems.append(
@@ -189,14 +191,13 @@ def verify(path: str | os.PathLike) -> VerifyResult:
         problems.append(mixed)
     compared = 0
     if quant_config is not None and tensors:
-        try:
-            model, _, quantizer = build_skeleton(folder, "auto", quant_config, pre_quantized=True)
-        except (ValueError, OSError, KeyError, TypeError) as error:
-            notes.append(f"schema not checked: {error}")
-        else:
-            key_map = model_key_map(model, tensors, quantizer)
-            schema, compared = schema_problems(model, tensors, key_map, loading=False)
-            problems += schema + _value_problems(folder, model, tensors, key_map)
+        # the check a pre-quantized from_pretrained, inspect, export and convert make too (hfquant.integration.schema_check)
+        schema = checkpoint_schema(folder, tensors, quant_config, config)
+        problems += schema.problems
+        compared = schema.compared
+        notes += [schema.note] if schema.note else []
+        if schema.model is not None:
+            problems += _value_problems(folder, schema.model, tensors, schema.key_map)
     sums, checksummed = checksum_problems(folder)
     problems += sums
     if not (folder / SUMS_NAME).is_file():

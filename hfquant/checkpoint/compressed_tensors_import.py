@@ -10,6 +10,7 @@ formats, float or other-width weights, actorder (`weight_g_idx`), dynamic or blo
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -28,6 +29,7 @@ __all__ = [
     "IMPORT_GROUP_SIZES",
     "read_quantization_config",
     "matches_target",
+    "target_regex",
     "plan_import",
     "plan_import_outputs",
     "unpack_words",
@@ -114,14 +116,98 @@ def read_quantization_config(qconfig: dict) -> tuple[list[tuple[list[str], Schem
             groups.append((list(entry.get("targets") or []), _weights_scheme(group, entry)))
         else:
             raise ValueError(f"config_groups[{group!r}] is {type(entry).__name__}; expected a scheme or a preset")
-    return groups, list(qconfig.get("ignore") or [])
+    ignore = list(qconfig.get("ignore") or [])
+    for target in [*(t for targets, _ in groups for t in targets), *ignore]:
+        if isinstance(target, str) and target.startswith("re:"):
+            target_regex(target)  # a pattern that could hang import is refused before any work
+    return groups, ignore
+
+
+MAX_PATTERN_CHARS = 256
+MAX_NAME_CHARS = 256
+MAX_OPEN_REPEATS = 3
+"""Bounds on the "re:" patterns of a compressed-tensors config and the names they are matched against: with no nested
+or alternating repeat and no backreference, a match costs at most about len(name) ** open repeats steps (16.7
+million at these bounds, well under a second), where a pattern such as `(a+)+$` costs 2 ** len(name)."""
+
+_REPEATS = {re._constants.MAX_REPEAT, re._constants.MIN_REPEAT, getattr(re._constants, "POSSESSIVE_REPEAT", None)}
+
+
+def _backtracking_risks(items, inside: bool, found: list[str]) -> int:
+    """The unbounded repeats of the parsed pattern `items` (`re._parser`), appending to `found` what can make a
+    match take exponential time: a repeat inside a repeat, an alternation inside a repeat, a backreference."""
+    constants = re._constants
+    opened = 0
+    for op, value in items:
+        if op in (constants.GROUPREF, constants.GROUPREF_EXISTS):
+            found.append("a backreference")
+        elif op in _REPEATS:
+            low, high, sub = value
+            if inside and high > 1:
+                found.append("a repeat inside a repeat")
+            opened += high == constants.MAXREPEAT or high > 1000
+            opened += _backtracking_risks(sub, inside or high > 1, found)
+        elif op is constants.SUBPATTERN:
+            opened += _backtracking_risks(value[-1], inside, found)
+        elif op is constants.BRANCH:
+            if inside:
+                found.append("an alternation inside a repeat")
+            opened += sum(_backtracking_risks(branch, inside, found) for branch in value[1])
+        elif op in (constants.ASSERT, constants.ASSERT_NOT):
+            opened += _backtracking_risks(value[1], inside, found)
+        elif op is getattr(constants, "ATOMIC_GROUP", None):
+            opened += _backtracking_risks(value, inside, found)
+    return opened
+
+
+@functools.lru_cache(maxsize=256)
+def target_regex(target: str) -> re.Pattern:
+    """The compiled "re:<regex>" `target` of an untrusted compressed-tensors config, refused when matching it could
+    hang: longer than MAX_PATTERN_CHARS, a backreference, a repeat or an alternation inside a repeat (`(a+)+`,
+    `(a|ab)*`: catastrophic backtracking), more than MAX_OPEN_REPEATS unbounded repeats, or not a regex.
+
+    Raises:
+        ValueError: one line naming the pattern (repr: escaped) and what is allowed.
+    """
+    pattern = target.removeprefix("re:")
+    shown = repr(target[:80] + ("..." if len(target) > 80 else ""))
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(
+            f"compressed-tensors target {shown} is {len(pattern)} characters long; hfquant matches patterns of at "
+            f"most {MAX_PATTERN_CHARS}: shorten it, or list the module names"
+        )
+    try:
+        parsed = re._parser.parse(pattern)
+    except re.error as error:
+        raise ValueError(f"compressed-tensors target {shown} is not a regular expression ({error})") from None
+    found: list[str] = []
+    opened = _backtracking_risks(list(parsed), False, found)
+    if opened > MAX_OPEN_REPEATS:
+        found.append(f"{opened} unbounded repeats (at most {MAX_OPEN_REPEATS})")
+    if found:
+        raise ValueError(
+            f"compressed-tensors target {shown} has {found[0]}, which can make matching take exponential time; "
+            "hfquant refuses nested or alternating repeats and backreferences in an untrusted config: write the "
+            "pattern without them (e.g. 're:.*mlp\\.(up|down)_proj$'), or list the module names"
+        )
+    return re.compile(pattern)
 
 
 def matches_target(name: str, classes: Iterable[str], target: str) -> bool:
     """compressed-tensors' matching: "re:<regex>" matched from the start of the module name, else the exact name or
-    the name of one of the module's classes (`classes`, e.g. its MRO: "Linear")."""
+    the name of one of the module's classes (`classes`, e.g. its MRO: "Linear"). A regex is checked by
+    `target_regex` and matched only against names of at most MAX_NAME_CHARS characters.
+
+    Raises:
+        ValueError: a pattern that could hang (`target_regex`), or a module name too long to match against one.
+    """
     if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), name) is not None
+        if len(name) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"module name {name[:80] + '...'!r} is {len(name)} characters long; hfquant matches compressed-tensors "
+                f"patterns against names of at most {MAX_NAME_CHARS}"
+            )
+        return target_regex(target).match(name) is not None
     return target == name or target in classes
 
 

@@ -12,9 +12,10 @@ import transformers
 from transformers import CONFIG_MAPPING
 
 from hfquant.checkpoint.files import CONFIG_NAME, read_config
+from hfquant.checkpoint.model_type import BASE_MODEL_TYPE_KEY
 from hfquant.config import QUANT_METHOD, HfQuantConfig
 
-__all__ = ["read_model_config", "read_quantization_config", "check_source_config"]
+__all__ = ["read_model_config", "read_quantization_config", "check_source_config", "base_type_problem"]
 
 
 def read_model_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -67,3 +68,29 @@ def check_source_config(folder: str | os.PathLike) -> None:
     folder = Path(folder).expanduser()
     if (folder / CONFIG_NAME).is_file():
         read_model_config(folder)
+
+
+def base_type_problem(config: dict[str, Any]) -> str | None:
+    """The problem of a config.json (`read_config`'s dict, the base type back in `model_type`) whose base model type is
+    not the type of the class its `architectures` names, or None. `AutoModelForCausalLM.from_pretrained` builds the
+    class of the base type, `hfquant verify` and `convert` the class `architectures` names: with
+    `hfquant_base_model_type` "gpt2" over a Llama's tensors, the load refused what verify passed; with "mistral" or
+    "qwen3", the load computed another model than the files were written for. A name that is not a transformers model
+    class is left to `hfquant.integration.skeleton.model_class`, an unknown type to `read_model_config`."""
+    base = config.get("model_type")
+    if not isinstance(base, str) or base not in CONFIG_MAPPING:
+        return None
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            continue
+        wanted = cls.config_class
+        if wanted is None or issubclass(CONFIG_MAPPING[base], wanted):
+            return None
+        return (
+            f"{CONFIG_NAME}: the base model type {base!r} ({BASE_MODEL_TYPE_KEY}, or model_type) is not the type of its "
+            f"architecture {name} ({wanted.model_type!r}), so from_pretrained would build another model than the "
+            f"files hold; write {BASE_MODEL_TYPE_KEY}={wanted.model_type!r} or restore config.json from the quantized "
+            "checkpoint"
+        )
+    return None

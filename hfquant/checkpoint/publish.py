@@ -1,5 +1,5 @@
 """Writing a folder so that readers see it whole or not at all: a hidden temporary folder beside the destination,
-published by one atomic rename, with Ctrl-C held back over the few steps that must not be cut in two.
+published by one atomic rename, with Ctrl-C and SIGTERM held back over the few steps that must not be cut in two.
 
     with temporary_folder(dst) as tmp:       # .DST.tmp-XXXXXXXX beside DST, deleted when the block ends
         ...write everything into tmp...
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import os
 import secrets
@@ -36,9 +37,10 @@ from pathlib import Path
 __all__ = [
     "check_apart_from_source",
     "check_destination",
-    "deferred_sigint",
+    "deferred_interrupts",
     "exchange",
     "give_umask_modes",
+    "hidden_sibling",
     "process_umask",
     "publish_cache_folder",
     "publish_folder",
@@ -56,10 +58,15 @@ _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 """errno values of renameat2 when the kernel or the file system does not offer a flag: use the fallback."""
 
 
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that mean "stop, cleaning up": Ctrl-C, and what `kill`, `timeout`, `docker stop` and systemd send."""
+
+
 @contextlib.contextmanager
-def deferred_sigint() -> Iterator[None]:
-    """Hold back SIGINT (Ctrl-C) until the block ends, then deliver it: the previous handler runs (by default it raises
-    `KeyboardInterrupt` at the end of the block, never inside it).
+def deferred_interrupts() -> Iterator[None]:
+    """Hold back SIGINT (Ctrl-C) and SIGTERM until the block ends, then deliver the first one received: its previous
+    handler runs (SIGINT's default raises `KeyboardInterrupt` at the end of the block, never inside it; the `hfquant`
+    command's SIGTERM handler does the same; SIGTERM's default ends the process, as it would have without the block).
 
     Python runs signal handlers in the main thread only, so this works there; in another thread the block runs
     unprotected (`signal.signal` cannot be called there). SIGKILL cannot be held back by anything.
@@ -68,16 +75,22 @@ def deferred_sigint() -> Iterator[None]:
         yield
         return
     received: list[tuple[int, object]] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: received.append((signum, frame))) for signum in INTERRUPTS
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if received:
             signum, frame = received[0]
-            if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL and signum != signal.SIGINT:
+                signal.raise_signal(signum)
+            elif handler != signal.SIG_IGN:
                 raise KeyboardInterrupt
 
 
@@ -95,18 +108,41 @@ def temporary_folder(dst: Path) -> Iterator[Path]:
     """
     path = None
     try:
-        with deferred_sigint():
+        with deferred_interrupts():
             path = _create_unique(dst)
         yield path
     finally:
-        with deferred_sigint():  # a second Ctrl-C must not cut the cleanup short
+        with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
             remove_folder(path)
 
 
+NAME_MAX = 255
+"""The longest file name, in bytes, that Linux file systems (ext4, xfs, btrfs, tmpfs) take."""
+
+
+def hidden_sibling(path: Path, tag: str) -> Path:
+    """A new hidden name beside `path`: `.{path.name}.{tag}-XXXXXXXX` (8 random hex digits), for a temporary file or
+    folder that becomes, or stands for, `path`. A name too long for that to fit in NAME_MAX bytes keeps as much of its
+    start as fits, then `~` and 8 hex digits of its sha256 (two long names sharing their start get different
+    temporary names): every destination name that is legal gives a legal temporary name.
+
+    Example: a 250-character `dst` gives `.` + its first 232 characters + `~1a2b3c4d.tmp-5e6f7a8b` (255 bytes).
+    """
+    suffix = f".{tag}-{secrets.token_hex(4)}"
+    name = path.name
+    room = NAME_MAX - 1 - len(suffix.encode())
+    if len(os.fsencode(name)) > room:
+        mark = "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+        while len(os.fsencode(name + mark)) > room:
+            name = name[:-1]
+        name += mark
+    return path.parent / f".{name}{suffix}"
+
+
 def _create_unique(dst: Path) -> Path:
-    """mkdir a new `.{dst.name}.tmp-XXXXXXXX` beside `dst` and return it."""
+    """mkdir a new `.{dst.name}.tmp-XXXXXXXX` (`hidden_sibling`) beside `dst` and return it."""
     while True:
-        path = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
+        path = hidden_sibling(dst, "tmp")
         try:
             path.mkdir(mode=0o755)
         except FileExistsError:
@@ -182,8 +218,8 @@ def exchange(src: Path, dst: Path) -> None:
     """
     if _renameat2(src, dst, _RENAME_EXCHANGE):
         return
-    aside = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
-    with deferred_sigint():
+    aside = hidden_sibling(dst, "old")
+    with deferred_interrupts():
         os.rename(dst, aside)
         try:
             os.rename(src, dst)
@@ -290,7 +326,7 @@ def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
         FileExistsError: `dst` exists and `overwrite` is False, or it appeared during the run (the message says so).
         OSError: the rename failed; `dst` is as it was.
     """
-    with deferred_sigint():
+    with deferred_interrupts():
         exists = dst.exists() or dst.is_symlink()
         if exists and not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it")
@@ -315,7 +351,7 @@ def publish_cache_folder(tmp: Path, final: Path, is_complete: Callable[[Path], b
         FileExistsError: `final` appeared during the rename and is not complete (a build is publishing it now).
         OSError: the rename failed; `final` is as it was.
     """
-    with deferred_sigint():
+    with deferred_interrupts():
         if is_complete(final):
             return
         if final.exists() or final.is_symlink():

@@ -19,9 +19,17 @@ import torch
 from torch import nn
 
 from hfquant.checkpoint.files import TensorHeader, shape_text
-from hfquant.core.dtypes import dtype_name
+from hfquant.core.dtypes import dtype_name, torch_dtype
 
-__all__ = ["Expected", "is_hfquant_module", "expected_tensors", "schema_problems", "value_problem", "problem_text"]
+__all__ = [
+    "Expected",
+    "is_hfquant_module",
+    "expected_tensors",
+    "schema_problems",
+    "schema_error",
+    "value_problem",
+    "problem_text",
+]
 
 _FIX = (
     "the file does not match quantization_config in config.json: it was written by another tool or version, or "
@@ -52,7 +60,36 @@ def _layer_text(module: nn.Module) -> str:
         details.append("symmetric" if module.symmetric else "asymmetric")
     bits = getattr(module, "bits", None)
     text = f"{bits}-bit {type(module).__name__}" if bits is not None else type(module).__name__
-    return text + (f" ({', '.join(details)})" if details else "")
+    text += f" ({', '.join(details)})" if details else ""
+    method = getattr(getattr(module, "format", None), "method", None)
+    return text + (f", method {method}" if method is not None else "")
+
+
+def _unused_problem(model: nn.Module, file_key: str, model_key: str, header: TensorHeader) -> str | None:
+    """The problem of the file tensor `file_key` (`model_key` once renamed) that no tensor of `model` takes although
+    its module is in `model` (a SINQ column scale of a layer config.json plans as RTN, a scale of a layer it keeps in
+    float), or None when that module is not in `model` or the tensor names one of its non-persistent buffers (which a
+    float model recomputes)."""
+    module_name, _, attribute = model_key.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    if not is_hfquant_module(module) and attribute in module._non_persistent_buffers_set:
+        return None
+    where = f"{file_key} (in {header.file}) is not a tensor of {type(model).__name__} as config.json describes it"
+    if is_hfquant_module(module):
+        stored = [
+            n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set
+        ]
+        return (
+            f"{where}: it makes {module_name or 'the model'} a {_layer_text(module)}, which stores {', '.join(stored)} "
+            f"and no {attribute}, so from_pretrained would compute without it; {_FIX}"
+        )
+    return (
+        f"{where}: it keeps {module_name or 'the model'} a float {type(module).__name__}, which has no {attribute}, "
+        f"so from_pretrained would ignore it; {_FIX}"
+    )
 
 
 def expected_tensors(model: nn.Module) -> tuple[dict[str, Expected], dict[str, set[str]]]:
@@ -94,13 +131,23 @@ def schema_problems(
 ) -> tuple[list[str], int]:
     """Compare the file tensors with the prepared skeleton `model`; returns (problems, tensors compared).
 
+    The one schema check of an hfquant checkpoint: a pre-quantized `from_pretrained` calls it before any weight is read
+    (`hfquant.integration.checks.check_stored_tensors`), `hfquant verify`, `inspect`, `export` and `convert` of a
+    quantized SRC through `hfquant.integration.schema_check`; all but verify (which lists the problems) raise
+    `schema_error`'s one line. Each layer's format
+    as config.json resolves it (method, bits, group size, symmetry, `module_overrides`) is in the skeleton's hfquant
+    modules, and every file tensor must be a tensor of them: in both modes a file tensor that no tensor of a module of
+    `model` takes (a SINQ `weight_col_scale` of a layer the config plans as RTN, a scale of a layer it keeps in float)
+    is a problem, and so is an integer tensor where the model has a float one (a layer's codes loaded as weights).
+
     Args:
         tensors: file tensor name -> header, for every tensor of the checkpoint.
         key_map: file tensor name -> model state_dict name as the loader renames it, None when a transformers
             weight converter fuses it (then it has no per-tensor shape to compare, and missing tensors are not judged).
-        loading: True for a pre-quantized `from_pretrained`: only hfquant's stored tensors are compared (a float
-            tensor of another shape is transformers' own business, e.g. with `ignore_mismatched_sizes=True`);
-            False (verify): every tensor's shape, and file tensors the model lacks are problems too.
+        loading: True for a pre-quantized `from_pretrained`: float tensors' shapes are not compared (a float tensor
+            of another shape is transformers' own business, e.g. with `ignore_mismatched_sizes=True`), nor are file
+            tensors of modules the model does not have or float tensors it lacks (a task head the class drops or
+            adds); False (verify): every tensor's shape, and every file tensor the model lacks.
     """
     expected, tied = expected_tensors(model)
     problems: list[str] = []
@@ -114,13 +161,25 @@ def schema_problems(
             continue
         want = expected.get(model_key)
         if want is None:
-            if not loading and not _ignored(model, file_key, "_keys_to_ignore_on_load_unexpected"):
-                problems.append(
+            if _ignored(model, file_key, "_keys_to_ignore_on_load_unexpected"):
+                continue
+            problem = _unused_problem(model, file_key, model_key, header)
+            if problem is None and not loading:
+                problem = (
                     f"{file_key} (in {header.file}) is not a tensor of {type(model).__name__}; from_pretrained ignores "
                     "it: the files are from another model or config.json was changed"
                 )
+            if problem is not None:
+                problems.append(problem)
             continue
         present.add(model_key)
+        if not want.exact and torch_dtype(want.dtype).is_floating_point and not header.dtype.is_floating_point:
+            problems.append(
+                f"{file_key} in {header.file} is {header.describe()}, integer codes where {type(model).__name__} as "
+                f"config.json describes it has a float tensor {shape_text(want.shape)} (a layer config.json keeps "
+                f"in float); {_FIX}"
+            )
+            continue
         if loading and not want.exact:
             continue
         compared += 1
@@ -182,6 +241,20 @@ def value_problem(key: str, tensor: torch.Tensor, bits: int) -> str | None:
     index = tuple(int(i) for i in bad.nonzero()[0])
     first = tensor[index].item()
     return f"{key} holds {int(bad.sum())} impossible {kind} (first: {first} at index {index}); {_VALUES_FIX}"
+
+
+def schema_error(problems: list[str]) -> str:
+    """The one-line error of a checkpoint whose tensors do not match its config.json (`schema_problems`,
+    `hfquant.checkpoint.model_config.base_type_problem`): the first problem in full, the tensors of the next three
+    named, "hfquant verify" for the full list. `problems` must not be empty."""
+    text = "the hfquant checkpoint does not match its config"
+    if len(problems) == 1:
+        return f"{text}: {problems[0]}"
+    others = [problem.split(" ", 1)[0] for problem in problems[1:]]
+    named = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    return (
+        f"{text} ({len(problems)} problems): {problems[0]} (and {len(others)} more: {named}; hfquant verify lists all)"
+    )
 
 
 def problem_text(problems: Iterable[str], limit: int = 20, what: str = "does not match its config") -> str:

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterable
 
 from hfquant.commands import convert, eval_, export, import_, inspect_, push, verify
+from hfquant.core.text import terminal_safe
 from hfquant.version import __version__
 
 __all__ = ["main", "build_parser", "parse_args", "run"]
@@ -134,21 +135,22 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; its errors become one line on stderr and an exit status: 2 for ValueError/TypeError
     (bad values), 1 for OSError, Hub errors and a missing optional package (ImportError, naming its pip command), 130
-    for Ctrl-C; other exceptions propagate."""
+    for Ctrl-C and 143 for SIGTERM (what `kill`, `timeout`, `docker stop` and systemd send), both handled alike: the
+    command's temporary files are removed; other exceptions propagate."""
     from hfquant.publishing.hub import HubError
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     if args.verbose:
         logging.getLogger("hfquant").setLevel(logging.INFO)
     interrupted: list[int] = []
-    previous = _record_sigint(interrupted)
+    previous = _record_interrupts(interrupted)
     try:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        _exit(130, _INTERRUPTED)
+        _exit_interrupted(interrupted)
     except MemoryError as error:
         if interrupted:
-            _exit(130, _INTERRUPTED)
+            _exit_interrupted(interrupted)
         _exit(
             1,
             f"hfquant: error: out of memory{f' ({error})' if str(error) else ''}; close other programs or "
@@ -158,22 +160,42 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:
         # Ctrl-C inside some C extensions (torch, safetensors) surfaces as another exception; it is still Ctrl-C
         if interrupted:
-            _exit(130, _INTERRUPTED)
+            _exit_interrupted(interrupted)
         if isinstance(error, (ValueError, TypeError)):
             _exit(2, f"hfquant: error: {error}\n")
         if isinstance(error, (OSError, HubError, ImportError)):
             _exit(1, f"hfquant: error: {error}\n")
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 2
 
 
 def _exit(status: int, message: str) -> None:
-    """`message` on stderr, then exit with `status` (as argparse's `parser.exit`)."""
-    sys.stderr.write(message)
+    """`message` on stderr as one line, with what a file put in it (a tensor or file name, a config string) unable to
+    act on the terminal (`terminal_safe`), then exit with `status` (as argparse's `parser.exit`)."""
+    sys.stderr.write(terminal_safe(message.rstrip("\n")) + "\n")
     sys.exit(status)
+
+
+class _TerminalSafeFormatter(logging.Formatter):
+    """A log line whose message cannot act on the terminal (`terminal_safe`): messages embed names from checkpoints."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return terminal_safe(super().formatMessage(record))
+
+
+def _configure_logging() -> None:
+    """What `logging.basicConfig(level=WARNING, format=...)` does (nothing when the root logger has a handler), with
+    messages made `terminal_safe`."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_TerminalSafeFormatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
 
 
 _MEMORY_HINTS = {
@@ -182,25 +204,38 @@ _MEMORY_HINTS = {
 }
 """What lowers the peak memory of each command, for the out-of-memory message."""
 
-_INTERRUPTED = "hfquant: interrupted (an unfinished DST is removed; an existing one is left as it was)\n"
+_INTERRUPTED = "an unfinished DST is removed; an existing one is left as it was"
 
 
-def _record_sigint(received: list[int]):
-    """Replace the default SIGINT handler by one that raises KeyboardInterrupt as it does and also appends to
-    `received`, so that an exception a C extension made out of the interrupt is still reported as one (exit status
-    130). Returns the handler to restore, or None when nothing was changed (not the main thread, or a custom
-    handler is installed)."""
+def _exit_interrupted(received: list[int]) -> None:
+    """Exit as an interrupted command: 130 after Ctrl-C (or an interrupt raised without a signal), 143 after SIGTERM
+    (128 + the signal's number, as a shell reports a process that signal ended), with one line saying so."""
+    if received and received[0] == signal.SIGTERM:
+        _exit(128 + signal.SIGTERM, f"hfquant: terminated (SIGTERM; {_INTERRUPTED})\n")
+    _exit(130, f"hfquant: interrupted ({_INTERRUPTED})\n")
+
+
+def _record_interrupts(received: list[int]) -> dict[int, object]:
+    """Handle SIGINT and SIGTERM alike: each raises KeyboardInterrupt, so that the command's cleanup runs (temporary
+    folders and files are removed, `hfquant.checkpoint.publish` holds both back over its publishing step), and
+    appends its number to `received`, so that the exit status tells them apart and an exception a C extension made
+    out of the interrupt is still reported as one; a second SIGTERM ends the process at once. Only a signal whose handler is Python's default is taken over
+    (SIGINT's `default_int_handler`, SIGTERM's `SIG_DFL`), in the main thread. Returns {signal: handler to restore}."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
-        return None
+        return {}
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
     def handler(signum, frame):
+        if signum == signal.SIGTERM and signum in received:  # a second SIGTERM while cleaning up: end now
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
         received.append(signum)
-        signal.default_int_handler(signum, frame)
+        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, handler)
+    previous = {}
+    for signum, default in defaults.items():
+        if signal.getsignal(signum) is default:
+            previous[signum] = signal.signal(signum, handler)
     return previous
 
 

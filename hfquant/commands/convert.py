@@ -15,6 +15,7 @@ from hfquant.commands.options import (
     apply_progress_option,
     config_from_args,
 )
+from hfquant.core.text import terminal_safe
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         else None,
     )
     print(
-        f"wrote {result.dst}: {result.quantized_layers} tensors quantized, {result.float_tensors} kept in float, "
+        f"wrote {terminal_safe(result.dst)}: {result.quantized_layers} tensors quantized, {result.float_tensors} kept in float, "
         f"{len(result.shards)} shard(s), {human_bytes(result.weight_bytes)} of tensors "
         f"(source {human_bytes(result.source_weight_bytes)}) in {result.seconds:.1f} s"
     )

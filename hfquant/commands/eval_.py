@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from hfquant.commands.options import add_common_options, apply_progress_option
+from hfquant.core.text import terminal_safe
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     e.add_argument("path", metavar="PATH", help="quantized checkpoint folder (a causal LM)")
     e.add_argument("--baseline", metavar="SRC", help="float checkpoint to measure the same way (folder or repo id)")
+    e.add_argument(
+        "--tokenizer",
+        metavar="FOLDER_OR_REPO",
+        help="read the tokenizer from here (a folder or repo id) instead of from PATH and SRC",
+    )
     e.add_argument(
         "--text-file", type=Path, metavar="FILE", help="UTF-8 text for the perplexity instead of the built-in one"
     )
@@ -80,13 +86,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _print_table(measured: dict) -> None:
-    width = max(len(row["label"]) for row in measured["results"])
+    labels = [terminal_safe(row["label"]) for row in measured["results"]]
+    width = max(len(label) for label in labels)
     print(
-        f"perplexity on {measured['text']}, {measured['tokens']} tokens; decode: {measured['new_tokens']} new tokens, batch 1"
+        f"perplexity on {terminal_safe(measured['text'])}, {measured['tokens']} tokens; decode: {measured['new_tokens']} new tokens, batch 1"
     )
     print(f"{'model':<{width}}  {'perplexity':>10}  {'decode tok/s':>12}")
-    for row in measured["results"]:
-        print(f"{row['label']:<{width}}  {row['perplexity']:>10.3f}  {row['tokens_per_second']:>12.1f}")
+    for label, row in zip(labels, measured["results"], strict=True):
+        print(f"{label:<{width}}  {row['perplexity']:>10.3f}  {row['tokens_per_second']:>12.1f}")
 
 
 def _save(folder: Path, measured: dict) -> None:
@@ -125,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         args.new_tokens,
         args.repeats,
         DEFAULT_PROMPT if args.prompt is None else args.prompt,
+        args.tokenizer,
         max_chars=args.max_chars,
         progress=args.progress,
     )

@@ -12,6 +12,7 @@ from hfquant.commands.options import (
     add_shard_size_option,
     apply_progress_option,
 )
+from hfquant.core.text import terminal_safe
 
 __all__ = ["ENGINES", "FORMATS", "HELP", "add_parser", "check_args", "run"]
 
@@ -95,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.format == "gguf":
         types = ", ".join(f"{count} {kind}" for kind, count in sorted(result.types.items()))
-        print(f"wrote {result.dst} (gguf): {types} tensors in {result.seconds:.1f} s")
+        print(f"wrote {terminal_safe(result.dst)} (gguf): {types} tensors in {result.seconds:.1f} s")
         return 0
     print(
-        f"wrote {result.dst} ({args.format}): {result.quantized_layers} layers quantized in "
+        f"wrote {terminal_safe(result.dst)} ({args.format}): {result.quantized_layers} layers quantized in "
         f"{result.config_groups} config group(s), {result.dequantized_layers} written dequantized, "
         f"{len(result.shards)} shard(s) in {result.seconds:.1f} s"
     )

@@ -11,6 +11,7 @@ from hfquant.commands.options import (
     add_shard_size_option,
     apply_progress_option,
 )
+from hfquant.core.text import terminal_safe
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     apply_progress_option(args)
     result = import_checkpoint(args.src, args.dst, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     print(
-        f"wrote {result.dst}: {result.quantized_layers} layers imported in {result.config_groups} format(s), "
+        f"wrote {terminal_safe(result.dst)}: {result.quantized_layers} layers imported in {result.config_groups} format(s), "
         f"{len(result.shards)} shard(s) in {result.seconds:.1f} s"
     )
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hfquant.commands.options import add_common_options, apply_progress_option
+from hfquant.core.text import terminal_safe
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -62,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
         commit_message=args.commit_message,
         timeout=args.timeout,
     )
-    print(f"pushed {args.path} to {args.repo_id}: {info.commit_url}")
+    print(terminal_safe(f"pushed {args.path} to {args.repo_id}: {info.commit_url}"))
     return 0

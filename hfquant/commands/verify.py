@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from hfquant.commands.options import add_common_options
+from hfquant.core.text import terminal_safe
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -40,16 +41,16 @@ def run(args: argparse.Namespace) -> int:
 
     result = verify(args.path)
     for note in result.notes:
-        print(f"note: {note}")
+        print(f"note: {terminal_safe(note)}")
     if result.problems:
-        print(f"hfquant: {args.path}: {len(result.problems)} problem(s):", file=sys.stderr)
+        print(f"hfquant: {terminal_safe(args.path)}: {len(result.problems)} problem(s):", file=sys.stderr)
         for problem in result.problems:
-            print(f"  - {problem}", file=sys.stderr)
+            print(f"  - {terminal_safe(problem)}", file=sys.stderr)
         return 1
     if args.write_checksums:
-        print(f"recorded sha256 sums in {write_checksums(args.path)}")
+        print(f"recorded sha256 sums in {terminal_safe(write_checksums(args.path))}")
     print(
-        f"ok: {args.path}: {result.tensors} tensors in {result.files} file(s) match the config"
+        f"ok: {terminal_safe(args.path)}: {result.tensors} tensors in {result.files} file(s) match the config"
         + (f", {result.checksums} sha256 sums match" if result.checksums else "")
     )
     return 0

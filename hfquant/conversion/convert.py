@@ -43,11 +43,12 @@ from hfquant.checkpoint.model_type import mark_config_file
 from hfquant.checkpoint.schema import is_hfquant_module
 from hfquant.checkpoint.sharding import shard_plan
 from hfquant.checkpoint.source import resolve_source
-from hfquant.config import HfQuantConfig
+from hfquant.config import QUANT_METHOD, HfQuantConfig
 from hfquant.conversion import jobs
 from hfquant.core.dtypes import dtype_name
-from hfquant.integration.conversions import Output, plan_outputs
+from hfquant.integration.conversions import Output, model_key_map, plan_outputs
 from hfquant.integration.counting import quantized_weight_count
+from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = ["ConvertResult", "convert"]
@@ -96,7 +97,8 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
     Raises:
         FileNotFoundError / OSError: as `resolve_source`, or no config.json.
         ValueError: `dst` is SRC, inside it or contains it, config.json malformed or naming an unknown model type, SRC
-            already quantized, or the config refuses its values.
+            already quantized (an hfquant SRC whose tensors do not match its config.json is named as such first, with
+            `check_checkpoint_schema`'s message), or the config refuses its values.
     """
     config.validate()
     folder = resolve_source(src, revision)
@@ -104,6 +106,8 @@ def _source_folder(src, dst: Path, config: HfQuantConfig, revision: str | None) 
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no config.json; SRC must be a transformers checkpoint folder")
     existing = read_model_config(folder).get("quantization_config")  # a malformed config.json: one ValueError
+    if existing is not None and existing.get("quant_method") == QUANT_METHOD:
+        check_checkpoint_schema(folder)  # a mismatch is named as from_pretrained and verify name it
     if existing is not None:
         raise ValueError(
             f"{folder} is already quantized (quant_method {existing.get('quant_method')!r}); convert needs the float "
@@ -122,6 +126,30 @@ def _check_destination(src, dst: Path, overwrite: bool) -> None:
     if Path(src).expanduser().is_dir():
         folders.check_apart_from_source(dst, src, "the quantized checkpoint")
     folders.check_destination(dst, overwrite)
+
+
+def _check_sources_are_float(folder: Path, model, quantizer, files: dict[str, Path]) -> None:
+    """Refuse a source tensor that lands on a tensor quantization makes (a `weight_scale`, `weight_zero_point` or
+    SINQ `weight_col_scale`): SRC is a quantized checkpoint whose config.json lost its `quantization_config`, and its
+    scales would be stored beside codes computed from its codes.
+
+    Raises:
+        ValueError: naming the tensor and the fix.
+    """
+    for file_key, model_key in model_key_map(model, files, quantizer).items():
+        if model_key is None:
+            continue
+        module_name, _, attribute = model_key.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not is_hfquant_module(module) or attribute not in module._buffers:
+            continue
+        if quantizer.param_needs_quantization(model, model_key):
+            continue
+        raise ValueError(
+            f"{folder}: {file_key} is a stored tensor of a quantized layer ({attribute}) but config.json has no "
+            "quantization_config: SRC is a quantized checkpoint whose config.json lost it; restore its config.json "
+            "(hfquant verify checks it), or convert the float checkpoint it was made from"
+        )
 
 
 def _check_missing(folder: Path, model, missing: list[str]) -> None:
@@ -222,6 +250,7 @@ def convert(
 
     with _transformers_progress_bars(progress):  # the fold's pre-pass over the blocks has its own bar
         model, load_dtype, quantizer = build_skeleton(folder, dtype, config)
+    _check_sources_are_float(folder, model, quantizer, files)
     runner = jobs.JobRunner(model, quantizer)
     outputs, missing = plan_outputs(model, quantizer, load_dtype, files)
     _check_missing(folder, model, missing)

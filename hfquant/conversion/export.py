@@ -42,6 +42,7 @@ from hfquant.checkpoint.model_config import read_quantization_config
 from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import HfQuantConfig
 from hfquant.core.dtypes import torch_dtype
+from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
 
 __all__ = ["FORMATS", "ExportResult", "export_checkpoint", "check_dst"]
@@ -112,11 +113,13 @@ def _read_source(folder: Path) -> tuple[dict, HfQuantConfig, dict[str, Path], di
     `folder`, read from JSON and the safetensors headers only.
 
     Raises:
-        ValueError: config.json is a link leaving `folder`, or not an hfquant checkpoint's (`read_quantization_config`).
+        ValueError: config.json is a link leaving `folder`, or not an hfquant checkpoint's (`read_quantization_config`),
+            or the tensors do not match it (`check_checkpoint_schema`: the message a pre-quantized load gives).
         FileNotFoundError: no config.json or no safetensors.
     """
     require_inside(folder, folder / CONFIG_NAME)
     config, hfconfig = read_quantization_config(folder)
+    check_checkpoint_schema(folder)  # config.json against every stored tensor, as from_pretrained checks it
     files = tensor_files(folder)
     headers = {}
     for path in dict.fromkeys(files.values()):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,6 +54,7 @@ from hfquant.checkpoint.gguf_export import Reblocked, llama_permutation, reblock
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core.optional import GGUF, require
 from hfquant.core.packing import unpack_int4
+from hfquant.integration.schema_check import check_checkpoint_schema
 
 gguf = require(GGUF)  # ImportError with the pip command when gguf is not installed
 
@@ -383,7 +383,8 @@ def _checked_source(folder: Path) -> tuple[dict, dict[str, Path]]:
     """(config.json, tensor name -> shard) of an hfquant checkpoint of an architecture GGUF takes, without SINQ scales.
 
     Raises:
-        ValueError: a link leaving `folder`, not an hfquant checkpoint, another architecture, a SINQ column scale.
+        ValueError: a link leaving `folder`, not an hfquant checkpoint, tensors that do not match config.json
+            (`check_checkpoint_schema`), another architecture, a SINQ column scale.
     """
     for name in _READ_FILES:
         if (folder / name).exists() or (folder / name).is_symlink():
@@ -391,6 +392,7 @@ def _checked_source(folder: Path) -> tuple[dict, dict[str, Path]]:
     config = read_config(folder)
     if "quantization_config" not in config or config["quantization_config"].get("quant_method") != "hfquant":
         raise ValueError(f"{folder} is not an hfquant checkpoint (config.json has no hfquant quantization_config)")
+    check_checkpoint_schema(folder)  # config.json against every stored tensor, as from_pretrained checks it
     if config.get("model_type") not in GGUF_MODEL_TYPES:
         raise ValueError(
             f"{folder}: model_type={config.get('model_type')!r}; the GGUF export writes {list(GGUF_MODEL_TYPES)}"
@@ -450,11 +452,16 @@ def _add_module(
 def _replace_atomically(dst: Path, write) -> None:
     """`write(path)` into a temporary file beside `dst`, given the usual file mode and renamed to `dst`; on any failure
     the temporary file is removed and `dst` is left as it was."""
-    handle, partial = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(handle)
+    while True:  # as tempfile.mkstemp, with a name that fits whatever the length of dst's (folders.hidden_sibling)
+        partial = str(folders.hidden_sibling(dst, "tmp"))
+        try:
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            break
+        except FileExistsError:
+            continue
     try:
         write(partial)
-        # mkstemp made it private; a finished file gets the mode the umask asks for
+        # created private; a finished file gets the mode the umask asks for
         os.chmod(partial, 0o666 & ~folders.process_umask())
         os.replace(partial, dst)
     except BaseException:

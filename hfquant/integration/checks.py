@@ -9,13 +9,16 @@ from pathlib import Path
 from torch import nn
 
 from hfquant.checkpoint.files import (
+    CONFIG_NAME,
     TensorHeader,
     checkpoint_ids,
     mixed_checkpoint_problem,
+    read_config,
     read_headers,
     require_inside,
 )
-from hfquant.checkpoint.schema import problem_text, schema_problems, value_problem
+from hfquant.checkpoint.model_config import base_type_problem
+from hfquant.checkpoint.schema import problem_text, schema_error, schema_problems, value_problem
 from hfquant.integration.conversions import key_map
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
@@ -60,10 +63,14 @@ def read_single_copies(files) -> dict[str, TensorHeader]:
 def check_stored_tensors(model: nn.Module, files, conversions: list) -> int:
     """Compare hfquant's stored tensors in the safetensors `files` with the prepared skeleton `model` before a
     pre-quantized load, their names mapped with the weight `conversions` of the load (`get_model_conversion_mapping`
-    with the quantizer); returns the tensors compared.
+    with the quantizer), and config.json's base type with its `architectures`; returns the tensors compared. The
+    checks of `hfquant verify`, `inspect`, `export` and `convert` (`hfquant.integration.schema_check`): the same
+    `base_type_problem` and `schema_problems`, in its loading mode, and the same message (`schema_error`).
 
     Raises:
-        ValueError: listing every tensor of the wrong dtype or shape, or missing, with the file and the fix; a file that
+        ValueError: one line naming the first tensor of the wrong dtype or shape, missing, or used by nothing (a SINQ
+            column scale under a config saying RTN), or a base type that is not the architecture's, with the file
+            and the fix (`schema_error`); a file that
             is not safetensors; a tensor stored twice (`read_single_copies`); shards (or the index)
             of two saves, as when `convert --overwrite` replaced the folder while it was read (`mixed_checkpoint_problem`).
     """
@@ -77,9 +84,12 @@ def check_stored_tensors(model: nn.Module, files, conversions: list) -> int:
     if any(value is not None for value in ids.values()):  # compared again after: `confirm_checkpoint_unchanged`
         model._hfquant_checkpoint_ids = ids
     tensors = read_single_copies(files)
+    folder = Path(files[0]).parent if files else None
+    base = base_type_problem(read_config(folder)) if folder and (folder / CONFIG_NAME).is_file() else None
     problems, compared = schema_problems(model, tensors, key_map(model, tensors, conversions), loading=True)
+    problems = ([base] if base is not None else []) + problems
     if problems:
-        raise ValueError(problem_text(problems))
+        raise ValueError(schema_error(problems))
     return compared
 
 

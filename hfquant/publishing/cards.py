@@ -30,6 +30,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from hfquant.checkpoint.files import EVAL_FILE, stays_inside
 from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.core.text import terminal_safe
 from hfquant.inspection import FOLDED_SINQ, format_report, group_text, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
 
@@ -86,6 +87,28 @@ def is_hfquant_card(readme: Path) -> bool:
         return False
 
 
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|!&~#{}])")
+
+
+def markdown_text(value: object) -> str:
+    """`value` as literal text in the card's Markdown (prose, a table cell): `terminal_safe` (one line, controls as
+    escapes), then every character Markdown or HTML acts on backslash-escaped (CommonMark shows `\\<` as `<`), so a
+    name from the checkpoint cannot open a tag, a link, an image or a table cell. `"a<img src=x>|b"` ->
+    `"a\\<img src=x\\>\\|b"`."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", terminal_safe(value))
+
+
+def markdown_code(value: object) -> str:
+    """`value` for a code span of the card (`` `NAME` ``), where backslashes show as typed: `terminal_safe`, with the
+    backtick (which would end the span) and `|` (which would end a table cell) shown as `\\x60` and `\\x7c`."""
+    return terminal_safe(value).replace("`", "\\x60").replace("|", "\\x7c")
+
+
+def _python_string(value: str) -> str:
+    """`value` for the inside of a double-quoted Python string in the card's usage snippet (one line)."""
+    return terminal_safe(value).replace("\\", "\\\\").replace('"', '\\"')
+
+
 def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, value) rows of the card's quantization table, in `hfquant.config.FIELDS` order. `module_overrides`
     is summarized: the entries naming one layer (`_names_a_layer`, which the quantizer writes to record each layer's
@@ -101,8 +124,9 @@ def _config_rows(qconfig: dict[str, Any]) -> list[tuple[str, str]]:
         elif key == "module_overrides":
             value = _overrides_text(value or {})
         elif isinstance(value, (list, tuple)):
-            value = ", ".join(f"`{v}`" for v in value)
-        rows.append((key, str(value)))
+            rows.append((markdown_code(key), ", ".join(f"`{markdown_code(v)}`" for v in value)))
+            continue
+        rows.append((markdown_code(key), markdown_text(value)))
     return rows
 
 
@@ -232,9 +256,9 @@ def build_card(
         )
     values = _template_values(report, bits, base_model, evaluation)
     values.update(
-        model_name=repo_id.split("/")[-1] if repo_id else name,
-        repo_id=repo_id or f"<your-username>/{name}",
-        command=command,
+        model_name=markdown_text(repo_id.split("/")[-1] if repo_id else name),
+        repo_id=_python_string(repo_id or f"<your-username>/{name}"),
+        command=terminal_safe(command),
         command_language="python" if "from_pretrained" in command else "bash",
     )
     logger.debug("card for %s:\n%s", folder, format_report(report))
@@ -265,7 +289,7 @@ def _template_values(
     return dict(
         marker=f"{CARD_MARKER}: generated from the files of this folder; edit freely, or re-render with hfquant",
         base_model=base_model,
-        architecture=architecture,
+        architecture=markdown_code(architecture),
         bits_text=" / ".join(f"{b}-bit integers" for b in bits),
         bits_tag="/".join(f"int{b}" for b in bits),
         granularity=_granularity(qconfig, report),
@@ -283,16 +307,33 @@ def _template_values(
             {
                 **row,
                 "group": group_text(row),
+                "kind": markdown_code(row["kind"]),
                 "bytes": human_bytes(row["bytes"]),
                 "float_bytes": human_bytes(row["float_bytes"]),
             }
             for row in report["quantized"]
         ],
-        float_layers=report["float_layers"],
-        evaluation=evaluation,
+        float_layers=[
+            {**row, "kind": markdown_code(row["kind"]), "reason": markdown_text(row["reason"])}
+            for row in report["float_layers"]
+        ],
+        evaluation=_shown_evaluation(evaluation),
         auto_class=_auto_class(architecture),
         **_versions(),
     )
+
+
+def _shown_evaluation(evaluation: dict | None) -> dict | None:
+    """`hfquant_eval.json` (a file of the folder, so untrusted) with its strings made `markdown_text`."""
+    if not isinstance(evaluation, dict):
+        return None
+    shown = {key: markdown_text(value) if isinstance(value, str) else value for key, value in evaluation.items()}
+    shown["results"] = [
+        {**row, "label": markdown_text(row.get("label", ""))}
+        for row in evaluation.get("results") or []
+        if isinstance(row, dict)
+    ]
+    return shown
 
 
 def asked_settings(qconfig: dict[str, Any], recorded: bool = False) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def test_fallback_exchange_puts_dst_back_when_the_second_rename_fails(tmp_path, 
 def test_ctrl_c_is_held_back_until_the_block_ends():
     steps = []
     with pytest.raises(KeyboardInterrupt):
-        with folders.deferred_sigint():
+        with folders.deferred_interrupts():
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(1000):  # the handler runs at one of these bytecodes; it must not raise here
                 steps.append(None)
