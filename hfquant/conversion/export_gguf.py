@@ -3,7 +3,8 @@
     export_gguf("SmolLM2-int4", "SmolLM2-int4.gguf")
 
 The quantized layers' codes are re-blocked as they are (`hfquant.checkpoint.gguf_export`: int8 -> Q8_0, int4
-symmetric -> Q4_0, int4 asymmetric -> Q4_1); norms are written as F32, the embedding and any float Linear layer as
+symmetric -> Q4_0, int4 asymmetric -> Q4_1); layers in a block format (`HfQuantConfig(format="q4_k")`, ...) already
+hold GGUF's bytes, which are copied as they are (rows in llama.cpp's q/k order); norms are written as F32, the embedding and any float Linear layer as
 F16 when their values are exact in fp16, else BF16 when exact in bf16, else F32; biases (Qwen2's q/k/v) as F32. Llama and Mistral are written with
 GGUF's "llama" architecture (q/k rows permuted as llama.cpp expects), Qwen2 with "qwen2" (not permuted, as llama.cpp's
 converter does). Hyper-parameters and the tokenizer go through the `gguf` package's own writer and vocab helpers
@@ -52,6 +53,8 @@ from hfquant.checkpoint.files import (
 )
 from hfquant.checkpoint.gguf_export import Reblocked, llama_permutation, reblock_int4, reblock_int8
 from hfquant.checkpoint.streaming import release_checkpoint_pages
+from hfquant.config import HfQuantConfig
+from hfquant.core.blocks import LAYOUTS as BLOCK_LAYOUTS
 from hfquant.core.optional import GGUF, require
 from hfquant.core.packing import unpack_int4
 from hfquant.integration.schema_check import check_checkpoint_schema
@@ -118,11 +121,21 @@ _QUANT_TYPES = {
     "Q8_0": gguf.GGMLQuantizationType.Q8_0,
     "Q4_0": gguf.GGMLQuantizationType.Q4_0,
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-}
+} | {name.upper(): gguf.GGMLQuantizationType(fmt.ggml_type) for name, fmt in BLOCK_LAYOUTS.items()}
+"""GGUF type of each tensor kind written: the re-blocked int8/int4 layers' and every block format's (copied)."""
 _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_S,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
     "F16": gguf.LlamaFileType.MOSTLY_F16,
     "BF16": gguf.LlamaFileType.MOSTLY_BF16,
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -424,16 +437,32 @@ def _quantized_blocks(module: str, weight: torch.Tensor, read, files, perm: torc
     return reblock_int4(codes, scale, zero, group, module)
 
 
+def _block_format(config: HfQuantConfig, module: str, files) -> str | None:
+    """The block format `module`'s weight is stored in (`config.layer_settings`), None for a float or int8/int4
+    weight (which has a `weight_scale`) or a module that is not a quantized layer."""
+    if module + ".weight_scale" in files or module + ".weight" not in files:
+        return None
+    fmt = config.layer_settings(module).format
+    return None if fmt == "int" else fmt
+
+
 def _add_module(
-    writer: gguf.GGUFWriter, module: str, gguf_name: str, read, files, permutation
+    writer: gguf.GGUFWriter, module: str, gguf_name: str, read, files, permutation, block: str | None
 ) -> tuple[list[str], Reblocked | None]:
-    """Add `module`'s weight (re-blocked when quantized, else as `_float_tensor`) and bias (F32) to `writer`;
-    returns (the GGUF type of each tensor written, the re-blocked weight or None)."""
+    """Add `module`'s weight (re-blocked when quantized in int8/int4, copied when stored in the block format `block`,
+    else as `_float_tensor`) and bias (F32) to `writer`; returns (the GGUF type of each tensor written, the re-blocked
+    weight or None)."""
     weight = read(module + ".weight")
     perm = permutation(gguf_name, weight.shape[0])
     written: list[str] = []
     blocks = None
-    if module + ".weight_scale" in files:
+    if (
+        block is not None and weight.dtype == torch.uint8
+    ):  # GGUF's own bytes: rows copied (in `perm` order), nothing re-encoded
+        data = (weight if perm is None else weight[perm]).numpy()
+        writer.add_tensor(gguf_name + ".weight", data, raw_dtype=_QUANT_TYPES[block.upper()])
+        written.append(block.upper())
+    elif module + ".weight_scale" in files:
         blocks = _quantized_blocks(module, weight, read, files, perm)
         writer.add_tensor(gguf_name + ".weight", blocks.data, raw_dtype=_QUANT_TYPES[blocks.kind])
         written.append(blocks.kind)
@@ -510,6 +539,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
 
     written: list[str] = []
     reblocked: list[Reblocked] = []
+    hfconfig = HfQuantConfig.from_dict(config["quantization_config"])
 
     def write(path: str) -> None:
         writer = gguf.GGUFWriter(path, architecture)
@@ -519,7 +549,8 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
             gguf_name = _gguf_name(module)
             if gguf_name is None:
                 raise ValueError(f"{module}: no GGUF tensor of the llama architecture takes this module")
-            kinds, blocks = _add_module(writer, module, gguf_name, read, files, permutation)
+            block = _block_format(hfconfig, module, files)
+            kinds, blocks = _add_module(writer, module, gguf_name, read, files, permutation, block)
             written.extend(kinds)
             reblocked.extend([blocks] if blocks is not None else [])
             release_checkpoint_pages()

@@ -1,0 +1,55 @@
+"""GGUF export of block-format checkpoints: the blocks are GGUF's own bytes, copied (issue #30: export is a copy)."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import MERGES_VOCAB, tiny_model, tiny_tokenizer
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hfquant import HfQuantConfig, export_checkpoint
+from hfquant.checkpoint.gguf_export import llama_permutation
+
+gguf = pytest.importorskip("gguf")
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "iq4_xs", "q5_0"])
+def test_block_layers_are_copied_byte_for_byte(tmp_path, name):
+    model = tiny_model("llama", **WIDE, **MERGES_VOCAB)
+    model.save_pretrained(tmp_path / "float")
+    tiny_tokenizer(merges=True).save_pretrained(tmp_path / "float")
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=HfQuantConfig(format=name)
+    )
+    quantized.save_pretrained(tmp_path / "q")
+    tiny_tokenizer(merges=True).save_pretrained(tmp_path / "q")
+    export_checkpoint(tmp_path / "q", tmp_path / "q.gguf", format="gguf")
+    stored = load_file(tmp_path / "q" / "model.safetensors")
+    reader = gguf.GGUFReader(tmp_path / "q.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    assert (
+        reader.fields["general.file_type"].parts[-1][0]
+        == gguf.LlamaFileType[
+            {"q4_k": "MOSTLY_Q4_K_S", "q6_k": "MOSTLY_Q6_K", "iq4_xs": "MOSTLY_IQ4_XS", "q5_0": "MOSTLY_Q5_0"}[name]
+        ]
+    )
+    for layer, gguf_name, heads in [
+        ("model.layers.0.mlp.down_proj", "blk.0.ffn_down", None),
+        ("model.layers.1.self_attn.v_proj", "blk.1.attn_v", None),
+        ("model.layers.0.self_attn.q_proj", "blk.0.attn_q", 4),
+    ]:
+        tensor = tensors[gguf_name + ".weight"]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType[name.upper()]
+        blocks = stored[layer + ".weight"]
+        if heads is not None:  # llama.cpp's q/k row order
+            blocks = blocks[llama_permutation(blocks.shape[0], heads)]
+        assert np.array_equal(np.asarray(tensor.data).reshape(blocks.shape), blocks.numpy())
+        # gguf-py reads back the weights hfquant computes with
+        weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        module = quantized.get_submodule(layer)
+        expected = module.dequantize()
+        if heads is not None:
+            expected = expected[llama_permutation(expected.shape[0], heads)]
+        assert torch.equal(torch.from_numpy(weights.reshape(expected.shape)).float(), expected)
