@@ -46,6 +46,7 @@ __all__ = [
     "bf16_gemv",
     "block_gemv",
     "block_gemv_supported",
+    "block_dequantize_t",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ _SIGNATURES = {
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
     "hfquant_block_gemv_supported": [_INT64],
+    "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 5,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
@@ -446,3 +448,33 @@ def block_gemv(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_typ
             "hfquant's block types, K a multiple of its block size, and AVX2 or AVX512-VNNI)"
         )
     return y
+
+
+def block_dequantize_t(
+    weight: torch.Tensor, in_features: int, ggml_type: int, start: int, stop: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Write rows start..stop-1 of a block-format weight, dequantized and rounded once to bfloat16, transposed into
+    `out` and return it (`csrc/blocks_cpu.c`; bit for bit `hfquant.core.blocks.dequantize(...).to(torch.bfloat16)` on
+    the blocks checked in tests/ops/test_block_gemv.py).
+
+    Args:
+        weight: (N, K // block_size * type_size) contiguous uint8 blocks of GGUF type `ggml_type`.
+        in_features: K, a multiple of the type's block size.
+        start, stop: rows, 0 <= start < stop <= N.
+        out: (K, stop - start) contiguous bfloat16.
+    Raises:
+        RuntimeError: the library is unavailable, or it refused the arguments (naming them).
+    """
+    library = _loaded_library(any_x86=True)
+    out_features = weight.shape[0]
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != (in_features, stop - start):
+        raise RuntimeError(f"block_dequantize_t needs a contiguous bfloat16 ({in_features}, {stop - start}) output")
+    status = library.hfquant_block_dequantize_t(
+        weight.data_ptr(), out.data_ptr(), out_features, in_features, ggml_type, start, stop
+    )
+    if status:
+        raise RuntimeError(
+            f"hfquant native block dequantization refused N={out_features}, K={in_features}, GGUF type {ggml_type}, "
+            f"rows {start}..{stop}"
+        )
+    return out

@@ -151,3 +151,25 @@ def test_block_layer_compiles_without_graph_breaks_and_calls_the_gemv(monkeypatc
     compiled = torch.compile(layer, fullgraph=True)
     with torch.inference_mode():
         assert torch.equal(compiled(x), layer(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_c_dequantization_is_the_torch_dequantizers_bfloat16_transposed(name):
+    fmt = blocks.layout(name)
+    data = _random_blocks(name, 40, 512, seed=5)
+    out = torch.empty((512, 30), dtype=torch.bfloat16)
+    native.block_dequantize_t(data, 512, fmt.ggml_type, 5, 35, out)
+    assert torch.equal(out.t(), blocks.dequantize(name, data[5:35]).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="rows 30..50"):
+        native.block_dequantize_t(data, 512, fmt.ggml_type, 30, 50, torch.empty((512, 20), dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_prefill_of_a_block_layer_multiplies_the_c_dequantized_weight():
+    layer = _block_layer("q4_k", n=96)
+    layer.prepare_kernel(torch.bfloat16)
+    x = torch.randn((5, 512), generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    expected = x @ blocks.dequantize("q4_k", layer.weight).to(torch.bfloat16).t()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)

@@ -188,6 +188,114 @@ AVX2_ONLY_TARGET static void quantize_activations(const uint16_t *x, int64_t k, 
     }
 }
 
+/* One block of `type` -> its float32 weights (32 or 256), computed as w = d * sc * q - dmin * m etc. in float32 (the
+ * formulas of hfquant.core.blocks' dequantizers, possibly in another order: within a float32 rounding of them) */
+static void decode_block(int type, const uint8_t *w, float *out) {
+    switch (type) {
+        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_IQ4_NL: {
+            const int affine = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
+            const float d = fp16_to_float(w), m = affine ? fp16_to_float(w + 2) : 0.0f;
+            uint32_t qh = 0;
+            if (five) memcpy(&qh, w + 2 + 2 * affine, 4);
+            const uint8_t *qs = w + 2 + 2 * affine + 4 * five;
+            for (int i = 0; i < 32; i++) {
+                const int nibble = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+                if (type == GGML_IQ4_NL) {
+                    out[i] = d * (float)IQ4_GRID[nibble];
+                    continue;
+                }
+                const int u = nibble | (five ? (int)((qh >> i) & 1) << 4 : 0);
+                out[i] = affine ? d * (float)u + m : d * (float)(u - (five ? 16 : 8));
+            }
+            return;
+        }
+        case GGML_Q8_0: {
+            const float d = fp16_to_float(w);
+            for (int i = 0; i < 32; i++) out[i] = d * (float)(int8_t)w[2 + i];
+            return;
+        }
+        case GGML_IQ4_XS: {
+            const float d = fp16_to_float(w);
+            uint16_t high;
+            memcpy(&high, w + 2, 2);
+            for (int j = 0; j < 8; j++) {
+                const int ls = ((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+                const float dl = d * (float)(ls - 32);
+                const uint8_t *qs = w + 8 + 16 * j;
+                for (int i = 0; i < 32; i++) out[32 * j + i] = dl * (float)IQ4_GRID[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4];
+            }
+            return;
+        }
+        case GGML_Q4_K: case GGML_Q5_K: {
+            const int five = type == GGML_Q5_K;
+            uint8_t sc[8], mn[8];
+            k4_scales(w + 4, sc, mn);
+            const float d = fp16_to_float(w), dmin = fp16_to_float(w + 2);
+            const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+            for (int e = 0; e < 256; e++) {
+                const int j = e / 64, l = e % 32, hi = (e / 32) % 2, s = e / 32;
+                int u = hi ? qs[32 * j + l] >> 4 : qs[32 * j + l] & 15;
+                if (five) u |= ((qh[l] >> s) & 1) << 4;
+                out[e] = d * (float)sc[s] * (float)u - dmin * (float)mn[s];
+            }
+            return;
+        }
+        case GGML_Q6_K: {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            const float d = fp16_to_float(w + 208);
+            for (int e = 0; e < 256; e++) {
+                const int h = e / 128, i = (e % 128) / 32, l = e % 32;
+                const uint8_t low = w[64 * h + 32 * (i % 2) + l];
+                const int u = (i < 2 ? low & 15 : low >> 4) | (((w[128 + 32 * h + l] >> (2 * i)) & 3) << 4);
+                out[e] = d * (float)sc[e / 16] * (float)(u - 32);
+            }
+            return;
+        }
+        case GGML_Q3_K: {
+            int8_t sc[16];
+            k3_scales(w + 96, sc);
+            const float d = fp16_to_float(w + 108);
+            for (int e = 0; e < 256; e++) {
+                const int h = e / 128, j = (e % 128) / 32, l = e % 32;
+                const int u = ((w[32 + 32 * h + l] >> (2 * j)) & 3) | (((w[l] >> (4 * h + j)) & 1) << 2);
+                out[e] = d * (float)sc[e / 16] * (float)(u - 4);
+            }
+            return;
+        }
+        case GGML_Q2_K: {
+            const float d = fp16_to_float(w + 80), dmin = fp16_to_float(w + 82);
+            for (int e = 0; e < 256; e++) {
+                const int h = e / 128, j = (e % 128) / 32, l = e % 32, s = w[e / 16];
+                const int u = (w[16 + 32 * h + l] >> (2 * j)) & 3;
+                out[e] = d * (float)(s & 15) * (float)u - dmin * (float)(s >> 4);
+            }
+            return;
+        }
+        default: return;
+    }
+}
+
+/* hfquant_block_dequantize_t: rows start..stop-1 of the (N, K) block weight, dequantized (decode_block) and rounded
+ * once to bfloat16, written transposed into out (K, stop - start): the operand torch.mm reads in the chunked prefill
+ * GEMM. OpenMP threads split the rows. Returns 1 for an unknown type, K not whole blocks or a bad row range. */
+int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
+                               int64_t stop) {
+    int64_t block, bytes;
+    block_shape((int)type, &block, &bytes);
+    if (!block || k <= 0 || k % block || start < 0 || stop > n || start >= stop) return 1;
+    const int64_t nb = k / block, cols = stop - start;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = start; r < stop; r++) {
+        float values[256];
+        const uint8_t *row = weight + r * nb * bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            decode_block((int)type, row + b * bytes, values);
+            for (int64_t i = 0; i < block; i++) out[(b * block + i) * cols + (r - start)] = float_to_bf16(values[i]);
+        }
+    }
+    return 0;
+}
+
 int hfquant_block_gemv_supported(int64_t type) {
     int64_t block, bytes;
     block_shape((int)type, &block, &bytes);
@@ -230,6 +338,12 @@ int hfquant_block_gemv_supported(int64_t type) {
 
 int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, int64_t n, int64_t k, int64_t type) {
     (void)x; (void)weight; (void)y; (void)n; (void)k; (void)type;
+    return 1;
+}
+
+int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
+                               int64_t stop) {
+    (void)weight; (void)out; (void)n; (void)k; (void)type; (void)start; (void)stop;
     return 1;
 }
 
