@@ -14,6 +14,13 @@ source checkout after `bash scripts/install.sh`:
     python scripts/gemv_benchmark.py                      # the 1.2B Llama's and SmolLM2's shapes, group 128 / 64
     python scripts/gemv_benchmark.py --shapes 4096x14336 --group-size 128
     ATEN_CPU_CAPABILITY=avx2 python scripts/gemv_benchmark.py
+
+With `--formats q4_k,q6_k,...` it measures llama.cpp's block formats instead (`HfQuantConfig(format=...)`): hfquant's
+block GEMV (`csrc/blocks_cpu.c`, the row quantized to int8 blocks) cached and streamed, with GB/s of block bytes read,
+against the torch path a block layer runs without it (dequantize, then the float product; cached weight only, it is
+far slower either way):
+
+    python scripts/gemv_benchmark.py --formats q4_k,q6_k,q3_k,q8_0 --shapes 2048x2048,5632x2048,2048x5632,4096x14336
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import describe  # noqa: E402
-from hfquant.core import packing  # noqa: E402
-from hfquant.ops import gemv, torch_ops  # noqa: E402
+from hfquant.core import blocks, packing  # noqa: E402
+from hfquant.ops import gemv, kernels, torch_ops  # noqa: E402
 
 SHAPES = ("2048x2048", "512x2048", "8192x2048", "2048x8192", "576x576", "1536x576", "576x1536")
 """N x K (out_features x in_features): the 1.2B benchmark Llama's and SmolLM2-135M's projections."""
@@ -65,7 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--group-size", type=int, default=None, help="inputs per scale (default: 128 where it divides K, else 64)"
     )
+    parser.add_argument(
+        "--formats",
+        default=None,
+        help=f"comma-separated block formats to measure instead of int4 ({list(blocks.LAYOUTS)})",
+    )
     args = parser.parse_args(argv)
+    if args.formats:
+        return _block_table([blocks.layout(name) for name in args.formats.split(",")], args.shapes.split(","))
     layout = packing.cpu_int4_layout()
     if layout is None:
         print("this PyTorch build has no CPU int4 kernel layout", file=sys.stderr)
@@ -104,6 +118,45 @@ def main(argv: list[str] | None = None) -> int:
                 cells += ["-", "-", "-"]
             print(f"| {n} x {k} | {group} | {case} | " + " | ".join(cells) + " |", flush=True)
     print("\nratio: aten's time over the kernel's (above 1: faster than aten).")
+    return 0
+
+
+def _block_table(formats: list[blocks.BlockLayout], shapes: list[str]) -> int:
+    """The block-format table (see the module docstring)."""
+    torch_ops.loaded()
+    print(f"{describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("\n| format | N x K | torch path us | GEMV cached us | GEMV streamed us | streamed GB/s | vs torch |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for fmt in formats:
+        works = gemv.native_block_works(fmt.name)
+        for text in shapes:
+            n, k = (int(v) for v in text.lower().split("x"))
+            generator = torch.Generator().manual_seed(0)
+            rows = blocks.quantize(fmt.name, torch.randn((64, k), generator=generator))
+            weight = rows.repeat(n // 64, 1).contiguous()  # (N % 64 == 0 for these shapes)
+            x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+            plan = kernels.KernelPlan(
+                kernels.Kernel.DEQUANT, fmt.bits, fmt.block_size, fmt.symmetric, k, n, block=fmt.name
+            )
+            torch_us = _best_us(lambda w, _, plan=plan, x=x: kernels._block_product(plan, w, x), [(weight, None)])
+            cells = [f"{torch_us:.0f}", "-", "-", "-", "-"]
+            if works:
+                copies = [(weight, None)] + [
+                    (weight.clone(), None) for _ in range(max(1, _STREAMED_BYTES // weight.nbytes) - 1)
+                ]
+
+                def call(w, _, x=x, k=k, t=fmt.ggml_type):
+                    return torch_ops.block_gemv(x, w, k, t)
+
+                cached, streamed = _best_us(call, copies[:1]), _best_us(call, copies)
+                cells[1:] = [
+                    f"{cached:.1f}",
+                    f"{streamed:.1f}",
+                    f"{weight.nbytes / streamed / 1e3:.1f}",
+                    f"{torch_us / streamed:.0f}x",
+                ]
+            print(f"| {fmt.name} | {n} x {k} | " + " | ".join(cells) + " |", flush=True)
+    print("\nvs torch: the torch path's time over the streamed GEMV's.")
     return 0
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from hfquant.core import packing, paths
+from hfquant.core import blocks, packing, paths
 from hfquant.ops import machine, native, native_build, torch_ops
 
 __all__ = [
@@ -49,6 +49,9 @@ __all__ = [
     "measure_int4_row",
     "measure_int8_row",
     "measure_bf16_row",
+    "measure_block_row",
+    "block_row_uses_native",
+    "block_row_timings",
     "cache_file",
     "cpu_signature",
 ]
@@ -94,7 +97,8 @@ def cpu_signature() -> str:
 
 
 def _shape_key(kind: str, n: int, k: int, group_size: int | None) -> str:
-    """ "int4 2048x2048 g128" / "int8 2048x2048" / "bf16 2048x2048": the key of a layer shape in the cache."""
+    """ "int4 2048x2048 g128" / "int8 2048x2048" / "bf16 2048x2048" / "q4_k 2048x2048": the key of a layer shape in
+    the cache."""
     return f"{kind} {n}x{k} g{group_size}" if kind == "int4" else f"{kind} {n}x{k}"
 
 
@@ -222,6 +226,43 @@ def measure_bf16_row(n: int, k: int) -> dict[str, float]:
     return _time_kernels({"aten": aten, "native": lambda w: native.bf16_gemv(x, w)}, copies)
 
 
+def measure_block_row(name: str, n: int, k: int) -> dict[str, float]:
+    """Seconds per call of the torch path (`blocks.dequantize` chunk by chunk, then the float product: what a block
+    layer runs without hfquant's GEMV) and of the block GEMV (`torch_ops.block_gemv`) for one bfloat16 row times an
+    (N, K) weight of block type `name`. The blocks are the type's quantization of 64 random rows, repeated (finite
+    scales; the values do not change the time). The GEMV is timed as `measure_int4_row`; the torch path, tens of
+    times slower, on one copy.
+
+    Raises:
+        RuntimeError: a kernel failed on this shape.
+    """
+    from hfquant.ops import kernels  # kernels -> gemv -> torch_ops: no cycle, but only this measurement needs it
+
+    fmt = blocks.layout(name)
+    generator = torch.Generator().manual_seed(0)
+    rows = blocks.quantize(name, torch.randn((min(n, 64), k), generator=generator))
+    weight = rows.repeat((n + rows.shape[0] - 1) // rows.shape[0], 1)[:n].contiguous()
+    copies = _copies(weight)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    plan = kernels.KernelPlan(kernels.Kernel.DEQUANT, fmt.bits, fmt.block_size, fmt.symmetric, k, n, block=fmt.name)
+    seconds = _time_kernels({"aten": lambda w: kernels._block_product(plan, w, x)}, copies[:1])
+    seconds.update(_time_kernels({"native": lambda w: torch_ops.block_gemv(x, w, k, fmt.ggml_type)}, copies))
+    return seconds
+
+
+def block_row_uses_native(name: str, n: int, k: int) -> bool:
+    """`int4_row_uses_native` for an (N, K) layer of block type `name`: the block GEMV against the torch path
+    (`measure_block_row`; the caller has checked `gemv.native_block_works(name)`)."""
+    return _decide(name, n, k, None)
+
+
+def block_row_timings(name: str, n: int, k: int) -> tuple[float, float] | None:
+    """`row_timings` for an (N, K) layer of block type `name`: (GEMV s, torch path s) or None."""
+    if choice_mode() != "measure":
+        return None
+    return _measured(name, n, k, None)[1]
+
+
 def bf16_row_uses_native(n: int, k: int) -> bool:
     """`int4_row_uses_native` for an (N, K) bfloat16 layer kept in float (`FloatLinear`)."""
     return _decide("bf16", n, k, None)
@@ -284,7 +325,8 @@ def _decide(kind: str, n: int, k: int, group_size: int | None) -> bool:
 
 @functools.cache
 def _measured(kind: str, n: int, k: int, group_size: int | None) -> tuple[bool, tuple[float, float] | None]:
-    """(uses hfquant's GEMV, (GEMV s, aten s) or None) for one row of a `kind` ("int4", "int8", "bf16") layer of this
+    """(uses hfquant's GEMV, (GEMV s, aten s) or None) for one row of a `kind` ("int4", "int8", "bf16", or a block type
+    such as "q4_k", whose "aten" is the torch dequantization path) layer of this
     shape: from the cache file, else measured and recorded there. Cached per process (`_measured.cache_clear()`
     forgets, as a new process would)."""
     key = _shape_key(kind, n, k, group_size)
@@ -295,6 +337,8 @@ def _measured(kind: str, n: int, k: int, group_size: int | None) -> tuple[bool, 
     try:
         if kind == "int4":
             seconds = measure_int4_row(n, k, group_size)
+        elif kind in blocks.LAYOUTS:
+            seconds = measure_block_row(kind, n, k)
         else:
             seconds = measure_int8_row(n, k) if kind == "int8" else measure_bf16_row(n, k)
     except RuntimeError as error:

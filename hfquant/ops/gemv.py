@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hfquant.core import packing, rtn
+from hfquant.core import blocks, packing, rtn
 from hfquant.ops import native, torch_ops
 
 __all__ = [
@@ -39,6 +39,8 @@ __all__ = [
     "int8_gemv_op",
     "int4_gemv_a8_op",
     "int4_gemv_avx2_op",
+    "block_gemv_op",
+    "native_block_works",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,9 @@ class RowKernel(str, enum.Enum):
     """`native.int8_gemv`: per-channel int8 weights in the stored row-major layout."""
     BF16_GEMV = "bf16_gemv"
     """`native.bf16_gemv`: a bfloat16 weight kept in float (`hfquant.nn.float_linear`)."""
+    BLOCK_GEMV = "block_gemv"
+    """`native.block_gemv`: a block format (`KernelPlan.block`), the row quantized to int8 blocks (AVX512-VNNI or
+    AVX2)."""
 
 
 class RowCall(str, enum.Enum):
@@ -82,11 +87,19 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors, plan) -
         tensors: the layer's `kernels.LayerTensors`: for the int4 GEMVs `weight` in PyTorch's CPU int4 layout
             ((N, K // 2) uint8) and `scale_zero` ((K // group_size, N, 2), converted to x's dtype here); for the
             int8 GEMV the stored (N, K) int8 `weight` and (N, 1) `scale`.
-        plan: the layer's `kernels.KernelPlan` (the int4 GEMVs read its `group_size`; a compiled graph guards each
-            field it reads, so the int8 GEMV reads none).
+        plan: the layer's `kernels.KernelPlan` (the int4 GEMVs read its `group_size`, the block GEMV its `block` and
+            `in_features`; a compiled graph guards each field it reads, so the int8 GEMV reads none).
     Returns:
         (1, N) bfloat16.
     """
+    if row is RowKernel.BLOCK_GEMV:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        ggml_type = blocks.layout(plan.block).ggml_type
+        if call is RowCall.OPERATOR:
+            return torch.ops.hfquant_cpu.block_gemv(x, tensors.weight, plan.in_features, ggml_type)
+        op = native.block_gemv if call is RowCall.CTYPES else block_gemv_op
+        return op(x, tensors.weight, plan.in_features, ggml_type)
     if row is RowKernel.INT8_GEMV:
         # as for aten's int8 kernel: rows 64-byte aligned (a fresh copy under torch.compile, where the pointer is
         # unknown at trace time)
@@ -344,4 +357,44 @@ def native_int4_a8_works() -> bool:
     )
     if not works:
         logger.warning("hfquant's W4A8 GEMV disagrees with the aten int4 kernel; decode_activations='int8' is ignored")
+    return works
+
+
+@torch.library.custom_op("hfquant::block_gemv", mutates_args=())
+def block_gemv_op(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_type: int) -> torch.Tensor:
+    """`native.block_gemv` as an opaque op for torch.compile."""
+    return native.block_gemv(x, weight, in_features, ggml_type)
+
+
+@block_gemv_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_type: int) -> torch.Tensor:
+    return x.new_empty((1, weight.shape[0]))
+
+
+@functools.cache
+def native_block_works(name: str) -> bool:
+    """True if the block GEMV (`native.block_gemv`) runs here for block type `name` (`blocks.LAYOUTS`) and, on a
+    small random layer (64 x 512 of the type's default quantization), stays within its error bound of x @ w_hat.T
+    (`native.block_gemv`'s Returns, plus 1% of the output range for the bfloat16 roundings), through the dispatcher
+    operator as through ctypes. Cached per type."""
+    fmt = blocks.layout(name)
+    if not native.block_gemv_supported(fmt.ggml_type):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    k = 512
+    data = blocks.quantize(name, torch.randn((64, k), generator=generator))
+    weight = blocks.dequantize(name, data)
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    try:
+        y = native.block_gemv(x, data, k, fmt.ggml_type).float()
+    except RuntimeError as error:
+        logger.info("hfquant block GEMV unusable for %s: %s", name, error)
+        return False
+    reference = x.float() @ weight.T
+    top = x.float().reshape(-1, fmt.block_size).abs().amax(dim=1).repeat_interleave(fmt.block_size)
+    bound = (weight.abs() * top).sum(dim=1) / 254 + 0.01 * reference.abs().max()
+    works = bool(((y - reference).abs() <= bound).all())
+    works = works and _operator_agrees(lambda: torch_ops.block_gemv(x, data, k, fmt.ggml_type).float(), y)
+    if not works:
+        logger.warning("hfquant's block GEMV disagrees with the dequantized %s weight; using the torch path", name)
     return works

@@ -464,10 +464,21 @@ def _dequantized_gemm(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor
 
 def _block_product(plan: KernelPlan, weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     """y = x2d @ w_hat.T for a block format: `blocks.dequantize` of a chunk of output rows at a time (about
-    `_GEMM_CHUNK_BYTES` of float32 weight each), multiplied in x's dtype. Returns (M, N) in x's dtype."""
+    `_GEMM_CHUNK_BYTES` of float32 weight each), multiplied in x's dtype. Returns (M, N) in x's dtype. In eager with
+    bfloat16 activations the chunks are dequantized by hfquant's C kernel (`native.block_dequantize_t`: the same
+    bfloat16 weights in one pass, straight into the (K, chunk) layout `torch.mm` reads) where the library loads."""
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     columns = _Columns(x2d, plan.out_features)
+    if columns.in_place and x2d.dtype == torch.bfloat16 and x2d.device.type == "cpu" and native.built_library():
+        k, ggml_type = plan.in_features, blocks.layout(plan.block).ggml_type
+        chunk = max(1, _GEMM_CHUNK_BYTES // (2 * k))
+        buffer = torch.empty((k * min(chunk, plan.out_features),), dtype=torch.bfloat16)
+        for start in range(0, plan.out_features, chunk):
+            stop = min(plan.out_features, start + chunk)
+            weight_t = buffer[: k * (stop - start)].view(k, stop - start)
+            columns.add(native.block_dequantize_t(weight, k, ggml_type, start, stop, weight_t), start, stop)
+        return columns.result()
     chunk = max(1, _GEMM_CHUNK_BYTES // (4 * plan.in_features))
     for start in range(0, plan.out_features, chunk):
         stop = min(plan.out_features, start + chunk)

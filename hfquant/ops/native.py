@@ -44,6 +44,9 @@ __all__ = [
     "int4_repack",
     "rtn_quantize",
     "bf16_gemv",
+    "block_gemv",
+    "block_gemv_supported",
+    "block_dequantize_t",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,9 @@ _SIGNATURES = {
     "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3,
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
+    "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
+    "hfquant_block_gemv_supported": [_INT64],
+    "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 5,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
@@ -403,3 +409,72 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if status:
         raise RuntimeError(f"hfquant native bf16 GEMV refused N={out_features}, K={in_features} (needs K % 32 == 0)")
     return y
+
+
+def block_gemv_supported(ggml_type: int) -> bool:
+    """Whether `block_gemv` runs here for the GGUF type numbered `ggml_type` (`hfquant.core.blocks.LAYOUTS`): one of
+    hfquant's block types, on an x86-64 CPU with AVX512-VNNI or with AVX2 + FMA + F16C."""
+    library = built_library()
+    return library is not None and bool(library.hfquant_block_gemv_supported(ggml_type))
+
+
+def block_gemv(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_type: int) -> torch.Tensor:
+    """y = x_hat @ w_hat.T for one bfloat16 row and a weight in one of llama.cpp's block formats (`csrc/blocks_cpu.c`):
+    w_hat the dequantized blocks (`hfquant.core.blocks.dequantize`), x_hat the row quantized to int8 per block of the
+    type (256 inputs for the k-quants and IQ4_XS, 32 for the others; scale max|x_block| / 127).
+
+    Args:
+        x: (K,) or (1, K) contiguous bfloat16 (CPU).
+        weight: (N, K // block_size * type_size) contiguous uint8, the blocks as GGUF stores them.
+        in_features: K, a multiple of the type's block size.
+        ggml_type: the GGUF type number (`BlockLayout.ggml_type`).
+    Returns:
+        (1, N) bfloat16. Against x @ w_hat.T each output differs by at most sum_k |w_hat[n, k]| * max|x_block(k)| / 254
+        (the int8 rounding of each input, max over its activation block) plus float32 summation and the bfloat16
+        rounding of the result.
+    Raises:
+        RuntimeError: the library is unavailable or refused the arguments (an unknown type, K not whole blocks, a CPU
+            without AVX2; callers check `block_gemv_supported` first).
+    """
+    library = _loaded_library(any_x86=True)
+    out_features = weight.shape[0]
+    y = torch.empty((1, out_features), dtype=torch.bfloat16)
+    status = library.hfquant_block_gemv(
+        x.data_ptr(), weight.data_ptr(), y.data_ptr(), out_features, in_features, ggml_type
+    )
+    if status:
+        raise RuntimeError(
+            f"hfquant native block GEMV refused N={out_features}, K={in_features}, GGUF type {ggml_type} (needs one of "
+            "hfquant's block types, K a multiple of its block size, and AVX2 or AVX512-VNNI)"
+        )
+    return y
+
+
+def block_dequantize_t(
+    weight: torch.Tensor, in_features: int, ggml_type: int, start: int, stop: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Write rows start..stop-1 of a block-format weight, dequantized and rounded once to bfloat16, transposed into
+    `out` and return it (`csrc/blocks_cpu.c`; bit for bit `hfquant.core.blocks.dequantize(...).to(torch.bfloat16)` on
+    the blocks checked in tests/ops/test_block_gemv.py).
+
+    Args:
+        weight: (N, K // block_size * type_size) contiguous uint8 blocks of GGUF type `ggml_type`.
+        in_features: K, a multiple of the type's block size.
+        start, stop: rows, 0 <= start < stop <= N.
+        out: (K, stop - start) contiguous bfloat16.
+    Raises:
+        RuntimeError: the library is unavailable, or it refused the arguments (naming them).
+    """
+    library = _loaded_library(any_x86=True)
+    out_features = weight.shape[0]
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != (in_features, stop - start):
+        raise RuntimeError(f"block_dequantize_t needs a contiguous bfloat16 ({in_features}, {stop - start}) output")
+    status = library.hfquant_block_dequantize_t(
+        weight.data_ptr(), out.data_ptr(), out_features, in_features, ggml_type, start, stop
+    )
+    if status:
+        raise RuntimeError(
+            f"hfquant native block dequantization refused N={out_features}, K={in_features}, GGUF type {ggml_type}, "
+            f"rows {start}..{stop}"
+        )
+    return out

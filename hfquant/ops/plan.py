@@ -14,7 +14,9 @@ layer is prepared, and carried as one immutable value (`kernels.KernelPlan`) tha
   the Python custom op in compiled graphs);
 - the activation format: with `DecodeActivations.INT8`, the W4A8 GEMV for one row of a CPU int4 layer where it works
   (`gemv.native_int4_a8_works`, whole blocks, groups of a multiple of 32);
-- whether the chunked GEMM of a CPU int4 layer dequantizes in C (`gemv.native_int4_works`, N % 64 == 0).
+- whether the chunked GEMM of a CPU int4 layer dequantizes in C (`gemv.native_int4_works`, N % 64 == 0);
+- for a block format (`StoredFormat.block`), the block GEMV (`RowKernel.BLOCK_GEMV`) for one bfloat16 row where it
+  works for the type (`gemv.native_block_works`) and was timed faster than the torch dequantization path.
 
 The probes and timings behind these are cached per process behind their functions, so planning many layers of one
 shape measures once.
@@ -62,6 +64,8 @@ def plan_kernel(
     )
     if device.type != "cpu":
         return plan
+    if fmt.block is not None:
+        return _block_rows(plan, dtype)
     if kernel == Kernel.INT4PACK_MM_CPU:
         return _int4_rows(plan, dtype)
     if kernel == Kernel.INT8PACK_MM and dtype == torch.bfloat16:
@@ -96,6 +100,17 @@ def _int8_rows(plan: KernelPlan) -> KernelPlan:
     if k % 16 or not gemv.native_int8_works() or not choice.int8_row_uses_native(n, k):
         return plan
     return _with_row(plan, RowKernel.INT8_GEMV, _wins_compiled(n, k, None))
+
+
+def _block_rows(plan: KernelPlan, dtype: torch.dtype) -> KernelPlan:
+    """`plan` of a CPU layer in a block format with the block GEMV for one bfloat16 row, where it works for the type
+    here (`gemv.native_block_works`) and was timed faster than the torch dequantization path on the shape."""
+    name, n, k = plan.block, plan.out_features, plan.in_features
+    if dtype != torch.bfloat16 or not gemv.native_block_works(name) or not choice.block_row_uses_native(name, n, k):
+        return plan
+    timings = choice.block_row_timings(name, n, k)
+    in_graphs = timings is None or timings[0] + gemv.custom_op_overhead_s() < timings[1]
+    return _with_row(plan, RowKernel.BLOCK_GEMV, in_graphs)
 
 
 def _with_row(plan: KernelPlan, row: RowKernel, in_graphs: bool) -> KernelPlan:

@@ -33,6 +33,7 @@ __all__ = [
     "int4_gemv_avx2",
     "int4_gemv_a8",
     "int8_gemv",
+    "block_gemv",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,14 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     return native.int8_gemv(x, weight, scale)
 
 
+def block_gemv(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_type: int) -> torch.Tensor:
+    """`native.block_gemv` through the dispatcher operator when it is registered, else through ctypes; as
+    `int4_gemv`."""
+    if loaded():
+        return torch.ops.hfquant_cpu.block_gemv(x, weight, in_features, ggml_type)
+    return native.block_gemv(x, weight, in_features, ggml_type)
+
+
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype."""
 
@@ -115,6 +124,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("hfquant_cpu::int4_gemv_a8")
     def _(x, weight, scale_zero, group_size, block_n):
+        return x.new_empty((1, weight.shape[0]))
+
+    @torch.library.register_fake("hfquant_cpu::block_gemv")
+    def _(x, weight, in_features, ggml_type):
         return x.new_empty((1, weight.shape[0]))
 
     @torch.library.register_fake("hfquant_cpu::int8_gemv")

@@ -306,3 +306,31 @@ def test_run_example_bar_names_each_step_the_worker_starts(tmp_path):
         assert (rc, bar.n, bar.desc) == (0, 1, "int4: perplexity: ")  # tqdm adds ": "
         slow = [sys.executable, "-c", "import time; time.sleep(60)"]
         assert run_example._run_showing_steps(slow, log, tmp_path / "none", bar, "int4", timeout=0.2) is None
+
+
+def test_gemv_benchmark_formats_prints_a_row_per_format_and_shape(tmp_path):
+    """scripts/gemv_benchmark.py --formats: one row per block format and shape, the GEMV's GB/s the block bytes over
+    its streamed time (where the block GEMV runs here)."""
+    from hfquant.core import blocks
+    from hfquant.ops import gemv
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gemv_benchmark.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, str(script), "--formats", "q4_k,q8_0", "--shapes", "128x256"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if " | 128 x 256 | " in line]
+    assert [row[0].strip("| ") for row in rows] == ["q4_k", "q8_0"]
+    for row in rows:
+        layout = blocks.layout(row[0].strip("| "))
+        if not gemv.native_block_works(layout.name):
+            assert row[3] == "-"
+            continue
+        streamed, rate = float(row[4]), float(row[5])
+        assert rate == pytest.approx(128 * layout.row_bytes(256) / streamed / 1e3, rel=0.05, abs=0.06)

@@ -34,6 +34,12 @@ int hfquant_int4_gemv_a8(const uint16_t *x, const uint8_t *weight, const uint32_
 int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint32_t *scale_zero, uint16_t *y,
                            int64_t n, int64_t k, int64_t group);
 
+/* blocks_cpu.c: llama.cpp's block formats (GGUF types by number), one activation row quantized to int8 blocks */
+int hfquant_block_gemv_supported(int64_t type);
+int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, int64_t n, int64_t k, int64_t type);
+int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
+                               int64_t stop);
+
 /* int8_cpu.c: int8 per-channel codes, row-major as stored */
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);

@@ -100,6 +100,21 @@ at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Te
   return y;
 }
 
+// block formats (csrc/blocks_cpu.c): weight (N, K / block * bytes) uint8 GGUF blocks of GGUF type ggml_type
+at::Tensor block_gemv(const at::Tensor &x, const at::Tensor &weight, int64_t in_features, int64_t ggml_type) {
+  TORCH_CHECK(weight.dim() == 2, "hfquant block GEMV: weight must be (N, row bytes), got shape ", weight.sizes());
+  const int64_t out_features = weight.size(0);
+  check_row(x, in_features);
+  check_operand(weight, at::kByte, "weight");
+  at::Tensor y = at::empty({1, out_features}, x.options());
+  int status = hfquant_block_gemv(static_cast<const uint16_t *>(x.const_data_ptr()),
+                                  static_cast<const uint8_t *>(weight.const_data_ptr()),
+                                  static_cast<uint16_t *>(y.mutable_data_ptr()), out_features, in_features, ggml_type);
+  TORCH_CHECK(status == 0, "hfquant native block GEMV refused N=", out_features, ", K=", in_features, ", GGUF type ",
+              ggml_type, " (needs one of hfquant's block types, K a multiple of its block size, AVX2 or AVX512-VNNI)");
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -107,6 +122,7 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, int block_n) -> Tensor");
   m.def("int4_gemv_avx2(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("block_gemv(Tensor x, Tensor weight, int in_features, int ggml_type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -114,4 +130,5 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("int4_gemv_a8", &int4_gemv_a8);
   m.impl("int4_gemv_avx2", &int4_gemv_avx2);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("block_gemv", &block_gemv);
 }

@@ -1,0 +1,293 @@
+/* The block-format GEMV kernels of blocks_cpu.c, written once for two instruction sets: blocks_cpu.c includes this file
+ * twice, with BK_TARGET (the function attribute), BK_SUFFIX (appended to each name) and BK_DOT(acc, u, s) (acc +=
+ * per 32-bit lane the sum of four products of unsigned bytes u and signed bytes s) defined: vpdpbusd on AVX512-VNNI,
+ * vpmaddubsw + vpmaddwd on AVX2. Every u below is at most 128 and every s at most 127 in magnitude, so vpmaddubsw's
+ * int16 pair sums (at most 2 x 128 x 127 = 32512) never saturate and both variants give the same integers. */
+
+#define BK_CAT2(a, b) a##b
+#define BK_CAT(a, b) BK_CAT2(a, b)
+#define BK_NAME(name) BK_CAT(name, BK_SUFFIX)
+
+/* horizontal sum of 8 float32 lanes */
+BK_TARGET static inline float BK_NAME(hsum_)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* per-lane int32 scale: lanes 0-3 (bytes 0-15 of a 32-byte dot) times a, lanes 4-7 (bytes 16-31) times b */
+BK_TARGET static inline __m256i BK_NAME(pair_scale_)(int a, int b) {
+    return _mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a));
+}
+
+/* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0-15) then high nibbles (elements 16-31) */
+BK_TARGET static inline __m256i BK_NAME(nibbles32_)(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+/* the 32 bits of qh (little endian) -> 32 bytes, byte e = 0x10 where bit e is set, else 0 */
+BK_TARGET static inline __m256i BK_NAME(high_bits32_)(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* ---- 256-weight super-blocks, activations in Q8Row256 (one float scale per 256, 16-input sums) ---- */
+
+BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 144) {
+        const int8_t *xq = a->q + b * 256;
+        const int32_t *bs = a->sums + b * 16;
+        uint8_t sc[8], mn[8];
+        k4_scales(w + 4, sc, mn);
+        const float d = fp16_to_float(w) * a->d[b], dmin = fp16_to_float(w + 2) * a->d[b];
+        int32_t msum = 0;
+        for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        mins += dmin * (float)msum;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
+            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), _mm256_and_si256(q, low), x0);
+            const __m256i p1 = BK_DOT(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(q, 4), low), x1);
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p0, _mm256_set1_epi32(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+    }
+    return BK_NAME(hsum_)(acc) - mins;
+}
+
+BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 176) {
+        const int8_t *xq = a->q + b * 256;
+        const int32_t *bs = a->sums + b * 16;
+        uint8_t sc[8], mn[8];
+        k4_scales(w + 4, sc, mn);
+        const float d = fp16_to_float(w) * a->d[b], dmin = fp16_to_float(w + 2) * a->d[b];
+        int32_t msum = 0;
+        for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        mins += dmin * (float)msum;
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
+            qh = _mm256_srli_epi16(qh, 2);
+            const __m256i u0 = _mm256_or_si256(_mm256_and_si256(q, low), h0);
+            const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1);
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
+            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, x0);
+            const __m256i p1 = BK_DOT(_mm256_setzero_si256(), u1, x1);
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p0, _mm256_set1_epi32(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+    }
+    return BK_NAME(hsum_)(acc) - mins;
+}
+
+BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        const int8_t *xq = a->q + b * 256;
+        const int32_t *bs = a->sums + b * 16;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int32_t offset = 0; /* the codes' -32, through the 16-input sums */
+        for (int j = 0; j < 16; j++) offset += sc[j] * bs[j];
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            const __m256i u[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
+            };
+            for (int i = 0; i < 4; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * i));
+                const __m256i p = BK_DOT(_mm256_setzero_si256(), u[i], x);
+                const int s = 8 * h + 2 * i;
+                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(sc[s], sc[s + 1])));
+            }
+        }
+        const float d = fp16_to_float(w + 208) * a->d[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+        acc = _mm256_add_ps(acc, _mm256_setr_ps(-32.0f * d * (float)offset, 0, 0, 0, 0, 0, 0, 0));
+    }
+    return BK_NAME(hsum_)(acc);
+}
+
+BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        const int8_t *xq = a->q + b * 256;
+        const int32_t *bs = a->sums + b * 16;
+        int8_t sc[16];
+        k3_scales(w + 96, sc);
+        int32_t offset = 0; /* the codes' -4 */
+        for (int j = 0; j < 16; j++) offset += sc[j] * bs[j];
+        __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = _mm256_or_si256(_mm256_and_si256(q, three),
+                                                  _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
+                q = _mm256_srli_epi16(q, 2);
+                hm = _mm256_srli_epi16(hm, 1);
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j));
+                const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
+                const int s = 8 * h + 2 * j;
+                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(sc[s], sc[s + 1])));
+            }
+        }
+        const float d = fp16_to_float(w + 108) * a->d[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+        acc = _mm256_add_ps(acc, _mm256_setr_ps(-4.0f * d * (float)offset, 0, 0, 0, 0, 0, 0, 0));
+    }
+    return BK_NAME(hsum_)(acc);
+}
+
+BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 84) {
+        const int8_t *xq = a->q + b * 256;
+        const int32_t *bs = a->sums + b * 16;
+        const uint8_t *sc = w;
+        int32_t msum = 0;
+        for (int j = 0; j < 16; j++) msum += (sc[j] >> 4) * bs[j];
+        const float d = fp16_to_float(w + 80) * a->d[b], dmin = fp16_to_float(w + 82) * a->d[b];
+        mins += dmin * (float)msum;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = _mm256_and_si256(q, three);
+                q = _mm256_srli_epi16(q, 2);
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j));
+                const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
+                const int s = 8 * h + 2 * j;
+                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(sc[s] & 15, sc[s + 1] & 15)));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+    }
+    return BK_NAME(hsum_)(acc) - mins;
+}
+
+BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 136) {
+        const int8_t *xq = a->q + b * 256;
+        uint16_t high;
+        memcpy(&high, w + 2, 2);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const int ls = ((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+            const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 8 + 16 * j));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
+            const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, _mm256_set1_epi32(ls - 32)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(fp16_to_float(w) * a->d[b]), acc);
+    }
+    return BK_NAME(hsum_)(acc);
+}
+
+/* ---- 32-weight blocks, activations in Q8Row32 (one float scale and one sum per 32) ---- */
+
+BK_TARGET static float BK_NAME(row_q8_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+        const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_float(w) * a->d[b]), acc);
+    }
+    return BK_NAME(hsum_)(acc);
+}
+
+BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 2));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+        const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_float(w) * a->d[b]), acc);
+    }
+    return BK_NAME(hsum_)(acc);
+}
+
+/* Q4_0 / Q5_0 (offset: w = d * (u - offset)) and Q4_1 / Q5_1 (w = d * u + m): u the 4- or 5-bit code */
+BK_TARGET static inline float BK_NAME(row_legacy_)(const uint8_t *w, const ActRow *a, int64_t nb, int type_size,
+                                                   int five, int affine, float offset) {
+    __m256 acc = _mm256_setzero_ps();
+    float extra = 0.0f;
+    const int codes_at = 2 + 2 * affine + 4 * five;
+    for (int64_t b = 0; b < nb; b++, w += type_size) {
+        __m256i u = BK_NAME(nibbles32_)(w + codes_at);
+        if (five) u = _mm256_or_si256(u, BK_NAME(high_bits32_)(w + 2 + 2 * affine));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+        const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
+        const float dx = a->d[b], d = fp16_to_float(w) * dx;
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
+        extra += (affine ? fp16_to_float(w + 2) * dx : -offset * d) * (float)a->sums[b];
+    }
+    return BK_NAME(hsum_)(acc) + extra;
+}
+
+BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const ActRow *a, int64_t nb) {
+    switch (type) {
+        case GGML_Q4_0: return BK_NAME(row_legacy_)(w, a, nb, 18, 0, 0, 8.0f);
+        case GGML_Q4_1: return BK_NAME(row_legacy_)(w, a, nb, 20, 0, 1, 0.0f);
+        case GGML_Q5_0: return BK_NAME(row_legacy_)(w, a, nb, 22, 1, 0, 16.0f);
+        case GGML_Q5_1: return BK_NAME(row_legacy_)(w, a, nb, 24, 1, 1, 0.0f);
+        case GGML_Q8_0: return BK_NAME(row_q8_0_)(w, a, nb);
+        case GGML_Q2_K: return BK_NAME(row_q2_k_)(w, a, nb);
+        case GGML_Q3_K: return BK_NAME(row_q3_k_)(w, a, nb);
+        case GGML_Q4_K: return BK_NAME(row_q4_k_)(w, a, nb);
+        case GGML_Q5_K: return BK_NAME(row_q5_k_)(w, a, nb);
+        case GGML_Q6_K: return BK_NAME(row_q6_k_)(w, a, nb);
+        case GGML_IQ4_NL: return BK_NAME(row_iq4_nl_)(w, a, nb);
+        case GGML_IQ4_XS: return BK_NAME(row_iq4_xs_)(w, a, nb);
+        default: return 0.0f;
+    }
+}
+
+/* y[n] for every row: OpenMP threads split the rows; each output is one row's sum, rounded once to bfloat16 */
+BK_TARGET static void BK_NAME(gemv_rows_)(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                          int64_t row_bytes, int64_t nb) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
+}
+
+#undef BK_NAME
+#undef BK_CAT
+#undef BK_CAT2

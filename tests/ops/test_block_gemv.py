@@ -1,0 +1,175 @@
+"""The block-format GEMV (csrc/blocks_cpu.c, `native.block_gemv`): for every llama.cpp type it computes the formula its
+source states (the row quantized to int8 per block of the type, then x_hat @ dequantize(blocks).T) to float32
+accuracy, stays within the int8 rounding bound of the float product, refuses what it cannot do by name, is what a
+block layer's plan picks for one bfloat16 row, and compiles with fullgraph=True."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfquant.core import blocks
+from hfquant.core.format import StoredFormat
+from hfquant.nn.linear import QuantLinear
+from hfquant.ops import gemv, native, torch_ops
+from hfquant.ops.gemv import RowKernel
+
+TYPES = list(blocks.LAYOUTS)
+
+HALF_FIELDS = {
+    "q4_0": (0,),
+    "q4_1": (0, 2),
+    "q5_0": (0,),
+    "q5_1": (0, 2),
+    "q8_0": (0,),
+    "q2_k": (80, 82),
+    "q3_k": (108,),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208,),
+    "iq4_nl": (0,),
+    "iq4_xs": (0,),
+}
+"""Byte offsets of each block's float16 fields (ggml-common.h's d / dmin / m)."""
+
+needs_kernel = pytest.mark.skipif(
+    not native.block_gemv_supported(blocks.layout("q4_k").ggml_type),
+    reason="the block GEMV needs a C compiler and AVX2 or AVX512-VNNI",
+)
+
+
+def _random_blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """(N, row bytes) uint8: random bytes (every code and block-scale bit pattern), with finite float16 fields."""
+    fmt = blocks.layout(name)
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n, k // fmt.block_size, fmt.type_size), dtype=torch.uint8, generator=generator)
+    for offset in HALF_FIELDS[name]:
+        values = ((torch.rand((n, k // fmt.block_size), generator=generator) - 0.5) * 0.02).to(torch.float16)
+        data[:, :, offset : offset + 2] = values.view(torch.uint8).reshape(n, -1, 2)
+    return data.reshape(n, -1).contiguous()
+
+
+def _row(k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn((1, k), generator=generator) * torch.rand((1, k), generator=generator) * 4
+    return x.to(torch.bfloat16)
+
+
+def _quantized_row(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_hat in float64, max|x| per input's block): csrc/blocks_cpu.c's activation format, xq = round(x * (127 /
+    max|x_block|)) to nearest even in float32, x_hat = xq * (max|x_block| / 127)."""
+    values = x.float().reshape(-1, block)
+    top = values.abs().amax(dim=1, keepdim=True)
+    to_int = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    codes = torch.round(values * to_int)
+    x_hat = codes.double() * (top / 127.0).double()
+    return x_hat.reshape(-1), top.expand_as(values).reshape(-1).double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("shape", [(64, 512), (33, 256 * 3)], ids=["64x512", "33x768"])
+def test_block_gemv_is_the_stated_formula_and_within_the_int8_bound(name, shape):
+    n, k = shape
+    fmt = blocks.layout(name)
+    if k % fmt.block_size:
+        pytest.skip("K not whole blocks")
+    data = _random_blocks(name, n, k, seed=n + k)
+    weight = blocks.dequantize(name, data).double()  # (N, K)
+    x = _row(k, seed=k)
+    y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
+    x_hat, top = _quantized_row(x, fmt.block_size)
+    stated = weight @ x_hat
+    magnitude = weight.abs() @ x_hat.abs()
+    # float32 products and sums of the kernel, then one bfloat16 rounding (relative 2**-9, one step allowed)
+    assert ((y - stated).abs() <= 2**-8 * stated.abs() + 1e-5 * magnitude).all(), (y - stated).abs().max()
+    exact = weight @ x.double().reshape(-1)
+    bound = weight.abs() @ top / 254 + 2**-8 * exact.abs() + 1e-5 * magnitude
+    assert ((y - exact).abs() <= bound).all()
+    assert (y - exact).abs().max() > 0  # the activation rounding is visible: the test compares different products
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_operator_and_ctypes_agree_bit_for_bit(name):
+    fmt = blocks.layout(name)
+    data = _random_blocks(name, 48, 512, seed=1)
+    x = _row(512, seed=2)
+    assert torch.equal(
+        torch_ops.block_gemv(x, data, 512, fmt.ggml_type), native.block_gemv(x, data, 512, fmt.ggml_type)
+    )
+
+
+@needs_kernel
+def test_block_gemv_refuses_unknown_types_and_partial_blocks_by_name():
+    data = _random_blocks("q4_k", 8, 512, seed=0)
+    x = _row(512, seed=0)
+    with pytest.raises(RuntimeError, match="GGUF type 99"):
+        native.block_gemv(x, data, 512, 99)
+    with pytest.raises(RuntimeError, match="K=500"):
+        native.block_gemv(_row(500, seed=0), data, 500, blocks.layout("q4_k").ggml_type)
+    assert not native.block_gemv_supported(99)
+
+
+def _block_layer(name: str, n: int = 128, k: int = 512) -> QuantLinear:
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn((n, k), generator=generator) * 0.02).to(torch.bfloat16)
+    return QuantLinear.from_float(weight, None, StoredFormat.of_block(name))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0"])
+def test_plan_picks_the_block_gemv_for_one_bfloat16_row(name, monkeypatch):
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # read when the layer is planned: no timing in tests
+    assert gemv.native_block_works(name)
+    layer = _block_layer(name)
+    layer.prepare_kernel(torch.bfloat16)
+    assert layer.plan.row is RowKernel.BLOCK_GEMV and layer.plan.compiled_row is RowKernel.BLOCK_GEMV
+    x = _row(512, seed=3)
+    expected = native.block_gemv(x, layer.weight, 512, blocks.layout(name).ggml_type)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+        several = layer(x.expand(2, -1).contiguous())  # two rows: the torch path, x @ dequantize(blocks).T
+    reference = x.float() @ blocks.dequantize(name, layer.weight).T  # (bfloat16 weights there: 1% of the range)
+    torch.testing.assert_close(several[:1].float(), reference, rtol=0, atol=0.01 * reference.abs().max().item())
+
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "aten")
+    layer = _block_layer(name)
+    layer.prepare_kernel(torch.bfloat16)
+    assert layer.plan.row is RowKernel.ATEN
+
+
+@needs_kernel
+def test_block_layer_compiles_without_graph_breaks_and_calls_the_gemv(monkeypatch):
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    torch._dynamo.reset()
+    layer = _block_layer("q4_k")
+    layer.prepare_kernel(torch.bfloat16)
+    x = _row(512, seed=4)
+    explanation = torch._dynamo.explain(layer)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), layer(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_c_dequantization_is_the_torch_dequantizers_bfloat16_transposed(name):
+    fmt = blocks.layout(name)
+    data = _random_blocks(name, 40, 512, seed=5)
+    out = torch.empty((512, 30), dtype=torch.bfloat16)
+    native.block_dequantize_t(data, 512, fmt.ggml_type, 5, 35, out)
+    assert torch.equal(out.t(), blocks.dequantize(name, data[5:35]).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="rows 30..50"):
+        native.block_dequantize_t(data, 512, fmt.ggml_type, 30, 50, torch.empty((512, 20), dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_prefill_of_a_block_layer_multiplies_the_c_dequantized_weight():
+    layer = _block_layer("q4_k", n=96)
+    layer.prepare_kernel(torch.bfloat16)
+    x = torch.randn((5, 512), generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    expected = x @ blocks.dequantize("q4_k", layer.weight).to(torch.bfloat16).t()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
