@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         args.new_tokens,
         args.repeats,
         DEFAULT_PROMPT if args.prompt is None else args.prompt,
-        args.tokenizer,
+        tokenizer=args.tokenizer,
         max_chars=args.max_chars,
         progress=args.progress,
     )
