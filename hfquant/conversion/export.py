@@ -127,6 +127,27 @@ def _read_source(folder: Path) -> tuple[dict, HfQuantConfig, dict[str, Path], di
     return config, hfconfig, files, headers
 
 
+def _refuse_block_formats(hfconfig: HfQuantConfig, headers: dict) -> None:
+    """Refuse a checkpoint with layers in a block format (llama.cpp's types), which compressed-tensors cannot express.
+
+    Raises:
+        ValueError: naming the first such layer, its format, how many there are and what to do instead.
+    """
+    layers = [
+        (key.removesuffix(".weight"), hfconfig.layer_settings(key.removesuffix(".weight")).format)
+        for key, header in headers.items()
+        if key.endswith(".weight") and f"{key}_scale" not in headers and header.dtype == torch.uint8
+    ]
+    layers = [(name, fmt) for name, fmt in layers if fmt != "int"]
+    if layers:
+        name, fmt = layers[0]
+        raise ValueError(
+            f"{name} is stored in llama.cpp's block format {fmt} ({len(layers)} layer(s) in block formats), which "
+            "compressed-tensors cannot express (it holds uniform int4/int8 codes with per-group scales): export it "
+            "with --format gguf, or convert with --format int for compressed-tensors and vLLM"
+        )
+
+
 def _export_plan(
     folder: Path, config: dict, hfconfig: HfQuantConfig, headers: dict, files: dict, engine: str = "vllm"
 ) -> tuple[list, dict, list]:
@@ -137,6 +158,7 @@ def _export_plan(
     Raises:
         ValueError: a layer compressed-tensors cannot express (`_model_facts`, `compressed_tensors.plan_layers`).
     """
+    _refuse_block_formats(hfconfig, headers)
     candidates = {k.removesuffix(".weight") for k in headers if k.endswith(".weight") and f"{k}_scale" in headers}
     in_features, dequantize, linears = _model_facts(folder, candidates)
     layers = ct.plan_layers(headers, in_features.get, lambda name: hfconfig.layer_settings(name)[0], dequantize)

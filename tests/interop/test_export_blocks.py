@@ -1,4 +1,4 @@
-"""GGUF export of block-format checkpoints: the blocks are GGUF's own bytes, copied (issue #30: export is a copy)."""
+"""Export of block-format checkpoints: GGUF copies the blocks (they are its own bytes, issue #30), compressed-tensors refuses them by name."""
 
 import numpy as np
 import pytest
@@ -53,3 +53,12 @@ def test_block_layers_are_copied_byte_for_byte(tmp_path, name):
         if heads is not None:
             expected = expected[llama_permutation(expected.shape[0], heads)]
         assert torch.equal(torch.from_numpy(weights.reshape(expected.shape)).float(), expected)
+
+
+def test_compressed_tensors_export_refuses_block_formats_before_writing(tmp_path):
+    tiny_model("llama", **WIDE).save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=HfQuantConfig(format="q4_k"))
+    model.save_pretrained(tmp_path / "q")
+    with pytest.raises(ValueError, match=r"block format q4_k \(14 layer\(s\) in block formats\).*--format gguf"):
+        export_checkpoint(tmp_path / "q", tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
