@@ -21,8 +21,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, read_headers, tensor_files
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
+from hfquant.core import blocks
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.core.format import Method
 from hfquant.core.text import terminal_safe
@@ -226,7 +229,14 @@ def _quantized_rows(
     quantized: dict[tuple, dict] = {}
     quantized_modules: set[str] = set()
     consumed: set[str] = set()
+    block_of = _block_formats(tensors, qconfig)
     for name, header in tensors.items():
+        if name in block_of:
+            _add_block_row(quantized, name, header, tensors, block_of[name], folded, float_itemsize)
+            module = name.rpartition(".")[0]
+            quantized_modules.add(module)
+            consumed.update(n for n in (name, module + ".weight_col_scale") if n in tensors)
+            continue
         scale_name = name[: -len("weight")] + "weight_scale" if name.endswith("weight") else None
         if scale_name not in tensors:
             scale_name = f"{name}_scale"
@@ -264,6 +274,7 @@ def _quantized_rows(
                 "per_channel": groups == 1,
                 "symmetric": key[3],
                 "method": method,
+                "format": "int",
                 "bytes": 0,
                 "float_bytes": 0,
             },
@@ -272,6 +283,50 @@ def _quantized_rows(
         row["bytes"] += sum(tensors[p].nbytes for p in parts)
         row["float_bytes"] += float_numel * float_itemsize
     return list(quantized.values()), quantized_modules, consumed
+
+
+def _block_formats(tensors: dict[str, TensorHeader], qconfig: dict | None) -> dict[str, str]:
+    """{`P.weight`: block format} of the layers an hfquant config stores in llama.cpp's block formats (uint8 weights
+    without a `weight_scale`, whose format `layer_settings` names)."""
+    if not qconfig or qconfig.get("quant_method") != QUANT_METHOD:
+        return {}
+    config = HfQuantConfig.from_dict(qconfig)
+    found = {}
+    for name, header in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and header.dtype == torch.uint8 and module + ".weight_scale" not in tensors:
+            fmt = config.layer_settings(module).format
+            if fmt != "int":
+                found[name] = fmt
+    return found
+
+
+def _add_block_row(quantized: dict, name: str, header: TensorHeader, tensors, fmt: str, folded, itemsize) -> None:
+    """Count the block-format weight `name` into its row of `quantized` (kind, format, method)."""
+    layout = blocks.layout(fmt)
+    module = name.rpartition(".")[0]
+    col_name = module + ".weight_col_scale"
+    method = Method.SINQ.value if col_name in tensors else FOLDED_SINQ if module in folded else Method.RTN.value
+    key = (layer_kind(module), layout.name, method)
+    row = quantized.setdefault(
+        key,
+        {
+            "kind": key[0],
+            "count": 0,
+            "bits": layout.bits,
+            "group_size": layout.block_size,
+            "per_channel": False,
+            "symmetric": layout.symmetric,
+            "method": method,
+            "format": layout.name,
+            "bytes": 0,
+            "float_bytes": 0,
+        },
+    )
+    rows, row_bytes = header.shape
+    row["count"] += 1
+    row["bytes"] += header.nbytes + (tensors[col_name].nbytes if col_name in tensors else 0)
+    row["float_bytes"] += rows * row_bytes // layout.type_size * layout.block_size * itemsize
 
 
 def _float_rows(tensors: dict[str, TensorHeader], consumed: set[str]) -> list[dict]:
@@ -318,7 +373,7 @@ def format_report(report: dict[str, Any]) -> str:
             [
                 r["kind"],
                 r["count"],
-                r["bits"],
+                r["bits"] if r.get("format", "int") == "int" else f"{r['bits']} ({r['format']})",
                 group_text(r),
                 "yes" if r["symmetric"] else "no",
                 r["method"],

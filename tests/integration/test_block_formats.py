@@ -89,3 +89,17 @@ def test_gradients_flow_through_block_layers_as_through_their_dequantized_weight
     reference_x = x.detach().clone().requires_grad_(True)
     (reference_x @ layer.dequantize().T).square().sum().backward()
     torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_inspect_reports_each_layers_block_format_and_its_bytes(wide_checkpoint, tmp_path):
+    from hfquant.inspection import inspect_checkpoint
+
+    config = HfQuantConfig(bits=3, module_overrides={"v_proj": {"format": "q6_k"}})
+    AutoModelForCausalLM.from_pretrained(wide_checkpoint, quantization_config=config).save_pretrained(tmp_path / "q")
+    report = inspect_checkpoint(tmp_path / "q")
+    formats = {row["kind"]: (row["format"], row["bits"], row["count"]) for row in report["quantized"]}
+    assert formats["model.layers.*.self_attn.v_proj"] == ("q6_k", 6, 2)
+    assert formats["model.layers.*.mlp.down_proj"] == ("q3_k", 3, 2)
+    assert report["totals"]["quantized_layers"] == 14 and not any("proj" in r["kind"] for r in report["float_layers"])
+    q3_rows = [row for row in report["quantized"] if row["format"] == "q3_k"]
+    assert all(row["bytes"] * 8 / (row["float_bytes"] / 4) == blocks.layout("q3_k").bits_per_weight for row in q3_rows)
