@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hfquant.core import blocks
-from hfquant.core.allocation import data_free_overrides
+from hfquant.core.allocation import block_overrides, data_free_overrides
 from hfquant.core.format import SUPPORTED_BITS, Method
 
 __all__ = [
@@ -440,9 +440,11 @@ FIELDS: tuple[ConfigField, ...] = (
         "mixed_precision",
         "which layers get more bits than the config gives: 'auto' (the default at 4 bits): hfquant's data-free "
         "rule (hfquant.core.allocation) gives the value projections of the second half of the layers int8 and MLP "
-        "down projections groups of at most 64, appended to module_overrides when a model is quantized (after the "
-        "user's entries, which win), so the saved config names every layer's format; 'none' (the default at 8 "
-        "bits): every layer alike",
+        "down projections groups of at most 64; with a block format (opt-in: 'none' is its default) a llama.cpp "
+        "Q3_K_M / Q4_K_M-style mix (block_overrides): value and down projections one or two block types up, more in "
+        "the first and last eighth of the layers, attention outputs one up at 2-3 bits; the entries are appended to "
+        "module_overrides when a model is quantized (after the user's entries, which win), so the saved config names "
+        "every layer's format; 'none' (the default at 8 bits and with block formats): every layer alike",
         MixedPrecision,
         lambda resolved: default_mixed_precision(resolved["bits"]) if _int_format(resolved) else MixedPrecision.NONE,
         _check_choice,
@@ -729,7 +731,8 @@ class HfQuantConfig(QuantizationConfigMixin):
 
     def apply_mixed_precision(self, layer_names: Iterable[str]) -> dict[str, dict[str, Any]]:
         """Append the data-free rule's `module_overrides` entries for a model's Linear layers `layer_names` (full
-        dotted names) when `mixed_precision` is "auto" (`hfquant.core.allocation.data_free_overrides`).
+        dotted names) when `mixed_precision` is "auto" (`hfquant.core.allocation.data_free_overrides` in the integer
+        format, `block_overrides` with a block format).
 
         Layers already selected by a `module_overrides` pattern keep the user's settings. Called once per model,
         when it is quantized (never when a quantized checkpoint is reloaded: its config already lists the entries).
@@ -738,7 +741,11 @@ class HfQuantConfig(QuantizationConfigMixin):
         if self.mixed_precision is not MixedPrecision.AUTO:
             return {}
         names = [n for n in layer_names if not any(matches_module(n, [p]) for p in self.module_overrides)]
-        added = data_free_overrides(names, self.bits, self.group_size)
+        fmt = resolve_format(self.format, self.bits)
+        if fmt in blocks.LAYOUTS:
+            added = block_overrides(names, fmt)
+        else:
+            added = data_free_overrides(names, self.bits, self.group_size)
         self.module_overrides.update(added)
         return added
 

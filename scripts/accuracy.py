@@ -13,6 +13,11 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
 - `sinq-fold-*` and `int4-default` fold SINQ's column scales into SmolLM2's norms and projections
   (`fold_column_scales=True`, the default with SINQ: plain RTN layers, exportable); `sinq-*` without `fold` and
   `int4-default-stored` store them beside the layers (`fold_column_scales=False`);
+- block formats (`BLOCK_FORMATS`: llama.cpp's types as `HfQuantConfig(format=...)`, hfquant's quantizer; `-auto` rows
+  add `mixed_precision="auto"`, the data-free Q3_K_M-style mix of `hfquant.core.allocation.block_overrides`), each
+  beside a `llama.cpp-` row: llama.cpp's own quantizer (`ggml_quantize_chunk`, no imatrix, then the type's
+  `to_float`) on the same layers in the same types, fallbacks included (needs the llama-cpp-python wheel's
+  libggml-base, `benchmarks/ggml_reference.py`);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
   quantized tensor, over the number of weights they store);
 - quantization on load in GB/s of bf16 source (SmolLM2's safetensors bytes over the `from_pretrained` seconds, model
@@ -25,6 +30,9 @@ in the header. Run from a source checkout after `bash scripts/install.sh` (MiniL
 
     python scripts/accuracy.py                       # everything (about 5 minutes on 2 cores)
     python scripts/accuracy.py --configs rtn-g128,sinq-g128
+    python scripts/accuracy.py --no-decode --configs q3_k,llama.cpp-q3_k,q3_k-auto,llama.cpp-q3_k-auto
+
+Bits per weight read "SmolLM2 / MiniLM" where the two differ (their fallbacks differ).
 """
 
 from __future__ import annotations
@@ -45,13 +53,20 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hfquant  # noqa: E402
+from benchmarks import ggml_reference  # noqa: E402
 from benchmarks.example_model import build_example_model  # noqa: E402
 from benchmarks.machine import cpu_name, describe  # noqa: E402
+from hfquant.core import blocks  # noqa: E402
 from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
 weights per bit in the probes of the accuracy issue."""
+BLOCK_FORMATS = ("q2_k", "q3_k", "q4_k", "iq4_xs", "iq4_nl", "q4_0", "q5_k", "q6_k", "q8_0")
+"""llama.cpp's block types, one row each (`HfQuantConfig(format=...)`: hfquant's quantizer, llama.cpp's fallback type
+for rows the type's blocks do not divide)."""
+BLOCK_RULE_ROWS = ("q2_k", "q3_k", "q4_k")
+"""Block types also measured with `mixed_precision="auto"` (`hfquant.core.allocation.block_overrides`)."""
 UNIFORM = dict(mixed_precision="none")
 """Every layer in the config's one format: the methods alone, without the 4-bit default's data-free rule."""
 STORED = dict(fold_column_scales=False)
@@ -74,7 +89,14 @@ CONFIGS = {
     "int4-default-stored": dict(bits=4, **STORED),
     "int4-default": dict(bits=4),
     "int4-default-mse": dict(bits=4, clipping="mse"),
+    **{name: dict(format=name) for name in BLOCK_FORMATS},
+    **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},
 }
+LLAMA_CPP = {f"llama.cpp-{name}": name for name in [*BLOCK_FORMATS, *(f"{n}-auto" for n in BLOCK_RULE_ROWS)]}
+"""llama.cpp's own quantizer on the same weights: each row quantizes the layers hfquant's config of the same name
+would store, in the same block type (llama.cpp's fallback where the type's blocks do not divide a row, as hfquant
+plans it), with `ggml_quantize_chunk` (no imatrix) and reads them back with the type's `to_float`
+(`benchmarks/ggml_reference.py`, the llama-cpp-python wheel's libggml-base)."""
 PEERS = {
     "hqq-g64": (
         "hqq",
@@ -97,6 +119,7 @@ PEERS = {
 }
 """Other libraries' 4-bit methods through transformers' own quantization configs: name -> (module it needs, what it
 is). A row whose library is not installed says so (`pip install hqq bitsandbytes torchao`)."""
+ALL = [*CONFIGS, *PEERS, *LLAMA_CPP]
 TEXT_CHARS = 24_000
 PROMPT = "The Python language reference describes"
 SENTENCES = 100
@@ -138,12 +161,40 @@ def load(auto_class, path: Path, dtype: torch.dtype, settings: dict | str | None
     model = auto_class.from_pretrained(path, dtype=dtype, device_map="cpu", **quantization_kwargs(settings)).eval()
     if isinstance(settings, str) and settings.startswith("hqq-"):
         model = hqq_quantize(model, settings)
+    if isinstance(settings, str) and settings in LLAMA_CPP:
+        model.llama_cpp_bpw = ggml_fake_quantize(model, CONFIGS[LLAMA_CPP[settings]])
     return model
 
 
+def ggml_fake_quantize(model, settings: dict) -> float:
+    """Replace each Linear weight hfquant's config `settings` would store in a block type by llama.cpp's quantize ->
+    to_float of that type (the plan's type: llama.cpp's fallback where the blocks do not divide a row); returns the
+    bits per weight of llama.cpp's bytes over those layers."""
+    from benchmarks import ggml_reference
+    from hfquant.integration.quantizer import plan_model
+
+    library = ggml_reference.load()
+    config = hfquant.HfQuantConfig(**settings)
+    _, plans = plan_model(model, config, quantizing=True)
+    stored_bits = weights = 0
+    for plan in plans:
+        if plan.format is None or plan.format.block is None:
+            continue
+        module = model.get_submodule(plan.name)
+        weight = module.weight.data
+        matrix = weight.t() if plan.transposed else weight
+        data = library.quantize(plan.format.block, matrix.float())
+        restored = library.dequantize(plan.format.block, data)
+        matrix.copy_(restored.to(weight.dtype))
+        stored_bits += 8 * data.numel()
+        weights += matrix.numel()
+    return stored_bits / weights
+
+
 def quantization_kwargs(settings: dict | str | None) -> dict:
-    """`from_pretrained` keyword arguments of a row: none (bf16), an `HfQuantConfig`, or a peer's config."""
-    if settings is None:
+    """`from_pretrained` keyword arguments of a row: none (bf16, llama.cpp rows), an `HfQuantConfig`, or a peer's
+    config."""
+    if settings is None or (isinstance(settings, str) and settings in LLAMA_CPP):
         return {}
     if isinstance(settings, str):
         config = peer_config(settings)
@@ -151,21 +202,24 @@ def quantization_kwargs(settings: dict | str | None) -> dict:
     return {"quantization_config": hfquant.HfQuantConfig(**settings)}
 
 
-def smollm2(source: Path, settings: dict | str | None, text: str) -> dict:
+def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool = True) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(source)
     start = time.perf_counter()
     model = load(AutoModelForCausalLM, source, torch.bfloat16, settings)
     seconds = time.perf_counter() - start
     row = {"load_s": seconds}
-    if settings is not None:
+    if settings is not None and settings not in LLAMA_CPP:  # a llama.cpp row's load is a float load and ctypes calls
         source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
         row["gb_per_s"] = source_bytes / seconds / 1e9
     if isinstance(settings, dict):  # bits per weight are counted from hfquant's files
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             row["bpw"] = bits_per_weight(Path(tmp))
+    if hasattr(model, "llama_cpp_bpw"):
+        row["bpw"] = model.llama_cpp_bpw
     row["ppl"] = perplexity(model, tokenizer, text, max_length=512, stride=512)
-    row["tok_s"] = decode_tokens_per_second(model, tokenizer, PROMPT, new_tokens=64, repeats=3)
+    if decode:
+        row["tok_s"] = decode_tokens_per_second(model, tokenizer, PROMPT, new_tokens=64, repeats=3)
     return row
 
 
@@ -182,12 +236,18 @@ def bits_per_weight(folder: Path) -> float | None:
                 tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))
     size = {"U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4}
     stored_bits = weights = 0
-    for name, (_, shape) in tensors.items():
+    for name, (dtype, shape) in tensors.items():
         prefix = name[: -len("weight")]
-        if not name.endswith(".weight") or prefix + "weight_scale" not in tensors:
+        if not name.endswith(".weight"):
             continue
-        bits = config.layer_settings(prefix.rstrip("."))[0]
-        weights += math.prod(shape) * (2 if bits == 4 else 1)  # 4-bit codes are packed two per byte
+        settings = config.layer_settings(prefix.rstrip("."))
+        if settings.format in blocks.LAYOUTS and dtype == "U8":  # GGUF block bytes: (N, K / B * S)
+            fmt = blocks.LAYOUTS[settings.format]
+            weights += shape[0] * shape[1] // fmt.type_size * fmt.block_size
+        elif prefix + "weight_scale" in tensors:
+            weights += math.prod(shape) * (2 if settings.bits == 4 else 1)  # 4-bit codes are packed two per byte
+        else:
+            continue
         for part in ("weight", "weight_scale", "weight_zero_point", "weight_col_scale"):
             if prefix + part in tensors:
                 part_dtype, part_shape = tensors[prefix + part]
@@ -223,20 +283,26 @@ def minilm(folder: Path, settings: dict | str | None, batch: list[str], referenc
     if reference is None:
         return {"vectors": vectors}
     cos = torch.nn.functional.cosine_similarity(vectors, reference, dim=-1)
-    return {"cos": cos.mean().item()}
+    row = {"cos": cos.mean().item()}
+    if isinstance(settings, dict):
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            row["minilm_bpw"] = bits_per_weight(Path(tmp))
+    if hasattr(model, "llama_cpp_bpw"):
+        row["minilm_bpw"] = model.llama_cpp_bpw
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--configs", default=",".join([*CONFIGS, *PEERS]), help=f"comma-separated, from {[*CONFIGS, *PEERS]}"
-    )
+    parser.add_argument("--configs", default=",".join(ALL), help=f"comma-separated, from {ALL}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--no-decode", action="store_true", help="leave out the decode tokens/s column")
     args = parser.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
-    unknown = sorted(set(names) - set(CONFIGS) - set(PEERS))
+    unknown = sorted(set(names) - set(ALL))
     if unknown:
-        parser.error(f"unknown configs {unknown}; use some of {[*CONFIGS, *PEERS]}")
+        parser.error(f"unknown configs {unknown}; use some of {ALL}")
     if "bf16" not in names:
         names.insert(0, "bf16")
     torch.manual_seed(0)
@@ -247,17 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     reference = minilm(encoder, None, batch, None)["vectors"] if encoder is not None else None
     rows = {}
     missing = {}
+    ggml_library = ggml_reference.find_library()
     for name in names:
         if name in PEERS and importlib.util.find_spec(PEERS[name][0]) is None:
             missing[name] = f"{PEERS[name][0]} is not installed"
             continue
+        if name in LLAMA_CPP and ggml_library is None:
+            missing[name] = "no libggml-base.so (python scripts/engines.py --engines llama.cpp installs it)"
+            continue
         settings = CONFIGS.get(name, name)
         try:
-            row = smollm2(source, settings, text)
+            row = smollm2(source, settings, text, decode=not args.no_decode)
             if encoder is not None and settings is not None:
                 row.update(minilm(encoder, settings, batch, reference))
         except Exception as error:  # a peer that fails on this CPU is a row saying why, not the end of the table
-            if name not in PEERS:
+            if name not in PEERS and name not in LLAMA_CPP:
                 raise
             missing[name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
             continue
@@ -275,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         cos = f"{row['cos']:.4f}" if "cos" in row else "-"
         bpw = f"{row['bpw']:.2f}" if row.get("bpw") else "-"
+        if row.get("minilm_bpw") and f"{row['minilm_bpw']:.2f}" != bpw:
+            bpw += f" / {row['minilm_bpw']:.2f}"
         speed = f"{row['gb_per_s']:.2f}" if "gb_per_s" in row else "-"
-        print(
-            f"| {name} | {row['ppl']:.3f} | {row['ppl'] / base:.3f} | {cos} | {bpw} | {speed} | {row['tok_s']:.1f} |"
-        )
+        tok_s = f"{row['tok_s']:.1f}" if "tok_s" in row else "-"
+        print(f"| {name} | {row['ppl']:.3f} | {row['ppl'] / base:.3f} | {cos} | {bpw} | {speed} | {tok_s} |")
     for name, why in missing.items():
         print(f"| {name} | {why} | | | | | |")
     used = [n for n in PEERS if n in rows]

@@ -26,10 +26,23 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["MIXED_PRECISION", "VALUE_PROJECTIONS", "DOWN_PROJECTIONS", "DOWN_GROUP_SIZE", "data_free_overrides"]
+from hfquant.core import blocks
+
+__all__ = [
+    "MIXED_PRECISION",
+    "VALUE_PROJECTIONS",
+    "DOWN_PROJECTIONS",
+    "OUTPUT_PROJECTIONS",
+    "DOWN_GROUP_SIZE",
+    "BLOCK_LADDER",
+    "data_free_overrides",
+    "more_bits_layer",
+    "block_overrides",
+]
 
 MIXED_PRECISION = ("auto", "none")
-"""`mixed_precision` values: "auto" applies `data_free_overrides` at 4 bits; "none" stores every layer alike."""
+"""`mixed_precision` values: "auto" applies `data_free_overrides` at 4 bits in the integer format and
+`block_overrides` with a block format; "none" stores every layer alike."""
 
 VALUE_PROJECTIONS = ("v_proj", "attention.self.value")
 """Name suffixes (whole components) of attention value projections: Llama / Mistral / Qwen / Phi-3 style and BERT."""
@@ -37,6 +50,9 @@ VALUE_PROJECTIONS = ("v_proj", "attention.self.value")
 DOWN_PROJECTIONS = ("down_proj", "mlp.c_proj", "fc2", "dense_4h_to_h", "w2")
 """Name suffixes of MLP down projections: Llama family, GPT-2, OPT / Phi, GPT-NeoX / Falcon, Mixtral-style experts.
 BERT's `layer.N.output.dense` (not `attention.output.dense`) is recognised by its position."""
+
+OUTPUT_PROJECTIONS = ("o_proj", "self_attn.dense", "attn.c_proj", "attention.output.dense")
+"""Name suffixes of attention output projections: Llama family, Phi, GPT-2, BERT."""
 
 DOWN_GROUP_SIZE = 64
 """The largest group size a down projection keeps under the rule."""
@@ -85,4 +101,71 @@ def data_free_overrides(names: Iterable[str], bits: int, group_size: int | None)
                 overrides[name] = {"bits": 8}
         elif narrow_down and (any(_ends_with(name, s) for s in DOWN_PROJECTIONS) or _BERT_DOWN.search(name)):
             overrides[name] = {"group_size": DOWN_GROUP_SIZE}
+    return overrides
+
+
+BLOCK_LADDER: dict[str, tuple[str, ...]] = {
+    "q2_k": ("q3_k", "q4_k"),
+    "q3_k": ("q4_k", "q5_k"),
+    "q4_k": ("q5_k", "q6_k"),
+    "iq4_xs": ("q5_k", "q6_k"),
+    "iq4_nl": ("q5_0", "q8_0"),
+    "q4_0": ("q5_0", "q8_0"),
+    "q4_1": ("q5_1", "q8_0"),
+    "q5_k": ("q6_k", "q6_k"),
+    "q5_0": ("q8_0", "q8_0"),
+    "q5_1": ("q8_0", "q8_0"),
+    "q6_k": ("q8_0", "q8_0"),
+}
+"""A block type's formats one and two steps up (`block_overrides`); q8_0 has none. Rows a k-quant's 256-weight
+super-blocks do not divide still take llama.cpp's fallback of the chosen type when the model is quantized."""
+
+
+def more_bits_layer(index: int, count: int) -> bool:
+    """llama.cpp's `use_more_bits` (llama-quant.cpp): the first and last eighth of `count` layers and every third layer
+    between them."""
+    return index < count // 8 or index >= 7 * count // 8 or (index - count // 8) % 3 == 2
+
+
+def block_overrides(names: Iterable[str], format: str) -> dict[str, dict[str, Any]]:
+    """`module_overrides` entries of the data-free rule for a block format (`mixed_precision="auto"` with
+    `format="q3_k"` and the like), in the spirit of llama.cpp's Q3_K_M / Q4_K_M mixes:
+
+    - value projections: two steps up (`BLOCK_LADDER`) in `more_bits_layer` layers, one step up elsewhere;
+    - MLP down projections (and BERT's `layer.N.output.dense`): two steps up in the first and last eighth of the
+      layers, one step up in the other `more_bits_layer` layers;
+    - attention output projections: one step up at 2 and 3 bits (as Q2_K and Q3_K_M do).
+
+    Args:
+        names: the quantizable Linear / Conv1D layers of one model (full dotted names).
+        format: the config's block type (`hfquant.core.blocks.LAYOUTS`); "int" or a type without a ladder (q8_0)
+            gives nothing.
+    Returns:
+        {full layer name: {"format": block type}} for the layers the rule raises; names without a layer index (the
+        first numeric component, e.g. 17 in `model.layers.17.self_attn.v_proj`) get nothing. On a Llama-8B shape (32
+        layers, rows 256 divides) q3_k becomes 3.76 bits per weight over the Linear layers (q3_k alone: 3.44), q4_k
+        4.74 and q2_k 2.89.
+    """
+    ladder = BLOCK_LADDER.get(format)
+    names = list(names)
+    indices = [i for i in map(_layer_index, names) if i is not None]
+    if ladder is None or not indices:
+        return {}
+    count = max(indices) + 1
+    overrides: dict[str, dict[str, Any]] = {}
+    for name in names:
+        index = _layer_index(name)
+        if index is None:
+            continue
+        more = more_bits_layer(index, count)
+        step = 0
+        if any(_ends_with(name, suffix) for suffix in VALUE_PROJECTIONS):
+            step = 2 if more else 1
+        elif any(_ends_with(name, s) for s in DOWN_PROJECTIONS) or _BERT_DOWN.search(name):
+            edge = index < count // 8 or index >= 7 * count // 8
+            step = 2 if edge else (1 if more else 0)
+        elif any(_ends_with(name, s) for s in OUTPUT_PROJECTIONS) and blocks.LAYOUTS[format].bits <= 3:
+            step = 1
+        if step:
+            overrides[name] = {"format": ladder[step - 1]}
     return overrides

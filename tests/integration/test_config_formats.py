@@ -1,9 +1,15 @@
 """`HfQuantConfig.format` and the bit widths of the block formats: defaults, agreement with `bits`, overrides."""
 
+import json
+
 import pytest
+import torch
+from helpers import tiny_model
+from transformers import AutoModelForCausalLM
 
 from hfquant import HfQuantConfig
 from hfquant.config import default_format
+from hfquant.nn.linear import QuantLinear
 
 
 @pytest.mark.parametrize(
@@ -53,3 +59,41 @@ def test_a_config_json_without_format_is_the_integer_format():
     legacy = {key: value for key, value in HfQuantConfig(bits=4).to_dict().items() if key != "format"}
     assert HfQuantConfig.from_dict(legacy).format == "int"
     assert HfQuantConfig.from_dict(HfQuantConfig(bits=2).to_dict()) == HfQuantConfig(bits=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # rows of 256: the rule's types as asked. 2 layers: layer 1 is the last eighth, layer 0 no `use_more_bits`
+        (
+            dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2),
+            {"0.self_attn.v_proj": "q4_k", "1.self_attn.v_proj": "q5_k", "1.mlp.down_proj": "q5_k"},
+        ),
+        # rows of 64 / 128: llama.cpp's fallback of each chosen type (q3_k -> iq4_nl, q4_k -> q5_0, q5_k -> q5_1)
+        ({}, {"0.self_attn.v_proj": "q5_0", "1.self_attn.v_proj": "q5_1", "1.mlp.down_proj": "q5_1"}),
+    ],
+)
+def test_block_mix_formats_land_in_config_json_and_reload(tmp_path, overrides, expected):
+    tiny_model("llama", **overrides).save_pretrained(tmp_path / "float")
+    config = HfQuantConfig(format="q3_k", mixed_precision="auto")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
+    model.save_pretrained(tmp_path / "q")
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    wide = bool(overrides)
+    base, out = ("q3_k", "q4_k") if wide else ("iq4_nl", "q5_0")
+    for i in range(2):
+        expected.setdefault(f"{i}.self_attn.o_proj", out)
+        for child in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            expected.setdefault(f"{i}.{child}", base)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    again = HfQuantConfig.from_dict(saved)
+    for suffix, fmt in expected.items():
+        name = f"model.layers.{suffix}"
+        assert again.layer_settings(name).format == fmt, name  # config.json alone names the layer's type
+        for loaded in (model, reloaded):
+            layer = loaded.get_submodule(name)
+            assert isinstance(layer, QuantLinear) and layer.format.block == fmt, name
+    assert saved["mixed_precision"] == "auto"
+    saved_tensors, reloaded_tensors = model.state_dict(), reloaded.state_dict()
+    assert saved_tensors.keys() == reloaded_tensors.keys()
+    assert all(torch.equal(saved_tensors[key], reloaded_tensors[key]) for key in saved_tensors)
