@@ -7,6 +7,7 @@
  * other way (tests/ops/test_native_blocks.py measures the agreement); everything else is the torch codec's arithmetic.
  * Portable C (no intrinsics): the compiler vectorizes the loops over a block.
  */
+#pragma GCC optimize("fp-contract=off") /* no fused multiply-adds: torch rounds each product */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -50,7 +51,8 @@ static int extreme_index(const float *x, int n) {
 /* affine blocks: x ~ s * q - o, q in [0, nmax] */
 
 static float codes_affine(const float *x, const float *w, int n, float scale, float offset, int nmax, float *codes) {
-    float err = 0.0f, inv = safe(scale);
+    double err = 0.0;
+    float inv = safe(scale);
     for (int i = 0; i < n; i++) {
         float q = scale == 0.0f ? 0.0f : clampf(rnd((x[i] + offset) / inv), 0.0f, (float)nmax);
         float diff = scale * q - offset - x[i];
@@ -62,15 +64,16 @@ static float codes_affine(const float *x, const float *w, int n, float scale, fl
 
 static void lstsq_affine(const float *x, const float *w, const float *codes, int n, float *scale_out,
                          float *offset_out) {
-    float sw = 0, sl = 0, sl2 = 0, sx = 0, slx = 0;
+    double sw_ = 0, sl_ = 0, sl2_ = 0, sx_ = 0, slx_ = 0;
     for (int i = 0; i < n; i++) {
         float wl = w[i] * codes[i];
-        sw += w[i];
-        sl += wl;
-        sl2 += wl * codes[i];
-        sx += w[i] * x[i];
-        slx += wl * x[i];
+        sw_ += w[i];
+        sl_ += wl;
+        sl2_ += wl * codes[i];
+        sx_ += w[i] * x[i];
+        slx_ += wl * x[i];
     }
+    float sw = (float)sw_, sl = (float)sl_, sl2 = (float)sl2_, sx = (float)sx_, slx = (float)slx_;
     float det = sw * sl2 - sl * sl;
     float scale = (sw * slx - sx * sl) / safe(det);
     float offset = -(sl2 * sx - sl * slx) / safe(det);
@@ -122,7 +125,8 @@ static void fit_affine(const float *x, const float *w, int n, int nmax, const fl
 /* symmetric blocks: x ~ s * q, q in [qmin, qmax], s signed */
 
 static float codes_symmetric(const float *x, const float *w, int n, float scale, int qmin, int qmax, float *codes) {
-    float err = 0.0f, inv = safe(scale);
+    double err = 0.0;
+    float inv = safe(scale);
     for (int i = 0; i < n; i++) {
         float q = scale == 0.0f ? 0.0f : clampf(rnd(x[i] / inv), (float)qmin, (float)qmax);
         float diff = scale * q - x[i];
@@ -133,13 +137,13 @@ static float codes_symmetric(const float *x, const float *w, int n, float scale,
 }
 
 static float lstsq_symmetric(const float *x, const float *w, const float *codes, int n) {
-    float slx = 0, sl2 = 0;
+    double slx = 0, sl2 = 0;
     for (int i = 0; i < n; i++) {
         float wl = w[i] * codes[i];
         slx += wl * x[i];
         sl2 += wl * codes[i];
     }
-    return slx / safe(sl2);
+    return (float)slx / safe((float)sl2);
 }
 
 static float fit_symmetric(const float *x, const float *w, int n, int qmin, int qmax, const double *factors,
@@ -183,12 +187,14 @@ static float round_scales(const float *values, const float *sensitivity, int nsu
         int end = e == 0 ? top : lowest;
         for (int t = 0; t < ntries; t++) {
             float d = to_half(extreme / (float)(end + (end > 0 ? tries[t] : -tries[t])));
-            float inv = safe(d), err = 0;
+            float inv = safe(d);
+            double err_ = 0;
             for (int j = 0; j < nsub; j++) {
                 q[j] = clampf(rnd(values[j] / inv), (float)lowest, (float)top);
                 float diff = values[j] - d * q[j];
-                err += sensitivity[j] * (diff * diff);
+                err_ += sensitivity[j] * (diff * diff);
             }
+            float err = (float)err_;
             if (first || err < best_err) {
                 best_d = d;
                 best_err = err;
@@ -220,34 +226,35 @@ static void quantize_affine(const float *x, const float *w, const kparams *p, co
         const float *xb = x + j * sub, *wb = w + j * sub;
         fit_affine(xb, wb, sub, nmax, factors, nfactors, &scale[j], &offset[j]);
         codes_affine(xb, wb, sub, scale[j], offset[j], nmax, codes + j * sub);
-        float s = 0, sw = 0;
+        double s = 0, sw = 0;
         for (int i = 0; i < sub; i++) {
             s += wb[i] * codes[j * sub + i] * codes[j * sub + i];
             sw += wb[i];
         }
-        sens[j] = s;
-        wsum[j] = sw;
+        sens[j] = (float)s;
+        wsum[j] = (float)sw;
     }
     float d = round_scales(scale, sens, nsub, top, 0, tries, ntries, sc);
     float dmin = round_scales(offset, wsum, nsub, top, 0, tries, ntries, m);
-    float total = 0;
+    double total = 0;
     for (int j = 0; j < nsub; j++) {
         err[j] = codes_affine(x + j * sub, w + j * sub, sub, d * sc[j], dmin * m[j], nmax, codes + j * sub);
         total += err[j];
     }
     for (int r = 0; r < rounds; r++) {
-        float saa = 0, sab = 0, sbb = 0, sax = 0, sbx = 0;
+        double saa_ = 0, sab_ = 0, sbb_ = 0, sax_ = 0, sbx_ = 0;
         for (int j = 0; j < nsub; j++) {
             for (int i = 0; i < sub; i++) {
                 int k = j * sub + i;
                 float a = sc[j] * codes[k], b = m[j], wa = w[k] * a, wb = w[k] * b;
-                saa += wa * a;
-                sab += wa * b;
-                sbb += wb * b;
-                sax += wa * x[k];
-                sbx += wb * x[k];
+                saa_ += wa * a;
+                sab_ += wa * b;
+                sbb_ += wb * b;
+                sax_ += wa * x[k];
+                sbx_ += wb * x[k];
             }
         }
+        float saa = (float)saa_, sab = (float)sab_, sbb = (float)sbb_, sax = (float)sax_, sbx = (float)sbx_;
         float det = saa * sbb - sab * sab;
         float new_d = to_half((sax * sbb - sab * sbx) / safe(det));
         float new_dmin = to_half((sab * sax - saa * sbx) / safe(det));
@@ -255,13 +262,13 @@ static void quantize_affine(const float *x, const float *w, const kparams *p, co
             new_d = d;
             new_dmin = dmin;
         }
-        float new_total = 0;
+        double new_total = 0;
         for (int j = 0; j < nsub; j++) {
             new_err[j] = codes_affine(x + j * sub, w + j * sub, sub, new_d * sc[j], new_dmin * m[j], nmax,
                                       new_codes + j * sub);
             new_total += new_err[j];
         }
-        if (new_total < total) {
+        if ((float)new_total < (float)total) {
             d = new_d;
             dmin = new_dmin;
             memcpy(codes, new_codes, sizeof(float) * QK_K);
@@ -300,29 +307,30 @@ static void quantize_symmetric(const float *x, const float *w, const kparams *p,
         const float *xb = x + j * 16, *wb = w + j * 16;
         scale[j] = fit_symmetric(xb, wb, 16, qmin, qmax, factors, nfactors);
         codes_symmetric(xb, wb, 16, scale[j], qmin, qmax, codes + j * 16);
-        float s = 0;
+        double s = 0;
         for (int i = 0; i < 16; i++) s += wb[i] * codes[j * 16 + i] * codes[j * 16 + i];
-        sens[j] = s;
+        sens[j] = (float)s;
     }
     float d = round_scales(scale, sens, 16, top, lowest, tries, ntries, sc);
-    float total = 0;
+    double total = 0;
     for (int j = 0; j < 16; j++) {
         err[j] = codes_symmetric(x + j * 16, w + j * 16, 16, d * sc[j], qmin, qmax, codes + j * 16);
         total += err[j];
     }
     for (int r = 0; r < rounds; r++) {
-        float sax = 0, saa = 0;
+        double sax = 0, saa = 0;
         for (int k = 0; k < QK_K; k++) {
             float a = sc[k / 16] * codes[k], wa = w[k] * a;
             sax += wa * x[k];
             saa += wa * a;
         }
-        float new_d = to_half(sax / safe(saa)), new_total = 0;
+        float new_d = to_half((float)sax / safe((float)saa));
+        double new_total = 0;
         for (int j = 0; j < 16; j++) {
             new_err[j] = codes_symmetric(x + j * 16, w + j * 16, 16, new_d * sc[j], qmin, qmax, new_codes + j * 16);
             new_total += new_err[j];
         }
-        if (new_total < total) {
+        if ((float)new_total < (float)total) {
             d = new_d;
             memcpy(codes, new_codes, sizeof(float) * QK_K);
             memcpy(err, new_err, sizeof(float) * 16);
