@@ -31,8 +31,12 @@ static inline float safe(float value) { return value == 0.0f ? 1.0f : value; }
 
 static inline float clampf(float value, float lo, float hi) { return value < lo ? lo : (value > hi ? hi : value); }
 
-/* round half to even, as torch.round */
-static inline float rnd(float value) { return nearbyintf(value); }
+/* round half to even, as torch.round (and nearbyintf in the default rounding mode) without a libm call: adding and
+ * subtracting 1.5 * 2**23 rounds any |value| < 2**22 to an integer in float32; larger values are integers already */
+static inline float rnd(float value) {
+    const float magic = 12582912.0f;
+    return fabsf(value) < 4194304.0f ? (value + magic) - magic : value;
+}
 
 /* index of the first element of largest magnitude */
 static int extreme_index(const float *x, int n) {
