@@ -3,9 +3,8 @@
  * hfquant/core/blocks/kquants.py (`_quantize_affine`, `_quantize_symmetric`), step for step in float32 with the same
  * constants and tie rules, one super-block of 256 weights at a time, super-blocks split over OpenMP threads.
  *
- * Sums run left to right here while torch reduces in its own order, so a near tie in a comparison can rarely go the
- * other way (tests/ops/test_native_blocks.py measures the agreement); everything else is the torch codec's arithmetic.
- * Portable C (no intrinsics): the compiler vectorizes the loops over a block.
+ * Every sum accumulates in double and rounds once to float32 here and in the torch codec (`kquants._sum`), so the
+ * bytes are the torch codec's (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
  */
 #pragma GCC optimize("fp-contract=off") /* no fused multiply-adds: torch rounds each product */
 #include <math.h>
@@ -38,6 +37,14 @@ static inline float rnd(float value) {
     return fabsf(value) < 4194304.0f ? (value + magic) - magic : value;
 }
 
+/* Sums of float32 terms accumulate in double over LANES independent chains (block lengths are multiples of LANES),
+ * then round once to float32: exact in all but freak cases, so independent of the order, as the torch codec's
+ * float64 sums (`kquants._sum`), which makes the two take the same decisions. */
+#define LANES 8
+static inline double lanes_sum(const double *acc) {
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 /* index of the first element of largest magnitude */
 static int extreme_index(const float *x, int n) {
     int best = 0;
@@ -55,29 +62,34 @@ static int extreme_index(const float *x, int n) {
 /* affine blocks: x ~ s * q - o, q in [0, nmax] */
 
 static float codes_affine(const float *x, const float *w, int n, float scale, float offset, int nmax, float *codes) {
-    double err = 0.0;
+    double err[LANES] = {0};
     float inv = safe(scale);
-    for (int i = 0; i < n; i++) {
-        float q = scale == 0.0f ? 0.0f : clampf(rnd((x[i] + offset) / inv), 0.0f, (float)nmax);
-        float diff = scale * q - offset - x[i];
-        codes[i] = q;
-        err += w[i] * diff * diff;
+    for (int i = 0; i < n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            float q = scale == 0.0f ? 0.0f : clampf(rnd((x[i + l] + offset) / inv), 0.0f, (float)nmax);
+            float diff = scale * q - offset - x[i + l];
+            codes[i + l] = q;
+            err[l] += w[i + l] * diff * diff;
+        }
     }
-    return err;
+    return (float)lanes_sum(err);
 }
 
 static void lstsq_affine(const float *x, const float *w, const float *codes, int n, float *scale_out,
                          float *offset_out) {
-    double sw_ = 0, sl_ = 0, sl2_ = 0, sx_ = 0, slx_ = 0;
-    for (int i = 0; i < n; i++) {
-        float wl = w[i] * codes[i];
-        sw_ += w[i];
-        sl_ += wl;
-        sl2_ += wl * codes[i];
-        sx_ += w[i] * x[i];
-        slx_ += wl * x[i];
+    double sw_[LANES] = {0}, sl_[LANES] = {0}, sl2_[LANES] = {0}, sx_[LANES] = {0}, slx_[LANES] = {0};
+    for (int i = 0; i < n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            float wl = w[i + l] * codes[i + l];
+            sw_[l] += w[i + l];
+            sl_[l] += wl;
+            sl2_[l] += wl * codes[i + l];
+            sx_[l] += w[i + l] * x[i + l];
+            slx_[l] += wl * x[i + l];
+        }
     }
-    float sw = (float)sw_, sl = (float)sl_, sl2 = (float)sl2_, sx = (float)sx_, slx = (float)slx_;
+    float sw = (float)lanes_sum(sw_), sl = (float)lanes_sum(sl_), sl2 = (float)lanes_sum(sl2_);
+    float sx = (float)lanes_sum(sx_), slx = (float)lanes_sum(slx_);
     float det = sw * sl2 - sl * sl;
     float scale = (sw * slx - sx * sl) / safe(det);
     float offset = -(sl2 * sx - sl * slx) / safe(det);
@@ -129,25 +141,29 @@ static void fit_affine(const float *x, const float *w, int n, int nmax, const fl
 /* symmetric blocks: x ~ s * q, q in [qmin, qmax], s signed */
 
 static float codes_symmetric(const float *x, const float *w, int n, float scale, int qmin, int qmax, float *codes) {
-    double err = 0.0;
+    double err[LANES] = {0};
     float inv = safe(scale);
-    for (int i = 0; i < n; i++) {
-        float q = scale == 0.0f ? 0.0f : clampf(rnd(x[i] / inv), (float)qmin, (float)qmax);
-        float diff = scale * q - x[i];
-        codes[i] = q;
-        err += w[i] * diff * diff;
+    for (int i = 0; i < n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            float q = scale == 0.0f ? 0.0f : clampf(rnd(x[i + l] / inv), (float)qmin, (float)qmax);
+            float diff = scale * q - x[i + l];
+            codes[i + l] = q;
+            err[l] += w[i + l] * diff * diff;
+        }
     }
-    return err;
+    return (float)lanes_sum(err);
 }
 
 static float lstsq_symmetric(const float *x, const float *w, const float *codes, int n) {
-    double slx = 0, sl2 = 0;
-    for (int i = 0; i < n; i++) {
-        float wl = w[i] * codes[i];
-        slx += wl * x[i];
-        sl2 += wl * codes[i];
+    double slx[LANES] = {0}, sl2[LANES] = {0};
+    for (int i = 0; i < n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            float wl = w[i + l] * codes[i + l];
+            slx[l] += wl * x[i + l];
+            sl2[l] += wl * codes[i + l];
+        }
     }
-    return (float)slx / safe((float)sl2);
+    return (float)lanes_sum(slx) / safe((float)lanes_sum(sl2));
 }
 
 static float fit_symmetric(const float *x, const float *w, int n, int qmin, int qmax, const double *factors,
