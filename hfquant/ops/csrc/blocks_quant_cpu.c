@@ -45,6 +45,25 @@ static inline double lanes_sum(const double *acc) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+/* the float32 sum of n (a multiple of LANES) terms, accumulated in double */
+static inline float sum_terms(const float *terms, int n) {
+    double acc[LANES] = {0};
+    for (int i = 0; i < n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += terms[i + l];
+    return (float)lanes_sum(acc);
+}
+
+/* clampf(rnd(value), lo, hi) for integers lo, hi with |lo|, |hi| < 2**21, branch free: clamping first to [lo - 1,
+ * hi + 1] gives the same result and keeps the value where the 1.5 * 2**23 trick rounds */
+static inline float round_clamped(float value, float lo, float hi) {
+    const float magic = 12582912.0f;
+    value = value < lo - 1.0f ? lo - 1.0f : value;
+    value = value > hi + 1.0f ? hi + 1.0f : value;
+    value = (value + magic) - magic;
+    value = value < lo ? lo : value;
+    return value > hi ? hi : value;
+}
+
 /* index of the first element of largest magnitude */
 static int extreme_index(const float *x, int n) {
     int best = 0;
@@ -62,17 +81,17 @@ static int extreme_index(const float *x, int n) {
 /* affine blocks: x ~ s * q - o, q in [0, nmax] */
 
 static float codes_affine(const float *x, const float *w, int n, float scale, float offset, int nmax, float *codes) {
-    double err[LANES] = {0};
-    float inv = safe(scale);
-    for (int i = 0; i < n; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            float q = scale == 0.0f ? 0.0f : clampf(rnd((x[i + l] + offset) / inv), 0.0f, (float)nmax);
-            float diff = scale * q - offset - x[i + l];
-            codes[i + l] = q;
-            err[l] += w[i + l] * diff * diff;
-        }
+    float terms[32], inv = safe(scale), top = (float)nmax;
+    if (scale == 0.0f) {
+        for (int i = 0; i < n; i++) codes[i] = 0.0f;
+    } else {
+        for (int i = 0; i < n; i++) codes[i] = round_clamped((x[i] + offset) / inv, 0.0f, top);
     }
-    return (float)lanes_sum(err);
+    for (int i = 0; i < n; i++) {
+        float diff = scale * codes[i] - offset - x[i];
+        terms[i] = w[i] * diff * diff;
+    }
+    return sum_terms(terms, n);
 }
 
 static void lstsq_affine(const float *x, const float *w, const float *codes, int n, float *scale_out,
@@ -141,17 +160,17 @@ static void fit_affine(const float *x, const float *w, int n, int nmax, const fl
 /* symmetric blocks: x ~ s * q, q in [qmin, qmax], s signed */
 
 static float codes_symmetric(const float *x, const float *w, int n, float scale, int qmin, int qmax, float *codes) {
-    double err[LANES] = {0};
-    float inv = safe(scale);
-    for (int i = 0; i < n; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            float q = scale == 0.0f ? 0.0f : clampf(rnd(x[i + l] / inv), (float)qmin, (float)qmax);
-            float diff = scale * q - x[i + l];
-            codes[i + l] = q;
-            err[l] += w[i + l] * diff * diff;
-        }
+    float terms[16], inv = safe(scale), lo = (float)qmin, hi = (float)qmax;
+    if (scale == 0.0f) {
+        for (int i = 0; i < n; i++) codes[i] = 0.0f;
+    } else {
+        for (int i = 0; i < n; i++) codes[i] = round_clamped(x[i] / inv, lo, hi);
     }
-    return (float)lanes_sum(err);
+    for (int i = 0; i < n; i++) {
+        float diff = scale * codes[i] - x[i];
+        terms[i] = w[i] * diff * diff;
+    }
+    return sum_terms(terms, n);
 }
 
 static float lstsq_symmetric(const float *x, const float *w, const float *codes, int n) {
