@@ -71,3 +71,16 @@ def test_bad_arguments_are_refused():
         native.kquant_quantize("q4_k", torch.full((1, 256), float("nan")))
     with pytest.raises(ValueError, match="importance"):
         native.kquant_quantize("q4_k", torch.zeros(1, 256), -torch.ones(256))
+
+
+def test_quantize_on_load_takes_the_c_path_with_the_same_bytes(monkeypatch):
+    from hfquant.nn import linear
+
+    weight = torch.randn(6, 512, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    calls = []
+    original = native.kquant_quantize
+    monkeypatch.setattr(native, "kquant_quantize", lambda *a: calls.append(a[0]) or original(*a))
+    stored = torch.empty(6, blocks.layout("q4_k").row_bytes(512), dtype=torch.uint8)
+    linear._quantize_blocks(weight, "q4_k", stored, None, None)
+    assert calls == ["q4_k"]
+    assert torch.equal(stored, blocks.quantize("q4_k", weight.float()))
