@@ -31,6 +31,7 @@ import subprocess
 import torch
 
 from hfquant.core import blocks
+from hfquant.core.blocks import kquants
 from hfquant.ops import native_build
 
 __all__ = [
@@ -421,8 +422,8 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     Args:
         name: one of `KQUANT_TYPES`.
         weight: (rows, K) finite float CPU tensor, K a multiple of 256.
-        importance: None (every element alike), or (K,) or (rows, K) finite float weights >= 0 of each element's
-            squared error.
+        importance: None (the torch codec's default, `kquants.default_importance`), or (K,) or (rows, K) finite
+            float weights >= 0 of each element's squared error.
     Returns:
         (rows, K // 256 * type_size) uint8, GGUF's bytes.
     Raises:
@@ -442,6 +443,8 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
         raise ValueError("k-quants quantize finite weights; the weight holds NaN or inf")
     rows, k = x.shape
     period, w = 0, None
+    if importance is None:
+        importance = kquants.default_importance(name, x)  # the torch codec's default, for the same bytes
     if importance is not None:
         w = importance.detach().to(torch.float32).contiguous()
         if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():

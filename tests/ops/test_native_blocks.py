@@ -54,7 +54,7 @@ def test_importance_moves_the_error(name):
     weight = torch.randn(4, 256, generator=generator)
     favoured = torch.ones(256)
     favoured[:64] = 1000.0
-    plain = blocks.dequantize(name, native.kquant_quantize(name, weight))
+    plain = blocks.dequantize(name, native.kquant_quantize(name, weight, torch.ones(256)))
     weighted = blocks.dequantize(name, native.kquant_quantize(name, weight, favoured))
     error = lambda data: ((data - weight)[:, :64] ** 2).sum().item()  # noqa: E731
     assert error(weighted) < error(plain)
@@ -84,3 +84,16 @@ def test_quantize_on_load_takes_the_c_path_with_the_same_bytes(monkeypatch):
     linear._quantize_blocks(weight, "q4_k", stored, None, None)
     assert calls == ["q4_k"]
     assert torch.equal(stored, blocks.quantize("q4_k", weight.float()))
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q5_k"])
+def test_the_default_weighting_is_llama_cpps_block_rms_plus_abs(name):
+    from hfquant.core.blocks import kquants
+
+    weight = torch.randn(4, 256, generator=torch.Generator().manual_seed(13))
+    default = kquants.default_importance(name, weight)
+    blocks32 = weight.reshape(4, 8, 32)
+    assert torch.allclose(default, (blocks32.pow(2).mean(-1, keepdim=True).sqrt() + blocks32.abs()).reshape(4, 256))
+    assert torch.equal(blocks.quantize(name, weight), blocks.quantize(name, weight, default))
+    assert torch.equal(native.kquant_quantize(name, weight), blocks.quantize(name, weight))
+    assert not torch.equal(blocks.quantize(name, weight), blocks.quantize(name, weight, torch.ones(256)))
