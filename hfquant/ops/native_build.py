@@ -56,7 +56,15 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     _CSRC / name
-    for name in ("int4_cpu.c", "int4_intdot_cpu.c", "int8_cpu.c", "rtn_cpu.c", "bf16_cpu.c", "blocks_cpu.c")
+    for name in (
+        "int4_cpu.c",
+        "int4_intdot_cpu.c",
+        "int8_cpu.c",
+        "rtn_cpu.c",
+        "bf16_cpu.c",
+        "blocks_cpu.c",
+        "blocks_quant_cpu.c",
+    )
 )
 """The C sources, compiled into one library (`int4_cpu.so`, and with `CPP_SOURCE` into `torch_ops.so`)."""
 HEADERS = (_CSRC / "bf16_bits.h", _CSRC / "hfquant_kernels.h", _CSRC / "blocks_body.h")
