@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "hfquant_kernels.h"
 
 #define QK_K 256
 

@@ -40,6 +40,10 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
 int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
                                int64_t stop);
 
+/* blocks_quant_cpu.c: hfquant's k-quant search (Q2_K..Q6_K, types 10..14), GGUF's bytes out */
+int hfquant_kquant_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
+                            uint8_t *out);
+
 /* int8_cpu.c: int8 per-channel codes, row-major as stored */
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
