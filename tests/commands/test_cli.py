@@ -305,7 +305,8 @@ def test_eval_progress_bars_on_stderr_and_none_with_no_progress(llama_with_token
     assert main(argv) == 0
     shown = capsys.readouterr()
     json.loads(shown.out)
-    assert "perplexity, this model" in shown.err and "7/7" in shown.err  # 200 tokens in windows of 32
+    assert "perplexity, this model" in shown.err and "/7 [" in shown.err  # 200 tokens in windows of 32 (tqdm may
+    # not redraw 7/7 before a fast bar closes: the total is what it always shows)
     assert "decode speed, this model" in shown.err
     assert main([*argv, "--no-progress"]) == 0
     quiet = capsys.readouterr()
