@@ -28,10 +28,10 @@ GROUPS = "[32, 64, 128, 256, 512, 1024]"
 # -- every invalid HfQuantConfig value: (field, value, error type, words naming the value and the fix) -------------
 
 INVALID_CONFIG = [
-    ("bits", 3, ValueError, ["bits=3", "[8, 4]"]),
-    ("bits", 16, ValueError, ["bits=16", "[8, 4]"]),
-    ("bits", 0, ValueError, ["bits=0", "[8, 4]"]),
-    ("bits", "4", TypeError, ["bits", "'4'", "int", "[8, 4]"]),
+    ("bits", 7, ValueError, ["bits=7", "[8, 6, 5, 4, 3, 2]"]),
+    ("bits", 16, ValueError, ["bits=16", "[8, 6, 5, 4, 3, 2]"]),
+    ("bits", 0, ValueError, ["bits=0", "[8, 6, 5, 4, 3, 2]"]),
+    ("bits", "4", TypeError, ["bits", "'4'", "int", "[8, 6, 5, 4, 3, 2]"]),
     ("bits", 4.0, TypeError, ["bits", "4.0", "int"]),
     ("bits", True, TypeError, ["bits", "True", "int"]),
     ("bits", None, TypeError, ["bits", "None", "int"]),
@@ -606,7 +606,7 @@ def test_convert_under_a_file_says_the_parent_is_a_file(float_copy, tmp_path):
 
 COMMAND_CASES = [
     # (name, arguments after SRC DST (or replacing them), exit status, words on stderr)
-    ("bits not allowed", ["--bits", "3"], 2, ["--bits", "invalid choice", "3"]),
+    ("bits not allowed", ["--bits", "7"], 2, ["--bits", "invalid choice", "7"]),
     ("group size not a power of two", ["--group-size", "48"], 2, ["group_size=48", GROUPS]),
     ("group size not a number", ["--group-size", "big"], 2, ["--group-size", "'big'", "power of two"]),
     ("max shard size not a size", ["--max-shard-size", "lots"], 2, ["'lots'", "500MB"]),
