@@ -53,7 +53,9 @@ def test_export_then_import_gives_the_same_bytes(llama_bf16, tmp_path, case):
     )
     original, exported, back = tmp_path / "hfquant", tmp_path / "ct", tmp_path / "back"
     convert(llama_bf16, original, hfquant_config(**kwargs), max_shard_size="40KB", progress=False)
-    export_checkpoint(original, exported, max_shard_size="40KB")
+    # the int8 v_proj makes q/k/v a mixed set, which an export for vLLM writes in float: transformers' layout keeps it
+    engine = "transformers" if case == "overrides" else "vllm"
+    export_checkpoint(original, exported, max_shard_size="40KB", engine=engine)
     result = import_checkpoint(exported, back, max_shard_size="40KB")
     want, got = read_tensors(original), read_tensors(back)
     assert sorted(got) == sorted(want)
