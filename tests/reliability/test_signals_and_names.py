@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOKENIZER_VOCAB, auto_class, tiny_model, tiny_tokenizer
+from helpers import MERGES_VOCAB, auto_class, tiny_model, tiny_tokenizer
 
 from hfquant import HfQuantConfig
 from hfquant.checkpoint import publish
@@ -82,8 +82,8 @@ def origins(tmp_path_factory) -> dict[str, Path]:
     """A float tiny Llama with its tokenizer, its hfquant int8 convert, and that exported to compressed-tensors."""
     root = tmp_path_factory.mktemp("origins")
     float_folder = root / "float"
-    tiny_model("llama", dtype=torch.bfloat16, **TOKENIZER_VOCAB).save_pretrained(float_folder)
-    tiny_tokenizer().save_pretrained(float_folder)
+    tiny_model("llama", dtype=torch.bfloat16, **MERGES_VOCAB).save_pretrained(float_folder)
+    tiny_tokenizer(merges=True).save_pretrained(float_folder)  # GGUF needs a merge list
     convert(float_folder, root / "hfquant", _config(), progress=False)
     export_checkpoint(root / "hfquant", root / "ct")
     return {"float": float_folder, "hfquant": root / "hfquant", "ct": root / "ct"}
