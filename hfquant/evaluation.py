@@ -127,6 +127,22 @@ def _encode(tokenizer: Any, text: str) -> torch.Tensor:
     return enc["input_ids"][0].to(torch.long)
 
 
+def _windows(seq_len: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, first, end) of each window of `perplexity`: it reads tokens [begin, end) and scores [first, end), each
+    scored token with at least one token of context and none scored twice."""
+    windows = []
+    prev_end = 0
+    for begin in range(0, seq_len, stride):
+        end = min(begin + max_length, seq_len)
+        first = max(prev_end, begin + 1)
+        if first < end:
+            windows.append((begin, first, end))
+        prev_end = end
+        if end == seq_len:
+            break
+    return windows
+
+
 def perplexity(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -189,18 +205,7 @@ def perplexity(
         raise ValueError(f"Need at least 2 tokens to compute perplexity, the text has {seq_len}")
     ids = ids.to(_model_device(model))
 
-    # (begin, first, end) of each window that scores tokens [first, end), each with at least one token of context
-    windows = []
-    prev_end = 0
-    for begin in range(0, seq_len, stride):
-        end = min(begin + max_length, seq_len)
-        first = max(prev_end, begin + 1)
-        if first < end:
-            windows.append((begin, first, end))
-        prev_end = end
-        if end == seq_len:
-            break
-
+    windows = _windows(seq_len, max_length, stride)
     nll_sum = 0.0
     n_scored = 0
     with _eval_mode(model), torch.inference_mode(), _bar(len(windows), desc, "window", progress) as bar:

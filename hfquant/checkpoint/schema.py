@@ -194,8 +194,16 @@ def schema_problems(
                 f"{file_key} in {header.file} has shape {shape_text(header.shape)}, expected "
                 f"{shape_text(want.shape)} for {type(model).__name__} as config.json describes it; {_FIX}"
             )
-    if fused:
-        return problems, compared
+    if not fused:
+        problems += _missing_problems(model, expected, tied, present, loading)
+    return problems, compared
+
+
+def _missing_problems(model: nn.Module, expected: dict, tied: dict, present: set[str], loading: bool) -> list[str]:
+    """One problem per tensor of `expected` (the skeleton's, see `expected_tensors`) that no file tensor gave
+    (`present`, model names) and nothing else fills: not a tied alias of a present one, not tied by transformers, not
+    one the model ignores when missing; when `loading`, float tensors are transformers' business."""
+    problems = []
     tied_keys = getattr(model, "all_tied_weights_keys", None) or {}
     for model_key, want in expected.items():
         if model_key in present or (loading and not want.exact):
@@ -212,7 +220,7 @@ def schema_problems(
             f"{model_key} ({what}) is missing from the checkpoint files; it would be left uninitialized: copy the "
             "complete checkpoint again, or quantize the float checkpoint again"
         )
-    return problems, compared
+    return problems
 
 
 _VALUES_FIX = (

@@ -172,6 +172,20 @@ def _export_plan(
     return layers, qconfig, outputs
 
 
+def _write_folder(folder: Path, dst: Path, config: dict, outputs, split, files, overwrite: bool) -> None:
+    """Write the exported shards (`outputs` in `split`), their index, `config` and the small files of `folder` into a
+    temporary folder beside `dst`, then publish it as `dst` (replacing it when `overwrite`)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with folders.temporary_folder(dst) as tmp:
+        write_shards(outputs, split, files, tmp, ct.export_tensor)
+        if split.is_sharded:
+            write_index(tmp, split.tensor_to_filename, dict(split.metadata))
+        write_json(tmp / CONFIG_NAME, config)
+        copy_small_files(folder, tmp, skipped=NOT_EXPORTED)
+        folders.give_umask_modes(tmp)
+        folders.publish_folder(tmp, dst, overwrite)
+
+
 def export_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -232,16 +246,7 @@ def export_checkpoint(
     quantized = {layer.name for layer in layers if not layer.dequantize}
     split = shard_plan(outputs, max_shard_size)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with folders.temporary_folder(dst) as tmp:
-        write_shards(outputs, split, files, tmp, ct.export_tensor)
-        if split.is_sharded:
-            write_index(tmp, split.tensor_to_filename, dict(split.metadata))
-        config = dict(config, quantization_config=qconfig)
-        write_json(tmp / CONFIG_NAME, config)
-        copy_small_files(folder, tmp, skipped=NOT_EXPORTED)
-        folders.give_umask_modes(tmp)
-        folders.publish_folder(tmp, dst, overwrite)
+    _write_folder(folder, dst, dict(config, quantization_config=qconfig), outputs, split, files, overwrite)
     result = ExportResult(
         dst,
         list(split.filename_to_tensors),

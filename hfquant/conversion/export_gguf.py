@@ -498,6 +498,36 @@ def _replace_atomically(dst: Path, write) -> None:
         raise
 
 
+def _row_permutation(architecture: str, config: dict):
+    """`permutation(gguf_name, rows)`: the row order llama.cpp expects for a tensor of `architecture` (q/k of the
+    permuted architectures, by their head counts in `config`), None to keep the stored order."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+
+    def permutation(gguf_name: str, rows: int) -> torch.Tensor | None:
+        if architecture not in PERMUTED_ARCHITECTURES or not gguf_name.endswith(("attn_q", "attn_k")):
+            return None
+        return llama_permutation(rows, heads if gguf_name.endswith("attn_q") else kv_heads)
+
+    return permutation
+
+
+def _inexact_offsets(reblocked: list[Reblocked]) -> tuple[int, float]:
+    """(Q4_1 blocks whose fp16 offset is inexact, the largest weight error that makes) over `reblocked`, warned about
+    once with what to do when there are any (0 for the other types)."""
+    inexact = sum(blocks.inexact_blocks for blocks in reblocked)
+    max_error = max([blocks.max_error for blocks in reblocked], default=0.0)
+    if inexact:
+        logger.warning(
+            "GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16, so llama.cpp's weights differ "
+            "from hfquant's by at most %.3g each (a rounding of the offset, well below the quantization error itself); "
+            "for blocks equal bit for bit, quantize with symmetric=True (Q4_0) or bits=8 (Q8_0)",
+            inexact,
+            max_error,
+        )
+    return inexact, max_error
+
+
 def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> GgufResult:
     """Write the hfquant checkpoint folder `src` (Llama, Mistral or Qwen2) as the GGUF file `dst`.
 
@@ -521,14 +551,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     rows = check_layout(config, shapes)
     tokenizer = _tokenizer(folder, rows)
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-
-    def permutation(gguf_name: str, rows: int) -> torch.Tensor | None:
-        if architecture not in PERMUTED_ARCHITECTURES or not gguf_name.endswith(("attn_q", "attn_k")):
-            return None
-        return llama_permutation(rows, heads if gguf_name.endswith("attn_q") else kv_heads)
-
+    permutation = _row_permutation(architecture, config)
     handles: dict[Path, object] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -569,15 +592,5 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
         _replace_atomically(dst, write)
     finally:
         handles.clear()
-    types = dict(Counter(written))
-    inexact = sum(blocks.inexact_blocks for blocks in reblocked)  # Q4_1 offsets only; 0 for the other types
-    max_error = max([blocks.max_error for blocks in reblocked], default=0.0)
-    if inexact:
-        logger.warning(
-            "GGUF Q4_1: %d block(s) whose offset -scale * zero_point is not exact in fp16, so llama.cpp's weights differ "
-            "from hfquant's by at most %.3g each (a rounding of the offset, well below the quantization error itself); "
-            "for blocks equal bit for bit, quantize with symmetric=True (Q4_0) or bits=8 (Q8_0)",
-            inexact,
-            max_error,
-        )
-    return GgufResult(dst, types, inexact, max_error, time.perf_counter() - start)
+    inexact, max_error = _inexact_offsets(reblocked)
+    return GgufResult(dst, dict(Counter(written)), inexact, max_error, time.perf_counter() - start)
