@@ -21,6 +21,13 @@ BK_TARGET static inline __m256i BK_NAME(pair_scale_)(int a, int b) {
     return _mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a));
 }
 
+/* sumi + the dot of 32 unsigned codes u with the 32 activation bytes at x, its lanes 0-3 (16 weights of one
+ * sub-block) times scale a and lanes 4-7 (the next sub-block) times b: one step of the 16-weight-block k-quants */
+BK_TARGET static inline __m256i BK_NAME(scaled_dot_)(__m256i sumi, __m256i u, const int8_t *x, int a, int b) {
+    const __m256i p = BK_DOT(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(a, b)));
+}
+
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0-15) then high nibbles (elements 16-31) */
 BK_TARGET static inline __m256i BK_NAME(nibbles32_)(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
@@ -126,10 +133,8 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
             };
             for (int i = 0; i < 4; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * i));
-                const __m256i p = BK_DOT(_mm256_setzero_si256(), u[i], x);
                 const int s = 8 * h + 2 * i;
-                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(sc[s], sc[s + 1])));
+                sumi = BK_NAME(scaled_dot_)(sumi, u[i], xq + 128 * h + 32 * i, sc[s], sc[s + 1]);
             }
         }
         const float d = fp16_to_float(w + 208) * a->d[b];
@@ -158,10 +163,8 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
                                                   _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
                 q = _mm256_srli_epi16(q, 2);
                 hm = _mm256_srli_epi16(hm, 1);
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j));
-                const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
                 const int s = 8 * h + 2 * j;
-                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(sc[s], sc[s + 1])));
+                sumi = BK_NAME(scaled_dot_)(sumi, u, xq + 128 * h + 32 * j, sc[s], sc[s + 1]);
             }
         }
         const float d = fp16_to_float(w + 108) * a->d[b];
@@ -189,10 +192,8 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
             for (int j = 0; j < 4; j++) {
                 const __m256i u = _mm256_and_si256(q, three);
                 q = _mm256_srli_epi16(q, 2);
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j));
-                const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
                 const int s = 8 * h + 2 * j;
-                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(sc[s] & 15, sc[s + 1] & 15)));
+                sumi = BK_NAME(scaled_dot_)(sumi, u, xq + 128 * h + 32 * j, sc[s] & 15, sc[s + 1] & 15);
             }
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
