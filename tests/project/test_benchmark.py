@@ -123,21 +123,21 @@ def test_script_help_runs_from_any_folder(tmp_path):
     assert "usage: scripts/benchmark.py" in result.stdout and "--workload" in result.stdout
 
 
+def _run_gemv_benchmark(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """scripts/gemv_benchmark.py with `args`, run from `folder` as a user would (no PYTHONPATH into the tree)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gemv_benchmark.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, cwd=folder, env=env
+    )
+
+
 def test_gemv_benchmark_prints_a_row_per_shape_and_case(tmp_path):
     """scripts/gemv_benchmark.py on one small shape, from another folder: the CPU line, then a cached and a streamed
     row whose ratios are aten's time over each kernel's (where the native GEMV runs here)."""
     from hfquant.ops import gemv
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gemv_benchmark.py"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, str(script), "--shapes", "128x256", "--group-size", "64"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-    )
+    result = _run_gemv_benchmark(tmp_path, "--shapes", "128x256", "--group-size", "64")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("CPU: ")
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 128 x 256 |")]
@@ -314,16 +314,7 @@ def test_gemv_benchmark_formats_prints_a_row_per_format_and_shape(tmp_path):
     from hfquant.core import blocks
     from hfquant.ops import gemv
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gemv_benchmark.py"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, str(script), "--formats", "q4_k,q8_0", "--shapes", "128x256"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-    )
+    result = _run_gemv_benchmark(tmp_path, "--formats", "q4_k,q8_0", "--shapes", "128x256")
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split(" | ") for line in result.stdout.splitlines() if " | 128 x 256 | " in line]
     assert [row[0].strip("| ") for row in rows] == ["q4_k", "q8_0"]
