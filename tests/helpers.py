@@ -36,6 +36,18 @@ TOKENIZER_VOCAB = dict(
 token), no BOS token, and positions for the long texts the evaluation tests score."""
 
 
+LLAMA_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+"""The Linear layers of one Llama decoder block, by their names inside `model.layers.N`."""
+
+
 def tiny_config(arch: str, **overrides):
     """Config of a 2-layer model with hidden size 64 and a 256-token vocabulary; `overrides` replace any value."""
     if arch in ("llama", "llama_tied"):

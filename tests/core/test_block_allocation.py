@@ -5,23 +5,14 @@ selection (`use_more_bits` in llama-quant.cpp) written out by hand."""
 from __future__ import annotations
 
 import pytest
+from helpers import LLAMA_PROJECTIONS
 
 from hfquant.core.allocation import BLOCK_LADDER, block_overrides, more_bits_layer
 from hfquant.core.blocks import LAYOUTS
 
-CHILDREN = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-
 
 def llama(layers: int) -> list[str]:
-    return [f"model.layers.{i}.{child}" for i in range(layers) for child in CHILDREN]
+    return [f"model.layers.{i}.{child}" for i in range(layers) for child in LLAMA_PROJECTIONS]
 
 
 def formats(overrides: dict, child: str, layers: int) -> list[str | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHITECTURES, auto_class, cosine_similarity, input_ids, model_output
+from helpers import ARCHITECTURES, LLAMA_PROJECTIONS, auto_class, cosine_similarity, input_ids, model_output
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -197,17 +197,8 @@ def test_quantized_model_reports_its_quantization(float_checkpoint):
     rule = {"model.layers.1.self_attn.v_proj": {"bits": 8}}
     asked = HfQuantConfig(bits=4, group_size=64, symmetric=True, module_overrides=rule)
     # and, first, the fold's entries: every projection of both Llama blocks stored with RTN at its resolved format
-    projections = (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    )
     folded = {}
-    for name in (f"model.layers.{i}.{p}" for i in range(2) for p in projections):
+    for name in (f"model.layers.{i}.{p}" for i in range(2) for p in LLAMA_PROJECTIONS):
         bits, group_size, symmetric, _ = asked.layer_settings(name)[:4]
         folded[name] = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "method": "rtn"}
     # the rule's layer is folded too: its entry, complete, replaces the rule's (a fold entry states the whole format)

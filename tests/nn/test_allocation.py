@@ -7,25 +7,13 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import auto_class, input_ids, model_output
+from helpers import LLAMA_PROJECTIONS, auto_class, input_ids, model_output
 
 from hfquant import HfQuantConfig
 from hfquant.core.allocation import data_free_overrides
 from hfquant.nn.linear import QuantLinear
 
-LLAMA = [
-    f"model.layers.{i}.{child}"
-    for i in range(4)
-    for child in (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    )
-]
+LLAMA = [f"model.layers.{i}.{child}" for i in range(4) for child in LLAMA_PROJECTIONS]
 BERT = [
     f"encoder.layer.{i}.{child}"
     for i in range(6)
