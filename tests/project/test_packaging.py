@@ -52,16 +52,9 @@ def test_wheel_contains_the_package_and_the_card_template(tmp_path):
     assert template == (ROOT / "model_cards" / "hfquant.jinja").read_bytes()
     assert not any(name.startswith(("tests/", "model_cards/")) for name in names)
     # the native kernels are compiled from the shipped source on first use: without it a wheel install is slower
-    for name in (
-        "int4_cpu.c",
-        "int4_intdot_cpu.c",
-        "int8_cpu.c",
-        "rtn_cpu.c",
-        "bf16_cpu.c",
-        "bf16_bits.h",
-        "hfquant_kernels.h",
-        "torch_ops.cpp",
-    ):
+    from hfquant.ops import native_build
+
+    for name in (path.name for path in (*native_build.SOURCES, *native_build.HEADERS, native_build.CPP_SOURCE)):
         source = zipfile.ZipFile(wheel).read(f"hfquant/ops/csrc/{name}")
         assert source == (ROOT / "hfquant" / "ops" / "csrc" / name).read_bytes()
     # benchmark code is not library code: no benchmark, random model or memory-measurement module anywhere
