@@ -21,9 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hfquant.checkpoint.files import CONFIG_NAME, TensorHeader, read_config, read_headers, tensor_files
+from hfquant.checkpoint.schema import block_layers
 from hfquant.config import QUANT_METHOD, HfQuantConfig, matches_module
 from hfquant.core import blocks
 from hfquant.core.dtypes import dtype_name, torch_dtype
@@ -229,7 +228,9 @@ def _quantized_rows(
     quantized: dict[tuple, dict] = {}
     quantized_modules: set[str] = set()
     consumed: set[str] = set()
-    block_of = _block_formats(tensors, qconfig)
+    hfquant = bool(qconfig) and qconfig.get("quant_method") == QUANT_METHOD
+    blocks_of = block_layers(HfQuantConfig.from_dict(qconfig), tensors) if hfquant else {}
+    block_of = {module + ".weight": fmt for module, fmt in blocks_of.items()}
     for name, header in tensors.items():
         if name in block_of:
             _add_block_row(quantized, name, header, tensors, block_of[name], folded, float_itemsize)
@@ -283,22 +284,6 @@ def _quantized_rows(
         row["bytes"] += sum(tensors[p].nbytes for p in parts)
         row["float_bytes"] += float_numel * float_itemsize
     return list(quantized.values()), quantized_modules, consumed
-
-
-def _block_formats(tensors: dict[str, TensorHeader], qconfig: dict | None) -> dict[str, str]:
-    """{`P.weight`: block format} of the layers an hfquant config stores in llama.cpp's block formats (uint8 weights
-    without a `weight_scale`, whose format `layer_settings` names)."""
-    if not qconfig or qconfig.get("quant_method") != QUANT_METHOD:
-        return {}
-    config = HfQuantConfig.from_dict(qconfig)
-    found = {}
-    for name, header in tensors.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and header.dtype == torch.uint8 and module + ".weight_scale" not in tensors:
-            fmt = config.layer_settings(module).format
-            if fmt != "int":
-                found[name] = fmt
-    return found
 
 
 def _add_block_row(quantized: dict, name: str, header: TensorHeader, tensors, fmt: str, folded, itemsize) -> None:

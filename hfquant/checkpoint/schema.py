@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hfquant.checkpoint.files import TensorHeader, shape_text
+from hfquant.config import HfQuantConfig
 from hfquant.core.dtypes import dtype_name, torch_dtype
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "is_hfquant_module",
     "expected_tensors",
     "schema_problems",
+    "block_layers",
     "schema_error",
     "value_problem",
     "problem_text",
@@ -35,6 +37,20 @@ _FIX = (
     "the file does not match quantization_config in config.json: it was written by another tool or version, or "
     "config.json was edited; quantize the float checkpoint again (hfquant convert) or restore config.json"
 )
+
+
+def block_layers(config: HfQuantConfig, headers: dict[str, TensorHeader]) -> dict[str, str]:
+    """{module: block format} of the layers stored in llama.cpp's block formats among the tensors `headers` (name ->
+    header): a `P.weight` of uint8 blocks with no `P.weight_scale`, whose format `config.layer_settings(P)` names
+    (docs/format.md, "Block formats"). The one reading of which stored layers are blocks (inspect, both exports)."""
+    found = {}
+    for name, header in headers.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and header.dtype == torch.uint8 and module + ".weight_scale" not in headers:
+            fmt = config.layer_settings(module).format
+            if fmt != "int":
+                found[module] = fmt
+    return found
 
 
 class Expected(NamedTuple):

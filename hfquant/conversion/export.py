@@ -39,6 +39,7 @@ from hfquant.checkpoint.files import (
     write_json,
 )
 from hfquant.checkpoint.model_config import read_quantization_config
+from hfquant.checkpoint.schema import block_layers
 from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import HfQuantConfig
 from hfquant.core.dtypes import torch_dtype
@@ -133,12 +134,7 @@ def _refuse_block_formats(hfconfig: HfQuantConfig, headers: dict) -> None:
     Raises:
         ValueError: naming the first such layer, its format, how many there are and what to do instead.
     """
-    layers = [
-        (key.removesuffix(".weight"), hfconfig.layer_settings(key.removesuffix(".weight")).format)
-        for key, header in headers.items()
-        if key.endswith(".weight") and f"{key}_scale" not in headers and header.dtype == torch.uint8
-    ]
-    layers = [(name, fmt) for name, fmt in layers if fmt != "int"]
+    layers = list(block_layers(hfconfig, headers).items())
     if layers:
         name, fmt = layers[0]
         raise ValueError(

@@ -52,6 +52,7 @@ from hfquant.checkpoint.files import (
     tensor_files,
 )
 from hfquant.checkpoint.gguf_export import Reblocked, llama_permutation, reblock_int4, reblock_int8
+from hfquant.checkpoint.schema import block_layers
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.config import HfQuantConfig
 from hfquant.core.blocks import LAYOUTS as BLOCK_LAYOUTS
@@ -437,15 +438,6 @@ def _quantized_blocks(module: str, weight: torch.Tensor, read, files, perm: torc
     return reblock_int4(codes, scale, zero, group, module)
 
 
-def _block_format(config: HfQuantConfig, module: str, files) -> str | None:
-    """The block format `module`'s weight is stored in (`config.layer_settings`), None for a float or int8/int4
-    weight (which has a `weight_scale`) or a module that is not a quantized layer."""
-    if module + ".weight_scale" in files or module + ".weight" not in files:
-        return None
-    fmt = config.layer_settings(module).format
-    return None if fmt == "int" else fmt
-
-
 def _add_module(
     writer: gguf.GGUFWriter, module: str, gguf_name: str, read, files, permutation, block: str | None
 ) -> tuple[list[str], Reblocked | None]:
@@ -545,10 +537,10 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     config, files = _checked_source(folder)
-    shapes = {}
+    headers = {}
     for path in dict.fromkeys(files.values()):
-        shapes.update({name: tuple(header.shape) for name, header in read_headers(path).items()})
-    rows = check_layout(config, shapes)
+        headers.update(read_headers(path))
+    rows = check_layout(config, {name: tuple(header.shape) for name, header in headers.items()})
     tokenizer = _tokenizer(folder, rows)
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
     permutation = _row_permutation(architecture, config)
@@ -562,7 +554,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
 
     written: list[str] = []
     reblocked: list[Reblocked] = []
-    hfconfig = HfQuantConfig.from_dict(config["quantization_config"])
+    block_of = block_layers(HfQuantConfig.from_dict(config["quantization_config"]), headers)
 
     def write(path: str) -> None:
         writer = gguf.GGUFWriter(path, architecture)
@@ -572,8 +564,7 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
             gguf_name = _gguf_name(module)
             if gguf_name is None:
                 raise ValueError(f"{module}: no GGUF tensor of the llama architecture takes this module")
-            block = _block_format(hfconfig, module, files)
-            kinds, blocks = _add_module(writer, module, gguf_name, read, files, permutation, block)
+            kinds, blocks = _add_module(writer, module, gguf_name, read, files, permutation, block_of.get(module))
             written.extend(kinds)
             reblocked.extend([blocks] if blocks is not None else [])
             release_checkpoint_pages()
