@@ -13,6 +13,7 @@ call (`conversion`, `inspection`, `verification`, `evaluation`) -> `publishing` 
 from hfquant.config import FORMAT_VERSION, QUANT_METHOD, HfQuantConfig
 from hfquant.conversion.convert import convert
 from hfquant.conversion.export import export_checkpoint
+from hfquant.conversion.gguf_import import convert_gguf, from_gguf
 from hfquant.conversion.importing import import_checkpoint
 from hfquant.evaluation import evaluate
 from hfquant.integration.quantizer import HfQuantQuantizer, register
@@ -33,6 +34,8 @@ __all__ = [
     "register",
     "convert",
     "export_checkpoint",
+    "from_gguf",
+    "convert_gguf",
     "import_checkpoint",
     "evaluate",
     "__version__",

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["GGUF", "PEFT", "OptionalDependency", "require"]
+__all__ = ["GGUF", "GGUF_IMPORT", "PEFT", "OptionalDependency", "require"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class OptionalDependency:
 
 
 GGUF = OptionalDependency(module="gguf", package="gguf", extra="gguf", feature="GGUF export")
+GGUF_IMPORT = OptionalDependency(module="gguf", package="gguf", extra="gguf", feature="GGUF import")
 PEFT = OptionalDependency(module="peft", package="peft", extra="peft", feature="LoRA adapters (hfquant.peft)")
 
 

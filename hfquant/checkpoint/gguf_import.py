@@ -1,0 +1,244 @@
+"""A GGUF file read as hfquant's stored tensors: block types kept as their bytes, float tensors as torch tensors.
+
+The file is opened with gguf-py's memory-mapped reader in copy-on-write mode: a tensor in a block type that hfquant
+stores (`hfquant.core.blocks.LAYOUTS`) becomes a (rows, K / block_size * type_size) uint8 tensor viewing the file's
+pages, the very bytes `docs/format.md` describes for a layer in that block format, so nothing is copied or decoded
+(a write to it stays in this process, the file is never changed). Tensors that transformers keeps in float
+(embeddings, norms, biases) are decoded a chunk of rows at a time into the asked dtype, so no float32 copy of a
+whole table exists.
+
+llama.cpp stores the rows of a Llama-architecture q_proj / k_proj permuted (`gguf_export.llama_permutation`);
+`llama_row_order` gives the order that undoes it, an exact reordering of whole rows of blocks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections import Counter
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hfquant.checkpoint.gguf_export import llama_permutation
+from hfquant.config import HfQuantConfig
+from hfquant.core import blocks
+from hfquant.core.optional import GGUF_IMPORT, require
+
+gguf = require(GGUF_IMPORT)
+
+__all__ = [
+    "FLOAT_TYPES",
+    "GgufTensor",
+    "block_name",
+    "float_tensor",
+    "llama_row_order",
+    "open_gguf",
+    "quantization_config",
+    "read_tensors",
+    "file_architecture",
+    "stored_blocks",
+]
+
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+"""ggml types of float tensors (`GGMLQuantizationType` F32, F16, BF16): kept float, never quantized on import."""
+_BY_GGML_TYPE = {layout.ggml_type: layout for layout in blocks.LAYOUTS.values()}
+_CHUNK_BYTES = 4 << 20
+"""Float32 bytes decoded at a time when a block tensor is dequantized (an embedding table)."""
+
+
+class GgufTensor(NamedTuple):
+    """One tensor of a GGUF file.
+
+    Attributes:
+        name: GGUF's name ("blk.0.attn_q.weight"), as the file spells it (untrusted text).
+        ggml_type: the `GGMLQuantizationType` number the file stores.
+        type_name: its name ("Q4_K", "F32"; "type 99" for a number gguf-py does not know).
+        shape: (rows, K) in torch's orientation (GGUF lists dimensions innermost first), (K,) for a vector.
+        data: the file's bytes as gguf-py maps them: (rows, row bytes) uint8 for block types, the values for float
+            types; a view of the memory-mapped file.
+    """
+
+    name: str
+    ggml_type: int
+    type_name: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight (Q4_K: 4.5; F16: 16)."""
+        size = gguf.GGML_QUANT_SIZES.get(gguf.GGMLQuantizationType(self.ggml_type)) if self.known else None
+        if size is None:
+            return float("nan")
+        block_size, type_size = size
+        return type_size * 8 / block_size
+
+    @property
+    def known(self) -> bool:
+        """Whether gguf-py knows the type number."""
+        return self.ggml_type in gguf.GGMLQuantizationType._value2member_map_
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """gguf-py's reader of `path`, memory-mapped copy-on-write (arrays are writable; the file is never written).
+
+    Raises:
+        ValueError: not a GGUF file (gguf-py's message, with the path).
+        FileNotFoundError: no such file.
+    """
+    try:
+        return gguf.GGUFReader(path, "c")
+    except (ValueError, struct.error) as error:
+        raise ValueError(f"{path} is not a GGUF file gguf-py can read: {error}") from None
+
+
+def read_tensors(reader: gguf.GGUFReader) -> dict[str, GgufTensor]:
+    """{GGUF name: `GgufTensor`} of every tensor in `reader`, in file order."""
+    tensors = {}
+    for tensor in reader.tensors:
+        kind = int(tensor.tensor_type)
+        known = kind in gguf.GGMLQuantizationType._value2member_map_
+        type_name = gguf.GGMLQuantizationType(kind).name if known else f"type {kind}"
+        shape = tuple(int(n) for n in reversed([int(d) for d in tensor.shape]))
+        tensors[tensor.name] = GgufTensor(tensor.name, kind, type_name, shape, tensor.data)
+    return tensors
+
+
+def file_architecture(reader: gguf.GGUFReader) -> str:
+    """`general.architecture` of the file ("llama", "qwen2", ...), "" when absent."""
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        return ""
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def block_name(tensor: GgufTensor) -> str | None:
+    """The `blocks.LAYOUTS` name of the tensor's type ("q4_k"), None for any other type (float or not stored)."""
+    layout = _BY_GGML_TYPE.get(tensor.ggml_type)
+    return None if layout is None else layout.name
+
+
+def llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """(rows,) int64 indices undoing llama.cpp's q/k row permutation: `hf = stored[order]` for a tensor of `rows` rows
+    over `heads` heads (the inverse of `gguf_export.llama_permutation`, as transformers' `_reverse_permute_weights`).
+
+    Raises:
+        ValueError: rows is not a multiple of 2 * heads.
+    """
+    if heads <= 0 or rows % (2 * heads):
+        raise ValueError(f"{rows} rows cannot be {heads} heads of an even head dim (llama.cpp's q/k row permutation)")
+    return torch.argsort(llama_permutation(rows, heads))
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Drop the resident pages of the memory-mapped file that lie wholly inside `array`'s bytes (MADV_DONTNEED on the
+    copy-on-write mapping: the data read from it was copied, and a later read faults the pages in again); a no-op
+    where `mmap.madvise` is missing or `array` does not view a mapped file."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    mapping = root.base
+    if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    # a memmap's array starts `offset % ALLOCATIONGRANULARITY` bytes into its mapping
+    offset = array.ctypes.data - root.ctypes.data + getattr(root, "offset", 0) % mmap.ALLOCATIONGRANULARITY
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _rows(array: np.ndarray, order: torch.Tensor | None) -> torch.Tensor:
+    """`array` (rows, ...) copied into memory of this process (rows in `order` when given); its file pages dropped."""
+    source = torch.from_numpy(array)
+    copy = source.clone() if order is None else source.index_select(0, order)
+    release_pages(array)
+    return copy
+
+
+def stored_blocks(tensor: GgufTensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor's blocks as hfquant stores a layer in that block format: (rows, K / block_size * type_size) uint8,
+    rows in `order` when given; copied out of the file (whose pages are then dropped), so the layer does not depend
+    on the file staying mapped or unchanged.
+
+    Raises:
+        ValueError: the type is not one of hfquant's block formats, or the tensor is not 2-D.
+    """
+    name = block_name(tensor)
+    if name is None or len(tensor.shape) != 2:
+        raise ValueError(
+            f"{tensor.name}: {tensor.type_name} {tensor.shape} is not a 2-D tensor in one of hfquant's block formats "
+            f"({[n.upper() for n in blocks.LAYOUTS]})"
+        )
+    rows, k = tensor.shape
+    data = tensor.data.reshape(rows, blocks.LAYOUTS[name].row_bytes(k))
+    return _rows(data, order)
+
+
+def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor's values in `dtype`, rows in `order` when given: float types are cast, block types dequantized
+    (hfquant's codecs for `blocks.LAYOUTS` types, gguf-py's `dequantize` for the others) a chunk of rows at a time.
+
+    Raises:
+        ValueError: a type neither hfquant nor gguf-py can decode (named).
+    """
+    if tensor.ggml_type in FLOAT_TYPES:
+        array = tensor.data
+        if tensor.ggml_type == 30:  # gguf-py maps BF16 as raw bytes
+            values = torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+        else:
+            values = torch.from_numpy(array)
+        values = values.reshape(tensor.shape)
+        if order is not None:
+            values = values.index_select(0, order)
+        values = values.to(dtype, copy=True)
+        release_pages(tensor.data)
+        return values
+    name = block_name(tensor)
+    if name is None and not (tensor.known and gguf.GGMLQuantizationType(tensor.ggml_type) in gguf.GGML_QUANT_SIZES):
+        raise ValueError(f"{tensor.name}: GGUF type {tensor.type_name} cannot be decoded by hfquant or gguf-py")
+    rows, k = tensor.shape if len(tensor.shape) == 2 else (1, tensor.shape[0])
+    data = tensor.data.reshape(rows, -1)
+    out = torch.empty((rows, k), dtype=dtype)
+    step = max(1, _CHUNK_BYTES // (4 * k))
+    for start in range(0, rows, step):
+        index = None if order is None else order[start : start + step]
+        chunk = data[start : start + step] if index is None else data[index.numpy()]
+        if name is not None:
+            values = blocks.dequantize(name, torch.from_numpy(np.ascontiguousarray(chunk)))
+        else:
+            values = torch.from_numpy(gguf.quants.dequantize(chunk, gguf.GGMLQuantizationType(tensor.ggml_type)))
+        out[start : start + step] = values.reshape(-1, k)
+    release_pages(tensor.data)
+    return out.reshape(tensor.shape)
+
+
+def quantization_config(layer_types: dict[str, str | None], embedding_dtype: str) -> HfQuantConfig | None:
+    """The `HfQuantConfig` that stores each Linear layer as the file does: `layer_types` maps a layer's name to its
+    block format ("q4_k"), or None for a layer kept in float (an F16/BF16/F32 tensor). The most common block format is
+    the config's `format`, every other layer gets a `module_overrides` entry by full name, float layers go to
+    `modules_to_not_convert`; RTN, no mixed precision, no folding (the blocks are what the file holds). None when no
+    layer is in a block format (a float GGUF: nothing to keep quantized).
+    """
+    counts = Counter(kind for kind in layer_types.values() if kind is not None)
+    if not counts:
+        return None
+    main = counts.most_common(1)[0][0]
+    overrides = {name: {"format": kind} for name, kind in layer_types.items() if kind is not None and kind != main}
+    kept = sorted(name for name, kind in layer_types.items() if kind is None)
+    return HfQuantConfig(
+        format=main,
+        method="rtn",
+        mixed_precision="none",
+        fold_column_scales=False,
+        module_overrides=overrides,
+        modules_to_not_convert=kept,
+        embedding_dtype=embedding_dtype,
+    )

@@ -1,0 +1,170 @@
+"""A GGUF file loaded as a transformers model whose Linear layers keep the file's blocks (`load_gguf_model`).
+
+The model is not built by a loader of its own: the file's tensors become the state dict of a pre-quantized hfquant
+checkpoint and go through transformers' `from_pretrained` with `HfQuantQuantizer`, exactly as a saved hfquant
+checkpoint reloads (docs/architecture.md, "Reload"):
+
+1. The config is transformers' reading of the GGUF header (`AutoConfig.from_pretrained(folder, gguf_file=...)`:
+   its config mapping), refused unless its model type is one of `GGUF_IMPORT_MODEL_TYPES`.
+2. The GGUF tensor names are mapped to the model's as transformers maps them (gguf-py's `TensorNameMap` over the
+   meta-device model's state dict keys).
+3. Every Linear layer's weight type decides its stored format (`gguf_import.quantization_config`): a block type that
+   hfquant stores keeps it (the config's `format` or a `module_overrides` entry by name), F16/BF16/F32 stays float
+   (`modules_to_not_convert`), any other type is refused by name. The config is set as the model config's
+   `quantization_config`, so transformers creates the quantizer with `pre_quantized=True`, and `save_pretrained`
+   writes a `config.json` that describes every layer as stored.
+4. The state dict holds the blocks as views of the memory-mapped file (rows of a Llama q/k projection put back in
+   transformers' order, an exact reordering of whole rows) and the other tensors decoded into the asked dtype.
+   The output embedding is kept in float (hfquant's `lm_head` stores int8/int4 only).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from hfquant.checkpoint import gguf_import
+from hfquant.checkpoint.gguf_import import GgufTensor
+from hfquant.checkpoint.streaming import trim_heap
+from hfquant.core.dtypes import dtype_name
+from hfquant.core.text import terminal_safe
+
+gguf = gguf_import.gguf
+
+__all__ = ["GGUF_IMPORT_MODEL_TYPES", "load_gguf_model", "gguf_layer_plan"]
+
+logger = logging.getLogger(__name__)
+
+GGUF_IMPORT_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+"""transformers model type of an importable GGUF -> the gguf-py architecture whose tensor names it uses."""
+PERMUTED_MODEL_TYPES = ("llama", "mistral")
+"""Model types whose GGUF q/k rows llama.cpp permuted (transformers' `LlamaTensorProcessor` undoes it)."""
+
+
+def _gguf_config(path: Path):
+    """transformers' config of the GGUF file `path` (its header's config mapping).
+
+    Raises:
+        ValueError: a model type hfquant does not import.
+    """
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if config.model_type not in GGUF_IMPORT_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: GGUF model type {terminal_safe(config.model_type)!r} is not imported by hfquant; allowed: "
+            f"{sorted(GGUF_IMPORT_MODEL_TYPES)} (transformers' from_pretrained(gguf_file=...) dequantizes others)"
+        )
+    return config
+
+
+def _name_map(model: nn.Module, model_type: str) -> dict[str, str]:
+    """{GGUF tensor name: the model's state dict key}, from gguf-py's name table as transformers builds it."""
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == GGUF_IMPORT_MODEL_TYPES[model_type])
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    mapping = {}
+    for key in model.state_dict():
+        module, _, suffix = key.rpartition(".")
+        gguf_name = names.get_name(module)
+        if gguf_name is not None:
+            mapping[f"{gguf_name}.{suffix}"] = key
+    return mapping
+
+
+def gguf_layer_plan(model: nn.Module, tensors: dict[str, GgufTensor], names: dict[str, str]) -> dict[str, str | None]:
+    """{Linear layer name: its block format, or None to keep it in float} for the meta-device `model`, from the types
+    of the GGUF `tensors` (`names`: GGUF name -> state dict key). The output embedding is not listed (kept in float).
+
+    Raises:
+        ValueError: a Linear weight in a type hfquant stores no layout for (named, with the allowed types).
+    """
+    by_key = {key: tensors[name] for name, key in names.items() if name in tensors}
+    output = model.get_output_embeddings()
+    plan = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is output:
+            continue
+        tensor = by_key.get(f"{name}.weight")
+        if tensor is None:
+            continue
+        block = gguf_import.block_name(tensor)
+        if block is None and tensor.ggml_type not in gguf_import.FLOAT_TYPES:
+            allowed = sorted(gguf_import.FLOAT_TYPES.values()) + [n.upper() for n in gguf_import.blocks.LAYOUTS]
+            raise ValueError(
+                f"{terminal_safe(tensor.name)} ({name}) is stored as GGUF type {tensor.type_name}, which hfquant has "
+                f"no kernel for; allowed: {allowed}"
+            )
+        plan[name] = block
+    return plan
+
+
+def _row_order(key: str, config, model_type: str) -> torch.Tensor | None:
+    """The order undoing llama.cpp's row permutation of a Llama q/k tensor `key` (weight or bias), else None."""
+    if model_type not in PERMUTED_MODEL_TYPES:
+        return None
+    module = key.rpartition(".")[0]
+    if module.endswith("self_attn.q_proj"):
+        heads = config.num_attention_heads
+    elif module.endswith("self_attn.k_proj"):
+        heads = config.num_key_value_heads or config.num_attention_heads
+    else:
+        return None
+    rows = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) * heads
+    return gguf_import.llama_row_order(rows, heads)
+
+
+def _state_dict(
+    tensors: dict[str, GgufTensor], names: dict[str, str], plan: dict[str, str | None], config, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The model's state dict from the GGUF tensors: block weights of the layers `plan` keeps quantized as views of
+    the file, everything else in `dtype` (`gguf_import.float_tensor`)."""
+    state = {}
+    for gguf_name, tensor in tensors.items():
+        key = names.get(gguf_name)
+        if key is None:
+            logger.info("hfquant GGUF import: %s has no place in the model; not read", terminal_safe(gguf_name))
+            continue
+        order = _row_order(key, config, config.model_type)
+        layer = key.rpartition(".")[0]
+        if key.endswith(".weight") and plan.get(layer) is not None:
+            state[key] = gguf_import.stored_blocks(tensor, order)
+        else:
+            state[key] = gguf_import.float_tensor(tensor, dtype, order)
+    return state
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pretrained_kwargs) -> nn.Module:
+    """The causal LM of the GGUF file `path`, its Linear layers in the file's block formats on hfquant's layers.
+
+    Args:
+        path: a local GGUF file of a model type in `GGUF_IMPORT_MODEL_TYPES`.
+        dtype: the float dtype of the embeddings, norms, float layers, the output embedding and the activations.
+        **from_pretrained_kwargs: passed to transformers' `from_pretrained` (device_map, attn_implementation, ...).
+    Returns:
+        The model (eval mode); `model.config.quantization_config` describes every layer as stored.
+    Raises:
+        ValueError: another model type, a Linear weight in a type without an hfquant layout (named), or a file
+            gguf-py cannot read.
+    """
+    for key in ("quantization_config", "state_dict", "gguf_file", "config"):
+        if key in from_pretrained_kwargs:
+            raise ValueError(f"from_gguf sets {key} itself; remove {key}= from the call")
+    config = _gguf_config(path)
+    tensors = gguf_import.read_tensors(gguf_import.open_gguf(path))  # the reader's parsed header is dropped here
+    trim_heap()
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):
+        skeleton = model_class(config)
+    names = _name_map(skeleton, config.model_type)
+    plan = gguf_layer_plan(skeleton, tensors, names)
+    del skeleton
+    quantization = gguf_import.quantization_config(plan, dtype_name(dtype))
+    state = _state_dict(tensors, names, plan, config, dtype)
+    del tensors  # the file's mapping closes with the last view
+    trim_heap()
+    if quantization is not None:
+        config.quantization_config = quantization.to_dict()
+    return model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **from_pretrained_kwargs)
