@@ -38,7 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "src",
         metavar="SRC",
         help="float checkpoint: a local folder (config.json + model.safetensors or shards), or a Hub repo "
-        "id (org/name) when the Hub is reachable",
+        "id (org/name) when the Hub is reachable; or a .gguf file, whose Linear layers keep their llama.cpp block "
+        "types (hfquant.convert_gguf; the quantization options do not apply)",
     )
     c.add_argument("dst", metavar="DST", help="output folder; must not exist unless --overwrite")
     add_config_options(c)
@@ -87,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from hfquant.publishing.cards import card_for_convert
 
     apply_progress_option(args)
+    if Path(args.src).expanduser().is_file() and args.src.endswith(".gguf"):
+        return _run_gguf(args)
     config = config_from_args(args)
     if Path(args.src).expanduser().is_dir():
         check_source_config(args.src)
@@ -109,4 +112,20 @@ def run(args: argparse.Namespace) -> int:
         f"{len(result.shards)} shard(s), {human_bytes(result.weight_bytes)} of tensors "
         f"(source {human_bytes(result.source_weight_bytes)}) in {result.seconds:.1f} s"
     )
+    return 0
+
+
+def _run_gguf(args: argparse.Namespace) -> int:
+    """`hfquant convert model.gguf DST`: the file's blocks kept (`hfquant.convert_gguf`), no model card."""
+    from hfquant.conversion.gguf_import import convert_gguf
+
+    result = convert_gguf(
+        args.src,
+        args.dst,
+        dtype=None if args.dtype == "auto" else args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    formats = ", ".join(f"{count} {name}" for name, count in sorted(result.formats.items())) or "none"
+    print(f"wrote {terminal_safe(result.dst)}: layers kept in their GGUF blocks: {formats}, in {result.seconds:.1f} s")
     return 0
