@@ -7,6 +7,7 @@
  * bytes are the torch codec's (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
  */
 #pragma GCC optimize("fp-contract=off") /* no fused multiply-adds: torch rounds each product */
+#pragma GCC optimize("no-trapping-math") /* lets float compares become selects in vectorized loops; same values */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -543,7 +544,7 @@ typedef struct {
     int n, uniform;
     float low, high;
     float values[256];
-    float mids[16]; /* non-uniform grids: midpoints of neighbouring values */
+    float mids[16], steps[16]; /* non-uniform grids: midpoints and differences of neighbouring values */
 } grid_t;
 
 static const float kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -562,92 +563,110 @@ static void grid_iq4(grid_t *g) {
     g->low = kvalues_iq4nl[0];
     g->high = kvalues_iq4nl[15];
     for (int i = 0; i < 16; i++) g->values[i] = kvalues_iq4nl[i];
-    for (int i = 0; i < 15; i++) g->mids[i] = (kvalues_iq4nl[i + 1] + kvalues_iq4nl[i]) / 2;
+    for (int i = 0; i < 15; i++) {
+        g->mids[i] = (kvalues_iq4nl[i + 1] + kvalues_iq4nl[i]) / 2;
+        g->steps[i] = kvalues_iq4nl[i + 1] - kvalues_iq4nl[i];
+    }
 }
 
-/* floor(value) for |value| < 2**22 in the default rounding mode, without a libm call */
+/* floor(value) for |value| < 2**22 in the default rounding mode, without a libm call and vectorizable */
 static inline float floor_small(float value) {
-    float r = rnd(value);
+    const float magic = 12582912.0f;
+    float r = (value + magic) - magic;
     return r > value ? r - 1.0f : r;
 }
 
-/* `Grid.index`: the index of the grid value nearest to u (ties to the larger value); torch.bucketize(right=True)
- * counts the midpoints that are not above u */
-static inline int grid_index(const grid_t *g, float u) {
+/* q[i] = `Grid.nearest(x[i] * inv)`, the grid value nearest to x[i] * inv (ties to the larger value), computed without
+ * a table lookup so that the loops vectorize: a uniform grid rounds and clamps (the clamp to [low - 1, high + 1] first
+ * gives the same floor(u + 0.5) and keeps u where `floor_small` is exact); the IQ4 grid adds the step to the next value
+ * for every midpoint not above u (torch.bucketize(right=True)), exact in float32 (small integers) */
+static inline __attribute__((always_inline)) void nearest_values(const grid_t *g, const float *x, float inv, float *q) {
     if (g->uniform) {
-        float lo = g->low, hi = g->high;
-        u = u < lo - 1.0f ? lo - 1.0f : (u > hi + 1.0f ? hi + 1.0f : u); /* same floor(u + 0.5) after the clamp */
-        float t = floor_small(u + 0.5f) - lo;
-        t = t < 0.0f ? 0.0f : (t > (float)(g->n - 1) ? (float)(g->n - 1) : t);
-        return (int)t;
+        const float lo = g->low, hi = g->high;
+        for (int i = 0; i < QK; i++) {
+            float u = x[i] * inv;
+            u = u < lo - 1.0f ? lo - 1.0f : u;
+            u = u > hi + 1.0f ? hi + 1.0f : u;
+            float t = floor_small(u + 0.5f);
+            t = t < lo ? lo : t;
+            q[i] = t > hi ? hi : t;
+        }
+    } else {
+        float u[QK];
+        for (int i = 0; i < QK; i++) {
+            u[i] = x[i] * inv;
+            q[i] = kvalues_iq4nl[0];
+        }
+        for (int k = 0; k < 15; k++) {
+            const float mid = g->mids[k], step = g->steps[k];
+            for (int i = 0; i < QK; i++) q[i] += u[i] >= mid ? step : 0.0f;
+        }
     }
-    int count = 0;
-    for (int k = 0; k < 15; k++) count += !(g->mids[k] > u);
-    return count;
+}
+
+/* the index of grid value v (for the bytes) */
+static inline int grid_index_of(const grid_t *g, float v) {
+    if (g->uniform) return (int)(v - g->low);
+    int k = 0;
+    while (k < 15 && g->values[k] != v) k++;
+    return k;
 }
 
 static inline float fp16_round(float value) { return (float)(_Float16)value; } /* `_fp16`: inf past 65504 */
 
 static inline float inverse_or_zero(float value) { return value != 0.0f ? 1.0f / value : 0.0f; }
 
-/* codes nearest to x / d and their weighted squared error sum w (x - d v)^2 */
-static float nearest_codes(const float *x, const float *w, const grid_t *g, float d, uint8_t *idx) {
-    float inv = inverse_or_zero(d);
-    double acc[LANES] = {0};
-    for (int i = 0; i < QK; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            int k = grid_index(g, x[i + l] * inv);
-            float diff = x[i + l] - d * g->values[k];
-            idx[i + l] = (uint8_t)k;
-            acc[l] += w[i + l] * (diff * diff);
-        }
+/* the float32 sum of 32 terms accumulated in double */
+static inline float sum32(const float *terms) { return sum_terms(terms, QK); }
+
+/* grid values q nearest to x / d and their weighted squared error sum w (x - d q)^2 */
+static float nearest_codes(const float *x, const float *w, const grid_t *g, float d, float *q) {
+    float terms[QK];
+    nearest_values(g, x, inverse_or_zero(d), q);
+    for (int i = 0; i < QK; i++) {
+        float diff = x[i] - d * q[i];
+        terms[i] = w[i] * (diff * diff);
     }
-    return (float)lanes_sum(acc);
+    return sum32(terms);
 }
 
-/* `legacy.fit_symmetric` for one block (rounds: float16 rounding / code choice / refit rounds) */
+/* `legacy.fit_symmetric` for one block (rounds: float16 rounding / code choice / refit rounds); best_q the grid values */
 static float fit_block_symmetric(const float *x, const float *w, const grid_t *g, const float *targets, int ntargets,
-                                 float seed, int rounds, uint8_t *best_idx) {
+                                 float seed, int rounds, float *best_q) {
     float peak = x[extreme_index(x, QK)];
-    float best_gain = 0.0f, best_scale = 0.0f;
+    float best_gain = 0.0f, best_scale = 0.0f, q[QK], a[QK], b[QK];
     for (int c = 0; c < ntargets; c++) {
-        float scale = peak / targets[c], inv = inverse_or_zero(scale);
-        double sqx_[LANES] = {0}, sqq_[LANES] = {0};
-        for (int i = 0; i < QK; i += LANES) {
-            for (int l = 0; l < LANES; l++) {
-                float q = g->values[grid_index(g, x[i + l] * inv)], wq = w[i + l] * q;
-                sqx_[l] += wq * x[i + l];
-                sqq_[l] += wq * q;
-            }
+        float scale = peak / targets[c];
+        nearest_values(g, x, inverse_or_zero(scale), q);
+        for (int i = 0; i < QK; i++) {
+            float wq = w[i] * q[i];
+            a[i] = wq * x[i];
+            b[i] = wq * q[i];
         }
-        float sqx = (float)lanes_sum(sqx_), sqq = (float)lanes_sum(sqq_);
+        float sqx = sum32(a), sqq = sum32(b);
         float gain = sqq != 0.0f ? (sqx * sqx) / sqq : 0.0f;
         if (c == 0 || gain > best_gain) {
             best_gain = gain;
             best_scale = sqq != 0.0f ? sqx / sqq : 0.0f;
         }
     }
-    uint8_t idx[QK];
     float best_d = fp16_round(seed);
-    float best_err = nearest_codes(x, w, g, best_d, best_idx);
+    float best_err = nearest_codes(x, w, g, best_d, best_q);
     float d = fp16_round(best_scale);
     for (int r = 0; r < rounds; r++) {
-        float err = nearest_codes(x, w, g, d, idx);
+        float err = nearest_codes(x, w, g, d, q);
         if (err < best_err) {
             best_err = err;
             best_d = d;
-            memcpy(best_idx, idx, QK);
+            memcpy(best_q, q, sizeof(q));
         }
         if (r == rounds - 1) break; /* the torch codec's last refit is never used */
-        double sqx_[LANES] = {0}, sqq_[LANES] = {0};
-        for (int i = 0; i < QK; i += LANES) {
-            for (int l = 0; l < LANES; l++) {
-                float v = g->values[idx[i + l]], wq = w[i + l] * v;
-                sqq_[l] += wq * v;
-                sqx_[l] += wq * x[i + l];
-            }
+        for (int i = 0; i < QK; i++) {
+            float wq = w[i] * q[i];
+            b[i] = wq * q[i];
+            a[i] = wq * x[i];
         }
-        float sqx = (float)lanes_sum(sqx_), sqq = (float)lanes_sum(sqq_);
+        float sqx = sum32(a), sqq = sum32(b);
         d = fp16_round(sqq > 0.0f ? sqx / sqq : d);
     }
     return best_d;
@@ -655,19 +674,15 @@ static float fit_block_symmetric(const float *x, const float *w, const grid_t *g
 
 /* `legacy._affine_least_squares`: (d, m) minimizing sum w (d q + m - x)^2 */
 static void affine_least_squares(const float *x, const float *w, const float *q, float *d_out, float *m_out) {
-    double s0_[LANES] = {0}, s1_[LANES] = {0}, s2_[LANES] = {0}, tx_[LANES] = {0}, tqx_[LANES] = {0};
-    for (int i = 0; i < QK; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            float wq = w[i + l] * q[i + l];
-            s0_[l] += w[i + l];
-            s1_[l] += wq;
-            s2_[l] += wq * q[i + l];
-            tx_[l] += w[i + l] * x[i + l];
-            tqx_[l] += wq * x[i + l];
-        }
+    float t1[QK], t2[QK], t3[QK], t4[QK];
+    for (int i = 0; i < QK; i++) {
+        float wq = w[i] * q[i];
+        t1[i] = wq;
+        t2[i] = wq * q[i];
+        t3[i] = w[i] * x[i];
+        t4[i] = wq * x[i];
     }
-    float s0 = (float)lanes_sum(s0_), s1 = (float)lanes_sum(s1_), s2 = (float)lanes_sum(s2_);
-    float tx = (float)lanes_sum(tx_), tqx = (float)lanes_sum(tqx_);
+    float s0 = sum32(w), s1 = sum32(t1), s2 = sum32(t2), tx = sum32(t3), tqx = sum32(t4);
     float det = s0 * s2 - s1 * s1;
     int flat = det <= 1e-12f * s0 * s2;
     *d_out = flat ? 0.0f : (det != 0.0f ? (s0 * tqx - s1 * tx) / det : 0.0f);
@@ -676,31 +691,28 @@ static void affine_least_squares(const float *x, const float *w, const float *q,
 
 /* `fit_affine`'s codes: floor((x - m) / d + 0.5) in [0, nmax], and the weighted error of d q + m */
 static float affine_codes(const float *x, const float *w, float d, float m, int nmax, float *q) {
-    float inv = inverse_or_zero(d), top = (float)nmax;
-    double acc[LANES] = {0};
-    for (int i = 0; i < QK; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            float u = (x[i + l] - m) * inv + 0.5f;
-            u = u < -1.0f ? -1.0f : (u > top + 1.0f ? top + 1.0f : u);
-            float c = floor_small(u);
-            c = c < 0.0f ? 0.0f : (c > top ? top : c);
-            float diff = x[i + l] - (d * c + m);
-            q[i + l] = c;
-            acc[l] += w[i + l] * (diff * diff);
-        }
+    float inv = inverse_or_zero(d), top = (float)nmax, terms[QK];
+    for (int i = 0; i < QK; i++) {
+        float u = (x[i] - m) * inv + 0.5f;
+        u = u < -1.0f ? -1.0f : u;
+        u = u > top + 1.0f ? top + 1.0f : u;
+        float c = floor_small(u);
+        c = c < 0.0f ? 0.0f : c;
+        c = c > top ? top : c;
+        float diff = x[i] - (d * c + m);
+        q[i] = c;
+        terms[i] = w[i] * (diff * diff);
     }
-    return (float)lanes_sum(acc);
+    return sum32(terms);
 }
 
 static float affine_error(const float *x, const float *w, float d, float m, const float *q) {
-    double acc[LANES] = {0};
-    for (int i = 0; i < QK; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            float diff = x[i + l] - (d * q[i + l] + m);
-            acc[l] += w[i + l] * (diff * diff);
-        }
+    float terms[QK];
+    for (int i = 0; i < QK; i++) {
+        float diff = x[i] - (d * q[i] + m);
+        terms[i] = w[i] * (diff * diff);
     }
-    return (float)lanes_sum(acc);
+    return sum32(terms);
 }
 
 /* `legacy.fit_affine` for one block: shrink (S) cuts, S * S candidate ranges, then `rounds` rounds */
@@ -752,67 +764,62 @@ static void fit_block_affine(const float *x, const float *w, int nmax, const flo
 /* for super-block scale d, each block's best of the three 6-bit levels around scales / d: levels (8), codes (256),
  * returns the super-block's weighted error */
 static float best_levels(const float *x, const float *w, const grid_t *g, float d, const float *scales, float *levels,
-                         uint8_t *codes) {
-    float inv_d = inverse_or_zero(d);
-    double total[LANES] = {0};
+                         float *values) {
+    float inv_d = inverse_or_zero(d), errs[LANES];
     for (int j = 0; j < 8; j++) {
-        float base = rnd(scales[j] * inv_d), best = 0.0f;
-        uint8_t idx[QK];
+        float base = rnd(scales[j] * inv_d), best = 0.0f, q[QK];
         for (int o = -1; o <= 1; o++) {
             float level = clampf(base + (float)o, -32.0f, 31.0f);
-            float err = nearest_codes(x + j * QK, w + j * QK, g, d * level, idx);
+            float err = nearest_codes(x + j * QK, w + j * QK, g, d * level, q);
             if (o == -1 || err < best) {
                 best = err;
                 levels[j] = level;
-                memcpy(codes + j * QK, idx, QK);
+                memcpy(values + j * QK, q, sizeof(q));
             }
         }
-        total[j] += best;
+        errs[j] = best;
     }
-    return (float)lanes_sum(total);
+    return sum_terms(errs, 8);
 }
 
+/* `iq4._fit_super_block`: d, levels (8) and the grid values (256) of one super-block */
 static void fit_super_block(const float *x, const float *w, const grid_t *g, const float *targets, int ntargets,
                             const float *super_factors, int nsuper, int rounds, float *d_out, float *levels_out,
-                            uint8_t *codes_out) {
-    float scales[8], levels[8];
-    uint8_t idx[QK_K];
+                            float *values_out) {
+    float scales[8], levels[8], values[QK_K], a[QK_K], b[QK_K];
     for (int j = 0; j < 8; j++) {
         const float *xb = x + j * QK;
         float seed = xb[extreme_index(xb, QK)] / g->low;
-        scales[j] = fit_block_symmetric(xb, w + j * QK, g, targets, ntargets, seed, 3, idx);
+        scales[j] = fit_block_symmetric(xb, w + j * QK, g, targets, ntargets, seed, 3, values);
     }
     float peak = scales[extreme_index(scales, 8)];
     float best_d = 0.0f, best_err = 0.0f;
     for (int e = 0; e < 2; e++) {
         for (int c = 0; c < nsuper; c++) {
             float d = fp16_round((e == 0 ? peak / -32.0f : peak / 31.0f) / super_factors[c]);
-            float err = best_levels(x, w, g, d, scales, levels, idx);
+            float err = best_levels(x, w, g, d, scales, levels, values);
             if ((e == 0 && c == 0) || err < best_err) {
                 best_err = err;
                 best_d = d;
                 memcpy(levels_out, levels, sizeof(levels));
-                memcpy(codes_out, idx, QK_K);
+                memcpy(values_out, values, sizeof(values));
             }
         }
     }
     for (int r = 0; r < rounds; r++) {
-        double sqq_[LANES] = {0}, sqx_[LANES] = {0};
-        for (int k = 0; k < QK_K; k += LANES) {
-            for (int l = 0; l < LANES; l++) {
-                float q = levels_out[(k + l) / QK] * g->values[codes_out[k + l]], wq = w[k + l] * q;
-                sqq_[l] += wq * q;
-                sqx_[l] += wq * x[k + l];
-            }
+        for (int k = 0; k < QK_K; k++) {
+            float q = levels_out[k / QK] * values_out[k], wq = w[k] * q;
+            a[k] = wq * q;
+            b[k] = wq * x[k];
         }
-        float sqq = (float)lanes_sum(sqq_), sqx = (float)lanes_sum(sqx_);
+        float sqq = sum_terms(a, QK_K), sqx = sum_terms(b, QK_K);
         float d = fp16_round(sqq > 0.0f ? sqx / sqq : best_d);
-        float err = best_levels(x, w, g, d, scales, levels, idx);
+        float err = best_levels(x, w, g, d, scales, levels, values);
         if (err < best_err) {
             best_err = err;
             best_d = d;
             memcpy(levels_out, levels, sizeof(levels));
-            memcpy(codes_out, idx, QK_K);
+            memcpy(values_out, values, sizeof(values));
         }
     }
     *d_out = best_d;
@@ -865,7 +872,7 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
         grid_uniform(&grid, type == 2 ? -8 : -16, type == 2 ? 16 : 32);
 #pragma omp parallel for schedule(dynamic, 64)
     for (int64_t b = 0; b < nblocks; b++) {
-        float ones[QK_K], q[QK];
+        float ones[QK_K], q[QK_K];
         uint8_t idx[QK_K];
         const float *xb = x + b * size;
         const float *wb;
@@ -886,7 +893,8 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
             put_nibbles(idx, o + (type == 7 ? 8 : 4));
         } else if (type == 23) {
             float d, levels[8];
-            fit_super_block(xb, wb, &grid, params, (int)nparams, params2, (int)nparams2, 2, &d, levels, idx);
+            fit_super_block(xb, wb, &grid, params, (int)nparams, params2, (int)nparams2, 2, &d, levels, q);
+            for (int k = 0; k < QK_K; k++) idx[k] = (uint8_t)grid_index_of(&grid, q[k]);
             uint16_t high = 0;
             uint8_t ls[8];
             for (int j = 0; j < 8; j++) {
@@ -900,7 +908,8 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
             for (int j = 0; j < 8; j++) put_nibbles(idx + j * QK, o + 8 + 16 * j);
         } else {
             float seed = type == 8 ? fabsf(xb[extreme_index(xb, QK)]) / 127.0f : xb[extreme_index(xb, QK)] / grid.low;
-            float d = fit_block_symmetric(xb, wb, &grid, params, (int)nparams, seed, 3, idx);
+            float d = fit_block_symmetric(xb, wb, &grid, params, (int)nparams, seed, 3, q);
+            for (int k = 0; k < QK; k++) idx[k] = (uint8_t)grid_index_of(&grid, q[k]);
             put_half(o, d);
             if (type == 8)
                 for (int k = 0; k < QK; k++) o[2 + k] = (uint8_t)(int8_t)(idx[k] - 128);
