@@ -1,10 +1,13 @@
 /*
- * hfquant's k-quant block quantizers (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in C: the same search as the torch codecs of
- * hfquant/core/blocks/kquants.py (`_quantize_affine`, `_quantize_symmetric`), step for step in float32 with the same
- * constants and tie rules, one super-block of 256 weights at a time, super-blocks split over OpenMP threads.
+ * hfquant's block quantizers in C: the same searches as the torch codecs, step for step in float32 with the same
+ * constants and tie rules, blocks split over OpenMP threads:
+ * - k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; hfquant/core/blocks/kquants.py `_quantize_affine`, `_quantize_symmetric`),
+ *   one super-block of 256 weights at a time (`hfquant_kquant_quantize`);
+ * - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, one block of 32 at a time, and IQ4_XS, one super-block of 256
+ *   (legacy.py `fit_symmetric`, `fit_affine`; iq4.py `_fit_super_block`; `hfquant_block_quantize`).
  *
- * Every sum accumulates in double and rounds once to float32 here and in the torch codec (`kquants._sum`), so the
- * bytes are the torch codec's (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
+ * Every sum accumulates in double and rounds once to float32 here and in the torch codecs (`kquants._sum`,
+ * `legacy._sum`), so the bytes are the torch codecs' (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
  */
 #pragma GCC optimize("fp-contract=off") /* no fused multiply-adds: torch rounds each product */
 #pragma GCC optimize("no-trapping-math") /* lets float compares become selects in vectorized loops; same values */
