@@ -395,7 +395,7 @@ def _quantize_blocks(
     if not weight.is_floating_point():
         raise ValueError(f"expected a float weight, got {weight.dtype}")
     step = max(1, _CHUNK_BYTES // (4 * k))
-    in_c = block in native.KQUANT_TYPES and weight.device.type == "cpu" and native.built_library() is not None
+    in_c = block in native.BLOCK_QUANTIZE_TYPES and weight.device.type == "cpu" and native.built_library() is not None
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows].float()
@@ -406,6 +406,6 @@ def _quantize_blocks(
         if col_scale is not None:
             chunk = chunk / col_scale
         if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c)
-            stored[rows] = native.kquant_quantize(block, chunk)
+            stored[rows] = native.block_quantize(block, chunk)
         else:
             stored[rows] = blocks.quantize(block, chunk)

@@ -382,7 +382,7 @@ def native_block_works(name: str) -> bool:
         return False
     generator = torch.Generator().manual_seed(0)
     k = 512
-    data = blocks.quantize(name, torch.randn((64, k), generator=generator))
+    data = native.block_quantize(name, torch.randn((64, k), generator=generator))  # the torch codec's bytes, in C
     weight = blocks.dequantize(name, data)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     try:

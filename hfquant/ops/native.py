@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import logging
 import os
 import subprocess
@@ -31,7 +32,7 @@ import subprocess
 import torch
 
 from hfquant.core import blocks
-from hfquant.core.blocks import kquants
+from hfquant.core.blocks import iq4, kquants, legacy
 from hfquant.ops import native_build
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "block_dequantize_t",
     "KQUANT_TYPES",
     "kquant_quantize",
+    "BLOCK_QUANTIZE_TYPES",
+    "block_quantize",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ _SIGNATURES = {
     "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 5,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
+    "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 
@@ -536,4 +540,95 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     )
     if status:
         raise RuntimeError(f"hfquant native k-quant quantizer refused type {name}")
+    return out
+
+
+def _search_parameters(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The torch codec's search constants for `name`, as `csrc/blocks_quant_cpu.c` takes them: the candidate targets
+    of the symmetric types (`legacy._symmetric_candidates`: both grid ends times the factors) or the shrink fractions
+    of the affine ones, and IQ4_XS's super-block factors."""
+    if name in ("q4_1", "q5_1"):
+        return legacy._SHRINK, None
+    grid, factors = {
+        "q4_0": (legacy._Q4_0_GRID, legacy._FACTORS_4BIT),
+        "q5_0": (legacy._Q5_0_GRID, legacy._FACTORS_5BIT),
+        "q8_0": (legacy._Q8_0_GRID, legacy._FACTORS_8BIT),
+    }.get(name, (iq4._GRID, iq4._FACTORS))
+    targets = torch.cat([grid.low * factors, grid.high * factors])
+    return targets, iq4._SUPER_FACTORS if name == "iq4_xs" else None
+
+
+_LEGACY_IQ4_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "iq4_xs": 23}
+
+BLOCK_QUANTIZE_TYPES = {**_LEGACY_IQ4_TYPES, **KQUANT_TYPES}
+"""The block types `block_quantize` writes in C (every `hfquant.core.blocks.LAYOUTS` type), with their ggml numbers."""
+
+
+def _as_float_pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """hfquant's block search in C (`csrc/blocks_quant_cpu.c`), blocks split over threads: the bytes
+    `hfquant.core.blocks.quantize(name, weight, importance)` gives (the same float32 steps and sums accumulated in
+    double, tests/ops/test_native_blocks.py; a near tie in one comparison could in principle go the other way).
+    K-quants go to `kquant_quantize`.
+
+    Args:
+        name: one of `BLOCK_QUANTIZE_TYPES`.
+        weight: (rows, K) finite float CPU tensor, K a multiple of the type's block size.
+        importance: None (the torch codec's default: its family module's `default_importance(name, weight)` where it
+            defines one, else all 1), or (K,) or (rows, K) finite float weights >= 0 of each element's squared error.
+    Returns:
+        (rows, K // block_size * type_size) uint8, GGUF's bytes.
+    Raises:
+        ValueError: an unknown type, a badly shaped weight or importance, or non-finite / negative values.
+        RuntimeError: the library is unavailable.
+    """
+    if name in KQUANT_TYPES:
+        return kquant_quantize(name, weight, importance)
+    if name not in _LEGACY_IQ4_TYPES:
+        raise ValueError(f"block_quantize covers {list(BLOCK_QUANTIZE_TYPES)}; got {name!r}")
+    library = _loaded_library(any_x86=True)
+    fmt = blocks.layout(name)
+    if weight.dim() != 2 or not fmt.divides(weight.shape[1]) or weight.device.type != "cpu":
+        raise ValueError(
+            f"{name} quantizes a 2-D float CPU weight (rows, K) with K a multiple of {fmt.block_size}; got "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
+    if not weight.is_floating_point():
+        raise ValueError(f"{name} quantizes a float weight; got {weight.dtype}")
+    x = weight.detach().to(torch.float32).contiguous()
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} quantizes finite weights; the weight holds NaN or inf")
+    rows, k = x.shape
+    if importance is None:
+        default = getattr(importlib.import_module(f"hfquant.core.blocks.{fmt.family}"), "default_importance", None)
+        importance = None if default is None else default(name, x)  # the torch codec's default, for the same bytes
+    period, w = 0, None
+    if importance is not None:
+        w = importance.detach().to(torch.float32).contiguous()
+        if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
+            raise ValueError(
+                f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
+            )
+        period = k // fmt.block_size if w.dim() == 1 else 0
+    params, params2 = _search_parameters(name)
+    params = params.to(torch.float32).contiguous()
+    params2 = None if params2 is None else params2.to(torch.float32).contiguous()
+    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    status = library.hfquant_block_quantize(
+        x.data_ptr(),
+        _as_float_pointer(w),
+        period,
+        rows * (k // fmt.block_size),
+        _LEGACY_IQ4_TYPES[name],
+        params.data_ptr(),
+        params.numel(),
+        _as_float_pointer(params2),
+        0 if params2 is None else params2.numel(),
+        out.data_ptr(),
+    )
+    if status:
+        raise RuntimeError(f"hfquant native block quantizer refused type {name}")
     return out

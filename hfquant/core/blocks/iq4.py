@@ -32,6 +32,7 @@ from .legacy import (
     Grid,
     _safe_div,
     _signed_absmax,
+    _sum,
     as_blocks,
     f16_bytes,
     f16_field,
@@ -194,11 +195,11 @@ def _best_levels(x, w, d, scales):
     dl = d.unsqueeze(-1).unsqueeze(-1) * options  # (n, C, 8, 3)
     xe, we = x.unsqueeze(1).unsqueeze(3), w.unsqueeze(1).unsqueeze(3)  # (n, 1, 8, 1, 32)
     idx = _GRID.index(xe * _safe_div(torch.ones_like(dl), dl).unsqueeze(-1))  # (n, C, 8, 3, 32)
-    err = (we * (xe - dl.unsqueeze(-1) * _GRID.value(idx)) ** 2).sum(-1)  # (n, C, 8, 3)
+    err = _sum(we * (xe - dl.unsqueeze(-1) * _GRID.value(idx)) ** 2)  # (n, C, 8, 3)
     pick = err.argmin(-1, keepdim=True)
     levels = torch.gather(options, -1, pick).squeeze(-1)
     codes = torch.gather(idx, -2, pick.unsqueeze(-1).expand(*pick.shape[:-1], 1, 32)).squeeze(-2)
-    return levels, codes, torch.gather(err, -1, pick).squeeze(-1).sum(-1)
+    return levels, codes, _sum(torch.gather(err, -1, pick).squeeze(-1))
 
 
 def _fit_super_block(x: torch.Tensor, w: torch.Tensor, rounds: int = 2):
@@ -218,8 +219,8 @@ def _fit_super_block(x: torch.Tensor, w: torch.Tensor, rounds: int = 2):
     best_err = torch.gather(err, -1, pick).squeeze(-1)
     for _ in range(rounds):  # refit d for the chosen levels and codes, then choose levels and codes again
         q = best_levels.unsqueeze(-1) * _GRID.value(best_codes)
-        sqq = (w * q * q).sum((-1, -2))
-        d = _fp16(torch.where(sqq > 0, _safe_div((w * q * x).sum((-1, -2)), sqq), best_d))
+        sqq = _sum(w * q * q, (-1, -2))
+        d = _fp16(torch.where(sqq > 0, _safe_div(_sum(w * q * x, (-1, -2)), sqq), best_d))
         levels, codes, err = _best_levels(x, w, d.unsqueeze(-1), scales)
         better = err.squeeze(-1) < best_err
         best_d = torch.where(better, d, best_d)

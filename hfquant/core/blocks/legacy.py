@@ -168,6 +168,12 @@ class Grid:
         return self.values[torch.bucketize(u, self.midpoints, right=True)]
 
 
+def _sum(values: torch.Tensor, dim=-1) -> torch.Tensor:
+    """float32 sum over `dim`, accumulated in float64 and rounded once: independent of the summation order, so the C
+    search (csrc/blocks_quant_cpu.c) takes the same decisions bit for bit (as `kquants._sum`)."""
+    return values.double().sum(dim).float()
+
+
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(num))
 
@@ -196,13 +202,13 @@ def _symmetric_candidates(x, w, grid: Grid, factors: torch.Tensor):
     scales = peak.unsqueeze(-1) / targets  # (n, C)
     q = grid.nearest(x.unsqueeze(1) * _safe_div(torch.ones_like(scales), scales).unsqueeze(-1))  # (n, C, 32)
     wq = w.unsqueeze(1) * q
-    sqx = (wq * x.unsqueeze(1)).sum(-1)
-    sqq = (wq * q).sum(-1)
+    sqx = _sum(wq * x.unsqueeze(1))
+    sqq = _sum(wq * q)
     return _safe_div(sqx, sqq), _safe_div(sqx * sqx, sqq)
 
 
 def _weighted_error(x, w, recon):
-    return (w * (x - recon) ** 2).sum(-1)
+    return _sum(w * (x - recon) ** 2)
 
 
 def _nearest_codes(x, w, grid: Grid, d):
@@ -225,8 +231,8 @@ def _refine_symmetric(x, w, grid: Grid, scale: torch.Tensor, seed: torch.Tensor,
         best_idx = torch.where(better.unsqueeze(-1), idx, best_idx)
         best_err = torch.where(better, err, best_err)
         wq = w * grid.value(idx)
-        sqq = (wq * grid.value(idx)).sum(-1)
-        d = _fp16(torch.where(sqq > 0, _safe_div((wq * x).sum(-1), sqq), d))
+        sqq = _sum(wq * grid.value(idx))
+        d = _fp16(torch.where(sqq > 0, _safe_div(_sum(wq * x), sqq), d))
     return best_d, best_idx
 
 
@@ -255,8 +261,8 @@ def fit_symmetric(
 
 def _affine_least_squares(x, w, q):
     """The (d, m) minimizing sum w (d q + m - x)^2 for fixed codes q, along the last dim; (d, m, error)."""
-    s0, s1, s2 = w.sum(-1), (w * q).sum(-1), (w * q * q).sum(-1)
-    tx, tqx = (w * x).sum(-1), (w * q * x).sum(-1)
+    s0, s1, s2 = _sum(w), _sum(w * q), _sum(w * q * q)
+    tx, tqx = _sum(w * x), _sum(w * q * x)
     det = s0 * s2 - s1 * s1
     flat = det <= 1e-12 * s0 * s2  # every code equal: the best is the weighted mean
     d = torch.where(flat, torch.zeros_like(det), _safe_div(s0 * tqx - s1 * tx, det))

@@ -1,12 +1,16 @@
 /*
- * hfquant's k-quant block quantizers (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in C: the same search as the torch codecs of
- * hfquant/core/blocks/kquants.py (`_quantize_affine`, `_quantize_symmetric`), step for step in float32 with the same
- * constants and tie rules, one super-block of 256 weights at a time, super-blocks split over OpenMP threads.
+ * hfquant's block quantizers in C: the same searches as the torch codecs, step for step in float32 with the same
+ * constants and tie rules, blocks split over OpenMP threads:
+ * - k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; hfquant/core/blocks/kquants.py `_quantize_affine`, `_quantize_symmetric`),
+ *   one super-block of 256 weights at a time (`hfquant_kquant_quantize`);
+ * - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, one block of 32 at a time, and IQ4_XS, one super-block of 256
+ *   (legacy.py `fit_symmetric`, `fit_affine`; iq4.py `_fit_super_block`; `hfquant_block_quantize`).
  *
- * Every sum accumulates in double and rounds once to float32 here and in the torch codec (`kquants._sum`), so the
- * bytes are the torch codec's (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
+ * Every sum accumulates in double and rounds once to float32 here and in the torch codecs (`kquants._sum`,
+ * `legacy._sum`), so the bytes are the torch codecs' (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
  */
 #pragma GCC optimize("fp-contract=off") /* no fused multiply-adds: torch rounds each product */
+#pragma GCC optimize("no-trapping-math") /* lets float compares become selects in vectorized loops; same values */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -527,6 +531,397 @@ int hfquant_kquant_quantize(const float *x, const float *w, int64_t w_period, in
         else
             quantize_affine(xb, wb, &p, affine_factors, 16, tries, 9, 2, codes, sc, m, &d, &dmin);
         write_block(type, codes, sc, m, d, dmin, out + b * type_size);
+    }
+    return 0;
+}
+
+/* ================================================================================================================ */
+/* The 32-weight block types (legacy.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; iq4.py: IQ4_NL, and IQ4_XS's super-blocks of
+ * eight such blocks): the same search as the torch codecs (`legacy.fit_symmetric`, `legacy.fit_affine`,
+ * `iq4._fit_super_block`), step for step in float32, sums accumulated in double and rounded once (`legacy._sum`). */
+
+#define QK 32
+
+/* the values a code stands for, sorted: a uniform integer range, or IQ4_NL's 16-value table */
+typedef struct {
+    int n, uniform;
+    float low, high;
+    float values[256];
+    float mids[16], steps[16]; /* non-uniform grids: midpoints and differences of neighbouring values */
+} grid_t;
+
+static const float kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static void grid_uniform(grid_t *g, int low, int count) {
+    g->n = count;
+    g->uniform = 1;
+    g->low = (float)low;
+    g->high = (float)(low + count - 1);
+    for (int i = 0; i < count; i++) g->values[i] = (float)(low + i);
+}
+
+static void grid_iq4(grid_t *g) {
+    g->n = 16;
+    g->uniform = 0;
+    g->low = kvalues_iq4nl[0];
+    g->high = kvalues_iq4nl[15];
+    for (int i = 0; i < 16; i++) g->values[i] = kvalues_iq4nl[i];
+    for (int i = 0; i < 15; i++) {
+        g->mids[i] = (kvalues_iq4nl[i + 1] + kvalues_iq4nl[i]) / 2;
+        g->steps[i] = kvalues_iq4nl[i + 1] - kvalues_iq4nl[i];
+    }
+}
+
+/* floor(value) for |value| < 2**22 in the default rounding mode, without a libm call and vectorizable */
+static inline float floor_small(float value) {
+    const float magic = 12582912.0f;
+    float r = (value + magic) - magic;
+    return r > value ? r - 1.0f : r;
+}
+
+/* q[i] = `Grid.nearest(x[i] * inv)`, the grid value nearest to x[i] * inv (ties to the larger value), computed without
+ * a table lookup so that the loops vectorize: a uniform grid rounds and clamps (the clamp to [low - 1, high + 1] first
+ * gives the same floor(u + 0.5) and keeps u where `floor_small` is exact); the IQ4 grid adds the step to the next value
+ * for every midpoint not above u (torch.bucketize(right=True)), exact in float32 (small integers) */
+static inline __attribute__((always_inline)) void nearest_values(const grid_t *g, const float *x, float inv, float *q) {
+    if (g->uniform) {
+        const float lo = g->low, hi = g->high;
+        for (int i = 0; i < QK; i++) {
+            float u = x[i] * inv;
+            u = u < lo - 1.0f ? lo - 1.0f : u;
+            u = u > hi + 1.0f ? hi + 1.0f : u;
+            float t = floor_small(u + 0.5f);
+            t = t < lo ? lo : t;
+            q[i] = t > hi ? hi : t;
+        }
+    } else {
+        float u[QK];
+        for (int i = 0; i < QK; i++) {
+            u[i] = x[i] * inv;
+            q[i] = kvalues_iq4nl[0];
+        }
+        for (int k = 0; k < 15; k++) {
+            const float mid = g->mids[k], step = g->steps[k];
+            for (int i = 0; i < QK; i++) q[i] += u[i] >= mid ? step : 0.0f;
+        }
+    }
+}
+
+/* the index of grid value v (for the bytes) */
+static inline int grid_index_of(const grid_t *g, float v) {
+    if (g->uniform) return (int)(v - g->low);
+    int k = 0;
+    while (k < 15 && g->values[k] != v) k++;
+    return k;
+}
+
+static inline float fp16_round(float value) { return (float)(_Float16)value; } /* `_fp16`: inf past 65504 */
+
+static inline float inverse_or_zero(float value) { return value != 0.0f ? 1.0f / value : 0.0f; }
+
+/* the float32 sum of 32 terms accumulated in double */
+static inline float sum32(const float *terms) { return sum_terms(terms, QK); }
+
+/* grid values q nearest to x / d and their weighted squared error sum w (x - d q)^2 */
+static float nearest_codes(const float *x, const float *w, const grid_t *g, float d, float *q) {
+    float terms[QK];
+    nearest_values(g, x, inverse_or_zero(d), q);
+    for (int i = 0; i < QK; i++) {
+        float diff = x[i] - d * q[i];
+        terms[i] = w[i] * (diff * diff);
+    }
+    return sum32(terms);
+}
+
+/* `legacy.fit_symmetric` for one block (rounds: float16 rounding / code choice / refit rounds); best_q the grid values */
+static float fit_block_symmetric(const float *x, const float *w, const grid_t *g, const float *targets, int ntargets,
+                                 float seed, int rounds, float *best_q) {
+    float peak = x[extreme_index(x, QK)];
+    float best_gain = 0.0f, best_scale = 0.0f, q[QK], a[QK], b[QK];
+    for (int c = 0; c < ntargets; c++) {
+        float scale = peak / targets[c];
+        nearest_values(g, x, inverse_or_zero(scale), q);
+        for (int i = 0; i < QK; i++) {
+            float wq = w[i] * q[i];
+            a[i] = wq * x[i];
+            b[i] = wq * q[i];
+        }
+        float sqx = sum32(a), sqq = sum32(b);
+        float gain = sqq != 0.0f ? (sqx * sqx) / sqq : 0.0f;
+        if (c == 0 || gain > best_gain) {
+            best_gain = gain;
+            best_scale = sqq != 0.0f ? sqx / sqq : 0.0f;
+        }
+    }
+    float best_d = fp16_round(seed);
+    float best_err = nearest_codes(x, w, g, best_d, best_q);
+    float d = fp16_round(best_scale);
+    for (int r = 0; r < rounds; r++) {
+        float err = nearest_codes(x, w, g, d, q);
+        if (err < best_err) {
+            best_err = err;
+            best_d = d;
+            memcpy(best_q, q, sizeof(q));
+        }
+        if (r == rounds - 1) break; /* the torch codec's last refit is never used */
+        for (int i = 0; i < QK; i++) {
+            float wq = w[i] * q[i];
+            b[i] = wq * q[i];
+            a[i] = wq * x[i];
+        }
+        float sqx = sum32(a), sqq = sum32(b);
+        d = fp16_round(sqq > 0.0f ? sqx / sqq : d);
+    }
+    return best_d;
+}
+
+/* `legacy._affine_least_squares`: (d, m) minimizing sum w (d q + m - x)^2 */
+static void affine_least_squares(const float *x, const float *w, const float *q, float *d_out, float *m_out) {
+    float t1[QK], t2[QK], t3[QK], t4[QK];
+    for (int i = 0; i < QK; i++) {
+        float wq = w[i] * q[i];
+        t1[i] = wq;
+        t2[i] = wq * q[i];
+        t3[i] = w[i] * x[i];
+        t4[i] = wq * x[i];
+    }
+    float s0 = sum32(w), s1 = sum32(t1), s2 = sum32(t2), tx = sum32(t3), tqx = sum32(t4);
+    float det = s0 * s2 - s1 * s1;
+    int flat = det <= 1e-12f * s0 * s2;
+    *d_out = flat ? 0.0f : (det != 0.0f ? (s0 * tqx - s1 * tx) / det : 0.0f);
+    *m_out = flat ? (s0 != 0.0f ? tx / s0 : 0.0f) : (det != 0.0f ? (s2 * tx - s1 * tqx) / det : 0.0f);
+}
+
+/* `fit_affine`'s codes: floor((x - m) / d + 0.5) in [0, nmax], and the weighted error of d q + m */
+static float affine_codes(const float *x, const float *w, float d, float m, int nmax, float *q) {
+    float inv = inverse_or_zero(d), top = (float)nmax, terms[QK];
+    for (int i = 0; i < QK; i++) {
+        float u = (x[i] - m) * inv + 0.5f;
+        u = u < -1.0f ? -1.0f : u;
+        u = u > top + 1.0f ? top + 1.0f : u;
+        float c = floor_small(u);
+        c = c < 0.0f ? 0.0f : c;
+        c = c > top ? top : c;
+        float diff = x[i] - (d * c + m);
+        q[i] = c;
+        terms[i] = w[i] * (diff * diff);
+    }
+    return sum32(terms);
+}
+
+static float affine_error(const float *x, const float *w, float d, float m, const float *q) {
+    float terms[QK];
+    for (int i = 0; i < QK; i++) {
+        float diff = x[i] - (d * q[i] + m);
+        terms[i] = w[i] * (diff * diff);
+    }
+    return sum32(terms);
+}
+
+/* `legacy.fit_affine` for one block: shrink (S) cuts, S * S candidate ranges, then `rounds` rounds */
+static void fit_block_affine(const float *x, const float *w, int nmax, const float *shrink, int nshrink, int rounds,
+                             float *d_out, float *m_out, float *best_q) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < QK; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    float span = hi - lo, q[QK];
+    float d = 0.0f, m = 0.0f, best_cand_err = 0.0f;
+    for (int a = 0; a < nshrink; a++) {
+        for (int b = 0; b < nshrink; b++) {
+            float c_lo = lo + shrink[a] * span;
+            float c_d = (span - (shrink[a] + shrink[b]) * span) / (float)nmax;
+            float cd, cm;
+            affine_codes(x, w, c_d, c_lo, nmax, q);
+            affine_least_squares(x, w, q, &cd, &cm);
+            float err = affine_error(x, w, cd, cm, q);
+            if ((a == 0 && b == 0) || err < best_cand_err) {
+                best_cand_err = err;
+                d = cd;
+                m = cm;
+            }
+        }
+    }
+    float best_d = fp16_round((hi - lo) / (float)nmax), best_m = fp16_round(lo);
+    float best_err = affine_codes(x, w, best_d, best_m, nmax, best_q);
+    for (int r = 0; r < rounds; r++) {
+        d = fp16_round(d);
+        m = fp16_round(m);
+        float err = affine_codes(x, w, d, m, nmax, q);
+        if (err < best_err) {
+            best_err = err;
+            best_d = d;
+            best_m = m;
+            memcpy(best_q, q, sizeof(q));
+        }
+        if (r == rounds - 1) break;
+        affine_least_squares(x, w, q, &d, &m);
+    }
+    *d_out = best_d;
+    *m_out = best_m;
+}
+
+/* --- IQ4_XS: `iq4._best_levels` and `iq4._fit_super_block` --- */
+
+/* for super-block scale d, each block's best of the three 6-bit levels around scales / d: levels (8), codes (256),
+ * returns the super-block's weighted error */
+static float best_levels(const float *x, const float *w, const grid_t *g, float d, const float *scales, float *levels,
+                         float *values) {
+    float inv_d = inverse_or_zero(d), errs[LANES];
+    for (int j = 0; j < 8; j++) {
+        float base = rnd(scales[j] * inv_d), best = 0.0f, q[QK];
+        for (int o = -1; o <= 1; o++) {
+            float level = clampf(base + (float)o, -32.0f, 31.0f);
+            float err = nearest_codes(x + j * QK, w + j * QK, g, d * level, q);
+            if (o == -1 || err < best) {
+                best = err;
+                levels[j] = level;
+                memcpy(values + j * QK, q, sizeof(q));
+            }
+        }
+        errs[j] = best;
+    }
+    return sum_terms(errs, 8);
+}
+
+/* `iq4._fit_super_block`: d, levels (8) and the grid values (256) of one super-block */
+static void fit_super_block(const float *x, const float *w, const grid_t *g, const float *targets, int ntargets,
+                            const float *super_factors, int nsuper, int rounds, float *d_out, float *levels_out,
+                            float *values_out) {
+    float scales[8], levels[8], values[QK_K], a[QK_K], b[QK_K];
+    for (int j = 0; j < 8; j++) {
+        const float *xb = x + j * QK;
+        float seed = xb[extreme_index(xb, QK)] / g->low;
+        scales[j] = fit_block_symmetric(xb, w + j * QK, g, targets, ntargets, seed, 3, values);
+    }
+    float peak = scales[extreme_index(scales, 8)];
+    float best_d = 0.0f, best_err = 0.0f;
+    for (int e = 0; e < 2; e++) {
+        for (int c = 0; c < nsuper; c++) {
+            float d = fp16_round((e == 0 ? peak / -32.0f : peak / 31.0f) / super_factors[c]);
+            float err = best_levels(x, w, g, d, scales, levels, values);
+            if ((e == 0 && c == 0) || err < best_err) {
+                best_err = err;
+                best_d = d;
+                memcpy(levels_out, levels, sizeof(levels));
+                memcpy(values_out, values, sizeof(values));
+            }
+        }
+    }
+    for (int r = 0; r < rounds; r++) {
+        for (int k = 0; k < QK_K; k++) {
+            float q = levels_out[k / QK] * values_out[k], wq = w[k] * q;
+            a[k] = wq * q;
+            b[k] = wq * x[k];
+        }
+        float sqq = sum_terms(a, QK_K), sqx = sum_terms(b, QK_K);
+        float d = fp16_round(sqq > 0.0f ? sqx / sqq : best_d);
+        float err = best_levels(x, w, g, d, scales, levels, values);
+        if (err < best_err) {
+            best_err = err;
+            best_d = d;
+            memcpy(levels_out, levels, sizeof(levels));
+            memcpy(values_out, values, sizeof(values));
+        }
+    }
+    *d_out = best_d;
+}
+
+/* --- bytes (legacy.py's and iq4.py's module docstrings) --- */
+
+static void put_nibbles(const uint8_t *codes, uint8_t *out) {
+    for (int j = 0; j < 16; j++) out[j] = (uint8_t)((codes[j] & 15) | ((codes[j + 16] & 15) << 4));
+}
+
+static void put_high_bits(const uint8_t *codes, uint8_t *out) {
+    uint32_t qh = 0;
+    for (int j = 0; j < QK; j++) qh |= (uint32_t)((codes[j] >> 4) & 1) << j;
+    for (int b = 0; b < 4; b++) out[b] = (uint8_t)(qh >> (8 * b));
+}
+
+static int block_type_size(int type) {
+    switch (type) {
+    case 2: return 18;   /* q4_0 */
+    case 3: return 20;   /* q4_1 */
+    case 6: return 22;   /* q5_0 */
+    case 7: return 24;   /* q5_1 */
+    case 8: return 34;   /* q8_0 */
+    case 20: return 18;  /* iq4_nl */
+    case 23: return 136; /* iq4_xs */
+    default: return 0;
+    }
+}
+
+/*
+ * Quantize `nblocks` blocks of float32 weights `x` (32 per block; 256 for IQ4_XS) into ggml type `type` (2, 3, 6, 7,
+ * 8: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; 20: IQ4_NL; 23: IQ4_XS), `out` nblocks * type_size bytes. `w`: each element's
+ * weight in the squared error, NULL for all 1; `w_period` > 0: w repeats every w_period blocks (a (K,) importance).
+ * `params`: the symmetric types' candidate targets (legacy.py: grid ends times the factors, both ends), the affine
+ * types' shrink fractions; `params2`: IQ4_XS's super-block factors. Returns 0, or 1 for an unknown type.
+ */
+int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
+                           const float *params, int64_t nparams, const float *params2, int64_t nparams2,
+                           uint8_t *out) {
+    int type_size = block_type_size(type);
+    if (!type_size) return 1;
+    int affine = type == 3 || type == 7, nmax = type == 3 ? 15 : 31, size = type == 23 ? QK_K : QK;
+    grid_t grid;
+    if (type == 20 || type == 23)
+        grid_iq4(&grid);
+    else if (type == 8)
+        grid_uniform(&grid, -128, 256);
+    else
+        grid_uniform(&grid, type == 2 ? -8 : -16, type == 2 ? 16 : 32);
+#pragma omp parallel for schedule(dynamic, 64)
+    for (int64_t b = 0; b < nblocks; b++) {
+        float ones[QK_K], q[QK_K];
+        uint8_t idx[QK_K];
+        const float *xb = x + b * size;
+        const float *wb;
+        uint8_t *o = out + b * type_size;
+        if (w == NULL) {
+            for (int k = 0; k < size; k++) ones[k] = 1.0f;
+            wb = ones;
+        } else {
+            wb = w + (w_period > 0 ? b % w_period : b) * size;
+        }
+        if (affine) {
+            float d, m;
+            fit_block_affine(xb, wb, nmax, params, (int)nparams, 3, &d, &m, q);
+            for (int k = 0; k < QK; k++) idx[k] = (uint8_t)q[k];
+            put_half(o, d);
+            put_half(o + 2, m);
+            if (type == 7) put_high_bits(idx, o + 4);
+            put_nibbles(idx, o + (type == 7 ? 8 : 4));
+        } else if (type == 23) {
+            float d, levels[8];
+            fit_super_block(xb, wb, &grid, params, (int)nparams, params2, (int)nparams2, 2, &d, levels, q);
+            for (int k = 0; k < QK_K; k++) idx[k] = (uint8_t)grid_index_of(&grid, q[k]);
+            uint16_t high = 0;
+            uint8_t ls[8];
+            for (int j = 0; j < 8; j++) {
+                ls[j] = (uint8_t)(levels[j] + 32.0f);
+                high |= (uint16_t)(((ls[j] >> 4) & 3) << (2 * j));
+            }
+            put_half(o, d);
+            o[2] = (uint8_t)(high & 255);
+            o[3] = (uint8_t)(high >> 8);
+            for (int j = 0; j < 4; j++) o[4 + j] = (uint8_t)((ls[2 * j] & 15) | ((ls[2 * j + 1] & 15) << 4));
+            for (int j = 0; j < 8; j++) put_nibbles(idx + j * QK, o + 8 + 16 * j);
+        } else {
+            float seed = type == 8 ? fabsf(xb[extreme_index(xb, QK)]) / 127.0f : xb[extreme_index(xb, QK)] / grid.low;
+            float d = fit_block_symmetric(xb, wb, &grid, params, (int)nparams, seed, 3, q);
+            for (int k = 0; k < QK; k++) idx[k] = (uint8_t)grid_index_of(&grid, q[k]);
+            put_half(o, d);
+            if (type == 8)
+                for (int k = 0; k < QK; k++) o[2 + k] = (uint8_t)(int8_t)(idx[k] - 128);
+            else if (type == 6) {
+                put_high_bits(idx, o + 2);
+                put_nibbles(idx, o + 6);
+            } else
+                put_nibbles(idx, o + 2);
+        }
     }
     return 0;
 }

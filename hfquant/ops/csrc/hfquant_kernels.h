@@ -44,6 +44,12 @@ int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, 
 int hfquant_kquant_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                             uint8_t *out);
 
+/* blocks_quant_cpu.c: hfquant's search for the 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and IQ4_XS
+ * (types 2, 3, 6, 7, 8, 20, 23), GGUF's bytes out */
+int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
+                           const float *params, int64_t nparams, const float *params2, int64_t nparams2,
+                           uint8_t *out);
+
 /* int8_cpu.c: int8 per-channel codes, row-major as stored */
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
