@@ -29,6 +29,7 @@ HALF_FIELDS = {
     "q6_k": (208,),
     "iq4_nl": (0,),
     "iq4_xs": (0,),
+    "hq3_0": (0,),
 }
 """Byte offsets of each block's float16 fields (ggml-common.h's d / dmin / m)."""
 
