@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hfquant.core import blocks
-from hfquant.core.allocation import block_overrides, data_free_overrides
+from hfquant.core.allocation import BUDGET_FORMATS, block_overrides, budget_overrides, data_free_overrides
 from hfquant.core.format import SUPPORTED_BITS, Method
 
 __all__ = [
@@ -408,7 +408,8 @@ FIELDS: tuple[ConfigField, ...] = (
         "optional zero point: what compressed-tensors and vLLM read) or one of llama.cpp's block types, stored "
         "byte for byte as GGUF stores them (docs/format.md): " + ", ".join(repr(n) for n in blocks.LAYOUTS) + ". "
         "A block type's rows must be whole blocks (32 weights, 256 for q2_k-q6_k and iq4_xs); other layers take "
-        "llama.cpp's fallback type (q3_k -> iq4_nl, q4_k -> q5_0, q6_k -> q8_0, ...). group_size and symmetric "
+        "llama.cpp's fallback type (q3_k -> iq4_nl, q4_k -> q5_0, q6_k -> q8_0, ...); 'hq3_0' is hfquant's own 3-bit "
+        "32-weight block (3.5 bits per weight, not a GGUF type). group_size and symmetric "
         "apply to 'int' only",
         QuantFormat,
         QuantFormat.AUTO,
@@ -442,7 +443,9 @@ FIELDS: tuple[ConfigField, ...] = (
         "rule (hfquant.core.allocation) gives the value projections of the second half of the layers int8 and MLP "
         "down projections groups of at most 64; with a block format (opt-in: 'none' is its default) a llama.cpp "
         "Q3_K_M / Q4_K_M-style mix (block_overrides): value and down projections one or two block types up, more in "
-        "the first and last eighth of the layers, attention outputs one up at 2-3 bits; the entries are appended to "
+        "the first and last eighth of the layers, attention outputs one up at 2-3 bits; with format 'hq3_0' a bits "
+        "budget of 3.5 bits per weight (budget_overrides: Q3_K where 256 divides a row, else HQ3_0, then value and "
+        "down projections raised in that order while the total stays within 3.5); the entries are appended to "
         "module_overrides when a model is quantized (after the user's entries, which win), so the saved config names "
         "every layer's format; 'none' (the default at 8 bits and with block formats): every layer alike",
         MixedPrecision,
@@ -729,10 +732,13 @@ class HfQuantConfig(QuantizationConfigMixin):
         config = cls(**values)
         return (config, {}) if return_unused_kwargs else config
 
-    def apply_mixed_precision(self, layer_names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    def apply_mixed_precision(
+        self, layer_names: Iterable[str], shapes: Mapping[str, tuple[int, int]] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Append the data-free rule's `module_overrides` entries for a model's Linear layers `layer_names` (full
         dotted names) when `mixed_precision` is "auto" (`hfquant.core.allocation.data_free_overrides` in the integer
-        format, `block_overrides` with a block format).
+        format, `block_overrides` with a block format, `budget_overrides` with a bits-budget format such as "hq3_0",
+        which needs `shapes`: {name: (in_features, out_features)}).
 
         Layers already selected by a `module_overrides` pattern keep the user's settings. Called once per model,
         when it is quantized (never when a quantized checkpoint is reloaded: its config already lists the entries).
@@ -742,7 +748,9 @@ class HfQuantConfig(QuantizationConfigMixin):
             return {}
         names = [n for n in layer_names if not any(matches_module(n, [p]) for p in self.module_overrides)]
         fmt = resolve_format(self.format, self.bits)
-        if fmt in blocks.LAYOUTS:
+        if fmt in BUDGET_FORMATS:
+            added = budget_overrides({n: tuple(shapes[n]) for n in names if n in (shapes or {})}, fmt)
+        elif fmt in blocks.LAYOUTS:
             added = block_overrides(names, fmt)
         else:
             added = data_free_overrides(names, self.bits, self.group_size)

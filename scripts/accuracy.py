@@ -18,6 +18,8 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   beside a `llama.cpp-` row: llama.cpp's own quantizer (`ggml_quantize_chunk`, no imatrix, then the type's
   `to_float`) on the same layers in the same types, fallbacks included (needs the llama-cpp-python wheel's
   libggml-base, `benchmarks/ggml_reference.py`);
+- `hq3_0`: hfquant's own 3-bit 32-weight blocks (3.5 bits per weight) on every layer; `hq3_0-auto` the 3.5-bit budget
+  (`hfquant.core.allocation.budget_overrides`: Q3_K where 256 divides a row, value and down projections raised);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
   quantized tensor, over the number of weights they store);
 - quantization on load in GB/s of bf16 source (SmolLM2's safetensors bytes over the `from_pretrained` seconds, model
@@ -91,6 +93,8 @@ CONFIGS = {
     "int4-default-mse": dict(bits=4, clipping="mse"),
     **{name: dict(format=name) for name in BLOCK_FORMATS},
     **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},
+    "hq3_0": dict(format="hq3_0"),
+    "hq3_0-auto": dict(format="hq3_0", mixed_precision="auto"),
 }
 LLAMA_CPP = {f"llama.cpp-{name}": name for name in [*BLOCK_FORMATS, *(f"{n}-auto" for n in BLOCK_RULE_ROWS)]}
 """llama.cpp's own quantizer on the same weights: each row quantizes the layers hfquant's config of the same name

@@ -42,6 +42,7 @@ from hfquant.checkpoint.model_config import read_quantization_config
 from hfquant.checkpoint.schema import block_layers
 from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import HfQuantConfig
+from hfquant.core import blocks
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
@@ -137,10 +138,13 @@ def _refuse_block_formats(hfconfig: HfQuantConfig, headers: dict) -> None:
     layers = list(block_layers(hfconfig, headers).items())
     if layers:
         name, fmt = layers[0]
+        gguf = all(blocks.LAYOUTS[f].gguf for _, f in layers)
         raise ValueError(
-            f"{name} is stored in llama.cpp's block format {fmt} ({len(layers)} layer(s) in block formats), which "
-            "compressed-tensors cannot express (it holds uniform int4/int8 codes with per-group scales): export it "
-            "with --format gguf, or convert with --format int for compressed-tensors and vLLM"
+            f"{name} is stored in {'llama.cpp' if blocks.LAYOUTS[fmt].gguf else 'hfquant'}'s block format {fmt} "
+            f"({len(layers)} layer(s) in block formats), which compressed-tensors cannot express (it holds uniform "
+            "int4/int8 codes with per-group scales): "
+            + ("export it with --format gguf, or " if gguf else "")
+            + "convert with --format int for compressed-tensors and vLLM"
         )
 
 

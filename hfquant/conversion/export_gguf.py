@@ -122,7 +122,7 @@ _QUANT_TYPES = {
     "Q8_0": gguf.GGMLQuantizationType.Q8_0,
     "Q4_0": gguf.GGMLQuantizationType.Q4_0,
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-} | {name.upper(): gguf.GGMLQuantizationType(fmt.ggml_type) for name, fmt in BLOCK_LAYOUTS.items()}
+} | {name.upper(): gguf.GGMLQuantizationType(fmt.ggml_type) for name, fmt in BLOCK_LAYOUTS.items() if fmt.gguf}
 """GGUF type of each tensor kind written: the re-blocked int8/int4 layers' and every block format's (copied)."""
 _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -555,6 +555,13 @@ def export_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
     written: list[str] = []
     reblocked: list[Reblocked] = []
     block_of = block_layers(HfQuantConfig.from_dict(config["quantization_config"]), headers)
+    own = {module: fmt for module, fmt in block_of.items() if not BLOCK_LAYOUTS[fmt].gguf}
+    if own:
+        module, fmt = next(iter(own.items()))
+        raise ValueError(
+            f"{module} is stored in hfquant's own block format {fmt} ({len(own)} layer(s)), which GGUF has no type "
+            "for; nothing was written. Convert with a GGUF block format (format='q3_k', 'iq4_nl', ...) to export"
+        )
 
     def write(path: str) -> None:
         writer = gguf.GGUFWriter(path, architecture)

@@ -38,6 +38,8 @@ __all__ = [
     "data_free_overrides",
     "more_bits_layer",
     "block_overrides",
+    "BUDGET_FORMATS",
+    "budget_overrides",
 ]
 
 MIXED_PRECISION = ("auto", "none")
@@ -169,3 +171,76 @@ def block_overrides(names: Iterable[str], format: str) -> dict[str, dict[str, An
         if step:
             overrides[name] = {"format": ladder[step - 1]}
     return overrides
+
+
+BUDGET_FORMATS: dict[str, float] = {"hq3_0": blocks.LAYOUTS["hq3_0"].bits_per_weight}
+"""Block formats whose `mixed_precision="auto"` is a bits budget (`budget_overrides`), with the budget in bits per weight:
+`HfQuantConfig(format="hq3_0", mixed_precision="auto")` is hfquant's 3.5-bit configuration (at most 3.5 bits per weight
+over the quantized layers)."""
+
+_BUDGET_BASE = (("q3_k", 256), ("hq3_0", 32))
+_BUDGET_LADDER = {"q3_k": ("q4_k", "q5_k"), "hq3_0": ("iq4_nl", "q5_0")}
+
+
+def _budget_order(names: list[str], count: int) -> list[str]:
+    """The layers a budget raises, most sensitive first (the order of `block_overrides`' steps): value projections of
+    `more_bits_layer` layers, down projections of the first and last eighth, the other value projections, the other
+    `more_bits_layer` down projections, attention outputs of `more_bits_layer` layers; within a rank by name order."""
+
+    def rank(name: str) -> int | None:
+        index = _layer_index(name)
+        if index is None:
+            return None
+        more, edge = more_bits_layer(index, count), index < count // 8 or index >= 7 * count // 8
+        if any(_ends_with(name, s) for s in VALUE_PROJECTIONS):
+            return 0 if more else 2
+        if any(_ends_with(name, s) for s in DOWN_PROJECTIONS) or _BERT_DOWN.search(name):
+            return 1 if edge else (3 if more else None)
+        if any(_ends_with(name, s) for s in OUTPUT_PROJECTIONS):
+            return 4 if more else None
+        return None
+
+    ranked = [(r, i, n) for i, n in enumerate(names) if (r := rank(n)) is not None]
+    return [n for _, _, n in sorted(ranked)]
+
+
+def budget_overrides(shapes: dict[str, tuple[int, int]], format: str) -> dict[str, dict[str, Any]]:
+    """`module_overrides` entries of a bits budget (`BUDGET_FORMATS`): every layer's block format, the total at most
+    the budget in bits per weight over the layers.
+
+    Each layer starts at the cheapest 3-bit type its rows take (Q3_K, 3.44 bits per weight, where 256 divides them;
+    else hfquant's HQ3_0, 3.5). Then, in the data-free sensitivity order of `block_overrides` (value and down
+    projections, the first and last blocks first: `_budget_order`), each layer goes one type up (Q3_K -> Q4_K,
+    HQ3_0 -> IQ4_NL) when the total stays within the budget, and in a second pass one more (Q5_K, Q5_0).
+
+    Args:
+        shapes: {full layer name: (in_features, out_features)} of the layers to quantize.
+        format: a `BUDGET_FORMATS` name ("hq3_0"); any other gives nothing.
+    Returns:
+        {full layer name: {"format": block type}} for every layer whose rows 32 divides (the others are left out:
+        they keep the config's format, which stores them in float).
+    """
+    budget = BUDGET_FORMATS.get(format)
+    if budget is None:
+        return {}
+    chosen: dict[str, str] = {}
+    for name, (k, _) in shapes.items():
+        base = next((fmt for fmt, block in _BUDGET_BASE if k % block == 0), None)
+        if base is not None:
+            chosen[name] = base
+    weights = {name: shapes[name][0] * shapes[name][1] for name in chosen}
+    allowed = budget * sum(weights.values())
+    used = sum(blocks.LAYOUTS[chosen[n]].bits_per_weight * weights[n] for n in chosen)
+    indices = [i for i in map(_layer_index, chosen) if i is not None]
+    order = _budget_order(list(chosen), max(indices) + 1) if indices else []
+    base = dict(chosen)
+    for step in range(2):
+        for name in order:
+            ladder = _BUDGET_LADDER[base[name]]
+            if chosen[name] != (base[name] if step == 0 else ladder[0]):
+                continue
+            up = ladder[step]
+            cost = (blocks.LAYOUTS[up].bits_per_weight - blocks.LAYOUTS[chosen[name]].bits_per_weight) * weights[name]
+            if used + cost <= allowed:
+                chosen[name], used = up, used + cost
+    return {name: {"format": fmt} for name, fmt in chosen.items()}

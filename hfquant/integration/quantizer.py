@@ -92,7 +92,8 @@ def plan_model(model, config: HfQuantConfig, quantizing: bool = False) -> tuple[
     skip = sorted(set(default_skips) | set(config.modules_to_not_convert))
     plans = plan_layers(model, config, skip)
     if quantizing:
-        added = config.apply_mixed_precision(plan.name for plan in plans if plan.format is not None)
+        layers = {plan.name: (plan.in_features, plan.out_features) for plan in plans if plan.format is not None}
+        added = config.apply_mixed_precision(list(layers), shapes=layers)
         if added:
             logger.info("hfquant mixed_precision='auto': %d layer(s) get their own format: %s", len(added), added)
             plans = plan_layers(model, config, skip)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import LLAMA_PROJECTIONS
 
-from hfquant.core.allocation import BLOCK_LADDER, block_overrides, more_bits_layer
+from hfquant.core.allocation import BLOCK_LADDER, BUDGET_FORMATS, block_overrides, budget_overrides, more_bits_layer
 from hfquant.core.blocks import LAYOUTS
 
 
@@ -97,3 +97,55 @@ def test_every_step_has_at_least_the_bits_of_its_type():
     for name, steps in BLOCK_LADDER.items():
         sizes = [LAYOUTS[n].type_size * 8 / LAYOUTS[n].block_size for n in (name, *steps)]
         assert sizes == sorted(sizes), name
+
+
+def smollm2_shapes(layers: int) -> dict[str, tuple[int, int]]:
+    """SmolLM2-135M's projections (hidden 576, 3 KV heads of 64, MLP 1536): (in_features, out_features)."""
+    shapes = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
+    sizes = dict(zip(LLAMA_PROJECTIONS, shapes, strict=True))
+    return {f"model.layers.{i}.{child}": sizes[child] for i in range(layers) for child in LLAMA_PROJECTIONS}
+
+
+def _bits_per_weight(overrides: dict, shapes: dict) -> float:
+    bits = sum(LAYOUTS[overrides[n]["format"]].bits_per_weight * k * m for n, (k, m) in shapes.items())
+    return bits / sum(k * m for k, m in shapes.values())
+
+
+@pytest.mark.parametrize("layers", [4, 30])
+def test_budget_names_every_layer_and_stays_within_3_5_bits(layers):
+    shapes = smollm2_shapes(layers)
+    overrides = budget_overrides(shapes, "hq3_0")
+    assert set(overrides) == set(shapes)
+    assert _bits_per_weight(overrides, shapes) <= BUDGET_FORMATS["hq3_0"] + 1e-9
+    # the cheapest 3-bit type of each row width: Q3_K where 256 divides it, HQ3_0 elsewhere
+    assert set(formats(overrides, "mlp.down_proj", layers)) <= {"q3_k", "q4_k", "q5_k"}
+    assert formats(overrides, "self_attn.q_proj", layers) == ["hq3_0"] * layers
+    assert formats(overrides, "mlp.gate_proj", layers) == ["hq3_0"] * layers
+
+
+def test_budget_raises_value_projections_of_the_first_and_last_layers_first():
+    layers = 30
+    overrides = budget_overrides(smollm2_shapes(layers), "hq3_0")
+    raised = [i for i, f in enumerate(formats(overrides, "self_attn.v_proj", layers)) if f != "hq3_0"]
+    assert raised, "the budget left room for no value projection"
+    assert {0, 1, 2, layers - 1} <= set(raised)
+    more = {i for i in range(layers) if more_bits_layer(i, layers)}
+    assert more <= set(raised)  # all of these before any other value projection
+    assert len(raised) < layers  # 3.5 bits do not pay for all of them
+
+
+def test_budget_with_room_raises_down_projections_of_the_edges():
+    # value projections cost little here: a wide MLP in rows 256 divides leaves room after them
+    shapes = {f"model.layers.{i}.{child}": (512, 512) for i in range(8) for child in LLAMA_PROJECTIONS}
+    shapes.update({f"model.layers.{i}.self_attn.v_proj": (96, 32) for i in range(8)})
+    overrides = budget_overrides(shapes, "hq3_0")
+    assert _bits_per_weight(overrides, shapes) <= 3.5
+    assert formats(overrides, "self_attn.v_proj", 8)[0] == "q5_0"  # two steps up: HQ3_0 -> IQ4_NL -> Q5_0
+    assert formats(overrides, "mlp.down_proj", 8)[0] != "q3_k"
+    assert formats(overrides, "mlp.gate_proj", 8) == ["q3_k"] * 8
+
+
+def test_budget_only_for_budget_formats_and_rows_32_divides():
+    shapes = {"model.layers.0.self_attn.v_proj": (100, 64), "model.layers.0.mlp.up_proj": (64, 96)}
+    assert budget_overrides(shapes, "q3_k") == {}
+    assert budget_overrides(shapes, "hq3_0") == {"model.layers.0.mlp.up_proj": {"format": "hq3_0"}}

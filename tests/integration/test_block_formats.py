@@ -103,3 +103,28 @@ def test_inspect_reports_each_layers_block_format_and_its_bytes(wide_checkpoint,
     assert report["totals"]["quantized_layers"] == 14 and not any("proj" in r["kind"] for r in report["float_layers"])
     q3_rows = [row for row in report["quantized"] if row["format"] == "q3_k"]
     assert all(row["bytes"] * 8 / (row["float_bytes"] / 4) == blocks.layout("q3_k").bits_per_weight for row in q3_rows)
+
+
+def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path):
+    """`format="hq3_0", mixed_precision="auto"`: Q3_K where 256 divides a row, HQ3_0 elsewhere, value projections
+    raised while the stored bits stay within 3.5 per weight; config.json names each layer's format."""
+    tiny_model(
+        "llama", hidden_size=96, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    ).save_pretrained(tmp_path / "float")
+    config = HfQuantConfig(format="hq3_0", mixed_precision="auto")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
+    layers = _layers(model)
+    assert len(layers) == 14
+    stored_bits = sum(layer.weight.numel() * 8 for layer in layers.values())
+    weights = sum(layer.in_features * layer.out_features for layer in layers.values())
+    assert stored_bits / weights <= 3.5
+    assert {layers[n].format.block for n in layers if n.endswith("down_proj")} <= {"q3_k", "q4_k", "q5_k"}
+    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {"hq3_0"}
+    assert any(layers[n].format.block != "hq3_0" for n in layers if n.endswith("v_proj"))
+    model.save_pretrained(tmp_path / "q")
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert set(saved["module_overrides"]) == set(layers)
+    assert all(saved["module_overrides"][n]["format"] == layers[n].format.block for n in layers)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    ids = input_ids()
+    assert torch.equal(model_output(reloaded, ids), model_output(model, ids))

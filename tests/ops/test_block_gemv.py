@@ -29,6 +29,7 @@ HALF_FIELDS = {
     "q6_k": (208,),
     "iq4_nl": (0,),
     "iq4_xs": (0,),
+    "hq3_0": (0,),
 }
 """Byte offsets of each block's float16 fields (ggml-common.h's d / dmin / m)."""
 
@@ -173,3 +174,17 @@ def test_prefill_of_a_block_layer_multiplies_the_c_dequantized_weight():
     expected = x @ blocks.dequantize("q4_k", layer.weight).to(torch.bfloat16).t()
     with torch.inference_mode():
         assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 200], ids=lambda r: f"M{r}")
+def test_hq3_0_layer_gradients_are_those_of_its_dequantized_weight(rows):
+    """hfquant's own HQ3_0 takes the block formats' autograd rule (the LoRA path): grad_x = grad_y @ w_hat."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn((48, 576), generator=generator)
+    layer = QuantLinear.from_float(weight, None, StoredFormat.of_block("hq3_0"))
+    layer.prepare_kernel(torch.float32)
+    w_hat = blocks.dequantize("hq3_0", layer.weight)
+    x = torch.randn((rows, 576), generator=generator, requires_grad=True)
+    grad_y = torch.randn((rows, 48), generator=generator)
+    layer(x).backward(grad_y)
+    torch.testing.assert_close(x.grad, grad_y @ w_hat, rtol=1e-4, atol=1e-4)

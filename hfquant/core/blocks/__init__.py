@@ -9,7 +9,8 @@ The codecs live in one module per family, each defining `quantize_<name>(weight,
 `dequantize_<name>(data)` with the shapes of `quantize` and `dequantize` below:
 - `legacy`: 32-weight blocks with a float16 scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
 - `kquants`: 256-weight super-blocks with quantized block scales (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K);
-- `iq4`: 4-bit codes on llama.cpp's non-uniform grid (IQ4_NL, 32-weight blocks; IQ4_XS, 256-weight super-blocks).
+- `iq4`: 4-bit codes on llama.cpp's non-uniform grid (IQ4_NL, 32-weight blocks; IQ4_XS, 256-weight super-blocks);
+- `hq3`: hfquant's own HQ3_0 (3-bit codes, 32-weight blocks, 3.5 bits per weight), not a GGUF type (`gguf` False).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class BlockLayout:
         fallback: the type llama.cpp's quantizer uses for rows that `block_size` does not divide (llama-quant.cpp),
             None for 32-weight types.
         family: the module under `hfquant.core.blocks` that holds the codec.
+        gguf: whether GGUF has the type (False: hfquant's own format, `ggml_type` then a number >= 1000 that only
+            hfquant's kernels read; the GGUF and compressed-tensors exports refuse it).
     """
 
     name: str
@@ -47,6 +50,7 @@ class BlockLayout:
     symmetric: bool
     fallback: str | None
     family: str
+    gguf: bool = True
 
     @property
     def bits_per_weight(self) -> float:
@@ -90,6 +94,7 @@ LAYOUTS: dict[str, BlockLayout] = _layouts(
     ("q6_k", 14, 256, 210, 6, True, "q8_0", "kquants"),
     ("iq4_nl", 20, 32, 18, 4, True, None, "iq4"),
     ("iq4_xs", 23, 256, 136, 4, True, "iq4_nl", "iq4"),
+    ("hq3_0", 1000, 32, 14, 3, True, None, "hq3", False),
 )
 """Every block type hfquant stores, by name (sizes from ggml-common.h; gguf-py's `GGML_QUANT_SIZES` agrees)."""
 

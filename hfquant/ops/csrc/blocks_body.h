@@ -246,6 +246,26 @@ BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, i
     return BK_NAME(hsum_)(acc);
 }
 
+/* HQ3_0 (w = d * (u - 4)): bits 0-1 of code 8i + l are bits 2i, 2i + 1 of qs[l] (one 64-bit shift per 8 codes),
+ * bit 2 is bit e of qh; the -4 multiplies the activation sum */
+BK_TARGET static float BK_NAME(row_hq3_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i three = _mm256_set1_epi8(3), shifts = _mm256_set_epi64x(6, 4, 2, 0);
+    __m256 acc = _mm256_setzero_ps();
+    float extra = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 14) {
+        long long qs;
+        memcpy(&qs, w + 2, 8);
+        const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
+        const __m256i u = _mm256_or_si256(low, _mm256_srli_epi16(BK_NAME(high_bits32_)(w + 10), 2));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+        const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
+        const float d = fp16_to_float(w) * a->d[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
+        extra -= 4.0f * d * (float)a->sums[b];
+    }
+    return BK_NAME(hsum_)(acc) + extra;
+}
+
 /* Q4_0 / Q5_0 (offset: w = d * (u - offset)) and Q4_1 / Q5_1 (w = d * u + m): u the 4- or 5-bit code */
 BK_TARGET static inline float BK_NAME(row_legacy_)(const uint8_t *w, const ActRow *a, int64_t nb, int type_size,
                                                    int five, int affine, float offset) {
@@ -278,6 +298,7 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
         case GGML_Q6_K: return BK_NAME(row_q6_k_)(w, a, nb);
         case GGML_IQ4_NL: return BK_NAME(row_iq4_nl_)(w, a, nb);
         case GGML_IQ4_XS: return BK_NAME(row_iq4_xs_)(w, a, nb);
+        case HQ3_0: return BK_NAME(row_hq3_0_)(w, a, nb);
         default: return 0.0f;
     }
 }

@@ -6,7 +6,8 @@
  * is the dequantized weight (hfquant.core.blocks.dequantize) and x_hat the activation row quantized once per call:
  *   - for the 256-weight types (Q2_K..Q6_K, IQ4_XS): per 256 inputs, xs = max|x| / 127 and xq = round(x / xs) (to
  *     nearest even) in int8, with the sums of xq per 16 inputs (the role of llama.cpp's block_q8_K);
- *   - for the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): the same per 32 inputs, with the sum per 32.
+ *   - for the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, hfquant's HQ3_0): the same per 32 inputs, with
+ *     the sum per 32.
  * So |x_hat[k] - x[k]| <= max|x_block| / 254 for the block of k, and |y[n] - x . w_hat[n]| <= sum_k |w_hat[n, k]| *
  * max|x_block(k)| / 254 plus float32 summation and the final bfloat16 rounding.
  *
@@ -40,6 +41,7 @@ enum {
     GGML_Q6_K = 14,
     GGML_IQ4_NL = 20,
     GGML_IQ4_XS = 23,
+    HQ3_0 = 1000, /* hfquant's own (hfquant.core.blocks.hq3), not a GGUF type */
 };
 
 /* weights per block and bytes per block of a GGML type (0: not one of ours) */
@@ -48,6 +50,7 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
         {GGML_Q8_0, 32, 34},  {GGML_Q2_K, 256, 84},  {GGML_Q3_K, 256, 110}, {GGML_Q4_K, 256, 144},
         {GGML_Q5_K, 256, 176}, {GGML_Q6_K, 256, 210}, {GGML_IQ4_NL, 32, 18}, {GGML_IQ4_XS, 256, 136},
+        {HQ3_0, 32, 14},
     };
     *block = 0;
     *bytes = 0;
@@ -212,6 +215,14 @@ static void decode_block(int type, const uint8_t *w, float *out) {
         case GGML_Q8_0: {
             const float d = fp16_to_float(w);
             for (int i = 0; i < 32; i++) out[i] = d * (float)(int8_t)w[2 + i];
+            return;
+        }
+        case HQ3_0: {
+            const float d = fp16_to_float(w);
+            for (int i = 0; i < 32; i++) {
+                const int u = ((w[2 + i % 8] >> (2 * (i / 8))) & 3) | (((w[10 + i / 8] >> (i % 8)) & 1) << 2);
+                out[i] = d * (float)(u - 4);
+            }
             return;
         }
         case GGML_IQ4_XS: {

@@ -1,0 +1,68 @@
+"""HQ3_0, hfquant's own 3-bit format of 32-weight blocks (hfquant.core.blocks.hq3): the byte layout docs/format.md
+states, the dequantizer's formula, and a searched scale never worse than round-to-nearest."""
+
+from __future__ import annotations
+
+import torch
+
+from hfquant.core import blocks
+from hfquant.core.blocks import hq3
+
+
+def test_layout_is_3_5_bits_per_weight_and_not_a_gguf_type():
+    fmt = blocks.layout("hq3_0")
+    assert (fmt.block_size, fmt.type_size, fmt.bits, fmt.gguf) == (32, 14, 3, False)
+    assert fmt.bits_per_weight == 3.5
+    assert all(other.gguf for name, other in blocks.LAYOUTS.items() if name != "hq3_0")
+
+
+def test_codes_pack_as_documented():
+    codes = torch.zeros(32, dtype=torch.int64)
+    codes[0], codes[8], codes[31] = 5, 3, 7  # 0b101, 0b011, 0b111
+    packed = hq3.pack_codes(codes)
+    # qs[0]: code 0's low bits (01) in bits 0-1, code 8's (11) in bits 2-3; qs[7]: code 31's (11) in bits 6-7
+    assert packed[0] == 0b1101 and packed[7] == 0b11 << 6
+    # qh: bit 2 of code 0 is bit 0, of code 31 bit 31 (byte 3, bit 7); code 8 has none
+    assert packed[8:].tolist() == [0b1, 0, 0, 0b1000_0000]
+    generator = torch.Generator().manual_seed(0)
+    many = torch.randint(0, 8, (17, 32), generator=generator)
+    assert torch.equal(hq3.unpack_codes(hq3.pack_codes(many)), many.to(torch.int32))
+
+
+def test_dequantize_is_d_times_code_minus_4():
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 8, (3, 2, 32), generator=generator)
+    d = torch.tensor([[0.5, -0.25], [2.0, 0.0], [1e-3, 7.0]], dtype=torch.float16)
+    data = torch.cat([d.view(torch.uint8).reshape(3, 2, 2), hq3.pack_codes(codes)], dim=-1).reshape(3, -1)
+    expected = (d.float().unsqueeze(-1) * (codes - 4).float()).reshape(3, 64)
+    assert torch.equal(blocks.dequantize("hq3_0", data), expected)
+
+
+def _block_errors(weight, data, importance):
+    restored = blocks.dequantize("hq3_0", data)
+    return (importance * (weight - restored) ** 2).reshape(weight.shape[0], -1, 32).sum(-1)
+
+
+def test_searched_scale_is_never_worse_than_round_to_nearest_per_block():
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 256, generator=generator) * torch.rand(64, 1, generator=generator)
+    weight[0, :32] = 0.0  # an all-zero block stays exactly zero
+    ones = torch.ones_like(weight)
+    searched = _block_errors(weight, blocks.quantize("hq3_0", weight), ones)
+    reference = _block_errors(weight, hq3.reference_hq3_0(weight), ones)
+    assert bool((searched <= reference * (1 + 1e-6) + 1e-12).all())
+    assert searched.sum() < 0.9 * reference.sum()
+    assert searched[0, 0] == 0
+
+
+def test_importance_moves_the_error_to_unimportant_weights():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(128, 64, generator=generator)
+    importance = torch.ones(64)
+    importance[::4] = 100.0
+    plain = blocks.dequantize("hq3_0", blocks.quantize("hq3_0", weight))
+    weighted = blocks.dequantize("hq3_0", blocks.quantize("hq3_0", weight, importance))
+    important = importance > 1
+    error = lambda restored, mask: float(((weight - restored)[:, mask] ** 2).mean())  # noqa: E731
+    assert error(weighted, important) < error(plain, important)
+    assert error(weighted, ~important) > error(plain, ~important)
