@@ -23,7 +23,7 @@ the unfused ones bit for bit. Anything else takes each layer's own path: torch.c
 gradients, several rows, a member called with another tensor. A group whose members keep being called with different
 inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
 (offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
-are prepared again.
+are prepared again. A pickled or deep-copied layer leaves its group (its copy runs its own GEMV).
 """
 
 from __future__ import annotations

@@ -197,6 +197,16 @@ class QuantLinear(StoredWeight):
         if self._row is not None and self._decode_group is not None:
             self._decode_group.build()
 
+    def __getstate__(self):
+        # the bound GEMV is a closure and the group holds its siblings: neither is pickled (a copy binds its own)
+        state = super().__getstate__().copy()
+        state.update(_row=None, _fused=None, _decode_group=None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._bind_row()
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._bind_row()  # tensors moved or cast: a fused group's views are stale, the scale_zero dtype may differ
@@ -374,7 +384,7 @@ class QuantLinear(StoredWeight):
         if scale_zero is None or (x.requires_grad and torch.is_grad_enabled()):
             zero_point = buffers.get("weight_zero_point")
         tensors = LayerTensors(buffers["weight"], buffers.get("weight_scale"), zero_point, scale_zero)
-        y = quantized_matmul_trainable(self.plan, tensors, x)  # the inference kernel unless x requires grad
+        y = quantized_matmul_trainable(self._kernel_plan, tensors, x)  # the inference kernel unless x requires grad
         bias = self._parameters.get("bias")
         if bias is not None:
             y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # (a no-op .to() costs more than the test)

@@ -169,3 +169,14 @@ def test_members_of_different_formats_are_not_grouped():
     parent.gate_proj = QuantLinear.from_float(torch.randn((128, K), generator=generator), None, FORMAT)
     parent.up_proj = QuantLinear.from_float(torch.randn((128, K), generator=generator), None, StoredFormat(8, K, True))
     assert fused.link_decode_groups(parent, QuantLinear) == 0
+
+
+def test_a_pickled_layer_binds_its_own_gemv(monkeypatch, tmp_path):
+    block = _block(monkeypatch)
+    x = _row(10, 1, 1)
+    expected = block(x)
+    torch.save(block, tmp_path / "block.pt")
+    copy = torch.load(tmp_path / "block.pt", weights_only=False)
+    assert copy.q_proj._row is not None and copy.q_proj._fused is None
+    for a, b in zip(copy(x), expected, strict=True):
+        assert torch.equal(a, b)
