@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 from hfquant.core import blocks, packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
-from hfquant.ops import kernels, native
+from hfquant.ops import gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan, LayerTensors
 from hfquant.ops.plan import plan_kernel
@@ -126,8 +126,12 @@ class QuantLinear(StoredWeight):
         super().__init__(fmt, (out_features,), in_features, device)
         self.in_features = in_features
         self.out_features = out_features
-        self.plan = self._unprepared_plan(DecodeActivations.FLOAT)
+        self._row = None  # the plan's eager one-row GEMV, bound (`_bind_row`)
+        self._decode_group = None  # the `fused.DecodeGroup` this layer belongs to (`fused.link_decode_groups`)
+        self._fused = None  # that group while it computes its members' rows together
+        self._fused_index = 0  # this layer's place in it
         self.register_buffer("scale_zero", None, persistent=False)
+        self.plan = self._unprepared_plan(DecodeActivations.FLOAT)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -160,6 +164,53 @@ class QuantLinear(StoredWeight):
         )
 
     # -- the plan -----------------------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> KernelPlan:
+        """The layer's `KernelPlan`. Setting it binds the plan's eager one-row GEMV once (`_bind_row`) and leaves
+        any fused decode group (`hfquant.nn.fused`), which is formed again once every member is prepared."""
+        return self._kernel_plan
+
+    @plan.setter
+    def plan(self, plan: KernelPlan) -> None:
+        self._kernel_plan = plan
+        self._bind_row()
+
+    def _bind_row(self) -> None:
+        """`_row`: the eager GEMV of one bfloat16 row with the plan's int4 kernel, bound to the plan's group size
+        (`gemv.row_function`), where the call needs nothing more than (x, weight, scale_zero): bfloat16 (scale,
+        zero) pairs and no SINQ column scale; else None (`forward` takes the planned path)."""
+        fused = self.__dict__.get("_fused")
+        if fused is not None:
+            fused.dissolve()
+        buffers = self._buffers
+        scale_zero = buffers.get("scale_zero")
+        plan = self._kernel_plan
+        self._row = None
+        if (
+            scale_zero is not None
+            and scale_zero.dtype == torch.bfloat16
+            and buffers.get("weight_col_scale") is None
+            and plan.kernel == Kernel.INT4PACK_MM_CPU
+        ):
+            self._row = gemv.row_function(plan.row, plan.row_call, plan.group_size)
+        if self._row is not None and self._decode_group is not None:
+            self._decode_group.build()
+
+    def __getstate__(self):
+        # the bound GEMV is a closure and the group holds its siblings: neither is pickled (a copy binds its own)
+        state = super().__getstate__().copy()
+        state.update(_row=None, _fused=None, _decode_group=None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._bind_row()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._bind_row()  # tensors moved or cast: a fused group's views are stale, the scale_zero dtype may differ
+        return self
 
     @property
     def kernel(self) -> Kernel:
@@ -292,6 +343,32 @@ class QuantLinear(StoredWeight):
         return layer.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Eager decode (one contiguous bfloat16 row, no gradient): the plan's GEMV bound once (`_row`), or this
+        # layer's rows of its fused group's one GEMV (`hfquant.nn.fused`); nothing else decided per call.
+        if not torch.compiler.is_compiling():
+            row = self._row
+            if (
+                row is not None
+                and x.dtype is torch.bfloat16
+                and x.numel() == self.in_features
+                and not x.requires_grad
+                and x.is_contiguous()
+            ):
+                fused = self._fused
+                y = None if fused is None else fused.product(self._fused_index, x)
+                if y is None:
+                    buffers = self._buffers
+                    y = row(x, buffers["weight"], buffers["scale_zero"])
+                    dims = x.dim()
+                    if dims != 2:
+                        y = y.view(1, 1, self.out_features) if dims == 3 else y.view(*x.shape[:-1], self.out_features)
+                bias = self._parameters.get("bias")
+                if bias is not None:
+                    y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
+                return y
+        return self._planned_forward(x)
+
+    def _planned_forward(self, x: torch.Tensor) -> torch.Tensor:
         # Tensors straight from the module's dicts: nn.Module.__getattr__ falls back to a slow lookup per buffer, a
         # sizeable share of a small layer's decode call (docs/performance.md); accelerate's hooks swap tensors in
         # these same dicts.
@@ -307,7 +384,7 @@ class QuantLinear(StoredWeight):
         if scale_zero is None or (x.requires_grad and torch.is_grad_enabled()):
             zero_point = buffers.get("weight_zero_point")
         tensors = LayerTensors(buffers["weight"], buffers.get("weight_scale"), zero_point, scale_zero)
-        y = quantized_matmul_trainable(self.plan, tensors, x)  # the inference kernel unless x requires grad
+        y = quantized_matmul_trainable(self._kernel_plan, tensors, x)  # the inference kernel unless x requires grad
         bias = self._parameters.get("bias")
         if bias is not None:
             y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # (a no-op .to() costs more than the test)

@@ -18,6 +18,7 @@ from hfquant.core.format import Method, StoredFormat
 from hfquant.core.rtn import effective_group_size
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, experts_layout
+from hfquant.nn.fused import link_decode_groups
 from hfquant.nn.linear import QuantLinear
 
 __all__ = [
@@ -114,7 +115,9 @@ def replace_with_quant_linear(model: nn.Module, plans: list[LayerPlan], dtype: t
     """Swap every planned layer that has a format for an empty `QuantLinear` on the meta device, stored in
     `plan.format`.
 
-    Returns the number of layers replaced. Layers kept in float are logged once each at INFO level.
+    Returns the number of layers replaced. Layers kept in float are logged once each at INFO level. Sibling
+    projections of one format that read the same input (q/k/v, gate/up) are linked into decode groups
+    (`fused.link_decode_groups`), which compute their one-row products as one GEMV once their kernels are prepared.
     """
     replaced = 0
     for plan in plans:
@@ -138,6 +141,7 @@ def replace_with_quant_linear(model: nn.Module, plans: list[LayerPlan], dtype: t
         hide_empty_kernel_buffer(new)
         setattr(parent, child_name, new)
         replaced += 1
+    link_decode_groups(model, QuantLinear)
     return replaced
 
 

@@ -29,6 +29,8 @@ __all__ = [
     "RowKernel",
     "RowCall",
     "row_product",
+    "row_function",
+    "INT4_ROWS",
     "native_int4_works",
     "native_int8_works",
     "native_bf16_works",
@@ -120,6 +122,42 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors, plan) -
     if scale_zero.dtype != x.dtype:
         scale_zero = scale_zero.to(x.dtype)
     return _int4_row(row, call, x, tensors.weight, scale_zero, plan.group_size)
+
+
+INT4_ROWS = (RowKernel.INT4_GEMV, RowKernel.INT4_GEMV_AVX2, RowKernel.INT4_A8, RowKernel.INT4_A8_AVX2)
+"""The one-row kernels that read PyTorch's CPU int4 layout and a (K / group, N, 2) `scale_zero`."""
+
+
+def row_function(row: RowKernel, call: RowCall, group_size: int):
+    """The eager call of the int4 GEMV `row` (one of `INT4_ROWS`) made `call`s way, bound once per plan:
+    f(x, weight, scale_zero) -> (1, N) bfloat16, with x (1, K) or (1, ..., 1, K) contiguous bfloat16 and weight /
+    scale_zero as `row_product` takes them for the int4 GEMVs (scale_zero already bfloat16). It skips `row_product`'s
+    per-call dispatch on the kernel and call (a layer's decode call is a few microseconds of kernel on a small model,
+    docs/performance.md). Returns None for the other kernels, and for `RowCall.CUSTOM_OP` (compiled graphs only).
+
+    The function reads x as a flat row (the operators and the ctypes kernels check or read x.numel() / x.shape[-1]),
+    so callers need not reshape it; it returns the same bytes as `row_product`.
+    """
+    if row not in INT4_ROWS or call not in (RowCall.OPERATOR, RowCall.CTYPES):
+        return None
+    operator = call is RowCall.OPERATOR
+    if row is RowKernel.INT4_GEMV:
+        op = torch.ops.hfquant_cpu.int4_gemv.default if operator else native.int4_gemv
+    elif row is RowKernel.INT4_GEMV_AVX2:
+        op = torch.ops.hfquant_cpu.int4_gemv_avx2.default if operator else native.int4_gemv_avx2
+    else:
+        block_n = 64 if row is RowKernel.INT4_A8 else 32
+        a8 = torch.ops.hfquant_cpu.int4_gemv_a8.default if operator else native.int4_gemv_a8
+
+        def int4_a8(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+            return a8(x, weight, scale_zero, group_size, block_n)
+
+        return int4_a8
+
+    def int4(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+        return op(x, weight, scale_zero, group_size)
+
+    return int4
 
 
 def _int4_row(

@@ -1,0 +1,165 @@
+"""Fused decode groups: the projections of a block that read the same input in the same int4 format (q/k/v,
+gate/up) run one GEMV per decode step instead of one each, reading `x` once, without changing the model's classes.
+
+Why: at batch-1 decode each `QuantLinear` call is a few microseconds of kernel on a small model, and each GEMV pays
+its own dispatch, its own OpenMP region and its own output allocation (docs/performance.md). One GEMV over the
+concatenated rows costs about one of these.
+
+How, without patching transformers' attention / MLP classes: `link_decode_groups` (called by
+`replace.replace_with_quant_linear` on the skeleton) makes the sibling `QuantLinear`s of one parent (`SIBLINGS`)
+members of one `DecodeGroup`. Once every member's kernel is prepared with the same eager int4 GEMV (`QuantLinear._row`;
+same kernel, call, input width and group size, bfloat16 (scale, zero) pairs, no SINQ column scale), the group builds its
+compute tensors: the members' runtime weights concatenated along the output rows (the CPU int4 layout is blocked by
+output rows, so the concatenation is the layout of the stacked weight) and each member's `weight` buffer replaced by its
+rows of it, a view (no second copy of the codes); the (scale, zero) pairs concatenated (a new tensor: 1/16 of the
+codes' bytes at group 128; each member keeps its own for its per-layer path). The stored layout is untouched:
+`state_dict()` converts each member's rows back as before.
+
+At a decode step, whichever member is called first with an input `x` (one contiguous bfloat16 row, eager, no
+gradient) runs the group's GEMV and keeps (x, its version counter, the outputs split as views); each sibling called
+with that same tensor, unmodified, takes its view. Every output row is computed by the same kernel in the same order as
+in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order), so the fused outputs equal
+the unfused ones bit for bit. Anything else takes each layer's own path: torch.compile graphs, inputs requiring
+gradients, several rows, a member called with another tensor. A group whose members keep being called with different
+inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
+(offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
+are prepared again. A pickled or deep-copied layer leaves its group (its copy runs its own GEMV).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+__all__ = ["SIBLINGS", "MAX_MISSES", "DecodeGroup", "link_decode_groups"]
+
+logger = logging.getLogger(__name__)
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+"""Child names of one parent module that transformers' attention / MLP classes call with the same input tensor
+(Llama, Mistral, Qwen, Gemma, SmolLM, ... and Mixtral-style `w1` / `w3`)."""
+
+MAX_MISSES = 8
+"""How many times a group may compute rows that its siblings never take (they were called with other inputs) before it
+stops fusing."""
+
+
+class DecodeGroup:
+    """Sibling `QuantLinear`s (`members`, in `SIBLINGS` order) that compute their one-row decode products as one GEMV
+    once built (see the module docstring).
+
+    Attributes:
+        members: the layers.
+        weight: (sum N_i, K / 2) uint8 runtime int4 weight whose row slices are the members' `weight` buffers, or
+            None while the group is not built.
+        scale_zero: (K / group, sum N_i, 2) bfloat16, or None.
+        sizes: (N_i, ...) the members' output widths.
+    """
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = list(members)
+        self.sizes = tuple(member.out_features for member in self.members)
+        self.weight = None
+        self.scale_zero = None
+        self.misses = 0
+        self._row = None
+        self._views: tuple = ()
+        self._cache = None  # (x, x._version, outputs, [members yet to take theirs])
+
+    def build(self) -> bool:
+        """Concatenate the members' runtime tensors into the group's, if every member is prepared with the same
+        eager int4 GEMV (`QuantLinear._row` and its plan) on CPU and the group is not built yet; returns whether the
+        group computes its members' rows now."""
+        if self.weight is not None:
+            return True
+        if self.misses > MAX_MISSES:
+            return False
+        first = self.members[0]
+        key = _row_key(first)
+        if key is None or any(_row_key(member) != key for member in self.members[1:]):
+            return False
+        weights = [member._buffers["weight"] for member in self.members]
+        if any(weight.device.type != "cpu" or not weight.is_contiguous() for weight in weights):
+            return False
+        with torch.no_grad():
+            weight = torch.cat(weights)
+            scale_zero = torch.cat([member._buffers["scale_zero"] for member in self.members], dim=1)
+        views = weight.split(self.sizes)
+        for member, view in zip(self.members, views, strict=True):
+            member._buffers["weight"] = view  # the member's rows of the group's tensor: no second copy of the codes
+            member._fused = self
+        self.weight, self.scale_zero, self._row, self._views = weight, scale_zero, first._row, views
+        return True
+
+    def dissolve(self) -> None:
+        """Stop computing the members' rows together; each layer keeps its weight (a view of the group's rows until
+        it is prepared or loaded again) and runs its own GEMV."""
+        for member in self.members:
+            member._fused = None
+        self.weight = self.scale_zero = self._row = self._cache = None
+        self._views = ()
+
+    def product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Member `index`'s output (x's leading dimensions, N_index) bfloat16 for one contiguous bfloat16 row `x`: a
+        view of the group's GEMV of `x`, computed by the first member called with this tensor. None when the group
+        has stopped fusing (the caller runs the member's own GEMV)."""
+        cache = self._cache
+        if cache is not None and cache[0] is x and cache[1] == x._version:
+            left = cache[3]
+            left[0] -= 1
+            if left[0] <= 0:
+                self._cache = None
+            return cache[2][index]
+        if cache is not None and cache[3][0] > 0:
+            self.misses += 1
+            if self.misses > MAX_MISSES:
+                logger.info("hfquant stops fusing %s: their inputs differ", [m.out_features for m in self.members])
+                self.dissolve()
+                return None
+        for layer, view in zip(self.members, self._views, strict=True):
+            if layer._buffers["weight"] is not view:  # swapped by an offloading hook, or re-planned
+                self.dissolve()
+                return None
+        y = self._row(x, self.weight, self.scale_zero)
+        dims = x.dim()
+        if dims != 2:
+            y = y.view(1, 1, -1) if dims == 3 else y.view(*x.shape[:-1], -1)
+        outputs = y.split_with_sizes(self.sizes, -1)
+        self._cache = (x, x._version, outputs, [len(self.members) - 1])
+        return outputs[index]
+
+
+def _row_key(layer: nn.Module):
+    """What must match for layers to share a GEMV: the bound eager int4 kernel, its call, K and the group size; None
+    when the layer has no such kernel."""
+    if layer._row is None:
+        return None
+    plan = layer.plan
+    return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, layer._buffers["weight"].dtype)
+
+
+def link_decode_groups(model: nn.Module, layer_type: type) -> int:
+    """Make the sibling `layer_type` (`QuantLinear`) children of each module of `model` named as in `SIBLINGS` that
+    share a stored format and input width members of one `DecodeGroup` (at least two; built once their kernels are
+    prepared alike). Returns the number of groups."""
+    groups = 0
+    for parent in model.modules():
+        children = parent._modules
+        for names in SIBLINGS:
+            by_format: dict = {}
+            for name in names:
+                member = children.get(name)
+                if isinstance(member, layer_type) and member._decode_group is None:
+                    by_format.setdefault((member.format, member.in_features), []).append(member)
+            for members in by_format.values():
+                if len(members) < 2:
+                    continue
+                group = DecodeGroup(members)
+                for index, member in enumerate(members):
+                    member._decode_group = group
+                    member._fused_index = index
+                group.build()
+                groups += 1
+    return groups

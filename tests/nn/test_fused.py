@@ -1,0 +1,182 @@
+"""Fused decode groups (`hfquant.nn.fused`): q/k/v and gate/up of one int4 format run one GEMV per decode row, their
+outputs equal to each layer's own GEMV bit for bit; the stored tensors, the per-layer paths and torch.compile are
+unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hfquant.core.format import StoredFormat
+from hfquant.nn import fused
+from hfquant.nn.linear import QuantLinear
+from hfquant.ops import gemv
+
+pytestmark = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's int4 GEMV does not run here")
+
+K = 256
+FORMAT = StoredFormat(4, 64, False)
+
+
+class Attention(nn.Module):
+    """The projections of a grouped-query attention block, called as transformers' classes call them."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        for name, n in (("q_proj", 128), ("k_proj", 64), ("v_proj", 64), ("o_proj", K)):
+            weight = torch.randn((n, K if name != "o_proj" else 128), generator=generator).to(torch.bfloat16)
+            b = torch.randn((n,), generator=generator).to(torch.bfloat16) if bias else None
+            setattr(self, name, QuantLinear.from_float(weight, b, FORMAT))
+
+    def prepare(self) -> None:
+        for layer in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            layer.prepare_kernel(torch.bfloat16)
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def _block(monkeypatch, bias: bool = False) -> Attention:
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # read when the layers are planned
+    block = Attention(bias)
+    assert fused.link_decode_groups(block, QuantLinear) == 1
+    block.prepare()
+    return block
+
+
+def _row(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn((*shape, K), generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _unfused(block: Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each projection by its own GEMV (the group dissolved), then the group built again."""
+    group = block.q_proj._decode_group
+    group.dissolve()
+    try:
+        return block(x)
+    finally:
+        assert group.build()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1,), ()], ids=["batch-seq", "row", "flat"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_outputs_equal_each_layers_own_gemv_bit_for_bit(monkeypatch, shape, bias):
+    block = _block(monkeypatch, bias)
+    group = block.q_proj._fused
+    assert group is not None and block.o_proj._fused is None
+    x = _row(1, *shape)
+    got = block(x)
+    # one GEMV: the three outputs are views of one tensor
+    assert len({y.untyped_storage().data_ptr() for y in got}) == (1 if not bias else 3)
+    expected = _unfused(block, x)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape == (*shape, g.shape[-1])
+        assert torch.equal(g, e)
+    # and against the planned per-layer path (several rows, each its own aten product)
+    many = torch.cat([x.reshape(1, K), _row(2, 1)])
+    for layer, g in zip((block.q_proj, block.k_proj, block.v_proj), got, strict=True):
+        torch.testing.assert_close(layer(many)[:1].float(), g.reshape(1, -1).float(), rtol=0.02, atol=0.02)
+
+
+def test_the_members_weights_are_rows_of_the_groups_tensor_and_the_state_dict_is_unchanged(monkeypatch):
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    plain = Attention()
+    plain.prepare()
+    block = _block(monkeypatch)
+    group = block.q_proj._fused
+    start = group.weight.data_ptr()
+    offsets = [layer.weight.data_ptr() - start for layer in (block.q_proj, block.k_proj, block.v_proj)]
+    assert offsets == [0, 128 * K // 2, 192 * K // 2]  # views: no second copy of the codes
+    saved, reference = block.state_dict(), plain.state_dict()
+    assert saved.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(saved[name], tensor), name
+        assert saved[name].untyped_storage().data_ptr() != group.weight.untyped_storage().data_ptr()
+    reloaded = Attention()
+    reloaded.load_state_dict(saved)
+    fused.link_decode_groups(reloaded, QuantLinear)
+    reloaded.prepare()
+    assert reloaded.q_proj._fused is not None
+    x = _row(3, 1, 1)
+    for a, b in zip(reloaded(x), block(x), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_loading_into_a_fused_layer_leaves_the_group(monkeypatch):
+    block = _block(monkeypatch)
+    x = _row(4, 1, 1)
+    expected = block(x)
+    block.k_proj.load_state_dict(block.k_proj.state_dict())
+    assert block.q_proj._fused is None and block.k_proj._fused is None
+    q, k, v = block(x)  # k unprepared: the dequantized product; q and v their own GEMVs
+    assert q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+    assert torch.equal(q, expected[0]) and torch.equal(v, expected[2])
+    block.k_proj.prepare_kernel(torch.bfloat16)  # every member prepared again: the group forms again
+    assert block.q_proj._fused is not None
+    for a, b in zip(block(x), expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_siblings_called_with_other_inputs_get_their_own_product_and_the_group_stops_fusing(monkeypatch):
+    block = _block(monkeypatch)
+    x, other = _row(5, 1, 1), _row(6, 1, 1)
+    expected_k = _unfused(block, other)[1]
+    for _ in range(fused.MAX_MISSES + 2):
+        block.q_proj(x)
+        assert torch.equal(block.k_proj(other), expected_k)
+    assert block.q_proj._fused is None  # cross-attention-like use: fusing would compute rows no one takes
+
+
+def test_an_input_changed_in_place_between_siblings_is_computed_again(monkeypatch):
+    block = _block(monkeypatch)
+    x = _row(7, 1, 1)
+    block.q_proj(x)
+    x.mul_(2)
+    assert torch.equal(block.k_proj(x), _unfused(block, x)[1])
+
+
+def test_a_swapped_weight_is_read_not_the_groups_copy(monkeypatch):
+    """What an offloading hook does between calls: another tensor in the member's `_buffers`."""
+    block = _block(monkeypatch)
+    x = _row(8, 1, 1)
+    expected = block(x)
+    block.k_proj._buffers["weight"] = block.k_proj.weight.clone()
+    for a, b in zip(block(x), expected, strict=True):
+        assert torch.equal(a, b)
+    assert block.q_proj._fused is None
+
+
+def test_gradients_and_compiled_graphs_take_the_per_layer_path(monkeypatch):
+    block = _block(monkeypatch)
+    x = _row(9, 1, 1)
+    expected = _unfused(block, x)
+    needs_grad = x.clone().requires_grad_(True)
+    q = block.q_proj(needs_grad)
+    assert q.grad_fn is not None and block.q_proj._fused._cache is None
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        for a, b in zip(compiled(x), expected, strict=True):
+            assert torch.equal(a, b)
+    torch._dynamo.reset()
+
+
+def test_members_of_different_formats_are_not_grouped():
+    generator = torch.Generator().manual_seed(0)
+    parent = nn.Module()
+    parent.gate_proj = QuantLinear.from_float(torch.randn((128, K), generator=generator), None, FORMAT)
+    parent.up_proj = QuantLinear.from_float(torch.randn((128, K), generator=generator), None, StoredFormat(8, K, True))
+    assert fused.link_decode_groups(parent, QuantLinear) == 0
+
+
+def test_a_pickled_layer_binds_its_own_gemv(monkeypatch, tmp_path):
+    block = _block(monkeypatch)
+    x = _row(10, 1, 1)
+    expected = block(x)
+    torch.save(block, tmp_path / "block.pt")
+    copy = torch.load(tmp_path / "block.pt", weights_only=False)
+    assert copy.q_proj._row is not None and copy.q_proj._fused is None
+    for a, b in zip(copy(x), expected, strict=True):
+        assert torch.equal(a, b)
