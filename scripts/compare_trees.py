@@ -5,9 +5,10 @@
 
 Each (tree, method, run) is a fresh process that imports hfquant from that tree (the tree is put first on
 `sys.path`), alternating the trees so that host noise falls on both. One run: `from_pretrained` of the benchmark's
-random-weight 1.2B Llama (`benchmarks/random_model.py`, built once and cached) with quantization, `generate` of 32
-tokens (best of 3 after a warm-up), `save_pretrained`, a reload from the page cache and `generate` again. Prints a
-markdown table of medians (min-max) per tree and the after/before ratio of the medians, with the CPU named.
+random-weight 1.2B Llama (`benchmarks/random_model.py`, built once and cached; its shards read into the page
+cache first) with quantization, `generate` of 32 tokens (best of 3 after a warm-up), `save_pretrained`, a reload from
+the page cache and `generate` again. Prints a markdown table of medians (min-max) per tree and the after/before ratio
+of the medians, with the CPU named.
 
 With `--paired-rounds N`, decode only, in paired rounds instead (`benchmarks.paired.run_rounds`): for every benchmark
 method in `--paired-methods` (and with `--compile`, its "+compile" variant: static cache, `torch.compile` fullgraph),
@@ -37,13 +38,18 @@ from benchmarks.methods import worker_env  # noqa: E402
 
 FIELDS = (
     ("quantize on load, s", "quantize_load_s"),
+    ("quantize on load, GB/s of the source's safetensors", "quantize_load_gb_s"),
     ("decode, tokens/s", "decode_tok_s"),
     ("save_pretrained, s", "save_s"),
     ("reload, s", "reload_s"),
     ("decode after reload, tokens/s", "reload_decode_tok_s"),
 )
 
-METHODS = {"int8": {"bits": 8, "group_size": None}, "int4-rtn": {"bits": 4, "group_size": 128, "method": "rtn"}}
+METHODS = {
+    "int8": {"bits": 8, "group_size": None},
+    "int4-rtn": {"bits": 4, "group_size": 128, "method": "rtn"},
+    "int4-default": {"bits": 4, "mixed_precision": "auto"},  # SINQ folded, the data-free mixed precision
+}
 
 WORKER = r"""
 import json, os, shutil, sys, tempfile, time
@@ -54,7 +60,7 @@ import hfquant
 from transformers import AutoModelForCausalLM
 assert os.path.realpath(hfquant.__file__).startswith(os.path.realpath(tree)), hfquant.__file__
 try:
-    config = hfquant.HfQuantConfig(**fields, mixed_precision="none")
+    config = hfquant.HfQuantConfig(**{"mixed_precision": "none", **fields})
 except (TypeError, ValueError):  # a tree from before mixed_precision existed (then always none)
     config = hfquant.HfQuantConfig(**fields)
 ids = torch.tensor([[1, 500, 900, 1200, 40, 77, 300, 12]])
@@ -67,9 +73,16 @@ def decode(model):
         best = min(best, time.perf_counter() - t0)
     return 32 / best
 result = {}
+for name in os.listdir(source):  # every run starts with the shards in the page cache, as the reload below does
+    if name.endswith(".safetensors"):
+        with open(os.path.join(source, name), "rb") as handle:
+            while handle.read(1 << 24):
+                pass
 t0 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
 result["quantize_load_s"] = time.perf_counter() - t0
+shards = [os.path.join(source, n) for n in os.listdir(source) if n.endswith(".safetensors")]
+result["quantize_load_gb_s"] = sum(os.path.getsize(p) for p in shards) / 1e9 / result["quantize_load_s"]
 result["decode_tok_s"] = decode(model)
 folder = tempfile.mkdtemp(prefix="compare-trees-")
 try:

@@ -28,6 +28,7 @@ __all__ = ["PageReleaser", "release_checkpoint_pages", "mapped_checkpoint_ranges
 
 logger = logging.getLogger(__name__)
 
+_MADV_DONTNEED = 4
 _MADV_PAGEOUT = 21
 _MAPS = "/proc/self/maps"
 
@@ -61,22 +62,29 @@ def mapped_checkpoint_ranges(suffix: str = ".safetensors") -> list[tuple[int, in
 _warned = False
 
 
-def release_checkpoint_pages() -> int:
+def release_checkpoint_pages(keep_cached: bool = False) -> int:
     """Reclaim the resident pages of every mapped `.safetensors` file; returns the number of bytes advised.
 
     Safe to call at any time: data stays readable, it is re-read from the file when touched again.
+
+    Args:
+        keep_cached: unmap the pages from this process only (`MADV_DONTNEED`): they leave its resident set but stay in
+            the kernel's page cache, for a pass that reads the checkpoint again soon (the fold pre-pass of
+            `fold_column_scales`: with `MADV_PAGEOUT` the streaming load after it read every shard from the disk
+            again).
     """
     global _warned
     madvise = _madvise()
     if madvise is None:
         return 0
     advised = 0
+    advice = _MADV_DONTNEED if keep_cached else _MADV_PAGEOUT
     for start, end, path in mapped_checkpoint_ranges():
-        if madvise(start, end - start, _MADV_PAGEOUT) == 0:
+        if madvise(start, end - start, advice) == 0:
             advised += end - start
         elif not _warned:
             _warned = True
-            logger.info("madvise(MADV_PAGEOUT) refused for %s (errno %d)", path, ctypes.get_errno())
+            logger.info("madvise(%d) refused for %s (errno %d)", advice, path, ctypes.get_errno())
     trim_heap()
     return advised
 

@@ -94,6 +94,7 @@ def column_scale_of(
     group_size: int,
     row_scales: list[torch.Tensor | None] | None = None,
     scratch: Scratch | None = None,
+    iterations: int = sinq.ITERATIONS,
 ) -> torch.Tensor:
     """The SINQ column scale (K,) float32 shared by matrices that read the same input: `sinq.column_scale` of the
     matrices (N_i, K) stacked along their rows, balanced per tile of `group_size` columns.
@@ -104,6 +105,7 @@ def column_scale_of(
         row_scales: per matrix, None or (N_i,) factors its rows are multiplied by first (a row scale another fold puts
             on it), in bfloat16: only the statistics read these values.
         scratch: reusable buffers for the stacked copy and the statistics' temporaries (`hfquant.core.scratch`).
+        iterations: balancing iterations (`sinq.ITERATIONS`).
     Raises:
         ValueError: the widths differ, group_size does not divide K, or a weight holds NaN/Inf.
     """
@@ -112,7 +114,7 @@ def column_scale_of(
         raise ValueError(f"matrices reading one input must have the same width; got widths {sorted(widths)}")
     row_scales = row_scales or [None] * len(weights)
     if len(weights) == 1 and row_scales[0] is None:
-        return sinq.column_scale(weights[0], group_size, scratch=scratch)
+        return sinq.column_scale(weights[0], group_size, iterations, scratch=scratch)
     shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
     stacked = (
         torch.empty(shape, dtype=torch.bfloat16) if scratch is None else scratch.take("stacked", shape, torch.bfloat16)
@@ -124,7 +126,7 @@ def column_scale_of(
         if rows is not None:
             part.mul_(rows.to(torch.bfloat16)[:, None])
         start += weight.shape[0]
-    return sinq.column_scale(stacked, group_size, scratch=scratch)
+    return sinq.column_scale(stacked, group_size, iterations, scratch=scratch)
 
 
 def fold_into_norm(norm_weight: torch.Tensor, col_scale: torch.Tensor) -> tuple[Transform, torch.Tensor]:

@@ -14,7 +14,10 @@ scales r change nothing and are not kept. As in the paper, the balancing runs pe
     c = column_scale(w, group_size)                       # (K,) float32, > 0, rounded to the stored bfloat16
     q = RTN(w / c)  ->  w_hat = dequantize(q) * c          # the layer computes x @ w_hat.T = (x * c) @ dequantize(q).T
 
-Cost: `iterations` passes of two standard deviations over a float32 copy of the weight (one tensor at a time).
+Cost: `iterations` passes of two standard deviations over a bfloat16 copy of the weight (one tensor at a time). The
+same balancing runs in C where hfquant's native library loads (`hfquant.ops.balance`, `csrc/sinq_cpu.c`): each tile
+in cache, with float32 sums where these torch ops round each sum to bfloat16; `scale_from_balance` turns either
+result into the column scale.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from hfquant.core import rtn
 from hfquant.core.scratch import Scratch
 
-__all__ = ["ITERATIONS", "NonFiniteWeightError", "column_scale"]
+__all__ = ["ITERATIONS", "NonFiniteWeightError", "balance", "column_scale", "scale_from_balance"]
 
 ITERATIONS = 4
 """Balancing iterations. The paper uses 16; on SmolLM2-135M at int4 group 64 and 128, 1 to 16 iterations gave
@@ -64,27 +67,52 @@ def column_scale(
         raise ValueError(f"group_size={group_size} does not divide in_features={k}")
     if n < 2:
         return torch.ones(k)
+    return scale_from_balance(balance(weight, group_size, iterations, scratch), group_size)
+
+
+def balance(
+    weight: torch.Tensor,
+    group_size: int,
+    iterations: int = ITERATIONS,
+    scratch: Scratch | None = None,
+    stats_dtype: torch.dtype = _STATS_DTYPE,
+) -> torch.Tensor:
+    """The Sinkhorn balancing of `column_scale` in torch ops: the inverse column factors (K,) float32 of the kept
+    iterate, per tile of `group_size` columns (`scale_from_balance` makes the column scale of them).
+
+    Args:
+        weight: (N, K) float tensor, N >= 2; group_size divides K (the caller checks).
+        stats_dtype: the dtype the statistics' products read and return (bfloat16; float64 gives a reference for the
+            C balancing of `hfquant.ops.balance`).
+    Raises:
+        NonFiniteWeightError: the weight holds NaN/Inf.
+    """
+    n, k = weight.shape
     # The statistics are computed in bfloat16 (the weights' own precision in a bf16 checkpoint; the products sum in
     # float32), which halves the bytes each pass reads; the quantization itself uses the weight as given.
     shape = (k // group_size, n, group_size)
-    source = weight.detach().to(_STATS_DTYPE).reshape(n, k // group_size, group_size).transpose(0, 1)
+    source = weight.detach().to(stats_dtype).reshape(n, k // group_size, group_size).transpose(0, 1)
     if scratch is None:
         tiles = source.contiguous()
         squares = tiles * tiles  # (G, N, g)
     else:
-        tiles = scratch.take("sinq.tiles", shape, _STATS_DTYPE).copy_(source)
-        squares = torch.mul(tiles, tiles, out=scratch.take("sinq.squares", shape, _STATS_DTYPE))
+        tiles = scratch.take("sinq.tiles", shape, stats_dtype).copy_(source)
+        squares = torch.mul(tiles, tiles, out=scratch.take("sinq.squares", shape, stats_dtype))
+
+    def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _bmm(a, b, stats_dtype)
+
     # The current iterate is tiles * inv_row * inv_col. The sums of a row (column) are the sums of tiles and of
     # squares weighted by the other side's factors: batched matrix-vector products, no weight-sized temporary.
     inv_col = torch.ones(tiles.shape[0], group_size, 1)  # (G, g, 1)
     inv_row = torch.ones(tiles.shape[0], 1, n)  # (G, 1, N)
-    row_sum = _bmm(tiles, inv_col)
+    row_sum = bmm(tiles, inv_col)
     if not torch.isfinite(row_sum).all():  # a NaN or Inf anywhere makes its row's sum one too
         raise NonFiniteWeightError("the weight holds NaN or Inf values; SINQ cannot balance it")
-    row_std = _std(row_sum, _bmm(squares, inv_col * inv_col), group_size)  # (G, N, 1)
+    row_std = _std(row_sum, bmm(squares, inv_col * inv_col), group_size)  # (G, N, 1)
     best_inv_col, best = inv_col, None
     for step in range(iterations + 1):
-        col_sum, col_squares = _bmm(inv_row, tiles), _bmm(inv_row * inv_row, squares)  # (G, 1, g)
+        col_sum, col_squares = bmm(inv_row, tiles), bmm(inv_row * inv_row, squares)  # (G, 1, g)
         col_std = _std(col_sum, col_squares, n).transpose(1, 2) * inv_col  # (G, g, 1), of the current iterate
         score = _imbalance(col_std, row_std)
         if best is None:
@@ -96,19 +124,27 @@ def column_scale(
         if step == iterations:
             break
         inv_col = inv_col / _relative(col_std)
-        row_sum, row_squares = _bmm(tiles, inv_col), _bmm(squares, inv_col * inv_col)  # (G, N, 1)
+        row_sum, row_squares = bmm(tiles, inv_col), bmm(squares, inv_col * inv_col)  # (G, N, 1)
         row_std = _std(row_sum, row_squares, group_size) * inv_row.transpose(1, 2)
         factor = _relative(row_std)
         inv_row, row_std = inv_row / factor.transpose(1, 2), row_std / factor
-    # centre each tile's log scale on 0 (its mean factor is absorbed by the group scales anyway), then bound it
-    log_col = -torch.log(best_inv_col)
+    return best_inv_col.reshape(k).float()
+
+
+def scale_from_balance(inv_col: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The column scale (K,) float32 of `column_scale` from the balancing's inverse column factors `inv_col` (K,):
+    1 / inv_col with each tile's log scale centred on 0 (its mean factor is absorbed by the group scales anyway) and
+    bounded by `_LOG_SCALE_LIMIT`, rounded to bfloat16."""
+    k = inv_col.shape[0]
+    log_col = -torch.log(inv_col.float().reshape(k // group_size, group_size, 1))
     log_col = (log_col - log_col.mean(dim=1, keepdim=True)).clamp(-_LOG_SCALE_LIMIT, _LOG_SCALE_LIMIT)
     return torch.exp(log_col).reshape(k).to(rtn.SCALE_DTYPE).float()
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched product of a statistics operand and float32 factors, in `_STATS_DTYPE`, returned as float32."""
-    return torch.bmm(a.to(_STATS_DTYPE), b.to(_STATS_DTYPE)).float()
+def _bmm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = _STATS_DTYPE) -> torch.Tensor:
+    """Batched product of a statistics operand and float factors, in `dtype`, returned as float32 (float64 for a
+    float64 `dtype`, whose statistics then stay in float64)."""
+    return torch.bmm(a.to(dtype), b.to(dtype)).to(torch.promote_types(dtype, torch.float32))
 
 
 def _std(total: torch.Tensor, squares: torch.Tensor, count: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from hfquant.core.folding import Transform
 from hfquant.core.format import Method
 from hfquant.core.scratch import Scratch
 from hfquant.integration.conversions import model_key_map
+from hfquant.ops import balance
 
 __all__ = ["FOLDABLE_MODEL_TYPES", "Block", "find_blocks", "plan_folds", "fold_overrides", "checkpoint_reader"]
 
@@ -152,7 +153,7 @@ def plan_folds(
                     block.attention_norm.rpartition(".")[0],
                     reason,
                 )
-            release_checkpoint_pages()
+            release_checkpoint_pages(keep_cached=True)  # out of this process, kept for the streaming load
     scratch.clear()
     logger.info("hfquant: column scales folded in %d block(s), %d module(s) changed", len(blocks), len(transforms))
     return transforms
@@ -191,7 +192,7 @@ def _fold_block(
     quantized = {name for name in block if formats.get(name) is not None}
     v_rows = up_rows = None
     if {block.v, block.o} <= quantized:
-        o_scale = folding.column_scale_of([read(block.o + ".weight")], tile(block.o), scratch=scratch)
+        o_scale = balance.column_scale([read(block.o + ".weight")], tile(block.o), scratch=scratch)
         try:
             v_rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
         except ValueError as error:
@@ -199,12 +200,12 @@ def _fold_block(
         add(block.o, Transform(col_scale=o_scale))
         add(block.v, Transform(row_scale=v_rows))
     if {block.q, block.k, block.v} <= quantized:
-        # v's rows carry o_proj's fold; only the statistics read the scaled copy (in bfloat16, as `hfquant.core.sinq`
-        # computes them): the stored layer is rescaled exactly, in float32, when it is quantized
-        scale = folding.column_scale_of(
+        # v's rows carry o_proj's fold; only the statistics read them scaled (`hfquant.ops.balance`): the stored layer
+        # is rescaled exactly, in float32, when it is quantized
+        scale = balance.column_scale(
             [read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")],
             tile(block.q, block.k, block.v),
-            row_scales=[None, None, v_rows],
+            [None, None, v_rows],
             scratch=scratch,
         )
         norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
@@ -212,14 +213,14 @@ def _fold_block(
         for name in (block.q, block.k, block.v):
             add(name, Transform(col_scale=scale))
     if {block.up, block.down} <= quantized:
-        up_rows = folding.column_scale_of([read(block.down + ".weight")], tile(block.down), scratch=scratch)
+        up_rows = balance.column_scale([read(block.down + ".weight")], tile(block.down), scratch=scratch)
         add(block.down, Transform(col_scale=up_rows))
         add(block.up, Transform(row_scale=up_rows))
     if {block.gate, block.up} <= quantized:
-        scale = folding.column_scale_of(
+        scale = balance.column_scale(
             [read(block.gate + ".weight"), read(block.up + ".weight")],
             tile(block.gate, block.up),
-            row_scales=[None, up_rows],
+            [None, up_rows],
             scratch=scratch,
         )
         norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)

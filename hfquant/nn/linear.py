@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.core import blocks, packing, rtn, sinq
+from hfquant.core import blocks, packing, rtn
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
-from hfquant.ops import gemv, kernels, native
+from hfquant.ops import balance, gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan, LayerTensors
 from hfquant.ops.plan import plan_kernel
@@ -400,10 +400,10 @@ def quantize_to_buffers(
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; on the CPU, where hfquant's native library loads, min/max RTN of a
     chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first
-    computes the column scale c on a float32 copy of the whole weight (`hfquant.core.sinq`) and quantizes w / c. `clipping` picks each group's range
-    (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the stored format. `fold` (from
-    `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like the rest: the quantized
-    weight is `hfquant.core.folding.apply(weight, fold)`'s.
+    computes the column scale c (`hfquant.core.sinq`, in C where it can: `hfquant.ops.balance`) and quantizes w / c.
+    `clipping` picks each group's range (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the
+    stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
+    the rest (in the C pass itself where it runs): the quantized weight is `hfquant.core.folding.apply(weight, fold)`'s.
 
     Raises:
         ValueError: the weight holds NaN or Inf values.
@@ -416,7 +416,7 @@ def quantize_to_buffers(
     if fmt.method is Method.SINQ:
         if col_scale is not None or row_scale is not None:  # the fold's scales would need SINQ's folded too
             raise ValueError("a folded layer is stored with method 'rtn', not 'sinq'")
-        col_scale = sinq.column_scale(weight, fmt.group_size).to(weight.device)
+        col_scale = balance.column_scale([weight], fmt.group_size).to(weight.device)
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
     if fmt.block is not None:
@@ -428,25 +428,28 @@ def quantize_to_buffers(
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows]
-        if row_scale is not None:
-            chunk = chunk.float() * row_scale[rows, None]
-        if col_scale is not None:
-            chunk = chunk.float() / col_scale
         if in_c:
             if not chunk.is_floating_point():
                 raise ValueError(f"expected a float weight, got {weight.dtype}")
             if chunk.dtype not in (torch.bfloat16, torch.float32):
                 chunk = chunk.float()  # exact, as rtn.quantize_weight's own float32 copy
             zero_point = buffers.get("weight_zero_point")
-            # written straight into the layer's rows (contiguous): no chunk-sized temporaries, no copy
+            # written straight into the layer's rows (contiguous): no chunk-sized temporaries, no copy; a fold's
+            # factors are applied in the same pass, in the float32 operations of the torch lines below
             native.rtn_quantize(
                 chunk,
                 fmt.bits,
                 fmt.group_size,
                 fmt.symmetric,
                 out=(stored[rows], buffers["weight_scale"][rows], None if zero_point is None else zero_point[rows]),
+                row_scale=None if row_scale is None else row_scale[rows].float(),
+                col_scale=None if col_scale is None else col_scale.float(),
             )
             continue
+        if row_scale is not None:
+            chunk = chunk.float() * row_scale[rows, None]
+        if col_scale is not None:
+            chunk = chunk.float() / col_scale
         q = rtn.quantize_weight(chunk, fmt.bits, fmt.group_size, fmt.symmetric, clipping)
         stored[rows] = packing.pack_int4(q.q) if fmt.bits == 4 else q.q
         buffers["weight_scale"][rows] = q.scale

@@ -46,6 +46,7 @@ __all__ = [
     "int8_gemv",
     "int4_repack",
     "rtn_quantize",
+    "sinq_balance",
     "bf16_gemv",
     "block_gemv",
     "block_gemv_supported",
@@ -78,6 +79,8 @@ _SIGNATURES = {
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
+    "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
+    "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 3 + [_POINTER],
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 
@@ -317,10 +320,13 @@ def rtn_quantize(
     group_size: int,
     symmetric: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest quantization of a CPU weight in one C pass (`csrc/rtn_cpu.c`), bit for bit what
     `hfquant.core.rtn.quantize_weight(weight, bits, group_size, symmetric)` gives, packed at 4 bits as
-    `hfquant.core.packing.pack_int4` packs.
+    `hfquant.core.packing.pack_int4` packs. With `row_scale` / `col_scale` (a fold's factors), the weight quantized is
+    `weight.float() * row_scale[:, None] / col_scale` in those float32 operations, without making that copy.
 
     Args:
         weight: (N, K) contiguous bfloat16 or float32 on the CPU.
@@ -329,6 +335,8 @@ def rtn_quantize(
         symmetric: as in `hfquant.core.rtn`.
         out: (codes, scale, zero_point) tensors to write into instead of new ones (contiguous, the shapes and dtypes
             below; zero_point None when symmetric), e.g. row slices of a layer's buffers: no temporary, no copy.
+        row_scale: None or (N,) float32 CPU factors of the rows.
+        col_scale: None or (K,) float32 CPU divisors of the columns.
     Returns:
         (codes, scale, zero_point): codes (N, K // 2) uint8 at 4 bits, (N, K) int8 at 8 bits symmetric, (N, K) uint8
         at 8 bits asymmetric; scale (N, K // group_size) bfloat16; zero_point (N, K // group_size) uint8, or None when
@@ -373,23 +381,89 @@ def rtn_quantize(
             )
             raise RuntimeError(f"rtn_quantize: out {name} must be {wanted}, got {got}")
     codes, scale, zero_point = out
-    status = library.hfquant_rtn_quantize(
-        weight.data_ptr(),
-        int(weight.dtype == torch.bfloat16),
-        n,
-        k,
-        group_size,
-        bits,
-        int(symmetric),
-        codes.data_ptr(),
-        scale.data_ptr(),
-        None if zero_point is None else zero_point.data_ptr(),
-    )
+    factors = []
+    for name, vector, length in (("row_scale", row_scale, n), ("col_scale", col_scale, k)):
+        if vector is not None:
+            vector = vector.contiguous()
+            if vector.shape != (length,) or vector.dtype != torch.float32 or vector.device.type != "cpu":
+                raise RuntimeError(
+                    f"rtn_quantize: {name} must be a float32 CPU tensor of shape ({length},), got {vector.dtype} "
+                    f"{tuple(vector.shape)} on {vector.device}"
+                )
+        factors.append(vector)
+    arguments = [weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric)]
+    outputs = [codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr()]
+    if factors == [None, None]:
+        status = library.hfquant_rtn_quantize(*arguments, *outputs)
+    else:
+        pointers = [None if vector is None else vector.data_ptr() for vector in factors]
+        status = library.hfquant_rtn_quantize_scaled(*arguments, *pointers, *outputs)
     if status == 2:
         raise ValueError("cannot quantize a weight that contains NaN or Inf values")
     if status:
         raise RuntimeError(f"hfquant native RTN refused N={n}, K={k}, bits={bits}, group_size={group_size}")
     return codes, scale, zero_point
+
+
+def sinq_balance(
+    weights: list[torch.Tensor],
+    group_size: int,
+    iterations: int,
+    row_scales: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """SINQ's Sinkhorn balancing (`hfquant.core.sinq`) of the matrices `weights` stacked along their rows, in C
+    (`csrc/sinq_cpu.c`): each tile of `group_size` columns is balanced on a bfloat16 copy that stays in cache, with
+    float32 sums. Runs on any x86-64 CPU where the library loads (`built_library`).
+
+    Args:
+        weights: matrices (N_i, K) on the CPU, one width, any float dtype (bfloat16 and float32 are read in place,
+            others converted); at least 2 rows in all.
+        group_size: columns per tile, dividing K.
+        iterations: balancing iterations (>= 0).
+        row_scales: per matrix, None or (N_i,) factors its rows are multiplied by first.
+    Returns:
+        (K,) float32: the inverse column factors of the kept iterate (`hfquant.core.sinq.scale_from_balance` makes
+        the column scale of them).
+    Raises:
+        ValueError: a weight holds NaN or Inf values (naming the problem), or the shapes do not fit (naming them).
+        MemoryError: a tile copy could not be allocated.
+        RuntimeError: the library is unavailable.
+    """
+    library = _loaded_library(any_x86=True)
+    widths = {w.shape[1] if w.dim() == 2 else None for w in weights}
+    if not weights or len(widths) != 1 or None in widths:
+        raise ValueError(
+            f"sinq_balance needs 2-D matrices of one width, got shapes {[tuple(w.shape) for w in weights]}"
+        )
+    k = widths.pop()
+    if group_size <= 0 or k % group_size or iterations < 0:
+        raise ValueError(f"group_size={group_size} does not divide in_features={k} (or iterations={iterations} < 0)")
+    row_scales = row_scales or [None] * len(weights)
+    bf16 = all(w.dtype == torch.bfloat16 for w in weights)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    mats = [w.detach().to("cpu", dtype).contiguous() for w in weights]
+    factors = []
+    for weight, rows in zip(mats, row_scales, strict=True):
+        if rows is not None:
+            rows = rows.detach().to("cpu", torch.float32).contiguous()
+            if rows.shape != (weight.shape[0],):
+                raise ValueError(f"row scale of {tuple(rows.shape)} does not fit a weight of {tuple(weight.shape)}")
+        factors.append(rows)
+    count = len(mats)
+    pointers = (ctypes.c_void_p * count)(*[w.data_ptr() for w in mats])
+    rows_array = (ctypes.c_int64 * count)(*[w.shape[0] for w in mats])
+    scales = (ctypes.c_void_p * count)(*[None if f is None else f.data_ptr() for f in factors])
+    inv_col = torch.empty(k, dtype=torch.float32)
+    status = library.hfquant_sinq_balance(
+        pointers, rows_array, scales, count, int(bf16), k, group_size, iterations, inv_col.data_ptr()
+    )
+    if status == 2:
+        raise ValueError("the weight holds NaN or Inf values; SINQ cannot balance it")
+    if status == 3:
+        raise MemoryError(f"sinq_balance: no memory for a tile of {sum(w.shape[0] for w in mats)} x {group_size}")
+    if status:
+        raise ValueError(f"sinq_balance refused matrices of shapes {[tuple(w.shape) for w in mats]}")
+    return inv_col
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

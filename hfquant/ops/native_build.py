@@ -64,6 +64,7 @@ SOURCES = tuple(
         "bf16_cpu.c",
         "blocks_cpu.c",
         "blocks_quant_cpu.c",
+        "sinq_cpu.c",
     )
 )
 """The C sources, compiled into one library (`int4_cpu.so`, and with `CPP_SOURCE` into `torch_ops.so`)."""

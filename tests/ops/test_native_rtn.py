@@ -133,3 +133,34 @@ def test_out_of_the_wrong_shape_dtype_or_layout_is_refused_by_name():
         )
     with pytest.raises(RuntimeError, match="out zero_point must be a contiguous"):
         native.rtn_quantize(weight, 4, 64, False, out=(torch.empty((64, 64), dtype=torch.uint8), scale, None))
+
+
+@pytest.mark.parametrize("bits, symmetric", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, cols", [(True, True), (True, False), (False, True)], ids=["both", "rows", "cols"])
+def test_fold_factors_in_the_pass_give_the_bytes_of_the_scaled_copy(bits, symmetric, dtype, rows, cols):
+    """`row_scale` / `col_scale` (a fold's factors, applied in the C pass) quantize the float32 copy
+    `weight.float() * row_scale[:, None] / col_scale` bit for bit: the bytes `quantize_to_buffers` stored before it
+    passed the factors to the kernel."""
+    generator = torch.Generator().manual_seed(bits + 2 * rows + cols)
+    weight = (torch.randn(96, 512, generator=generator) * 0.05).to(dtype)
+    row_scale = torch.rand(96, generator=generator) * 4 + 0.25 if rows else None
+    col_scale = (torch.rand(512, generator=generator) * 4 + 0.25).to(torch.bfloat16).float() if cols else None
+    scaled = weight.float()
+    if row_scale is not None:
+        scaled = scaled * row_scale[:, None]
+    if col_scale is not None:
+        scaled = scaled / col_scale
+    want = native.rtn_quantize(scaled, bits, 64, symmetric)
+    got = native.rtn_quantize(weight, bits, 64, symmetric, row_scale=row_scale, col_scale=col_scale)
+    assert torch.equal(got[0], want[0]), "codes differ"
+    assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16)), "scales differ"
+    assert (got[2] is None) == symmetric and (symmetric or torch.equal(got[2], want[2])), "zero points differ"
+
+
+def test_fold_factors_of_the_wrong_shape_are_refused_by_name():
+    weight = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="col_scale must be a float32 CPU tensor of shape \\(64,\\)"):
+        native.rtn_quantize(weight, 4, 32, False, col_scale=torch.ones(32))
+    with pytest.raises(RuntimeError, match="row_scale"):
+        native.rtn_quantize(weight, 4, 32, False, row_scale=torch.ones(8, dtype=torch.float64))

@@ -60,6 +60,13 @@ int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 /* rtn_cpu.c: round-to-nearest quantization in one pass */
 int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
                          uint8_t *codes, uint16_t *scale, uint8_t *zero_point);
+int hfquant_rtn_quantize_scaled(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits,
+                                int symmetric, const float *row_scale, const float *col_scale, uint8_t *codes,
+                                uint16_t *scale, uint8_t *zero_point);
+
+/* sinq_cpu.c: SINQ's Sinkhorn balancing of stacked matrices, tile by tile in cache */
+int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const float *const *row_scales, int64_t count,
+                         int is_bf16, int64_t k, int64_t group, int64_t iterations, float *inv_col);
 
 #ifdef __cplusplus
 }

@@ -81,8 +81,9 @@ static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uin
     return 0;
 }
 
-int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
-                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point) {
+static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
+                        const float *row_scale, const float *col_scale, uint8_t *codes, uint16_t *scale,
+                        uint8_t *zero_point) {
     if (n <= 0 || k <= 0 || group <= 0 || k % group || (bits != 4 && bits != 8) || (bits == 4 && k % 2) ||
         group > 65536 || (!symmetric && zero_point == NULL))
         return 1;
@@ -104,6 +105,14 @@ int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int
                 } else {
                     memcpy(xf, (const float *)w + start, (size_t)group * sizeof(float));
                 }
+                if (row_scale) { /* a fold's factors: the float32 product, then the quotient, as torch computes them */
+                    const float a = row_scale[r];
+                    for (int64_t i = 0; i < group; i++) xf[i] = xf[i] * a;
+                }
+                if (col_scale) {
+                    const float *c = col_scale + g * group;
+                    for (int64_t i = 0; i < group; i++) xf[i] = xf[i] / c[i];
+                }
                 bad |= rtn_group(xf, group, bits, symmetric, out + g * group, scale + r * groups + g,
                                  symmetric ? NULL : zero_point + r * groups + g);
             }
@@ -117,4 +126,19 @@ int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int
         }
     }
     return bad ? 2 : 0;
+}
+
+int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
+                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point) {
+    return rtn_quantize(w, w_is_bf16, n, k, group, bits, symmetric, NULL, NULL, codes, scale, zero_point);
+}
+
+/* The same with a fold's factors (hfquant.core.folding.Transform) applied to each value first: x * row_scale[n] when
+ * row_scale is not NULL ((N,) float32), then x / col_scale[k] when col_scale is not NULL ((K,) float32), each rounded
+ * to float32 as torch's `chunk.float() * row_scale[:, None] / col_scale` rounds them: the same bytes as quantizing that
+ * float32 chunk, without making it. */
+int hfquant_rtn_quantize_scaled(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits,
+                                int symmetric, const float *row_scale, const float *col_scale, uint8_t *codes,
+                                uint16_t *scale, uint8_t *zero_point) {
+    return rtn_quantize(w, w_is_bf16, n, k, group, bits, symmetric, row_scale, col_scale, codes, scale, zero_point);
 }

@@ -1,0 +1,120 @@
+"""SINQ's Sinkhorn balancing in C (hfquant.ops.native.sinq_balance, csrc/sinq_cpu.c, behind hfquant.ops.balance)
+against the torch steps of hfquant.core.sinq.balance computed in float64: the same iterations, so the inverse column
+factors agree to float32 rounding and the stored bfloat16 scales are equal on almost every column (one bfloat16 step
+at most). torch's own default path rounds each sum to bfloat16 and is further from that reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfquant.core import folding, sinq
+from hfquant.ops import balance, native
+
+pytestmark = pytest.mark.skipif(not balance.native_balance_available(), reason="native kernels unavailable here")
+
+BF16_STEP = 2.0**-7  # relative spacing of bfloat16 values (upper bound)
+
+
+def _weight(n: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * 0.02
+    weight[:, 7] *= 20  # outlier columns and rows: what the balancing is for
+    weight[:, k // 3] *= 10
+    weight[n // 2] *= 8
+    return weight.to(dtype)
+
+
+def _reference(weights, group_size, row_scales=None, iterations=sinq.ITERATIONS) -> torch.Tensor:
+    """float64 torch steps on the stacked matrices (rows times their factors, exactly)."""
+    row_scales = row_scales or [None] * len(weights)
+    parts = [
+        w.to(torch.bfloat16).double() * (1 if r is None else r.double()[:, None])
+        for w, r in zip(weights, row_scales, strict=True)
+    ]
+    return sinq.balance(torch.cat(parts), group_size, iterations, stats_dtype=torch.float64)
+
+
+def _assert_close_to_reference(weights, group_size, row_scales=None, iterations=sinq.ITERATIONS) -> None:
+    got = native.sinq_balance(weights, group_size, iterations, row_scales)
+    want = _reference(weights, group_size, row_scales, iterations)
+    assert ((got - want).abs() / want).max() < 1e-4
+    scale = sinq.scale_from_balance(got, group_size)
+    expected = sinq.scale_from_balance(want, group_size)
+    assert ((scale - expected).abs() / expected).max() <= BF16_STEP
+    assert (scale == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("iterations", [0, 1, 4, 8])
+@pytest.mark.parametrize("n, k, group", [(256, 512, 64), (96, 1536, 128), (64, 256, 256), (3, 64, 32)])
+def test_one_matrix_matches_the_float64_steps(n, k, group, iterations):
+    _assert_close_to_reference([_weight(n, k, n + k)], group, iterations=iterations)
+
+
+def test_stacked_matrices_with_row_factors_match_the_scaled_stack():
+    weights = [_weight(192, 512, 1), _weight(64, 512, 2), _weight(64, 512, 3, torch.float32)]
+    factors = torch.rand(64, generator=torch.Generator().manual_seed(4)) * 3 + 0.2
+    _assert_close_to_reference(weights, 128, [None, None, factors])
+
+
+def test_zero_rows_columns_and_clamped_rows_follow_the_torch_rules():
+    """Rows or columns with standard deviation 0 keep factor 1; a row 10^5 times wider than the rest of its tile is
+    clamped at 1e3: the C pass sums such rows with the wrong factor and corrects them afterwards."""
+    weight = _weight(300, 256, 5).float()
+    weight[5] = 0
+    weight[17, :64] = 0
+    weight[40, 64:128] *= 1e5
+    weight[:, 3] = 0
+    for iterations in (1, 4):
+        _assert_close_to_reference([weight], 64, iterations=iterations)
+    constant = torch.ones(16, 64)  # every row and column constant: nothing to balance
+    assert torch.equal(native.sinq_balance([constant], 32, 4), torch.ones(64))
+
+
+def test_closer_to_the_float64_steps_than_the_bfloat16_torch_path():
+    weight = _weight(512, 1024, 6)
+    expected = sinq.scale_from_balance(_reference([weight], 128), 128)
+    c_path = balance.column_scale([weight], 128)
+    torch_path = sinq.column_scale(weight, 128)
+    assert (c_path == expected).float().mean() > (torch_path == expected).float().mean()
+
+
+def test_same_result_for_any_thread_count():
+    weights = [_weight(700, 512, 7), _weight(300, 512, 8)]
+    factors = torch.rand(300, generator=torch.Generator().manual_seed(9)) + 0.5
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(native.sinq_balance(weights, 64, 4, [None, factors]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_non_finite_weight_raises_the_sinq_error(value, dtype):
+    weight = _weight(32, 128, 10, dtype)
+    weight[20, 100] = value
+    with pytest.raises(sinq.NonFiniteWeightError, match="NaN or Inf"):
+        balance.column_scale([weight], 64)
+
+
+def test_bad_shapes_are_refused_by_name():
+    with pytest.raises(ValueError, match="does not divide in_features=96"):
+        balance.column_scale([torch.randn(8, 96)], 64)
+    with pytest.raises(ValueError, match="same width"):
+        balance.column_scale([torch.randn(8, 64), torch.randn(8, 32)], 32)
+    with pytest.raises(ValueError, match="row scale of \\(3,\\)"):
+        native.sinq_balance([torch.randn(8, 64)], 32, 4, [torch.ones(3)])
+    assert torch.equal(balance.column_scale([torch.randn(1, 64)], 32), torch.ones(64))  # one row: nothing to balance
+
+
+def test_without_the_library_the_torch_steps_run(monkeypatch):
+    weights = [_weight(64, 256, 11), _weight(32, 256, 12)]
+    factors = torch.rand(32, generator=torch.Generator().manual_seed(13)) + 0.5
+    monkeypatch.setattr(balance, "native_balance_available", lambda: False)
+    got = balance.column_scale(weights, 64, [None, factors], iterations=2)
+    assert torch.equal(got, folding.column_scale_of(weights, 64, [None, factors], iterations=2))
