@@ -25,6 +25,8 @@ def resolve_gguf(src: str | os.PathLike, gguf_file: str | None = None) -> Path:
     path = Path(src).expanduser()
     if path.is_file():
         return path
+    if gguf_file is None and str(src).endswith(".gguf"):
+        raise FileNotFoundError(f"{str(src)!r} does not exist; pass a GGUF file")
     if gguf_file is None:
         raise FileNotFoundError(
             f"{str(src)!r} is not a GGUF file; pass the file, or a folder or Hub repo id with gguf_file='name.gguf'"

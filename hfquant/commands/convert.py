@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from hfquant.publishing.cards import card_for_convert
 
     apply_progress_option(args)
-    if Path(args.src).expanduser().is_file() and args.src.endswith(".gguf"):
+    if args.src.endswith(".gguf"):
         return _run_gguf(args)
     config = config_from_args(args)
     if Path(args.src).expanduser().is_dir():
@@ -117,8 +117,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_gguf(args: argparse.Namespace) -> int:
     """`hfquant convert model.gguf DST`: the file's blocks kept (`hfquant.convert_gguf`), no model card."""
+    from hfquant.config import FIELD_NAMES
     from hfquant.conversion.gguf_import import convert_gguf
 
+    defaults = {"bits": 4, "modules_to_not_convert": [], "symmetric": None}
+    given = [
+        name
+        for name in FIELD_NAMES
+        if name in vars(args) and (name not in defaults or getattr(args, name) != defaults[name])
+    ]
+    if given:
+        options = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(
+            f"{options}: a GGUF source keeps its own block types, so quantization options do not apply; remove them"
+        )
     result = convert_gguf(
         args.src,
         args.dst,

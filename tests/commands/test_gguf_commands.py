@@ -77,3 +77,5 @@ def test_convert_a_gguf_file_to_a_checkpoint_folder(gguf_file, tmp_path):
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
     again = hfquant("convert", str(gguf_file), str(tmp_path / "out"))
     assert again.returncode != 0 and "exists" in again.stderr
+    options = hfquant("convert", str(gguf_file), str(tmp_path / "other"), "--method", "sinq")
+    assert options.returncode != 0 and "--method: a GGUF source keeps its own block types" in options.stderr
