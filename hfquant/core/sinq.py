@@ -15,9 +15,9 @@ scales r change nothing and are not kept. As in the paper, the balancing runs pe
     q = RTN(w / c)  ->  w_hat = dequantize(q) * c          # the layer computes x @ w_hat.T = (x * c) @ dequantize(q).T
 
 Cost: `iterations` passes of two standard deviations over a bfloat16 copy of the weight (one tensor at a time). The
-same balancing runs in C where hfquant's native library loads (`hfquant.ops.balance`, `csrc/sinq_cpu.c`): each tile
-in cache, with float32 sums where these torch ops round each sum to bfloat16; `scale_from_balance` turns either
-result into the column scale.
+same balancing runs in C for the folds where hfquant's native library loads (`hfquant.ops.balance`,
+`csrc/sinq_cpu.c`): one read of the weight per iteration, with float32 sums where these torch ops round each sum to
+bfloat16; `scale_from_balance` turns either result into the column scale.
 """
 
 from __future__ import annotations

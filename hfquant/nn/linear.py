@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant.core import blocks, packing, rtn
+from hfquant.core import blocks, packing, rtn, sinq
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
-from hfquant.ops import balance, gemv, kernels, native
+from hfquant.ops import gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan, LayerTensors
 from hfquant.ops.plan import plan_kernel
@@ -400,7 +400,7 @@ def quantize_to_buffers(
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; on the CPU, where hfquant's native library loads, min/max RTN of a
     chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first
-    computes the column scale c (`hfquant.core.sinq`, in C where it can: `hfquant.ops.balance`) and quantizes w / c.
+    computes the column scale c on a bfloat16 copy of the whole weight (`hfquant.core.sinq`) and quantizes w / c.
     `clipping` picks each group's range (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the
     stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
     the rest (in the C pass itself where it runs): the quantized weight is `hfquant.core.folding.apply(weight, fold)`'s.
@@ -416,7 +416,9 @@ def quantize_to_buffers(
     if fmt.method is Method.SINQ:
         if col_scale is not None or row_scale is not None:  # the fold's scales would need SINQ's folded too
             raise ValueError("a folded layer is stored with method 'rtn', not 'sinq'")
-        col_scale = balance.column_scale([weight], fmt.group_size).to(weight.device)
+        # torch's steps, not `hfquant.ops.balance`'s C ones: a stored scale keeps the bytes it had (the C balancing
+        # moved MiniLM's cosine from 0.9773 to 0.9770, docs/performance.md); the folds use the C balancing
+        col_scale = sinq.column_scale(weight, fmt.group_size).to(weight.device)
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
     if fmt.block is not None:

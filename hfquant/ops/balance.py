@@ -1,11 +1,15 @@
-"""SINQ's column scales (`hfquant.core.sinq`) on the fastest path at hand: the Sinkhorn balancing in C
-(`csrc/sinq_cpu.c` through `hfquant.ops.native.sinq_balance`) where hfquant's native library loads and the weights are
-on the CPU, else the torch ops of `hfquant.core.sinq` / `hfquant.core.folding`.
+"""SINQ's column scales (`hfquant.core.sinq`) on the fastest path at hand, for the fold pre-pass of
+`fold_column_scales` (`hfquant.integration.folding`): the Sinkhorn balancing in C (`csrc/sinq_cpu.c` through
+`hfquant.ops.native.sinq_balance`) where hfquant's native library loads and the weights are on the CPU, else the torch
+ops of `hfquant.core.sinq` / `hfquant.core.folding`. (Stored column scales, `method="sinq"` without a fold, keep
+torch's steps and the bytes they had: `hfquant.nn.linear.quantize_to_buffers`.)
 
-The C balancing copies one tile of `group_size` columns at a time into a buffer that stays in cache and sums in
-float32; torch's batched products read the whole weight about twenty times and round every sum to bfloat16. Both run
+The C balancing reads the weights once per iteration (each read gives the row statistics of one step and the column
+statistics of the next) and sums in float32; torch's batched products read them about twenty times, after a stacked
+and a transposed copy, and round every sum to bfloat16. Both run
 the same steps, so their scales agree up to those roundings (about one bfloat16 step on a few columns;
-tests/ops/test_sinq_balance.py), not bit for bit. Measured: docs/performance.md ("The 4-bit default's load").
+tests/ops/test_sinq_balance.py), not bit for bit. Measured: docs/performance.md ("The 4-bit default's load:
+the fold pre-pass at memory speed").
 """
 
 from __future__ import annotations
