@@ -267,8 +267,13 @@ def convert(
             folders.publish_folder(tmp, dst, overwrite)
     finally:
         runner.close()
-    # a quantized tensor's job also makes its scales; a job making one tensor only rescales it (a fold's norm or bias)
-    quantized_jobs = {out.job for out in outputs if out.job is not None and out.model_key != out.job.model_key}
+    # a quantized tensor's job makes integer codes (a block format's bytes) or scales beside them; a job making one
+    # float tensor only rescales it (a fold's norm or bias)
+    quantized_jobs = {
+        out.job
+        for out in outputs
+        if out.job is not None and (out.model_key != out.job.model_key or not out.dtype.is_floating_point)
+    }
     source_bytes = sum(p.stat().st_size for p in set(files.values()))
     result = ConvertResult(
         dst,

@@ -128,3 +128,10 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     ids = input_ids()
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
+
+
+def test_convert_counts_block_format_layers_as_quantized(wide_checkpoint, tmp_path):
+    from hfquant.conversion.convert import convert
+
+    result = convert(wide_checkpoint, tmp_path / "q", config=HfQuantConfig(format="q4_k"), progress=False)
+    assert result.quantized_layers == 14  # one uint8 tensor per layer, no scales beside it: still a quantized layer
