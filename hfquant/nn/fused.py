@@ -17,7 +17,8 @@ codes' bytes at group 128; each member keeps its own for its per-layer path). Th
 
 At a decode step, whichever member is called first with an input `x` (one contiguous bfloat16 row, eager, no
 gradient) runs the group's GEMV and keeps (x, its version counter, the outputs split as views); each sibling called
-with that same tensor, unmodified, takes its view. Every output row is computed by the same kernel in the same order as
+with that same tensor, unmodified, takes its view (under `torch.inference_mode` tensors keep no version counter:
+there the same tensor object is taken as the same input). Every output row is computed by the same kernel in the same order as
 in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order), so the fused outputs equal
 the unfused ones bit for bit. Anything else takes each layer's own path: torch.compile graphs, inputs requiring
 gradients, several rows, a member called with another tensor. A group whose members keep being called with different
@@ -106,7 +107,8 @@ class DecodeGroup:
         view of the group's GEMV of `x`, computed by the first member called with this tensor. None when the group
         has stopped fusing (the caller runs the member's own GEMV)."""
         cache = self._cache
-        if cache is not None and cache[0] is x and cache[1] == x._version:
+        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
+        if cache is not None and cache[0] is x and cache[1] == version:
             left = cache[3]
             left[0] -= 1
             if left[0] <= 0:
@@ -127,7 +129,7 @@ class DecodeGroup:
         if dims != 2:
             y = y.view(1, 1, -1) if dims == 3 else y.view(*x.shape[:-1], -1)
         outputs = y.split_with_sizes(self.sizes, -1)
-        self._cache = (x, x._version, outputs, [len(self.members) - 1])
+        self._cache = (x, version, outputs, [len(self.members) - 1])
         return outputs[index]
 
 

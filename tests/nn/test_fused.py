@@ -62,12 +62,14 @@ def _unfused(block: Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("shape", [(1, 1), (1,), ()], ids=["batch-seq", "row", "flat"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_outputs_equal_each_layers_own_gemv_bit_for_bit(monkeypatch, shape, bias):
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_fused_outputs_equal_each_layers_own_gemv_bit_for_bit(monkeypatch, shape, bias, inference_mode):
     block = _block(monkeypatch, bias)
     group = block.q_proj._fused
     assert group is not None and block.o_proj._fused is None
-    x = _row(1, *shape)
-    got = block(x)
+    with torch.inference_mode(inference_mode):
+        x = _row(1, *shape)
+        got = block(x)
     # one GEMV: the three outputs are views of one tensor
     assert len({y.untyped_storage().data_ptr() for y in got}) == (1 if not bias else 3)
     expected = _unfused(block, x)
