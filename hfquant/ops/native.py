@@ -31,7 +31,7 @@ import subprocess
 import torch
 
 from hfquant.core import blocks
-from hfquant.core.blocks import kquants
+from hfquant.core.blocks.importance import default_importance
 from hfquant.ops import native_build
 
 __all__ = [
@@ -497,7 +497,7 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     Args:
         name: one of `KQUANT_TYPES`.
         weight: (rows, K) finite float CPU tensor, K a multiple of 256.
-        importance: None (the torch codec's default, `kquants.default_importance`), or (K,) or (rows, K) finite
+        importance: None (the torch codec's default, `blocks.importance.default_importance`), or (K,) or (rows, K) finite
             float weights >= 0 of each element's squared error.
     Returns:
         (rows, K // 256 * type_size) uint8, GGUF's bytes.
@@ -519,7 +519,7 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     rows, k = x.shape
     period, w = 0, None
     if importance is None:
-        importance = kquants.default_importance(name, x)  # the torch codec's default, for the same bytes
+        importance = default_importance(name, x)  # the torch codec's default, for the same bytes
     if importance is not None:
         w = importance.detach().to(torch.float32).contiguous()
         if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
