@@ -94,4 +94,5 @@ def test_without_importance_c_and_torch_use_the_same_default(name):
     default = importance.default_importance(name, weight)
     assert torch.equal(blocks.quantize(name, weight), blocks.quantize(name, weight, default))
     assert torch.equal(native.kquant_quantize(name, weight), blocks.quantize(name, weight))
-    assert not torch.equal(blocks.quantize(name, weight), blocks.quantize(name, weight, torch.ones(256)))
+    if default is not None:  # a weighted default changes the bytes
+        assert not torch.equal(blocks.quantize(name, weight), blocks.quantize(name, weight, torch.ones(256)))

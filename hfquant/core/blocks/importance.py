@@ -5,13 +5,13 @@ Kept apart from the searches (`legacy`, `iq4`, `kquants` and the C k-quant searc
 all take the importance as an input array: every search of a type minimizes the same weighted error, whichever
 language runs it.
 
-The rule per type (`RULES`), measured on SmolLM2-135M perplexity and MiniLM embeddings against llama.cpp's own
-quantizer of the same type (docs/performance.md, "Block formats against llama.cpp's quantizer"):
-- "square", x^2: the search keeps the large weights close (an unweighted search trades them for a lower mean error
-  and shrinks them by about 2% on SmolLM2's IQ4_NL blocks against llama.cpp's 0.5%, which costs more perplexity
-  than the lower mean error gains);
-- "rms_abs", sqrt(mean of x^2 over the 32-weight block) + |x|: llama.cpp's own weighting of Q4_K and Q5_K, for the
-  types whose codes are offset by a minimum and so keep a block's large weights anyway.
+The rule per type (`RULES`), chosen by SmolLM2-135M perplexity and MiniLM embeddings with every decoder linear
+weight quantized -> dequantized (docs/performance.md, "Block formats: the data-free importance"):
+- "rms_abs", sqrt(mean of x^2 over the 32-weight block) + |x|: llama.cpp's own weighting of Q4_K and Q5_K, the better
+  of the two on SmolLM2's `down_proj`;
+- "uniform" (every element alike) for the other types: llama.cpp's x^2 ("square") keeps the largest weights closer
+  (they shrink by 0.2% instead of 1.8% on SmolLM2's IQ4_NL blocks) but gave a worse perplexity with hfquant's IQ4_NL
+  search (1.235x bf16 against 1.224x unweighted; llama.cpp's own quantizer 1.182x), so it is not the default.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import torch
 __all__ = ["RULES", "default_importance", "rule_importance"]
 
 RULES: dict[str, str] = {
-    "q4_0": "square",
-    "q4_1": "rms_abs",
-    "q5_0": "square",
-    "q5_1": "rms_abs",
-    "q8_0": "square",
-    "q2_k": "rms_abs",
-    "q3_k": "square",
+    "q4_0": "uniform",
+    "q4_1": "uniform",
+    "q5_0": "uniform",
+    "q5_1": "uniform",
+    "q8_0": "uniform",
+    "q2_k": "uniform",
+    "q3_k": "uniform",
     "q4_k": "rms_abs",
     "q5_k": "rms_abs",
-    "q6_k": "square",
-    "iq4_nl": "square",
-    "iq4_xs": "square",
+    "q6_k": "uniform",
+    "iq4_nl": "uniform",
+    "iq4_xs": "uniform",
 }
 """Block type -> the data-free rule `default_importance` applies to it (`rule_importance`)."""
 
@@ -60,7 +60,8 @@ def rule_importance(rule: str, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def default_importance(name: str, weight: torch.Tensor) -> torch.Tensor | None:
-    """The data-free importance (rows, K) float32 that block type `name`'s search uses when given none (`RULES`).
+    """The data-free importance (rows, K) float32 that block type `name`'s search uses when given none (`RULES`);
+    None for the "uniform" rule (every element alike).
 
     Raises:
         ValueError: an unknown type name, or a weight that is not 2-D with K a multiple of 32.
