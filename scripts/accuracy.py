@@ -33,6 +33,7 @@ in the header. Run from a source checkout after `bash scripts/install.sh` (MiniL
     python scripts/accuracy.py                       # everything (about 5 minutes on 2 cores)
     python scripts/accuracy.py --configs rtn-g128,sinq-g128
     python scripts/accuracy.py --no-decode --configs q3_k,llama.cpp-q3_k,q3_k-auto,llama.cpp-q3_k-auto
+    python scripts/accuracy.py --no-decode --fake-quantize --configs iq4_nl,llama.cpp-iq4_nl   # block rows as floats
 
 Bits per weight read "SmolLM2 / MiniLM" where the two differ (their fallbacks differ).
 """
@@ -158,8 +159,13 @@ def hqq_quantize(model, name: str):
     return model
 
 
-def load(auto_class, path: Path, dtype: torch.dtype, settings: dict | str | None):
-    """A row's model: float (None), hfquant (a dict of `HfQuantConfig` fields) or a peer (its name)."""
+def load(auto_class, path: Path, dtype: torch.dtype, settings: dict | str | None, fake: bool = False):
+    """A row's model: float (None), hfquant (a dict of `HfQuantConfig` fields) or a peer (its name); `fake`: a block
+    format row by `hfquant_fake_quantize` instead of hfquant's quantized layers."""
+    if fake and isinstance(settings, dict) and settings.get("format") in blocks.LAYOUTS:
+        model = auto_class.from_pretrained(path, dtype=dtype, device_map="cpu").eval()
+        model.fake_bpw = hfquant_fake_quantize(model, settings)
+        return model
     if isinstance(settings, str) and settings.startswith("torchao-"):
         dtype = torch.bfloat16  # torchao's CPU int4 layout holds bfloat16
     model = auto_class.from_pretrained(path, dtype=dtype, device_map="cpu", **quantization_kwargs(settings)).eval()
@@ -168,6 +174,31 @@ def load(auto_class, path: Path, dtype: torch.dtype, settings: dict | str | None
     if isinstance(settings, str) and settings in LLAMA_CPP:
         model.llama_cpp_bpw = ggml_fake_quantize(model, CONFIGS[LLAMA_CPP[settings]])
     return model
+
+
+def hfquant_fake_quantize(model, settings: dict) -> float:
+    """`--fake-quantize`: replace each Linear weight hfquant's config `settings` would store in a block type by hfquant's
+    own quantize -> dequantize of that type (`blocks.quantize` with the type's data-free importance; the C k-quant
+    search where it is built), as `ggml_fake_quantize` does with llama.cpp's; no fold (block formats default to RTN).
+    Returns the bits per weight of hfquant's bytes over those layers."""
+    from hfquant.integration.quantizer import plan_model
+    from hfquant.ops import native
+
+    config = hfquant.HfQuantConfig(**settings)
+    _, plans = plan_model(model, config, quantizing=True)
+    stored_bits = weights = 0
+    for plan in plans:
+        if plan.format is None or plan.format.block is None:
+            continue
+        weight = model.get_submodule(plan.name).weight.data
+        matrix = weight.t() if plan.transposed else weight
+        block = plan.format.block
+        in_c = block in native.KQUANT_TYPES and native.built_library() is not None
+        data = (native.kquant_quantize if in_c else blocks.quantize)(block, matrix.float())
+        matrix.copy_(blocks.dequantize(block, data).to(weight.dtype))
+        stored_bits += 8 * data.numel()
+        weights += matrix.numel()
+    return stored_bits / weights
 
 
 def ggml_fake_quantize(model, settings: dict) -> float:
@@ -206,16 +237,19 @@ def quantization_kwargs(settings: dict | str | None) -> dict:
     return {"quantization_config": hfquant.HfQuantConfig(**settings)}
 
 
-def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool = True) -> dict:
+def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool = True, fake: bool = False) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(source)
     start = time.perf_counter()
-    model = load(AutoModelForCausalLM, source, torch.bfloat16, settings)
+    model = load(AutoModelForCausalLM, source, torch.bfloat16, settings, fake)
     seconds = time.perf_counter() - start
     row = {"load_s": seconds}
-    if settings is not None and settings not in LLAMA_CPP:  # a llama.cpp row's load is a float load and ctypes calls
+    fake = hasattr(model, "fake_bpw")
+    if fake:
+        row["bpw"] = model.fake_bpw
+    elif settings is not None and settings not in LLAMA_CPP:  # a llama.cpp row's load is a float load and ctypes
         source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
         row["gb_per_s"] = source_bytes / seconds / 1e9
-    if isinstance(settings, dict):  # bits per weight are counted from hfquant's files
+    if isinstance(settings, dict) and not fake:  # bits per weight are counted from hfquant's files
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             row["bpw"] = bits_per_weight(Path(tmp))
@@ -280,15 +314,19 @@ def embed(model, tokenizer, batch: list[str]) -> torch.Tensor:
     return (hidden * mask).sum(1) / mask.sum(1)
 
 
-def minilm(folder: Path, settings: dict | str | None, batch: list[str], reference: torch.Tensor | None) -> dict:
+def minilm(
+    folder: Path, settings: dict | str | None, batch: list[str], reference: torch.Tensor | None, fake: bool = False
+) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = load(AutoModel, folder, torch.float32, settings)
+    model = load(AutoModel, folder, torch.float32, settings, fake)
     vectors = embed(model, tokenizer, batch)
     if reference is None:
         return {"vectors": vectors}
     cos = torch.nn.functional.cosine_similarity(vectors, reference, dim=-1)
     row = {"cos": cos.mean().item()}
-    if isinstance(settings, dict):
+    if hasattr(model, "fake_bpw"):
+        row["minilm_bpw"] = model.fake_bpw
+    elif isinstance(settings, dict):
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             row["minilm_bpw"] = bits_per_weight(Path(tmp))
@@ -302,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(ALL), help=f"comma-separated, from {ALL}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--no-decode", action="store_true", help="leave out the decode tokens/s column")
+    parser.add_argument(
+        "--fake-quantize",
+        action="store_true",
+        help="block-format rows: a float model whose block layers are hfquant's quantize -> dequantize, measured as "
+        "the llama.cpp rows are (no save, no reload, no kernels; bits per weight from the bytes)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = sorted(set(names) - set(ALL))
@@ -327,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         settings = CONFIGS.get(name, name)
         try:
-            row = smollm2(source, settings, text, decode=not args.no_decode)
+            row = smollm2(source, settings, text, decode=not args.no_decode, fake=args.fake_quantize)
             if encoder is not None and settings is not None:
-                row.update(minilm(encoder, settings, batch, reference))
+                row.update(minilm(encoder, settings, batch, reference, fake=args.fake_quantize))
         except Exception as error:  # a peer that fails on this CPU is a row saying why, not the end of the table
             if name not in PEERS and name not in LLAMA_CPP:
                 raise

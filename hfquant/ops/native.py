@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
 import logging
 import os
 import subprocess
@@ -32,7 +31,8 @@ import subprocess
 import torch
 
 from hfquant.core import blocks
-from hfquant.core.blocks import iq4, kquants, legacy
+from hfquant.core.blocks import iq4, legacy
+from hfquant.core.blocks.importance import default_importance
 from hfquant.ops import native_build
 
 __all__ = [
@@ -575,7 +575,7 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     Args:
         name: one of `KQUANT_TYPES`.
         weight: (rows, K) finite float CPU tensor, K a multiple of 256.
-        importance: None (the torch codec's default, `kquants.default_importance`), or (K,) or (rows, K) finite
+        importance: None (the torch codec's default, `blocks.importance.default_importance`), or (K,) or (rows, K) finite
             float weights >= 0 of each element's squared error.
     Returns:
         (rows, K // 256 * type_size) uint8, GGUF's bytes.
@@ -597,7 +597,7 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     rows, k = x.shape
     period, w = 0, None
     if importance is None:
-        importance = kquants.default_importance(name, x)  # the torch codec's default, for the same bytes
+        importance = default_importance(name, x)  # the torch codec's default, for the same bytes
     if importance is not None:
         w = importance.detach().to(torch.float32).contiguous()
         if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
@@ -651,8 +651,8 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
     Args:
         name: one of `BLOCK_QUANTIZE_TYPES`.
         weight: (rows, K) finite float CPU tensor, K a multiple of the type's block size.
-        importance: None (the torch codec's default: its family module's `default_importance(name, weight)` where it
-            defines one, else all 1), or (K,) or (rows, K) finite float weights >= 0 of each element's squared error.
+        importance: None (the torch codec's default, `blocks.importance.default_importance`: all 1 where it gives
+            None), or (K,) or (rows, K) finite float weights >= 0 of each element's squared error.
     Returns:
         (rows, K // block_size * type_size) uint8, GGUF's bytes.
     Raises:
@@ -677,8 +677,7 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
         raise ValueError(f"{name} quantizes finite weights; the weight holds NaN or inf")
     rows, k = x.shape
     if importance is None:
-        default = getattr(importlib.import_module(f"hfquant.core.blocks.{fmt.family}"), "default_importance", None)
-        importance = None if default is None else default(name, x)  # the torch codec's default, for the same bytes
+        importance = default_importance(name, x)  # the torch codec's default (None: all 1), for the same bytes
     period, w = 0, None
     if importance is not None:
         w = importance.detach().to(torch.float32).contiguous()

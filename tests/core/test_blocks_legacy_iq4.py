@@ -76,9 +76,9 @@ def test_reference_quantizer_writes_gguf_py_bytes(name):
 
 
 @pytest.mark.parametrize("name", LEGACY + IQ4)
-def test_default_quantizer_beats_llama_cpp_recipe_on_gaussian_rows(name):
+def test_search_beats_llama_cpp_recipe_on_gaussian_rows(name):
     w = _weight(16, 768, seed=7)
-    data = blocks.quantize(name, w)
+    data = blocks.quantize(name, w, torch.ones(768))  # the search alone, on the plain squared error
     fmt = blocks.layout(name)
     assert data.dtype == torch.uint8 and data.shape == (16, fmt.row_bytes(768))
     err = ((blocks.dequantize(name, data) - w) ** 2).sum() / (w**2).sum()
@@ -91,7 +91,7 @@ def test_default_quantizer_beats_llama_cpp_recipe_on_gaussian_rows(name):
 @pytest.mark.parametrize("name", LEGACY)
 def test_searched_legacy_block_never_worse_than_reference_block(name):
     w = _weight(8, 512, seed=11) * torch.rand(8, 512, generator=torch.Generator().manual_seed(1)) ** 3
-    ours = blocks.dequantize(name, blocks.quantize(name, w))
+    ours = blocks.dequantize(name, blocks.quantize(name, w, torch.ones(512)))
     reference = blocks.dequantize(name, getattr(legacy, f"reference_{name}")(w))
     per_block = ((ours - w) ** 2).reshape(-1, 32).sum(-1)
     ref_per_block = ((reference - w) ** 2).reshape(-1, 32).sum(-1)
@@ -109,7 +109,7 @@ def test_importance_lowers_the_error_where_it_is_large(name):
     w = _weight(8, 512, seed=5)
     importance = torch.ones(512)
     importance[::4] = 100.0
-    plain = blocks.dequantize(name, blocks.quantize(name, w))
+    plain = blocks.dequantize(name, blocks.quantize(name, w, torch.ones(512)))
     weighted = blocks.dequantize(name, blocks.quantize(name, w, importance))
     assert ((weighted - w)[:, ::4] ** 2).sum() < 0.8 * ((plain - w)[:, ::4] ** 2).sum()
     per_row = blocks.quantize(name, w, importance.expand(8, 512).clone())

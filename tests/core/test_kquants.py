@@ -83,6 +83,10 @@ def _rel_mse(approx: torch.Tensor, exact: torch.Tensor, importance: torch.Tensor
     return ((weight * (approx - exact) ** 2).sum() / (weight * exact**2).sum()).item()
 
 
+UNIFORM = torch.ones(768)
+"""Every weight alike: the search's own error, apart from the data-free default weighting (`blocks.importance`)."""
+
+
 @pytest.fixture(scope="module")
 def normal_rows() -> torch.Tensor:
     return _normal(24, 768, seed=5)
@@ -90,7 +94,7 @@ def normal_rows() -> torch.Tensor:
 
 @pytest.mark.parametrize("name", K_TYPES)
 def test_quantize_beats_llama_cpp_recipe_on_normal_rows(name, normal_rows):
-    data = blocks.quantize(name, normal_rows)
+    data = blocks.quantize(name, normal_rows, UNIFORM)  # the search alone, on the plain squared error
     fmt = blocks.layout(name)
     assert data.dtype == torch.uint8 and tuple(data.shape) == (24, 3 * fmt.type_size)
     ours = _rel_mse(blocks.dequantize(name, data), normal_rows)
@@ -105,7 +109,7 @@ def test_quantize_beats_llama_cpp_recipe_on_normal_rows(name, normal_rows):
 def test_importance_lowers_the_error_where_it_is_high(name, normal_rows):
     importance = torch.ones(768)
     importance[::8] = 20.0
-    plain = blocks.dequantize(name, blocks.quantize(name, normal_rows))
+    plain = blocks.dequantize(name, blocks.quantize(name, normal_rows, UNIFORM))
     weighted = blocks.dequantize(name, blocks.quantize(name, normal_rows, importance))
     assert _rel_mse(weighted, normal_rows, importance) < _rel_mse(plain, normal_rows, importance)
 
@@ -166,7 +170,7 @@ def test_llama_cpp_bytes_dequantize_to_its_to_float_and_ours_are_closer(name, no
     theirs = ggml.quantize(name, normal_rows)
     assert theirs.shape[1] == ggml.row_size(name, 768) == blocks.layout(name).row_bytes(768)
     assert torch.equal(blocks.dequantize(name, theirs), ggml.dequantize(name, theirs))
-    ours = blocks.quantize(name, normal_rows)
+    ours = blocks.quantize(name, normal_rows, UNIFORM)
     assert torch.equal(blocks.dequantize(name, ours), ggml.dequantize(name, ours))
     llama = _rel_mse(ggml.dequantize(name, theirs), normal_rows)
     assert _rel_mse(blocks.dequantize(name, ours), normal_rows) < llama

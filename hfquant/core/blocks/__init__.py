@@ -124,7 +124,7 @@ def quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = 
         name: a `LAYOUTS` name.
         weight: (rows, K) float tensor; K a multiple of the type's `block_size`.
         importance: optional (K,) or (rows, K) float32 weights >= 0 of each element's squared error in the search for
-            block scales (None: the codec's data-free default).
+            block scales (None: the type's data-free default, `importance.default_importance`).
     Returns:
         (rows, K // block_size * type_size) uint8: the blocks as GGUF stores them.
     Raises:
@@ -134,6 +134,10 @@ def quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = 
     if weight.dim() != 2:
         raise ValueError(f"{fmt.name} quantizes a 2-D (rows, in_features) weight; got shape {tuple(weight.shape)}")
     fmt.row_bytes(weight.shape[1])
+    if importance is None:
+        from .importance import default_importance
+
+        importance = default_importance(fmt.name, weight)
     return function(weight, importance)
 
 

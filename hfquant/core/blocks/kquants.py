@@ -33,7 +33,6 @@ import torch
 __all__ = [
     "QK_K",
     "llama_reference",
-    "default_importance",
     "quantize_q2_k",
     "quantize_q3_k",
     "quantize_q4_k",
@@ -679,24 +678,7 @@ def _affine_factors(nmax: int) -> list[float]:
 _SYMMETRIC_FACTORS = [0.8 + 0.04 * i for i in range(11)]
 
 
-def default_importance(name: str, weight: torch.Tensor) -> torch.Tensor | None:
-    """The data-free weighting of each element's squared error that `quantize_<name>` uses when given no importance:
-    for Q4_K and Q5_K llama.cpp's own, sqrt(mean of x^2 over the 32-weight block) + |x| (SmolLM2 perplexity with every
-    down_proj in Q4_K, 24,000 characters of pydoc topics: 14.794 against 14.817 unweighted and llama.cpp's 14.804,
-    bf16 14.772; docs/performance.md); None (all alike) for the other types, not yet measured.
-
-    Returns:
-        (rows, K) float32, or None.
-    """
-    if name not in ("q4_k", "q5_k"):
-        return None
-    blocks = weight.detach().to(torch.float32).reshape(weight.shape[0], -1, 32)
-    return ((blocks * blocks).mean(-1, keepdim=True).sqrt() + blocks.abs()).reshape(weight.shape)
-
-
-def _by_chunks(quantize_blocks, weight, importance, name=""):
-    if importance is None and name:
-        importance = default_importance(name, weight)
+def _by_chunks(quantize_blocks, weight, importance):
     x, w = _super_blocks(weight), _importance_blocks(importance, weight)
     parts = [quantize_blocks(x[i : i + _CHUNK], w[i : i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
     return (
@@ -729,7 +711,8 @@ def _q6_k_blocks(x, w):
 def quantize_q2_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
     """Q2_K blocks of `weight` (rows, K), K a multiple of 256: (rows, K // 256 * 84) uint8.
 
-    `importance` ((K,) or (rows, K), >= 0) weights each element's squared error; None weighs all alike. Raises
+    `importance` ((K,) or (rows, K), >= 0) weights each element's squared error; None weighs all alike
+    (`hfquant.core.blocks.quantize` passes the type's data-free default, `importance.default_importance`). Raises
     ValueError for a non-finite weight or a badly shaped or negative importance.
     """
     return _by_chunks(_q2_k_blocks, weight, importance)
@@ -741,15 +724,13 @@ def quantize_q3_k(weight: torch.Tensor, importance: torch.Tensor | None = None) 
 
 
 def quantize_q4_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
-    """Q4_K blocks of `weight` (rows, K): (rows, K // 256 * 144) uint8 (arguments as `quantize_q2_k`, but None weighs
-    by `default_importance`)."""
-    return _by_chunks(_q4_k_blocks, weight, importance, "q4_k")
+    """Q4_K blocks of `weight` (rows, K): (rows, K // 256 * 144) uint8 (arguments as `quantize_q2_k`)."""
+    return _by_chunks(_q4_k_blocks, weight, importance)
 
 
 def quantize_q5_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
-    """Q5_K blocks of `weight` (rows, K): (rows, K // 256 * 176) uint8 (arguments as `quantize_q2_k`, but None weighs
-    by `default_importance`)."""
-    return _by_chunks(_q5_k_blocks, weight, importance, "q5_k")
+    """Q5_K blocks of `weight` (rows, K): (rows, K // 256 * 176) uint8 (arguments as `quantize_q2_k`)."""
+    return _by_chunks(_q5_k_blocks, weight, importance)
 
 
 def quantize_q6_k(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""The data-free importance of each weight: how much its squared error counts in a block format's search when the
+caller gives no importance (no calibration data, nothing but the weight itself).
+
+Kept apart from the searches (`legacy`, `iq4`, `kquants` and the C k-quant search in `hfquant.ops.native`), which
+all take the importance as an input array: every search of a type minimizes the same weighted error, whichever
+language runs it.
+
+The rule per type (`RULES`), chosen by SmolLM2-135M perplexity and MiniLM embeddings with every decoder linear
+weight quantized -> dequantized (docs/performance.md, "Block formats: the data-free importance"):
+- "rms_abs", sqrt(mean of x^2 over the 32-weight block) + |x|: llama.cpp's own weighting of Q4_K and Q5_K, the better
+  of the two on SmolLM2's `down_proj`;
+- "uniform" (every element alike) for the other types: llama.cpp's x^2 ("square") keeps the largest weights closer
+  (they shrink by 0.2% instead of 1.8% on SmolLM2's IQ4_NL blocks) but gave a worse perplexity with hfquant's IQ4_NL
+  search (1.235x bf16 against 1.224x unweighted; llama.cpp's own quantizer 1.182x), so it is not the default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RULES", "default_importance", "rule_importance"]
+
+RULES: dict[str, str] = {
+    "q4_0": "uniform",
+    "q4_1": "uniform",
+    "q5_0": "uniform",
+    "q5_1": "uniform",
+    "q8_0": "uniform",
+    "q2_k": "uniform",
+    "q3_k": "uniform",
+    "q4_k": "rms_abs",
+    "q5_k": "rms_abs",
+    "q6_k": "uniform",
+    "iq4_nl": "uniform",
+    "iq4_xs": "uniform",
+}
+"""Block type -> the data-free rule `default_importance` applies to it (`rule_importance`)."""
+
+
+def rule_importance(rule: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The importance (rows, K) float32 of `weight` (rows, K), K a multiple of 32, under `rule`: "uniform" (None: all
+    alike), "square" (x^2) or "rms_abs" (sqrt(mean of x^2 over each 32-weight block) + |x|).
+
+    Raises:
+        ValueError: an unknown rule, or a weight that is not 2-D with K a multiple of 32.
+    """
+    if rule not in ("uniform", "square", "rms_abs"):
+        raise ValueError(f"unknown importance rule {rule!r}; allowed values are ['uniform', 'square', 'rms_abs']")
+    if weight.dim() != 2 or weight.shape[1] % 32:
+        raise ValueError(
+            f"importance is computed for a (rows, K) weight with K a multiple of 32; got {tuple(weight.shape)}"
+        )
+    if rule == "uniform":
+        return None
+    x = weight.detach().to(torch.float32)
+    if rule == "square":
+        return x * x
+    blocks = x.reshape(x.shape[0], -1, 32)
+    return ((blocks * blocks).mean(-1, keepdim=True).sqrt() + blocks.abs()).reshape(x.shape)
+
+
+def default_importance(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The data-free importance (rows, K) float32 that block type `name`'s search uses when given none (`RULES`);
+    None for the "uniform" rule (every element alike).
+
+    Raises:
+        ValueError: an unknown type name, or a weight that is not 2-D with K a multiple of 32.
+    """
+    rule = RULES.get(str(name).lower())
+    if rule is None:
+        raise ValueError(f"unknown block format {name!r}; allowed values are {list(RULES)}")
+    return rule_importance(rule, weight)
