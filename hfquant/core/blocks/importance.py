@@ -33,6 +33,7 @@ RULES: dict[str, str] = {
     "q6_k": "uniform",
     "iq4_nl": "uniform",
     "iq4_xs": "uniform",
+    "hq3_0": "uniform",
 }
 """Block type -> the data-free rule `default_importance` applies to it (`rule_importance`)."""
 
