@@ -212,7 +212,9 @@ def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool =
     model = load(AutoModelForCausalLM, source, torch.bfloat16, settings)
     seconds = time.perf_counter() - start
     row = {"load_s": seconds}
-    if settings is not None and settings not in LLAMA_CPP:  # a llama.cpp row's load is a float load and ctypes calls
+    if settings is not None and not (
+        isinstance(settings, str) and settings in LLAMA_CPP
+    ):  # a llama.cpp row's load is a float load and ctypes calls
         source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
         row["gb_per_s"] = source_bytes / seconds / 1e9
     if isinstance(settings, dict):  # bits per weight are counted from hfquant's files
