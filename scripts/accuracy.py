@@ -246,7 +246,8 @@ def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool =
     fake = hasattr(model, "fake_bpw")
     if fake:
         row["bpw"] = model.fake_bpw
-    elif settings is not None and settings not in LLAMA_CPP:  # a llama.cpp row's load is a float load and ctypes
+    elif settings is not None and not (isinstance(settings, str) and settings in LLAMA_CPP):
+        # a llama.cpp row's load is a float load and ctypes calls: no load speed
         source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
         row["gb_per_s"] = source_bytes / seconds / 1e9
     if isinstance(settings, dict) and not fake:  # bits per weight are counted from hfquant's files
