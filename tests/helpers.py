@@ -156,3 +156,22 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
                 assert key not in tensors, f"{key} stored twice"
                 tensors[key] = handle.get_tensor(key)
     return tensors
+
+
+def record_row_kernels(monkeypatch) -> list:
+    """The row kernels one-row products run with, in call order: through `gemv.row_product` or through the GEMV a
+    prepared `QuantLinear` binds once (`gemv.row_function`). Install before `prepare_kernel`."""
+    from hfquant.ops import gemv
+
+    used = []
+    real_product, real_function = gemv.row_product, gemv.row_function
+    monkeypatch.setattr(gemv, "row_product", lambda *args: used.append(args[0]) or real_product(*args))
+
+    def bound(row, call, group_size):
+        function = real_function(row, call, group_size)
+        if function is None:
+            return None
+        return lambda *args: used.append(row) or function(*args)
+
+    monkeypatch.setattr(gemv, "row_function", bound)
+    return used

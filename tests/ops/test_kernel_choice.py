@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from helpers import record_row_kernels
 
 from hfquant import QuantLinear
 from hfquant.core.format import StoredFormat
@@ -151,12 +152,10 @@ def _layer() -> QuantLinear:
 @pytest.mark.parametrize("native_faster", [True, False], ids=["gemv-faster", "aten-faster"])
 def test_one_row_of_a_prepared_layer_runs_the_kernel_chosen_for_its_shape(fresh, monkeypatch, native_faster):
     monkeypatch.setattr(choice, "measure_int4_row", _timings(1e-5 if native_faster else 3e-5, 2e-5, []))
+    used = record_row_kernels(monkeypatch)
     layer = _layer()
     assert layer.kernel == Kernel.INT4PACK_MM_CPU
     assert layer.plan.row == (RowKernel.INT4_GEMV if native_faster else RowKernel.ATEN)
-    used = []
-    real = gemv.row_product
-    monkeypatch.setattr(gemv, "row_product", lambda *args: used.append(args[0]) or real(*args))
     x = torch.randn((1, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = layer(x)
     assert used == ([RowKernel.INT4_GEMV] if native_faster else [])

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import run_python
+from helpers import record_row_kernels, run_python
 
 from hfquant import QuantLinear
 from hfquant.core import packing, rtn
@@ -106,11 +106,9 @@ def test_quant_linear_single_row_dispatch(n, monkeypatch):
     """One bfloat16 row of a 64-row-aligned layer goes through the native GEMV (where chosen: forced here), anything
     else through aten."""
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    calls = record_row_kernels(monkeypatch)
     layer = QuantLinear.from_float(torch.randn(n, 512), None, StoredFormat(4, 128, False))
     layer.prepare_kernel(torch.bfloat16)
-    calls = []
-    real = gemv.row_product
-    monkeypatch.setattr(gemv, "row_product", lambda *a: calls.append(a[0]) or real(*a))
     x = torch.randn((3, 512), dtype=torch.bfloat16)
     rows = torch.cat([layer(x[i : i + 1]) for i in range(3)])
     together = layer(x)
