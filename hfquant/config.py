@@ -195,8 +195,8 @@ def resolve_format(format: str, bits: int) -> str:
 
 
 def _int_format(resolved: Mapping[str, Any]) -> bool:
-    """Whether the resolved fields so far store the uniform integer format (the defaults of method and
-    mixed_precision were measured for it; block formats default to llama.cpp's own recipe, RTN and no mixing)."""
+    """Whether the resolved fields so far store the uniform integer format (its defaults of method and
+    mixed_precision depend on the bit width; block formats default to SINQ folded and no mixing)."""
     return resolve_format(resolved["format"], resolved["bits"]) == QuantFormat.INT
 
 
@@ -210,9 +210,15 @@ def default_group_size(bits: int) -> int | None:
     return None if bits == 8 else 128
 
 
-def default_method(bits: int) -> Method:
-    """The method used when none is given: SINQ at 4 bits (more accurate at little cost), RTN at 8 bits (already about
-    as accurate as bf16: docs/performance.md, "Figures from the config's docstrings")."""
+def default_method(bits: int, format: str = "int") -> Method:
+    """The method used when none is given. Format "int": SINQ at 4 bits (more accurate at little cost), RTN at 8 bits
+    (already about as accurate as bf16: docs/performance.md, "Figures from the config's docstrings"). A block format
+    (llama.cpp's types, hq3_0): SINQ at every width, so that `fold_column_scales` (True with SINQ) folds the column
+    scales into Llama-family blocks before the block search, whose layers are then stored as plain RTN blocks that a
+    GGUF export copies (SmolLM2 IQ4_NL: 1.117x bf16's perplexity against 1.225x without the fold and llama.cpp's
+    1.182x; docs/performance.md, "Block formats: the data-free importance")."""
+    if format != QuantFormat.INT:
+        return Method.SINQ
     return Method.SINQ if bits == 4 else Method.RTN
 
 
@@ -429,10 +435,11 @@ FIELDS: tuple[ConfigField, ...] = (
         "method",
         "how Linear / Conv1D weights are quantized: 'rtn' (round-to-nearest, the default at 8 bits) or 'sinq' "
         "(round-to-nearest after a per-input-column scale balanced by Sinkhorn iterations, hfquant.core.sinq, "
-        "arXiv 2509.22944, stored as weight_col_scale; calibration-free, more accurate; the default at 4 bits). "
+        "arXiv 2509.22944, stored as weight_col_scale; calibration-free, more accurate; the default at 4 bits and "
+        "with block formats, where fold_column_scales folds it into Llama-family blocks). "
         "Embeddings, a quantized lm_head and MoE experts always use RTN",
         Method,
-        lambda resolved: default_method(resolved["bits"]) if _int_format(resolved) else Method.RTN,
+        lambda resolved: default_method(resolved["bits"], resolve_format(resolved["format"], resolved["bits"])),
         _check_choice,
         none_is_default=True,
         legacy=Method.RTN,
@@ -472,7 +479,7 @@ FIELDS: tuple[ConfigField, ...] = (
         "are folded into the model (an exact identity of the float model; hfquant.core.folding): those of q/k/v "
         "and gate/up into the norm before them, o_proj's into v_proj's rows, down_proj's into up_proj's rows; "
         "those layers are then "
-        "stored as plain RTN int4/int8 (entries {'method': 'rtn'} put first in module_overrides when quantizing), "
+        "stored as plain RTN int4/int8 or blocks (entries {'method': 'rtn'} put first in module_overrides when quantizing), "
         "which compressed-tensors, vLLM and GGUF read. Needs a float safetensors checkpoint (each block's weights "
         "are read once before the load). False: column scales of method 'sinq' are stored beside the layers "
         "(hfquant-only). Default: True with method 'sinq'",

@@ -17,7 +17,9 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   add `mixed_precision="auto"`, the data-free Q3_K_M-style mix of `hfquant.core.allocation.block_overrides`), each
   beside a `llama.cpp-` row: llama.cpp's own quantizer (`ggml_quantize_chunk`, no imatrix, then the type's
   `to_float`) on the same layers in the same types, fallbacks included (needs the llama-cpp-python wheel's
-  libggml-base, `benchmarks/ggml_reference.py`);
+  libggml-base, `benchmarks/ggml_reference.py`); block rows take the block formats' default, SINQ folded into
+  SmolLM2's blocks before the block search (MiniLM, a BERT, is not folded: its column scales are stored beside the
+  layers), and `-rtn` rows llama.cpp's own recipe, `method="rtn"` (no fold);
 - `hq3_0`: hfquant's own 3-bit 32-weight blocks (3.5 bits per weight) on every layer; `hq3_0-auto` the 3.5-bit budget
   (`hfquant.core.allocation.budget_overrides`: Q3_K where 256 divides a row, value and down projections raised);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
@@ -33,7 +35,8 @@ in the header. Run from a source checkout after `bash scripts/install.sh` (MiniL
     python scripts/accuracy.py                       # everything (about 5 minutes on 2 cores)
     python scripts/accuracy.py --configs rtn-g128,sinq-g128
     python scripts/accuracy.py --no-decode --configs q3_k,llama.cpp-q3_k,q3_k-auto,llama.cpp-q3_k-auto
-    python scripts/accuracy.py --no-decode --fake-quantize --configs iq4_nl,llama.cpp-iq4_nl   # block rows as floats
+    python scripts/accuracy.py --no-decode --configs iq4_nl,iq4_nl-rtn,llama.cpp-iq4_nl
+    python scripts/accuracy.py --no-decode --fake-quantize --configs iq4_nl-rtn,llama.cpp-iq4_nl   # as floats
 
 Bits per weight read "SmolLM2 / MiniLM" where the two differ (their fallbacks differ).
 """
@@ -94,6 +97,8 @@ CONFIGS = {
     "int4-default-mse": dict(bits=4, clipping="mse"),
     **{name: dict(format=name) for name in BLOCK_FORMATS},
     **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},
+    **{f"{name}-rtn": dict(format=name, method="rtn") for name in BLOCK_FORMATS},
+    **{f"{name}-auto-rtn": dict(format=name, mixed_precision="auto", method="rtn") for name in BLOCK_RULE_ROWS},
     "hq3_0": dict(format="hq3_0"),
     "hq3_0-auto": dict(format="hq3_0", mixed_precision="auto"),
 }
@@ -179,12 +184,17 @@ def load(auto_class, path: Path, dtype: torch.dtype, settings: dict | str | None
 def hfquant_fake_quantize(model, settings: dict) -> float:
     """`--fake-quantize`: replace each Linear weight hfquant's config `settings` would store in a block type by hfquant's
     own quantize -> dequantize of that type (`blocks.quantize` with the type's data-free importance; the C k-quant
-    search where it is built), as `ggml_fake_quantize` does with llama.cpp's; no fold (block formats default to RTN).
-    Returns the bits per weight of hfquant's bytes over those layers."""
+    search where it is built), as `ggml_fake_quantize` does with llama.cpp's: the block search alone, so only for
+    `method="rtn"` rows (the `-rtn` rows); a SINQ row (the fold) is refused. Returns the bits per weight of hfquant's
+    bytes over those layers."""
     from hfquant.integration.quantizer import plan_model
     from hfquant.ops import native
 
     config = hfquant.HfQuantConfig(**settings)
+    if config.method != "rtn":
+        raise SystemExit(
+            f"--fake-quantize measures the block search alone, not method={config.method.value!r}: use -rtn rows"
+        )
     _, plans = plan_model(model, config, quantizing=True)
     stored_bits = weights = 0
     for plan in plans:

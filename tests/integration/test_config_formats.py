@@ -25,8 +25,19 @@ def test_auto_format_follows_the_bit_width(bits, expected):
 def test_a_block_format_gives_its_own_bit_width_and_llama_cpps_recipe():
     config = HfQuantConfig(format="q6_k")
     assert config.bits == 6
-    assert (config.method, config.mixed_precision, config.fold_column_scales) == ("rtn", "none", False)
+    # SINQ folded before the block search (more accurate than llama.cpp's RTN: docs/performance.md), no mixing
+    assert (config.method, config.mixed_precision, config.fold_column_scales) == ("sinq", "none", True)
     assert HfQuantConfig(format="Q6_K".lower()) == config
+
+
+@pytest.mark.parametrize("kwargs", [dict(format="q8_0"), dict(format="iq4_nl"), dict(format="hq3_0"), dict(bits=3)])
+def test_block_formats_default_to_the_fold_at_every_width_unlike_int8(kwargs):
+    config = HfQuantConfig(**kwargs)
+    assert (config.method, config.fold_column_scales) == ("sinq", True)
+    assert HfQuantConfig(**kwargs, method="rtn").fold_column_scales is False  # the fold follows the method
+    assert HfQuantConfig(**kwargs, fold_column_scales=False).method == "sinq"  # column scales stored instead
+    int8 = HfQuantConfig(bits=8)
+    assert (int8.format, int8.method, int8.fold_column_scales) == ("int", "rtn", False)
 
 
 @pytest.mark.parametrize(

@@ -81,3 +81,28 @@ def test_both_exports_refuse_hfquants_own_block_format_by_name_before_writing(tm
         export_checkpoint(tmp_path / "q", tmp_path / "ct")
     assert "--format gguf" not in str(error.value)
     assert not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("name", ["q4_k", "iq4_nl"])
+def test_the_default_fold_is_exported_and_the_gguf_computes_the_same_function(tmp_path, name):
+    """Block formats fold SINQ's column scales by default: the norms change (GGUF stores them as floats), the folded
+    layers are plain blocks, and transformers' GGUF load of the export computes hfquant's logits."""
+    model = tiny_model("llama", **WIDE, **MERGES_VOCAB)
+    model.save_pretrained(tmp_path / "float")
+    tiny_tokenizer(merges=True).save_pretrained(tmp_path / "float")
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=HfQuantConfig(format=name), dtype=torch.float32
+    )
+    norm = "model.layers.0.input_layernorm"
+    assert not torch.equal(quantized.get_submodule(norm).weight, model.get_submodule(norm).weight)  # folded
+    quantized.save_pretrained(tmp_path / "q")
+    tiny_tokenizer(merges=True).save_pretrained(tmp_path / "q")
+    assert not any(key.endswith("weight_col_scale") for key in load_file(tmp_path / "q" / "model.safetensors"))
+    export_checkpoint(tmp_path / "q", tmp_path / "q" / "model.gguf", format="gguf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "q", gguf_file="model.gguf", dtype=torch.float32)
+    assert torch.equal(exported.get_submodule(norm).weight, reloaded.get_submodule(norm).weight)
+    ids = torch.tensor([[5, 77, 140, 9, 33, 200, 18]])
+    with torch.no_grad():
+        reference, logits = reloaded(ids).logits, exported(ids).logits
+    assert (logits - reference).abs().max() <= 1e-3 * reference.abs().max()
