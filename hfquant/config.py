@@ -770,13 +770,16 @@ class HfQuantConfig(QuantizationConfigMixin):
         self.module_overrides = {**entries, **{p: s for p, s in self.module_overrides.items() if p not in entries}}
 
     def layer_settings(self, name: str) -> LayerSettings:
-        """What the config asks for the Linear layer `name` (full dotted name): the first `module_overrides` entry
-        whose pattern selects it, completed by the config's own values (at the config's bit width) or that width's
-        defaults (`default_group_size`, `default_symmetric`, format "auto"); the config's values when no pattern
+        """What the config asks for the Linear layer `name` (full dotted name): the `module_overrides` entry naming it
+        exactly, else the first entry whose pattern selects it (a saved config.json sorts its keys, so the recorded
+        per-layer entries are exact names), completed by the config's own values (at the config's bit width) or that
+        width's defaults (`default_group_size`, `default_symmetric`, format "auto"); the config's values when no pattern
         selects it. An entry's `format` without `bits` takes the format's width. The format is resolved for the bit
         width (`resolve_format`); the group size is the asked one: a layer resolves it for its width
         (`rtn.effective_group_size`)."""
-        for pattern, settings in self.module_overrides.items():
+        exact = self.module_overrides.get(name)  # a saved config's keys come back sorted: exact names go first
+        ordered = [(name, exact)] if exact is not None else []
+        for pattern, settings in ordered + list(self.module_overrides.items()):
             if matches_module(name, [pattern]):
                 fmt = settings.get("format")
                 bits = settings.get("bits", default_bits(fmt) if fmt not in (None, QuantFormat.AUTO) else self.bits)

@@ -233,13 +233,18 @@ def _fold_block(
 def fold_overrides(config, plans: Iterable, transforms: dict[str, Transform]) -> dict[str, dict]:
     """`module_overrides` entries that store the folded Linear layers with plain RTN (no stored column scale).
 
-    A folded layer keeps its bits, group size, symmetry and block format (`config.layer_settings`) and gets `method="rtn"`; layers
-    already planned with RTN need no entry. The caller puts the entries first, so that they win over any pattern."""
+    A folded layer keeps its bits, group size, symmetry and block format (`config.layer_settings`) and gets
+    `method="rtn"`; layers already planned with RTN need no entry. In a model that folds, a block-format layer the fold
+    does not reach (its neighbour kept in float, say) gets RTN too: a stored column scale would make it a layer no
+    GGUF reader runs, where its format promises llama.cpp's blocks. The caller puts the entries first, so that they win
+    over any pattern."""
     added = {}
     for plan in plans:
-        if plan.format is None or plan.name not in transforms or plan.format.method is Method.RTN:
+        if plan.format is None or plan.format.method is Method.RTN:
             continue
         settings = config.layer_settings(plan.name)
+        if plan.name not in transforms and not (transforms and settings.format != "int"):
+            continue
         entry = {"bits": settings.bits, "group_size": settings.group_size, "symmetric": settings.symmetric}
         added[plan.name] = (
             entry | ({"format": settings.format} if settings.format != "int" else {}) | {"method": "rtn"}

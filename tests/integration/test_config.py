@@ -381,3 +381,12 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         "format": "int",
     }
     assert config.format == "int"  # written before block formats existed
+
+
+def test_an_entry_naming_a_layer_exactly_wins_over_a_pattern_listed_before_it():
+    # config.json sorts its keys on save: "*.q_proj" comes back before "model.layers.0.self_attn.q_proj"
+    config = HfQuantConfig(
+        module_overrides={"*.q_proj": {"bits": 8}, "model.layers.0.self_attn.q_proj": {"format": "q4_k"}}
+    )
+    assert config.layer_settings("model.layers.0.self_attn.q_proj").format == "q4_k"
+    assert config.layer_settings("model.layers.1.self_attn.q_proj").bits == 8
