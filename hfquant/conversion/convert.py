@@ -201,6 +201,21 @@ def _write_folder(tmp: Path, folder: Path, model, quantizer, outputs: list[Outpu
     return written
 
 
+def _result(dst: Path, split, outputs: list, written: int, source_bytes: int, seconds: float) -> ConvertResult:
+    """The `ConvertResult` of a finished conversion: layers quantized and tensors kept in float counted from the
+    planned outputs."""
+    # a quantized tensor's job makes integer codes (a block format's bytes) or scales beside them; a job making one
+    # float tensor only rescales it (a fold's norm or bias)
+    quantized_jobs = {
+        out.job
+        for out in outputs
+        if out.job is not None and (out.model_key != out.job.model_key or not out.dtype.is_floating_point)
+    }
+    float_tensors = sum(out.job not in quantized_jobs for out in outputs)
+    shards = list(split.filename_to_tensors)
+    return ConvertResult(dst, shards, len(quantized_jobs), float_tensors, written, source_bytes, seconds)
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -267,22 +282,7 @@ def convert(
             folders.publish_folder(tmp, dst, overwrite)
     finally:
         runner.close()
-    # a quantized tensor's job makes integer codes (a block format's bytes) or scales beside them; a job making one
-    # float tensor only rescales it (a fold's norm or bias)
-    quantized_jobs = {
-        out.job
-        for out in outputs
-        if out.job is not None and (out.model_key != out.job.model_key or not out.dtype.is_floating_point)
-    }
     source_bytes = sum(p.stat().st_size for p in set(files.values()))
-    result = ConvertResult(
-        dst,
-        list(split.filename_to_tensors),
-        len(quantized_jobs),
-        sum(out.job not in quantized_jobs for out in outputs),
-        written,
-        source_bytes,
-        time.perf_counter() - start,
-    )
+    result = _result(dst, split, outputs, written, source_bytes, time.perf_counter() - start)
     logger.info("converted %s -> %s: %d layers quantized in %.1f s", src, dst, result.quantized_layers, result.seconds)
     return result

@@ -359,8 +359,27 @@ def rtn_quantize(
         "scale": ((n, groups), torch.bfloat16),
         "zero_point": None if symmetric else ((n, groups), torch.uint8),
     }
+    codes, scale, zero_point = _rtn_outputs(specs, out)
+    factors = [_rtn_factor("row_scale", row_scale, n), _rtn_factor("col_scale", col_scale, k)]
+    arguments = [weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric)]
+    outputs = [codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr()]
+    if factors == [None, None]:
+        status = library.hfquant_rtn_quantize(*arguments, *outputs)
+    else:
+        pointers = [None if vector is None else vector.data_ptr() for vector in factors]
+        status = library.hfquant_rtn_quantize_scaled(*arguments, *pointers, *outputs)
+    if status == 2:
+        raise ValueError("cannot quantize a weight that contains NaN or Inf values")
+    if status:
+        raise RuntimeError(f"hfquant native RTN refused N={n}, K={k}, bits={bits}, group_size={group_size}")
+    return codes, scale, zero_point
+
+
+def _rtn_outputs(specs: dict, out: tuple | None) -> tuple:
+    """`rtn_quantize`'s (codes, scale, zero_point): new tensors of `specs` ((shape, dtype) or None each), or `out`'s
+    after checking each against its spec (RuntimeError naming the tensor)."""
     if out is None:
-        out = tuple(None if spec is None else torch.empty(spec[0], dtype=spec[1]) for spec in specs.values())
+        return tuple(None if spec is None else torch.empty(spec[0], dtype=spec[1]) for spec in specs.values())
     for (name, spec), tensor in zip(specs.items(), out, strict=False):
         if (
             (spec is None) != (tensor is None)
@@ -380,29 +399,20 @@ def rtn_quantize(
                 + ("" if tensor.is_contiguous() else ", not contiguous")
             )
             raise RuntimeError(f"rtn_quantize: out {name} must be {wanted}, got {got}")
-    codes, scale, zero_point = out
-    factors = []
-    for name, vector, length in (("row_scale", row_scale, n), ("col_scale", col_scale, k)):
-        if vector is not None:
-            vector = vector.contiguous()
-            if vector.shape != (length,) or vector.dtype != torch.float32 or vector.device.type != "cpu":
-                raise RuntimeError(
-                    f"rtn_quantize: {name} must be a float32 CPU tensor of shape ({length},), got {vector.dtype} "
-                    f"{tuple(vector.shape)} on {vector.device}"
-                )
-        factors.append(vector)
-    arguments = [weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric)]
-    outputs = [codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr()]
-    if factors == [None, None]:
-        status = library.hfquant_rtn_quantize(*arguments, *outputs)
-    else:
-        pointers = [None if vector is None else vector.data_ptr() for vector in factors]
-        status = library.hfquant_rtn_quantize_scaled(*arguments, *pointers, *outputs)
-    if status == 2:
-        raise ValueError("cannot quantize a weight that contains NaN or Inf values")
-    if status:
-        raise RuntimeError(f"hfquant native RTN refused N={n}, K={k}, bits={bits}, group_size={group_size}")
-    return codes, scale, zero_point
+    return out
+
+
+def _rtn_factor(name: str, vector: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """A fold factor of `rtn_quantize` made contiguous, or None; RuntimeError unless (length,) float32 on the CPU."""
+    if vector is None:
+        return None
+    vector = vector.contiguous()
+    if vector.shape != (length,) or vector.dtype != torch.float32 or vector.device.type != "cpu":
+        raise RuntimeError(
+            f"rtn_quantize: {name} must be a float32 CPU tensor of shape ({length},), got {vector.dtype} "
+            f"{tuple(vector.shape)} on {vector.device}"
+        )
+    return vector
 
 
 def sinq_balance(
