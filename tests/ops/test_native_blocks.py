@@ -29,22 +29,28 @@ def test_random_rows_match_the_torch_codec(name, with_importance):
     assert got.dtype == torch.uint8 and torch.equal(got, want), f"{name}: C bytes differ from the torch codec"
 
 
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize(
-    "edge",
-    ["zeros", "constant", "negative constant", "huge", "tiny", "one spike"],
-)
-def test_edge_rows_give_the_same_bytes(name, edge):
-    generator = torch.Generator().manual_seed(5)
-    rows = {
+EDGES = ["zeros", "constant", "negative constant", "huge", "tiny", "one spike"]
+
+
+def _edge_rows(edge: str, seed: int) -> torch.Tensor:
+    """Two 256-weight rows of one of the `EDGES` a search must survive."""
+    generator = torch.Generator().manual_seed(seed)
+    if edge == "huge":
+        return torch.randn(2, 256, generator=generator) * 3e4
+    if edge == "tiny":
+        return torch.randn(2, 256, generator=generator) * 1e-6
+    return {
         "zeros": torch.zeros(2, 256),
         "constant": torch.full((2, 256), 0.25),
         "negative constant": torch.full((2, 256), -1.5),
-        "huge": torch.randn(2, 256, generator=generator) * 3e4,
-        "tiny": torch.randn(2, 256, generator=generator) * 1e-6,
         "one spike": torch.zeros(2, 256).index_fill_(1, torch.tensor([17]), 2.0),
-    }
-    weight = rows[edge]
+    }[edge]
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("edge", EDGES)
+def test_edge_rows_give_the_same_bytes(name, edge):
+    weight = _edge_rows(edge, seed=5)
     want = blocks.quantize(name, weight)
     got = native.kquant_quantize(name, weight)
     assert torch.equal(got, want), f"{name} {edge}: C bytes differ from the torch codec"
@@ -133,18 +139,9 @@ def test_block_search_matches_the_torch_codec(name, kind, importance_shape):
 
 
 @pytest.mark.parametrize("name", BLOCK32_TYPES)
-@pytest.mark.parametrize("edge", ["zeros", "constant", "negative constant", "huge", "tiny", "one spike"])
+@pytest.mark.parametrize("edge", EDGES)
 def test_block_search_edge_rows_give_the_same_bytes(name, edge):
-    generator = torch.Generator().manual_seed(23)
-    rows = {
-        "zeros": torch.zeros(2, 256),
-        "constant": torch.full((2, 256), 0.25),
-        "negative constant": torch.full((2, 256), -1.5),
-        "huge": torch.randn(2, 256, generator=generator) * 3e4,
-        "tiny": torch.randn(2, 256, generator=generator) * 1e-6,
-        "one spike": torch.zeros(2, 256).index_fill_(1, torch.tensor([17]), 2.0),
-    }
-    weight = rows[edge]
+    weight = _edge_rows(edge, seed=23)
     assert torch.equal(native.block_quantize(name, weight), blocks.quantize(name, weight)), f"{name} {edge}"
 
 
