@@ -363,7 +363,7 @@ def rtn_quantize(
     factors = [_rtn_factor("row_scale", row_scale, n), _rtn_factor("col_scale", col_scale, k)]
     arguments = [weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric)]
     outputs = [codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr()]
-    if factors == [None, None]:
+    if all(vector is None for vector in factors):
         status = library.hfquant_rtn_quantize(*arguments, *outputs)
     else:
         pointers = [None if vector is None else vector.data_ptr() for vector in factors]
