@@ -297,12 +297,20 @@ class HfQuantQuantizer(HfQuantizer):
 
 def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None) -> dict[str, int]:
     """After loading: each `QuantLinear` of `model` picks its kernel for `dtype` and repacks for it
-    (`QuantLinear.prepare_kernel`); returns the number of layers per kernel."""
+    (`QuantLinear.prepare_kernel`), the members of a fused decode group together (`DecodeGroup.prepare`: repacked
+    straight into the group's tensor); returns the number of layers per kernel."""
     counts: dict[str, int] = {}
+    prepared: set[int] = set()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            restore_kernel_buffers(module)
-            kernel = module.prepare_kernel(dtype)
+        if not isinstance(module, QuantLinear) or id(module) in prepared:
+            continue
+        group = module._decode_group
+        layers = [module] if group is None else group.members
+        for layer in layers:
+            restore_kernel_buffers(layer)
+        chosen = [module.prepare_kernel(dtype)] if group is None else group.prepare(dtype)
+        for layer, kernel in zip(layers, chosen, strict=True):
+            prepared.add(id(layer))
             counts[kernel] = counts.get(kernel, 0) + 1
     # Once, not per layer: the replaced stored-layout tensors must not stay resident, but a trim per layer hands back
     # the freed pages that the next layer's repack would have reused, and faults them in again (#28: a reload right

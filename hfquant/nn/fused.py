@@ -13,7 +13,11 @@ compute tensors: the members' runtime weights concatenated along the output rows
 output rows, so the concatenation is the layout of the stacked weight) and each member's `weight` buffer replaced by its
 rows of it, a view (no second copy of the codes); the (scale, zero) pairs concatenated (a new tensor: 1/16 of the
 codes' bytes at group 128; each member keeps its own for its per-layer path). The stored layout is untouched:
-`state_dict()` converts each member's rows back as before.
+`state_dict()` converts each member's rows back as before. Prepared together (`DecodeGroup.prepare`, as a load does),
+members whose plans will bind the same GEMV on the CPU are repacked straight into their rows of the group's tensor, so
+that `build` finds them there and copies nothing; a group dissolved and built again reuses the tensor its members' rows
+are still in (#28: concatenating after each member's own repack wrote every code byte twice, and again each time a load
+re-planned a member for its decode activations).
 
 At a decode step, whichever member is called first with an input `x` (one contiguous bfloat16 row, eager, no
 gradient) runs the group's GEMV and keeps (x, its version counter, the outputs split as views); each sibling called
@@ -65,6 +69,7 @@ class DecodeGroup:
         self.weight = None
         self.scale_zero = None
         self.misses = 0
+        self._preparing = False  # `prepare` is preparing the members: build once they all are
         self._row = None
         self._views: tuple = ()
         self._cache = None  # (x, x._version, outputs, [members yet to take theirs])
@@ -72,10 +77,11 @@ class DecodeGroup:
     def build(self) -> bool:
         """Concatenate the members' runtime tensors into the group's, if every member is prepared with the same
         eager int4 GEMV (`QuantLinear._row` and its plan) on CPU and the group is not built yet; returns whether the
-        group computes its members' rows now."""
+        group computes its members' rows now. Weights that are already the consecutive rows of one tensor (repacked
+        there by `prepare`, or left so by `dissolve`) are not copied: that tensor becomes the group's."""
         if self.weight is not None:
             return True
-        if self.misses > MAX_MISSES:
+        if self.misses > MAX_MISSES or self._preparing:
             return False
         first = self.members[0]
         key = _row_key(first)
@@ -85,7 +91,9 @@ class DecodeGroup:
         if any(weight.device.type != "cpu" or not weight.is_contiguous() for weight in weights):
             return False
         with torch.no_grad():
-            weight = torch.cat(weights)
+            weight = _rows_of_one_tensor(weights, self.sizes)  # repacked there by `prepare`, or a dissolved group's
+            if weight is None:
+                weight = torch.cat(weights)
             scale_zero = torch.cat([member._buffers["scale_zero"] for member in self.members], dim=1)
         views = weight.split(self.sizes)
         for member, view in zip(self.members, views, strict=True):
@@ -93,6 +101,39 @@ class DecodeGroup:
             member._fused = self
         self.weight, self.scale_zero, self._row, self._views = weight, scale_zero, first._row, views
         return True
+
+    def prepare(self, dtype: torch.dtype | None = None) -> list:
+        """Prepare every member's kernel for the activation `dtype` (`QuantLinear.prepare_kernel`), then build the
+        group; returns the members' kernels.
+
+        When the members' plans (`QuantLinear.planned_row`) bind the same eager int4 GEMV and their weights are on
+        the CPU, each member's runtime weight is repacked straight into its rows of one new (sum N_i, K / 2) uint8
+        tensor, which becomes the group's `weight`: each code byte is written once. Otherwise each member prepares
+        its own, and `build` concatenates them if they can share a GEMV after all."""
+        self.dissolve()
+        views = self._rows(dtype) or (None,) * len(self.members)
+        self._preparing = True
+        try:
+            kernels = [
+                member.prepare_kernel(dtype, out=view) for member, view in zip(self.members, views, strict=True)
+            ]
+        finally:
+            self._preparing = False
+        self.build()
+        return kernels
+
+    def _rows(self, dtype: torch.dtype | None) -> tuple | None:
+        """The members' row views of a new (sum N_i, K / 2) uint8 tensor for `prepare` to repack them into, when
+        every member's weight is on the CPU and its plan binds the same int4 GEMV; else None."""
+        keys = set()
+        for member in self.members:
+            planned = member.planned_row(dtype)
+            if planned is None or not planned[1] or member._buffers["weight"].device.type != "cpu":
+                return None
+            keys.add(_plan_key(planned[0], torch.uint8))
+        if len(keys) != 1:
+            return None
+        return torch.empty((sum(self.sizes), self.members[0].in_features // 2), dtype=torch.uint8).split(self.sizes)
 
     def dissolve(self) -> None:
         """Stop computing the members' rows together; each layer keeps its weight (a view of the group's rows until
@@ -138,8 +179,32 @@ def _row_key(layer: nn.Module):
     when the layer has no such kernel."""
     if layer._row is None:
         return None
-    plan = layer.plan
-    return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, layer._buffers["weight"].dtype)
+    return _plan_key(layer.plan, layer._buffers["weight"].dtype)
+
+
+def _rows_of_one_tensor(weights: list[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor | None:
+    """The contiguous tensor of sum(sizes) rows whose consecutive row slices the contiguous `weights` are, in order
+    (the tensor `DecodeGroup.prepare` repacked them into, or a dissolved group's): their concatenation, without a
+    copy. None when they are not."""
+    base = weights[0]._base
+    if base is None or not base.is_contiguous() or base.shape[0] != sum(sizes) or base.dtype != weights[0].dtype:
+        return None
+    row_bytes = base[0].numel() * base.element_size()
+    start = 0
+    for weight, rows in zip(weights, sizes, strict=True):
+        if (
+            weight._base is not base
+            or weight.shape != (rows, *base.shape[1:])
+            or weight.data_ptr() != base.data_ptr() + start * row_bytes
+        ):
+            return None
+        start += rows
+    return base
+
+
+def _plan_key(plan, weight_dtype: torch.dtype) -> tuple:
+    """`_row_key` of a layer with this plan and runtime weight dtype, its GEMV bound."""
+    return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, weight_dtype)
 
 
 def link_decode_groups(model: nn.Module, layer_type: type) -> int:

@@ -183,19 +183,30 @@ class QuantLinear(StoredWeight):
         fused = self.__dict__.get("_fused")
         if fused is not None:
             fused.dissolve()
-        buffers = self._buffers
-        scale_zero = buffers.get("scale_zero")
-        plan = self._kernel_plan
-        self._row = None
-        if (
-            scale_zero is not None
-            and scale_zero.dtype == torch.bfloat16
-            and buffers.get("weight_col_scale") is None
-            and plan.kernel == Kernel.INT4PACK_MM_CPU
-        ):
-            self._row = gemv.row_function(plan.row, plan.row_call, plan.group_size)
+        scale_zero = self._buffers.get("scale_zero")
+        self._row = None if scale_zero is None else self._row_for(self._kernel_plan, scale_zero.dtype)
         if self._row is not None and self._decode_group is not None:
             self._decode_group.build()
+
+    def _row_for(self, plan: KernelPlan, scale_zero_dtype: torch.dtype):
+        """The eager one-row GEMV `_bind_row` binds for `plan` with (scale, zero) pairs in `scale_zero_dtype`, or
+        None."""
+        if (
+            scale_zero_dtype == torch.bfloat16
+            and self._buffers.get("weight_col_scale") is None
+            and plan.kernel == Kernel.INT4PACK_MM_CPU
+        ):
+            return gemv.row_function(plan.row, plan.row_call, plan.group_size)
+        return None
+
+    def planned_row(self, dtype: torch.dtype | None = None) -> tuple[KernelPlan, bool] | None:
+        """What `prepare_kernel(dtype)` would give this layer now, the layer unchanged: (the `KernelPlan`, whether
+        its one-row calls take a bound eager int4 GEMV), or None while the weight is on the meta device."""
+        if self.weight.device.type == "meta":
+            return None
+        plan = self._plan(self.plan.activations, dtype or self._compute_dtype())
+        sz_dtype = torch.bfloat16 if plan.kernel == Kernel.INT4PACK_MM_CUDA else (dtype or self._compute_dtype())
+        return plan, self._row_for(plan, sz_dtype) is not None
 
     def __getstate__(self):
         # the bound GEMV is a closure and the group holds its siblings: neither is pickled (a copy binds its own)
@@ -224,20 +235,28 @@ class QuantLinear(StoredWeight):
 
     @decode_activations.setter
     def decode_activations(self, value: DecodeActivations | str) -> None:
-        """Plan the prepared layer again for `value` ("float" or "int8"; ValueError otherwise)."""
+        """Plan the prepared layer again for `value` ("float" or "int8"; ValueError otherwise). The same plan as
+        before leaves the layer as it is (a fused decode group stays built: a load sets this on every layer)."""
         if self.plan.kernel == Kernel.DEQUANT:  # unprepared, or no one-row kernel to choose
-            self.plan = dataclasses.replace(self.plan, activations=DecodeActivations(value))
+            plan = dataclasses.replace(self.plan, activations=DecodeActivations(value))
         else:
-            self.plan = self._plan(value)
+            plan = self._plan(value)
+        if plan != self.plan:
+            self.plan = plan
 
     def _unprepared_plan(self, activations: DecodeActivations) -> KernelPlan:
         plan = kernels.plain_plan(Kernel.DEQUANT, self.format, self.in_features, self.out_features, "cpu")
         return dataclasses.replace(plan, activations=activations)
 
-    def _plan(self, activations: DecodeActivations | str) -> KernelPlan:
-        """`plan_kernel` for this layer on its device and compute dtype."""
+    def _plan(self, activations: DecodeActivations | str, dtype: torch.dtype | None = None) -> KernelPlan:
+        """`plan_kernel` for this layer on its device and `dtype` (default: its compute dtype)."""
         return plan_kernel(
-            self.format, self.in_features, self.out_features, self.weight.device, self._compute_dtype(), activations
+            self.format,
+            self.in_features,
+            self.out_features,
+            self.weight.device,
+            dtype or self._compute_dtype(),
+            activations,
         )
 
     def _compute_dtype(self) -> torch.dtype:
@@ -259,12 +278,15 @@ class QuantLinear(StoredWeight):
         return self.weight
 
     @torch.no_grad()
-    def prepare_kernel(self, dtype: torch.dtype | None = None) -> Kernel:
+    def prepare_kernel(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> Kernel:
         """Plan the kernels for the current device (`plan_kernel`) and repack `weight` for the plan's kernel; returns
         the kernel.
 
         Idempotent: calling it again first restores the stored layout. `dtype` is the activation dtype the
-        int4 scale/zero tensor is built in (default: the bias dtype, else bfloat16).
+        int4 scale/zero tensor is built in (default: the bias dtype, else bfloat16). `out`: a contiguous
+        (out_features, in_features // 2) uint8 CPU tensor that a `Kernel.INT4PACK_MM_CPU` runtime weight is repacked
+        straight into and that becomes `weight` (the layer's rows of its fused decode group's tensor,
+        `hfquant.nn.fused.DecodeGroup.prepare`); unused for the other kernels. RuntimeError when it is not as above.
         """
         if self.weight.device.type == "meta":
             return self.kernel
@@ -277,7 +299,8 @@ class QuantLinear(StoredWeight):
         plan = self._plan(activations)
         kernel = plan.kernel
         if kernel in kernels.INT4_KERNELS:
-            self.weight = kernels.prepare_packed_int4(kernel, stored, self.in_features)
+            repack_into = out if kernel == Kernel.INT4PACK_MM_CPU else None
+            self.weight = kernels.prepare_packed_int4(kernel, stored, self.in_features, out=repack_into)
             sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else self._compute_dtype()
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
         else:

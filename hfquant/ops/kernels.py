@@ -293,13 +293,34 @@ def select_kernel(fmt: StoredFormat, *, in_features: int, out_features: int, dev
     return Kernel.DEQUANT
 
 
-def prepare_packed_int4(kernel: Kernel, packed: torch.Tensor, in_features: int) -> torch.Tensor:
+def prepare_packed_int4(
+    kernel: Kernel, packed: torch.Tensor, in_features: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`prepare_weight` for an int4 kernel from the stored (N, K // 2) packed weight: one native pass into the CPU
-    layout where hfquant's kernels work (`gemv.native_int4_works`, N % 64 == 0), else through unpacked codes."""
+    layout where hfquant's kernels work (`gemv.native_int4_works`, N % 64 == 0), else through unpacked codes.
+
+    `out` (`Kernel.INT4PACK_MM_CPU` only): a contiguous (N, K // 2) uint8 CPU tensor apart from `packed` that the
+    runtime weight is written into and returned as, e.g. a layer's rows of a fused decode group's tensor
+    (`hfquant.nn.fused`): the native pass writes there directly, the other path copies its result there.
+
+    Raises:
+        ValueError: `out` given for another kernel.
+        RuntimeError: `out` is not as above.
+    """
+    if out is not None and kernel != Kernel.INT4PACK_MM_CPU:
+        raise ValueError(f"out= is for the {Kernel.INT4PACK_MM_CPU} kernel's weight, not {kernel}'s")
     if kernel == Kernel.INT4PACK_MM_CPU and packed.device.type == "cpu" and packed.shape[0] % 64 == 0:
         if gemv.native_int4_works():
-            return native.int4_repack(packed, to_cpu_layout=True)
-    return prepare_weight(kernel, packing.unpack_int4(packed), in_features)
+            return native.int4_repack(packed, to_cpu_layout=True, out=out)
+    weight = prepare_weight(kernel, packing.unpack_int4(packed), in_features)
+    if out is None:
+        return weight
+    if out.shape != weight.shape or out.dtype != weight.dtype or not out.is_contiguous():
+        raise RuntimeError(
+            f"prepare_packed_int4's out must be a contiguous {tuple(weight.shape)} {weight.dtype} tensor, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    return out.copy_(weight)
 
 
 def stored_int4(kernel: Kernel, runtime_weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

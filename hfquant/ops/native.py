@@ -292,26 +292,46 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     return y
 
 
-def int4_repack(weight: torch.Tensor, to_cpu_layout: bool) -> torch.Tensor:
+def int4_repack(weight: torch.Tensor, to_cpu_layout: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The int4 weight (N, K // 2) uint8 moved between the stored layout and the 64-row "halves" CPU kernel layout, in
     one pass (`hfquant.core.packing` does the same with torch ops through unpacked codes).
 
     Args:
         weight: (N, K // 2) contiguous uint8, N % 64 == 0.
         to_cpu_layout: True: stored -> kernel layout; False: kernel layout -> stored.
+        out: a contiguous (N, K // 2) uint8 CPU tensor not overlapping `weight` to write into instead of a new one
+            (e.g. a layer's rows of a fused decode group's tensor, `hfquant.nn.fused`).
     Returns:
-        A new (N, K // 2) uint8 tensor.
+        A new (N, K // 2) uint8 tensor, or `out`.
     Raises:
-        RuntimeError: the library is unavailable or refused the shape.
+        RuntimeError: the library is unavailable or refused the shape; `out` is not as above.
     """
     library = _loaded_library()
     n, k = weight.shape[0], weight.shape[1] * 2
     weight = weight.contiguous()
-    out = torch.empty_like(weight)
+    if out is None:
+        out = torch.empty_like(weight)
+    elif (
+        out.shape != weight.shape
+        or out.dtype != torch.uint8
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+        or _overlap(out, weight)
+    ):
+        raise RuntimeError(
+            f"int4_repack's out must be a contiguous {tuple(weight.shape)} uint8 CPU tensor apart from the weight, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     function = library.hfquant_int4_to_cpu_layout if to_cpu_layout else library.hfquant_int4_from_cpu_layout
     if function(weight.data_ptr(), out.data_ptr(), n, k):
         raise RuntimeError(f"hfquant native int4 repacking refused N={n}, K={k} (needs N % 64 == 0)")
     return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of two contiguous tensors overlap."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
 
 
 def rtn_quantize(

@@ -15,7 +15,9 @@ from hfquant.core.format import Method, StoredFormat
 from hfquant.integration.load_plan import LoadPlan
 from hfquant.integration.load_report import LoadReport
 from hfquant.integration.quantizer import HfQuantQuantizer
+from hfquant.nn import fused
 from hfquant.nn.embedding import QuantEmbedding
+from hfquant.ops import gemv, native
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -141,6 +143,56 @@ def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():
     assert set(stored) == {key, key + "_scale", "model.norm.weight"}  # symmetric int8: no zero point
     assert stored[key].dtype == torch.int8 and torch.equal(stored["model.norm.weight"], torch.ones(64))
     assert quantizer.report.quantized_keys == {key}
+
+
+# -- preparing the kernels -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's int4 GEMV does not run here")
+def test_a_reload_repacks_each_fused_groups_members_straight_into_its_tensor(float_checkpoint, tmp_path, monkeypatch):
+    """#28: the q/k/v and gate/up members of a reloaded int4 model are repacked into their rows of the group's tensor
+    (each code byte written once), with the logits and the state dict of members concatenated after their repack."""
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    source = float_checkpoint("llama", torch.bfloat16, **shape)
+    config = HfQuantConfig(bits=4, group_size=64, method="rtn", mixed_precision="none")
+    auto_class("llama").from_pretrained(source, quantization_config=config).save_pretrained(tmp_path / "int4")
+    outs = []
+    repack = native.int4_repack
+
+    def recorded(weight, to_cpu_layout, out=None):
+        if to_cpu_layout:
+            outs.append(out)
+        return repack(weight, to_cpu_layout, out)
+
+    monkeypatch.setattr(native, "int4_repack", recorded)
+    model = auto_class("llama").from_pretrained(tmp_path / "int4")
+    repacked_into = {out.data_ptr() for out in outs if out is not None}
+    for layer in model.model.layers:
+        for members in (
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            (layer.mlp.gate_proj, layer.mlp.up_proj),
+        ):
+            group = members[0]._fused
+            assert group is not None and group.members == list(members)
+            assert all(member.weight.data_ptr() in repacked_into for member in members)
+            assert group.weight.data_ptr() == members[0].weight.data_ptr()
+    monkeypatch.setattr(fused.DecodeGroup, "_rows", lambda group, dtype: None)  # each member its own, then a cat
+    concatenated = auto_class("llama").from_pretrained(tmp_path / "int4")
+    assert concatenated.model.layers[0].self_attn.q_proj._fused is not None
+    saved, reference = model.state_dict(), concatenated.state_dict()
+    assert saved.keys() == reference.keys()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.items())
+    ids = torch.tensor([[1, 50, 90, 120]])
+    with torch.no_grad():
+        first, second = (
+            model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True),
+            concatenated.generate(
+                ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+            ),
+        )
+    for a, b in zip(first.logits, second.logits, strict=True):
+        assert torch.equal(a, b)
 
 
 # -- the error path ------------------------------------------------------------------------------------------------

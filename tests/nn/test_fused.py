@@ -11,7 +11,8 @@ from torch import nn
 from hfquant.core.format import StoredFormat
 from hfquant.nn import fused
 from hfquant.nn.linear import QuantLinear
-from hfquant.ops import gemv
+from hfquant.ops import gemv, kernels, native
+from hfquant.ops.kernels import Kernel
 
 pytestmark = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's int4 GEMV does not run here")
 
@@ -182,3 +183,104 @@ def test_a_pickled_layer_binds_its_own_gemv(monkeypatch, tmp_path):
     assert copy.q_proj._row is not None and copy.q_proj._fused is None
     for a, b in zip(copy(x), expected, strict=True):
         assert torch.equal(a, b)
+
+
+def _prepared_together(monkeypatch, dtype: torch.dtype = torch.bfloat16) -> tuple[Attention, list]:
+    """A block whose group's members are prepared by `DecodeGroup.prepare` (as a load prepares them), and the `out`
+    each `native.int4_repack` call into the kernel layout was given."""
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    block = Attention()
+    fused.link_decode_groups(block, QuantLinear)
+    outs = []
+    repack = native.int4_repack
+
+    def recorded(weight, to_cpu_layout, out=None):
+        if to_cpu_layout:  # into the kernel layout (not a stored layout given back)
+            outs.append(out)
+        return repack(weight, to_cpu_layout, out)
+
+    monkeypatch.setattr(native, "int4_repack", recorded)
+    assert block.q_proj._decode_group.prepare(dtype) == [Kernel.INT4PACK_MM_CPU] * 3
+    block.o_proj.prepare_kernel(dtype)
+    return block, outs
+
+
+def _members(block: Attention) -> tuple[QuantLinear, ...]:
+    return block.q_proj, block.k_proj, block.v_proj
+
+
+def test_members_prepared_together_are_repacked_straight_into_the_groups_tensor(monkeypatch):
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    plain = Attention()  # no group: each layer its own GEMV
+    plain.prepare()
+    block, outs = _prepared_together(monkeypatch)
+    group = block.q_proj._fused
+    assert group is not None and group.weight.shape == (256, K // 2)
+    # each member's repack wrote its rows of the group's tensor: nothing concatenated afterwards
+    assert [out.data_ptr() == layer.weight.data_ptr() for out, layer in zip(outs, _members(block), strict=False)] == [
+        True
+    ] * 3
+    assert outs[3] is None  # o_proj: a tensor of its own
+    start, storage = group.weight.data_ptr(), group.weight.untyped_storage().data_ptr()
+    assert [layer.weight.data_ptr() - start for layer in _members(block)] == [0, 128 * K // 2, 192 * K // 2]
+    assert all(layer.weight.untyped_storage().data_ptr() == storage for layer in _members(block))
+    saved, reference = block.state_dict(), plain.state_dict()
+    assert saved.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(saved[name], tensor), name
+    x = _row(11, 1, 1)
+    got = block(x)
+    assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one GEMV
+    for g, e in zip(got, plain(x), strict=True):
+        assert torch.equal(g, e)
+    weight = group.weight
+    for g, e in zip(got, _unfused(block, x), strict=True):  # dissolved, then built again
+        assert torch.equal(g, e)
+    assert block.q_proj._fused.weight is weight  # the members' rows still in one tensor: nothing copied
+    block.q_proj.decode_activations = "float"  # the same plan (a load sets it on every layer): the group stays
+    assert block.q_proj._fused is group and group.weight is weight
+
+
+def test_members_that_will_not_share_a_gemv_are_prepared_each_into_its_own_tensor(monkeypatch):
+    """float32 activations: (scale, zero) pairs in float32, no bound GEMV, so no group tensor to repack into."""
+    block, outs = _prepared_together(monkeypatch, torch.float32)
+    assert outs == [None] * 4 and block.q_proj._fused is None
+    pointers = {layer.weight.untyped_storage().data_ptr() for layer in _members(block)}
+    assert len(pointers) == 3
+    x = _row(12, 1, 1).float()
+    plain = Attention()
+    plain.prepare()
+    for layer, reference in zip(_members(block), _members(plain), strict=True):
+        reference.prepare_kernel(torch.float32)
+        assert torch.equal(layer(x), reference(x))
+
+
+def test_a_built_group_prepared_again_repacks_into_a_new_tensor_with_the_same_outputs(monkeypatch):
+    block, outs = _prepared_together(monkeypatch)
+    x = _row(13, 1, 1)
+    expected = block(x)
+    old = block.q_proj._fused.weight
+    block.k_proj.load_state_dict(block.k_proj.state_dict())  # k unprepared, q and v still views of `old`
+    assert block.q_proj._decode_group.prepare(torch.bfloat16) == [Kernel.INT4PACK_MM_CPU] * 3
+    group = block.q_proj._fused
+    assert group is not None and group.weight.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+    assert [
+        out.data_ptr() == layer.weight.data_ptr() for out, layer in zip(outs[4:], _members(block), strict=True)
+    ] == [True] * 3
+    for a, b in zip(block(x), expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_prepare_packed_int4_writes_into_out_on_either_path():
+    generator = torch.Generator().manual_seed(14)
+    for n in (64, 48):  # the native pass (N % 64 == 0), and unpacked codes then a copy
+        packed = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, generator=generator)
+        expected = kernels.prepare_packed_int4(Kernel.INT4PACK_MM_CPU, packed, K)
+        rows = torch.zeros((n + 16, K // 2), dtype=torch.uint8)
+        got = kernels.prepare_packed_int4(Kernel.INT4PACK_MM_CPU, packed, K, out=rows[16:])
+        assert got.data_ptr() == rows[16:].data_ptr() and torch.equal(got, expected)
+        assert not rows[:16].any()  # nothing written outside `out`
+        with pytest.raises(RuntimeError, match="out must be a contiguous"):
+            kernels.prepare_packed_int4(Kernel.INT4PACK_MM_CPU, packed, K, out=rows[:n, :-1])
+    with pytest.raises(ValueError, match="out= is for"):
+        kernels.prepare_packed_int4(Kernel.DEQUANT, packed, K, out=rows[:n])
