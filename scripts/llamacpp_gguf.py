@@ -322,7 +322,6 @@ def compare(path: Path, python: Path, dtype: torch.dtype, ppl_tokens: int) -> di
     from transformers import AutoTokenizer
 
     import hfquant
-    from benchmarks.llama_cpp import engine_env  # noqa: F401 - same environment rule
     from hfquant.evaluation import reference_text
     from scripts.engines import PROMPT
 
@@ -358,8 +357,8 @@ def compare(path: Path, python: Path, dtype: torch.dtype, ppl_tokens: int) -> di
         "threads": os.cpu_count() or 1,
     }
     theirs = run_venv(python, COMPARE_WORKER, args)
-    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, theirs["tokens"])) if a != b), None)
-    agree = sum(a == b for a, b in zip(top1, theirs["top1"]))
+    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, theirs["tokens"], strict=False)) if a != b), None)
+    agree = sum(a == b for a, b in zip(top1, theirs["top1"], strict=True))
     return {
         "hfquant_tokens": tokens,
         "llama_tokens": theirs["tokens"],
