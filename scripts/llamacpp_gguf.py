@@ -394,8 +394,9 @@ print("RESULT " + json.dumps({"load_s": load_s, "peak_load_mib": after_load,
 """
 
 
-def bench(path: Path, python: Path, rounds: int, compiled: bool, out: Path) -> dict:
-    """Peak RSS growth of both engines on `path`, and paired decode rounds (`benchmarks.paired`)."""
+def bench(path: Path, python: Path, rounds: int, compiled: bool, out: Path, decode_tokens: int) -> dict:
+    """Peak RSS growth of both engines on `path`, and paired decode rounds (`benchmarks.paired`) of `decode_tokens`
+    greedy tokens each."""
     from benchmarks import llama_cpp, paired
     from benchmarks.machine import describe
     from benchmarks.methods import FULL, worker_env
@@ -408,11 +409,14 @@ def bench(path: Path, python: Path, rounds: int, compiled: bool, out: Path) -> d
     if not lines:
         raise RuntimeError(f"RSS worker failed: {(done.stderr.strip().splitlines() or [''])[-1][:300]}")
     rss = json.loads(lines[-1][len("RESULT ") :])
-    sizes = dict(FULL, decode_repeats=1, prefill_tokens=32, prefill_repeats=1)
+    log(f"hfquant from_gguf peak RSS growth: {rss}")
+    sizes = dict(FULL, decode_tokens=decode_tokens, decode_repeats=1, prefill_tokens=32, prefill_repeats=1)
     llama = run_llama_row(python, path, sizes)
-    engines = {"hfquant": ([sys.executable, __file__, "serve", "--gguf", str(path)], env)}
+    log(f"llama.cpp row: {llama}")
+    serve = [sys.executable, __file__, "serve", "--gguf", str(path), "--decode-tokens", str(decode_tokens)]
+    engines = {"hfquant": (serve, env)}
     if compiled:
-        engines["hfquant +compile"] = ([sys.executable, __file__, "serve", "--gguf", str(path), "--compile"], env)
+        engines["hfquant +compile"] = (serve + ["--compile"], env)
     server = [str(python), "-c", llama_cpp.SERVER, json.dumps(llama_cpp.engine_args(path, sizes))]
     engines["llama.cpp"] = (server, llama_cpp.engine_env())
     out.mkdir(parents=True, exist_ok=True)
@@ -449,12 +453,13 @@ def serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llamacpp_gguf.py serve")
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--decode-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     try:
         from transformers import AutoTokenizer
 
         import hfquant
-        from benchmarks.methods import DECODE_PROMPT, FULL, use_compiled_decode
+        from benchmarks.methods import DECODE_PROMPT, use_compiled_decode
         from hfquant.evaluation import decode_tokens_per_second
 
         tokenizer = AutoTokenizer.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name)
@@ -464,7 +469,7 @@ def serve(argv: list[str]) -> int:
 
         def decode() -> float:
             return decode_tokens_per_second(
-                model, tokenizer, DECODE_PROMPT, new_tokens=FULL["decode_tokens"], repeats=1, warmup=False
+                model, tokenizer, DECODE_PROMPT, new_tokens=args.decode_tokens, repeats=1, warmup=False
             )
 
         decode()
@@ -495,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppl-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6, help="paired decode rounds of bench")
     parser.add_argument("--compile", action="store_true", help="bench hfquant's compiled decode too")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens of one bench decode")
     parser.add_argument("--json", type=Path, help="write every result as JSON")
     args = parser.parse_args(argv)
     steps = args.steps.split(",")
@@ -513,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             row["compare"] = compare(path, python, getattr(torch, args.dtype), args.ppl_tokens)
             log(f"{kind} compare: {row['compare']}")
         if "bench" in steps:
-            row["bench"] = bench(path, python, args.rounds, args.compile, args.out / "logs")
+            row["bench"] = bench(path, python, args.rounds, args.compile, args.out / "logs", args.decode_tokens)
             log(f"{kind} bench: {json.dumps({k: v for k, v in row['bench'].items() if k != 'paired'})}")
             print(row["bench"]["cpu"] + "\n" + row["bench"]["table"])
     print(json.dumps(results, indent=1, default=str))
