@@ -19,9 +19,10 @@ SmolLM2's blocks: -127, -73, -41, -15, 9, 35, 65, 106): the non-uniform grid has
 SmolLM2 perplexity (3.56x bf16 against 2.75x with every 576-wide layer in the format), so the grid keeps a zero.
 
 `quantize_hq3_0(weight, importance=None)` searches each block's scale (`legacy.fit_symmetric`: 2 x 31 candidates
-around both ends of the grid, least-squares refit, float16 rounding in the loop); `reference_hq3_0` is the
-round-to-nearest baseline (the largest-magnitude weight maps to code 0, as llama.cpp's Q4_0 reference does). The C
-search (`hfquant.ops.native.block_quantize("hq3_0", ...)`, which quantize-on-load takes when the library is built)
+around both ends of the grid, least-squares refit, float16 rounding in the loop), minimizing the error weighted by
+`importance` (`blocks.quantize` without one: the type's data-free default, `importance.RULES["hq3_0"]`, which
+favours the large weights); `reference_hq3_0` is the round-to-nearest baseline (the largest-magnitude weight maps
+to code 0, as llama.cpp's Q4_0 reference does). The C search (`hfquant.ops.native.block_quantize("hq3_0", ...)`, which quantize-on-load takes when the library is built)
 writes the same bytes about 100x faster (SmolLM2's 576 x 1536 matrices: 0.2 s against 23 s on 2 busy cores).
 """
 
