@@ -32,6 +32,7 @@ __all__ = [
     "Method",
     "QuantFormat",
     "ALL_BITS",
+    "BUDGET_BITS",
     "LayerSettings",
     "MixedPrecision",
     "Clipping",
@@ -98,6 +99,34 @@ ALL_BITS = (8, 6, 5, 4, 3, 2)
 formats only."""
 
 _DEFAULT_BLOCK = {2: "q2_k", 3: "q3_k", 5: "q5_k", 6: "q6_k"}
+
+BUDGET_BITS = {3.5: "hq3_0"}
+"""Non-integer `bits` a config accepts: a bits budget in bits per weight over the quantized layers, with the budget
+format it means (`HfQuantConfig(bits=3.5)` is `HfQuantConfig(bits=3, format="hq3_0", mixed_precision="auto")`,
+`hfquant.core.allocation.budget_overrides`), which is also what the config stores."""
+
+
+def _budget_bits(given: dict[str, Any]) -> dict[str, Any]:
+    """`given` (the constructor's keywords) with a budget `bits` (`BUDGET_BITS`) spelled as its budget format.
+
+    Raises:
+        ValueError: a non-integer `bits` that is no budget, or a budget with another explicit format.
+    """
+    bits = given.get("bits", _DEFAULT)
+    if not isinstance(bits, float) or (bits.is_integer() and bits not in BUDGET_BITS):
+        return given  # ints, and 4.0 and the like: `_check_bits` names them
+    fmt = BUDGET_BITS.get(bits)
+    if fmt is None:
+        raise ValueError(
+            f"bits={bits!r} is not supported; use an int from {list(ALL_BITS)} or a bits budget from "
+            f"{list(BUDGET_BITS)} (3.5: format='hq3_0' with mixed_precision='auto')."
+        )
+    asked = given.get("format", _DEFAULT)
+    if asked not in (_DEFAULT, None, QuantFormat.AUTO, "auto", fmt):
+        raise ValueError(f"bits={bits!r} is the {fmt} bits budget; it takes format={fmt!r} or none, got {asked!r}.")
+    mixed = given.get("mixed_precision", _DEFAULT)
+    mixed = MixedPrecision.AUTO if mixed in (_DEFAULT, None) else mixed
+    return {**given, "bits": blocks.LAYOUTS[fmt].bits, "format": fmt, "mixed_precision": mixed}
 
 
 class LayerSettings(NamedTuple):
@@ -426,7 +455,8 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "bits",
         "width of the stored integer codes: 4 or 8 in format 'int', 2 to 6 in block formats (default: the block "
-        "format's own, else 4)",
+        "format's own, else 4); the float 3.5 asks for the 3.5-bit budget (BUDGET_BITS: format 'hq3_0' with "
+        "mixed_precision 'auto', stored as bits 3)",
         ALL_BITS,
         lambda resolved: default_bits(resolved["format"]),
         _check_bits,
@@ -697,7 +727,7 @@ class HfQuantConfig(QuantizationConfigMixin):
 
     def __init__(
         self,
-        bits: int = _DEFAULT,
+        bits: int | float = _DEFAULT,
         group_size: int | None = _DEFAULT,
         symmetric: bool | None = _DEFAULT,
         modules_to_not_convert: list[str] | None = _DEFAULT,
@@ -717,6 +747,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         **unknown: Any,
     ):
         given = {name: value for name, value in locals().items() if name in FIELD_NAMES}  # the keywords above
+        given = _budget_bits(given)  # bits=3.5: the hq3_0 budget
         values = resolve_defaults(given)
         validate_fields({**values, **unknown})
         for name, value in values.items():
@@ -740,12 +771,16 @@ class HfQuantConfig(QuantizationConfigMixin):
         return (config, {}) if return_unused_kwargs else config
 
     def apply_mixed_precision(
-        self, layer_names: Iterable[str], shapes: Mapping[str, tuple[int, int]] | None = None
+        self,
+        layer_names: Iterable[str],
+        shapes: Mapping[str, tuple[int, int]] | None = None,
+        overhead: Mapping[str, float] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Append the data-free rule's `module_overrides` entries for a model's Linear layers `layer_names` (full
         dotted names) when `mixed_precision` is "auto" (`hfquant.core.allocation.data_free_overrides` in the integer
         format, `block_overrides` with a block format, `budget_overrides` with a bits-budget format such as "hq3_0",
-        which needs `shapes`: {name: (in_features, out_features)}).
+        which needs `shapes`: {name: (in_features, out_features)} and counts `overhead`: {name: bits per weight
+        stored beside the blocks}, such as a SINQ column scale).
 
         Layers already selected by a `module_overrides` pattern keep the user's settings. Called once per model,
         when it is quantized (never when a quantized checkpoint is reloaded: its config already lists the entries).
@@ -756,7 +791,9 @@ class HfQuantConfig(QuantizationConfigMixin):
         names = [n for n in layer_names if not any(matches_module(n, [p]) for p in self.module_overrides)]
         fmt = resolve_format(self.format, self.bits)
         if fmt in BUDGET_FORMATS:
-            added = budget_overrides({n: tuple(shapes[n]) for n in names if n in (shapes or {})}, fmt)
+            added = budget_overrides(
+                {n: tuple(shapes[n]) for n in names if n in (shapes or {})}, fmt, dict(overhead or {})
+            )
         elif fmt in blocks.LAYOUTS:
             added = block_overrides(names, fmt)
         else:

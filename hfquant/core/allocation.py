@@ -204,7 +204,9 @@ def _budget_order(names: list[str], count: int) -> list[str]:
     return [n for _, _, n in sorted(ranked)]
 
 
-def budget_overrides(shapes: dict[str, tuple[int, int]], format: str) -> dict[str, dict[str, Any]]:
+def budget_overrides(
+    shapes: dict[str, tuple[int, int]], format: str, overhead: dict[str, float] | None = None
+) -> dict[str, dict[str, Any]]:
     """`module_overrides` entries of a bits budget (`BUDGET_FORMATS`): every layer's block format, the total at most
     the budget in bits per weight over the layers.
 
@@ -216,6 +218,8 @@ def budget_overrides(shapes: dict[str, tuple[int, int]], format: str) -> dict[st
     Args:
         shapes: {full layer name: (in_features, out_features)} of the layers to quantize.
         format: a `BUDGET_FORMATS` name ("hq3_0"); any other gives nothing.
+        overhead: {full layer name: bits per weight the layer stores beside its blocks} (a SINQ column scale kept
+            beside the layer: 16 / out_features), counted in the budget; None or a missing name: 0.
     Returns:
         {full layer name: {"format": block type}} for every layer whose rows 32 divides (the others are left out:
         they keep the config's format, which stores them in float).
@@ -230,7 +234,8 @@ def budget_overrides(shapes: dict[str, tuple[int, int]], format: str) -> dict[st
             chosen[name] = base
     weights = {name: shapes[name][0] * shapes[name][1] for name in chosen}
     allowed = budget * sum(weights.values())
-    used = sum(blocks.LAYOUTS[chosen[n]].bits_per_weight * weights[n] for n in chosen)
+    extra = {n: (overhead or {}).get(n, 0.0) for n in chosen}
+    used = sum((blocks.LAYOUTS[chosen[n]].bits_per_weight + extra[n]) * weights[n] for n in chosen)
     indices = [i for i in map(_layer_index, chosen) if i is not None]
     order = _budget_order(list(chosen), max(indices) + 1) if indices else []
     base = dict(chosen)

@@ -55,6 +55,7 @@ from hfquant.integration.counting import count_quantized_weights
 from hfquant.integration.decode_activations import apply_decode_activations
 from hfquant.integration.dequantize import dequantize_model
 from hfquant.integration.embeddings import share_tied_kernels, tie_buffers
+from hfquant.integration.folding import find_blocks
 from hfquant.integration.load_plan import (
     LoadPlan,
     apply_plan,
@@ -93,11 +94,23 @@ def plan_model(model, config: HfQuantConfig, quantizing: bool = False) -> tuple[
     plans = plan_layers(model, config, skip)
     if quantizing:
         layers = {plan.name: (plan.in_features, plan.out_features) for plan in plans if plan.format is not None}
-        added = config.apply_mixed_precision(list(layers), shapes=layers)
+        added = config.apply_mixed_precision(
+            list(layers), shapes=layers, overhead=_column_scale_bits(model, config, layers)
+        )
         if added:
             logger.info("hfquant mixed_precision='auto': %d layer(s) get their own format: %s", len(added), added)
             plans = plan_layers(model, config, skip)
     return skip, plans
+
+
+def _column_scale_bits(model, config: HfQuantConfig, layers: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Bits per weight each layer of `layers` ({name: (in_features, out_features)}) will store beside its codes as a
+    SINQ column scale (bfloat16, one per input column: 16 / out_features), for a bits budget to count: every layer with
+    `method="sinq"` unless the model folds the scales (`fold_column_scales` on a `find_blocks` model, whose block-format
+    layers are then all stored with RTN: `fold_overrides`)."""
+    if config.method != "sinq" or (config.fold_column_scales and find_blocks(model)):
+        return {}
+    return {name: 16.0 / out_features for name, (_, out_features) in layers.items()}
 
 
 class HfQuantQuantize(ConversionOps):

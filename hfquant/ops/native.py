@@ -31,7 +31,7 @@ import subprocess
 import torch
 
 from hfquant.core import blocks
-from hfquant.core.blocks import iq4, legacy
+from hfquant.core.blocks import hq3, iq4, legacy
 from hfquant.core.blocks.importance import default_importance
 from hfquant.ops import native_build
 
@@ -79,6 +79,7 @@ _SIGNATURES = {
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
+    "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
     "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 3 + [_POINTER],
 }
@@ -664,7 +665,7 @@ def _search_parameters(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 _LEGACY_IQ4_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "iq4_xs": 23}
 
-BLOCK_QUANTIZE_TYPES = {**_LEGACY_IQ4_TYPES, **KQUANT_TYPES}
+BLOCK_QUANTIZE_TYPES = {**_LEGACY_IQ4_TYPES, **KQUANT_TYPES, "hq3_0": blocks.LAYOUTS["hq3_0"].ggml_type}
 """The block types `block_quantize` writes in C (every `hfquant.core.blocks.LAYOUTS` type), with their ggml numbers."""
 
 
@@ -691,7 +692,7 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
     """
     if name in KQUANT_TYPES:
         return kquant_quantize(name, weight, importance)
-    if name not in _LEGACY_IQ4_TYPES:
+    if name not in BLOCK_QUANTIZE_TYPES:
         raise ValueError(f"block_quantize covers {list(BLOCK_QUANTIZE_TYPES)}; got {name!r}")
     library = _loaded_library(any_x86=True)
     fmt = blocks.layout(name)
@@ -716,10 +717,22 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
                 f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
             )
         period = k // fmt.block_size if w.dim() == 1 else 0
+    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    if name == "hq3_0":
+        targets = hq3.search_targets().to(torch.float32).contiguous()
+        library.hfquant_hq3_quantize(
+            x.data_ptr(),
+            _as_float_pointer(w),
+            period,
+            rows * (k // 32),
+            targets.data_ptr(),
+            targets.numel(),
+            out.data_ptr(),
+        )
+        return out
     params, params2 = _search_parameters(name)
     params = params.to(torch.float32).contiguous()
     params2 = None if params2 is None else params2.to(torch.float32).contiguous()
-    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
     status = library.hfquant_block_quantize(
         x.data_ptr(),
         _as_float_pointer(w),

@@ -149,3 +149,17 @@ def test_budget_only_for_budget_formats_and_rows_32_divides():
     shapes = {"model.layers.0.self_attn.v_proj": (100, 64), "model.layers.0.mlp.up_proj": (64, 96)}
     assert budget_overrides(shapes, "q3_k") == {}
     assert budget_overrides(shapes, "hq3_0") == {"model.layers.0.mlp.up_proj": {"format": "hq3_0"}}
+
+
+def test_budget_counts_the_bits_stored_beside_the_blocks():
+    layers = 30
+    shapes = smollm2_shapes(layers)
+    plain = budget_overrides(shapes, "hq3_0")
+    # a small per-layer extra (a stored column scale) on the down projections, the only layers below 3.5 bits
+    extra = {n: 0.03 for n in shapes if n.endswith("down_proj")}
+    counted = budget_overrides(shapes, "hq3_0", extra)
+    weights = {n: k * m for n, (k, m) in shapes.items()}
+    total = sum(extra.get(n, 0.0) * w for n, w in weights.items()) / sum(weights.values())
+    assert _bits_per_weight(counted, shapes) + total <= BUDGET_FORMATS["hq3_0"] + 1e-9
+    raised = sum(counted[n]["format"] not in ("hq3_0", "q3_k") for n in shapes)
+    assert 0 < raised < sum(plain[n]["format"] not in ("hq3_0", "q3_k") for n in shapes)

@@ -56,7 +56,7 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k"])
+@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0"])
 def test_block_format_stays_close_to_the_float_model(wide_checkpoint, name):
     """Logits within a tolerance that grows with the quantization step: the relative error of the logits against
     the float model's is at most 4 * 2**-bits (measured about 2**-bits on this random model)."""
@@ -105,13 +105,15 @@ def test_inspect_reports_each_layers_block_format_and_its_bytes(wide_checkpoint,
     assert all(row["bytes"] * 8 / (row["float_bytes"] / 4) == blocks.layout("q3_k").bits_per_weight for row in q3_rows)
 
 
-def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path):
-    """`format="hq3_0", mixed_precision="auto"`: Q3_K where 256 divides a row, HQ3_0 elsewhere, value projections
-    raised while the stored bits stay within 3.5 per weight; config.json names each layer's format."""
+@pytest.mark.parametrize("spelling", [dict(format="hq3_0", mixed_precision="auto"), dict(bits=3.5)])
+def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spelling):
+    """`format="hq3_0", mixed_precision="auto"` (or `bits=3.5`): Q3_K where 256 divides a row, HQ3_0 elsewhere, value
+    projections raised while the stored bits stay within 3.5 per weight; config.json names each layer's format and
+    the reload holds the same bytes."""
     tiny_model(
         "llama", hidden_size=96, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
     ).save_pretrained(tmp_path / "float")
-    config = HfQuantConfig(format="hq3_0", mixed_precision="auto")
+    config = HfQuantConfig(**spelling)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     layers = _layers(model)
     assert len(layers) == 14
@@ -126,6 +128,8 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path):
     assert set(saved["module_overrides"]) == set(layers)
     assert all(saved["module_overrides"][n]["format"] == layers[n].format.block for n in layers)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    again = _layers(reloaded)
+    assert all(torch.equal(again[n].weight, layers[n].weight) for n in layers)
     ids = input_ids()
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
 

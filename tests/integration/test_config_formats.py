@@ -108,3 +108,32 @@ def test_block_mix_formats_land_in_config_json_and_reload(tmp_path, overrides, e
     saved_tensors, reloaded_tensors = model.state_dict(), reloaded.state_dict()
     assert saved_tensors.keys() == reloaded_tensors.keys()
     assert all(torch.equal(saved_tensors[key], reloaded_tensors[key]) for key in saved_tensors)
+
+
+def test_bits_three_and_a_half_is_the_hq3_0_budget_and_saves_as_it():
+    config = HfQuantConfig(bits=3.5)
+    assert (config.bits, config.format, config.mixed_precision, config.method) == (3, "hq3_0", "auto", "sinq")
+    assert config == HfQuantConfig(format="hq3_0", mixed_precision="auto")
+    saved = json.loads(json.dumps(config.to_dict()))
+    assert saved["bits"] == 3 and saved["format"] == "hq3_0"  # config.json names the format, not the float
+    assert HfQuantConfig.from_dict(saved) == config
+    assert HfQuantConfig(bits=3.5, mixed_precision="none").mixed_precision == "none"  # every layer hq3_0: 3.5 bpw
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            dict(bits=2.5),
+            ValueError,
+            r"bits=2.5 is not supported; use an int from \[8, 6, 5, 4, 3, 2\] or a bits budget",
+        ),
+        (dict(bits=3.25), ValueError, r"bits=3.25 is not supported"),
+        (dict(bits=3.5, format="q3_k"), ValueError, r"bits=3.5 is the hq3_0 bits budget; it takes format='hq3_0'"),
+        (dict(bits=4.0), TypeError, r"bits must be an int"),
+    ],
+)
+def test_other_non_integer_bits_are_refused_in_one_line(kwargs, error, message):
+    with pytest.raises(error, match=message) as raised:
+        HfQuantConfig(**kwargs)
+    assert "\n" not in str(raised.value)

@@ -5,6 +5,7 @@
  *   one super-block of 256 weights at a time (`hfquant_kquant_quantize`);
  * - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, one block of 32 at a time, and IQ4_XS, one super-block of 256
  *   (legacy.py `fit_symmetric`, `fit_affine`; iq4.py `_fit_super_block`; `hfquant_block_quantize`).
+ * - hfquant's own HQ3_0, one block of 32 at a time (hq3.py `quantize_hq3_0`; `hfquant_hq3_quantize`).
  *
  * Every sum accumulates in double and rounds once to float32 here and in the torch codecs (`kquants._sum`,
  * `legacy._sum`), so the bytes are the torch codecs' (tests/ops/test_native_blocks.py). Portable C, no intrinsics.
@@ -922,6 +923,50 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
             } else
                 put_nibbles(idx, o + 2);
         }
+    }
+    return 0;
+}
+
+/* --- HQ3_0, hfquant's own 3-bit blocks (hq3.py's module docstring): d f16, qs[8] (bits 0-1 of code j at bits
+ * 2 (j / 8), 2 (j / 8) + 1 of qs[j % 8]), qh[4] (bit 2 of code j at bit j of the little-endian uint32) --- */
+
+static void put_hq3_codes(const uint8_t *codes, uint8_t *out) {
+    uint32_t qh = 0;
+    for (int l = 0; l < 8; l++) {
+        uint8_t byte = 0;
+        for (int i = 0; i < 4; i++) byte |= (uint8_t)((codes[8 * i + l] & 3) << (2 * i));
+        out[l] = byte;
+    }
+    for (int j = 0; j < QK; j++) qh |= (uint32_t)((codes[j] >> 2) & 1) << j;
+    for (int b = 0; b < 4; b++) out[8 + b] = (uint8_t)(qh >> (8 * b));
+}
+
+/*
+ * Quantize `nblocks` blocks of 32 float32 weights `x` into HQ3_0 (`out`: nblocks * 14 bytes), the search of
+ * `hq3.quantize_hq3_0` (`legacy.fit_symmetric` on the grid -4..3, seed: the largest-magnitude weight at -4). `w`: each
+ * element's weight in the squared error, NULL for all 1; `w_period` > 0: w repeats every w_period blocks. `targets`:
+ * the candidate targets (both grid ends times hq3's factors). Returns 0.
+ */
+int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
+                         int64_t ntargets, uint8_t *out) {
+    grid_t grid;
+    grid_uniform(&grid, -4, 8);
+#pragma omp parallel for schedule(dynamic, 64)
+    for (int64_t b = 0; b < nblocks; b++) {
+        float ones[QK], q[QK];
+        uint8_t idx[QK];
+        const float *xb = x + b * QK;
+        const float *wb = ones;
+        if (w == NULL)
+            for (int k = 0; k < QK; k++) ones[k] = 1.0f;
+        else
+            wb = w + (w_period > 0 ? b % w_period : b) * QK;
+        float seed = xb[extreme_index(xb, QK)] / grid.low;
+        float d = fit_block_symmetric(xb, wb, &grid, targets, (int)ntargets, seed, 3, q);
+        for (int k = 0; k < QK; k++) idx[k] = (uint8_t)grid_index_of(&grid, q[k]);
+        uint8_t *o = out + b * 14;
+        put_half(o, d);
+        put_hq3_codes(idx, o + 2);
     }
     return 0;
 }

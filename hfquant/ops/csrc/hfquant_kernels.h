@@ -50,6 +50,10 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
                            const float *params, int64_t nparams, const float *params2, int64_t nparams2,
                            uint8_t *out);
 
+/* blocks_quant_cpu.c: hfquant's search for its own HQ3_0 (3-bit codes, 32-weight blocks), hq3.py's bytes out */
+int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
+                         int64_t ntargets, uint8_t *out);
+
 /* int8_cpu.c: int8 per-channel codes, row-major as stored */
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
