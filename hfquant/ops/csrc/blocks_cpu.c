@@ -73,6 +73,7 @@ typedef struct {
     float *d;
     int8_t *q;
     int32_t *sums;
+    int32_t *sums32; /* per = 256: the sum of q per 32 inputs (pairs of sums), for the 32-weight minimums of Q4_K */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -189,6 +190,8 @@ AVX2_ONLY_TARGET static void quantize_activations(const uint16_t *x, int64_t k, 
         for (int64_t j = 0; j < sum_every; j++) total += a->q[s * sum_every + j];
         a->sums[s] = total;
     }
+    if (sum_every == 16)
+        for (int64_t s = 0; s < k / 32; s++) a->sums32[s] = a->sums[2 * s] + a->sums[2 * s + 1];
 }
 
 /* One block of `type` -> its float32 weights (32 or 256), computed as w = d * sc * q - dmin * m etc. in float32 (the
@@ -322,10 +325,12 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
     a.d = (float *)_mm_malloc((size_t)(k / block) * sizeof(float), 64);
     a.q = (int8_t *)_mm_malloc((size_t)k, 64);
     a.sums = (int32_t *)_mm_malloc((size_t)(k / sum_every) * sizeof(int32_t), 64);
-    if (a.d == NULL || a.q == NULL || a.sums == NULL) {
+    a.sums32 = (int32_t *)_mm_malloc((size_t)(k / 32) * sizeof(int32_t), 64);
+    if (a.d == NULL || a.q == NULL || a.sums == NULL || a.sums32 == NULL) {
         _mm_free(a.d);
         _mm_free(a.q);
         _mm_free(a.sums);
+        _mm_free(a.sums32);
         return 2;
     }
     quantize_activations(x, k, block, sum_every, &a);
@@ -337,6 +342,7 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
     _mm_free(a.d);
     _mm_free(a.q);
     _mm_free(a.sums);
+    _mm_free(a.sums32);
     return 0;
 }
 
