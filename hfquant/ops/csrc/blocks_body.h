@@ -64,6 +64,24 @@ BK_TARGET static inline __m256i BK_NAME(scaled_dot_v_)(__m256i sumi, __m256i u, 
     return _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, scale));
 }
 
+/* u + value (4 or 16) in every byte e whose bit e of the 32 bits at qh is set: one masked byte add where AVX512BW is
+ * (BK_MASKED), else high_bits32_'s spread */
+BK_TARGET static inline __m256i BK_NAME(add_high_)(__m256i u, const uint8_t *qh, int value) {
+#if BK_MASKED
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    return _mm256_mask_add_epi8(u, (__mmask32)bits, u, _mm256_set1_epi8((char)value));
+#else
+    const __m256i high = BK_NAME(high_bits32_)(qh); /* 0x10 */
+    return _mm256_or_si256(u, value == 16 ? high : _mm256_srli_epi16(high, 2));
+#endif
+}
+
+/* int32 lane 0 of p minus v: a block's integer offset term (codes' constant times the activation sum) */
+BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
+    return _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(v)));
+}
+
 /* ---- 256-weight super-blocks, activations in Q8Row256 (one float scale per 256, 16-input sums) ---- */
 
 BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -253,75 +271,107 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     return BK_NAME(hsum_)(acc);
 }
 
-/* ---- 32-weight blocks, activations in Q8Row32 (one float scale and one sum per 32) ---- */
+/* ---- 32-weight blocks, activations in Q8Row32 (one float scale and one sum per 32) ----
+ * Each type's step adds one block's float contribution to an accumulator; BK_ROW32 runs it over the row with four
+ * accumulators in turn (one fmadd per block: a single accumulator would wait on its latency every block). */
+
+#define BK_ROW32(step, bytes, ...)                                                                         \
+    do {                                                                                                   \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;                          \
+        int64_t b = 0;                                                                                     \
+        for (; b + 4 <= nb; b += 4, w += 4 * (bytes)) {                                                    \
+            acc0 = step(w, a, b, acc0, __VA_ARGS__);                                                       \
+            acc1 = step(w + (bytes), a, b + 1, acc1, __VA_ARGS__);                                         \
+            acc2 = step(w + 2 * (bytes), a, b + 2, acc2, __VA_ARGS__);                                     \
+            acc3 = step(w + 3 * (bytes), a, b + 3, acc3, __VA_ARGS__);                                     \
+        }                                                                                                  \
+        for (; b < nb; b++, w += (bytes)) acc0 = step(w, a, b, acc0, __VA_ARGS__);                         \
+        return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));         \
+    } while (0)
+
+/* acc + d * (the dot of signed codes q with the activation block b) */
+BK_TARGET static inline __m256 BK_NAME(signed_step_)(__m256i q, const ActRow *a, int64_t b, __m256 acc, float d) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a->d[b]), acc);
+}
+
+BK_TARGET static inline __m256 BK_NAME(q8_0_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc, int unused) {
+    (void)unused;
+    return BK_NAME(signed_step_)(_mm256_loadu_si256((const __m256i *)(w + 2)), a, b, acc, BK_NAME(half_)(w));
+}
 
 BK_TARGET static float BK_NAME(row_q8_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 34) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
-    }
-    return BK_NAME(hsum_)(acc);
+    BK_ROW32(BK_NAME(q8_0_step_), 34, 0);
+}
+
+BK_TARGET static inline __m256 BK_NAME(iq4_nl_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                     __m256i grid) {
+    const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 2));
+    return BK_NAME(signed_step_)(g, a, b, acc, BK_NAME(half_)(w));
 }
 
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 18) {
-        const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
-    }
-    return BK_NAME(hsum_)(acc);
+    BK_ROW32(BK_NAME(iq4_nl_step_), 18, grid);
 }
 
 /* HQ3_0 (w = d * (u - 4)): bits 0-1 of code 8i + l are bits 2i, 2i + 1 of qs[l] (one 64-bit shift per 8 codes),
- * bit 2 is bit e of qh; the -4 multiplies the activation sum */
-BK_TARGET static float BK_NAME(row_hq3_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+ * bit 2 is bit e of qh; the -4 multiplies the activation sum (an integer term of the block's dot) */
+BK_TARGET static inline __m256 BK_NAME(hq3_0_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                    int unused) {
+    (void)unused;
     const __m256i three = _mm256_set1_epi8(3), shifts = _mm256_set_epi64x(6, 4, 2, 0);
-    __m256 acc = _mm256_setzero_ps();
-    float extra = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 14) {
-        long long qs;
-        memcpy(&qs, w + 2, 8);
-        const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
-        const __m256i u = _mm256_or_si256(low, _mm256_srli_epi16(BK_NAME(high_bits32_)(w + 10), 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
-        const float d = BK_NAME(half_)(w) * a->d[b];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
-        extra -= 4.0f * d * (float)a->sums[b];
-    }
-    return BK_NAME(hsum_)(acc) + extra;
+    long long qs;
+    memcpy(&qs, w + 2, 8);
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
+    const __m256i u = BK_NAME(add_high_)(low, w + 10, 4);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    const __m256i p = BK_NAME(sub_lane0_)(BK_DOT(_mm256_setzero_si256(), u, x), 4 * a->sums[b]);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
 }
 
-/* Q4_0 / Q5_0 (offset: w = d * (u - offset)) and Q4_1 / Q5_1 (w = d * u + m): u the 4- or 5-bit code */
-BK_TARGET static inline float BK_NAME(row_legacy_)(const uint8_t *w, const ActRow *a, int64_t nb, int type_size,
-                                                   int five, int affine, float offset) {
-    __m256 acc = _mm256_setzero_ps();
-    float extra = 0.0f;
-    const int codes_at = 2 + 2 * affine + 4 * five;
-    for (int64_t b = 0; b < nb; b++, w += type_size) {
-        __m256i u = BK_NAME(nibbles32_)(w + codes_at);
-        if (five) u = _mm256_or_si256(u, BK_NAME(high_bits32_)(w + 2 + 2 * affine));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
-        const float dx = a->d[b], d = BK_NAME(half_)(w) * dx;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
-        extra += (affine ? BK_NAME(half_)(w + 2) * dx : -offset * d) * (float)a->sums[b];
-    }
-    return BK_NAME(hsum_)(acc) + extra;
+BK_TARGET static float BK_NAME(row_hq3_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(hq3_0_step_), 14, 0);
+}
+
+/* Q4_0 / Q5_0 (w = d * (u - offset): the offset times the activation sum, an integer term of the block's dot) and
+ * Q4_1 / Q5_1 (w = d * u + m: m times the activation sum, in lane 0 of the float contribution); u the 4- or 5-bit
+ * code. kind: bit 0 five-bit, bit 1 affine; offset 8 or 16 */
+BK_TARGET static inline __m256 BK_NAME(legacy_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                     int kind, int32_t offset) {
+    const int five = kind & 1, affine = kind >> 1, codes_at = 2 + 2 * affine + 4 * five;
+    __m256i u = BK_NAME(nibbles32_)(w + codes_at);
+    if (five) u = BK_NAME(add_high_)(u, w + 2 + 2 * affine, 16);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
+    if (!affine) p = BK_NAME(sub_lane0_)(p, offset * a->sums[b]);
+    const float dx = a->d[b];
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
+    if (affine)
+        acc = _mm256_add_ps(acc, _mm256_setr_ps(BK_NAME(half_)(w + 2) * dx * (float)a->sums[b], 0, 0, 0, 0, 0, 0, 0));
+    return acc;
+}
+
+BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 18, 0, 8);
+}
+BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 20, 2, 0);
+}
+BK_TARGET static float BK_NAME(row_q5_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 22, 1, 16);
+}
+BK_TARGET static float BK_NAME(row_q5_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 24, 3, 0);
 }
 
 BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const ActRow *a, int64_t nb) {
     switch (type) {
-        case GGML_Q4_0: return BK_NAME(row_legacy_)(w, a, nb, 18, 0, 0, 8.0f);
-        case GGML_Q4_1: return BK_NAME(row_legacy_)(w, a, nb, 20, 0, 1, 0.0f);
-        case GGML_Q5_0: return BK_NAME(row_legacy_)(w, a, nb, 22, 1, 0, 16.0f);
-        case GGML_Q5_1: return BK_NAME(row_legacy_)(w, a, nb, 24, 1, 1, 0.0f);
+        case GGML_Q4_0: return BK_NAME(row_q4_0_)(w, a, nb);
+        case GGML_Q4_1: return BK_NAME(row_q4_1_)(w, a, nb);
+        case GGML_Q5_0: return BK_NAME(row_q5_0_)(w, a, nb);
+        case GGML_Q5_1: return BK_NAME(row_q5_1_)(w, a, nb);
         case GGML_Q8_0: return BK_NAME(row_q8_0_)(w, a, nb);
         case GGML_Q2_K: return BK_NAME(row_q2_k_)(w, a, nb);
         case GGML_Q3_K: return BK_NAME(row_q3_k_)(w, a, nb);
@@ -342,6 +392,7 @@ BK_TARGET static void BK_NAME(gemv_rows_)(int type, const uint8_t *weight, const
     for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
 }
 
+#undef BK_ROW32
 #undef BK_NAME
 #undef BK_CAT
 #undef BK_CAT2

@@ -144,19 +144,23 @@ static int cpu_avx2(void) {
 #define BK_TARGET AVX512_TARGET
 #define BK_SUFFIX vnni
 #define BK_DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define BK_MASKED 1 /* AVX512BW byte masks for a 32-bit field of high bits */
 #include "blocks_body.h"
 #undef BK_TARGET
 #undef BK_SUFFIX
 #undef BK_DOT
+#undef BK_MASKED
 
 #define BK_TARGET AVX2_ONLY_TARGET
 #define BK_SUFFIX avx2
 #define BK_DOT(acc, u, s) \
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define BK_MASKED 0
 #include "blocks_body.h"
 #undef BK_TARGET
 #undef BK_SUFFIX
 #undef BK_DOT
+#undef BK_MASKED
 
 /* x (K bfloat16) -> the ActRow with blocks of `per` inputs and sums per `sum_every` inputs; AVX2 (the values do not
  * depend on the instruction set: IEEE multiply, round to nearest even) */
