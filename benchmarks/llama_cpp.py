@@ -21,6 +21,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from benchmarks.methods import BLOCK_TWINS
+
 __all__ = [
     "TWINS",
     "WORKER",
@@ -38,8 +40,10 @@ TWINS = {
     "llamacpp-q4_0": "hfquant-int4-sym",
     "llamacpp-q4_1": "hfquant-int4-rtn",
     "llamacpp-int4": "hfquant-int4",
+    **BLOCK_TWINS,
 }
-"""llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers)."""
+"""llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers; a
+block format's blocks are copied)."""
 
 _LOAD = r"""
 import json, sys, time

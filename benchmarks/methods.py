@@ -10,6 +10,8 @@ from pathlib import Path
 
 __all__ = [
     "METHODS",
+    "BLOCK_FORMATS",
+    "BLOCK_TWINS",
     "PIP_HINT",
     "DECODE_PROMPT",
     "FULL",
@@ -65,6 +67,42 @@ METHODS: dict[str, tuple[str | None, str]] = {
     "llamacpp-q4_1": ("llama.cpp", "llama-cpp-python on hfquant-int4-rtn's weights as GGUF Q4_1"),
     "llamacpp-int4": ("llama.cpp", "llama-cpp-python on hfquant-int4's weights (Q4_1, its int8 layers Q8_0)"),
 }
+BLOCK_FORMATS = (
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q8_0",
+    "q2_k",
+    "q3_k",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+    "iq4_nl",
+    "iq4_xs",
+    "hq3_0",
+)
+"""The block formats with an `hfquant-<format>` method: `HfQuantConfig(format=<format>)` (its defaults: SINQ folded,
+every layer in that format, the lm_head kept)."""
+METHODS.update(
+    {
+        f"hfquant-{fmt}": (None, f"HfQuantConfig(format={fmt!r}): every Linear in GGUF's {fmt.upper()} blocks")
+        for fmt in BLOCK_FORMATS
+    }
+)
+BLOCK_TWINS = {
+    (f"llamacpp-{fmt}-blocks" if f"llamacpp-{fmt}" in METHODS else f"llamacpp-{fmt}"): f"hfquant-{fmt}"
+    for fmt in BLOCK_FORMATS
+    if fmt != "hq3_0"  # hfquant's own, no GGUF type
+}
+"""llama.cpp method -> the hfquant block method whose file it runs (exported blocks are copies); `-blocks` where the
+plain name already runs the uniform int format's re-blocked twin (Q4_0, Q8_0)."""
+METHODS.update(
+    {
+        name: ("llama.cpp", f"llama-cpp-python on {twin}'s blocks as they are in GGUF")
+        for name, twin in BLOCK_TWINS.items()
+    }
+)
 PIP_HINT = "pip install 'hfquant[bench]'"
 DECODE_PROMPT = "The history of the Roman Empire begins"
 FULL = {
@@ -120,6 +158,8 @@ def quantization_config(method: str):
     if method.startswith("hfquant-"):
         import hfquant
 
+        if method.removeprefix("hfquant-") in BLOCK_FORMATS:
+            return hfquant.HfQuantConfig(format=method.removeprefix("hfquant-"))
         if method == "hfquant-int8":
             return hfquant.HfQuantConfig(bits=8)
         if method == "hfquant-int4-rtn":

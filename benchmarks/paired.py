@@ -207,9 +207,10 @@ def paired_targets(groups: list[dict], speed: bool) -> list[dict]:
     return checks
 
 
-def hfquant_command(method: str, variant: str, model: Path, quick: bool) -> list[str]:
+def hfquant_command(method: str, variant: str, model: Path, quick: bool, saved: Path | None = None) -> list[str]:
     """The command of an hfquant worker (this module run with `python -m`; the caller puts the repository on
-    PYTHONPATH)."""
+    PYTHONPATH): it quantizes `model` on load with `method`'s config, or loads `saved`, an hfquant checkpoint folder
+    of `method`'s weights, when given."""
     command = [
         sys.executable,
         "-m",
@@ -221,7 +222,7 @@ def hfquant_command(method: str, variant: str, model: Path, quick: bool) -> list
         "--model",
         str(model),
     ]
-    return command + (["--quick"] if quick else [])
+    return command + (["--quick"] if quick else []) + (["--saved", str(saved)] if saved is not None else [])
 
 
 def for_workload(
@@ -232,7 +233,7 @@ def for_workload(
     `args.paired_rounds` rounds. A llama.cpp method without llama-cpp-python, or whose GGUF export fails, gives a
     group with the error and no rounds."""
     from benchmarks import llama_cpp
-    from benchmarks.methods import worker_env
+    from benchmarks.methods import BLOCK_TWINS, worker_env
 
     python = Path(args.llama_python) if args.llama_python else llama_cpp.default_python()
     hf_env, llama_env = worker_env(), llama_cpp.engine_env()
@@ -248,9 +249,12 @@ def for_workload(
         except Exception as exc:  # the group says why; the other groups still run
             groups.append({"engines": names, "rounds": [], "error": f"{type(exc).__name__}: {exc}", "pairs": []})
             continue
-        engines = {twin: (hfquant_command(twin, "eager", model, args.quick), hf_env)}
+        # A block format's twin loads the folder its GGUF was exported from (the same bytes, quantized once).
+        saved = gguf.with_suffix("")
+        saved = saved if twin in BLOCK_TWINS.values() and (saved / "config.json").exists() else None
+        engines = {twin: (hfquant_command(twin, "eager", model, args.quick, saved), hf_env)}
         if args.compile:
-            engines[f"{twin} +compile"] = (hfquant_command(twin, "compile", model, args.quick), hf_env)
+            engines[f"{twin} +compile"] = (hfquant_command(twin, "compile", model, args.quick, saved), hf_env)
         server = [str(python), "-c", llama_cpp.SERVER, json.dumps(llama_cpp.engine_args(gguf, sizes))]
         engines[method] = (server, llama_env)
         print(f"paired rounds: {', '.join(engines)} ...", flush=True)
@@ -267,6 +271,7 @@ def _serve(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", choices=("eager", "compile"), required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--saved", help="an hfquant checkpoint folder of the method's weights, loaded instead of --model")
     args = p.parse_args(argv)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -276,7 +281,13 @@ def _serve(argv: list[str] | None = None) -> int:
 
         tokens = (QUICK if args.quick else FULL)["decode_tokens"]
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, **load_kwargs(args.method, args.variant)).eval()
+        kwargs = load_kwargs(args.method, args.variant)
+        if args.saved:  # its config.json names the quantization; hfquant's import registers it with transformers
+            import hfquant  # noqa: F401
+
+            kwargs.pop("quantization_config", None)
+        source = args.saved or args.model
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
         if args.variant == "compile":
             use_compiled_decode(model)
 

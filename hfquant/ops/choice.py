@@ -242,7 +242,7 @@ def measure_block_row(name: str, n: int, k: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     sample = torch.randn((min(n, 64), k), generator=generator)
     # the C search where it builds (the same bytes; the torch codec takes seconds per shape for IQ4_XS)
-    rows = native.block_quantize(name, sample) if native.built_library() is not None else blocks.quantize(name, sample)
+    rows = native.block_codes(name, sample)
     weight = rows.repeat((n + rows.shape[0] - 1) // rows.shape[0], 1)[:n].contiguous()
     copies = _copies(weight)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)

@@ -420,7 +420,7 @@ def native_block_works(name: str) -> bool:
         return False
     generator = torch.Generator().manual_seed(0)
     k = 512
-    data = native.block_quantize(name, torch.randn((64, k), generator=generator))  # the torch codec's bytes, in C
+    data = native.block_codes(name, torch.randn((64, k), generator=generator))  # the torch codec's bytes
     weight = blocks.dequantize(name, data)
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     try:

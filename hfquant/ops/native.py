@@ -37,6 +37,7 @@ from hfquant.ops import native_build
 
 __all__ = [
     "built_library",
+    "block_codes",
     "int4_cpu_library",
     "int4_gemv",
     "int4_gemv_a8",
@@ -667,6 +668,14 @@ _LEGACY_IQ4_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4
 
 BLOCK_QUANTIZE_TYPES = {**_LEGACY_IQ4_TYPES, **KQUANT_TYPES, "hq3_0": blocks.LAYOUTS["hq3_0"].ggml_type}
 """The block types `block_quantize` writes in C (every `hfquant.core.blocks.LAYOUTS` type), with their ggml numbers."""
+
+
+def block_codes(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """`block_quantize(name, weight)` where the C search covers `name` and the library builds, else the torch codec
+    (`hfquant.core.blocks.quantize`): the same bytes. (rows, K) float -> (rows, row bytes) uint8."""
+    if name in BLOCK_QUANTIZE_TYPES and built_library() is not None:
+        return block_quantize(name, weight)
+    return blocks.quantize(name, weight)
 
 
 def _as_float_pointer(tensor: torch.Tensor | None) -> int | None:

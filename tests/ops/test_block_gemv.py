@@ -119,7 +119,7 @@ def _block_layer(name: str, n: int = 128, k: int = 512) -> QuantLinear:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0"])
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0", "hq3_0"])  # HQ3_0: no C search, the torch codec
 def test_plan_picks_the_block_gemv_for_one_bfloat16_row(name, monkeypatch):
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # read when the layer is planned: no timing in tests
     assert gemv.native_block_works(name)

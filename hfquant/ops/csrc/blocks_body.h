@@ -8,24 +8,19 @@
 #define BK_CAT(a, b) BK_CAT2(a, b)
 #define BK_NAME(name) BK_CAT(name, BK_SUFFIX)
 
+/* a float16 field's value: the F16C conversion (exact, as fp16_to_float) */
+BK_TARGET static inline float BK_NAME(half_)(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 /* horizontal sum of 8 float32 lanes */
 BK_TARGET static inline float BK_NAME(hsum_)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* per-lane int32 scale: lanes 0-3 (bytes 0-15 of a 32-byte dot) times a, lanes 4-7 (bytes 16-31) times b */
-BK_TARGET static inline __m256i BK_NAME(pair_scale_)(int a, int b) {
-    return _mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a));
-}
-
-/* sumi + the dot of 32 unsigned codes u with the 32 activation bytes at x, its lanes 0-3 (16 weights of one
- * sub-block) times scale a and lanes 4-7 (the next sub-block) times b: one step of the 16-weight-block k-quants */
-BK_TARGET static inline __m256i BK_NAME(scaled_dot_)(__m256i sumi, __m256i u, const int8_t *x, int a, int b) {
-    const __m256i p = BK_DOT(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, BK_NAME(pair_scale_)(a, b)));
 }
 
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0-15) then high nibbles (elements 16-31) */
@@ -45,21 +40,63 @@ BK_TARGET static inline __m256i BK_NAME(high_bits32_)(const uint8_t *qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+/* Q4_K / Q5_K's 12 packed bytes of 6-bit scales and minimums -> packed[0..3] as 16 bytes: the eight scales, then the
+ * eight minimums (k4_scales' values, by 32-bit masks and shifts) */
+BK_TARGET static inline void BK_NAME(k4_unpack_)(const uint8_t *s, uint32_t *packed) {
+    uint32_t v[3];
+    memcpy(v, s, 12);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    packed[0] = v[0] & six;
+    packed[1] = (v[2] & four) | (((v[0] >> 6) & two) << 4);
+    packed[2] = v[1] & six;
+    packed[3] = ((v[2] >> 4) & four) | (((v[1] >> 6) & two) << 4);
+}
+
+/* lanes 0-3 = scales[i], lanes 4-7 = scales[i + 1] of an 8-lane int32 vector (the scales of two 16-weight sub-blocks) */
+BK_TARGET static inline __m256i BK_NAME(pair_from_)(__m256i scales, int i) {
+    return _mm256_permutevar8x32_epi32(scales, _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
+}
+
+/* sumi + the dot of 32 unsigned codes u with the 32 activation bytes at x, its lanes 0-3 (16 weights of one sub-block)
+ * and 4-7 (the next) times those lanes of scale: one step of the 16-weight-block k-quants */
+BK_TARGET static inline __m256i BK_NAME(scaled_dot_v_)(__m256i sumi, __m256i u, const int8_t *x, __m256i scale) {
+    const __m256i p = BK_DOT(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, scale));
+}
+
+/* u + value (4 or 16) in every byte e whose bit e of the 32 bits at qh is set: one masked byte add where AVX512BW is
+ * (BK_MASKED), else high_bits32_'s spread */
+BK_TARGET static inline __m256i BK_NAME(add_high_)(__m256i u, const uint8_t *qh, int value) {
+#if BK_MASKED
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    return _mm256_mask_add_epi8(u, (__mmask32)bits, u, _mm256_set1_epi8((char)value));
+#else
+    const __m256i high = BK_NAME(high_bits32_)(qh); /* 0x10 */
+    return _mm256_or_si256(u, value == 16 ? high : _mm256_srli_epi16(high, 2));
+#endif
+}
+
+/* int32 lane 0 of p minus v: a block's integer offset term (codes' constant times the activation sum) */
+BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
+    return _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(v)));
+}
+
 /* ---- 256-weight super-blocks, activations in Q8Row256 (one float scale per 256, 16-input sums) ---- */
 
 BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
         const int8_t *xq = a->q + b * 256;
-        const int32_t *bs = a->sums + b * 16;
-        uint8_t sc[8], mn[8];
-        k4_scales(w + 4, sc, mn);
-        const float d = fp16_to_float(w) * a->d[b], dmin = fp16_to_float(w + 2) * a->d[b];
-        int32_t msum = 0;
-        for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-        mins += dmin * (float)msum;
+        uint32_t packed[4];
+        BK_NAME(k4_unpack_)(w + 4, packed);
+        const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
+        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+        const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
+        const float dx = a->d[b];
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * dx), mins);
+        const __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
@@ -67,12 +104,14 @@ BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
             const __m256i p0 = BK_DOT(_mm256_setzero_si256(), _mm256_and_si256(q, low), x0);
             const __m256i p1 = BK_DOT(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(q, 4), low), x1);
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p0, _mm256_set1_epi32(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * j + 1])));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
     }
-    return BK_NAME(hsum_)(acc) - mins;
+    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
 BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -84,7 +123,7 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
         const int32_t *bs = a->sums + b * 16;
         uint8_t sc[8], mn[8];
         k4_scales(w + 4, sc, mn);
-        const float d = fp16_to_float(w) * a->d[b], dmin = fp16_to_float(w + 2) * a->d[b];
+        const float d = BK_NAME(half_)(w) * a->d[b], dmin = BK_NAME(half_)(w + 2) * a->d[b];
         int32_t msum = 0;
         for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
         mins += dmin * (float)msum;
@@ -111,13 +150,15 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
 
 BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const int8_t *xq = a->q + b * 256;
         const int32_t *bs = a->sums + b * 16;
-        const int8_t *sc = (const int8_t *)(w + 192);
-        int32_t offset = 0; /* the codes' -32, through the 16-input sums */
-        for (int j = 0; j < 16; j++) offset += sc[j] * bs[j];
+        const __m256i sc[2] = {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 192))),
+                               _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 200)))};
+        /* the codes' -32, through the 16-input sums */
+        const __m256i offset = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], _mm256_loadu_si256((const __m256i *)bs)),
+                                                _mm256_mullo_epi32(sc[1], _mm256_loadu_si256((const __m256i *)(bs + 8))));
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
@@ -132,28 +173,35 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
             };
-            for (int i = 0; i < 4; i++) {
-                const int s = 8 * h + 2 * i;
-                sumi = BK_NAME(scaled_dot_)(sumi, u[i], xq + 128 * h + 32 * i, sc[s], sc[s + 1]);
-            }
+            for (int i = 0; i < 4; i++)
+                sumi = BK_NAME(scaled_dot_v_)(sumi, u[i], xq + 128 * h + 32 * i, BK_NAME(pair_from_)(sc[h], 2 * i));
         }
-        const float d = fp16_to_float(w + 208) * a->d[b];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
-        acc = _mm256_add_ps(acc, _mm256_setr_ps(-32.0f * d * (float)offset, 0, 0, 0, 0, 0, 0, 0));
+        const __m256 d = _mm256_set1_ps(BK_NAME(half_)(w + 208) * a->d[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
+        offsets = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), d, offsets);
     }
-    return BK_NAME(hsum_)(acc);
+    return BK_NAME(hsum_)(_mm256_fnmadd_ps(offsets, _mm256_set1_ps(32.0f), acc));
 }
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
+    const uint32_t four = 0x0f0f0f0fu, two = 0x03030303u;
+    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 110) {
         const int8_t *xq = a->q + b * 256;
         const int32_t *bs = a->sums + b * 16;
-        int8_t sc[16];
-        k3_scales(w + 96, sc);
-        int32_t offset = 0; /* the codes' -4 */
-        for (int j = 0; j < 16; j++) offset += sc[j] * bs[j];
+        uint32_t v[3]; /* the sixteen 6-bit scales (k3_scales' values): 4-bit lows and 2-bit highs by 32-bit masks */
+        memcpy(v, w + 96, 12);
+        const __m128i packed = _mm_sub_epi8(
+            _mm_setr_epi32((int)((v[0] & four) | ((v[2] & two) << 4)),
+                           (int)((v[1] & four) | (((v[2] >> 2) & two) << 4)),
+                           (int)(((v[0] >> 4) & four) | (((v[2] >> 4) & two) << 4)),
+                           (int)(((v[1] >> 4) & four) | (((v[2] >> 6) & two) << 4))),
+            _mm_set1_epi8(32));
+        const __m256i sc[2] = {_mm256_cvtepi8_epi32(packed), _mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8))};
+        /* the codes' -4 */
+        const __m256i offset = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], _mm256_loadu_si256((const __m256i *)bs)),
+                                                _mm256_mullo_epi32(sc[1], _mm256_loadu_si256((const __m256i *)(bs + 8))));
         __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
@@ -163,42 +211,44 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
                                                   _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
                 q = _mm256_srli_epi16(q, 2);
                 hm = _mm256_srli_epi16(hm, 1);
-                const int s = 8 * h + 2 * j;
-                sumi = BK_NAME(scaled_dot_)(sumi, u, xq + 128 * h + 32 * j, sc[s], sc[s + 1]);
+                sumi = BK_NAME(scaled_dot_v_)(sumi, u, xq + 128 * h + 32 * j, BK_NAME(pair_from_)(sc[h], 2 * j));
             }
         }
-        const float d = fp16_to_float(w + 108) * a->d[b];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
-        acc = _mm256_add_ps(acc, _mm256_setr_ps(-4.0f * d * (float)offset, 0, 0, 0, 0, 0, 0, 0));
+        const __m256 d = _mm256_set1_ps(BK_NAME(half_)(w + 108) * a->d[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
+        offsets = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), d, offsets);
     }
-    return BK_NAME(hsum_)(acc);
+    return BK_NAME(hsum_)(_mm256_fnmadd_ps(offsets, _mm256_set1_ps(4.0f), acc));
 }
 
 BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i three = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 84) {
         const int8_t *xq = a->q + b * 256;
         const int32_t *bs = a->sums + b * 16;
-        const uint8_t *sc = w;
-        int32_t msum = 0;
-        for (int j = 0; j < 16; j++) msum += (sc[j] >> 4) * bs[j];
-        const float d = fp16_to_float(w + 80) * a->d[b], dmin = fp16_to_float(w + 82) * a->d[b];
-        mins += dmin * (float)msum;
+        const __m128i packed = _mm_loadu_si128((const __m128i *)w); /* scale in the low nibble, minimum in the high */
+        const __m128i lows = _mm_and_si128(packed, nibble), highs = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+        const __m256i msum = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_cvtepu8_epi32(highs), _mm256_loadu_si256((const __m256i *)bs)),
+            _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(highs, 8)),
+                               _mm256_loadu_si256((const __m256i *)(bs + 8))));
+        const float dx = a->d[b];
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 82) * dx), mins);
+        const __m256i sc[2] = {_mm256_cvtepu8_epi32(lows), _mm256_cvtepu8_epi32(_mm_srli_si128(lows, 8))};
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * h));
             for (int j = 0; j < 4; j++) {
                 const __m256i u = _mm256_and_si256(q, three);
                 q = _mm256_srli_epi16(q, 2);
-                const int s = 8 * h + 2 * j;
-                sumi = BK_NAME(scaled_dot_)(sumi, u, xq + 128 * h + 32 * j, sc[s] & 15, sc[s + 1] & 15);
+                sumi = BK_NAME(scaled_dot_v_)(sumi, u, xq + 128 * h + 32 * j, BK_NAME(pair_from_)(sc[h], 2 * j));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w + 80) * dx), acc);
     }
-    return BK_NAME(hsum_)(acc) - mins;
+    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -216,80 +266,112 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
             const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
             sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, _mm256_set1_epi32(ls - 32)));
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(fp16_to_float(w) * a->d[b]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
     }
     return BK_NAME(hsum_)(acc);
 }
 
-/* ---- 32-weight blocks, activations in Q8Row32 (one float scale and one sum per 32) ---- */
+/* ---- 32-weight blocks, activations in Q8Row32 (one float scale and one sum per 32) ----
+ * Each type's step adds one block's float contribution to an accumulator; BK_ROW32 runs it over the row with four
+ * accumulators in turn (one fmadd per block: a single accumulator would wait on its latency every block). */
+
+#define BK_ROW32(step, bytes, ...)                                                                         \
+    do {                                                                                                   \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;                          \
+        int64_t b = 0;                                                                                     \
+        for (; b + 4 <= nb; b += 4, w += 4 * (bytes)) {                                                    \
+            acc0 = step(w, a, b, acc0, __VA_ARGS__);                                                       \
+            acc1 = step(w + (bytes), a, b + 1, acc1, __VA_ARGS__);                                         \
+            acc2 = step(w + 2 * (bytes), a, b + 2, acc2, __VA_ARGS__);                                     \
+            acc3 = step(w + 3 * (bytes), a, b + 3, acc3, __VA_ARGS__);                                     \
+        }                                                                                                  \
+        for (; b < nb; b++, w += (bytes)) acc0 = step(w, a, b, acc0, __VA_ARGS__);                         \
+        return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));         \
+    } while (0)
+
+/* acc + d * (the dot of signed codes q with the activation block b) */
+BK_TARGET static inline __m256 BK_NAME(signed_step_)(__m256i q, const ActRow *a, int64_t b, __m256 acc, float d) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a->d[b]), acc);
+}
+
+BK_TARGET static inline __m256 BK_NAME(q8_0_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc, int unused) {
+    (void)unused;
+    return BK_NAME(signed_step_)(_mm256_loadu_si256((const __m256i *)(w + 2)), a, b, acc, BK_NAME(half_)(w));
+}
 
 BK_TARGET static float BK_NAME(row_q8_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 34) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_float(w) * a->d[b]), acc);
-    }
-    return BK_NAME(hsum_)(acc);
+    BK_ROW32(BK_NAME(q8_0_step_), 34, 0);
+}
+
+BK_TARGET static inline __m256 BK_NAME(iq4_nl_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                     __m256i grid) {
+    const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 2));
+    return BK_NAME(signed_step_)(g, a, b, acc, BK_NAME(half_)(w));
 }
 
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 18) {
-        const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_float(w) * a->d[b]), acc);
-    }
-    return BK_NAME(hsum_)(acc);
+    BK_ROW32(BK_NAME(iq4_nl_step_), 18, grid);
 }
 
 /* HQ3_0 (w = d * (u - 4)): bits 0-1 of code 8i + l are bits 2i, 2i + 1 of qs[l] (one 64-bit shift per 8 codes),
- * bit 2 is bit e of qh; the -4 multiplies the activation sum */
-BK_TARGET static float BK_NAME(row_hq3_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+ * bit 2 is bit e of qh; the -4 multiplies the activation sum (an integer term of the block's dot) */
+BK_TARGET static inline __m256 BK_NAME(hq3_0_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                    int unused) {
+    (void)unused;
     const __m256i three = _mm256_set1_epi8(3), shifts = _mm256_set_epi64x(6, 4, 2, 0);
-    __m256 acc = _mm256_setzero_ps();
-    float extra = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 14) {
-        long long qs;
-        memcpy(&qs, w + 2, 8);
-        const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
-        const __m256i u = _mm256_or_si256(low, _mm256_srli_epi16(BK_NAME(high_bits32_)(w + 10), 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
-        const float d = fp16_to_float(w) * a->d[b];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
-        extra -= 4.0f * d * (float)a->sums[b];
-    }
-    return BK_NAME(hsum_)(acc) + extra;
+    long long qs;
+    memcpy(&qs, w + 2, 8);
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
+    const __m256i u = BK_NAME(add_high_)(low, w + 10, 4);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    const __m256i p = BK_NAME(sub_lane0_)(BK_DOT(_mm256_setzero_si256(), u, x), 4 * a->sums[b]);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
 }
 
-/* Q4_0 / Q5_0 (offset: w = d * (u - offset)) and Q4_1 / Q5_1 (w = d * u + m): u the 4- or 5-bit code */
-BK_TARGET static inline float BK_NAME(row_legacy_)(const uint8_t *w, const ActRow *a, int64_t nb, int type_size,
-                                                   int five, int affine, float offset) {
-    __m256 acc = _mm256_setzero_ps();
-    float extra = 0.0f;
-    const int codes_at = 2 + 2 * affine + 4 * five;
-    for (int64_t b = 0; b < nb; b++, w += type_size) {
-        __m256i u = BK_NAME(nibbles32_)(w + codes_at);
-        if (five) u = _mm256_or_si256(u, BK_NAME(high_bits32_)(w + 2 + 2 * affine));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
-        const float dx = a->d[b], d = fp16_to_float(w) * dx;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
-        extra += (affine ? fp16_to_float(w + 2) * dx : -offset * d) * (float)a->sums[b];
-    }
-    return BK_NAME(hsum_)(acc) + extra;
+BK_TARGET static float BK_NAME(row_hq3_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(hq3_0_step_), 14, 0);
+}
+
+/* Q4_0 / Q5_0 (w = d * (u - offset): the offset times the activation sum, an integer term of the block's dot) and
+ * Q4_1 / Q5_1 (w = d * u + m: m times the activation sum, in lane 0 of the float contribution); u the 4- or 5-bit
+ * code. kind: bit 0 five-bit, bit 1 affine; offset 8 or 16 */
+BK_TARGET static inline __m256 BK_NAME(legacy_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                     int kind, int32_t offset) {
+    const int five = kind & 1, affine = kind >> 1, codes_at = 2 + 2 * affine + 4 * five;
+    __m256i u = BK_NAME(nibbles32_)(w + codes_at);
+    if (five) u = BK_NAME(add_high_)(u, w + 2 + 2 * affine, 16);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    __m256i p = BK_DOT(_mm256_setzero_si256(), u, x);
+    if (!affine) p = BK_NAME(sub_lane0_)(p, offset * a->sums[b]);
+    const float dx = a->d[b];
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
+    if (affine)
+        acc = _mm256_add_ps(acc, _mm256_setr_ps(BK_NAME(half_)(w + 2) * dx * (float)a->sums[b], 0, 0, 0, 0, 0, 0, 0));
+    return acc;
+}
+
+BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 18, 0, 8);
+}
+BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 20, 2, 0);
+}
+BK_TARGET static float BK_NAME(row_q5_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 22, 1, 16);
+}
+BK_TARGET static float BK_NAME(row_q5_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    BK_ROW32(BK_NAME(legacy_step_), 24, 3, 0);
 }
 
 BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const ActRow *a, int64_t nb) {
     switch (type) {
-        case GGML_Q4_0: return BK_NAME(row_legacy_)(w, a, nb, 18, 0, 0, 8.0f);
-        case GGML_Q4_1: return BK_NAME(row_legacy_)(w, a, nb, 20, 0, 1, 0.0f);
-        case GGML_Q5_0: return BK_NAME(row_legacy_)(w, a, nb, 22, 1, 0, 16.0f);
-        case GGML_Q5_1: return BK_NAME(row_legacy_)(w, a, nb, 24, 1, 1, 0.0f);
+        case GGML_Q4_0: return BK_NAME(row_q4_0_)(w, a, nb);
+        case GGML_Q4_1: return BK_NAME(row_q4_1_)(w, a, nb);
+        case GGML_Q5_0: return BK_NAME(row_q5_0_)(w, a, nb);
+        case GGML_Q5_1: return BK_NAME(row_q5_1_)(w, a, nb);
         case GGML_Q8_0: return BK_NAME(row_q8_0_)(w, a, nb);
         case GGML_Q2_K: return BK_NAME(row_q2_k_)(w, a, nb);
         case GGML_Q3_K: return BK_NAME(row_q3_k_)(w, a, nb);
@@ -310,6 +392,7 @@ BK_TARGET static void BK_NAME(gemv_rows_)(int type, const uint8_t *weight, const
     for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
 }
 
+#undef BK_ROW32
 #undef BK_NAME
 #undef BK_CAT
 #undef BK_CAT2

@@ -73,6 +73,7 @@ typedef struct {
     float *d;
     int8_t *q;
     int32_t *sums;
+    int32_t *sums32; /* per = 256: the sum of q per 32 inputs (pairs of sums), for the 32-weight minimums of Q4_K */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -143,19 +144,23 @@ static int cpu_avx2(void) {
 #define BK_TARGET AVX512_TARGET
 #define BK_SUFFIX vnni
 #define BK_DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define BK_MASKED 1 /* AVX512BW byte masks for a 32-bit field of high bits */
 #include "blocks_body.h"
 #undef BK_TARGET
 #undef BK_SUFFIX
 #undef BK_DOT
+#undef BK_MASKED
 
 #define BK_TARGET AVX2_ONLY_TARGET
 #define BK_SUFFIX avx2
 #define BK_DOT(acc, u, s) \
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define BK_MASKED 0
 #include "blocks_body.h"
 #undef BK_TARGET
 #undef BK_SUFFIX
 #undef BK_DOT
+#undef BK_MASKED
 
 /* x (K bfloat16) -> the ActRow with blocks of `per` inputs and sums per `sum_every` inputs; AVX2 (the values do not
  * depend on the instruction set: IEEE multiply, round to nearest even) */
@@ -189,6 +194,8 @@ AVX2_ONLY_TARGET static void quantize_activations(const uint16_t *x, int64_t k, 
         for (int64_t j = 0; j < sum_every; j++) total += a->q[s * sum_every + j];
         a->sums[s] = total;
     }
+    if (sum_every == 16)
+        for (int64_t s = 0; s < k / 32; s++) a->sums32[s] = a->sums[2 * s] + a->sums[2 * s + 1];
 }
 
 /* One block of `type` -> its float32 weights (32 or 256), computed as w = d * sc * q - dmin * m etc. in float32 (the
@@ -322,10 +329,12 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
     a.d = (float *)_mm_malloc((size_t)(k / block) * sizeof(float), 64);
     a.q = (int8_t *)_mm_malloc((size_t)k, 64);
     a.sums = (int32_t *)_mm_malloc((size_t)(k / sum_every) * sizeof(int32_t), 64);
-    if (a.d == NULL || a.q == NULL || a.sums == NULL) {
+    a.sums32 = (int32_t *)_mm_malloc((size_t)(k / 32) * sizeof(int32_t), 64);
+    if (a.d == NULL || a.q == NULL || a.sums == NULL || a.sums32 == NULL) {
         _mm_free(a.d);
         _mm_free(a.q);
         _mm_free(a.sums);
+        _mm_free(a.sums32);
         return 2;
     }
     quantize_activations(x, k, block, sum_every, &a);
@@ -337,6 +346,7 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
     _mm_free(a.d);
     _mm_free(a.q);
     _mm_free(a.sums);
+    _mm_free(a.sums32);
     return 0;
 }
 
