@@ -13,9 +13,13 @@ checkpoint reloads (docs/architecture.md, "Reload"):
    (`modules_to_not_convert`), any other type is refused by name. The config is set as the model config's
    `quantization_config`, so transformers creates the quantizer with `pre_quantized=True`, and `save_pretrained`
    writes a `config.json` that describes every layer as stored.
-4. The state dict holds the blocks as views of the memory-mapped file (rows of a Llama q/k projection put back in
+4. The token embedding and an untied output embedding in a block type hfquant stores keep it too
+   (`gguf_table_plan`): an exact-name `module_overrides` entry makes the embedding a `QuantEmbedding` of the file's
+   blocks (a lookup decodes only the gathered rows) and the output a `QuantLinear` of them; a tied output reads the
+   embedding's very tensor through the block GEMV (`hfquant.integration.embeddings`). In another type they are
+   decoded into the asked dtype.
+5. The state dict holds the blocks copied out of the memory-mapped file (rows of a Llama q/k projection put back in
    transformers' order, an exact reordering of whole rows) and the other tensors decoded into the asked dtype.
-   The output embedding is kept in float (hfquant's `lm_head` stores int8/int4 only).
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from hfquant.checkpoint.gguf_import import GgufTensor
 from hfquant.checkpoint.streaming import trim_heap
 from hfquant.core.dtypes import dtype_name
 from hfquant.core.text import terminal_safe
+from hfquant.integration.embeddings import output_embeddings
+from hfquant.nn.replace import embedding_kind
 
 gguf = gguf_import.gguf
 
-__all__ = ["GGUF_IMPORT_MODEL_TYPES", "load_gguf_model", "gguf_layer_plan"]
+__all__ = ["GGUF_IMPORT_MODEL_TYPES", "load_gguf_model", "gguf_layer_plan", "gguf_table_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,23 @@ def gguf_layer_plan(model: nn.Module, tensors: dict[str, GgufTensor], names: dic
     return plan
 
 
+def gguf_table_plan(model: nn.Module, tensors: dict[str, GgufTensor], names: dict[str, str]) -> dict[str, str]:
+    """{module name: block format} of the embeddings and the (untied) output embedding of the meta-device `model`
+    whose GGUF tensor is in a block type hfquant stores and whose rows are whole blocks: they keep the file's blocks.
+    Tables in any other type are not listed (decoded into float)."""
+    by_key = {key: tensors[name] for name, key in names.items() if name in tensors}
+    output = output_embeddings(model)
+    tables = {}
+    for name, module in model.named_modules():
+        if embedding_kind(module) is None and (output is None or module is not output):
+            continue
+        tensor = by_key.get(f"{name}.weight")
+        block = None if tensor is None or len(tensor.shape) != 2 else gguf_import.block_name(tensor)
+        if block is not None and gguf_import.blocks.LAYOUTS[block].divides(tensor.shape[1]):
+            tables[name] = block
+    return tables
+
+
 def _row_order(key: str, config, model_type: str) -> torch.Tensor | None:
     """The order undoing llama.cpp's row permutation of a Llama q/k tensor `key` (weight or bias), else None."""
     if model_type not in PERMUTED_MODEL_TYPES:
@@ -119,8 +142,8 @@ def _row_order(key: str, config, model_type: str) -> torch.Tensor | None:
 def _state_dict(
     tensors: dict[str, GgufTensor], names: dict[str, str], plan: dict[str, str | None], config, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The model's state dict from the GGUF tensors: block weights of the layers `plan` keeps quantized as views of
-    the file, everything else in `dtype` (`gguf_import.float_tensor`)."""
+    """The model's state dict from the GGUF tensors: block weights of the layers and tables `plan` keeps quantized
+    copied out of the file (`gguf_import.stored_blocks`), everything else in `dtype` (`gguf_import.float_tensor`)."""
     state = {}
     for gguf_name, tensor in tensors.items():
         key = names.get(gguf_name)
@@ -141,7 +164,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
 
     Args:
         path: a local GGUF file of a model type in `GGUF_IMPORT_MODEL_TYPES`.
-        dtype: the float dtype of the embeddings, norms, float layers, the output embedding and the activations.
+        dtype: the float dtype of the norms, float layers, embeddings not in a block type, and the activations.
         **from_pretrained_kwargs: passed to transformers' `from_pretrained` (device_map, attn_implementation, ...).
     Returns:
         The model (eval mode); `model.config.quantization_config` describes every layer as stored.
@@ -160,9 +183,10 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
         skeleton = model_class(config)
     names = _name_map(skeleton, config.model_type)
     plan = gguf_layer_plan(skeleton, tensors, names)
+    tables = gguf_table_plan(skeleton, tensors, names)
     del skeleton
-    quantization = gguf_import.quantization_config(plan, dtype_name(dtype))
-    state = _state_dict(tensors, names, plan, config, dtype)
+    quantization = gguf_import.quantization_config(plan, dtype_name(dtype), tables)
+    state = _state_dict(tensors, names, {**plan, **tables}, config, dtype)
     del tensors  # the file's mapping closes with the last view
     trim_heap()
     if quantization is not None:
