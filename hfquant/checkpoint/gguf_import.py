@@ -266,7 +266,7 @@ def release_pages(array: np.ndarray) -> None:
     root = array
     while isinstance(root.base, np.ndarray):
         root = root.base
-    mapping = root.base
+    mapping = root.base.obj if isinstance(root.base, memoryview) else root.base  # `read_gguf`'s np.frombuffer
     if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
     # a memmap's array starts `offset % ALLOCATIONGRANULARITY` bytes into its mapping

@@ -4,8 +4,10 @@ The model is not built by a loader of its own: the file's tensors become the sta
 checkpoint and go through transformers' `from_pretrained` with `HfQuantQuantizer`, exactly as a saved hfquant
 checkpoint reloads (docs/architecture.md, "Reload"):
 
-1. The config is transformers' reading of the GGUF header (`AutoConfig.from_pretrained(folder, gguf_file=...)`:
-   its config mapping), refused unless its model type is one of `GGUF_IMPORT_MODEL_TYPES`.
+1. The config is transformers' reading of the GGUF header (its `GGUF_CONFIG_MAPPING`, as `AutoConfig.from_pretrained(
+   folder, gguf_file=...)` applies it), refused unless its model type is one of `GGUF_IMPORT_MODEL_TYPES`; the header
+   is parsed once, by `gguf_import.read_gguf`, because transformers' reader of these architectures (gguf-py's)
+   holds about 160 MiB of objects for SmolLM2's tokenizer arrays, more than the file.
 2. The GGUF tensor names are mapped to the model's as transformers maps them (gguf-py's `TensorNameMap` over the
    meta-device model's state dict keys).
 3. Every Linear layer's weight type decides its stored format (`gguf_import.quantization_config`): a block type that
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from hfquant.checkpoint import gguf_import
@@ -52,19 +55,47 @@ PERMUTED_MODEL_TYPES = ("llama", "mistral")
 """Model types whose GGUF q/k rows llama.cpp permuted (transformers' `LlamaTensorProcessor` undoes it)."""
 
 
-def _gguf_config(path: Path):
-    """transformers' config of the GGUF file `path` (its header's config mapping).
+def gguf_config_dict(metadata: dict, tensor_names) -> dict:
+    """The config dict transformers builds from a GGUF header (`load_gguf_checkpoint(..., return_tensors=False)
+    ["config"]` in transformers 5.x) for `metadata` (`gguf_import.GgufFile.metadata`) and the file's tensor names:
+    the `general.architecture` ("llama"; "mistral" when `general.name` is "mistral", as transformers has it), the
+    keys `GGUF_CONFIG_MAPPING` renames, its defaults, `tie_word_embeddings` when there is no `output.weight`, and
+    `vocab_size` from the token list when the header has none."""
+    architecture = str(metadata.get("general.architecture", ""))
+    updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
+    config = {"tie_word_embeddings": "output.weight" not in set(tensor_names)}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(
+        updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}
+    ).items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, rest = key.replace(architecture, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
+        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]
+    return config
+
+
+def _gguf_config(path: Path, metadata: dict, tensor_names):
+    """transformers' config of the GGUF file `path` (`gguf_config_dict` of its header).
 
     Raises:
         ValueError: a model type hfquant does not import.
     """
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if config.model_type not in GGUF_IMPORT_MODEL_TYPES:
+    values = gguf_config_dict(metadata, tensor_names)
+    model_type = values.get("model_type")
+    if model_type not in GGUF_IMPORT_MODEL_TYPES:
         raise ValueError(
-            f"{path}: GGUF model type {terminal_safe(config.model_type)!r} is not imported by hfquant; allowed: "
+            f"{path}: GGUF model type {terminal_safe(str(model_type))!r} is not imported by hfquant; allowed: "
             f"{sorted(GGUF_IMPORT_MODEL_TYPES)} (transformers' from_pretrained(gguf_file=...) dequantizes others)"
         )
-    return config
+    return CONFIG_MAPPING[model_type].from_dict(values)
 
 
 def _name_map(model: nn.Module, model_type: str) -> dict[str, str]:
@@ -175,9 +206,9 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
     for key in ("quantization_config", "state_dict", "gguf_file", "config"):
         if key in from_pretrained_kwargs:
             raise ValueError(f"from_gguf sets {key} itself; remove {key}= from the call")
-    config = _gguf_config(path)
-    tensors = gguf_import.read_tensors(gguf_import.open_gguf(path))  # the reader's parsed header is dropped here
-    trim_heap()
+    metadata, tensors = gguf_import.read_gguf(path)
+    config = _gguf_config(path, metadata, tensors)
+    del metadata
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
         skeleton = model_class(config)
