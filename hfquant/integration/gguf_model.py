@@ -95,7 +95,9 @@ def _gguf_config(path: Path, metadata: dict, tensor_names):
             f"{path}: GGUF model type {terminal_safe(str(model_type))!r} is not imported by hfquant; allowed: "
             f"{sorted(GGUF_IMPORT_MODEL_TYPES)} (transformers' from_pretrained(gguf_file=...) dequantizes others)"
         )
-    return CONFIG_MAPPING[model_type].from_dict(values)
+    config = CONFIG_MAPPING[model_type].from_dict(values)
+    config.name_or_path = str(path.parent)  # as AutoConfig.from_pretrained(folder, gguf_file=...) names it
+    return config
 
 
 def _name_map(model: nn.Module, model_type: str) -> dict[str, str]:
