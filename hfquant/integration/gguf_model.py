@@ -4,7 +4,7 @@ The model is not built by a loader of its own: the file's tensors become the sta
 checkpoint and go through transformers' `from_pretrained` with `HfQuantQuantizer`, exactly as a saved hfquant
 checkpoint reloads (docs/architecture.md, "Reload"):
 
-1. The config is transformers' reading of the GGUF header (its `GGUF_CONFIG_MAPPING`, as `AutoConfig.from_pretrained(
+1. The config is transformers' reading of the GGUF header (its config mapping, as `AutoConfig.from_pretrained(
    folder, gguf_file=...)` applies it), refused unless its model type is one of `GGUF_IMPORT_MODEL_TYPES`; the header
    is parsed once, by `gguf_import.read_gguf`, because transformers' reader of these architectures (gguf-py's)
    holds about 160 MiB of objects for SmolLM2's tokenizer arrays, more than the file.
@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+# transformers' GGUF reader's own tables (the module its from_pretrained(gguf_file=...) reads the header with)
+from transformers.modeling_gguf_pytorch_utils import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_TO_TRANSFORMERS_MAPPING
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -59,7 +61,7 @@ def gguf_config_dict(metadata: dict, tensor_names) -> dict:
     """The config dict transformers builds from a GGUF header (`load_gguf_checkpoint(..., return_tensors=False)
     ["config"]` in transformers 5.x) for `metadata` (`gguf_import.GgufFile.metadata`) and the file's tensor names:
     the `general.architecture` ("llama"; "mistral" when `general.name` is "mistral", as transformers has it), the
-    keys `GGUF_CONFIG_MAPPING` renames, its defaults, `tie_word_embeddings` when there is no `output.weight`, and
+    keys `GGUF_TO_TRANSFORMERS_MAPPING["config"]` renames, its defaults, `tie_word_embeddings` when there is no `output.weight`, and
     `vocab_size` from the token list when the header has none."""
     architecture = str(metadata.get("general.architecture", ""))
     updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
@@ -74,7 +76,7 @@ def gguf_config_dict(metadata: dict, tensor_names) -> dict:
             value = value[0]
         if isinstance(value, str) and architecture in value:
             value = value.replace(architecture, updated)
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        renamed = GGUF_TO_TRANSFORMERS_MAPPING["config"].get(prefix, {}).get(rest)
         if renamed is not None and renamed != -1:
             config[renamed] = value
     if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
