@@ -1,11 +1,16 @@
 """A GGUF file read as hfquant's stored tensors: block types kept as their bytes, float tensors as torch tensors.
 
-The file is opened with gguf-py's memory-mapped reader in copy-on-write mode: a tensor in a block type that hfquant
-stores (`hfquant.core.blocks.LAYOUTS`) becomes a (rows, K / block_size * type_size) uint8 tensor viewing the file's
-pages, the very bytes `docs/format.md` describes for a layer in that block format, so nothing is copied or decoded
-(a write to it stays in this process, the file is never changed). Tensors that transformers keeps in float
-(embeddings, norms, biases) are decoded a chunk of rows at a time into the asked dtype, so no float32 copy of a
-whole table exists.
+The file is memory-mapped in copy-on-write mode (`read_gguf`; `open_gguf` is gguf-py's reader, for `hfquant
+inspect`): a tensor in a block type that hfquant stores (`hfquant.core.blocks.LAYOUTS`) is a (rows, K / block_size *
+type_size) uint8 array viewing the file's pages, the very bytes `docs/format.md` describes for a layer in that block
+format; `stored_blocks` copies them out one tensor at a time and drops the file's pages (a write to the mapping stays
+in this process, the file is never changed). Tensors that transformers keeps in float (norms, biases, a table in a
+type without a layout) are decoded a chunk of rows at a time into the asked dtype, so no float32 copy of a whole table
+exists.
+
+`read_gguf` parses the header itself (`GgufFile`: the metadata and the tensors): gguf-py's reader makes two numpy
+views per string of the tokenizer's arrays, about 160 MiB for SmolLM2's 49152 tokens and merges, more than the 94 MiB
+file; here a string array is walked and kept as its length only (the tokenizer is read by transformers on its own).
 
 llama.cpp stores the rows of a Llama-architecture q_proj / k_proj permuted (`gguf_export.llama_permutation`);
 `llama_row_order` gives the order that undoes it, an exact reordering of whole rows of blocks.
@@ -40,6 +45,8 @@ __all__ = [
     "read_tensors",
     "file_architecture",
     "stored_blocks",
+    "GgufFile",
+    "read_gguf",
 ]
 
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
@@ -111,6 +118,121 @@ def read_tensors(reader: gguf.GGUFReader) -> dict[str, GgufTensor]:
     return tensors
 
 
+class GgufFile(NamedTuple):
+    """A GGUF file's header as `read_gguf` reads it.
+
+    Attributes:
+        metadata: {key: value}: ints, floats, bools, strings (UTF-8, invalid bytes replaced), a list for an array of
+            numbers, and the element count (an int) for an array of strings.
+        tensors: {GGUF name: `GgufTensor`} in file order, the data viewing the copy-on-write memory map.
+    """
+
+    metadata: dict[str, object]
+    tensors: dict[str, GgufTensor]
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+"""GGUF metadata value types of fixed width -> struct format (8 is a string, 9 an array)."""
+_VALUE_DTYPES = {0: np.float32, 1: np.float16}
+"""Tensor types gguf-py maps as values (F32, F16); every other type is given as its raw bytes."""
+
+
+def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", data, pos)
+    end = pos + 8 + length
+    if end > len(data):
+        raise ValueError(f"a string of {length} bytes at offset {pos} runs past the end of the file")
+    return data[pos + 8 : end].decode("utf-8", errors="replace"), end
+
+
+def _value(data: mmap.mmap, pos: int, kind: int) -> tuple[object, int]:
+    """(one metadata value, the offset after it); an array of strings is walked and given as its length."""
+    if kind in _SCALARS:
+        return struct.unpack_from(_SCALARS[kind], data, pos)[0], pos + struct.calcsize(_SCALARS[kind])
+    if kind == 8:
+        return _string(data, pos)
+    if kind != 9:
+        raise ValueError(f"metadata value type {kind} at offset {pos}; allowed: 0-12")
+    item, count = struct.unpack_from("<IQ", data, pos)
+    pos += 12
+    if item in _SCALARS:
+        values = struct.unpack_from(f"<{count}{_SCALARS[item][1]}", data, pos)
+        return list(values), pos + count * struct.calcsize(_SCALARS[item])
+    if item != 8:
+        raise ValueError(f"an array of metadata value type {item} at offset {pos}; allowed: numbers and strings")
+    for _ in range(count):
+        (length,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + length
+    return count, pos
+
+
+def _tensor_table(data: mmap.mmap, pos: int, count: int) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+    """([(name, shape in torch's order, ggml type, offset in the data section)], the offset after the table)."""
+    table = []
+    for _ in range(count):
+        name, pos = _string(data, pos)
+        (dims,) = struct.unpack_from("<I", data, pos)
+        shape = struct.unpack_from(f"<{dims}Q", data, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", data, pos + 4 + 8 * dims)
+        pos += 16 + 8 * dims
+        table.append((name, tuple(int(n) for n in reversed(shape)), kind, offset))
+    return table, pos
+
+
+def _tensor_data(file: np.ndarray, start: int, shape: tuple[int, ...], kind: int) -> np.ndarray:
+    """The tensor's bytes in `file` as gguf-py gives them: the values for F32/F16, else (rows, row bytes) uint8 (BF16
+    as its raw bytes); an empty array for a type gguf-py does not know (its size is unknown)."""
+    member = gguf.GGMLQuantizationType._value2member_map_.get(kind)
+    if member is None or member not in gguf.GGML_QUANT_SIZES:
+        return file[:0]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[member]
+    count = int(np.prod(shape)) if shape else 1
+    nbytes = count // block_size * type_size
+    if start + nbytes > file.size:
+        raise ValueError(f"a tensor of {nbytes} bytes at offset {start} runs past the end of the file")
+    raw = file[start : start + nbytes]
+    if kind in _VALUE_DTYPES:
+        return raw.view(_VALUE_DTYPES[kind]).reshape(shape)
+    return raw.reshape(*shape[:-1], -1) if len(shape) > 1 else raw
+
+
+def read_gguf(path: str | os.PathLike) -> GgufFile:
+    """The metadata and the tensors of the GGUF file `path` (versions 2 and 3, little endian), memory-mapped copy on
+    write (arrays are writable; the file is never written), without gguf-py's objects per string (`GgufFile`).
+
+    Raises:
+        ValueError: not a GGUF file this reads (magic, version, a header or tensor past the end), naming the path.
+        FileNotFoundError: no such file.
+    """
+    with open(path, "rb") as handle:
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        if data[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", data, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}; allowed: 2, 3 (little endian)")
+        pos, metadata = 24, {}
+        for _ in range(kv_count):
+            key, pos = _string(data, pos)
+            (kind,) = struct.unpack_from("<I", data, pos)
+            metadata[key], pos = _value(data, pos + 4, kind)
+        table, pos = _tensor_table(data, pos, tensor_count)
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment={alignment!r}; allowed: a power of two")
+        start = -(-pos // alignment) * alignment
+        file = np.frombuffer(data, dtype=np.uint8)
+        tensors = {}
+        for name, shape, kind, offset in table:
+            known = kind in gguf.GGMLQuantizationType._value2member_map_
+            type_name = gguf.GGMLQuantizationType(kind).name if known else f"type {kind}"
+            tensors[name] = GgufTensor(name, kind, type_name, shape, _tensor_data(file, start + offset, shape, kind))
+    except (ValueError, struct.error) as error:
+        raise ValueError(f"{path} is not a GGUF file hfquant can read: {error}") from None
+    return GgufFile(metadata, tensors)
+
+
 def file_architecture(reader: gguf.GGUFReader) -> str:
     """`general.architecture` of the file ("llama", "qwen2", ...), "" when absent."""
     field = reader.fields.get("general.architecture")
@@ -144,7 +266,7 @@ def release_pages(array: np.ndarray) -> None:
     root = array
     while isinstance(root.base, np.ndarray):
         root = root.base
-    mapping = root.base
+    mapping = root.base.obj if isinstance(root.base, memoryview) else root.base  # `read_gguf`'s np.frombuffer
     if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
     # a memmap's array starts `offset % ALLOCATIONGRANULARITY` bytes into its mapping
@@ -220,18 +342,25 @@ def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | N
     return out.reshape(tensor.shape)
 
 
-def quantization_config(layer_types: dict[str, str | None], embedding_dtype: str) -> HfQuantConfig | None:
+def quantization_config(
+    layer_types: dict[str, str | None], embedding_dtype: str, tables: dict[str, str] | None = None
+) -> HfQuantConfig | None:
     """The `HfQuantConfig` that stores each Linear layer as the file does: `layer_types` maps a layer's name to its
     block format ("q4_k"), or None for a layer kept in float (an F16/BF16/F32 tensor). The most common block format is
     the config's `format`, every other layer gets a `module_overrides` entry by full name, float layers go to
-    `modules_to_not_convert`; RTN, no mixed precision, no folding (the blocks are what the file holds). None when no
-    layer is in a block format (a float GGUF: nothing to keep quantized).
+    `modules_to_not_convert`; RTN, no mixed precision, no folding (the blocks are what the file holds). `tables` maps
+    an embedding or the output embedding kept in its block format ({"model.embed_tokens": "q8_0"}) to that format,
+    each recorded as an exact-name `module_overrides` entry (how hfquant stores an embedding in blocks,
+    `hfquant.integration.embeddings`). None when nothing is in a block format (a float GGUF: nothing to keep
+    quantized).
     """
-    counts = Counter(kind for kind in layer_types.values() if kind is not None)
+    tables = tables or {}
+    counts = Counter(kind for kind in layer_types.values() if kind is not None) or Counter(tables.values())
     if not counts:
         return None
     main = counts.most_common(1)[0][0]
     overrides = {name: {"format": kind} for name, kind in layer_types.items() if kind is not None and kind != main}
+    overrides.update({name: {"format": kind} for name, kind in tables.items()})
     kept = sorted(name for name, kind in layer_types.items() if kind is None)
     return HfQuantConfig(
         format=main,

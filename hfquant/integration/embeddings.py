@@ -1,8 +1,11 @@
 """Embeddings and the output embedding under hfquant's quantizer: which are quantized, cast or tied, and the ties kept.
 
 `embedding_dtype` stores every `nn.Embedding` in a float dtype or as a `QuantEmbedding`; `lm_head` stores the output
-embedding in float or as a `QuantLinear`. A lm_head tied to the input embedding is one tensor with it: quantized if
-either field asks, stored once, read by both (the ties are hfquant's, not transformers', once the tensors are buffers).
+embedding in float or as a `QuantLinear`. A `module_overrides` entry naming an embedding or the output embedding by
+its full name with a block `format` ({"model.embed_tokens": {"format": "q8_0"}}, what a GGUF import records for its
+token_embd / output tensors) stores that table in llama.cpp's blocks instead, whatever the two fields say. A lm_head
+tied to the input embedding is one tensor with it: quantized if either asks, stored once, read by both (the ties are
+hfquant's, not transformers', once the tensors are buffers).
 
     plan = plan_embeddings(model, config, compute)                 # decided on the meta model, nothing changed
     replace_embeddings(model, plan.formats, plan.ties, compute)   # the swaps; transformers forgets these ties
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 from hfquant.config import HfQuantConfig, matches_module
+from hfquant.core import blocks
 from hfquant.core.dtypes import torch_dtype
 from hfquant.core.format import StoredFormat
 from hfquant.nn.embedding import QuantEmbedding
@@ -45,6 +49,7 @@ __all__ = [
     "tie_float_weights",
     "output_embeddings",
     "module_name",
+    "block_override",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,37 +87,67 @@ def tied_modules(model: nn.Module) -> dict[str, str]:
     }
 
 
+def block_override(config: HfQuantConfig, name: str) -> str | None:
+    """The block format ("q8_0") that a `module_overrides` entry naming the embedding / output embedding `name`
+    exactly asks for, else None (patterns select Linear layers only: an embedding follows `embedding_dtype`)."""
+    entry = config.module_overrides.get(name)
+    fmt = None if entry is None else entry.get("format")
+    return str(fmt) if fmt is not None and str(fmt) in blocks.LAYOUTS else None
+
+
+def _quantized(storage: str | None) -> bool:
+    """Whether a storage ("int8", "q8_0", "bfloat16", "auto", ...) is a quantized tensor."""
+    return storage is not None and (storage in QUANTIZED_STORAGE or storage in blocks.LAYOUTS)
+
+
+def _storage_format(storage: str, config: HfQuantConfig, in_features: int) -> StoredFormat | None:
+    """The stored format of a table stored as `storage` ("int8"/"int4", or a block format) whose rows have
+    `in_features` values, None when it has no group size / the block size does not divide them."""
+    if storage in blocks.LAYOUTS:
+        fmt = StoredFormat.of_block(storage)
+        return fmt if fmt.layout.divides(in_features) else None
+    return quantized_format(storage, config, in_features)
+
+
+def _head_format(config: HfQuantConfig, head: str | None) -> str | None:
+    """The quantized storage asked for the output embedding `head`: its block override, else `lm_head` unless
+    "keep"."""
+    override = None if head is None else block_override(config, head)
+    return override if override is not None else None if config.lm_head == "keep" else str(config.lm_head)
+
+
 def embedding_storage(
     model: nn.Module, config: HfQuantConfig, tied: dict[str, str], head: str | None
 ) -> dict[str, str]:
-    """The storage ("auto", a float dtype name, "int8"/"int4") of each embedding holding its own tensor: the config's
-    `embedding_dtype`, or `lm_head`'s format for an embedding the lm_head is tied to when only `lm_head` asks for one.
-    Tied copies (`tied`) follow their source and are not listed; `modules_to_not_convert` ones stay as they are.
+    """The storage ("auto", a float dtype name, "int8"/"int4", a block format) of each embedding holding its own
+    tensor: its block override (`block_override`), else the config's `embedding_dtype`, or the lm_head's format for an
+    embedding the lm_head is tied to when only the lm_head asks for one. Tied copies (`tied`) follow their source and
+    are not listed; `modules_to_not_convert` ones stay as they are.
 
     Raises:
-        ValueError: `lm_head` and `embedding_dtype` ask two different formats for one tied tensor.
+        ValueError: the lm_head and the embedding ask two different formats for one tied tensor.
     """
     storage = {
-        name: config.embedding_dtype
+        name: block_override(config, name) or str(config.embedding_dtype)
         for name, module in model.named_modules()
         if embedding_kind(module) is not None
         and not matches_module(name, config.modules_to_not_convert)
         and name not in tied
     }
-    head_format = None if config.lm_head == "keep" else config.lm_head
+    head_format = _head_format(config, head)
     head_source = tied.get(head) if head is not None else None
     if head_source is not None and head_source in storage:
-        asked = config.embedding_dtype
+        asked = storage[head_source]
         if head_format is not None and asked != "auto" and asked != head_format:
             raise ValueError(
-                f"lm_head={config.lm_head!r} and embedding_dtype={asked!r} conflict: {head} is tied to "
+                f"lm_head={head_format!r} and embedding_dtype={asked!r} conflict: {head} is tied to "
                 f"{head_source}, so they are one tensor; give both the same int8/int4 value, or untie them "
                 "(config tie_word_embeddings=False) to store them differently."
             )
-        if asked not in QUANTIZED_STORAGE and head_format is not None:
+        if not _quantized(asked) and head_format is not None:
             storage[head_source] = head_format
             logger.info("hfquant: %s is tied to %s, which is stored as %s with it", head, head_source, head_format)
-        elif asked in QUANTIZED_STORAGE:
+        elif _quantized(asked):
             logger.info("hfquant: %s is tied to %s and reads its %s tensor", head, head_source, asked)
     elif head_source is not None and head_format is not None:
         logger.warning("hfquant keeps %s in float: it is tied to %s, which is not quantized", head, head_source)
@@ -127,11 +162,11 @@ def _stored_formats(
     formats, casts = {}, {}
     for name, kind in storage.items():
         module = model.get_submodule(name)
-        if kind in QUANTIZED_STORAGE:
-            fmt = quantized_format(kind, config, module.embedding_dim)
+        if _quantized(kind):
+            fmt = _storage_format(kind, config, module.embedding_dim)
             if fmt is None:
                 logger.info(
-                    "hfquant keeps embedding %s in float: embedding_dim=%d has no group size",
+                    "hfquant keeps embedding %s in float: embedding_dim=%d has no group size (block size)",
                     name,
                     module.embedding_dim,
                 )
@@ -144,13 +179,15 @@ def _stored_formats(
 
 def _untied_head(model: nn.Module, head: str, config: HfQuantConfig) -> LayerPlan | None:
     """The plan of the untied output embedding `head` when `lm_head` asks to quantize it, else None."""
-    head_format = None if config.lm_head == "keep" else config.lm_head
+    head_format = _head_format(config, head)
     if not head_format or matches_module(head, config.modules_to_not_convert):
         return None
     module = model.get_submodule(head)
-    fmt = quantized_format(head_format, config, module.in_features)
+    fmt = _storage_format(head_format, config, module.in_features)
     if fmt is None:
-        logger.info("hfquant keeps %s in float: in_features=%d has no group size", head, module.in_features)
+        logger.info(
+            "hfquant keeps %s in float: in_features=%d has no group size (block size)", head, module.in_features
+        )
         return None
     return LayerPlan(head, module.in_features, module.out_features, fmt, "", False)
 
@@ -209,7 +246,7 @@ def tie_buffers(model: nn.Module, ties: list[tuple[str, str]]) -> None:
     tensors, on the tied module's device (a source offloaded by accelerate is read from its stored tensor)."""
     for target_name, source_name in ties:
         target, source = model.get_submodule(target_name), model.get_submodule(source_name)
-        device = target.weight_scale.device
+        device = target.weight.device
         for name in _TENSOR_NAMES:
             value = getattr(source, name, None)
             if value is not None and value.device.type == "meta":  # source offloaded: read its stored tensor
@@ -230,7 +267,7 @@ def share_tied_kernels(model: nn.Module, ties: list[tuple[str, str]]) -> None:
         target, source = model.get_submodule(target_name), model.get_submodule(source_name)
         if isinstance(target, QuantEmbedding) and target.weight.device == source.weight.device:
             for name in _TENSOR_NAMES:
-                setattr(target, name, getattr(source, name))
+                setattr(target, name, getattr(source, name, None))
             target.set_kernel_owner(source._kernel_owner)
 
 

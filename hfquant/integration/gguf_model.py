@@ -4,8 +4,10 @@ The model is not built by a loader of its own: the file's tensors become the sta
 checkpoint and go through transformers' `from_pretrained` with `HfQuantQuantizer`, exactly as a saved hfquant
 checkpoint reloads (docs/architecture.md, "Reload"):
 
-1. The config is transformers' reading of the GGUF header (`AutoConfig.from_pretrained(folder, gguf_file=...)`:
-   its config mapping), refused unless its model type is one of `GGUF_IMPORT_MODEL_TYPES`.
+1. The config is transformers' reading of the GGUF header (its config mapping, as `AutoConfig.from_pretrained(
+   folder, gguf_file=...)` applies it), refused unless its model type is one of `GGUF_IMPORT_MODEL_TYPES`; the header
+   is parsed once, by `gguf_import.read_gguf`, because transformers' reader of these architectures (gguf-py's)
+   holds about 160 MiB of objects for SmolLM2's tokenizer arrays, more than the file.
 2. The GGUF tensor names are mapped to the model's as transformers maps them (gguf-py's `TensorNameMap` over the
    meta-device model's state dict keys).
 3. Every Linear layer's weight type decides its stored format (`gguf_import.quantization_config`): a block type that
@@ -13,9 +15,13 @@ checkpoint reloads (docs/architecture.md, "Reload"):
    (`modules_to_not_convert`), any other type is refused by name. The config is set as the model config's
    `quantization_config`, so transformers creates the quantizer with `pre_quantized=True`, and `save_pretrained`
    writes a `config.json` that describes every layer as stored.
-4. The state dict holds the blocks as views of the memory-mapped file (rows of a Llama q/k projection put back in
+4. The token embedding and an untied output embedding in a block type hfquant stores keep it too
+   (`gguf_table_plan`): an exact-name `module_overrides` entry makes the embedding a `QuantEmbedding` of the file's
+   blocks (a lookup decodes only the gathered rows) and the output a `QuantLinear` of them; a tied output reads the
+   embedding's very tensor through the block GEMV (`hfquant.integration.embeddings`). In another type they are
+   decoded into the asked dtype.
+5. The state dict holds the blocks copied out of the memory-mapped file (rows of a Llama q/k projection put back in
    transformers' order, an exact reordering of whole rows) and the other tensors decoded into the asked dtype.
-   The output embedding is kept in float (hfquant's `lm_head` stores int8/int4 only).
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
+
+# transformers' GGUF reader's own tables (the module its from_pretrained(gguf_file=...) reads the header with)
+from transformers.modeling_gguf_pytorch_utils import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_TO_TRANSFORMERS_MAPPING
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from hfquant.checkpoint import gguf_import
@@ -33,10 +42,12 @@ from hfquant.checkpoint.gguf_import import GgufTensor
 from hfquant.checkpoint.streaming import trim_heap
 from hfquant.core.dtypes import dtype_name
 from hfquant.core.text import terminal_safe
+from hfquant.integration.embeddings import output_embeddings
+from hfquant.nn.replace import embedding_kind
 
 gguf = gguf_import.gguf
 
-__all__ = ["GGUF_IMPORT_MODEL_TYPES", "load_gguf_model", "gguf_layer_plan"]
+__all__ = ["GGUF_IMPORT_MODEL_TYPES", "load_gguf_model", "gguf_layer_plan", "gguf_table_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +57,48 @@ PERMUTED_MODEL_TYPES = ("llama", "mistral")
 """Model types whose GGUF q/k rows llama.cpp permuted (transformers' `LlamaTensorProcessor` undoes it)."""
 
 
-def _gguf_config(path: Path):
-    """transformers' config of the GGUF file `path` (its header's config mapping).
+def gguf_config_dict(metadata: dict, tensor_names) -> dict:
+    """The config dict transformers builds from a GGUF header (`load_gguf_checkpoint(..., return_tensors=False)
+    ["config"]` in transformers 5.x) for `metadata` (`gguf_import.GgufFile.metadata`) and the file's tensor names:
+    the `general.architecture` ("llama"; "mistral" when `general.name` is "mistral", as transformers has it), the
+    keys `GGUF_TO_TRANSFORMERS_MAPPING["config"]` renames, its defaults, `tie_word_embeddings` when there is no `output.weight`, and
+    `vocab_size` from the token list when the header has none."""
+    architecture = str(metadata.get("general.architecture", ""))
+    updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
+    config = {"tie_word_embeddings": "output.weight" not in set(tensor_names)}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(
+        updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}
+    ).items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, rest = key.replace(architecture, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, updated)
+        renamed = GGUF_TO_TRANSFORMERS_MAPPING["config"].get(prefix, {}).get(rest)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
+        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]
+    return config
+
+
+def _gguf_config(path: Path, metadata: dict, tensor_names):
+    """transformers' config of the GGUF file `path` (`gguf_config_dict` of its header).
 
     Raises:
         ValueError: a model type hfquant does not import.
     """
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if config.model_type not in GGUF_IMPORT_MODEL_TYPES:
+    values = gguf_config_dict(metadata, tensor_names)
+    model_type = values.get("model_type")
+    if model_type not in GGUF_IMPORT_MODEL_TYPES:
         raise ValueError(
-            f"{path}: GGUF model type {terminal_safe(config.model_type)!r} is not imported by hfquant; allowed: "
+            f"{path}: GGUF model type {terminal_safe(str(model_type))!r} is not imported by hfquant; allowed: "
             f"{sorted(GGUF_IMPORT_MODEL_TYPES)} (transformers' from_pretrained(gguf_file=...) dequantizes others)"
         )
+    config = CONFIG_MAPPING[model_type].from_dict(values)
+    config.name_or_path = str(path.parent)  # as AutoConfig.from_pretrained(folder, gguf_file=...) names it
     return config
 
 
@@ -101,6 +142,23 @@ def gguf_layer_plan(model: nn.Module, tensors: dict[str, GgufTensor], names: dic
     return plan
 
 
+def gguf_table_plan(model: nn.Module, tensors: dict[str, GgufTensor], names: dict[str, str]) -> dict[str, str]:
+    """{module name: block format} of the embeddings and the (untied) output embedding of the meta-device `model`
+    whose GGUF tensor is in a block type hfquant stores and whose rows are whole blocks: they keep the file's blocks.
+    Tables in any other type are not listed (decoded into float)."""
+    by_key = {key: tensors[name] for name, key in names.items() if name in tensors}
+    output = output_embeddings(model)
+    tables = {}
+    for name, module in model.named_modules():
+        if embedding_kind(module) is None and (output is None or module is not output):
+            continue
+        tensor = by_key.get(f"{name}.weight")
+        block = None if tensor is None or len(tensor.shape) != 2 else gguf_import.block_name(tensor)
+        if block is not None and gguf_import.blocks.LAYOUTS[block].divides(tensor.shape[1]):
+            tables[name] = block
+    return tables
+
+
 def _row_order(key: str, config, model_type: str) -> torch.Tensor | None:
     """The order undoing llama.cpp's row permutation of a Llama q/k tensor `key` (weight or bias), else None."""
     if model_type not in PERMUTED_MODEL_TYPES:
@@ -119,8 +177,8 @@ def _row_order(key: str, config, model_type: str) -> torch.Tensor | None:
 def _state_dict(
     tensors: dict[str, GgufTensor], names: dict[str, str], plan: dict[str, str | None], config, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The model's state dict from the GGUF tensors: block weights of the layers `plan` keeps quantized as views of
-    the file, everything else in `dtype` (`gguf_import.float_tensor`)."""
+    """The model's state dict from the GGUF tensors: block weights of the layers and tables `plan` keeps quantized
+    copied out of the file (`gguf_import.stored_blocks`), everything else in `dtype` (`gguf_import.float_tensor`)."""
     state = {}
     for gguf_name, tensor in tensors.items():
         key = names.get(gguf_name)
@@ -141,7 +199,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
 
     Args:
         path: a local GGUF file of a model type in `GGUF_IMPORT_MODEL_TYPES`.
-        dtype: the float dtype of the embeddings, norms, float layers, the output embedding and the activations.
+        dtype: the float dtype of the norms, float layers, embeddings not in a block type, and the activations.
         **from_pretrained_kwargs: passed to transformers' `from_pretrained` (device_map, attn_implementation, ...).
     Returns:
         The model (eval mode); `model.config.quantization_config` describes every layer as stored.
@@ -152,17 +210,18 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
     for key in ("quantization_config", "state_dict", "gguf_file", "config"):
         if key in from_pretrained_kwargs:
             raise ValueError(f"from_gguf sets {key} itself; remove {key}= from the call")
-    config = _gguf_config(path)
-    tensors = gguf_import.read_tensors(gguf_import.open_gguf(path))  # the reader's parsed header is dropped here
-    trim_heap()
+    metadata, tensors = gguf_import.read_gguf(path)
+    config = _gguf_config(path, metadata, tensors)
+    del metadata
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
         skeleton = model_class(config)
     names = _name_map(skeleton, config.model_type)
     plan = gguf_layer_plan(skeleton, tensors, names)
+    tables = gguf_table_plan(skeleton, tensors, names)
     del skeleton
-    quantization = gguf_import.quantization_config(plan, dtype_name(dtype))
-    state = _state_dict(tensors, names, plan, config, dtype)
+    quantization = gguf_import.quantization_config(plan, dtype_name(dtype), tables)
+    state = _state_dict(tensors, names, {**plan, **tables}, config, dtype)
     del tensors  # the file's mapping closes with the last view
     trim_heap()
     if quantization is not None:

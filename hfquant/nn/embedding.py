@@ -1,9 +1,11 @@
-"""`QuantEmbedding`: an int8 / int4 replacement for `nn.Embedding` whose lookup dequantizes only the rows it gathers.
+"""`QuantEmbedding`: an int8 / int4 / block-format replacement for `nn.Embedding` whose lookup dequantizes only the
+rows it gathers.
 
 The table (num_embeddings, embedding_dim) is stored exactly like a `QuantLinear` weight of out_features =
-num_embeddings and in_features = embedding_dim (docs/format.md): one row per token, scales per (row, group). A tied
-output embedding (lm_head) is therefore a `QuantLinear` over the same tensors, and the two share them in memory and
-in the file.
+num_embeddings and in_features = embedding_dim (docs/format.md): one row per token, scales per (row, group), or the
+row's llama.cpp blocks in a block format (a GGUF's Q8_0 `token_embd`, kept as the file's bytes). A tied output
+embedding (lm_head) is therefore a `QuantLinear` over the same tensors, and the two share them in memory and in the
+file.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfquant.core import packing, rtn
-from hfquant.core.format import StoredFormat, require_format
+from hfquant.core import blocks, packing, rtn
+from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.nn.linear import QuantLinear, StoredWeight, quantize_to_buffers
 from hfquant.ops.kernels import INT4_KERNELS, Kernel
 
@@ -24,8 +26,10 @@ class QuantEmbedding(StoredWeight):
 
     Stored tensors (registered buffers; exactly what `state_dict()` and the files hold, see docs/format.md): weight,
     weight_scale[, weight_zero_point], the tensors of `fmt` for a weight (num_embeddings, embedding_dim) as
-    `StoredFormat.tensor_specs((num_embeddings,), embedding_dim)` names them.
-    Example: embedding_dim 576, int4 with group 64 -> weight (V, 288) uint8, weight_scale (V, 9), zero point (V, 9).
+    `StoredFormat.tensor_specs((num_embeddings,), embedding_dim)` names them; in a block format (`fmt.block`) the one
+    uint8 tensor weight (num_embeddings, embedding_dim / block_size * type_size) of llama.cpp's blocks.
+    Example: embedding_dim 576, int4 with group 64 -> weight (V, 288) uint8, weight_scale (V, 9), zero point (V, 9);
+    Q8_0 -> weight (V, 612) uint8 (18 blocks of 34 bytes per row), `weight_scale` and `weight_zero_point` None.
 
     Only the gathered rows are unpacked and dequantized: a lookup of T tokens costs T * embedding_dim work whatever
     the vocabulary size. When the table is shared with a tied lm_head whose int4 CPU kernel repacked it
@@ -34,13 +38,14 @@ class QuantEmbedding(StoredWeight):
     Args:
         num_embeddings, embedding_dim, padding_idx: as in `nn.Embedding` (padding_idx is informational: the
             lookup has no gradient).
-        fmt: the stored format, as in `QuantLinear` (its group size must divide embedding_dim). Read back as
-            `format`, and `bits`, `group_size`, `symmetric`.
+        fmt: the stored format, as in `QuantLinear` (its group size, or its block size, must divide embedding_dim;
+            a block format with RTN only). Read back as `format`, and `bits`, `group_size`, `symmetric`.
         dtype: the compute dtype of the returned rows.
         device: where the buffers are allocated ("meta" while transformers builds the model).
         embed_scale: a float the rows are multiplied by (Gemma-style scaled word embeddings), or None.
     Raises:
-        ValueError: group_size does not divide embedding_dim, or 4 bits with an odd embedding_dim.
+        ValueError: group_size (block size) does not divide embedding_dim, 4 bits with an odd embedding_dim, or a block
+            format with SINQ (an embedding stores no column scale).
         TypeError: `fmt` is not a `StoredFormat`.
     """
 
@@ -55,11 +60,20 @@ class QuantEmbedding(StoredWeight):
         embed_scale: float | None = None,
     ):
         require_format(fmt)
-        if embedding_dim % fmt.group_size:
+        if fmt.block is not None:
+            fmt.layout.row_bytes(embedding_dim)  # ValueError naming the block size
+            if fmt.method is not Method.RTN:
+                raise ValueError(
+                    f"a {fmt.block} embedding stores method='rtn' only (no column scale); got {fmt.method}"
+                )
+        elif embedding_dim % fmt.group_size:
             raise ValueError(f"group_size={fmt.group_size} does not divide embedding_dim={embedding_dim}")
-        if fmt.bits == 4 and embedding_dim % 2:
+        elif fmt.bits == 4 and embedding_dim % 2:
             raise ValueError(f"4-bit embeddings need an even embedding_dim, got {embedding_dim}")
         super().__init__(fmt, (num_embeddings,), embedding_dim, device)
+        if fmt.block is not None:  # the blocks hold their scales: none stored beside them
+            self.weight_scale = None
+            self.weight_zero_point = None
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
@@ -98,10 +112,13 @@ class QuantEmbedding(StoredWeight):
         return module
 
     def extra_repr(self) -> str:
-        text = (
-            f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}, "
-            f"symmetric={self.symmetric}"
-        )
+        if self.format.block is not None:
+            text = f"{self.num_embeddings}, {self.embedding_dim}, format={self.format.block}"
+        else:
+            text = (
+                f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}, "
+                f"symmetric={self.symmetric}"
+            )
         if self.padding_idx is not None:
             text += f", padding_idx={self.padding_idx}"
         if self.embed_scale is not None:
@@ -115,10 +132,14 @@ class QuantEmbedding(StoredWeight):
     def share_with(self, head: QuantLinear) -> str:
         """Make this table and the tied `head` (a `QuantLinear` over the same stored tensors) one tensor in memory.
 
-        Call after `head.prepare_kernel()`. Returns how: "shared" (the kernel reads the stored layout, e.g. int8),
-        "kernel-layout" (rows are gathered from the CPU int4 kernel layout), or "copy" (a kernel layout rows cannot
-        be gathered from, e.g. CUDA int4: this module keeps its own stored-layout tensor).
+        Call after `head.prepare_kernel()`. Returns how: "shared" (the kernel reads the stored layout, e.g. int8 or
+        a block format's bytes), "kernel-layout" (rows are gathered from the CPU int4 kernel layout), or "copy" (a
+        kernel layout rows cannot be gathered from, e.g. CUDA int4: this module keeps its own stored-layout tensor).
         """
+        if self.format.block is not None:  # the block kernels read the stored bytes: one tensor, nothing repacked
+            self.weight = head.weight
+            self.set_kernel_owner(None)
+            return "shared"
         self.weight_scale = head.weight_scale
         self.weight_zero_point = head.weight_zero_point
         if head.kernel == Kernel.INT4PACK_MM_CPU and packing.cpu_int4_layout() is not None:
@@ -158,8 +179,17 @@ class QuantEmbedding(StoredWeight):
         gathered = self.weight.index_select(0, rows)
         return packing.unpack_int4(gathered) if self.bits == 4 else gathered
 
+    def _block_rows(self, rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """(R, embedding_dim) rows `rows` (all when None) of a block-format table in `dtype`: only the gathered rows'
+        blocks are decoded (`blocks.dequantize`, float32 values as llama.cpp's and gguf-py's decoders give them, then
+        rounded once to `dtype`)."""
+        data = self.weight if rows is None else self.weight.index_select(0, rows)
+        return blocks.dequantize(self.format.block, data).to(dtype)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float table (num_embeddings, embedding_dim) in `dtype` (without `embed_scale`)."""
+        if self.format.block is not None:
+            return self._block_rows(None, dtype)
         rows = torch.arange(self.num_embeddings, device=self.weight.device)
         return rtn.dequantize_weight(
             self._rows_codes(rows), self.weight_scale, self.weight_zero_point, self.bits, self.symmetric, dtype
@@ -180,15 +210,18 @@ class QuantEmbedding(StoredWeight):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = input_ids.reshape(-1)
-        zero_point = None if self.weight_zero_point is None else self.weight_zero_point.index_select(0, rows)
-        out = rtn.dequantize_weight(
-            self._rows_codes(rows),
-            self.weight_scale.index_select(0, rows),
-            zero_point,
-            self.bits,
-            self.symmetric,
-            self.compute_dtype,
-        )
+        if self.format.block is not None:
+            out = self._block_rows(rows, self.compute_dtype)
+        else:
+            zero_point = None if self.weight_zero_point is None else self.weight_zero_point.index_select(0, rows)
+            out = rtn.dequantize_weight(
+                self._rows_codes(rows),
+                self.weight_scale.index_select(0, rows),
+                zero_point,
+                self.bits,
+                self.symmetric,
+                self.compute_dtype,
+            )
         if self.embed_scale is not None:
             # as the float module does: the scale rounded to the activation dtype, then multiplied
             out = out * torch.tensor(self.embed_scale, dtype=torch.float32, device=out.device).to(out.dtype)

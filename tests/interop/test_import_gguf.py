@@ -9,10 +9,11 @@ import pytest
 import torch
 from helpers import MERGES_VOCAB, tiny_model, tiny_tokenizer
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 import hfquant
 from hfquant import HfQuantConfig, export_checkpoint
+from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.linear import QuantLinear
 
 gguf = pytest.importorskip("gguf")
@@ -33,10 +34,11 @@ def _qwen2():
     return model
 
 
-def _gguf_of(tmp_path, arch: str, config: HfQuantConfig):
-    """A GGUF of a tiny `arch` model quantized with `config` (hfquant's exporter), and the quantized folder."""
+def _gguf_of(tmp_path, arch: str, config: HfQuantConfig, **model_config):
+    """A GGUF of a tiny `arch` model (`model_config` added to a Llama's config) quantized with `config` (hfquant's
+    exporter), and the quantized folder."""
     float_dir, quant_dir, path = tmp_path / "float", tmp_path / "q", tmp_path / "model.gguf"
-    model = _qwen2() if arch == "qwen2" else tiny_model(arch, **WIDE, **MERGES_VOCAB)
+    model = _qwen2() if arch == "qwen2" else tiny_model(arch, **WIDE, **MERGES_VOCAB, **model_config)
     model.save_pretrained(float_dir)
     tiny_tokenizer(merges=True).save_pretrained(float_dir)
     AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(quant_dir)
@@ -165,10 +167,9 @@ def test_a_linear_type_without_a_layout_is_refused_by_name():
         gguf_model.gguf_layer_plan(model, tensors, names)
 
 
-def test_another_architecture_is_refused_in_one_line(monkeypatch, tmp_path):
-    monkeypatch.setattr(gguf_model.AutoConfig, "from_pretrained", lambda *a, **k: GPT2Config())
+def test_another_architecture_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"GGUF model type 'gpt2' is not imported by hfquant; allowed: \['llama'"):
-        gguf_model._gguf_config(tmp_path / "x.gguf")
+        gguf_model._gguf_config(tmp_path / "x.gguf", {"general.architecture": "gpt2"}, [])
 
 
 def test_llama_row_order_undoes_the_export_permutation():
@@ -179,3 +180,116 @@ def test_llama_row_order_undoes_the_export_permutation():
         assert torch.equal(perm[gguf_import.llama_row_order(rows, heads)], torch.arange(rows))
     with pytest.raises(ValueError, match="6 rows cannot be 4 heads"):
         gguf_import.llama_row_order(6, 4)
+
+
+def _tensors(path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_block_embedding_and_output_keep_the_files_blocks(tmp_path, tied):
+    tables = {"model.embed_tokens": {"format": "q8_0"}} | ({} if tied else {"lm_head": {"format": "q6_k"}})
+    config = HfQuantConfig(format="q4_0", module_overrides=tables)
+    path, quant_dir = _gguf_of(tmp_path, "llama", config, tie_word_embeddings=tied)
+    first = _tensors(path)
+    assert first["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert ("output.weight" not in first) if tied else first["output.weight"].tensor_type.name == "Q6_K"
+    model = hfquant.from_gguf(path, dtype=torch.float32)
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(embedding, QuantEmbedding) and embedding.format.block == "q8_0"
+    assert np.array_equal(embedding.weight.numpy(), np.asarray(first["token_embd.weight"].data))
+    assert isinstance(head, QuantLinear) and head.format.block == ("q8_0" if tied else "q6_k")
+    if tied:  # one tensor: the lm_head's block GEMV reads the embedding's bytes
+        assert head.weight.data_ptr() == embedding.weight.data_ptr()
+    else:
+        assert np.array_equal(head.weight.numpy(), np.asarray(first["output.weight"].data))
+    # a lookup decodes the gathered rows as gguf-py decodes the table
+    table = gguf.quants.dequantize(np.asarray(first["token_embd.weight"].data), gguf.GGMLQuantizationType.Q8_0)
+    with torch.no_grad():
+        assert torch.equal(embedding(IDS)[0], torch.from_numpy(table)[IDS[0]])
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ours, theirs = model(IDS).logits, reference(IDS).logits
+    assert torch.allclose(ours, theirs, atol=1e-4 * float(theirs.abs().max()), rtol=0)
+    model.save_pretrained(tmp_path / "imported")
+    tiny_tokenizer(merges=True).save_pretrained(tmp_path / "imported")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "imported")
+    assert isinstance(again.model.embed_tokens, QuantEmbedding) and again.model.embed_tokens.format.block == "q8_0"
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, again(IDS).logits)
+    export_checkpoint(tmp_path / "imported", tmp_path / "again.gguf", format="gguf")
+    second = _tensors(tmp_path / "again.gguf")
+    for name in ["token_embd.weight", "blk.0.attn_q.weight"] + ([] if tied else ["output.weight"]):
+        assert second[name].tensor_type == first[name].tensor_type, name
+        assert np.array_equal(np.asarray(second[name].data), np.asarray(first[name].data)), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_config_is_transformers_reading_of_the_header(tmp_path, arch):
+    path, _ = _gguf_of(tmp_path, arch, HfQuantConfig(format="q8_0"))
+    metadata, tensors = gguf_import.read_gguf(path)
+    ours = gguf_model._gguf_config(path, metadata, tensors)
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert ours.to_dict() == theirs.to_dict()
+
+
+def test_read_gguf_reads_what_gguf_py_reads(tmp_path):
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k", modules_to_not_convert=["*.o_proj"]))
+    metadata, tensors = gguf_import.read_gguf(path)
+    reference = gguf.GGUFReader(path)
+    expected = gguf_import.read_tensors(reference)
+    assert list(tensors) == list(expected)
+    for name, tensor in expected.items():
+        ours = tensors[name]
+        assert (ours.ggml_type, ours.type_name, ours.shape) == (tensor.ggml_type, tensor.type_name, tensor.shape)
+        assert ours.data.dtype == tensor.data.dtype and np.array_equal(ours.data, tensor.data), name
+    for key, field in reference.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
+            assert metadata[key] == len(field.data), key  # a string array: its length only
+        elif field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert metadata[key] == [field.contents(i) for i in range(len(field.data))], key
+        else:
+            assert metadata[key] == field.contents(), key
+
+
+def test_read_gguf_refuses_a_truncated_file_in_one_line(tmp_path):
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q8_0"))
+    data = path.read_bytes()
+    (tmp_path / "short.gguf").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=r"short\.gguf is not a GGUF file hfquant can read: a tensor of \d+ bytes"):
+        gguf_import.read_gguf(tmp_path / "short.gguf")
+    (tmp_path / "header.gguf").write_bytes(data[:200])
+    with pytest.raises(ValueError, match=r"header\.gguf is not a GGUF file hfquant can read"):
+        gguf_import.read_gguf(tmp_path / "header.gguf")
+    (tmp_path / "other.gguf").write_bytes(b"GGML" + data[4:])
+    with pytest.raises(ValueError, match="no GGUF magic"):
+        gguf_import.read_gguf(tmp_path / "other.gguf")
+
+
+@pytest.mark.parametrize("name", ["mistral", "Mistral 7B", None])
+def test_the_config_of_a_llama_file_named_mistral_is_transformers(tmp_path, name):
+    # transformers reads a "llama" file whose general.name is exactly "mistral" as a Mistral model
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    if name is not None:
+        writer.add_name(name)
+    writer.add_block_count(2)
+    writer.add_context_length(64)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata, tensors = gguf_import.read_gguf(path)
+    assert metadata["tokenizer.ggml.tokens"] == 3
+    theirs = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert theirs.model_type == ("mistral" if name == "mistral" else "llama") and theirs.vocab_size == 3
+    assert gguf_model._gguf_config(path, metadata, tensors).to_dict() == theirs.to_dict()

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.memory import dir_size_bytes, tensor_bytes
 from hfquant import HfQuantConfig, QuantLinear
-from hfquant.core import packing, rtn
+from hfquant.core import blocks, packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
 
@@ -122,6 +122,44 @@ def test_share_with_a_tied_lm_head_keeps_one_tensor_and_the_same_lookups(bits, g
     # tied: one tensor in memory
     both = nn.ModuleDict({"embed": embedding, "head": head})
     assert tensor_bytes(both) == tensor_bytes(head)
+
+
+@pytest.mark.parametrize("block, width", [("q8_0", 96), ("q4_1", 64), ("q6_k", 256)])
+def test_block_format_table_decodes_only_the_gathered_rows_as_the_codec(monkeypatch, block, width):
+    table = torch.randn(500, width, generator=torch.Generator().manual_seed(3))
+    module = QuantEmbedding.from_float(table, StoredFormat.of_block(block))
+    assert {name for name, _ in module.named_buffers()} == {"weight"}  # the blocks hold their scales
+    assert module.weight.shape == (500, blocks.LAYOUTS[block].row_bytes(width)) and module.weight.dtype == torch.uint8
+    ids = torch.tensor([[7, 499, 7], [0, 250, 1]])
+    decoded = []
+    original = blocks.dequantize
+    monkeypatch.setattr(blocks, "dequantize", lambda name, data: decoded.append(data.shape[0]) or original(name, data))
+    out = module(ids)
+    assert decoded == [6]  # the six gathered rows' blocks, not the 500-row table
+    expected = original(block, module.weight)[ids]
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    module.compute_dtype = torch.bfloat16  # rounded once from the decoded float32, as a bf16 table would hold it
+    assert torch.equal(module(ids), expected.to(torch.bfloat16))
+    assert torch.equal(module.dequantize(), original(block, module.weight))
+
+
+def test_block_format_table_refuses_rows_of_partial_blocks_and_sinq():
+    with pytest.raises(ValueError, match="q4_k stores rows in blocks of 256 weights; in_features=96"):
+        QuantEmbedding(10, 96, StoredFormat.of_block("q4_k"))
+    with pytest.raises(ValueError, match="a q8_0 embedding stores method='rtn' only"):
+        QuantEmbedding(10, 96, StoredFormat.of_block("q8_0", "sinq"))
+
+
+def test_block_format_table_shares_the_tied_heads_tensor():
+    table = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
+    module = QuantEmbedding.from_float(table, StoredFormat.of_block("q8_0"))
+    head = QuantLinear(64, 300, StoredFormat.of_block("q8_0"), bias=False, dtype=torch.float32, device="meta")
+    head.weight = module.weight.clone()
+    head.prepare_kernel(torch.float32)
+    ids = torch.tensor([[3, 299]])
+    before = module(ids)
+    assert module.share_with(head) == "shared" and module.weight is head.weight
+    assert torch.equal(module(ids), before)
 
 
 TIED = {"int8": dict(bits=8, embedding_dtype="int8"), "int4": dict(bits=4, group_size=32, embedding_dtype="int4")}

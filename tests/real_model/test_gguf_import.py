@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hfquant
+from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.linear import QuantLinear
 
 pytestmark = [
@@ -26,10 +27,17 @@ def test_smollm2_q4_1_loads_quantized_and_matches_transformers(tmp_path):
 
     path = find_smollm2_gguf()
     model = hfquant.from_gguf(path, dtype=torch.bfloat16)
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not model.lm_head]
     assert len(layers) == 210 and {m.format.block for m in layers} == {"q4_1"}
-    down = {t.name: t for t in gguf.GGUFReader(path).tensors}["blk.3.ffn_down.weight"]
+    file_tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    down = file_tensors["blk.3.ffn_down.weight"]
     assert np.array_equal(model.model.layers[3].mlp.down_proj.weight.numpy(), np.asarray(down.data))
+    # the Q8_0 token embedding stays in its blocks, and the tied lm_head reads that very tensor
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, QuantEmbedding) and embedding.format.block == "q8_0"
+    assert np.array_equal(embedding.weight.numpy(), np.asarray(file_tensors["token_embd.weight"].data))
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.format.block == "q8_0"
+    assert model.lm_head.weight.data_ptr() == embedding.weight.data_ptr()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
