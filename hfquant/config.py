@@ -540,11 +540,13 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "module_overrides",
-        "per-module settings: {pattern: {bits, group_size, symmetric, method}} "
-        "(any subset): Linear layers matching a pattern (the rules of modules_to_not_convert; the first "
-        'matching pattern wins) use these values instead of the config\'s, e.g. {"v_proj": {"bits": 8}}; '
-        "a bits override without group_size / symmetric takes that width's defaults. Embeddings, the lm_head and "
-        "MoE experts follow their own fields",
+        "per-module settings: {pattern: {format, bits, group_size, symmetric, method}} "
+        "(any subset): Linear layers matching a pattern (the rules of modules_to_not_convert; an exact module "
+        "name wins, then the first matching pattern) use these values instead of the config's, e.g. "
+        '{"v_proj": {"bits": 8}}; a bits override without group_size / symmetric takes that width\'s defaults. '
+        "Embeddings, the lm_head and MoE experts follow their own fields, except an exact-name entry with a block "
+        "format, which stores that embedding or lm_head in its blocks (what a GGUF import writes, e.g. "
+        '{"model.embed_tokens": {"format": "q8_0"}})',
         None,
         lambda resolved: {},
         _check_overrides,
