@@ -176,6 +176,20 @@ def first_line(error: BaseException | str) -> str:
     return (text.strip().splitlines() or [""])[0][:300]
 
 
+def greedy_generate(model, ids: torch.Tensor, pad_token_id: int | None, min_new_tokens: int | None = None):
+    """transformers' greedy `generate` of `NEW_TOKENS` tokens after the (1, T) prompt `ids`, under inference mode;
+    returns the (1, T + new) ids. `min_new_tokens` keeps it from stopping at an end-of-sequence token."""
+    with torch.inference_mode():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=min_new_tokens,
+            pad_token_id=pad_token_id,
+        )
+
+
 def prepare(name: str, source: Path, out: Path, prompt: str = PROMPT) -> dict:
     """Quantize `source` with EXPORTS[name], export it, compute hfquant's greedy tokens. Returns the paths and
     tokens; reuses a finished export in `out`."""
@@ -197,14 +211,7 @@ def prepare(name: str, source: Path, out: Path, prompt: str = PROMPT) -> dict:
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
     )["input_ids"]
-    with torch.inference_mode():
-        generated = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            pad_token_id=tokenizer.eos_token_id,
-        )
+    generated = greedy_generate(model, ids, tokenizer.eos_token_id)
     tokens = generated[0, ids.shape[1] :].tolist()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])

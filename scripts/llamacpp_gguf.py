@@ -56,7 +56,6 @@ import torch  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "hfquant"
 TYPES = ("Q4_K_M", "Q3_K_M", "Q6_K", "IQ4_XS")
-NEW_TOKENS = 12
 CHUNK_ROWS_BYTES = 64 << 20
 """float32 bytes of rows dequantized at a time."""
 
@@ -323,7 +322,7 @@ def compare(path: Path, python: Path, dtype: torch.dtype, ppl_tokens: int) -> di
 
     import hfquant
     from hfquant.evaluation import reference_text
-    from scripts.engines import PROMPT
+    from scripts.engines import NEW_TOKENS, PROMPT, greedy_generate
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = hfquant.from_gguf(path, dtype=dtype)
@@ -333,16 +332,9 @@ def compare(path: Path, python: Path, dtype: torch.dtype, ppl_tokens: int) -> di
         )["input_ids"]
     else:
         ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    generated = greedy_generate(model, ids, tokenizer.eos_token_id, min_new_tokens=NEW_TOKENS)
+    tokens = generated[0, ids.shape[1] :].tolist()
     with torch.inference_mode():
-        generated = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            pad_token_id=tokenizer.eos_token_id,
-        )
-        tokens = generated[0, ids.shape[1] :].tolist()
         top1 = model(generated[:, :-1]).logits[0].argmax(-1).tolist()
         ppl_ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][:, :ppl_tokens]
         logits = model(ppl_ids).logits[0, :-1].float()
