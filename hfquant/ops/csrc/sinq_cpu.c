@@ -292,8 +292,10 @@ static float std_of(double total, double squares, int64_t count) {
 /* After a pass: the new row factors and standard deviations of every tile, row by row (the (N, tiles) arrays are read
  * in their order), and each tile's largest and smallest non-zero row standard deviation into hi and lo (tiles,). Not
  * the first pass: each tile's floor (the smallest non-zero rs) into `floor`, and the column sums (cs, cq: K doubles,
- * holding the sums of b * X) turned into those of the new iterate, the exceptional rows read again into x (K,). */
-static void finish_rows(State *st, int first, double *cs, double *cq, float *x, float *floor, float *hi, float *lo) {
+ * holding the sums of b * X) turned into those of the new iterate, the exceptional rows read again into x (K,), with
+ * `old` (tiles,) holding a row's factors of the pass. */
+static void finish_rows(State *st, int first, double *cs, double *cq, float *x, float *floor, float *hi, float *lo,
+                        float *old) {
     const int64_t n = st->n, tiles = st->tiles, g = st->group;
     for (int64_t t = 0; t < tiles; t++) {
         floor[t] = lo[t] = INFINITY;
@@ -302,10 +304,12 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
     if (first) {
         memcpy(st->row_std, st->rs, (size_t)(n * tiles) * sizeof(float));
     } else {
-        for (int64_t r = 0; r < n; r++) {
+        for (int64_t r = 0; r < n; r++) { /* branch-free: the compiler vectorizes it over tiles */
             const float *rs = st->rs + r * tiles;
-            for (int64_t t = 0; t < tiles; t++)
-                if (rs[t] > 0.0f && rs[t] < floor[t]) floor[t] = rs[t];
+            for (int64_t t = 0; t < tiles; t++) {
+                const float s = rs[t] > 0.0f ? rs[t] : INFINITY;
+                floor[t] = s < floor[t] ? s : floor[t];
+            }
         }
         for (int64_t t = 0; t < tiles; t++) {
             const double mult = isinf(floor[t]) ? 0.0 : (double)floor[t];
@@ -315,22 +319,25 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
             }
         }
         for (int64_t r = 0; r < n; r++) {
-            int64_t loaded = 0;
+            float *ir = st->ir + r * tiles, *row_std = st->row_std + r * tiles;
+            const float *rs = st->rs + r * tiles;
+            int odd = 0;
+            memcpy(old, ir, (size_t)tiles * sizeof(float));
+#pragma omp simd reduction(| : odd)
+            for (int64_t t = 0; t < tiles; t++) { /* branch-free as well */
+                const float s = rs[t], ratio = s / floor[t];
+                const float factor = s > 0.0f ? (ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio) : 1.0f;
+                ir[t] = ir[t] / factor;
+                row_std[t] = s / factor;
+                odd |= !(s > 0.0f) | (ratio > RATIO_LIMIT);
+            }
+            if (!odd) continue; /* the pass summed every tile of this row as it should */
+            load_row(st, r, x);
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t at = r * tiles + t;
-                const float s = st->rs[at], ir = st->ir[at];
-                float factor = 1.0f;
-                if (s > 0.0f) {
-                    const float ratio = s / floor[t];
-                    factor = ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio;
-                }
-                st->ir[at] = ir / factor;
-                st->row_std[at] = s / factor;
-                if (s > 0.0f && !(s / floor[t] > RATIO_LIMIT)) continue; /* the pass summed this row as it should */
-                const double a = (double)st->ir[at], a_used = (isinf(floor[t]) ? 0.0 : (double)floor[t]) *
-                                                              (double)(s > 0.0f ? ir / s : 0.0f); /* the pass's b */
-                if (!loaded) load_row(st, r, x);
-                loaded = 1;
+                const float s = rs[t];
+                if (s > 0.0f && !(s / floor[t] > RATIO_LIMIT)) continue;
+                const double a = (double)ir[t], a_used = (isinf(floor[t]) ? 0.0 : (double)floor[t]) *
+                                                         (double)(s > 0.0f ? old[t] / s : 0.0f); /* the pass's b */
                 for (int64_t j = t * g; j < (t + 1) * g; j++) {
                     const double v = (double)x[j];
                     cs[j] += (a - a_used) * v;
@@ -342,9 +349,9 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
     for (int64_t r = 0; r < n; r++) {
         const float *row_std = st->row_std + r * tiles;
         for (int64_t t = 0; t < tiles; t++) {
-            const float s = row_std[t];
+            const float s = row_std[t], positive = s > 0.0f ? s : INFINITY;
             hi[t] = s > hi[t] ? s : hi[t];
-            if (s > 0.0f && s < lo[t]) lo[t] = s;
+            lo[t] = positive < lo[t] ? positive : lo[t];
         }
     }
 }
@@ -353,9 +360,9 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
     const int64_t n = st->n, k = st->k, g = st->group, tiles = st->tiles;
     const int64_t blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
     int bad = 0, oom = 0;
-    float *again = malloc((size_t)(k + 3 * tiles) * sizeof(float)); /* finish_rows: a row read again; per tile stats */
+    float *again = malloc((size_t)(k + 4 * tiles) * sizeof(float)); /* finish_rows: a row read again; per tile stats */
     if (!again) return 3;
-    float *floor = again + k, *hi = floor + tiles, *lo = hi + tiles;
+    float *floor = again + k, *hi = floor + tiles, *lo = hi + tiles, *old = lo + tiles;
 #if defined(HFQ_AVX512) && !defined(SINQ_FORCE_GENERIC) /* build with -DSINQ_FORCE_GENERIC to check block_pass */
     const int wide = g % 16 == 0 && __builtin_cpu_supports("avx512f");
 #else
@@ -401,7 +408,7 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
                 }
             }
         }
-        finish_rows(st, first, cs, cq, again, floor, hi, lo);
+        finish_rows(st, first, cs, cq, again, floor, hi, lo, old);
         for (int64_t t = 0; t < tiles; t++) {
             /* the score: largest over smallest non-zero standard deviation of the tile's columns and rows */
             float top = hi[t], bottom = lo[t];
