@@ -26,8 +26,8 @@
  * Output: inv_col (K,) float32, the kept ic of every tile; hfquant.core.sinq.scale_from_balance makes the stored column
  * scale of it. Returns 0; 1 for bad arguments; 2 when an input value is NaN or infinite; 3 when memory runs out.
  * Blocks of rows are split over OpenMP threads, and every sum is made in the same order whatever their number: the
- * result does not depend on the thread count. Memory: 3 floats per row and tile, 2 per column and block of rows, one
- * row per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant allows), the pass is
+ * result does not depend on the thread count. Memory: 3 floats per row and tile, 2 per column and block of rows, two
+ * rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant allows), the pass is
  * block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read and written once per
  * group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their square roots taken in
  * one vector (one horizontal sum and one scalar square root per row and tile cost about as much as the read:
