@@ -26,9 +26,14 @@
  * Output: inv_col (K,) float32, the kept ic of every tile; hfquant.core.sinq.scale_from_balance makes the stored column
  * scale of it. Returns 0; 1 for bad arguments; 2 when an input value is NaN or infinite; 3 when memory runs out.
  * Blocks of rows are split over OpenMP threads, and every sum is made in the same order whatever their number: the
- * result does not depend on the thread count. Memory: 3 floats per row and tile, 2 per column and block of rows, one
- * row per thread. The hot loop is compiled for AVX-512, AVX2 and the baseline, picked at load time (GCC's
- * target_clones), whose float32 results can differ in the last bits.
+ * result does not depend on the thread count. Memory: 3 floats per row and tile, 2 per column and block of rows, two
+ * rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant allows), the pass is
+ * block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read and written once per
+ * group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their square roots taken in
+ * one vector (one horizontal sum and one scalar square root per row and tile cost about as much as the read:
+ * docs/performance.md). Elsewhere the hot loop is compiled for AVX2 and the baseline, picked at load time (GCC's
+ * target_clones). The paths' float32 results can differ in the last bits. After each pass the per-row factors and
+ * statistics (N, tiles) are updated row by row, in their memory order.
  */
 #include <float.h>
 #include <math.h>
@@ -129,61 +134,224 @@ HFQ_CLONES static int block_pass(const State *st, int64_t start, int64_t stop, i
     return bad;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HFQ_AVX512 1
+#define AVX512_TARGET __attribute__((target("avx512f")))
+#define ROW_GROUP 4 /* rows whose column sums are added together: cs and cq are read and written once per group */
+
+/* lane i of the result: the sum of the 16 lanes of v[i] (a transposing reduction: 30 shuffles and 15 additions for 16
+ * tiles, where one horizontal sum per tile costs 8 shuffles and 8 additions and a chain of their latencies) */
+AVX512_TARGET static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], c[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] v[2i+1] v[2i] v[2i+1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: v[4i] .. v[4i + 3] */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+AVX512_TARGET static inline __m512i load_bf16_bits(const uint16_t *src) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+}
+
+AVX512_TARGET static inline __m512 widen(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+
+/* The row statistics of one bfloat16 row `src` (K,) under ic into rs (tiles,) and its column weights into b (tiles,):
+ * 16 tiles at a time, their sums reduced together and their square roots taken in one vector. Returns 1 if `check`
+ * and a value is not finite. */
+AVX512_TARGET static int row_stats_avx512(const State *st, const uint16_t *src, const float *ir, float *rs, float *b,
+                                          int first, int check) {
+    const int64_t g = st->group, tiles = st->tiles;
+    const __m512 inv_g = _mm512_set1_ps(1.0f / (float)g), inv_g1 = _mm512_set1_ps(1.0f / (float)(g > 1 ? g - 1 : 1));
+    const __m512i exponent = _mm512_set1_epi32(0x7F80);
+    const __m512 zero = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    __m512 s[16], q[16];
+    for (int64_t t0 = 0; t0 < tiles; t0 += 16) {
+        const int count = tiles - t0 < 16 ? (int)(tiles - t0) : 16;
+        for (int i = 0; i < 16; i++) {
+            if (i >= count) {
+                s[i] = q[i] = zero;
+                continue;
+            }
+            const uint16_t *xt = src + (t0 + i) * g;
+            const float *ict = st->ic + (t0 + i) * g;
+            __m512 s0 = zero, s1 = zero, q0 = zero, q1 = zero;
+            int64_t j = 0;
+            for (; j + 32 <= g; j += 32) {
+                const __m512i b0 = load_bf16_bits(xt + j), b1 = load_bf16_bits(xt + j + 16);
+                if (check) {
+                    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b0, exponent), exponent);
+                    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b1, exponent), exponent);
+                }
+                const __m512 y0 = _mm512_mul_ps(widen(b0), _mm512_loadu_ps(ict + j));
+                const __m512 y1 = _mm512_mul_ps(widen(b1), _mm512_loadu_ps(ict + j + 16));
+                s0 = _mm512_add_ps(s0, y0);
+                s1 = _mm512_add_ps(s1, y1);
+                q0 = _mm512_fmadd_ps(y0, y0, q0);
+                q1 = _mm512_fmadd_ps(y1, y1, q1);
+            }
+            if (j < g) { /* g % 32 == 16 */
+                const __m512i b0 = load_bf16_bits(xt + j);
+                if (check) bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b0, exponent), exponent);
+                const __m512 y0 = _mm512_mul_ps(widen(b0), _mm512_loadu_ps(ict + j));
+                s0 = _mm512_add_ps(s0, y0);
+                q0 = _mm512_fmadd_ps(y0, y0, q0);
+            }
+            s[i] = _mm512_add_ps(s0, s1);
+            q[i] = _mm512_add_ps(q0, q1);
+        }
+        const __m512 sum = sum16(s), squares = sum16(q);
+        const __mmask16 live = (__mmask16)((1u << count) - 1u);
+        const __m512 irv = _mm512_maskz_loadu_ps(live, ir + t0);
+        __m512 var = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_mul_ps(sum, sum), inv_g, squares), inv_g1);
+        var = _mm512_max_ps(var, zero);
+        const __m512 std = _mm512_mul_ps(_mm512_sqrt_ps(var), irv);
+        _mm512_mask_storeu_ps(rs + t0, live, std);
+        /* ir / std where std > 0, else 0 */
+        const __mmask16 positive = _mm512_cmp_ps_mask(std, zero, _CMP_GT_OQ);
+        const __m512 weight = first ? irv : _mm512_maskz_div_ps(positive, irv, std);
+        _mm512_mask_storeu_ps(b + t0, live, weight);
+    }
+    return bad != 0;
+}
+
+/* cs += sum_r b_r * X_r, cq += sum_r (b_r * X_r)^2 over R rows (src[r], weights b + r * tiles), each sum in row order */
+AVX512_TARGET static inline __attribute__((always_inline)) void add_columns_avx512(
+    const State *st, const uint16_t *const *src, const float *b, int rows, float *cs, float *cq) {
+    const int64_t g = st->group, tiles = st->tiles;
+    for (int64_t t = 0; t < tiles; t++) {
+        __m512 a[ROW_GROUP];
+        for (int r = 0; r < rows; r++) a[r] = _mm512_set1_ps(b[r * tiles + t]);
+        for (int64_t j = t * g; j < (t + 1) * g; j += 16) {
+            __m512 sv = _mm512_loadu_ps(cs + j), qv = _mm512_loadu_ps(cq + j);
+            for (int r = 0; r < rows; r++) {
+                const __m512 v = _mm512_mul_ps(widen(load_bf16_bits(src[r] + j)), a[r]);
+                sv = _mm512_add_ps(sv, v);
+                qv = _mm512_fmadd_ps(v, v, qv);
+            }
+            _mm512_storeu_ps(cs + j, sv);
+            _mm512_storeu_ps(cq + j, qv);
+        }
+    }
+}
+
+/* block_pass for a group size that is a multiple of 16, with AVX-512F: rows in groups of ROW_GROUP, float32 rows
+ * rounded to bfloat16 into `conv` (ROW_GROUP * K) first */
+AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64_t stop, int first, float *part,
+                                           uint16_t *conv, float *b) {
+    const int64_t k = st->k, tiles = st->tiles;
+    float *cs = part, *cq = part + k;
+    int bad = 0;
+    memset(part, 0, (size_t)(2 * k) * sizeof(float));
+    const int64_t row_bytes = k * (st->is_bf16 ? 2 : 4);
+    for (int64_t n0 = start; n0 < stop; n0 += ROW_GROUP) {
+        const int rows = stop - n0 < ROW_GROUP ? (int)(stop - n0) : ROW_GROUP;
+        const uint16_t *src[ROW_GROUP];
+        for (int r = 0; r < rows; r++) {
+            const int64_t n = n0 + r;
+            if (n + ROW_GROUP < st->n) { /* a row is often a page: the hardware prefetchers stop at its end */
+                const char *ahead = st->row[n + ROW_GROUP];
+                for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
+            }
+            if (st->is_bf16) {
+                src[r] = (const uint16_t *)st->row[n];
+            } else {
+                const float *from = (const float *)st->row[n];
+                uint16_t *to = conv + r * k;
+                int row_bad = 0;
+                for (int64_t j = 0; j < k; j++) {
+                    row_bad |= !(fabsf(from[j]) <= FLT_MAX);
+                    to[j] = float_to_bf16(from[j]);
+                }
+                if (first) bad |= row_bad;
+                src[r] = to;
+            }
+            bad |= row_stats_avx512(st, src[r], st->ir + n * tiles, st->rs + n * tiles, b + r * tiles, first,
+                                    first && st->is_bf16);
+        }
+        if (rows == ROW_GROUP) add_columns_avx512(st, src, b, ROW_GROUP, cs, cq);
+        else
+            for (int r = 0; r < rows; r++) add_columns_avx512(st, src + r, b + r * tiles, 1, cs, cq);
+    }
+    return bad;
+}
+#endif
+
 static float std_of(double total, double squares, int64_t count) {
     double var = squares - total * total / (double)count;
     var = var > 0.0 ? var : 0.0;
     return (float)sqrt(var / (double)(count > 1 ? count - 1 : 1));
 }
 
-/* largest over smallest non-zero standard deviation of tile t's columns and rows */
-static float imbalance(const State *st, const float *col_std, int64_t t) {
-    float hi = 0.0f, lo = INFINITY;
-    for (int64_t j = 0; j < st->group; j++) {
-        const float s = col_std[t * st->group + j];
-        hi = s > hi ? s : hi;
-        if (s > 0.0f && s < lo) lo = s;
+/* After a pass: the new row factors and standard deviations of every tile, row by row (the (N, tiles) arrays are read
+ * in their order), and each tile's largest and smallest non-zero row standard deviation into hi and lo (tiles,). Not
+ * the first pass: each tile's floor (the smallest non-zero rs) into `floor`, and the column sums (cs, cq: K doubles,
+ * holding the sums of b * X) turned into those of the new iterate, the exceptional rows read again into x (K,), with
+ * `old` (tiles,) holding a row's factors of the pass. */
+static void finish_rows(State *st, int first, double *cs, double *cq, float *x, float *floor, float *hi, float *lo,
+                        float *old) {
+    const int64_t n = st->n, tiles = st->tiles, g = st->group;
+    for (int64_t t = 0; t < tiles; t++) {
+        floor[t] = lo[t] = INFINITY;
+        hi[t] = 0.0f;
     }
-    for (int64_t n = 0; n < st->n; n++) {
-        const float s = st->row_std[n * st->tiles + t];
-        hi = s > hi ? s : hi;
-        if (s > 0.0f && s < lo) lo = s;
-    }
-    return hi / (lo > FLT_MIN ? lo : FLT_MIN);
-}
-
-/* After a pass (not the first): tile t's floor, the new row factors and standard deviations, and the column sums
- * (cs, cq: the tile's `group` doubles, holding the sums of b * X) turned into those of the new iterate, the
- * exceptional rows read again into x. */
-static void finish_rows(State *st, int64_t t, double *cs, double *cq, float *x) {
-    const int64_t tiles = st->tiles, g = st->group;
-    float floor = INFINITY;
-    for (int64_t n = 0; n < st->n; n++) {
-        const float s = st->rs[n * tiles + t];
-        if (s > 0.0f && s < floor) floor = s;
-    }
-    const double mult = isinf(floor) ? 0.0 : (double)floor;
-    for (int64_t j = 0; j < g; j++) {
-        cs[j] *= mult;
-        cq[j] *= mult * mult;
-    }
-    for (int64_t n = 0; n < st->n; n++) {
-        const int64_t at = n * tiles + t;
-        const float s = st->rs[at], ir = st->ir[at];
-        float factor = 1.0f;
-        if (s > 0.0f) {
-            const float ratio = s / floor;
-            factor = ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio;
+    if (first) {
+        memcpy(st->row_std, st->rs, (size_t)(n * tiles) * sizeof(float));
+    } else {
+        for (int64_t r = 0; r < n; r++) { /* branch-free: the compiler vectorizes it over tiles */
+            const float *rs = st->rs + r * tiles;
+            for (int64_t t = 0; t < tiles; t++) {
+                const float s = rs[t] > 0.0f ? rs[t] : INFINITY;
+                floor[t] = s < floor[t] ? s : floor[t];
+            }
         }
-        const float used = s > 0.0f ? ir / s : 0.0f; /* the b of the pass */
-        st->ir[at] = ir / factor;
-        st->row_std[at] = s / factor;
-        const double a = (double)st->ir[at], a_used = mult * (double)used;
-        if (s > 0.0f && !(s / floor > RATIO_LIMIT)) continue; /* the pass summed this row as it should */
-        load_row(st, n, x);
-        for (int64_t j = 0; j < g; j++) {
-            const double v = (double)x[t * g + j];
-            cs[j] += (a - a_used) * v;
-            cq[j] += (a * v) * (a * v) - (a_used * v) * (a_used * v);
+        for (int64_t t = 0; t < tiles; t++) {
+            const double mult = isinf(floor[t]) ? 0.0 : (double)floor[t];
+            for (int64_t j = t * g; j < (t + 1) * g; j++) {
+                cs[j] *= mult;
+                cq[j] *= mult * mult;
+            }
+        }
+        for (int64_t r = 0; r < n; r++) {
+            float *ir = st->ir + r * tiles, *row_std = st->row_std + r * tiles;
+            const float *rs = st->rs + r * tiles;
+            int odd = 0;
+            memcpy(old, ir, (size_t)tiles * sizeof(float));
+#pragma omp simd reduction(| : odd)
+            for (int64_t t = 0; t < tiles; t++) { /* branch-free as well */
+                const float s = rs[t], ratio = s / floor[t];
+                const float factor = s > 0.0f ? (ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio) : 1.0f;
+                ir[t] = ir[t] / factor;
+                row_std[t] = s / factor;
+                odd |= !(s > 0.0f) | (ratio > RATIO_LIMIT);
+            }
+            if (!odd) continue; /* the pass summed every tile of this row as it should */
+            load_row(st, r, x);
+            for (int64_t t = 0; t < tiles; t++) {
+                const float s = rs[t];
+                if (s > 0.0f && !(s / floor[t] > RATIO_LIMIT)) continue;
+                const double a = (double)ir[t], a_used = (isinf(floor[t]) ? 0.0 : (double)floor[t]) *
+                                                         (double)(s > 0.0f ? old[t] / s : 0.0f); /* the pass's b */
+                for (int64_t j = t * g; j < (t + 1) * g; j++) {
+                    const double v = (double)x[j];
+                    cs[j] += (a - a_used) * v;
+                    cq[j] += (a * v) * (a * v) - (a_used * v) * (a_used * v);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const float *row_std = st->row_std + r * tiles;
+        for (int64_t t = 0; t < tiles; t++) {
+            const float s = row_std[t], positive = s > 0.0f ? s : INFINITY;
+            hi[t] = s > hi[t] ? s : hi[t];
+            lo[t] = positive < lo[t] ? positive : lo[t];
         }
     }
 }
@@ -192,68 +360,82 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
     const int64_t n = st->n, k = st->k, g = st->group, tiles = st->tiles;
     const int64_t blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
     int bad = 0, oom = 0;
+    float *again = malloc((size_t)(k + 4 * tiles) * sizeof(float)); /* finish_rows: a row read again; per tile stats */
+    if (!again) return 3;
+    float *floor = again + k, *hi = floor + tiles, *lo = hi + tiles, *old = lo + tiles;
+#if defined(HFQ_AVX512) && !defined(SINQ_FORCE_GENERIC) /* build with -DSINQ_FORCE_GENERIC to check block_pass */
+    const int wide = g % 16 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    const int wide = 0;
+#endif
     for (int64_t step = 0; step <= iterations; step++) {
         const int first = step == 0;
 #pragma omp parallel reduction(| : bad, oom)
         {
-            float *x = malloc((size_t)(k + tiles) * sizeof(float));
+            /* block_pass: a float32 row and the tiles' weights; block_pass_avx512: ROW_GROUP bfloat16 rows and weights */
+            float *x = malloc((size_t)(wide ? (k + 1) / 2 * ROW_GROUP + tiles * ROW_GROUP : k + tiles) * sizeof(float));
             if (!x) oom = 1;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t blk = 0; blk < blocks; blk++) {
                 if (!x) continue;
                 const int64_t start = blk * COL_BLOCK, stop = start + COL_BLOCK < n ? start + COL_BLOCK : n;
-                bad |= block_pass(st, start, stop, first, st->part + blk * 2 * k, x, x + k);
-            }
-            free(x);
-        }
-        if (oom) return 3;
-        if (bad) return 2;
-        /* the column totals, block by block in order */
-#pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < k; j++) {
-            double s = 0.0, q = 0.0;
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                s += st->part[blk * 2 * k + j];
-                q += st->part[blk * 2 * k + k + j];
-            }
-            cs[j] = s;
-            cq[j] = q;
-        }
-#pragma omp parallel reduction(| : oom)
-        {
-            float *x = first ? NULL : malloc((size_t)k * sizeof(float));
-            if (!first && !x) oom = 1;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < tiles; t++) {
-                if (first) {
-                    for (int64_t r = 0; r < n; r++) st->row_std[r * tiles + t] = st->rs[r * tiles + t];
-                } else if (x) {
-                    finish_rows(st, t, cs + t * g, cq + t * g, x);
-                } else {
+                float *part = st->part + blk * 2 * k;
+#ifdef HFQ_AVX512
+                if (wide) {
+                    bad |= block_pass_avx512(st, start, stop, first, part, (uint16_t *)x,
+                                             x + (k + 1) / 2 * ROW_GROUP);
                     continue;
                 }
-                for (int64_t j = t * g; j < (t + 1) * g; j++) col_std[j] = std_of(cs[j], cq[j], n) * st->ic[j];
-                const float score = imbalance(st, col_std, t);
-                if (first || score < best[t]) {
-                    best[t] = score;
-                    memcpy(best_ic + t * g, st->ic + t * g, (size_t)g * sizeof(float));
-                }
-                if (step == iterations) continue;
-                /* ic /= relative(col_std) */
-                float floor = INFINITY;
-                for (int64_t j = t * g; j < (t + 1) * g; j++)
-                    if (col_std[j] > 0.0f && col_std[j] < floor) floor = col_std[j];
-                for (int64_t j = t * g; j < (t + 1) * g; j++) {
-                    if (col_std[j] > 0.0f) {
-                        const float ratio = col_std[j] / floor;
-                        st->ic[j] /= ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio;
-                    }
-                }
+#endif
+                bad |= block_pass(st, start, stop, first, part, x, x + k);
             }
             free(x);
         }
-        if (oom) return 3;
+        if (oom || bad) {
+            free(again);
+            return oom ? 3 : 2;
+        }
+        /* the column totals, block by block in order */
+#pragma omp parallel for schedule(static)
+        for (int64_t j0 = 0; j0 < k; j0 += 256) {
+            const int64_t j1 = j0 + 256 < k ? j0 + 256 : k;
+            for (int64_t j = j0; j < j1; j++) cs[j] = cq[j] = 0.0;
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const float *ps = st->part + blk * 2 * k, *pq = ps + k;
+                for (int64_t j = j0; j < j1; j++) {
+                    cs[j] += ps[j];
+                    cq[j] += pq[j];
+                }
+            }
+        }
+        finish_rows(st, first, cs, cq, again, floor, hi, lo, old);
+        for (int64_t t = 0; t < tiles; t++) {
+            /* the score: largest over smallest non-zero standard deviation of the tile's columns and rows */
+            float top = hi[t], bottom = lo[t];
+            for (int64_t j = t * g; j < (t + 1) * g; j++) {
+                col_std[j] = std_of(cs[j], cq[j], n) * st->ic[j];
+                top = col_std[j] > top ? col_std[j] : top;
+                if (col_std[j] > 0.0f && col_std[j] < bottom) bottom = col_std[j];
+            }
+            const float score = top / (bottom > FLT_MIN ? bottom : FLT_MIN);
+            if (first || score < best[t]) {
+                best[t] = score;
+                memcpy(best_ic + t * g, st->ic + t * g, (size_t)g * sizeof(float));
+            }
+            if (step == iterations) continue;
+            /* ic /= relative(col_std) */
+            float least = INFINITY;
+            for (int64_t j = t * g; j < (t + 1) * g; j++)
+                if (col_std[j] > 0.0f && col_std[j] < least) least = col_std[j];
+            for (int64_t j = t * g; j < (t + 1) * g; j++) {
+                if (col_std[j] > 0.0f) {
+                    const float ratio = col_std[j] / least;
+                    st->ic[j] /= ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio;
+                }
+            }
+        }
     }
+    free(again);
     return 0;
 }
 
