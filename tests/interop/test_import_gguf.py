@@ -157,6 +157,28 @@ def test_convert_gguf_writes_a_checkpoint_that_reloads(tmp_path):
         hfquant.convert_gguf(path, tmp_path / "out")
 
 
+def test_a_file_without_bos_or_unk_converts_and_exports_again_with_its_own_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k"))
+    original = gguf.GGUFReader(path)
+    assert "tokenizer.ggml.bos_token_id" not in original.fields  # transformers adds <|endoftext|> to such a tokenizer
+    tokens = [
+        str(bytes(original.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
+        for i in original.fields["tokenizer.ggml.tokens"].data
+    ]
+    hfquant.convert_gguf(path, tmp_path / "out")
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokens)
+    export_checkpoint(tmp_path / "out", tmp_path / "again.gguf", format="gguf")
+    again = gguf.GGUFReader(tmp_path / "again.gguf")
+    field = again.fields["tokenizer.ggml.tokens"]
+    assert [str(bytes(field.parts[i]), "utf-8") for i in field.data] == tokens
+    blocks = [(old, new) for old, new in zip(original.tensors, again.tensors, strict=True) if old.tensor_type == 12]
+    assert len(blocks) == 14  # the Q4_K layers, byte for byte (the float ones are imported in bfloat16)
+    for old, new in blocks:
+        assert old.name == new.name and np.array_equal(old.data, new.data), old.name
+
+
 def test_a_linear_type_without_a_layout_is_refused_by_name():
     with torch.device("meta"):
         model = tiny_model("llama", **WIDE)
