@@ -3,8 +3,10 @@
 The file is memory-mapped in copy-on-write mode (`read_gguf`; `open_gguf` is gguf-py's reader, for `hfquant
 inspect`): a tensor in a block type that hfquant stores (`hfquant.core.blocks.LAYOUTS`) is a (rows, K / block_size *
 type_size) uint8 array viewing the file's pages, the very bytes `docs/format.md` describes for a layer in that block
-format; `stored_blocks` copies them out one tensor at a time and drops the file's pages (a write to the mapping stays
-in this process, the file is never changed). Tensors that transformers keeps in float (norms, biases, a table in a
+format; `stored_blocks` reads those bytes from the file straight into a new tensor (`os.preadv` at the tensor's
+`offset`, one tensor at a time, a Llama q/k row each into its place), so the mapping's pages are never touched (given
+no open file, it copies them from the mapping and drops its pages; a write to the mapping stays in this process, the
+file is never changed). Tensors that transformers keeps in float (norms, biases, a table in a
 type without a layout) are decoded a chunk of rows at a time into the asked dtype, so no float32 copy of a whole table
 exists.
 
