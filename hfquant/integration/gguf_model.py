@@ -20,8 +20,9 @@ checkpoint reloads (docs/architecture.md, "Reload"):
    blocks (a lookup decodes only the gathered rows) and the output a `QuantLinear` of them; a tied output reads the
    embedding's very tensor through the block GEMV (`hfquant.integration.embeddings`). In another type they are
    decoded into the asked dtype.
-5. The state dict holds the blocks copied out of the memory-mapped file (rows of a Llama q/k projection put back in
-   transformers' order, an exact reordering of whole rows) and the other tensors decoded into the asked dtype.
+5. The state dict holds the blocks read out of the file straight into their tensors (`os.preadv`; rows of a Llama
+   q/k projection each read into its place in transformers' order, an exact reordering of whole rows) and the other
+   tensors decoded into the asked dtype.
 """
 
 from __future__ import annotations
@@ -175,10 +176,16 @@ def _row_order(key: str, config, model_type: str) -> torch.Tensor | None:
 
 
 def _state_dict(
-    tensors: dict[str, GgufTensor], names: dict[str, str], plan: dict[str, str | None], config, dtype: torch.dtype
+    tensors: dict[str, GgufTensor],
+    names: dict[str, str],
+    plan: dict[str, str | None],
+    config,
+    dtype: torch.dtype,
+    fd: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's state dict from the GGUF tensors: block weights of the layers and tables `plan` keeps quantized
-    copied out of the file (`gguf_import.stored_blocks`), everything else in `dtype` (`gguf_import.float_tensor`)."""
+    read from the file `fd` into place (`gguf_import.stored_blocks`), everything else in `dtype`
+    (`gguf_import.float_tensor`)."""
     state = {}
     for gguf_name, tensor in tensors.items():
         key = names.get(gguf_name)
@@ -188,7 +195,7 @@ def _state_dict(
         order = _row_order(key, config, config.model_type)
         layer = key.rpartition(".")[0]
         if key.endswith(".weight") and plan.get(layer) is not None:
-            state[key] = gguf_import.stored_blocks(tensor, order)
+            state[key] = gguf_import.stored_blocks(tensor, order, fd)
         else:
             state[key] = gguf_import.float_tensor(tensor, dtype, order)
     return state
@@ -221,7 +228,8 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
     tables = gguf_table_plan(skeleton, tensors, names)
     del skeleton
     quantization = gguf_import.quantization_config(plan, dtype_name(dtype), tables)
-    state = _state_dict(tensors, names, {**plan, **tables}, config, dtype)
+    with open(path, "rb") as handle:
+        state = _state_dict(tensors, names, {**plan, **tables}, config, dtype, handle.fileno())
     del tensors  # the file's mapping closes with the last view
     trim_heap()
     if quantization is not None:

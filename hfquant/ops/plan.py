@@ -16,7 +16,8 @@ layer is prepared, and carried as one immutable value (`kernels.KernelPlan`) tha
   (`gemv.native_int4_a8_works`, whole blocks, groups of a multiple of 32);
 - whether the chunked GEMM of a CPU int4 layer dequantizes in C (`gemv.native_int4_works`, N % 64 == 0);
 - for a block format (`StoredFormat.block`), the block GEMV (`RowKernel.BLOCK_GEMV`) for one bfloat16 row where it
-  works for the type (`gemv.native_block_works`) and was timed faster than the torch dequantization path.
+  works for the type (`gemv.native_block_works`) and, on small shapes (`UNTIMED_BLOCK_WEIGHTS`), was timed faster
+  than the torch dequantization path.
 
 The probes and timings behind these are cached per process behind their functions, so planning many layers of one
 shape measures once.
@@ -102,11 +103,22 @@ def _int8_rows(plan: KernelPlan) -> KernelPlan:
     return _with_row(plan, RowKernel.INT8_GEMV, _wins_compiled(n, k, None))
 
 
+UNTIMED_BLOCK_WEIGHTS = 1 << 18
+"""Block layers of at least this many weights (N * K) take the block GEMV without timing it: on every shape of that
+size timed so far the torch path (the whole weight dequantized to float, then a product) was 1.5x to thousands of
+times slower, and timing it took about 5 s per shape of a 1.2B model on 2 cores (most of `from_gguf`'s time)."""
+
+
 def _block_rows(plan: KernelPlan, dtype: torch.dtype) -> KernelPlan:
     """`plan` of a CPU layer in a block format with the block GEMV for one bfloat16 row, where it works for the type
-    here (`gemv.native_block_works`) and was timed faster than the torch dequantization path on the shape."""
+    here (`gemv.native_block_works`) and, on a layer of fewer than `UNTIMED_BLOCK_WEIGHTS` weights, was timed faster
+    than the torch dequantization path on the shape."""
     name, n, k = plan.block, plan.out_features, plan.in_features
-    if dtype != torch.bfloat16 or not gemv.native_block_works(name) or not choice.block_row_uses_native(name, n, k):
+    if dtype != torch.bfloat16 or not gemv.native_block_works(name):
+        return plan
+    if n * k >= UNTIMED_BLOCK_WEIGHTS:
+        return _with_row(plan, RowKernel.BLOCK_GEMV, True)
+    if not choice.block_row_uses_native(name, n, k):
         return plan
     timings = choice.block_row_timings(name, n, k)
     in_graphs = timings is None or timings[0] + gemv.custom_op_overhead_s() < timings[1]

@@ -157,6 +157,28 @@ def test_convert_gguf_writes_a_checkpoint_that_reloads(tmp_path):
         hfquant.convert_gguf(path, tmp_path / "out")
 
 
+def test_a_file_without_bos_or_unk_converts_and_exports_again_with_its_own_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k"))
+    original = gguf.GGUFReader(path)
+    assert "tokenizer.ggml.bos_token_id" not in original.fields  # transformers adds <|endoftext|> to such a tokenizer
+    tokens = [
+        str(bytes(original.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
+        for i in original.fields["tokenizer.ggml.tokens"].data
+    ]
+    hfquant.convert_gguf(path, tmp_path / "out")
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokens)
+    export_checkpoint(tmp_path / "out", tmp_path / "again.gguf", format="gguf")
+    again = gguf.GGUFReader(tmp_path / "again.gguf")
+    field = again.fields["tokenizer.ggml.tokens"]
+    assert [str(bytes(field.parts[i]), "utf-8") for i in field.data] == tokens
+    blocks = [(old, new) for old, new in zip(original.tensors, again.tensors, strict=True) if old.tensor_type == 12]
+    assert len(blocks) == 14  # the Q4_K layers, byte for byte (the float ones are imported in bfloat16)
+    for old, new in blocks:
+        assert old.name == new.name and np.array_equal(old.data, new.data), old.name
+
+
 def test_a_linear_type_without_a_layout_is_refused_by_name():
     with torch.device("meta"):
         model = tiny_model("llama", **WIDE)
@@ -243,6 +265,7 @@ def test_read_gguf_reads_what_gguf_py_reads(tmp_path):
         ours = tensors[name]
         assert (ours.ggml_type, ours.type_name, ours.shape) == (tensor.ggml_type, tensor.type_name, tensor.shape)
         assert ours.data.dtype == tensor.data.dtype and np.array_equal(ours.data, tensor.data), name
+        assert ours.offset == tensor.offset > 0, name  # where stored_blocks reads it
     for key, field in reference.fields.items():
         if key.startswith("GGUF."):
             continue
@@ -252,6 +275,41 @@ def test_read_gguf_reads_what_gguf_py_reads(tmp_path):
             assert metadata[key] == [field.contents(i) for i in range(len(field.data))], key
         else:
             assert metadata[key] == field.contents(), key
+
+
+def test_blocks_read_into_place_equal_the_mapped_rows_even_on_short_reads(tmp_path, monkeypatch):
+    rows, row_bytes, heads = 2112, 18, 4  # more rows than one preadv call takes (1024 buffers)
+    data = np.random.default_rng(0).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"x" * 100 + data.tobytes())
+    order = gguf_import.llama_row_order(rows, heads)
+    real = gguf_import.os.preadv
+    calls = []
+
+    def short(fd, buffers, offset):  # a read ending inside a buffer, as the kernel may return
+        calls.append(len(buffers))
+        first = buffers[0][:7]
+        return real(fd, [first], offset)
+
+    with open(path, "rb") as handle:
+        assert np.array_equal(gguf_import._read_rows(handle.fileno(), 100, rows, row_bytes, order), data[order])
+        assert np.array_equal(gguf_import._read_rows(handle.fileno(), 100, rows, row_bytes, None), data)
+        monkeypatch.setattr(gguf_import.os, "preadv", short)
+        assert np.array_equal(gguf_import._read_rows(handle.fileno(), 100, rows, row_bytes, order), data[order])
+        assert max(calls) == 1024 and len(calls) > rows
+        with pytest.raises(ValueError, match="the file ends before offset"):
+            gguf_import._read_rows(handle.fileno(), 200, rows, row_bytes, None)
+
+
+def test_stored_blocks_read_from_the_file_equal_the_mapped_ones(tmp_path):
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k"))
+    _, tensors = gguf_import.read_gguf(path)
+    tensor = tensors["blk.0.attn_q.weight"]
+    order = gguf_import.llama_row_order(tensor.shape[0], WIDE["num_attention_heads"])
+    with open(path, "rb") as handle:
+        for index in (None, order):
+            read = gguf_import.stored_blocks(tensor, index, handle.fileno())
+            assert torch.equal(read, gguf_import.stored_blocks(tensor, index))
 
 
 def test_read_gguf_refuses_a_truncated_file_in_one_line(tmp_path):
