@@ -167,8 +167,8 @@ def record_row_kernels(monkeypatch) -> list:
     real_product, real_function = gemv.row_product, gemv.row_function
     monkeypatch.setattr(gemv, "row_product", lambda *args: used.append(args[0]) or real_product(*args))
 
-    def bound(row, call, group_size):
-        function = real_function(row, call, group_size)
+    def bound(row, call, *args):
+        function = real_function(row, call, *args)
         if function is None:
             return None
         return lambda *args: used.append(row) or function(*args)

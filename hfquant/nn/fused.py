@@ -1,4 +1,4 @@
-"""Fused decode groups: the projections of a block that read the same input in the same int4 format (q/k/v,
+"""Fused decode groups: the projections of a block that read the same input in the same int4 or block format (q/k/v,
 gate/up) run one GEMV per decode step instead of one each, reading `x` once, without changing the model's classes.
 
 Why: at batch-1 decode each `QuantLinear` call is a few microseconds of kernel on a small model, and each GEMV pays
@@ -7,13 +7,16 @@ concatenated rows costs about one of these.
 
 How, without patching transformers' attention / MLP classes: `link_decode_groups` (called by
 `replace.replace_with_quant_linear` on the skeleton) makes the sibling `QuantLinear`s of one parent (`SIBLINGS`)
-members of one `DecodeGroup`. Once every member's kernel is prepared with the same eager int4 GEMV (`QuantLinear._row`;
-same kernel, call, input width and group size, bfloat16 (scale, zero) pairs, no SINQ column scale), the group builds its
+members of one `DecodeGroup`. Once every member's kernel is prepared with the same eager GEMV (`QuantLinear._row`;
+same kernel, call, input width, group size and block type, bfloat16 (scale, zero) pairs for int4, no SINQ column
+scale), the group builds its
 compute tensors: the members' runtime weights concatenated along the output rows (the CPU int4 layout is blocked by
 output rows, so the concatenation is the layout of the stacked weight) and each member's `weight` buffer replaced by its
 rows of it, a view (no second copy of the codes); the (scale, zero) pairs concatenated (a new tensor: 1/16 of the
-codes' bytes at group 128; each member keeps its own for its per-layer path). The stored layout is untouched:
-`state_dict()` converts each member's rows back as before. Prepared together (`DecodeGroup.prepare`, as a load does),
+codes' bytes at group 128; each member keeps its own for its per-layer path). A block format's weight is (N, row
+bytes) row-major, its scales inside the blocks: the concatenation is the stacked weight and there is no (scale, zero)
+tensor. The stored layout is untouched: `state_dict()` converts each member's rows back as before (a block member's
+rows are copied out of the group's tensor, which a save must not share). Prepared together (`DecodeGroup.prepare`, as a load does),
 members whose plans will bind the same GEMV on the CPU are repacked straight into their rows of the group's tensor, so
 that `build` finds them there and copies nothing; a group dissolved and built again reuses the tensor its members' rows
 are still in (#28: concatenating after each member's own repack wrote every code byte twice, and again each time a load
@@ -23,7 +26,8 @@ At a decode step, whichever member is called first with an input `x` (one contig
 gradient) runs the group's GEMV and keeps (x, its version counter, the outputs split as views); each sibling called
 with that same tensor, unmodified, takes its view (under `torch.inference_mode` tensors keep no version counter:
 there the same tensor object is taken as the same input). Every output row is computed by the same kernel in the same order as
-in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order), so the fused outputs equal
+in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order; the block GEMV quantizes
+the row to int8 the same way whatever N, then sums each output in one thread), so the fused outputs equal
 the unfused ones bit for bit. Anything else takes each layer's own path: torch.compile graphs, inputs requiring
 gradients, several rows, a member called with another tensor. A group whose members keep being called with different
 inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
@@ -57,9 +61,9 @@ class DecodeGroup:
 
     Attributes:
         members: the layers.
-        weight: (sum N_i, K / 2) uint8 runtime int4 weight whose row slices are the members' `weight` buffers, or
-            None while the group is not built.
-        scale_zero: (K / group, sum N_i, 2) bfloat16, or None.
+        weight: (sum N_i, K / 2) uint8 runtime int4 weight, or (sum N_i, row bytes) uint8 blocks, whose row slices
+            are the members' `weight` buffers, or None while the group is not built.
+        scale_zero: (K / group, sum N_i, 2) bfloat16 for int4, or None (a block format, or not built).
         sizes: (N_i, ...) the members' output widths.
     """
 
@@ -76,7 +80,7 @@ class DecodeGroup:
 
     def build(self) -> bool:
         """Concatenate the members' runtime tensors into the group's, if every member is prepared with the same
-        eager int4 GEMV (`QuantLinear._row` and its plan) on CPU and the group is not built yet; returns whether the
+        eager GEMV (`QuantLinear._row` and its plan) on CPU and the group is not built yet; returns whether the
         group computes its members' rows now. Weights that are already the consecutive rows of one tensor (repacked
         there by `prepare`, or left so by `dissolve`) are not copied: that tensor becomes the group's."""
         if self.weight is not None:
@@ -94,7 +98,9 @@ class DecodeGroup:
             weight = _rows_of_one_tensor(weights, self.sizes)  # repacked there by `prepare`, or a dissolved group's
             if weight is None:
                 weight = torch.cat(weights)
-            scale_zero = torch.cat([member._buffers["scale_zero"] for member in self.members], dim=1)
+            scale_zero = None  # a block format's GEMV reads the blocks' own scales
+            if first._buffers["scale_zero"] is not None:
+                scale_zero = torch.cat([member._buffers["scale_zero"] for member in self.members], dim=1)
         views = weight.split(self.sizes)
         for member, view in zip(self.members, views, strict=True):
             member._buffers["weight"] = view  # the member's rows of the group's tensor: no second copy of the codes
@@ -109,7 +115,8 @@ class DecodeGroup:
         When the members' plans (`QuantLinear.planned_row`) bind the same eager int4 GEMV and their weights are on
         the CPU, each member's runtime weight is repacked straight into its rows of one new (sum N_i, K / 2) uint8
         tensor, which becomes the group's `weight`: each code byte is written once. Otherwise each member prepares
-        its own, and `build` concatenates them if they can share a GEMV after all."""
+        its own (block formats always: their runtime weight is the stored one), and `build` concatenates them if they
+        can share a GEMV after all."""
         self.dissolve()
         views = self._rows(dtype) or (None,) * len(self.members)
         self._preparing = True
@@ -129,6 +136,8 @@ class DecodeGroup:
         for member in self.members:
             planned = member.planned_row(dtype)
             if planned is None or not planned[1] or member._buffers["weight"].device.type != "cpu":
+                return None
+            if planned[0].block:  # a block format's runtime weight is its stored one: `build` concatenates them
                 return None
             keys.add(_plan_key(planned[0], torch.uint8))
         if len(keys) != 1:
@@ -175,8 +184,8 @@ class DecodeGroup:
 
 
 def _row_key(layer: nn.Module):
-    """What must match for layers to share a GEMV: the bound eager int4 kernel, its call, K and the group size; None
-    when the layer has no such kernel."""
+    """What must match for layers to share a GEMV: the bound eager kernel, its call, K, the group size and the block
+    type; None when the layer has no such kernel."""
     if layer._row is None:
         return None
     return _plan_key(layer.plan, layer._buffers["weight"].dtype)
@@ -204,7 +213,7 @@ def _rows_of_one_tensor(weights: list[torch.Tensor], sizes: tuple[int, ...]) -> 
 
 def _plan_key(plan, weight_dtype: torch.dtype) -> tuple:
     """`_row_key` of a layer with this plan and runtime weight dtype, its GEMV bound."""
-    return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, weight_dtype)
+    return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, plan.block, weight_dtype)
 
 
 def link_decode_groups(model: nn.Module, layer_type: type) -> int:

@@ -14,6 +14,7 @@ from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
+from hfquant.ops.gemv import RowKernel
 from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan, LayerTensors
 from hfquant.ops.plan import plan_kernel
 
@@ -177,25 +178,26 @@ class QuantLinear(StoredWeight):
         self._bind_row()
 
     def _bind_row(self) -> None:
-        """`_row`: the eager GEMV of one bfloat16 row with the plan's int4 kernel, bound to the plan's group size
-        (`gemv.row_function`), where the call needs nothing more than (x, weight, scale_zero): bfloat16 (scale,
-        zero) pairs and no SINQ column scale; else None (`forward` takes the planned path)."""
+        """`_row`: the plan's eager GEMV of one bfloat16 row, bound (`gemv.row_function`), where the call needs
+        nothing more than (x, weight, scale_zero) and no SINQ column scale: an int4 kernel with bfloat16 (scale, zero)
+        pairs, or the block GEMV of a block format (`scale_zero` None); else None (`forward` takes the planned
+        path)."""
         fused = self.__dict__.get("_fused")
         if fused is not None:
             fused.dissolve()
         scale_zero = self._buffers.get("scale_zero")
-        self._row = None if scale_zero is None else self._row_for(self._kernel_plan, scale_zero.dtype)
+        self._row = self._row_for(self._kernel_plan, None if scale_zero is None else scale_zero.dtype)
         if self._row is not None and self._decode_group is not None:
             self._decode_group.build()
 
-    def _row_for(self, plan: KernelPlan, scale_zero_dtype: torch.dtype):
-        """The eager one-row GEMV `_bind_row` binds for `plan` with (scale, zero) pairs in `scale_zero_dtype`, or
-        None."""
-        if (
-            scale_zero_dtype == torch.bfloat16
-            and self._buffers.get("weight_col_scale") is None
-            and plan.kernel == Kernel.INT4PACK_MM_CPU
-        ):
+    def _row_for(self, plan: KernelPlan, scale_zero_dtype: torch.dtype | None):
+        """The eager one-row GEMV `_bind_row` binds for `plan` with (scale, zero) pairs in `scale_zero_dtype` (None:
+        the layer has none), or None."""
+        if self._buffers.get("weight_col_scale") is not None:
+            return None
+        if plan.row is RowKernel.BLOCK_GEMV:
+            return gemv.row_function(plan.row, plan.row_call, plan.group_size, plan.in_features, plan.block)
+        if scale_zero_dtype == torch.bfloat16 and plan.kernel == Kernel.INT4PACK_MM_CPU:
             return gemv.row_function(plan.row, plan.row_call, plan.group_size)
         return None
 
@@ -312,8 +314,14 @@ class QuantLinear(StoredWeight):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.kernel != Kernel.DEQUANT and prefix + "weight" in destination:
-            destination[prefix + "weight"] = self.stored_weight()
+        key = prefix + "weight"
+        if self.kernel != Kernel.DEQUANT and key in destination:
+            destination[key] = self.stored_weight()
+        weight = destination.get(key)
+        if weight is not None and weight.untyped_storage().nbytes() > weight.numel() * weight.element_size():
+            # a block format's rows of its fused decode group's tensor (`hfquant.nn.fused`): a save writes each
+            # layer's own bytes, not views sharing one storage (safetensors refuses those, torch.save writes it all)
+            destination[key] = weight.detach().clone()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Loading writes the stored layout into `weight`: forget any kernel layout first. A state dict holding none of

@@ -128,19 +128,31 @@ INT4_ROWS = (RowKernel.INT4_GEMV, RowKernel.INT4_GEMV_AVX2, RowKernel.INT4_A8, R
 """The one-row kernels that read PyTorch's CPU int4 layout and a (K / group, N, 2) `scale_zero`."""
 
 
-def row_function(row: RowKernel, call: RowCall, group_size: int):
-    """The eager call of the int4 GEMV `row` (one of `INT4_ROWS`) made `call`s way, bound once per plan:
-    f(x, weight, scale_zero) -> (1, N) bfloat16, with x (1, K) or (1, ..., 1, K) contiguous bfloat16 and weight /
-    scale_zero as `row_product` takes them for the int4 GEMVs (scale_zero already bfloat16). It skips `row_product`'s
-    per-call dispatch on the kernel and call (a layer's decode call is a few microseconds of kernel on a small model,
-    docs/performance.md). Returns None for the other kernels, and for `RowCall.CUSTOM_OP` (compiled graphs only).
+def row_function(row: RowKernel, call: RowCall, group_size: int, in_features: int = 0, block: str = ""):
+    """The eager call of the GEMV `row` (one of `INT4_ROWS`, or `RowKernel.BLOCK_GEMV`) made `call`s way, bound once
+    per plan: f(x, weight, scale_zero) -> (1, N) bfloat16, with x (1, K) or (1, ..., 1, K) contiguous bfloat16 and
+    weight / scale_zero as `row_product` takes them (for the int4 GEMVs scale_zero already bfloat16; the block GEMV
+    ignores it, None there). It skips `row_product`'s per-call dispatch on the kernel and call (a layer's decode call
+    is a few microseconds of kernel on a small model, docs/performance.md). `in_features` and `block` (the plan's K
+    and block type) are read for `RowKernel.BLOCK_GEMV` only. Returns None for the other kernels, and for
+    `RowCall.CUSTOM_OP` (compiled graphs only).
 
     The function reads x as a flat row (the operators and the ctypes kernels check or read x.numel() / x.shape[-1]),
     so callers need not reshape it; it returns the same bytes as `row_product`.
     """
-    if row not in INT4_ROWS or call not in (RowCall.OPERATOR, RowCall.CTYPES):
+    if call not in (RowCall.OPERATOR, RowCall.CTYPES):
         return None
     operator = call is RowCall.OPERATOR
+    if row is RowKernel.BLOCK_GEMV:
+        ggml_type = blocks.layout(block).ggml_type
+        block_op = torch.ops.hfquant_cpu.block_gemv.default if operator else native.block_gemv
+
+        def block_row(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor | None) -> torch.Tensor:
+            return block_op(x, weight, in_features, ggml_type)
+
+        return block_row
+    if row not in INT4_ROWS:
+        return None
     if row is RowKernel.INT4_GEMV:
         op = torch.ops.hfquant_cpu.int4_gemv.default if operator else native.int4_gemv
     elif row is RowKernel.INT4_GEMV_AVX2:
