@@ -302,13 +302,19 @@ int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, 
     block_shape((int)type, &block, &bytes);
     if (!block || k <= 0 || k % block || start < 0 || stop > n || start >= stop) return 1;
     const int64_t nb = k / block, cols = stop - start;
+    /* A tile of DEQ_TILE rows at a time, block by block: each output row (one input feature) then gets DEQ_TILE
+     * adjacent values per write instead of one value per cache line (the transposed writes cost most of the time). */
+    enum { DEQ_TILE = 16 };
 #pragma omp parallel for schedule(static)
-    for (int64_t r = start; r < stop; r++) {
-        float values[256];
-        const uint8_t *row = weight + r * nb * bytes;
+    for (int64_t r0 = start; r0 < stop; r0 += DEQ_TILE) {
+        float values[DEQ_TILE][256];
+        const int64_t rows = stop - r0 < DEQ_TILE ? stop - r0 : DEQ_TILE;
         for (int64_t b = 0; b < nb; b++) {
-            decode_block((int)type, row + b * bytes, values);
-            for (int64_t i = 0; i < block; i++) out[(b * block + i) * cols + (r - start)] = float_to_bf16(values[i]);
+            for (int64_t t = 0; t < rows; t++) decode_block((int)type, weight + ((r0 + t) * nb + b) * bytes, values[t]);
+            for (int64_t i = 0; i < block; i++) {
+                uint16_t *dst = out + (b * block + i) * cols + (r0 - start);
+                for (int64_t t = 0; t < rows; t++) dst[t] = float_to_bf16(values[t][i]);
+            }
         }
     }
     return 0;
