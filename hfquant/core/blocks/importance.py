@@ -12,7 +12,8 @@ weight quantized -> dequantized (docs/performance.md, "Block formats: the data-f
 - "rms_abs_square", (sqrt(mean of x^2 over the block) + |x|)^2, for hfquant's HQ3_0: at 3 bits the large weights of
   SmolLM2's folded layers matter more still (`HfQuantConfig(bits=3.5)`, first 3 windows of the accuracy text: 1.76x
   bf16's perplexity against 1.82x with "rms_abs" and 1.98x "uniform"); MiniLM (not folded, column scales stored)
-  prefers "uniform" (cosine 0.933 against 0.931 "rms_abs", 0.920 "square");
+  prefers "uniform" (cosine 0.933 against 0.931 "rms_abs", 0.920 "square"), which is what a layer with stored SINQ
+  column scales gets (`STORED_SCALE_RULES`, `stored_scale_importance`);
 - "uniform" (every element alike) for the other types: llama.cpp's x^2 ("square") keeps the largest weights closer
   (they shrink by 0.2% instead of 1.8% on SmolLM2's IQ4_NL blocks) but gave a worse perplexity with hfquant's IQ4_NL
   search (1.235x bf16 against 1.224x unweighted; llama.cpp's own quantizer 1.182x), so it is not the default.
