@@ -10,6 +10,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant.core import blocks, packing, rtn, sinq
+from hfquant.core.blocks.importance import stored_scale_importance
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.ops import gemv, kernels, native
@@ -453,7 +454,7 @@ def quantize_to_buffers(
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
     if fmt.block is not None:
-        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale)
+        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale, stored_scale=fmt.method is Method.SINQ)
         return buffers
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
     in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
@@ -497,9 +498,12 @@ def _quantize_blocks(
     stored: torch.Tensor,
     row_scale: torch.Tensor | None,
     col_scale: torch.Tensor | None,
+    stored_scale: bool = False,
 ) -> None:
     """Quantize the float weight (N, K), rows times `row_scale` and columns divided by `col_scale` when given, into
-    `stored` (N, row bytes) uint8 blocks of type `block` (`blocks.quantize`), a chunk of rows at a time.
+    `stored` (N, row bytes) uint8 blocks of type `block` (`blocks.quantize`), a chunk of rows at a time; `stored_scale`
+    (SINQ's `col_scale` kept beside the layer, not a fold's) searches with the type's importance for such layers
+    (`blocks.importance.stored_scale_importance`).
 
     Raises:
         ValueError: the weight is not float, or holds NaN or Inf values.
@@ -516,9 +520,12 @@ def _quantize_blocks(
             raise ValueError("cannot quantize a weight that contains NaN or Inf values")
         if row_scale is not None:
             chunk = chunk * row_scale[rows, None]
+        importance = None  # the type's data-free default
         if col_scale is not None:
             chunk = chunk / col_scale
+        if stored_scale:
+            importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales
         if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c)
-            stored[rows] = native.block_quantize(block, chunk)
+            stored[rows] = native.block_quantize(block, chunk, importance)
         else:
-            stored[rows] = blocks.quantize(block, chunk)
+            stored[rows] = blocks.quantize(block, chunk, importance)

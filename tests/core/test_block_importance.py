@@ -57,3 +57,16 @@ def test_unknown_names_rules_and_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         importance.rule_importance("square", torch.ones(2, 30))
     assert importance.rule_importance("uniform", torch.ones(2, 32)) is None
+
+
+def test_stored_scale_rule_of_hq3_0_is_uniform_and_changes_the_search():
+    weight = _heavy_tailed(4, 256, seed=4)
+    got = importance.stored_scale_importance("hq3_0", weight)
+    assert importance.STORED_SCALE_RULES["hq3_0"] == "uniform"
+    assert got.shape == (256,) and torch.equal(got, torch.ones(256))
+    assert not torch.equal(blocks.quantize("hq3_0", weight, got), blocks.quantize("hq3_0", weight))
+
+
+@pytest.mark.parametrize("name", [n for n in blocks.LAYOUTS if n not in importance.STORED_SCALE_RULES])
+def test_types_without_a_stored_scale_rule_keep_their_default(name):
+    assert importance.stored_scale_importance(name, _heavy_tailed(2, 256, seed=5)) is None

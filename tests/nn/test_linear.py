@@ -243,3 +243,23 @@ def test_quantize_to_buffers_chunking_does_not_change_results(monkeypatch, bits,
     assert set(whole) == set(chunked) == {"weight", "weight_scale"} | (set() if symmetric else {"weight_zero_point"})
     for key in whole:
         assert torch.equal(whole[key], chunked[key]), key
+
+
+def test_block_layer_with_stored_sinq_scales_searches_with_the_stored_scale_importance():
+    """A SINQ block layer keeps its column scales beside it: its blocks are the search of w / c under
+    `stored_scale_importance` (uniform for HQ3_0), not under the type's default, which a fold's layer keeps."""
+    from hfquant.core import blocks, sinq
+    from hfquant.core.blocks import importance
+    from hfquant.core.folding import Transform
+
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(8, 128, generator=generator) * torch.rand(8, 128, generator=generator).pow(4).mul(4).add(0.5)
+    stored = quantize_to_buffers(weight, StoredFormat.of_block("hq3_0", "sinq"))
+    scaled = weight.float() / sinq.column_scale(weight, 32)
+    assert torch.equal(stored["weight_col_scale"].float(), sinq.column_scale(weight, 32).float())
+    assert torch.equal(stored["weight"], blocks.quantize("hq3_0", scaled, torch.ones(128)))
+    assert not torch.equal(stored["weight"], blocks.quantize("hq3_0", scaled))
+    fold = Transform(col_scale=torch.rand(128, generator=generator) + 0.5)
+    folded = quantize_to_buffers(weight, StoredFormat.of_block("hq3_0", "rtn"), fold=fold)
+    assert torch.equal(folded["weight"], blocks.quantize("hq3_0", weight.float() / fold.col_scale))
+    assert importance.RULES["hq3_0"] != importance.STORED_SCALE_RULES["hq3_0"]

@@ -12,7 +12,8 @@ weight quantized -> dequantized (docs/performance.md, "Block formats: the data-f
 - "rms_abs_square", (sqrt(mean of x^2 over the block) + |x|)^2, for hfquant's HQ3_0: at 3 bits the large weights of
   SmolLM2's folded layers matter more still (`HfQuantConfig(bits=3.5)`, first 3 windows of the accuracy text: 1.76x
   bf16's perplexity against 1.82x with "rms_abs" and 1.98x "uniform"); MiniLM (not folded, column scales stored)
-  prefers "uniform" (cosine 0.933 against 0.931 "rms_abs", 0.920 "square");
+  prefers "uniform" (cosine 0.933 against 0.931 "rms_abs", 0.920 "square"), which is what a layer with stored SINQ
+  column scales gets (`STORED_SCALE_RULES`, `stored_scale_importance`);
 - "uniform" (every element alike) for the other types: llama.cpp's x^2 ("square") keeps the largest weights closer
   (they shrink by 0.2% instead of 1.8% on SmolLM2's IQ4_NL blocks) but gave a worse perplexity with hfquant's IQ4_NL
   search (1.235x bf16 against 1.224x unweighted; llama.cpp's own quantizer 1.182x), so it is not the default.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RULES", "default_importance", "rule_importance"]
+__all__ = ["RULES", "STORED_SCALE_RULES", "default_importance", "rule_importance", "stored_scale_importance"]
 
 RULES: dict[str, str] = {
     "q4_0": "uniform",
@@ -40,6 +41,12 @@ RULES: dict[str, str] = {
     "hq3_0": "rms_abs_square",
 }
 """Block type -> the data-free rule `default_importance` applies to it (`rule_importance`)."""
+
+STORED_SCALE_RULES: dict[str, str] = {"hq3_0": "uniform"}
+"""Block type -> the rule of a layer whose SINQ column scales are stored beside it (not folded: MiniLM and other
+models `find_blocks` does not fold), where it differs from `RULES`. HQ3_0's (rms + |x|)^2 is chosen on SmolLM2's folded
+layers; on MiniLM's stored-scale layers "uniform" is better (`HfQuantConfig(bits=3.5)`: cosine 0.9325 against 0.9255;
+weighting by the column scales squared, the error of the unscaled weight, 0.9282; docs/performance.md)."""
 
 
 def rule_importance(rule: str, weight: torch.Tensor) -> torch.Tensor | None:
@@ -79,3 +86,18 @@ def default_importance(name: str, weight: torch.Tensor) -> torch.Tensor | None:
     if rule is None:
         raise ValueError(f"unknown block format {name!r}; allowed values are {list(RULES)}")
     return rule_importance(rule, weight)
+
+
+def stored_scale_importance(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The importance (rows, K) or (K,) float32 of block type `name`'s search for `weight` (rows, K), the layer's weight
+    already divided by SINQ column scales that are stored beside it: (K,) ones for a "uniform" rule of
+    `STORED_SCALE_RULES`, the rule's array for another, None (the type's default) for a type it does not name.
+
+    Raises:
+        ValueError: a weight that is not 2-D with K a multiple of 32.
+    """
+    rule = STORED_SCALE_RULES.get(str(name).lower())
+    if rule is None:
+        return None
+    found = rule_importance(rule, weight)
+    return torch.ones(weight.shape[1], dtype=torch.float32) if found is None else found
