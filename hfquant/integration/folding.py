@@ -302,7 +302,7 @@ def _fold_block(
     return transforms
 
 
-_ERROR_ROWS = 256
+_ERROR_ROWS = 64
 """Rows of each consumer the error test quantizes (evenly spaced; all of them for a smaller matrix): rows are quantized
 on their own in every format, so the sum over a sample of rows is an unbiased estimate of the whole matrix's, the
 same rows both ways; it bounds the test's cost to a few rows' quantization per layer whatever the model's size."""
