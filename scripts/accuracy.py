@@ -42,8 +42,9 @@ Bits per weight read "SmolLM2 / MiniLM" where the two differ (their fallbacks di
 
 SmolLM2's fixture is llama.cpp Q4_1 dequantized to bf16 (`benchmarks/example_model.py`): every 32-weight block
 already lies on a Q4_1 grid, so the q4_1 rows on SmolLM2 recover it almost exactly (weight error about 1e-6 of the
-weights' energy, llama.cpp's min/max as well as hfquant's search; a SINQ fold moves the weights off that grid).
-For q4_1 the MiniLM column (a float-origin model) is the one that compares quantizers.
+weights' energy, llama.cpp's min/max as well as hfquant's search). A SINQ fold would move the weights off that grid;
+the fold pre-pass refuses every such fold (a fold is kept only where it lowers the reconstruction error,
+`hfquant.integration.folding`). For q4_1 the MiniLM column (a float-origin model) is the one that compares quantizers.
 """
 
 from __future__ import annotations

@@ -12,10 +12,22 @@ Within a block, a fold is made only when every matrix it changes is quantized by
 not pass through the quantizer's op): v_proj -> o_proj, up_proj -> down_proj, input_layernorm -> q/k/v and
 post_attention_layernorm -> gate/up. Other architectures, and layers outside such blocks, are quantized as the config
 says (their method: RTN, or SINQ with a stored column scale).
+
+Each of these four fold groups is refused where its consumers already round-trip unfolded and the fold would raise
+that error (`_fold_lowers_error`): they are quantized in their stored format, and the errors compared in the original
+(unfolded) weight space, sum over elements of (Q(W / c) * c - W)^2 against (Q(W) - W)^2, from the tensors the pre-pass
+reads anyway. The producer's side (a norm, or rows of v_proj / up_proj multiplied by c) is not measured: every format
+quantizes each row on its own, so a row factor scales its reconstruction alike (up to float16 / bfloat16 rounding of
+the scales). A fold is a change of basis that usually spreads outliers out of the blocks (docs/performance.md); on
+weights that already lie on the format's grid (a model dequantized from a GGUF file of that type) it moves them off it,
+and the test leaves them where they are. (Refusing every fold that raises the weight error is no better rule: it
+made SmolLM2's 4-bit default worse, docs/performance.md.) The layers of a group left unfolded get an empty `Transform` (no
+vectors), so that they are stored with RTN like the folded ones (`fold_overrides`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -29,11 +41,13 @@ from transformers.utils.logging import is_progress_bar_enabled, tqdm
 
 from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages
-from hfquant.core import folding, sinq
+from hfquant.core import folding, packing, rtn, sinq
+from hfquant.core.blocks import dequantize as block_dequantize
 from hfquant.core.folding import Transform
-from hfquant.core.format import Method
+from hfquant.core.format import Method, StoredFormat
 from hfquant.core.scratch import Scratch
 from hfquant.integration.conversions import model_key_map
+from hfquant.nn.linear import quantize_to_buffers
 from hfquant.ops import balance
 
 __all__ = ["FOLDABLE_MODEL_TYPES", "Block", "find_blocks", "plan_folds", "fold_overrides", "checkpoint_reader"]
@@ -98,7 +112,12 @@ def find_blocks(model: nn.Module) -> list[Block]:
 
 
 def plan_folds(
-    model: nn.Module, plans: Iterable, read: Callable[[str], torch.Tensor], progress: bool | None = None
+    model: nn.Module,
+    plans: Iterable,
+    read: Callable[[str], torch.Tensor],
+    progress: bool | None = None,
+    clipping: str = "minmax",
+    select: bool = True,
 ) -> dict[str, Transform]:
     """The fold of every foldable block of `model`, computed from its float weights.
 
@@ -109,8 +128,13 @@ def plan_folds(
             KeyError when the checkpoint lacks it.
         progress: a tqdm bar over the blocks; None follows transformers' switch
             (`transformers.utils.logging.disable_progress_bar`).
+        clipping: the config's `clipping`, with which the error test quantizes (`rtn.CLIPPING`).
+        select: refuse a fold group where its consumers already round-trip unfolded and the fold raises that error
+            (`_fold_lowers_error`);
+            False folds every group (the float-model identity tests).
     Returns:
-        {module name: `Transform`} for the norms and Linear layers the folds change (empty when nothing folds).
+        {module name: `Transform`} for the norms and Linear layers the folds change, and an empty `Transform` for the
+        Linear layers of a group the error test left unfolded (empty when no block folds).
     A block whose folds read a missing tensor or a weight holding NaN/Inf is left unfolded (a warning names it): the
     load's own checks then refuse it naming the tensor and the fix.
 
@@ -144,7 +168,11 @@ def plan_folds(
             disable=_progress_disabled(progress),
         ):
             try:
-                transforms.update(_fold_block(block, read, tile, formats, num_heads, num_kv_heads, scratch))
+                transforms.update(
+                    _fold_block(
+                        block, read, tile, formats, num_heads, num_kv_heads, scratch, clipping if select else None
+                    )
+                )
             except (KeyError, sinq.NonFiniteWeightError) as error:
                 # Left unfolded, its layers go through the load's own checks, which name the tensor and the fix.
                 reason = error.args[0] if error.args else error
@@ -155,7 +183,14 @@ def plan_folds(
                 )
             release_checkpoint_pages(keep_cached=True)  # out of this process, kept for the streaming load
     scratch.clear()
-    logger.info("hfquant: column scales folded in %d block(s), %d module(s) changed", len(blocks), len(transforms))
+    changed = sum(1 for t in transforms.values() if t.row_scale is not None or t.col_scale is not None)
+    logger.info(
+        "hfquant: column scales folded in %d block(s), %d module(s) changed, %d left unfolded (their folds raised the "
+        "weights' reconstruction error)",
+        len(blocks),
+        changed,
+        len(transforms) - changed,
+    )
     return transforms
 
 
@@ -175,9 +210,18 @@ def _on_cpu_in_float32() -> Iterator[None]:
 
 
 def _fold_block(
-    block: Block, read, tile, formats, num_heads: int, num_kv_heads: int, scratch: Scratch | None = None
+    block: Block,
+    read,
+    tile,
+    formats,
+    num_heads: int,
+    num_kv_heads: int,
+    scratch: Scratch | None = None,
+    clipping: str | None = "minmax",
 ) -> dict[str, Transform]:
     """The folds of one block (see `plan_folds`): {module name: Transform}, merged where two folds change one module.
+    `clipping` None folds every group; else each group is kept only where `_fold_lowers_error` (quantizing with that
+    clipping), the Linear layers of the others getting an empty `Transform`.
 
     Raises:
         KeyError: the checkpoint lacks a tensor the block's folds read.
@@ -189,45 +233,154 @@ def _fold_block(
     def add(name: str, transform: Transform) -> None:
         transforms[name] = transforms[name].merged(transform) if name in transforms else transform
 
+    def kept(
+        consumers: list[tuple[str, torch.Tensor, torch.Tensor | None]],
+        col_scale: torch.Tensor,
+        input_scale: torch.Tensor | None = None,
+    ) -> bool:
+        """Whether the group whose consumers (name, weight, row scale an earlier fold gives it) divide their columns
+        by `col_scale` is kept (`_fold_lowers_error`); its consumers are recorded unfolded (an empty Transform) when
+        it is not."""
+        if clipping is None or _fold_lowers_error(
+            [(w, formats[n], rows) for n, w, rows in consumers], col_scale, clipping, input_scale
+        ):
+            return True
+        for name, _, _ in consumers:
+            add(name, Transform())
+        return False
+
     quantized = {name for name in block if formats.get(name) is not None}
     v_rows = up_rows = None
     if {block.v, block.o} <= quantized:
-        o_scale = balance.column_scale([read(block.o + ".weight")], tile(block.o), scratch=scratch)
+        o_weight = read(block.o + ".weight")
+        o_scale = balance.column_scale([o_weight], tile(block.o), scratch=scratch)
         try:
-            v_rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
+            rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
         except ValueError as error:
             raise ValueError(f"cannot fold the column scales of {block.o}: {error}") from None
-        add(block.o, Transform(col_scale=o_scale))
-        add(block.v, Transform(row_scale=v_rows))
+        if kept([(block.o, o_weight, None)], o_scale):
+            v_rows = rows
+            add(block.o, Transform(col_scale=o_scale))
+            add(block.v, Transform(row_scale=v_rows))
+        else:
+            add(block.v, Transform())
+        del o_weight
     if {block.q, block.k, block.v} <= quantized:
         # v's rows carry o_proj's fold; only the statistics read them scaled (`hfquant.ops.balance`): the stored layer
         # is rescaled exactly, in float32, when it is quantized
-        scale = balance.column_scale(
-            [read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")],
-            tile(block.q, block.k, block.v),
-            [None, None, v_rows],
-            scratch=scratch,
-        )
-        norm, scale = folding.fold_into_norm(read(block.attention_norm + ".weight"), scale)
-        add(block.attention_norm, norm)
-        for name in (block.q, block.k, block.v):
-            add(name, Transform(col_scale=scale))
+        weights = [read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")]
+        scale = balance.column_scale(weights, tile(block.q, block.k, block.v), [None, None, v_rows], scratch=scratch)
+        norm_weight = read(block.attention_norm + ".weight")
+        norm, scale = folding.fold_into_norm(norm_weight, scale)
+        names = (block.q, block.k, block.v)
+        if kept(list(zip(names, weights, (None, None, v_rows), strict=True)), scale, norm_weight.float().abs()):
+            add(block.attention_norm, norm)
+            for name in names:
+                add(name, Transform(col_scale=scale))
+        del weights
     if {block.up, block.down} <= quantized:
-        up_rows = balance.column_scale([read(block.down + ".weight")], tile(block.down), scratch=scratch)
-        add(block.down, Transform(col_scale=up_rows))
-        add(block.up, Transform(row_scale=up_rows))
+        down_weight = read(block.down + ".weight")
+        rows = balance.column_scale([down_weight], tile(block.down), scratch=scratch)
+        if kept([(block.down, down_weight, None)], rows):
+            up_rows = rows
+            add(block.down, Transform(col_scale=up_rows))
+            add(block.up, Transform(row_scale=up_rows))
+        else:
+            add(block.up, Transform())
+        del down_weight
     if {block.gate, block.up} <= quantized:
-        scale = balance.column_scale(
-            [read(block.gate + ".weight"), read(block.up + ".weight")],
-            tile(block.gate, block.up),
-            [None, up_rows],
-            scratch=scratch,
-        )
-        norm, scale = folding.fold_into_norm(read(block.mlp_norm + ".weight"), scale)
-        add(block.mlp_norm, norm)
-        for name in (block.gate, block.up):
-            add(name, Transform(col_scale=scale))
+        weights = [read(block.gate + ".weight"), read(block.up + ".weight")]
+        scale = balance.column_scale(weights, tile(block.gate, block.up), [None, up_rows], scratch=scratch)
+        norm_weight = read(block.mlp_norm + ".weight")
+        norm, scale = folding.fold_into_norm(norm_weight, scale)
+        names = (block.gate, block.up)
+        if kept(list(zip(names, weights, (None, up_rows), strict=True)), scale, norm_weight.float().abs()):
+            add(block.mlp_norm, norm)
+            for name in names:
+                add(name, Transform(col_scale=scale))
+        del weights
     return transforms
+
+
+_ERROR_ROWS = 64
+"""Rows of each consumer the error test quantizes (evenly spaced; all of them for a smaller matrix): rows are quantized
+on their own in every format, so the sum over a sample of rows is an unbiased estimate of the whole matrix's, the
+same rows both ways; it bounds the test's cost to a few rows' quantization per layer whatever the model's size."""
+
+
+def _sampled_rows(weight: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the `_ERROR_ROWS` evenly spaced rows of `weight` (N, K), the same entries of the row scale `rows`)."""
+    n = weight.shape[0]
+    if n <= _ERROR_ROWS:
+        return weight, rows
+    index = torch.arange(_ERROR_ROWS) * n // _ERROR_ROWS
+    return weight[index], None if rows is None else rows[index]
+
+
+def _reconstruction_error(
+    weight: torch.Tensor, fmt: StoredFormat, fold: Transform, clipping: str, input_scale: torch.Tensor | None
+) -> float:
+    """sum over (n, k) of ((W_hat - W)[n, k] * input_scale[k])^2 (input_scale None: 1) over the weight (N, K), where
+    W_hat is what the layer stored in `fmt` with method RTN after `fold` multiplies it by: its dequantized rows divided
+    by `fold.row_scale`, columns times `fold.col_scale` (the original weight space)."""
+    fmt = dataclasses.replace(fmt, method=Method.RTN)
+    buffers = quantize_to_buffers(weight, fmt, clipping, fold)
+    if fmt.block is not None:
+        restored = block_dequantize(fmt.block, buffers["weight"])
+    else:
+        codes = packing.unpack_int4(buffers["weight"]) if fmt.bits == 4 else buffers["weight"]
+        restored = rtn.dequantize_weight(
+            codes, buffers["weight_scale"], buffers.get("weight_zero_point"), fmt.bits, fmt.symmetric
+        )
+    if fold.row_scale is not None:
+        restored /= fold.row_scale.float()[:, None]
+    if fold.col_scale is not None:
+        restored *= fold.col_scale.float()
+    restored -= weight.float()
+    per_column = restored.square_().sum(0, dtype=torch.float64)
+    if input_scale is not None:
+        per_column *= input_scale.double().square()
+    return float(per_column.sum())
+
+
+EXACT_ENOUGH = 1e-5
+"""Unfolded reconstruction error, as a fraction of the weights' (weighted) energy, at or below which a layer already
+round-trips to about its checkpoint's own precision (bfloat16 rounding alone is about 1.3e-6): only there is a fold
+tested against leaving the weights as they are (`_fold_lowers_error`)."""
+
+
+def _fold_lowers_error(
+    consumers: list[tuple[torch.Tensor, StoredFormat, torch.Tensor | None]],
+    col_scale: torch.Tensor,
+    clipping: str,
+    input_scale: torch.Tensor | None = None,
+) -> bool:
+    """Whether the fold that divides the columns of the consumers (weight (N_i, K), its stored format, the row scale
+    an earlier fold gives it or None) by `col_scale` (K,) is kept.
+
+    It is refused only where the consumers unfolded already round-trip (summed error in the original weight space,
+    `_reconstruction_error` over `_sampled_rows`, at most `EXACT_ENOUGH` of their energy: weights dequantized from a
+    file of this very format) and the fold raises that error. Elsewhere the fold is kept untested: measured on
+    SmolLM2, refusing every fold that raises this weight error made the 4-bit default's perplexity 1.230x bf16
+    against 1.147x folding everything (docs/performance.md): the weight error does not rank folds by accuracy.
+
+    `input_scale` (K,), the typical size of each input column (a norm's weight: the consumers read normalize(x) * g),
+    weighs each column's error as the layer's output feels it; None: columns alike."""
+    sampled = [(*_sampled_rows(weight, rows), fmt) for weight, fmt, rows in consumers]
+    scale = None if input_scale is None else input_scale.double().square()
+    energy = 0.0
+    for weight, _, _ in sampled:
+        per_column = weight.float().square().sum(0, dtype=torch.float64)
+        energy += float((per_column * scale).sum() if scale is not None else per_column.sum())
+    unfolded = sum(
+        _reconstruction_error(w, fmt, Transform(rows, None), clipping, input_scale) for w, rows, fmt in sampled
+    )
+    if unfolded > EXACT_ENOUGH * energy:
+        return True
+    folded = sum(
+        _reconstruction_error(w, fmt, Transform(rows, col_scale), clipping, input_scale) for w, rows, fmt in sampled
+    )
+    return folded < unfolded
 
 
 def fold_overrides(config, plans: Iterable, transforms: dict[str, Transform]) -> dict[str, dict]:

@@ -113,7 +113,7 @@ def plan_checkpoint_folds(
             "a device_map without 'disk' and save, or use fold_column_scales=False"
         )
     with checkpoint_reader(model, files) as read:
-        folds = plan_folds(model, layers, read)
+        folds = plan_folds(model, layers, read, clipping=config.clipping)
     added = fold_overrides(config, layers, folds)
     if added:
         config.prepend_overrides(added)

@@ -67,7 +67,7 @@ def _fold_state(model, config: HfQuantConfig):
     """(the folds plan_folds computes for `model`, its state dict with every fold applied, in float32)."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     plans = plan_layers(model, config, ["lm_head"])
-    transforms = plan_folds(model, plans, state.__getitem__, progress=False)
+    transforms = plan_folds(model, plans, state.__getitem__, progress=False, select=False)
     folded = dict(state)
     for module, transform in transforms.items():
         for name in ("weight", "bias"):
