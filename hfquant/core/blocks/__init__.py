@@ -16,9 +16,10 @@ The codecs live in one module per family, each defining `quantize_<name>(weight,
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import torch
+
+from . import hq3, iq4, kquants, legacy
 
 __all__ = ["BlockLayout", "LAYOUTS", "layout", "quantize", "dequantize"]
 
@@ -111,10 +112,14 @@ def layout(name: str) -> BlockLayout:
     return found
 
 
+_FAMILIES = {"hq3": hq3, "iq4": iq4, "kquants": kquants, "legacy": legacy}
+"""`BlockLayout.family` -> its codec module, imported with the package: a `torch.compile` graph that dequantizes
+blocks (a block-format embedding's lookup) cannot trace `importlib.import_module`."""
+
+
 def _codec(name: str, verb: str):
     fmt = layout(name)
-    module = importlib.import_module(f"{__name__}.{fmt.family}")
-    return fmt, getattr(module, f"{verb}_{fmt.name}")
+    return fmt, getattr(_FAMILIES[fmt.family], f"{verb}_{fmt.name}")
 
 
 def quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:

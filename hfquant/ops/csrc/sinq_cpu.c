@@ -363,10 +363,9 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
     float *again = malloc((size_t)(k + 4 * tiles) * sizeof(float)); /* finish_rows: a row read again; per tile stats */
     if (!again) return 3;
     float *floor = again + k, *hi = floor + tiles, *lo = hi + tiles, *old = lo + tiles;
+    int wide = 0; /* set below, not in an else branch: a C file's first else directive starts its other-machine stubs */
 #if defined(HFQ_AVX512) && !defined(SINQ_FORCE_GENERIC) /* build with -DSINQ_FORCE_GENERIC to check block_pass */
-    const int wide = g % 16 == 0 && __builtin_cpu_supports("avx512f");
-#else
-    const int wide = 0;
+    wide = g % 16 == 0 && __builtin_cpu_supports("avx512f");
 #endif
     for (int64_t step = 0; step <= iterations; step++) {
         const int first = step == 0;
