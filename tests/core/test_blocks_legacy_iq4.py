@@ -140,3 +140,14 @@ def test_nibble_and_high_bit_order_docstring_example():
     assert legacy.pack_nibbles(codes & 0x0F)[0, :2].tolist() == [0x53, 0x3A]
     assert legacy.pack_high_bits(codes)[0].tolist() == [0, 0, 0b10, 0]
     assert torch.equal(legacy.unpack_high_bits(legacy.pack_high_bits(codes)), codes & 0x10)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "iq4_xs", "q4_k", "q6_k", "hq3_0"])
+def test_dequantize_traces_in_a_fullgraph_compile(name):
+    """A block-format embedding (what a GGUF import keeps) decodes its rows inside a compiled decode step: the codec
+    lookup must not call anything dynamo refuses (it imported the family module by name, and every compiled GGUF
+    decode failed)."""
+    torch._dynamo.reset()
+    data = blocks.quantize(name, torch.randn((4, 256), generator=torch.Generator().manual_seed(3)))
+    compiled = torch.compile(lambda d: blocks.dequantize(name, d), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(data), blocks.dequantize(name, data))
