@@ -183,15 +183,20 @@ def plan_folds(
                 )
             release_checkpoint_pages(keep_cached=True)  # out of this process, kept for the streaming load
     scratch.clear()
+    _log_folds(len(blocks), transforms)
+    return transforms
+
+
+def _log_folds(blocks: int, transforms: dict[str, Transform]) -> None:
+    """The INFO line of `plan_folds`: blocks, modules changed, modules left unfolded by the error test."""
     changed = sum(1 for t in transforms.values() if t.row_scale is not None or t.col_scale is not None)
     logger.info(
         "hfquant: column scales folded in %d block(s), %d module(s) changed, %d left unfolded (their folds raised the "
         "weights' reconstruction error)",
-        len(blocks),
+        blocks,
         changed,
         len(transforms) - changed,
     )
-    return transforms
 
 
 def _progress_disabled(progress: bool | None) -> bool:
@@ -228,12 +233,44 @@ def _fold_block(
         sinq.NonFiniteWeightError: a weight the folds read holds NaN or Inf.
         ValueError: the head counts do not fit the projections.
     """
-    transforms: dict[str, Transform] = {}
+    folds = _BlockFolds(read, tile, formats, scratch, clipping)
+    quantized = {name for name in block if formats.get(name) is not None}
+    v_rows = up_rows = None
+    if {block.v, block.o} <= quantized:
 
-    def add(name: str, transform: Transform) -> None:
+        def share_heads(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            try:
+                return folding.share_across_heads(scale, num_heads, num_kv_heads)
+            except ValueError as error:
+                raise ValueError(f"cannot fold the column scales of {block.o}: {error}") from None
+
+        v_rows = folds.into_rows(block.v, block.o, share_heads)
+    if {block.q, block.k, block.v} <= quantized:
+        # v's rows carry o_proj's fold; only the statistics read them scaled (`hfquant.ops.balance`): the stored layer
+        # is rescaled exactly, in float32, when it is quantized
+        folds.into_norm(block.attention_norm, (block.q, block.k, block.v), (None, None, v_rows))
+    if {block.up, block.down} <= quantized:
+        up_rows = folds.into_rows(block.up, block.down)
+    if {block.gate, block.up} <= quantized:
+        folds.into_norm(block.mlp_norm, (block.gate, block.up), (None, up_rows))
+    return folds.transforms
+
+
+class _BlockFolds:
+    """The transforms of one block's folds as `_fold_block` decides them, group by group: `into_rows` (a consumer's
+    column scale into its producer's rows: v -> o_proj, up -> down_proj) and `into_norm` (the consumers' shared column
+    scale into the norm before them). `clipping` None keeps every group, else `_fold_lowers_error` decides."""
+
+    def __init__(self, read, tile, formats, scratch: Scratch | None, clipping: str | None):
+        self.read, self.tile, self.formats, self.scratch, self.clipping = read, tile, formats, scratch, clipping
+        self.transforms: dict[str, Transform] = {}
+
+    def add(self, name: str, transform: Transform) -> None:
+        transforms = self.transforms
         transforms[name] = transforms[name].merged(transform) if name in transforms else transform
 
     def kept(
+        self,
         consumers: list[tuple[str, torch.Tensor, torch.Tensor | None]],
         col_scale: torch.Tensor,
         input_scale: torch.Tensor | None = None,
@@ -241,65 +278,39 @@ def _fold_block(
         """Whether the group whose consumers (name, weight, row scale an earlier fold gives it) divide their columns
         by `col_scale` is kept (`_fold_lowers_error`); its consumers are recorded unfolded (an empty Transform) when
         it is not."""
-        if clipping is None or _fold_lowers_error(
-            [(w, formats[n], rows) for n, w, rows in consumers], col_scale, clipping, input_scale
+        if self.clipping is None or _fold_lowers_error(
+            [(w, self.formats[n], rows) for n, w, rows in consumers], col_scale, self.clipping, input_scale
         ):
             return True
         for name, _, _ in consumers:
-            add(name, Transform())
+            self.add(name, Transform())
         return False
 
-    quantized = {name for name in block if formats.get(name) is not None}
-    v_rows = up_rows = None
-    if {block.v, block.o} <= quantized:
-        o_weight = read(block.o + ".weight")
-        o_scale = balance.column_scale([o_weight], tile(block.o), scratch=scratch)
-        try:
-            rows, o_scale = folding.share_across_heads(o_scale, num_heads, num_kv_heads)
-        except ValueError as error:
-            raise ValueError(f"cannot fold the column scales of {block.o}: {error}") from None
-        if kept([(block.o, o_weight, None)], o_scale):
-            v_rows = rows
-            add(block.o, Transform(col_scale=o_scale))
-            add(block.v, Transform(row_scale=v_rows))
-        else:
-            add(block.v, Transform())
-        del o_weight
-    if {block.q, block.k, block.v} <= quantized:
-        # v's rows carry o_proj's fold; only the statistics read them scaled (`hfquant.ops.balance`): the stored layer
-        # is rescaled exactly, in float32, when it is quantized
-        weights = [read(block.q + ".weight"), read(block.k + ".weight"), read(block.v + ".weight")]
-        scale = balance.column_scale(weights, tile(block.q, block.k, block.v), [None, None, v_rows], scratch=scratch)
-        norm_weight = read(block.attention_norm + ".weight")
+    def into_rows(self, producer: str, consumer: str, share=None) -> torch.Tensor | None:
+        """Fold `consumer`'s column scale into `producer`'s rows; `share` maps the scale to (producer's row scale,
+        consumer's column scale) (o_proj's heads shared by grouped-query v). Returns the producer's row scale, None
+        when the group is refused (the producer then gets an empty Transform too)."""
+        weight = self.read(consumer + ".weight")
+        col_scale = balance.column_scale([weight], self.tile(consumer), scratch=self.scratch)
+        rows, col_scale = share(col_scale) if share else (col_scale, col_scale)
+        if not self.kept([(consumer, weight, None)], col_scale):
+            self.add(producer, Transform())
+            return None
+        self.add(consumer, Transform(col_scale=col_scale))
+        self.add(producer, Transform(row_scale=rows))
+        return rows
+
+    def into_norm(self, norm_name: str, names: tuple[str, ...], row_scales: tuple) -> None:
+        """Fold the column scale that `names` (whose rows carry `row_scales` from earlier folds, None for none) share
+        into the norm `norm_name` before them."""
+        weights = [self.read(name + ".weight") for name in names]
+        scale = balance.column_scale(weights, self.tile(*names), list(row_scales), scratch=self.scratch)
+        norm_weight = self.read(norm_name + ".weight")
         norm, scale = folding.fold_into_norm(norm_weight, scale)
-        names = (block.q, block.k, block.v)
-        if kept(list(zip(names, weights, (None, None, v_rows), strict=True)), scale, norm_weight.float().abs()):
-            add(block.attention_norm, norm)
+        if self.kept(list(zip(names, weights, row_scales, strict=True)), scale, norm_weight.float().abs()):
+            self.add(norm_name, norm)
             for name in names:
-                add(name, Transform(col_scale=scale))
-        del weights
-    if {block.up, block.down} <= quantized:
-        down_weight = read(block.down + ".weight")
-        rows = balance.column_scale([down_weight], tile(block.down), scratch=scratch)
-        if kept([(block.down, down_weight, None)], rows):
-            up_rows = rows
-            add(block.down, Transform(col_scale=up_rows))
-            add(block.up, Transform(row_scale=up_rows))
-        else:
-            add(block.up, Transform())
-        del down_weight
-    if {block.gate, block.up} <= quantized:
-        weights = [read(block.gate + ".weight"), read(block.up + ".weight")]
-        scale = balance.column_scale(weights, tile(block.gate, block.up), [None, up_rows], scratch=scratch)
-        norm_weight = read(block.mlp_norm + ".weight")
-        norm, scale = folding.fold_into_norm(norm_weight, scale)
-        names = (block.gate, block.up)
-        if kept(list(zip(names, weights, (None, up_rows), strict=True)), scale, norm_weight.float().abs()):
-            add(block.mlp_norm, norm)
-            for name in names:
-                add(name, Transform(col_scale=scale))
-        del weights
-    return transforms
+                self.add(name, Transform(col_scale=scale))
 
 
 _ERROR_ROWS = 64
