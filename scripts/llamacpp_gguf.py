@@ -378,7 +378,9 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
 import hfquant
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM  # imports, not measured (LOAD_WORKER's baseline)
 from benchmarks.memory import reset_peak_rss
+import hfquant.integration.gguf_model  # noqa: F401
 reset_peak_rss()
 before = status("VmRSS")
 start = time.perf_counter()

@@ -283,10 +283,14 @@ def release_pages(array: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def _rows(array: np.ndarray, order: torch.Tensor | None) -> torch.Tensor:
-    """`array` (rows, ...) copied into memory of this process (rows in `order` when given); its file pages dropped."""
+def _rows(array: np.ndarray, order: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`array` (rows, ...) copied into memory of this process (into `out` when given; rows in `order` when given);
+    its file pages dropped."""
     source = torch.from_numpy(array)
-    copy = source.clone() if order is None else source.index_select(0, order)
+    if out is None:
+        copy = source.clone() if order is None else source.index_select(0, order)
+    else:
+        copy = out.copy_(source) if order is None else torch.index_select(source, 0, order, out=out)
     release_pages(array)
     return copy
 
@@ -317,10 +321,13 @@ def _pread_into(fd: int, buffers: list[memoryview], offset: int) -> None:
             pending[0] = pending[0][count:]
 
 
-def _read_rows(fd: int, offset: int, rows: int, row_bytes: int, order: torch.Tensor | None) -> torch.Tensor:
-    """(rows, row_bytes) uint8 read from the file `fd` at `offset`, rows in `order` when given (`hf = stored[order]`):
-    each stored row is read straight into its place, so no copy is reordered afterwards."""
-    out = torch.empty((rows, row_bytes), dtype=torch.uint8)
+def _read_rows(
+    fd: int, offset: int, rows: int, row_bytes: int, order: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(rows, row_bytes) uint8 read from the file `fd` at `offset` (into `out` when given), rows in `order` when given
+    (`hf = stored[order]`): each stored row is read straight into its place, so no copy is reordered afterwards."""
+    if out is None:
+        out = torch.empty((rows, row_bytes), dtype=torch.uint8)
     array = out.numpy()
     if order is None:
         buffers = [memoryview(array.reshape(-1))]
@@ -332,16 +339,19 @@ def _read_rows(fd: int, offset: int, rows: int, row_bytes: int, order: torch.Ten
     return out
 
 
-def stored_blocks(tensor: GgufTensor, order: torch.Tensor | None = None, fd: int | None = None) -> torch.Tensor:
+def stored_blocks(
+    tensor: GgufTensor, order: torch.Tensor | None = None, fd: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The tensor's blocks as hfquant stores a layer in that block format: (rows, K / block_size * type_size) uint8,
     rows in `order` when given; copied out of the file, so the layer does not depend on the file staying mapped or
     unchanged. With `fd` (the file open for reading) and a known `tensor.offset` the rows are read straight into
     place (`os.preadv`): the memory map's pages are never touched. Otherwise they are copied from the map, whose
-    pages are then dropped.
+    pages are then dropped. `out`: a contiguous tensor of that shape and dtype to hold them (rows of a fused decode
+    group's tensor, `hfquant.nn.fused`), returned.
 
     Raises:
         ValueError: the type is not one of hfquant's block formats, or the tensor is not 2-D; the file is shorter
-            than the header says.
+            than the header says; `out` is not of the tensor's shape.
     """
     name = block_name(tensor)
     if name is None or len(tensor.shape) != 2:
@@ -351,9 +361,13 @@ def stored_blocks(tensor: GgufTensor, order: torch.Tensor | None = None, fd: int
         )
     rows, k = tensor.shape
     row_bytes = blocks.LAYOUTS[name].row_bytes(k)
+    if out is not None and (out.shape != (rows, row_bytes) or out.dtype != torch.uint8 or not out.is_contiguous()):
+        raise ValueError(
+            f"out must be a contiguous ({rows}, {row_bytes}) uint8 tensor, got {out.dtype} {tuple(out.shape)}"
+        )
     if fd is not None and tensor.offset >= 0 and hasattr(os, "preadv"):
-        return _read_rows(fd, tensor.offset, rows, row_bytes, order)
-    return _rows(tensor.data.reshape(rows, row_bytes), order)
+        return _read_rows(fd, tensor.offset, rows, row_bytes, order, out)
+    return _rows(tensor.data.reshape(rows, row_bytes), order, out)
 
 
 def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | None = None) -> torch.Tensor:

