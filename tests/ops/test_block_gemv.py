@@ -69,7 +69,12 @@ def _quantized_row(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
 
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("shape", [(64, 512), (33, 256 * 3)], ids=["64x512", "33x768"])
+@pytest.mark.parametrize(
+    "shape",
+    [(64, 512), (33, 256 * 3), (17, 32 * 18), (5, 32 * 3)],
+    # 18 and 3 blocks of 32: the AVX-512 steps of two blocks (four per loop) and the one-block steps after them
+    ids=["64x512", "33x768", "17x576", "5x96"],
+)
 def test_block_gemv_is_the_stated_formula_and_within_the_int8_bound(name, shape):
     n, k = shape
     fmt = blocks.layout(name)

@@ -97,6 +97,22 @@ BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int
         const float dx = a->d[b];
         mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * dx), mins);
         const __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+#if BK_MASKED
+        /* two 32-weight blocks per 512-bit dot: the same integers per lane as the 256-bit steps below */
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
+                                                 _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
+            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
+                                                    _mm256_set1_epi32(2 * j + 1), 1);
+            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
+                                                                    pick, _mm512_castsi256_si512(scales))));
+        }
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
+#else
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
@@ -109,6 +125,7 @@ BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int
             sumi = _mm256_add_epi32(
                 sumi, _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
         }
+#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
     }
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
@@ -289,6 +306,113 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
         return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));         \
     } while (0)
 
+#if BK_MASKED
+/* BK_ROW32 with AVX-512 steps of two blocks (`pair`, 16 float lanes: block b in lanes 0-7, b + 1 in lanes 8-15): the
+ * same integers, products and float additions into the same four accumulators (accA's halves are acc0 and acc1,
+ * accB's acc2 and acc3), so the same result bit for bit, with one conversion, scale and fmadd per two blocks. */
+#define BK_ROW32_PAIRS(pair, step, bytes, ...)                                                             \
+    do {                                                                                                   \
+        __m512 accA = _mm512_setzero_ps(), accB = accA;                                                    \
+        int64_t b = 0;                                                                                     \
+        for (; b + 4 <= nb; b += 4, w += 4 * (bytes)) {                                                    \
+            accA = pair(w, a, b, accA, (bytes), __VA_ARGS__);                                              \
+            accB = pair(w + 2 * (bytes), a, b + 2, accB, (bytes), __VA_ARGS__);                            \
+        }                                                                                                  \
+        __m256 acc0 = BK_NAME(half512_)(accA, 0), acc1 = BK_NAME(half512_)(accA, 1);                       \
+        __m256 acc2 = BK_NAME(half512_)(accB, 0), acc3 = BK_NAME(half512_)(accB, 1);                       \
+        for (; b < nb; b++, w += (bytes)) acc0 = step(w, a, b, acc0, __VA_ARGS__);                         \
+        return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));         \
+    } while (0)
+
+/* lanes 0-7 (high = 0) or 8-15 (high = 1) of a 16-lane float vector */
+BK_TARGET static inline __m256 BK_NAME(half512_)(__m512 v, int high) {
+    const __m512d d = _mm512_castps_pd(v);
+    return _mm256_castpd_ps(high ? _mm512_extractf64x4_pd(d, 1) : _mm512_castpd512_pd256(d));
+}
+
+/* The 16 bytes of nibbles of two blocks (at p and p + bytes) -> 64 codes: block 0's low nibbles, its high nibbles,
+ * then block 1's (nibbles32_ of each, side by side) */
+BK_TARGET static inline __m512i BK_NAME(nibbles64_)(const uint8_t *p, int64_t bytes) {
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + bytes))), 1);
+    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+}
+
+/* The float16 fields at p and p + 2 of two blocks (at p and p + bytes) as floats [f0, f0', f1, f1'] times the blocks'
+ * activation scales [dx0, dx0, dx1, dx1]: the products the one-block steps make, in float32 */
+BK_TARGET static inline __m128 BK_NAME(halves_dx_)(const uint8_t *p, int64_t bytes, const ActRow *a, int64_t b) {
+    uint32_t h0, h1;
+    memcpy(&h0, p, 4);
+    memcpy(&h1, p + bytes, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)h0), (int)h1, 1));
+    const __m128 dx = _mm_castpd_ps(_mm_load_sd((const double *)(a->d + b)));
+    return _mm_mul_ps(f, _mm_unpacklo_ps(dx, dx));
+}
+
+/* acc + v[0] in lanes 0-7 and v[2] in lanes 8-15 times the converted integer dots p: the fmadd of two blocks */
+BK_TARGET static inline __m512 BK_NAME(scale_pair_)(__m512i p, __m128 v, __m512 acc) {
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v)), acc);
+}
+
+/* signed_step_ of two blocks: acc + d * (the dot of signed codes q with the activations), x negated where q < 0 (the
+ * products of _mm256_sign_epi8, which AVX-512 lacks) */
+BK_TARGET static inline __m512 BK_NAME(signed_pair_)(__m512i q, const uint8_t *w, int64_t bytes, const ActRow *a,
+                                                     int64_t b, __m512 acc) {
+    const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
+    const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x);
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), sx);
+    return BK_NAME(scale_pair_)(p, BK_NAME(halves_dx_)(w, bytes, a, b), acc);
+}
+
+BK_TARGET static inline __m512 BK_NAME(q8_0_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
+                                                   int64_t bytes, int unused) {
+    (void)unused;
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                         _mm256_loadu_si256((const __m256i *)(w + bytes + 2)), 1);
+    return BK_NAME(signed_pair_)(q, w, bytes, a, b, acc);
+}
+
+BK_TARGET static inline __m512 BK_NAME(iq4_nl_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
+                                                     int64_t bytes, __m256i grid) {
+    const __m512i g = _mm512_shuffle_epi8(_mm512_broadcast_i64x4(grid), BK_NAME(nibbles64_)(w + 2, bytes));
+    return BK_NAME(signed_pair_)(g, w, bytes, a, b, acc);
+}
+
+/* legacy_step_ of two blocks */
+BK_TARGET static inline __m512 BK_NAME(legacy_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
+                                                     int64_t bytes, int kind, int32_t offset) {
+    const int five = kind & 1, affine = kind >> 1, codes_at = 2 + 2 * affine + 4 * five;
+    __m512i u = BK_NAME(nibbles64_)(w + codes_at, bytes);
+    if (five) {
+        uint32_t h0, h1;
+        memcpy(&h0, w + 2 + 2 * affine, 4);
+        memcpy(&h1, w + bytes + 2 + 2 * affine, 4);
+        u = _mm512_mask_add_epi8(u, (__mmask64)h0 | (__mmask64)h1 << 32, u, _mm512_set1_epi8(16));
+    }
+    const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+    const __m128i sums = _mm_loadl_epi64((const __m128i *)(a->sums + b));
+    const __m512i at = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0);
+    if (!affine)
+        p = _mm512_sub_epi32(p, _mm512_maskz_permutexvar_epi32(0x0101, at, _mm512_castsi128_si512(
+                                                                                _mm_mullo_epi32(sums, _mm_set1_epi32(offset)))));
+    const __m128 v = BK_NAME(halves_dx_)(w, bytes, a, b); /* [d0 dx0, m0 dx0, d1 dx1, m1 dx1] */
+    acc = BK_NAME(scale_pair_)(p, v, acc);
+    if (affine) {
+        const __m128 s = _mm_cvtepi32_ps(sums);
+        const __m128 terms = _mm_mul_ps(v, _mm_unpacklo_ps(_mm_set1_ps(1.0f), s)); /* m dx * (float)sum in 1, 3 */
+        const __m512i pick = _mm512_setr_epi32(1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0);
+        acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(0x0101, pick, _mm512_castps128_ps512(terms)));
+    }
+    return acc;
+}
+#define BK_ROW32_FAST(pair, step, bytes, ...) BK_ROW32_PAIRS(pair, step, bytes, __VA_ARGS__)
+#else
+#define BK_ROW32_FAST(pair, step, bytes, ...) BK_ROW32(step, bytes, __VA_ARGS__)
+#endif
+
 /* acc + d * (the dot of signed codes q with the activation block b) */
 BK_TARGET static inline __m256 BK_NAME(signed_step_)(__m256i q, const ActRow *a, int64_t b, __m256 acc, float d) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
@@ -302,7 +426,7 @@ BK_TARGET static inline __m256 BK_NAME(q8_0_step_)(const uint8_t *w, const ActRo
 }
 
 BK_TARGET static float BK_NAME(row_q8_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32(BK_NAME(q8_0_step_), 34, 0);
+    BK_ROW32_FAST(BK_NAME(q8_0_pair_), BK_NAME(q8_0_step_), 34, 0);
 }
 
 BK_TARGET static inline __m256 BK_NAME(iq4_nl_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
@@ -313,7 +437,7 @@ BK_TARGET static inline __m256 BK_NAME(iq4_nl_step_)(const uint8_t *w, const Act
 
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    BK_ROW32(BK_NAME(iq4_nl_step_), 18, grid);
+    BK_ROW32_FAST(BK_NAME(iq4_nl_pair_), BK_NAME(iq4_nl_step_), 18, grid);
 }
 
 /* HQ3_0 (w = d * (u - 4)): bits 0-1 of code 8i + l are bits 2i, 2i + 1 of qs[l] (one 64-bit shift per 8 codes),
@@ -354,16 +478,16 @@ BK_TARGET static inline __m256 BK_NAME(legacy_step_)(const uint8_t *w, const Act
 }
 
 BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32(BK_NAME(legacy_step_), 18, 0, 8);
+    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 18, 0, 8);
 }
 BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32(BK_NAME(legacy_step_), 20, 2, 0);
+    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 20, 2, 0);
 }
 BK_TARGET static float BK_NAME(row_q5_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32(BK_NAME(legacy_step_), 22, 1, 16);
+    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 22, 1, 16);
 }
 BK_TARGET static float BK_NAME(row_q5_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32(BK_NAME(legacy_step_), 24, 3, 0);
+    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 24, 3, 0);
 }
 
 BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -393,6 +517,8 @@ BK_TARGET static void BK_NAME(gemv_rows_)(int type, const uint8_t *weight, const
 }
 
 #undef BK_ROW32
+#undef BK_ROW32_PAIRS
+#undef BK_ROW32_FAST
 #undef BK_NAME
 #undef BK_CAT
 #undef BK_CAT2

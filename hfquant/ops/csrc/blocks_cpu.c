@@ -17,7 +17,10 @@
  * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale, and
  * one float multiply per super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32,
  * Q3_K's -4, Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums
- * instead of every weight. OpenMP threads split the rows.
+ * instead of every weight. On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per
+ * 512-bit step (blocks_body.h's BK_ROW32_PAIRS): the same integers, products and float additions in the same
+ * order, so the same bytes as one block at a time (Q4_1 in 0.6x the time, Q4_K 0.9x: docs/performance.md). OpenMP
+ * threads split the rows.
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
