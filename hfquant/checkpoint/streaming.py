@@ -24,7 +24,14 @@ import logging
 import os
 import sys
 
-__all__ = ["PageReleaser", "release_checkpoint_pages", "mapped_checkpoint_ranges", "trim_heap"]
+__all__ = [
+    "PageReleaser",
+    "release_checkpoint_pages",
+    "release_range",
+    "mapped_checkpoint_ranges",
+    "spare_mapping",
+    "trim_heap",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,21 @@ def mapped_checkpoint_ranges(suffix: str = ".safetensors") -> list[tuple[int, in
 
 
 _warned = False
+_spared: set[int] = set()
+"""Start addresses of the maps `release_checkpoint_pages` leaves alone unless `keep_cached` (`spare_mapping`)."""
+
+
+def spare_mapping(address: int, spared: bool = True) -> tuple[int, int] | None:
+    """Keep the checkpoint map holding `address` out of `release_checkpoint_pages`'s `MADV_PAGEOUT` (`spared`), or
+    give it back (False): a reader that reads ahead of the streaming load through its own map (`FoldStream`'s worker
+    thread) would otherwise have its pages dropped from the page cache mid-read, and read them from the disk again.
+    Its owner unmaps them itself (`keep_cached=True`). Returns the map's (start, end) addresses, None when no
+    checkpoint map holds `address` (a copy: nothing to spare)."""
+    for start, end, _ in mapped_checkpoint_ranges():
+        if start <= address < end:
+            (_spared.add if spared else _spared.discard)(start)
+            return start, end
+    return None
 
 
 def release_checkpoint_pages(keep_cached: bool = False) -> int:
@@ -80,6 +102,8 @@ def release_checkpoint_pages(keep_cached: bool = False) -> int:
     advised = 0
     advice = _MADV_DONTNEED if keep_cached else _MADV_PAGEOUT
     for start, end, path in mapped_checkpoint_ranges():
+        if not keep_cached and start in _spared:
+            continue
         if madvise(start, end - start, advice) == 0:
             advised += end - start
         elif not _warned:
@@ -87,6 +111,22 @@ def release_checkpoint_pages(keep_cached: bool = False) -> int:
             logger.info("madvise(%d) refused for %s (errno %d)", advice, path, ctypes.get_errno())
     trim_heap()
     return advised
+
+
+def release_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
+    """Unmap the pages of `nbytes` at `address` (a tensor read through the checkpoint map `mapping`, its (start, end)
+    addresses from `mapped_checkpoint_ranges` or `spare_mapping`) from this process, keeping them in the page cache
+    (`MADV_DONTNEED`): `release_checkpoint_pages(keep_cached=True)` for one tensor, without reading `/proc/self/maps`
+    or walking every shard. The range is widened to whole pages within `mapping` only: never call it on memory outside
+    a read-only file map (on anonymous memory `MADV_DONTNEED` zeroes the pages). Returns whether the kernel accepted it
+    (False off Linux or for an empty range)."""
+    madvise = _madvise()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = max(mapping[0], address // page * page)
+    end = min(mapping[1], -(-(address + nbytes) // page) * page)
+    if madvise is None or end <= start:
+        return False
+    return madvise(start, end - start, _MADV_DONTNEED) == 0
 
 
 def trim_heap() -> None:

@@ -259,6 +259,9 @@ class HfQuantQuantizer(HfQuantizer):
     # -- after loading ------------------------------------------------------------------------------------------
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        close = getattr(self.plan.folds, "close", None)
+        if close is not None:  # a FoldStream: its worker thread and checkpoint files
+            close()
         self.report.raise_failures()
         if self.pre_quantized:
             checks.check_reloaded_values(model)
