@@ -516,7 +516,7 @@ class FoldStream(Mapping):
     """`plan_folds`'s folds, computed block by block beside the streaming load instead of in a pass before it.
 
     The first block is folded when the stream is made (so that a model whose head counts do not fit its projections is
-    refused in the pre-load hook, as by `plan_folds`); the first value read then starts block 2 on one worker thread,
+    refused in the pre-load hook, as by `plan_folds`); the first value read then starts block 1 on one worker thread,
     and reading any value of block i waits for block i (folding it in the caller's thread when nothing started it) and
     starts block i + 1. So the worker folds the next block on the second core while the load quantizes this one, and
     at most one block beyond the one being loaded is read ahead (peak memory: one block's checkpoint pages more).
@@ -603,10 +603,12 @@ class FoldStream(Mapping):
         return dict, (self.resolved(),)
 
     def resolved(self) -> dict[str, Transform]:
-        """{module name: Transform} of every block, as `plan_folds` returns it (folding what is left)."""
+        """{module name: Transform} of every block, as `plan_folds` returns it (folding what is left; the checkpoint
+        files are closed after, nothing more being read)."""
         transforms: dict[str, Transform] = {}
         for index in range(len(self._planner.blocks)):
             transforms.update(self._future(index, background=False).result() or {})
+        self._stack.close()
         return transforms
 
     def close(self) -> None:
@@ -626,10 +628,12 @@ class FoldStream(Mapping):
             _log_folds(len(self._planner.blocks), done)
 
     def __del__(self):
+        # a stream never closed (a failed load): its maps must not stay spared, a later map could take their address
         if not getattr(self, "_closed", True):
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
+            self._stack.close()
 
     def _read_spared(self, name: str) -> torch.Tensor:
         """`checkpoint_reader`'s read, its file's map spared from the load's `MADV_PAGEOUT` (`spare_mapping`): the
