@@ -8,7 +8,13 @@ Each (tree, method, run) is a fresh process that imports hfquant from that tree 
 random-weight 1.2B Llama (`benchmarks/random_model.py`, built once and cached; its shards read into the page
 cache first) with quantization, `generate` of 32 tokens (best of 3 after a warm-up), `save_pretrained`, a reload from
 the page cache and `generate` again. Prints a markdown table of medians (min-max) per tree and the after/before ratio
-of the medians, with the CPU named.
+of the medians, with the CPU named. The load is also given in CPU seconds of the process (user + system, every
+thread: on a shared machine they move far less than the wall time) and its peak RSS.
+
+`--load-only` times `from_pretrained` alone; `--shape 8b` loads a random Llama with Llama-3-8B's layers instead
+(14.8 GB of bfloat16, built once into the cache, about 10 minutes on 2 cores), `--model` any float checkpoint:
+
+    python scripts/compare_trees.py /tmp/before . --methods int4-default,int8 --load-only --shape 8b --runs 2
 
 With `--paired-rounds N`, decode only, in paired rounds instead (`benchmarks.paired.run_rounds`): for every benchmark
 method in `--paired-methods` (and with `--compile`, its "+compile" variant: static cache, `torch.compile` fullgraph),
@@ -35,10 +41,18 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.methods import worker_env  # noqa: E402
+from benchmarks.random_model import SHAPES  # noqa: E402
 
-FIELDS = (
+LOAD_FIELDS = (
     ("quantize on load, s", "quantize_load_s"),
     ("quantize on load, GB/s of the source's safetensors", "quantize_load_gb_s"),
+    ("quantize on load, CPU s (user + system, all threads)", "quantize_load_cpu_s"),
+    ("quantize on load, GB/s per CPU second", "quantize_load_gb_cpu_s"),
+    ("quantize on load, main thread CPU s (the critical path beside worker threads)", "quantize_load_main_cpu_s"),
+    ("peak RSS after the load, MiB", "peak_rss_mib"),
+)
+FIELDS = (
+    *LOAD_FIELDS,
     ("decode, tokens/s", "decode_tok_s"),
     ("save_pretrained, s", "save_s"),
     ("reload, s", "reload_s"),
@@ -54,8 +68,12 @@ METHODS = {
 WORKER = r"""
 import gc, json, os, shutil, sys, tempfile, time
 tree, fields, source, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+load_only, threads = sys.argv[5] == "1", int(sys.argv[6])
 sys.path.insert(0, tree)
+import resource
 import torch
+if threads:
+    torch.set_num_threads(threads)
 import hfquant
 from transformers import AutoModelForCausalLM
 assert os.path.realpath(hfquant.__file__).startswith(os.path.realpath(tree)), hfquant.__file__
@@ -81,12 +99,24 @@ for name in os.listdir(source):  # every run starts with the shards in the page 
 # Each timed step starts with no garbage pending: otherwise a full collection of the whole interpreter heap (0.2 s
 # after importing torch and transformers) falls in whichever step crosses gc's threshold first, and a tree that
 # allocates a few hundred more objects is charged for the imports' garbage (#28: the "slower" reload of 0.6 s).
+def cpu_s():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 gc.collect()
-t0 = time.perf_counter()
+c0, m0, t0 = cpu_s(), time.thread_time(), time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
 result["quantize_load_s"] = time.perf_counter() - t0
+result["quantize_load_cpu_s"] = cpu_s() - c0
+result["quantize_load_main_cpu_s"] = time.thread_time() - m0
+result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 shards = [os.path.join(source, n) for n in os.listdir(source) if n.endswith(".safetensors")]
-result["quantize_load_gb_s"] = sum(os.path.getsize(p) for p in shards) / 1e9 / result["quantize_load_s"]
+gigabytes = sum(os.path.getsize(p) for p in shards) / 1e9
+result["quantize_load_gb_s"] = gigabytes / result["quantize_load_s"]
+result["quantize_load_gb_cpu_s"] = gigabytes / result["quantize_load_cpu_s"]
+if load_only:
+    with open(out, "w") as handle:
+        json.dump(result, handle)
+    sys.exit(0)
 result["decode_tok_s"] = decode(model)
 folder = tempfile.mkdtemp(prefix="compare-trees-")
 try:
@@ -111,9 +141,20 @@ with open(out, "w") as handle:
 """
 
 
-def run(tree: Path, method: str, source: Path) -> dict:
+def run(tree: Path, method: str, source: Path, load_only: bool = False, threads: int = 0) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-c", WORKER, str(tree), json.dumps(METHODS[method]), str(source), out.name]
+        fields = json.dumps(METHODS[method])
+        command = [
+            sys.executable,
+            "-c",
+            WORKER,
+            str(tree),
+            fields,
+            str(source),
+            out.name,
+            str(int(load_only)),
+            str(threads),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=tempfile.gettempdir())
         if done.returncode:
             raise SystemExit(f"{tree} {method} failed:\n{done.stderr[-3000:]}")
@@ -180,31 +221,38 @@ def main(argv: list[str] | None = None) -> int:
         "--paired-methods", default="hfquant-int4,hfquant-int8", help="benchmark methods for --paired-rounds"
     )
     parser.add_argument("--compile", action="store_true", help="with --paired-rounds: the +compile variant too")
-    parser.add_argument("--model", type=Path, help="with --paired-rounds: this float checkpoint instead of the 1.2B")
+    parser.add_argument("--model", type=Path, help="this float checkpoint instead of the random 1.2B")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="1b",
+        help="the random Llama's shape (benchmarks.random_model.SHAPES; 8b: Llama-3-8B's layers, 14.8 GB, built once "
+        "into the cache)",
+    )
+    parser.add_argument("--load-only", action="store_true", help="time from_pretrained only (no decode, save, reload)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in each run (default: torch's)")
     args = parser.parse_args(argv)
-    if args.paired_rounds:
-        from benchmarks.random_model import build_random_llama
+    from benchmarks.random_model import build_random_llama
 
-        paired(args, args.model.resolve() if args.model else build_random_llama())
+    source = args.model.resolve() if args.model else build_random_llama(**SHAPES[args.shape])
+    if args.paired_rounds:
+        paired(args, source)
         return 0
     methods = args.methods.split(",")
     for method in methods:
         if method not in METHODS:
             parser.error(f"method {method!r} is not one of {list(METHODS)}")
-    from benchmarks.random_model import build_random_llama
-
-    source = build_random_llama()
     results = {(tree, method): [] for tree in ("before", "after") for method in methods}
     for index in range(args.runs):
         for method in methods:
             for name, tree in (("before", args.before), ("after", args.after)):
-                results[name, method].append(run(tree.resolve(), method, source))
+                results[name, method].append(run(tree.resolve(), method, source, args.load_only, args.threads))
                 print(f"run {index + 1}/{args.runs} {method} {name}: {results[name, method][-1]}", file=sys.stderr)
     print(f"{describe()};  {args.runs} runs per cell; before = {args.before}, after = {args.after}\n")
     header = "| | " + " | ".join(f"{m} before | {m} after | after / before" for m in methods) + " |"
     print(header)
     print("| --- |" + " ---: | ---: | ---: |" * len(methods))
-    for label, key in FIELDS:
+    for label, key in LOAD_FIELDS if args.load_only else FIELDS:
         cells = []
         for method in methods:
             before = [r[key] for r in results["before", method]]

@@ -23,8 +23,16 @@ import functools
 import logging
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["PageReleaser", "release_checkpoint_pages", "mapped_checkpoint_ranges", "trim_heap"]
+__all__ = [
+    "PageReleaser",
+    "release_checkpoint_pages",
+    "release_range",
+    "mapped_checkpoint_ranges",
+    "spare_mapping",
+    "trim_heap",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,21 @@ def mapped_checkpoint_ranges(suffix: str = ".safetensors") -> list[tuple[int, in
 
 
 _warned = False
+_spared: set[int] = set()
+"""Start addresses of the maps `release_checkpoint_pages` leaves alone unless `keep_cached` (`spare_mapping`)."""
+
+
+def spare_mapping(address: int, spared: bool = True) -> tuple[int, int] | None:
+    """Keep the checkpoint map holding `address` out of `release_checkpoint_pages`'s `MADV_PAGEOUT` (`spared`), or
+    give it back (False): a reader that reads ahead of the streaming load through its own map (`FoldStream`'s worker
+    thread) would otherwise have its pages dropped from the page cache mid-read, and read them from the disk again.
+    Its owner unmaps them itself (`keep_cached=True`). Returns the map's (start, end) addresses, None when no
+    checkpoint map holds `address` (a copy: nothing to spare)."""
+    for start, end, _ in mapped_checkpoint_ranges():
+        if start <= address < end:
+            (_spared.add if spared else _spared.discard)(start)
+            return start, end
+    return None
 
 
 def release_checkpoint_pages(keep_cached: bool = False) -> int:
@@ -80,6 +103,8 @@ def release_checkpoint_pages(keep_cached: bool = False) -> int:
     advised = 0
     advice = _MADV_DONTNEED if keep_cached else _MADV_PAGEOUT
     for start, end, path in mapped_checkpoint_ranges():
+        if not keep_cached and start in _spared:
+            continue
         if madvise(start, end - start, advice) == 0:
             advised += end - start
         elif not _warned:
@@ -87,6 +112,22 @@ def release_checkpoint_pages(keep_cached: bool = False) -> int:
             logger.info("madvise(%d) refused for %s (errno %d)", advice, path, ctypes.get_errno())
     trim_heap()
     return advised
+
+
+def release_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
+    """Unmap the pages of `nbytes` at `address` (a tensor read through the checkpoint map `mapping`, its (start, end)
+    addresses from `mapped_checkpoint_ranges` or `spare_mapping`) from this process, keeping them in the page cache
+    (`MADV_DONTNEED`): `release_checkpoint_pages(keep_cached=True)` for one tensor, without reading `/proc/self/maps`
+    or walking every shard. The range is widened to whole pages within `mapping` only: never call it on memory outside
+    a read-only file map (on anonymous memory `MADV_DONTNEED` zeroes the pages). Returns whether the kernel accepted it
+    (False off Linux or for an empty range)."""
+    madvise = _madvise()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = max(mapping[0], address // page * page)
+    end = min(mapping[1], -(-(address + nbytes) // page) * page)
+    if madvise is None or end <= start:
+        return False
+    return madvise(start, end - start, _MADV_DONTNEED) == 0
 
 
 def trim_heap() -> None:
@@ -119,36 +160,59 @@ class PageReleaser:
 
     Args:
         every_bytes: bytes read between two releases; `for_checkpoint` derives it from the checkpoint's size.
+        background: run each release but the last (`flush`) on a thread of its own, beside the load (a release is
+            mostly the kernel's reclaim of the pages, 10-20 ms of system time on the main thread per 1/32 of a 2.35 GB
+            checkpoint); `read` first waits for the one before, so at most one share more stays resident.
     """
 
     MIN_BYTES = 16 * 2**20
     MAX_BYTES = 256 * 2**20
 
-    def __init__(self, every_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, every_bytes: int = MIN_BYTES, background: bool = False) -> None:
         self.every_bytes = max(1, int(every_bytes))
         self.pending = 0
+        self.background = background
+        self._executor: ThreadPoolExecutor | None = None
+        self._running: Future | None = None
 
     @classmethod
-    def for_checkpoint(cls, total_bytes: int) -> PageReleaser:
+    def for_checkpoint(cls, total_bytes: int, background: bool = False) -> PageReleaser:
         """One release per 1/32 of a checkpoint of `total_bytes`, within [MIN_BYTES, MAX_BYTES] (16-256 MiB)."""
-        return cls(min(cls.MAX_BYTES, max(cls.MIN_BYTES, total_bytes // 32)))
+        return cls(min(cls.MAX_BYTES, max(cls.MIN_BYTES, total_bytes // 32)), background)
 
     @classmethod
-    def for_files(cls, files) -> PageReleaser:
+    def for_files(cls, files, background: bool = False) -> PageReleaser:
         """`for_checkpoint` of the summed sizes of `files` (paths; missing ones count 0)."""
-        return cls.for_checkpoint(sum(os.path.getsize(f) for f in files if os.path.isfile(f)))
+        return cls.for_checkpoint(sum(os.path.getsize(f) for f in files if os.path.isfile(f)), background)
 
     def read(self, nbytes: int) -> int:
         """Count `nbytes` read; release the pages when `every_bytes` have accumulated, else only return freed heap
         memory (`trim_heap`, about 0.4 ms: the float copy of the weight just quantized must not stay resident).
-        Returns the bytes advised."""
+        Returns the bytes advised (0 when the release runs in the background)."""
         self.pending += max(0, int(nbytes))
-        if self.pending >= self.every_bytes:
+        if self.pending < self.every_bytes:
+            trim_heap()
+            return 0
+        if not self.background:
             return self.flush()
-        trim_heap()
+        self.pending = 0
+        self._wait()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="hfquant-pages")
+        self._running = self._executor.submit(release_checkpoint_pages)
         return 0
 
     def flush(self) -> int:
-        """Release now (`release_checkpoint_pages`) and start counting again. Returns the bytes advised."""
+        """Release now (`release_checkpoint_pages`, after a background release still running) and start counting
+        again. Returns the bytes advised."""
         self.pending = 0
+        self._wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         return release_checkpoint_pages()
+
+    def _wait(self) -> None:
+        if self._running is not None:
+            running, self._running = self._running, None
+            running.result()

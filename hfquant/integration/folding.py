@@ -8,6 +8,9 @@ float weights at a time from the checkpoint, before the streaming load, to compu
     # then, while the checkpoint streams in, each listed tensor is transformed before it is quantized (or stored,
     # for the norms and biases): `HfQuantQuantize.convert`.
 
+A load does not run that pass first: `FoldStream` folds block i + 1 on a worker thread while the load quantizes block i
+(the same folds, docs/performance.md "The 4-bit default's load beside the fold").
+
 Within a block, a fold is made only when every matrix it changes is quantized by hfquant (a layer kept in float would
 not pass through the quantizer's op): v_proj -> o_proj, up_proj -> down_proj, input_layernorm -> q/k/v and
 post_attention_layernorm -> gate/up. Other architectures, and layers outside such blocks, are quantized as the config
@@ -28,10 +31,13 @@ vectors), so that they are stored with RTN like the folded ones (`fold_overrides
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,7 +46,7 @@ from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled, tqdm
 
 from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
-from hfquant.checkpoint.streaming import release_checkpoint_pages
+from hfquant.checkpoint.streaming import release_checkpoint_pages, release_range, spare_mapping, trim_heap
 from hfquant.core import folding, packing, rtn, sinq
 from hfquant.core.blocks import dequantize as block_dequantize
 from hfquant.core.folding import Transform
@@ -50,7 +56,15 @@ from hfquant.integration.conversions import model_key_map
 from hfquant.nn.linear import quantize_to_buffers
 from hfquant.ops import balance
 
-__all__ = ["FOLDABLE_MODEL_TYPES", "Block", "find_blocks", "plan_folds", "fold_overrides", "checkpoint_reader"]
+__all__ = [
+    "FOLDABLE_MODEL_TYPES",
+    "Block",
+    "find_blocks",
+    "plan_folds",
+    "FoldStream",
+    "fold_overrides",
+    "checkpoint_reader",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -141,50 +155,101 @@ def plan_folds(
     Raises:
         ValueError: the head counts do not fit the projections (naming the module).
     """
-    blocks = find_blocks(model)
-    if not blocks:
-        logger.info(
-            "hfquant: no foldable decoder block in %s (fold_column_scales acts on %s): nothing folded",
-            type(model).__name__,
-            ", ".join(FOLDABLE_MODEL_TYPES),
-        )
+    planner = _Planner(model, plans, read, clipping if select else None)
+    if not planner.blocks:
         return {}
-    formats = {plan.name: plan.format for plan in plans}
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     transforms: dict[str, Transform] = {}
-
-    def tile(*names: str) -> int:
-        width = model.get_submodule(names[0]).in_features
-        return folding.tile_size(width, [formats[n].group_size for n in names])
-
-    scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
     with _on_cpu_in_float32():  # from_pretrained prepares the model under the meta device and the load dtype
         for block in tqdm(
-            blocks,
+            planner.blocks,
             desc="hfquant: SINQ column scales (Sinkhorn on each layer's float weights)",
             unit="layer",
             disable=_progress_disabled(progress),
         ):
-            try:
-                transforms.update(
-                    _fold_block(
-                        block, read, tile, formats, num_heads, num_kv_heads, scratch, clipping if select else None
-                    )
-                )
-            except (KeyError, sinq.NonFiniteWeightError) as error:
-                # Left unfolded, its layers go through the load's own checks, which name the tensor and the fix.
-                reason = error.args[0] if error.args else error
-                logger.warning(
-                    "hfquant: the column scales of %s are not folded: %s",
-                    block.attention_norm.rpartition(".")[0],
-                    reason,
-                )
-            release_checkpoint_pages(keep_cached=True)  # out of this process, kept for the streaming load
-    scratch.clear()
-    _log_folds(len(blocks), transforms)
+            transforms.update(planner.fold(block) or {})
+    planner.scratch.clear()
+    _log_folds(len(planner.blocks), transforms)
     return transforms
+
+
+class _Planner:
+    """What `plan_folds` and `FoldStream` share: the foldable blocks of a model, and the folds of one block
+    (`fold`). Everything read from the model is read here, at construction: the blocks are then folded without
+    touching the model (which the load changes meanwhile)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plans: Iterable,
+        read: Callable[[str], torch.Tensor],
+        clipping: str | None,
+        release: Callable[[], object] | None = None,
+    ):
+        # after each block: its pages out of this process, kept in the page cache for the streaming load
+        self.release = release or functools.partial(release_checkpoint_pages, keep_cached=True)
+        self.blocks = find_blocks(model)
+        if not self.blocks:
+            logger.info(
+                "hfquant: no foldable decoder block in %s (fold_column_scales acts on %s): nothing folded",
+                type(model).__name__,
+                ", ".join(FOLDABLE_MODEL_TYPES),
+            )
+            return
+        self.formats = {plan.name: plan.format for plan in plans}
+        config = getattr(model.config, "get_text_config", lambda: model.config)()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.widths = {
+            name: model.get_submodule(name).in_features
+            for block in self.blocks
+            for name in block
+            if self.formats.get(name) is not None
+        }
+        self.read, self.clipping = read, clipping
+        self.scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
+
+    def tile(self, *names: str) -> int:
+        return folding.tile_size(self.widths[names[0]], [self.formats[n].group_size for n in names])
+
+    def planned(self, block: Block) -> list[str]:
+        """The module names `fold` can give a `Transform` in `block`, from the formats alone: every member of a
+        group whose matrices are all quantized (a norm only gets one where its group is kept)."""
+        quantized = {name for name in block if self.formats.get(name) is not None}
+        groups = (
+            ((block.v, block.o), ()),
+            ((block.q, block.k, block.v), (block.attention_norm,)),
+            ((block.up, block.down), ()),
+            ((block.gate, block.up), (block.mlp_norm,)),
+        )
+        return [name for matrices, norms in groups if set(matrices) <= quantized for name in (*matrices, *norms)]
+
+    def fold(self, block: Block) -> dict[str, Transform] | None:
+        """`_fold_block` of `block`, its checkpoint pages released after; None (a warning names the block) where it
+        reads a missing tensor or a weight holding NaN/Inf: left unfolded, its layers go through the load's own checks,
+        which name the tensor and the fix.
+
+        Raises:
+            ValueError: the head counts do not fit the projections (naming the module).
+        """
+        try:
+            return _fold_block(
+                block,
+                self.read,
+                self.tile,
+                self.formats,
+                self.num_heads,
+                self.num_kv_heads,
+                self.scratch,
+                self.clipping,
+            )
+        except (KeyError, sinq.NonFiniteWeightError) as error:
+            reason = error.args[0] if error.args else error
+            logger.warning(
+                "hfquant: the column scales of %s are not folded: %s", block.attention_norm.rpartition(".")[0], reason
+            )
+            return None
+        finally:
+            self.release()
 
 
 def _log_folds(blocks: int, transforms: dict[str, Transform]) -> None:
@@ -445,3 +510,186 @@ def checkpoint_reader(model: nn.Module, files: Iterable[str | os.PathLike]) -> I
         yield read
     finally:
         handles.clear()
+
+
+class FoldStream(Mapping):
+    """`plan_folds`'s folds, computed block by block beside the streaming load instead of in a pass before it.
+
+    The first block is folded when the stream is made (so that a model whose head counts do not fit its projections is
+    refused in the pre-load hook, as by `plan_folds`); the first value read then starts block 1 on one worker thread,
+    and reading any value of block i waits for block i (folding it in the caller's thread when nothing started it) and
+    starts block i + 1. So the worker folds the next block on the second core while the load quantizes this one, and
+    at most one block beyond the one being loaded is read ahead (peak memory: one block's checkpoint pages more).
+
+    Membership (`name in stream`, `bool`) answers at once, from the formats: the names `_Planner.planned` lists, which
+    the pre-load hook needs before any weight is read (`fold_overrides`, `param_needs_quantization`). `get` waits;
+    it gives an empty `Transform` for the norm of a group the error test refused (its weight passes unchanged) and
+    None for every module of a block whose fold read a missing or non-finite tensor (the load's checks name it; its
+    Linear layers, planned before, are stored with RTN unfolded where `plan_folds` left them to the config's method).
+    Iterating, `len` and pickling wait for every block (`resolved`); `close` (after the load) stops the worker and
+    logs `plan_folds`'s INFO line.
+
+    The worker thread folds only while the process's default dtype is float32 (transformers' weight loading; the
+    pre-load hook runs under the load dtype): elsewhere the caller's thread folds, under float32.
+
+    Args:
+        model, plans, clipping, select: as `plan_folds`.
+        files: the checkpoint's safetensors files (`checkpoint_reader`), open until `close`.
+
+    Raises:
+        ValueError: the head counts do not fit the projections (naming the module).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plans: Iterable,
+        files: Iterable[str | os.PathLike],
+        clipping: str = "minmax",
+        select: bool = True,
+    ):
+        self._stack = ExitStack()
+        self._read = self._stack.enter_context(checkpoint_reader(model, files))
+        self._spared: list[tuple[int, int]] = []
+        self._pages: list[tuple[int, int, tuple[int, int]]] = []  # (address, bytes, map) read since the last release
+        self._stack.callback(self._unspare)
+        self._planner = _Planner(model, list(plans), self._read_spared, clipping if select else None, self._release)
+        self._owner = {
+            name: i for i, block in enumerate(self._planner.blocks) for name in self._planner.planned(block)
+        }
+        self._futures: dict[int, Future] = {}
+        self._guard = threading.Lock()  # the futures
+        self._folding = threading.Lock()  # one block at a time (the reader's handles, the scratch buffers)
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+        if self._planner.blocks:
+            try:
+                self._future(0, background=False).result()
+            except BaseException:
+                self._stack.close()
+                raise
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._owner
+
+    def __bool__(self) -> bool:
+        return bool(self._owner)
+
+    def get(self, name: str, default=None) -> Transform | None:
+        """The `Transform` of module `name` (waiting for its block), or `default` when no fold plans one."""
+        self._prefetch(1)
+        index = self._owner.get(name)
+        if index is None:
+            return default
+        self._prefetch(index + 1)
+        transforms = self._future(index, background=False).result()
+        if transforms is None:
+            return default
+        return transforms.get(name, Transform())
+
+    def __getitem__(self, name: str) -> Transform:
+        transform = self.get(name)
+        if transform is None:
+            raise KeyError(name)
+        return transform
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.resolved())
+
+    def __len__(self) -> int:
+        return len(self.resolved())
+
+    def __reduce__(self):
+        return dict, (self.resolved(),)
+
+    def resolved(self) -> dict[str, Transform]:
+        """{module name: Transform} of every block, as `plan_folds` returns it (folding what is left; the checkpoint
+        files are closed after, nothing more being read)."""
+        transforms: dict[str, Transform] = {}
+        for index in range(len(self._planner.blocks)):
+            transforms.update(self._future(index, background=False).result() or {})
+        self._stack.close()
+        return transforms
+
+    def close(self) -> None:
+        """Stop the worker (after the block it folds), close the checkpoint files and log what was folded."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._stack.close()
+        if self._planner.blocks:
+            self._planner.scratch.clear()
+            done = {}
+            for future in self._futures.values():
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    done.update(future.result() or {})
+            _log_folds(len(self._planner.blocks), done)
+
+    def __del__(self):
+        # a stream never closed (a failed load): its maps must not stay spared, a later map could take their address
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+            self._stack.close()
+
+    def _read_spared(self, name: str) -> torch.Tensor:
+        """`checkpoint_reader`'s read, its file's map spared from the load's `MADV_PAGEOUT` (`spare_mapping`): the
+        block read ahead stays in the page cache while it is balanced; `Planner.fold` unmaps it after."""
+        tensor = self._read(name)
+        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        mapping = next(((start, end) for start, end in self._spared if start <= address < end), None)
+        if mapping is None and nbytes:
+            mapping = spare_mapping(address)
+            if mapping is not None:
+                self._spared.append(mapping)
+        if mapping is not None:
+            self._pages.append((address, nbytes, mapping))
+        return tensor
+
+    def _release(self) -> None:
+        """The pages of the tensors the block read, out of this process and kept in the page cache (only those:
+        `release_checkpoint_pages` would walk every shard), and freed heap memory back to the system."""
+        for address, nbytes, mapping in self._pages:
+            release_range(address, nbytes, mapping)
+        self._pages.clear()
+        trim_heap()
+
+    def _unspare(self) -> None:
+        for start, _ in self._spared:
+            spare_mapping(start, spared=False)
+        self._spared.clear()
+
+    def _prefetch(self, index: int) -> None:
+        """Start folding block `index` on the worker thread, unless started, closed, or the default dtype is not
+        float32 (which the worker cannot set: it is the process's)."""
+        if (
+            index < len(self._planner.blocks)
+            and index not in self._futures
+            and not self._closed
+            and torch.get_default_dtype() == torch.float32
+        ):
+            self._future(index, background=True)
+
+    def _future(self, index: int, background: bool) -> Future:
+        with self._guard:
+            future = self._futures.get(index)
+            if future is not None:
+                return future
+            if background:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="hfquant-folds")
+                future = self._futures[index] = self._executor.submit(self._fold, index, False)
+                return future
+            future = self._futures[index] = Future()
+        try:
+            future.set_result(self._fold(index, True))
+        except BaseException as error:  # raised to every reader of the block, this one first
+            future.set_exception(error)
+        return future
+
+    def _fold(self, index: int, here: bool) -> dict[str, Transform] | None:
+        with self._folding, _on_cpu_in_float32() if here else torch.device("cpu"):
+            return self._planner.fold(self._planner.blocks[index])

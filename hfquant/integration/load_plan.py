@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,7 @@ from hfquant.core.dtypes import torch_dtype
 from hfquant.core.folding import Transform
 from hfquant.core.format import StoredFormat
 from hfquant.integration.embeddings import EmbeddingPlan, plan_embeddings, replace_embeddings
-from hfquant.integration.folding import checkpoint_reader, fold_overrides, plan_folds
+from hfquant.integration.folding import FoldStream, fold_overrides
 from hfquant.nn.norms import find_norms, install_dtype_adapter
 from hfquant.nn.replace import (
     ExpertsPlan,
@@ -69,7 +69,8 @@ class LoadPlan:
         casts: float module (embedding, norm) -> the dtype it is stored in, other than `compute_dtype`.
         adapters: module -> (storage dtype, cast its float inputs): modules whose output is cast back to
             `compute_dtype` after loading.
-        folds: module name -> its `Transform` (`fold_column_scales`), applied to its tensors as they stream in.
+        folds: module name -> its `Transform` (`fold_column_scales`), applied to its tensors as they stream in: a
+            `FoldStream` when the load computes them (its values computed beside the load; closed after it).
     """
 
     compute_dtype: torch.dtype | None = None
@@ -80,7 +81,7 @@ class LoadPlan:
     experts: list[ExpertsPlan] = field(default_factory=list)
     casts: dict[str, torch.dtype] = field(default_factory=dict)
     adapters: dict[str, tuple[torch.dtype, bool]] = field(default_factory=dict)
-    folds: dict[str, Transform] = field(default_factory=dict)
+    folds: Mapping[str, Transform] = field(default_factory=dict)
 
 
 def plan_checkpoint_folds(
@@ -90,9 +91,10 @@ def plan_checkpoint_folds(
     layers: list[LayerPlan],
     files: Iterable[str | os.PathLike],
     device_map=None,
-) -> tuple[dict[str, Transform], list[LayerPlan]]:
+) -> tuple[Mapping[str, Transform], list[LayerPlan]]:
     """`fold_column_scales`: read each decoder block's float weights once from the checkpoint `files`
-    (`hfquant.integration.folding`) and return (the folds for the streaming load, the layer plans). The folded
+    (`hfquant.integration.folding`) and return (the folds for the streaming load, the layer plans). The folds are a
+    `FoldStream`: the first block's computed here, the others on a worker thread while the load runs. The folded
     layers are stored with RTN: their entries are put first in `config.module_overrides` and the layers planned
     again. Without a safetensors checkpoint (a GGUF file, a state dict) nothing is folded and a warning says so.
 
@@ -112,8 +114,7 @@ def plan_checkpoint_folds(
             "fold_column_scales does not support disk offload (device_map places modules on 'disk'): quantize with "
             "a device_map without 'disk' and save, or use fold_column_scales=False"
         )
-    with checkpoint_reader(model, files) as read:
-        folds = plan_folds(model, layers, read, clipping=config.clipping)
+    folds = FoldStream(model, layers, files, clipping=config.clipping)
     added = fold_overrides(config, layers, folds)
     if added:
         config.prepend_overrides(added)
@@ -229,7 +230,7 @@ def plan_load(
     compute: torch.dtype,
     skip: list[str],
     layers: list[LayerPlan],
-    folds: dict[str, Transform],
+    folds: Mapping[str, Transform],
 ) -> LoadPlan:
     """The `LoadPlan` of the meta-device `model`: `skip` and `layers` (from `quantizer.plan_model`), `folds`, and what
     `plan_embeddings`, `plan_quantized_experts` and `plan_norm_casts` decide; the model is not changed.

@@ -209,7 +209,8 @@ class HfQuantQuantizer(HfQuantizer):
             checks.check_stored_tensors(model, files, get_model_conversion_mapping(model, None, self))
         elif files:
             checks.read_single_copies(files)  # headers only: a tensor stored twice is refused
-        self.report = LoadReport(PageReleaser.for_files([str(f) for f in files]))
+        # quantizing on load, the releases run beside it (the second core is otherwise idle but for the folds)
+        self.report = LoadReport(PageReleaser.for_files([str(f) for f in files], background=not self.pre_quantized))
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
@@ -259,6 +260,9 @@ class HfQuantQuantizer(HfQuantizer):
     # -- after loading ------------------------------------------------------------------------------------------
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        close = getattr(self.plan.folds, "close", None)
+        if close is not None:  # a FoldStream: its worker thread and checkpoint files
+            close()
         self.report.raise_failures()
         if self.pre_quantized:
             checks.check_reloaded_values(model)

@@ -47,3 +47,30 @@ def test_one_tensor_larger_than_the_share_is_released_at_once(calls):
     releaser = PageReleaser(100)
     releaser.read(1000)
     assert calls["release"] == 1 and releaser.pending == 0
+
+
+def test_background_releases_run_beside_the_load_one_at_a_time(monkeypatch):
+    import threading
+
+    started, finish = [], threading.Event()
+
+    def release():
+        started.append(threading.current_thread().name)
+        if len(started) == 1:
+            assert finish.wait(10)  # the first release is still running when the next share is read
+        return 1
+
+    monkeypatch.setattr(streaming, "release_checkpoint_pages", release)
+    monkeypatch.setattr(streaming, "trim_heap", lambda: None)
+    releaser = PageReleaser(100, background=True)
+    assert releaser.read(100) == 0  # submitted, not waited for
+    assert releaser.pending == 0
+    waiter = threading.Thread(target=releaser.read, args=(100,))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and len(started) == 1  # the second release waits for the first: one share in flight
+    finish.set()
+    waiter.join(10)
+    assert releaser.flush() == 1
+    assert len(started) == 3 and started[0] != threading.current_thread().name
+    assert started[2] == threading.current_thread().name  # the last release, at the end of loading, is the caller's
