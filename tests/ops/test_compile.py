@@ -49,7 +49,8 @@ def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the
     float_checkpoint, attention
 ):
     """The transformers way to compile decoding: `generate(cache_implementation="static", compile_config=...)`. On CPU
-    transformers compiles only when the config asks for every device (`_compile_all_devices`, README)."""
+    transformers compiles only when the config asks for every device (`_compile_all_devices`, which
+    `hfquant.compile_decoding` sets: the test below)."""
     from transformers import AutoModelForCausalLM, CompileConfig
 
     model = AutoModelForCausalLM.from_pretrained(
