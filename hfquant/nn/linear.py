@@ -410,13 +410,12 @@ class QuantLinear(StoredWeight):
         if col_scale is not None:
             x = x * col_scale.to(x.dtype)
         # The int4 kernels take the (scale, zero) pairs of `scale_zero`; only the others and the backward read the
-        # scales and zero points. A tensor read here is one torch.compile guards at every call (a TENSOR_MATCH and
-        # five dimension guards per tensor), used or not.
+        # zero points. A tensor handed on is one torch.compile guards at every call (7 guards per layer), used or not.
         scale_zero = buffers.get("scale_zero")
-        scale = zero_point = None
+        zero_point = None
         if scale_zero is None or (x.requires_grad and torch.is_grad_enabled()):
-            scale, zero_point = buffers.get("weight_scale"), buffers.get("weight_zero_point")
-        tensors = LayerTensors(buffers["weight"], scale, zero_point, scale_zero)
+            zero_point = buffers.get("weight_zero_point")
+        tensors = LayerTensors(buffers["weight"], buffers.get("weight_scale"), zero_point, scale_zero)
         y = quantized_matmul_trainable(self._kernel_plan, tensors, x)  # the inference kernel unless x requires grad
         bias = self._parameters.get("bias")
         if bias is not None:

@@ -196,8 +196,7 @@ class LayerTensors(NamedTuple):
     """A layer's tensors as `quantized_matmul` reads them.
 
     weight: the kernel's runtime weight (`prepare_weight`: the stored layout except for the `INT4_KERNELS`).
-    scale: the stored (N, G) scales (the int8 kernel and `Kernel.DEQUANT` read them); None for a block format,
-        and may be None where `scale_zero` is given (the int4 kernels' inference path does not read it).
+    scale: the stored (N, G) scales (the int8 kernel and `Kernel.DEQUANT` read them); None for a block format.
     zero_point: the stored (N, G) uint8 zero points, or None (symmetric; or not needed: the int4 kernels read
         `scale_zero`).
     scale_zero: the (G, N, 2) tensor of `scale_zero_for_int4` for the int4 kernels, else None.
