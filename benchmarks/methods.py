@@ -204,15 +204,12 @@ def load_kwargs(method: str, variant: str) -> dict:
 
 
 def use_compiled_decode(model) -> None:
-    """Set up the README's fast path on `model`: a static cache and `CompileConfig(fullgraph=True)` in its
-    generation config, with transformers' `_compile_all_devices` switch (its auto-compile otherwise runs on
-    accelerators only), so that `generate` runs the decode steps through the compiled forward."""
-    from transformers import CompileConfig
+    """Set up the README's fast path on `model`: `hfquant.compile_decoding` (a static cache and
+    `CompileConfig(fullgraph=True)` in its generation config, with transformers' switch for compiling on CPU, and eager
+    attention), so that `generate` runs the decode steps through the compiled forward."""
+    from hfquant import compile_decoding
 
-    compile_config = CompileConfig(fullgraph=True, mode="default")
-    compile_config._compile_all_devices = True  # transformers' own switch for compiling on CPU
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.compile_config = compile_config
+    compile_decoding(model)
 
 
 def worker_env(root: Path | None = None) -> dict:

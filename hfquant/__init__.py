@@ -16,6 +16,7 @@ from hfquant.conversion.export import export_checkpoint
 from hfquant.conversion.gguf_import import convert_gguf, from_gguf
 from hfquant.conversion.importing import import_checkpoint
 from hfquant.evaluation import evaluate
+from hfquant.integration.generation import compile_decoding
 from hfquant.integration.quantizer import HfQuantQuantizer, register
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
@@ -32,6 +33,7 @@ __all__ = [
     "QuantExperts",
     "QuantLinear",
     "register",
+    "compile_decoding",
     "convert",
     "export_checkpoint",
     "from_gguf",

@@ -49,7 +49,8 @@ def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the
     float_checkpoint, attention
 ):
     """The transformers way to compile decoding: `generate(cache_implementation="static", compile_config=...)`. On CPU
-    transformers compiles only when the config asks for every device (`_compile_all_devices`, README)."""
+    transformers compiles only when the config asks for every device (`_compile_all_devices`, which
+    `hfquant.compile_decoding` sets: the test below)."""
     from transformers import AutoModelForCausalLM, CompileConfig
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -69,3 +70,64 @@ def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the
     compiled = model.generate(ids, **settings, compile_config=config)
     assert getattr(model, "_compiled_call", None) is not None  # generate did compile the forward
     assert torch.equal(compiled, eager)
+
+
+def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float_checkpoint):
+    """`hfquant.compile_decoding(model)`: the same compiled `generate` as the test above, with no compile code; a
+    second call of another length within `max_cache_len` reuses the graph (no recompile)."""
+    from transformers import AutoModelForCausalLM
+
+    from hfquant import compile_decoding
+
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama", torch.bfloat16),
+        quantization_config=HfQuantConfig(bits=4, group_size=32),
+        dtype=torch.bfloat16,
+        device_map="cpu",
+    )
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    eager = model.generate(ids, **settings, cache_implementation="static", disable_compile=True)
+    eager_longer = model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, disable_compile=True)
+    assert (
+        model.generation_config.compile_config is None
+        or not model.generation_config.compile_config._compile_all_devices
+    )
+    torch._dynamo.reset()
+    assert compile_decoding(model, max_cache_len=32) is model
+    assert model.config._attn_implementation == "eager"
+    assert model.generation_config.cache_implementation == "static"
+    compiled = model.generate(ids, **settings)
+    assert getattr(model, "_compiled_call", None) is not None  # generate did compile the forward
+    assert torch.equal(compiled, eager)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False), eager_longer)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(max_cache_len=0), "max_cache_len must be a positive int or None, got 0"),
+        (dict(max_cache_len=True), "max_cache_len must be a positive int or None, got True"),
+        (dict(attention="flash"), "attention must be None or one of \\['eager', 'sdpa'\\], got 'flash'"),
+    ],
+)
+def test_compile_decoding_refuses_bad_arguments(kwargs, error):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfquant import compile_decoding
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        )
+    )
+    with pytest.raises(ValueError, match=error):
+        compile_decoding(model, **kwargs)
+    with pytest.raises(TypeError, match="compile_decoding needs a transformers generative model, got Linear"):
+        compile_decoding(torch.nn.Linear(2, 2))
