@@ -20,7 +20,8 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   libggml-base, `benchmarks/ggml_reference.py`); block rows take the block formats' default, SINQ folded into
   SmolLM2's blocks before the block search (MiniLM, a BERT, is not folded: its column scales are stored beside the
   layers), and `-rtn` rows llama.cpp's own recipe, `method="rtn"` (no fold);
-- `hq3_0`: hfquant's own 3-bit 32-weight blocks (3.5 bits per weight) on every layer; `hq3_0-auto` the 3.5-bit budget
+- `hq3_0`: hfquant's own 3-bit 32-weight blocks (3.5 bits per weight) on every layer (`hq3_nl`: on a non-uniform
+  grid with a zero); `hq3_0-auto` / `hq3_nl-auto` the 3.5-bit budget
   (`hfquant.core.allocation.budget_overrides`: Q3_K where 256 divides a row, value and down projections raised);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
   quantized tensor, over the number of weights they store);
@@ -107,6 +108,8 @@ CONFIGS = {
     **{f"{name}-auto-rtn": dict(format=name, mixed_precision="auto", method="rtn") for name in BLOCK_RULE_ROWS},
     "hq3_0": dict(format="hq3_0"),
     "hq3_0-auto": dict(format="hq3_0", mixed_precision="auto"),
+    "hq3_nl": dict(format="hq3_nl"),
+    "hq3_nl-auto": dict(format="hq3_nl", mixed_precision="auto"),
 }
 LLAMA_CPP = {f"llama.cpp-{name}": name for name in [*BLOCK_FORMATS, *(f"{n}-auto" for n in BLOCK_RULE_ROWS)]}
 """llama.cpp's own quantizer on the same weights: each row quantizes the layers hfquant's config of the same name

@@ -173,13 +173,15 @@ def block_overrides(names: Iterable[str], format: str) -> dict[str, dict[str, An
     return overrides
 
 
-BUDGET_FORMATS: dict[str, float] = {"hq3_0": blocks.LAYOUTS["hq3_0"].bits_per_weight}
+BUDGET_FORMATS: dict[str, float] = {
+    "hq3_0": blocks.LAYOUTS["hq3_0"].bits_per_weight,
+    "hq3_nl": blocks.LAYOUTS["hq3_nl"].bits_per_weight,
+}
 """Block formats whose `mixed_precision="auto"` is a bits budget (`budget_overrides`), with the budget in bits per weight:
-`HfQuantConfig(format="hq3_0", mixed_precision="auto")` is hfquant's 3.5-bit configuration (at most 3.5 bits per weight
-over the quantized layers)."""
+`HfQuantConfig(format="hq3_nl", mixed_precision="auto")` (`bits=3.5`) and its uniform-grid predecessor "hq3_0" are
+hfquant's 3.5-bit configurations (at most 3.5 bits per weight over the quantized layers)."""
 
-_BUDGET_BASE = (("q3_k", 256), ("hq3_0", 32))
-_BUDGET_LADDER = {"q3_k": ("q4_k", "q5_k"), "hq3_0": ("iq4_nl", "q5_0")}
+_BUDGET_LADDER = {"q3_k": ("q4_k", "q5_k"), "hq3_0": ("iq4_nl", "q5_0"), "hq3_nl": ("iq4_nl", "q5_0")}
 
 
 def _budget_order(names: list[str], count: int) -> list[str]:
@@ -211,13 +213,13 @@ def budget_overrides(
     the budget in bits per weight over the layers.
 
     Each layer starts at the cheapest 3-bit type its rows take (Q3_K, 3.44 bits per weight, where 256 divides them;
-    else hfquant's HQ3_0, 3.5). Then, in the data-free sensitivity order of `block_overrides` (value and down
+    else `format`, hfquant's HQ3_NL or HQ3_0, 3.5). Then, in the data-free sensitivity order of `block_overrides` (value and down
     projections, the first and last blocks first: `_budget_order`), each layer goes one type up (Q3_K -> Q4_K,
-    HQ3_0 -> IQ4_NL) when the total stays within the budget, and in a second pass one more (Q5_K, Q5_0).
+    HQ3_NL / HQ3_0 -> IQ4_NL) when the total stays within the budget, and in a second pass one more (Q5_K, Q5_0).
 
     Args:
         shapes: {full layer name: (in_features, out_features)} of the layers to quantize.
-        format: a `BUDGET_FORMATS` name ("hq3_0"); any other gives nothing.
+        format: a `BUDGET_FORMATS` name ("hq3_nl", "hq3_0"); any other gives nothing.
         overhead: {full layer name: bits per weight the layer stores beside its blocks} (a SINQ column scale kept
             beside the layer: 16 / out_features), counted in the budget; None or a missing name: 0.
     Returns:
@@ -229,7 +231,7 @@ def budget_overrides(
         return {}
     chosen: dict[str, str] = {}
     for name, (k, _) in shapes.items():
-        base = next((fmt for fmt, block in _BUDGET_BASE if k % block == 0), None)
+        base = next((fmt for fmt, block in (("q3_k", 256), (format, 32)) if k % block == 0), None)
         if base is not None:
             chosen[name] = base
     weights = {name: shapes[name][0] * shapes[name][1] for name in chosen}

@@ -81,6 +81,7 @@ _SIGNATURES = {
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
+    "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
     "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 3 + [_POINTER],
 }
@@ -666,7 +667,12 @@ def _search_parameters(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 _LEGACY_IQ4_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "iq4_xs": 23}
 
-BLOCK_QUANTIZE_TYPES = {**_LEGACY_IQ4_TYPES, **KQUANT_TYPES, "hq3_0": blocks.LAYOUTS["hq3_0"].ggml_type}
+BLOCK_QUANTIZE_TYPES = {
+    **_LEGACY_IQ4_TYPES,
+    **KQUANT_TYPES,
+    "hq3_0": blocks.LAYOUTS["hq3_0"].ggml_type,
+    "hq3_nl": blocks.LAYOUTS["hq3_nl"].ggml_type,
+}
 """The block types `block_quantize` writes in C (every `hfquant.core.blocks.LAYOUTS` type), with their ggml numbers."""
 
 
@@ -727,9 +733,9 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
             )
         period = k // fmt.block_size if w.dim() == 1 else 0
     out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
-    if name == "hq3_0":
-        targets = hq3.search_targets().to(torch.float32).contiguous()
-        library.hfquant_hq3_quantize(
+    if name in ("hq3_0", "hq3_nl"):
+        targets = hq3.search_targets(name).to(torch.float32).contiguous()
+        (library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize)(
             x.data_ptr(),
             _as_float_pointer(w),
             period,

@@ -112,15 +112,17 @@ def _bits_per_weight(overrides: dict, shapes: dict) -> float:
 
 
 @pytest.mark.parametrize("layers", [4, 30])
-def test_budget_names_every_layer_and_stays_within_3_5_bits(layers):
+@pytest.mark.parametrize("base", ["hq3_0", "hq3_nl"])
+def test_budget_names_every_layer_and_stays_within_3_5_bits(layers, base):
     shapes = smollm2_shapes(layers)
-    overrides = budget_overrides(shapes, "hq3_0")
+    overrides = budget_overrides(shapes, base)
     assert set(overrides) == set(shapes)
-    assert _bits_per_weight(overrides, shapes) <= BUDGET_FORMATS["hq3_0"] + 1e-9
-    # the cheapest 3-bit type of each row width: Q3_K where 256 divides it, HQ3_0 elsewhere
+    assert _bits_per_weight(overrides, shapes) <= BUDGET_FORMATS[base] + 1e-9
+    # the cheapest 3-bit type of each row width: Q3_K where 256 divides it, the budget's format elsewhere
     assert set(formats(overrides, "mlp.down_proj", layers)) <= {"q3_k", "q4_k", "q5_k"}
-    assert formats(overrides, "self_attn.q_proj", layers) == ["hq3_0"] * layers
-    assert formats(overrides, "mlp.gate_proj", layers) == ["hq3_0"] * layers
+    assert formats(overrides, "self_attn.q_proj", layers) == [base] * layers
+    assert formats(overrides, "mlp.gate_proj", layers) == [base] * layers
+    assert set(formats(overrides, "self_attn.v_proj", layers)) <= {base, "iq4_nl", "q5_0"}
 
 
 def test_budget_raises_value_projections_of_the_first_and_last_layers_first():

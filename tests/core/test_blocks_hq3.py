@@ -1,5 +1,5 @@
-"""HQ3_0, hfquant's own 3-bit format of 32-weight blocks (hfquant.core.blocks.hq3): the byte layout docs/format.md
-states, the dequantizer's formula, and a searched scale never worse than round-to-nearest."""
+"""HQ3_0 and HQ3_NL, hfquant's own 3-bit formats of 32-weight blocks (hfquant.core.blocks.hq3): the byte layout
+docs/format.md states, the dequantizers' formulas, and a searched scale never worse than round-to-nearest."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from hfquant.core import blocks
 from hfquant.core.blocks import hq3, importance
 
 
-def test_layout_is_3_5_bits_per_weight_and_not_a_gguf_type():
-    fmt = blocks.layout("hq3_0")
+@pytest.mark.parametrize("name", ["hq3_0", "hq3_nl"])
+def test_layout_is_3_5_bits_per_weight_and_not_a_gguf_type(name):
+    fmt = blocks.layout(name)
     assert (fmt.block_size, fmt.type_size, fmt.bits, fmt.gguf) == (32, 14, 3, False)
     assert fmt.bits_per_weight == 3.5
-    assert all(other.gguf for name, other in blocks.LAYOUTS.items() if name != "hq3_0")
+    assert all(other.gguf for name, other in blocks.LAYOUTS.items() if not name.startswith("hq3"))
 
 
 def test_codes_pack_as_documented():
@@ -77,3 +78,44 @@ def test_gaussian_weights_come_back_within_a_fifth_of_their_rms():
     weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(5))
     restored = blocks.dequantize("hq3_0", blocks.quantize("hq3_0", weight))
     assert float((weight - restored).pow(2).mean().sqrt() / weight.pow(2).mean().sqrt()) < 0.2
+
+
+def test_hq3_nl_dequantizes_to_d_times_its_grid_value():
+    generator = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 8, (2, 3, 32), generator=generator)
+    d = torch.tensor([[0.5, -0.25, 3e-3], [2.0, 0.0, -7.0]], dtype=torch.float16)
+    data = torch.cat([d.view(torch.uint8).reshape(2, 3, 2), hq3.pack_codes(codes)], dim=-1).reshape(2, -1)
+    grid = torch.tensor(hq3.NL_VALUES, dtype=torch.float32)
+    assert torch.equal(blocks.dequantize("hq3_nl", data), (d.float().unsqueeze(-1) * grid[codes]).reshape(2, 96))
+    assert hq3.NL_VALUES[4] == 0 and list(hq3.NL_VALUES) == sorted(hq3.NL_VALUES)  # an exact zero, sorted codes
+
+
+@pytest.mark.parametrize("rule", ["uniform", "default"])
+def test_hq3_nl_search_is_never_worse_than_its_seed_per_block(rule):
+    """The seed maps each block's largest-magnitude weight to the grid's -127 (its nearest codes for the float16 d)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(32, 256, generator=generator) * torch.rand(32, 1, generator=generator)
+    weight[1, 32:64] = 0.0  # an all-zero block stays exactly zero
+    weights = importance.default_importance("hq3_nl", weight) if rule == "default" else torch.ones_like(weight)
+    restored = blocks.dequantize("hq3_nl", blocks.quantize("hq3_nl", weight, weights))
+    x = weight.reshape(32, -1, 32)
+    peak = torch.gather(x, -1, x.abs().argmax(-1, keepdim=True))
+    d = (peak / hq3.NL_VALUES[0]).half().float()
+    grid = torch.tensor(hq3.NL_VALUES, dtype=torch.float32)
+    u = torch.where(d != 0, x / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(x))
+    seed = (d * grid[torch.bucketize(u, (grid[1:] + grid[:-1]) / 2, right=True)]).reshape(weight.shape)
+    errors = lambda r: (weights * (weight - r) ** 2).reshape(32, -1, 32).sum(-1)  # noqa: E731
+    assert bool((errors(restored) <= errors(seed) * (1 + 1e-6) + 1e-12).all())
+    assert errors(restored).sum() < 0.95 * errors(seed).sum()
+    assert bool((restored[1, 32:64] == 0).all())
+
+
+def test_hq3_nl_is_closer_than_hq3_0_on_gaussian_weights():
+    """The grid is denser near zero than HQ3_0's (steps of 29-39 against 127 / 4 = 31.75 in the same units at the
+    ends), which fits bell-shaped blocks: less weight error at the same bytes (about 7% on N(0, 1) rows)."""
+    weight = torch.randn(128, 512, generator=torch.Generator().manual_seed(8))
+    error = {
+        name: float((weight - blocks.dequantize(name, blocks.quantize(name, weight))).pow(2).sum())
+        for name in ("hq3_0", "hq3_nl")
+    }
+    assert error["hq3_nl"] < 0.97 * error["hq3_0"]

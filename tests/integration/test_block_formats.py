@@ -56,7 +56,7 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0"])
+@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0", "hq3_nl"])
 def test_block_format_stays_close_to_the_float_model(wide_checkpoint, name):
     """Logits within a tolerance that grows with the quantization step: the relative error of the logits against
     the float model's is at most 4 * 2**-bits (measured about 2**-bits on this random model)."""
@@ -105,15 +105,21 @@ def test_inspect_reports_each_layers_block_format_and_its_bytes(wide_checkpoint,
     assert all(row["bytes"] * 8 / (row["float_bytes"] / 4) == blocks.layout("q3_k").bits_per_weight for row in q3_rows)
 
 
-@pytest.mark.parametrize("spelling", [dict(format="hq3_0", mixed_precision="auto"), dict(bits=3.5)])
+@pytest.mark.parametrize(
+    "spelling",
+    [dict(format="hq3_0", mixed_precision="auto"), dict(format="hq3_nl", mixed_precision="auto"), dict(bits=3.5)],
+)
 def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spelling):
-    """`format="hq3_0", mixed_precision="auto"` (or `bits=3.5`): Q3_K where 256 divides a row, HQ3_0 elsewhere, value
+    """`format="hq3_nl", mixed_precision="auto"` (or `bits=3.5`; or "hq3_0"): Q3_K where 256 divides a row, the
+    format elsewhere, value
     projections raised while the stored bits stay within 3.5 per weight; config.json names each layer's format and
     the reload holds the same bytes."""
     tiny_model(
         "llama", hidden_size=96, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
     ).save_pretrained(tmp_path / "float")
     config = HfQuantConfig(**spelling)
+    base = config.format
+    assert base == spelling.get("format", "hq3_nl")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     layers = _layers(model)
     assert len(layers) == 14
@@ -121,8 +127,8 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spe
     weights = sum(layer.in_features * layer.out_features for layer in layers.values())
     assert stored_bits / weights <= 3.5
     assert {layers[n].format.block for n in layers if n.endswith("down_proj")} <= {"q3_k", "q4_k", "q5_k"}
-    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {"hq3_0"}
-    assert any(layers[n].format.block != "hq3_0" for n in layers if n.endswith("v_proj"))
+    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {base}
+    assert any(layers[n].format.block != base for n in layers if n.endswith("v_proj"))
     model.save_pretrained(tmp_path / "q")
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert set(saved["module_overrides"]) == set(layers)

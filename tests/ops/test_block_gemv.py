@@ -30,6 +30,7 @@ HALF_FIELDS = {
     "iq4_nl": (0,),
     "iq4_xs": (0,),
     "hq3_0": (0,),
+    "hq3_nl": (0,),
 }
 """Byte offsets of each block's float16 fields (ggml-common.h's d / dmin / m)."""
 
@@ -124,7 +125,7 @@ def _block_layer(name: str, n: int = 128, k: int = 512) -> QuantLinear:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0", "hq3_0"])  # HQ3_0: no C search, the torch codec
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0", "hq3_0", "hq3_nl"])
 def test_plan_picks_the_block_gemv_for_one_bfloat16_row(name, monkeypatch):
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # read when the layer is planned: no timing in tests
     assert gemv.native_block_works(name)

@@ -171,7 +171,7 @@ def test_block_quantize_refuses_bad_arguments():
         native.block_quantize("q5_1", torch.zeros(1, 64), -torch.ones(64))
 
 
-@pytest.mark.parametrize("name", ["iq4_nl", "q4_0", "hq3_0"])
+@pytest.mark.parametrize("name", ["iq4_nl", "q4_0", "hq3_0", "hq3_nl"])
 def test_quantize_on_load_takes_the_block_search_in_c(monkeypatch, name):
     from hfquant.nn import linear
 

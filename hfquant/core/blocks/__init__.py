@@ -10,7 +10,8 @@ The codecs live in one module per family, each defining `quantize_<name>(weight,
 - `legacy`: 32-weight blocks with a float16 scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
 - `kquants`: 256-weight super-blocks with quantized block scales (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K);
 - `iq4`: 4-bit codes on llama.cpp's non-uniform grid (IQ4_NL, 32-weight blocks; IQ4_XS, 256-weight super-blocks);
-- `hq3`: hfquant's own HQ3_0 (3-bit codes, 32-weight blocks, 3.5 bits per weight), not a GGUF type (`gguf` False).
+- `hq3`: hfquant's own HQ3_0 and HQ3_NL (3-bit codes, 32-weight blocks, 3.5 bits per weight; HQ3_NL's codes on a
+  non-uniform grid with a zero), not GGUF types (`gguf` False).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ LAYOUTS: dict[str, BlockLayout] = _layouts(
     ("iq4_nl", 20, 32, 18, 4, True, None, "iq4"),
     ("iq4_xs", 23, 256, 136, 4, True, "iq4_nl", "iq4"),
     ("hq3_0", 1000, 32, 14, 3, True, None, "hq3", False),
+    ("hq3_nl", 1001, 32, 14, 3, True, None, "hq3", False),
 )
 """Every block type hfquant stores, by name (sizes from ggml-common.h; gguf-py's `GGML_QUANT_SIZES` agrees)."""
 

@@ -18,6 +18,12 @@ The uniform grid -4..3 was measured against an MSE-optimal non-uniform grid of 8
 SmolLM2's blocks: -127, -73, -41, -15, 9, 35, 65, 106): the non-uniform grid has 14% less weight error but a worse
 SmolLM2 perplexity (3.56x bf16 against 2.75x with every 576-wide layer in the format), so the grid keeps a zero.
 
+HQ3_NL has HQ3_0's bytes, but code q[j] stands for `NL_VALUES[q[j]]` (-127, -87, -56, -29, 0, 29, 58, 94: weighted
+Lloyd iterations on the blocks the 3.5-bit budget quantizes, under the search's importance, with the zero kept):
+weight j is d * NL_VALUES[q[j]]. With the 3.5-bit budget it gives SmolLM2 1.857x bf16 perplexity against HQ3_0's
+1.913x and MiniLM cosine 0.9427 against 0.9325 (docs/performance.md); the values are int8, so the decode kernel looks
+them up with a byte shuffle as IQ4_NL's does.
+
 `quantize_hq3_0(weight, importance=None)` searches each block's scale (`legacy.fit_symmetric`: 2 x 31 candidates
 around both ends of the grid, least-squares refit, float16 rounding in the loop), minimizing the error weighted by
 `importance` (`blocks.quantize` without one: the type's data-free default, `importance.RULES["hq3_0"]`, which
@@ -44,8 +50,11 @@ from .legacy import (
 __all__ = [
     "QK",
     "TYPE_SIZE",
+    "NL_VALUES",
     "dequantize_hq3_0",
     "quantize_hq3_0",
+    "dequantize_hq3_nl",
+    "quantize_hq3_nl",
     "reference_hq3_0",
     "pack_codes",
     "unpack_codes",
@@ -57,16 +66,22 @@ QK = 32
 TYPE_SIZE = 14
 """Bytes per block: d (2), qs (8), qh (4)."""
 
+NL_VALUES = (-127, -87, -56, -29, 0, 29, 58, 94)
+"""HQ3_NL's grid: the value of each 3-bit code (the C kernels' `kvalues_hq3nl` / `HQ3_NL_GRID`)."""
+
 _GRID = Grid(list(range(-4, 4)))
+_NL_GRID = Grid(list(NL_VALUES))
 _FACTORS = torch.linspace(0.7, 1.3, 31)
 _LANES = torch.arange(4, dtype=torch.int32) * 2  # shift of code j's low bits in qs[j % 8]: 2 (j // 8)
 _BIT = 1 << torch.arange(8, dtype=torch.int32)
 
 
-def search_targets() -> torch.Tensor:
-    """(62,) float32: where the search lets a block's largest weight land, both ends of the grid times the factors
-    (`legacy._symmetric_candidates`' order), as the C search (`native.block_quantize`) takes them."""
-    return torch.cat([_GRID.low * _FACTORS, _GRID.high * _FACTORS])
+def search_targets(name: str = "hq3_0") -> torch.Tensor:
+    """(62,) float32: where the search of `name` ("hq3_0" or "hq3_nl") lets a block's largest weight land, both ends
+    of its grid times the factors (`legacy._symmetric_candidates`' order), as the C search (`native.block_quantize`)
+    takes them."""
+    grid = _NL_GRID if name == "hq3_nl" else _GRID
+    return torch.cat([grid.low * _FACTORS, grid.high * _FACTORS])
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -121,4 +136,27 @@ def quantize_hq3_0(weight: torch.Tensor, importance: torch.Tensor | None = None)
     x, w = as_blocks(weight), importance_blocks(importance, weight)
     seed = _signed_absmax(x) / _GRID.low
     d, idx = fit_symmetric(x.reshape(-1, QK), w.reshape(-1, QK), _GRID, _FACTORS, seed.reshape(-1))
+    return _encode(d.reshape(x.shape[:2]), idx.reshape(x.shape))
+
+
+def dequantize_hq3_nl(data: torch.Tensor) -> torch.Tensor:
+    """(rows, nb * 14) uint8 HQ3_NL blocks -> (rows, nb * 32) float32: d * NL_VALUES[q]."""
+    blocks = data.reshape(data.shape[0], -1, TYPE_SIZE)
+    d = f16_field(blocks, 0).unsqueeze(-1)
+    return (d * _NL_GRID.value(unpack_codes(blocks[..., 2:]).long())).reshape(data.shape[0], -1)
+
+
+def quantize_hq3_nl(weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """HQ3_NL blocks of `weight` (rows, K) float, K % 32 == 0: `quantize_hq3_0`'s search on the grid `NL_VALUES`.
+
+    Args:
+        importance: optional (K,) or (rows, K) float >= 0 weights of each element's squared error (None: all 1).
+    Returns:
+        (rows, K // 32 * 14) uint8.
+    Raises:
+        ValueError: `importance` of another shape, negative or not finite.
+    """
+    x, w = as_blocks(weight), importance_blocks(importance, weight)
+    seed = _signed_absmax(x) / _NL_GRID.low
+    d, idx = fit_symmetric(x.reshape(-1, QK), w.reshape(-1, QK), _NL_GRID, _FACTORS, seed.reshape(-1))
     return _encode(d.reshape(x.shape[:2]), idx.reshape(x.shape))

@@ -459,6 +459,22 @@ BK_TARGET static float BK_NAME(row_hq3_0_)(const uint8_t *w, const ActRow *a, in
     BK_ROW32(BK_NAME(hq3_0_step_), 14, 0);
 }
 
+/* HQ3_NL: HQ3_0's 3-bit codes u looked up in the int8 grid (a byte shuffle, as IQ4_NL's), then a signed dot */
+BK_TARGET static inline __m256 BK_NAME(hq3_nl_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc,
+                                                     __m256i grid) {
+    const __m256i three = _mm256_set1_epi8(3), shifts = _mm256_set_epi64x(6, 4, 2, 0);
+    long long qs;
+    memcpy(&qs, w + 2, 8);
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
+    const __m256i u = BK_NAME(add_high_)(low, w + 10, 4);
+    return BK_NAME(signed_step_)(_mm256_shuffle_epi8(grid, u), a, b, acc, BK_NAME(half_)(w));
+}
+
+BK_TARGET static float BK_NAME(row_hq3_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)HQ3_NL_GRID));
+    BK_ROW32(BK_NAME(hq3_nl_step_), 14, grid);
+}
+
 /* Q4_0 / Q5_0 (w = d * (u - offset): the offset times the activation sum, an integer term of the block's dot) and
  * Q4_1 / Q5_1 (w = d * u + m: m times the activation sum, in lane 0 of the float contribution); u the 4- or 5-bit
  * code. kind: bit 0 five-bit, bit 1 affine; offset 8 or 16 */
@@ -505,6 +521,7 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
         case GGML_IQ4_NL: return BK_NAME(row_iq4_nl_)(w, a, nb);
         case GGML_IQ4_XS: return BK_NAME(row_iq4_xs_)(w, a, nb);
         case HQ3_0: return BK_NAME(row_hq3_0_)(w, a, nb);
+        case HQ3_NL: return BK_NAME(row_hq3_nl_)(w, a, nb);
         default: return 0.0f;
     }
 }

@@ -45,6 +45,7 @@ enum {
     GGML_IQ4_NL = 20,
     GGML_IQ4_XS = 23,
     HQ3_0 = 1000, /* hfquant's own (hfquant.core.blocks.hq3), not a GGUF type */
+    HQ3_NL = 1001, /* hfquant's own: HQ3_0's bytes, codes on the grid HQ3_NL_GRID */
 };
 
 /* weights per block and bytes per block of a GGML type (0: not one of ours) */
@@ -53,7 +54,7 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
         {GGML_Q8_0, 32, 34},  {GGML_Q2_K, 256, 84},  {GGML_Q3_K, 256, 110}, {GGML_Q4_K, 256, 144},
         {GGML_Q5_K, 256, 176}, {GGML_Q6_K, 256, 210}, {GGML_IQ4_NL, 32, 18}, {GGML_IQ4_XS, 256, 136},
-        {HQ3_0, 32, 14},
+        {HQ3_0, 32, 14},      {HQ3_NL, 32, 14},
     };
     *block = 0;
     *bytes = 0;
@@ -69,6 +70,9 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
 
 /* llama.cpp's IQ4 grid (kvalues_iq4nl, ggml-common.h): the value of each 4-bit code */
 static const int8_t IQ4_GRID[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* hfquant's HQ3_NL grid (hq3.py `NL_VALUES`): the value of each 3-bit code, padded to 16 bytes for a byte shuffle */
+static const int8_t HQ3_NL_GRID[16] = {-127, -87, -56, -29, 0, 29, 58, 94, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* The quantized activation row: d (a float32 scale per block of `per` inputs), q (K int8), sums (the int32 sum of q
  * per 16 inputs when per = 256, per 32 when per = 32). */
@@ -227,11 +231,11 @@ static void decode_block(int type, const uint8_t *w, float *out) {
             for (int i = 0; i < 32; i++) out[i] = d * (float)(int8_t)w[2 + i];
             return;
         }
-        case HQ3_0: {
+        case HQ3_0: case HQ3_NL: {
             const float d = fp16_to_float(w);
             for (int i = 0; i < 32; i++) {
                 const int u = ((w[2 + i % 8] >> (2 * (i / 8))) & 3) | (((w[10 + i / 8] >> (i % 8)) & 1) << 2);
-                out[i] = d * (float)(u - 4);
+                out[i] = d * (float)(type == HQ3_NL ? HQ3_NL_GRID[u] : u - 4);
             }
             return;
         }

@@ -561,17 +561,23 @@ static void grid_uniform(grid_t *g, int low, int count) {
     for (int i = 0; i < count; i++) g->values[i] = (float)(low + i);
 }
 
-static void grid_iq4(grid_t *g) {
-    g->n = 16;
+/* hfquant's HQ3_NL grid (hq3.py `NL_VALUES`): 8 values with an exact zero */
+static const float kvalues_hq3nl[8] = {-127, -87, -56, -29, 0, 29, 58, 94};
+
+/* a non-uniform grid of n (<= 16) sorted values */
+static void grid_table(grid_t *g, const float *values, int n) {
+    g->n = n;
     g->uniform = 0;
-    g->low = kvalues_iq4nl[0];
-    g->high = kvalues_iq4nl[15];
-    for (int i = 0; i < 16; i++) g->values[i] = kvalues_iq4nl[i];
-    for (int i = 0; i < 15; i++) {
-        g->mids[i] = (kvalues_iq4nl[i + 1] + kvalues_iq4nl[i]) / 2;
-        g->steps[i] = kvalues_iq4nl[i + 1] - kvalues_iq4nl[i];
+    g->low = values[0];
+    g->high = values[n - 1];
+    for (int i = 0; i < n; i++) g->values[i] = values[i];
+    for (int i = 0; i < n - 1; i++) {
+        g->mids[i] = (values[i + 1] + values[i]) / 2;
+        g->steps[i] = values[i + 1] - values[i];
     }
 }
+
+static void grid_iq4(grid_t *g) { grid_table(g, kvalues_iq4nl, 16); }
 
 /* floor(value) for |value| < 2**22 in the default rounding mode, without a libm call and vectorizable */
 static inline float floor_small(float value) {
@@ -595,13 +601,23 @@ static inline __attribute__((always_inline)) void nearest_values(const grid_t *g
             t = t < lo ? lo : t;
             q[i] = t > hi ? hi : t;
         }
-    } else {
+    } else if (g->n == 16) { /* IQ4_NL: a constant trip count */
         float u[QK];
         for (int i = 0; i < QK; i++) {
             u[i] = x[i] * inv;
             q[i] = kvalues_iq4nl[0];
         }
         for (int k = 0; k < 15; k++) {
+            const float mid = g->mids[k], step = g->steps[k];
+            for (int i = 0; i < QK; i++) q[i] += u[i] >= mid ? step : 0.0f;
+        }
+    } else {
+        float u[QK];
+        for (int i = 0; i < QK; i++) {
+            u[i] = x[i] * inv;
+            q[i] = g->low;
+        }
+        for (int k = 0; k < g->n - 1; k++) {
             const float mid = g->mids[k], step = g->steps[k];
             for (int i = 0; i < QK; i++) q[i] += u[i] >= mid ? step : 0.0f;
         }
@@ -612,7 +628,7 @@ static inline __attribute__((always_inline)) void nearest_values(const grid_t *g
 static inline int grid_index_of(const grid_t *g, float v) {
     if (g->uniform) return (int)(v - g->low);
     int k = 0;
-    while (k < 15 && g->values[k] != v) k++;
+    while (k < g->n - 1 && g->values[k] != v) k++;
     return k;
 }
 
@@ -947,10 +963,9 @@ static void put_hq3_codes(const uint8_t *codes, uint8_t *out) {
  * element's weight in the squared error, NULL for all 1; `w_period` > 0: w repeats every w_period blocks. `targets`:
  * the candidate targets (both grid ends times hq3's factors). Returns 0.
  */
-int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
-                         int64_t ntargets, uint8_t *out) {
-    grid_t grid;
-    grid_uniform(&grid, -4, 8);
+static void hq3_quantize(const grid_t *g, const float *x, const float *w, int64_t w_period, int64_t nblocks,
+                         const float *targets, int64_t ntargets, uint8_t *out) {
+    const grid_t grid = *g;
 #pragma omp parallel for schedule(dynamic, 64)
     for (int64_t b = 0; b < nblocks; b++) {
         float ones[QK], q[QK];
@@ -968,5 +983,22 @@ int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64
         put_half(o, d);
         put_hq3_codes(idx, o + 2);
     }
+}
+
+int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
+                         int64_t ntargets, uint8_t *out) {
+    grid_t grid;
+    grid_uniform(&grid, -4, 8);
+    hq3_quantize(&grid, x, w, w_period, nblocks, targets, ntargets, out);
+    return 0;
+}
+
+/* HQ3_NL (`hq3.quantize_hq3_nl`): HQ3_0's bytes and search, codes on the grid `kvalues_hq3nl` (seed: the
+ * largest-magnitude weight at -127). Arguments as `hfquant_hq3_quantize`'s. Returns 0. */
+int hfquant_hq3_nl_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
+                            int64_t ntargets, uint8_t *out) {
+    grid_t grid;
+    grid_table(&grid, kvalues_hq3nl, 8);
+    hq3_quantize(&grid, x, w, w_period, nblocks, targets, ntargets, out);
     return 0;
 }

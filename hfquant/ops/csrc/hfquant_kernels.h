@@ -53,6 +53,9 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
 /* blocks_quant_cpu.c: hfquant's search for its own HQ3_0 (3-bit codes, 32-weight blocks), hq3.py's bytes out */
 int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
                          int64_t ntargets, uint8_t *out);
+/* blocks_quant_cpu.c: the same for HQ3_NL (HQ3_0's bytes, codes on hq3.py's NL_VALUES grid) */
+int hfquant_hq3_nl_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
+                            int64_t ntargets, uint8_t *out);
 
 /* int8_cpu.c: int8 per-channel codes, row-major as stored */
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
