@@ -133,10 +133,7 @@ def quantize_hq3_0(weight: torch.Tensor, importance: torch.Tensor | None = None)
     Raises:
         ValueError: `importance` of another shape, negative or not finite.
     """
-    x, w = as_blocks(weight), importance_blocks(importance, weight)
-    seed = _signed_absmax(x) / _GRID.low
-    d, idx = fit_symmetric(x.reshape(-1, QK), w.reshape(-1, QK), _GRID, _FACTORS, seed.reshape(-1))
-    return _encode(d.reshape(x.shape[:2]), idx.reshape(x.shape))
+    return _search(weight, importance, _GRID)
 
 
 def dequantize_hq3_nl(data: torch.Tensor) -> torch.Tensor:
@@ -156,7 +153,13 @@ def quantize_hq3_nl(weight: torch.Tensor, importance: torch.Tensor | None = None
     Raises:
         ValueError: `importance` of another shape, negative or not finite.
     """
+    return _search(weight, importance, _NL_GRID)
+
+
+def _search(weight: torch.Tensor, importance: torch.Tensor | None, grid: Grid) -> torch.Tensor:
+    """Both formats' blocks: each block's scale searched on `grid` (`legacy.fit_symmetric`, seeded with the
+    largest-magnitude weight on the grid's low end), codes the grid's indices."""
     x, w = as_blocks(weight), importance_blocks(importance, weight)
-    seed = _signed_absmax(x) / _NL_GRID.low
-    d, idx = fit_symmetric(x.reshape(-1, QK), w.reshape(-1, QK), _NL_GRID, _FACTORS, seed.reshape(-1))
+    seed = _signed_absmax(x) / grid.low
+    d, idx = fit_symmetric(x.reshape(-1, QK), w.reshape(-1, QK), grid, _FACTORS, seed.reshape(-1))
     return _encode(d.reshape(x.shape[:2]), idx.reshape(x.shape))
