@@ -49,6 +49,11 @@ METHODS: dict[str, tuple[str | None, str]] = {
         None,
         "hfquant-int4-sym with decode_activations='int8': the weights and the activation rounding of llama.cpp's Q4_0",
     ),
+    "hfquant-int4-lm8": (
+        None,
+        "hfquant-int4 with lm_head='int8': the output layer per-channel int8 (bf16 by default; tied to the input "
+        "embedding, both)",
+    ),
     "torchao-int8": ("torchao", "TorchAoConfig(Int8WeightOnlyConfig())"),
     "torchao-int4": (
         "torchao",
@@ -151,6 +156,10 @@ def quantization_config(method: str):
         raise ImportError(f"{method} needs {requires}, which is not installed: {PIP_HINT}")
     if method == "bf16":
         return None
+    if method.startswith("hfquant-") and method.endswith("-lm8"):
+        config = quantization_config(method.removesuffix("-lm8"))
+        config.lm_head = "int8"
+        return config
     if method.startswith("hfquant-") and method.endswith("-a8"):
         config = quantization_config(method.removesuffix("-a8"))
         config.decode_activations = "int8"
