@@ -256,14 +256,6 @@ def default_mixed_precision(bits: int) -> MixedPrecision:
     return MixedPrecision.AUTO if bits == 4 else MixedPrecision.NONE
 
 
-def default_lm_head(bits: Any, format: Any) -> LmHead:
-    """The `lm_head` used when none is given: per-channel int8 with the 4-bit int format (as llama.cpp keeps its
-    output layer in 6-8 bits beside 4-bit layers), float otherwise. The bf16 output layer was the largest weight a
-    4-bit decode step read: int8 decodes the 1.2B benchmark model 1.18x faster eager, 1.15x compiled (paired rounds)
-    for SmolLM2 perplexity 1.147x -> 1.148x bf16's (docs/performance.md, "The 4-bit default's int8 lm_head")."""
-    return LmHead.INT8 if bits == 4 and format in (QuantFormat.AUTO, QuantFormat.INT, "auto", "int") else LmHead.KEEP
-
-
 def default_symmetric(bits: int) -> bool:
     """The symmetry used when none is given: symmetric at 8 bits (the int8 kernel has no zero point), asymmetric at 4."""
     return bits == 8
@@ -593,12 +585,11 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "lm_head",
         "the output embedding: 'keep' (float, unless tied to a quantized input embedding) or int8 / int4 "
-        "(QuantLinear; default: int8 in the 4-bit int format, else keep). Tied to the input embedding, both are one "
-        "tensor, stored once and quantized if either field asks for it (two different formats are an error)",
+        "(QuantLinear). Tied to the input embedding, both are one tensor, stored once and quantized if either "
+        "field asks for it (two different formats are an error)",
         LmHead,
-        lambda resolved: default_lm_head(resolved["bits"], resolved["format"]),
+        LmHead.KEEP,
         _check_choice,
-        legacy=LmHead.KEEP,
     ),
     ConfigField(
         "compute_dtype",

@@ -266,7 +266,7 @@ def test_to_json_string_is_unchanged():
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
         '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "int",\n  "format_version": 1,\n'
         '  "group_size": 128,\n'
-        '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
+        '  "lm_head": "keep",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
     assert json.loads(HfQuantConfig(bits=8).to_json_string()) == {
@@ -379,10 +379,8 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         "clipping": "minmax",
         "fold_column_scales": False,
         "format": "int",
-        "lm_head": "keep",
     }
     assert config.format == "int"  # written before block formats existed
-    assert config.lm_head == "keep"  # written before the 4-bit default's lm_head became int8
 
 
 def test_an_entry_naming_a_layer_exactly_wins_over_a_pattern_listed_before_it():
