@@ -214,14 +214,8 @@ class _Planner:
     def planned(self, block: Block) -> list[str]:
         """The module names `fold` can give a `Transform` in `block`, from the formats alone: every member of a
         group whose matrices are all quantized (a norm only gets one where its group is kept)."""
-        quantized = {name for name in block if self.formats.get(name) is not None}
-        groups = (
-            ((block.v, block.o), ()),
-            ((block.q, block.k, block.v), (block.attention_norm,)),
-            ((block.up, block.down), ()),
-            ((block.gate, block.up), (block.mlp_norm,)),
-        )
-        return [name for matrices, norms in groups if set(matrices) <= quantized for name in (*matrices, *norms)]
+        groups = zip(_fold_groups(block), _foldable(block, self.formats), strict=True)
+        return [name for (matrices, norms), folds in groups if folds for name in (*matrices, *norms)]
 
     def fold(self, block: Block) -> dict[str, Transform] | None:
         """`_fold_block` of `block`, its checkpoint pages released after; None (a warning names the block) where it
@@ -299,9 +293,9 @@ def _fold_block(
         ValueError: the head counts do not fit the projections.
     """
     folds = _BlockFolds(read, tile, formats, scratch, clipping)
-    quantized = {name for name in block if formats.get(name) is not None}
+    v_o, qkv, up_down, gate_up = _foldable(block, formats)
     v_rows = up_rows = None
-    if {block.v, block.o} <= quantized:
+    if v_o:
 
         def share_heads(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             try:
@@ -310,15 +304,33 @@ def _fold_block(
                 raise ValueError(f"cannot fold the column scales of {block.o}: {error}") from None
 
         v_rows = folds.into_rows(block.v, block.o, share_heads)
-    if {block.q, block.k, block.v} <= quantized:
+    if qkv:
         # v's rows carry o_proj's fold; only the statistics read them scaled (`hfquant.ops.balance`): the stored layer
         # is rescaled exactly, in float32, when it is quantized
         folds.into_norm(block.attention_norm, (block.q, block.k, block.v), (None, None, v_rows))
-    if {block.up, block.down} <= quantized:
+    if up_down:
         up_rows = folds.into_rows(block.up, block.down)
-    if {block.gate, block.up} <= quantized:
+    if gate_up:
         folds.into_norm(block.mlp_norm, (block.gate, block.up), (None, up_rows))
     return folds.transforms
+
+
+def _fold_groups(block: Block) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """(the matrices, the norm) of each fold group of `block`, in the order `_fold_block` folds them: v -> o_proj,
+    input_layernorm -> q/k/v, up -> down_proj, post_attention_layernorm -> gate/up."""
+    return (
+        ((block.v, block.o), ()),
+        ((block.q, block.k, block.v), (block.attention_norm,)),
+        ((block.up, block.down), ()),
+        ((block.gate, block.up), (block.mlp_norm,)),
+    )
+
+
+def _foldable(block: Block, formats) -> list[bool]:
+    """For each of `_fold_groups(block)`: whether every matrix it changes is quantized by hfquant (a layer kept in
+    float would not pass through the quantizer's op), the one rule deciding which groups are folded."""
+    quantized = {name for name in block if formats.get(name) is not None}
+    return [set(matrices) <= quantized for matrices, _ in _fold_groups(block)]
 
 
 class _BlockFolds:
