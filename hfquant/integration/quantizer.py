@@ -44,7 +44,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from hfquant.checkpoint.files import PLACEHOLDER_METADATA
 from hfquant.checkpoint.saving import attach_staged_save
-from hfquant.checkpoint.streaming import PageReleaser, release_checkpoint_pages, trim_heap
+from hfquant.checkpoint.streaming import PageReleaser, mapped_checkpoint_ranges, release_range, trim_heap
 from hfquant.config import QUANT_METHOD, HfQuantConfig
 from hfquant.core.dtypes import dtype_name, torch_dtype
 from hfquant.core.folding import Transform
@@ -318,7 +318,7 @@ def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None) -> dict[str, i
     straight into the group's tensor); returns the number of layers per kernel."""
     counts: dict[str, int] = {}
     prepared: set[int] = set()
-    read = 0
+    maps = [(start, end) for start, end, _ in mapped_checkpoint_ranges()]
     for module in model.modules():
         if not isinstance(module, QuantLinear) or id(module) in prepared:
             continue
@@ -326,22 +326,27 @@ def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None) -> dict[str, i
         layers = [module] if group is None else group.members
         for layer in layers:
             restore_kernel_buffers(layer)
-            read += layer.weight.nbytes
+        sources = [(layer.weight.data_ptr(), layer.weight.nbytes) for layer in layers]
         chosen = [module.prepare_kernel(dtype)] if group is None else group.prepare(dtype)
-        for layer, kernel in zip(layers, chosen, strict=True):
+        for layer, kernel, source in zip(layers, chosen, sources, strict=True):
             prepared.add(id(layer))
             counts[kernel] = counts.get(kernel, 0) + 1
-        if read >= PageReleaser.MIN_BYTES:
-            # a reload's weights are views of the mapped checkpoint until prepared (repacked, or copied where
-            # unaligned): their pages and the copies were both resident, 2.2x a block checkpoint's size at the peak.
-            # Unmapped only (the page cache keeps them): the views still in use fault them back in cheaply.
-            release_checkpoint_pages(keep_cached=True)
-            read = 0
+            if layer.weight.data_ptr() != source[0]:
+                _release_source(*source, maps)
     # Once, not per layer: the replaced stored-layout tensors must not stay resident, but a trim per layer hands back
     # the freed pages that the next layer's repack would have reused, and faults them in again (#28: a reload right
     # after `del model` took 0.6-1.0 s against 0.3 s).
     trim_heap()
     return counts
+
+
+def _release_source(address: int, nbytes: int, maps: list[tuple[int, int]]) -> None:
+    """Unmap the pages of a stored weight that `prepare_kernel` replaced (repacked, or copied where unaligned), if it
+    was a view of a mapped checkpoint file, keeping them in the page cache: a reload's weights are such views, and
+    their pages stayed resident beside the copies until the load ended (2.2x a block checkpoint's size at the peak)."""
+    mapping = next(((start, end) for start, end in maps if start <= address < end), None)
+    if mapping is not None:
+        release_range(address, nbytes, mapping)
 
 
 def register() -> None:
