@@ -1,5 +1,6 @@
-"""Fused decode groups: the projections of a block that read the same input in the same int4 or block format (q/k/v,
-gate/up) run one GEMV per decode step instead of one each, reading `x` once, without changing the model's classes.
+"""Fused decode groups: the projections of a block that read the same input in the same int4 format or in block formats
+of one block size (q/k/v, gate/up) run one GEMV per decode step instead of one each, reading `x` once, without
+changing the model's classes.
 
 Why: at batch-1 decode each `QuantLinear` call is a few microseconds of kernel on a small model, and each GEMV pays
 its own dispatch, its own OpenMP region and its own output allocation (docs/performance.md). One GEMV over the
@@ -9,7 +10,7 @@ How, without patching transformers' attention / MLP classes: `link_decode_groups
 `replace.replace_with_quant_linear` on the skeleton) makes the sibling `QuantLinear`s of one parent (`SIBLINGS`)
 members of one `DecodeGroup`. Once every member's kernel is prepared with the same eager GEMV (`QuantLinear._row`;
 same kernel, call, input width, group size and block type, bfloat16 (scale, zero) pairs for int4, no SINQ column
-scale), the group builds its
+scale; block types may differ where their block size does not: `DecodeGroup._build_mixed`), the group builds its
 compute tensors: the members' runtime weights concatenated along the output rows (the CPU int4 layout is blocked by
 output rows, so the concatenation is the layout of the stacked weight) and each member's `weight` buffer replaced by its
 rows of it, a view (no second copy of the codes); the (scale, zero) pairs concatenated (a new tensor: 1/16 of the
@@ -28,8 +29,10 @@ with that same tensor, unmodified, takes its view (under `torch.inference_mode` 
 there the same tensor object is taken as the same input). Every output row is computed by the same kernel in the same order as
 in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order; the block GEMV quantizes
 the row to int8 the same way whatever N, then sums each output in one thread), so the fused outputs equal
-the unfused ones bit for bit. Anything else takes each layer's own path: torch.compile graphs, inputs requiring
-gradients, several rows, a member called with another tensor. A group whose members keep being called with different
+the unfused ones bit for bit. In torch.compile graphs a block group whose layers call the dispatcher operators puts
+one `hfquant_cpu.block_gemv_group` call in the graph for its members (`DecodeGroup.graph_product`); int4 groups are
+not fused in graphs yet. Anything else takes each layer's own path: inputs requiring gradients, several rows, a member
+called with another tensor. A group whose members keep being called with different
 inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
 (offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
 are prepared again. A pickled or deep-copied layer leaves its group (its copy runs its own GEMV).
@@ -302,8 +305,8 @@ def _group_format(fmt):
 
 def link_decode_groups(model: nn.Module, layer_type: type) -> int:
     """Make the sibling `layer_type` (`QuantLinear`) children of each module of `model` named as in `SIBLINGS` that
-    share a stored format and input width members of one `DecodeGroup` (at least two; built once their kernels are
-    prepared alike). Returns the number of groups."""
+    share a stored format (block formats: a block size, `_group_format`) and input width members of one
+    `DecodeGroup` (at least two; built once their kernels are prepared alike). Returns the number of groups."""
     groups = 0
     for parent in model.modules():
         children = parent._modules
