@@ -1,5 +1,6 @@
-"""Fused decode groups: the projections of a block that read the same input in the same int4 or block format (q/k/v,
-gate/up) run one GEMV per decode step instead of one each, reading `x` once, without changing the model's classes.
+"""Fused decode groups: the projections of a block that read the same input in the same int4 format or in block formats
+of one block size (q/k/v, gate/up) run one GEMV per decode step instead of one each, reading `x` once, without
+changing the model's classes.
 
 Why: at batch-1 decode each `QuantLinear` call is a few microseconds of kernel on a small model, and each GEMV pays
 its own dispatch, its own OpenMP region and its own output allocation (docs/performance.md). One GEMV over the
@@ -9,7 +10,7 @@ How, without patching transformers' attention / MLP classes: `link_decode_groups
 `replace.replace_with_quant_linear` on the skeleton) makes the sibling `QuantLinear`s of one parent (`SIBLINGS`)
 members of one `DecodeGroup`. Once every member's kernel is prepared with the same eager GEMV (`QuantLinear._row`;
 same kernel, call, input width, group size and block type, bfloat16 (scale, zero) pairs for int4, no SINQ column
-scale), the group builds its
+scale; block types may differ where their block size does not: `DecodeGroup._build_mixed`), the group builds its
 compute tensors: the members' runtime weights concatenated along the output rows (the CPU int4 layout is blocked by
 output rows, so the concatenation is the layout of the stacked weight) and each member's `weight` buffer replaced by its
 rows of it, a view (no second copy of the codes); the (scale, zero) pairs concatenated (a new tensor: 1/16 of the
@@ -28,8 +29,10 @@ with that same tensor, unmodified, takes its view (under `torch.inference_mode` 
 there the same tensor object is taken as the same input). Every output row is computed by the same kernel in the same order as
 in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order; the block GEMV quantizes
 the row to int8 the same way whatever N, then sums each output in one thread), so the fused outputs equal
-the unfused ones bit for bit. Anything else takes each layer's own path: torch.compile graphs, inputs requiring
-gradients, several rows, a member called with another tensor. A group whose members keep being called with different
+the unfused ones bit for bit. In torch.compile graphs a block group whose layers call the dispatcher operators puts
+one `hfquant_cpu.block_gemv_group` call in the graph for its members (`DecodeGroup.graph_product`); int4 groups are
+not fused in graphs yet. Anything else takes each layer's own path: inputs requiring gradients, several rows, a member
+called with another tensor. A group whose members keep being called with different
 inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
 (offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
 are prepared again. A pickled or deep-copied layer leaves its group (its copy runs its own GEMV).
@@ -41,6 +44,10 @@ import logging
 
 import torch
 from torch import nn
+
+from hfquant.core import blocks
+from hfquant.ops import native
+from hfquant.ops.gemv import RowCall, RowKernel
 
 __all__ = ["SIBLINGS", "MAX_MISSES", "DecodeGroup", "link_decode_groups"]
 
@@ -77,23 +84,34 @@ class DecodeGroup:
         self._row = None
         self._views: tuple = ()
         self._cache = None  # (x, x._version, outputs, [members yet to take theirs])
+        self.in_graphs = False  # a block group with the dispatcher operators: one call in compiled graphs too
+        self._parts: tuple = ()  # the block weights of the group's C call: (weight,), or each member's (mixed types)
+        self._types: tuple = ()  # their GGUF type numbers
+        self._traced = None  # while a graph is traced: (x, outputs) of the member called first (`graph_product`)
 
     def build(self) -> bool:
         """Concatenate the members' runtime tensors into the group's, if every member is prepared with the same
         eager GEMV (`QuantLinear._row` and its plan) on CPU and the group is not built yet; returns whether the
         group computes its members' rows now. Weights that are already the consecutive rows of one tensor (repacked
-        there by `prepare`, or left so by `dissolve`) are not copied: that tensor becomes the group's."""
-        if self.weight is not None:
+        there by `prepare`, or left so by `dissolve`) are not copied: that tensor becomes the group's. Block formats
+        of different types but one block size (a Q4_K_M file's Q4_K q/k and Q6_K v) are not concatenated (their rows
+        differ in bytes): the group's one C call takes each member's weight (`native.block_gemv_group`)."""
+        if self._views:
             return True
         if self.misses > MAX_MISSES or self._preparing:
             return False
         first = self.members[0]
-        key = _row_key(first)
-        if key is None or any(_row_key(member) != key for member in self.members[1:]):
+        keys = [_row_key(member) for member in self.members]
+        if keys[0] is None or any(key is None for key in keys):
             return False
         weights = [member._buffers["weight"] for member in self.members]
         if any(weight.device.type != "cpu" or not weight.is_contiguous() for weight in weights):
             return False
+        plan = first.plan
+        if any(key != keys[0] for key in keys[1:]):
+            if not _mixed_blocks(keys):
+                return False
+            return self._build_mixed(weights)
         with torch.no_grad():
             weight = _rows_of_one_tensor(weights, self.sizes)  # repacked there by `prepare`, or a dissolved group's
             if weight is None:
@@ -106,6 +124,31 @@ class DecodeGroup:
             member._buffers["weight"] = view  # the member's rows of the group's tensor: no second copy of the codes
             member._fused = self
         self.weight, self.scale_zero, self._row, self._views = weight, scale_zero, first._row, views
+        if plan.block:
+            self._parts, self._types = (weight,), (blocks.layout(plan.block).ggml_type,)
+            self.in_graphs = plan.row_call is RowCall.OPERATOR
+        return True
+
+    def _build_mixed(self, weights: list[torch.Tensor]) -> bool:
+        """`build` for block members of different types and one block size: one C call over their own weights."""
+        plan = self.members[0].plan
+        parts = tuple(weights)
+        types = tuple(blocks.layout(member.plan.block).ggml_type for member in self.members)
+        in_features = plan.in_features
+        if plan.row_call is RowCall.OPERATOR:
+            op = torch.ops.hfquant_cpu.block_gemv_group.default
+        else:
+            op = native.block_gemv_group
+        part_list, type_list = list(parts), list(types)
+
+        def group_row(x: torch.Tensor, weight, scale_zero) -> torch.Tensor:
+            return op(x, part_list, in_features, type_list)
+
+        for member in self.members:
+            member._fused = self
+        self.weight, self.scale_zero, self._row, self._views = None, None, group_row, parts
+        self._parts, self._types = parts, types
+        self.in_graphs = plan.row_call is RowCall.OPERATOR
         return True
 
     def prepare(self, dtype: torch.dtype | None = None) -> list:
@@ -149,8 +192,9 @@ class DecodeGroup:
         it is prepared or loaded again) and runs its own GEMV."""
         for member in self.members:
             member._fused = None
-        self.weight = self.scale_zero = self._row = self._cache = None
-        self._views = ()
+        self.weight = self.scale_zero = self._row = self._cache = self._traced = None
+        self._views = self._parts = self._types = ()
+        self.in_graphs = False
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output (x's leading dimensions, N_index) bfloat16 for one contiguous bfloat16 row `x`: a
@@ -181,6 +225,41 @@ class DecodeGroup:
         outputs = y.split_with_sizes(self.sizes, -1)
         self._cache = (x, version, outputs, [len(self.members) - 1])
         return outputs[index]
+
+    def graph_product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        """`product` while torch.compile traces a graph (`in_graphs`: a block group whose layers call the dispatcher
+        operators): the member called first (index 0) puts one `hfquant_cpu.block_gemv_group` call in the graph for
+        all members and keeps (x, the outputs split as views) until the last member takes its view; each sibling
+        called with that same traced tensor takes its view. The same bytes as each member's own operator call (see
+        `product`). None for a member called with another tensor, or before the first: the caller runs its own
+        operator.
+
+        The kept pair is a Python attribute the trace mutates and, once the last member has taken its view, sets back
+        to None: the graph returns nothing more (a group whose members are not all called in one graph keeps its last
+        pair until the next call, which replaces it)."""
+        if index == 0:
+            y = torch.ops.hfquant_cpu.block_gemv_group(
+                x.contiguous(), list(self._parts), self.members[0].in_features, list(self._types)
+            )
+            outputs = y.view(*x.shape[:-1], -1).split_with_sizes(self.sizes, -1)
+            self._traced = (x, outputs)
+            return outputs[0]
+        traced = self._traced
+        if traced is None or traced[0] is not x:
+            return None
+        if index == len(self.members) - 1:
+            self._traced = None
+        return traced[1][index]
+
+
+def _mixed_blocks(keys: list[tuple]) -> bool:
+    """Whether layers of these `_row_key`s may share one `native.block_gemv_group` call though their keys differ: the
+    block GEMV of up to 8 block formats of one block size (the plan's group size) with the same call and K, differing
+    in the block type alone."""
+    first = keys[0]
+    if first[1] is not RowKernel.BLOCK_GEMV or len(keys) > 8:
+        return False
+    return all(key[:5] == first[:5] and key[6:] == first[6:] and key[5] for key in keys)
 
 
 def _row_key(layer: nn.Module):
@@ -216,10 +295,18 @@ def _plan_key(plan, weight_dtype: torch.dtype) -> tuple:
     return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, plan.block, weight_dtype)
 
 
+def _group_format(fmt):
+    """What sibling layers share to be linked in one group: their stored format, or for a block format its block size
+    and method (block types of one size share the C call, `DecodeGroup._build_mixed`)."""
+    if fmt.block is None:
+        return fmt
+    return ("blocks", fmt.group_size, fmt.method)
+
+
 def link_decode_groups(model: nn.Module, layer_type: type) -> int:
     """Make the sibling `layer_type` (`QuantLinear`) children of each module of `model` named as in `SIBLINGS` that
-    share a stored format and input width members of one `DecodeGroup` (at least two; built once their kernels are
-    prepared alike). Returns the number of groups."""
+    share a stored format (block formats: a block size, `_group_format`) and input width members of one
+    `DecodeGroup` (at least two; built once their kernels are prepared alike). Returns the number of groups."""
     groups = 0
     for parent in model.modules():
         children = parent._modules
@@ -228,7 +315,7 @@ def link_decode_groups(model: nn.Module, layer_type: type) -> int:
             for name in names:
                 member = children.get(name)
                 if isinstance(member, layer_type) and member._decode_group is None:
-                    by_format.setdefault((member.format, member.in_features), []).append(member)
+                    by_format.setdefault((_group_format(member.format), member.in_features), []).append(member)
             for members in by_format.values():
                 if len(members) < 2:
                     continue

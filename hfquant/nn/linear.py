@@ -398,6 +398,22 @@ class QuantLinear(StoredWeight):
                 if bias is not None:
                     y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
                 return y
+        else:
+            # A compiled graph: a block group's members share one operator call in the graph too (`fused`)
+            fused = self._fused
+            if (
+                fused is not None
+                and fused.in_graphs
+                and x.dtype is torch.bfloat16
+                and x.numel() == self.in_features
+                and not x.requires_grad
+            ):
+                y = fused.graph_product(self._fused_index, x)
+                if y is not None:
+                    bias = self._parameters.get("bias")
+                    if bias is not None:
+                        y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
+                    return y
         return self._planned_forward(x)
 
     def _planned_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ __all__ = [
     "bf16_gemv",
     "block_gemv",
     "block_gemv_supported",
+    "block_gemv_group",
     "block_dequantize_t",
     "KQUANT_TYPES",
     "kquant_quantize",
@@ -75,6 +76,7 @@ _SIGNATURES = {
     "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3,
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
+    "hfquant_block_gemv_group": [_POINTER] * 5 + [_INT64] * 2,
     "hfquant_block_gemv_supported": [_INT64],
     "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 5,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
@@ -562,6 +564,43 @@ def block_gemv(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_typ
         raise RuntimeError(
             f"hfquant native block GEMV refused N={out_features}, K={in_features}, GGUF type {ggml_type} (needs one of "
             "hfquant's block types, K a multiple of its block size, and AVX2 or AVX512-VNNI)"
+        )
+    return y
+
+
+def block_gemv_group(
+    x: torch.Tensor, weights: list[torch.Tensor], in_features: int, ggml_types: list[int]
+) -> torch.Tensor:
+    """`block_gemv` of several weights against the same row in one C call (a fused decode group: q/k/v, gate/up): x
+    quantized once, one OpenMP region. Each weight's outputs are the bytes `block_gemv` gives it alone.
+
+    Args:
+        x: (K,) or (1, K) contiguous bfloat16 (CPU).
+        weights: 1 to 8 (N_i, K // block_size_i * type_size_i) contiguous uint8 tensors of GGUF blocks.
+        in_features: K, a multiple of the block size.
+        ggml_types: each weight's GGUF type number; the types share one activation block size (256: the k-quants and
+            IQ4_XS; 32: the others).
+    Returns:
+        (1, sum N_i) bfloat16, the weights' outputs in order.
+    Raises:
+        RuntimeError: the library is unavailable or refused the arguments (as `block_gemv`, or block sizes differing).
+    """
+    library = _loaded_library(any_x86=True)
+    count = len(weights)
+    if not 1 <= count <= 8 or len(ggml_types) != count:
+        raise RuntimeError(
+            f"hfquant block GEMV group needs 1-8 weights and one type each, got {count} and {ggml_types}"
+        )
+    rows = [weight.shape[0] for weight in weights]
+    y = torch.empty((1, sum(rows)), dtype=torch.bfloat16)
+    pointers = (ctypes.c_void_p * count)(*[weight.data_ptr() for weight in weights])
+    types = (ctypes.c_int64 * count)(*ggml_types)
+    ns = (ctypes.c_int64 * count)(*rows)
+    status = library.hfquant_block_gemv_group(x.data_ptr(), pointers, types, ns, y.data_ptr(), count, in_features)
+    if status:
+        raise RuntimeError(
+            f"hfquant native block GEMV group refused N={rows}, K={in_features}, GGUF types {ggml_types} (needs "
+            "hfquant's block types of one block size, K a multiple of it, and AVX2 or AVX512-VNNI)"
         )
     return y
 

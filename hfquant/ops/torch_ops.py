@@ -34,6 +34,7 @@ __all__ = [
     "int4_gemv_a8",
     "int8_gemv",
     "block_gemv",
+    "block_gemv_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,16 @@ def block_gemv(x: torch.Tensor, weight: torch.Tensor, in_features: int, ggml_typ
     return native.block_gemv(x, weight, in_features, ggml_type)
 
 
+def block_gemv_group(
+    x: torch.Tensor, weights: list[torch.Tensor], in_features: int, ggml_types: list[int]
+) -> torch.Tensor:
+    """`native.block_gemv_group` through the dispatcher operator when it is registered, else through ctypes; as
+    `int4_gemv`."""
+    if loaded():
+        return torch.ops.hfquant_cpu.block_gemv_group(x, weights, in_features, ggml_types)
+    return native.block_gemv_group(x, weights, in_features, ggml_types)
+
+
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype."""
 
@@ -129,6 +140,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hfquant_cpu::block_gemv")
     def _(x, weight, in_features, ggml_type):
         return x.new_empty((1, weight.shape[0]))
+
+    @torch.library.register_fake("hfquant_cpu::block_gemv_group")
+    def _(x, weights, in_features, ggml_types):
+        return x.new_empty((1, sum(weight.shape[0] for weight in weights)))
 
     @torch.library.register_fake("hfquant_cpu::int8_gemv")
     def _(x, weight, scale):

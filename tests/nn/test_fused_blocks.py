@@ -1,6 +1,7 @@
 """Block formats (GGUF's types) on the eager decode path of int4: a one-row call runs the block GEMV bound once
 (`QuantLinear._row`), and q/k/v or gate/up of one block type run one GEMV over their concatenated rows (`hfquant.nn
-.fused`), each output equal to the layer's own GEMV bit for bit; saving still writes each layer's own bytes."""
+.fused`; types of one block size, one C call over their own weights), in eager calls and compiled graphs alike, each
+output equal to the layer's own GEMV bit for bit; saving still writes each layer's own bytes."""
 
 from __future__ import annotations
 
@@ -112,9 +113,32 @@ def test_fused_block_outputs_equal_each_layers_own_gemv_bit_for_bit(monkeypatch,
         assert torch.equal(g.reshape(1, -1), direct)
 
 
-def test_members_of_different_block_types_are_not_grouped_together(monkeypatch):
-    """Q4_K_M's files: q and k in Q4_K, v in Q6_K. q and k share a GEMV; v runs its own."""
-    block = _block(monkeypatch, "q4_k", v_name="q6_k")
+@pytest.mark.parametrize("bias", [False, True])
+def test_members_of_block_types_of_one_block_size_share_one_call(monkeypatch, bias):
+    """Q4_K_M's files: q and k in Q4_K, v in Q6_K (both 256-weight super-blocks). The three run one C call over their
+    own weights (x quantized once), each output the bytes of its layer's own GEMV."""
+    block = _block(monkeypatch, "q4_k", v_name="q6_k", bias=bias)
+    group = block.q_proj._fused
+    assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
+    assert group.weight is None and group._types == (12, 12, 14)
+    assert [layer.weight for layer in block.members()] == list(group._parts)  # the layers' own tensors, not copied
+    x = _row(4, 1, 1)
+    with torch.inference_mode():
+        got = block(x)
+        group.dissolve()
+        own = block(x)
+        assert group.build()
+    for g, e, layer in zip(got, own, block.members(), strict=True):
+        assert g.shape == e.shape == (1, 1, layer.out_features)
+        assert torch.equal(g, e)
+    if not bias:
+        assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output
+
+
+def test_members_of_different_block_sizes_are_not_grouped_together(monkeypatch):
+    """Q4_K (256-weight super-blocks) and Q8_0 (blocks of 32) quantize the activation row differently: q and k share a
+    call, v runs its own."""
+    block = _block(monkeypatch, "q4_k", v_name="q8_0")
     assert block.q_proj._fused is block.k_proj._fused is not None and block.v_proj._fused is None
     x = _row(4, 1, 1)
     got = block(x)
@@ -148,16 +172,72 @@ def test_fused_block_members_save_and_reload_their_own_bytes(monkeypatch, tmp_pa
         assert torch.equal(a, b)
 
 
-def test_fused_block_groups_leave_gradients_and_compiled_graphs_to_the_per_layer_path(monkeypatch):
-    block = _block(monkeypatch, "q4_k")
+def _graph_ops(module: nn.Module, x: torch.Tensor) -> tuple[tuple, list[str]]:
+    """(the outputs of `module` compiled with fullgraph=True for x, the hfquant operators its graph calls)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(module, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        compiled(x)
+        outputs = compiled(x)
+    ops = [str(node.target) for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    torch._dynamo.reset()
+    return outputs, [op for op in ops if op.startswith("hfquant")]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("v_name", [None, "q6_k"], ids=["q4_k", "q4_k+q6_k"])
+def test_a_compiled_graph_calls_a_block_group_once_with_each_layers_bytes(monkeypatch, v_name, bias):
+    block = _block(monkeypatch, "q4_k", v_name=v_name, bias=bias)
+    group = block.q_proj._fused
+    assert group.in_graphs
     x = _row(6, 1, 1)
     with torch.no_grad():
-        expected = block(x)
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True)
+        expected = block(x)  # eager, fused
+        group.dissolve()
+        own = block(x)  # each layer's own GEMV
+        assert group.build()
+    outputs, ops = _graph_ops(block, x)
+    assert ops == ["hfquant_cpu.block_gemv_group"]
+    assert group._traced is None  # the trace left nothing behind: the graph returns the three outputs only
+    for got, fused_eager, alone in zip(outputs, expected, own, strict=True):
+        assert torch.equal(got, fused_eager) and torch.equal(got, alone)
+
+    group.dissolve()  # members not fused: one operator call per layer, the same bytes
+    outputs, ops = _graph_ops(block, x)
+    assert ops == ["hfquant_cpu.block_gemv"] * 3
+    for got, alone in zip(outputs, own, strict=True):
+        assert torch.equal(got, alone)
+
+
+def test_a_compiled_graph_whose_members_take_other_inputs_runs_their_own_calls(monkeypatch):
+    """k and v called with another tensor than q's: q's call computes the group, k and v their own rows."""
+
+    class Crossed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, other):
+            return self.inner.q_proj(x), self.inner.k_proj(other), self.inner.v_proj(other)
+
+    block = _block(monkeypatch, "q4_k")
+    x, other = _row(8, 1, 1), _row(9, 1, 1)
     with torch.no_grad():
-        for a, b in zip(compiled(x), expected, strict=True):
-            assert torch.equal(a, b)  # the compiled graph's block_gemv operator per layer: the same bytes
+        expected = Crossed(block)(x, other)
+    torch._dynamo.reset()
+    compiled = torch.compile(Crossed(block), fullgraph=True)
+    with torch.no_grad():
+        for got, e in zip(compiled(x, other), expected, strict=True):
+            assert torch.equal(got, e)
+    torch._dynamo.reset()
+
+
+def test_fused_block_groups_leave_gradients_and_several_rows_to_the_per_layer_path(monkeypatch):
+    block = _block(monkeypatch, "q4_k")
+    x = _row(6, 1, 1)
     torch._dynamo.reset()
     needs_grad = x.clone().requires_grad_(True)
     q = block.q_proj(needs_grad)

@@ -118,6 +118,54 @@ def test_block_gemv_refuses_unknown_types_and_partial_blocks_by_name():
     assert not native.block_gemv_supported(99)
 
 
+GROUPS = {
+    "k-quants": (("q4_k", 40), ("q4_k", 8), ("q6_k", 24), ("q2_k", 3), ("iq4_xs", 17)),
+    "32-weight": (("q4_1", 40), ("q8_0", 9), ("q4_0", 1), ("hq3_0", 33)),
+}
+"""Weights of one activation block size that one `block_gemv_group` call takes (rows of every remainder per thread)."""
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("k_blocks", [1, 3, 9])
+def test_group_call_gives_each_weights_own_bytes_whatever_the_threads(group, k_blocks, threads):
+    """One C call for several weights (x quantized once, its blocks split over the threads, then each weight's rows):
+    each weight's outputs are the bytes of its own call, at one thread or two."""
+    members = GROUPS[group]
+    k = k_blocks * blocks.layout(members[0][0]).block_size
+    weights = [_random_blocks(name, n, k, seed=i) for i, (name, n) in enumerate(members)]
+    types = [blocks.layout(name).ggml_type for name, _ in members]
+    x = _row(k, seed=k_blocks)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([native.block_gemv(x, w, k, t) for w, t in zip(weights, types, strict=True)], dim=1)
+        torch.set_num_threads(threads)
+        for call in (native.block_gemv_group, torch_ops.block_gemv_group):
+            together = call(x, weights, k, types)
+            assert together.shape == (1, sum(n for _, n in members))
+            assert torch.equal(together, alone)
+        threaded = torch.cat([native.block_gemv(x, w, k, t) for w, t in zip(weights, types, strict=True)], dim=1)
+        assert torch.equal(threaded, alone)
+    finally:
+        torch.set_num_threads(before)
+    assert len(set(alone.reshape(-1).tolist())) > 10  # the outputs are not all alike: the comparison can fail
+
+
+@needs_kernel
+def test_group_call_refuses_mixed_block_sizes_and_counts_by_name():
+    k = 512
+    weights = [_random_blocks("q4_k", 8, k, seed=0), _random_blocks("q4_0", 8, k, seed=1)]
+    types = [blocks.layout("q4_k").ggml_type, blocks.layout("q4_0").ggml_type]
+    x = _row(k, seed=0)
+    for call in (native.block_gemv_group, torch_ops.block_gemv_group):
+        with pytest.raises(RuntimeError, match=r"types \[12, 2\]"):
+            call(x, weights, k, types)
+        with pytest.raises(RuntimeError, match="1-8 weights"):
+            call(x, weights * 5, k, types * 5)
+
+
 def _block_layer(name: str, n: int = 128, k: int = 512) -> QuantLinear:
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn((n, k), generator=generator) * 0.02).to(torch.bfloat16)

@@ -526,11 +526,28 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
     }
 }
 
-/* y[n] for every row: OpenMP threads split the rows; each output is one row's sum, rounded once to bfloat16 */
-BK_TARGET static void BK_NAME(gemv_rows_)(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+/* The GEMV of one activation row x against `count` weights (parts: one layer, or the members of a fused group) in
+ * one OpenMP region: the threads quantize the activation blocks (quantize_block), then split each part's rows; each
+ * output is one row's sum in one thread, rounded once to bfloat16, so neither the split nor the grouping changes a
+ * byte. */
+/* One part's rows, split over the threads of the enclosing OpenMP region (an orphaned work-sharing loop: the loop of
+ * the former one-weight GEMV, its type a parameter) */
+BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
                                           int64_t row_bytes, int64_t nb) {
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
+}
+
+BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *a, int64_t act_blocks, int64_t per,
+                                           int64_t sum_every, const BlockPart *parts, int64_t count) {
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < act_blocks; b++) quantize_block(x, b, per, sum_every, a);
+        for (int64_t p = 0; p < count; p++) /* every thread meets the same work-sharing loops in the same order */
+            BK_NAME(part_rows_)((int)parts[p].type, parts[p].weight, a, parts[p].y, parts[p].n, parts[p].row_bytes,
+                                parts[p].nb);
+    }
 }
 
 #undef BK_ROW32

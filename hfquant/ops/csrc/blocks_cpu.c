@@ -19,8 +19,11 @@
  * Q3_K's -4, Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums
  * instead of every weight. On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per
  * 512-bit step (blocks_body.h's BK_ROW32_PAIRS): the same integers, products and float additions in the same
- * order, so the same bytes as one block at a time (Q4_1 in 0.6x the time, Q4_K 0.9x: docs/performance.md). OpenMP
- * threads split the rows.
+ * order, so the same bytes as one block at a time (Q4_1 in 0.6x the time, Q4_K 0.9x: docs/performance.md). One
+ * OpenMP region per call: the threads split the activation blocks to quantize, then the rows. hfquant_block_gemv_group
+ * takes several weights of one block size reading the same x (a fused q/k/v or gate/up group, types may differ): x
+ * quantized once, one region, each weight's outputs the bytes of its own call. The quantized row lives on the caller's
+ * stack (one allocation only past ACT_STACK bytes).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
@@ -148,6 +151,52 @@ static int cpu_avx2(void) {
     return known;
 }
 
+/* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
+ * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32). Each
+ * block's values depend on that block alone, so the threads of a GEMV quantize the blocks in any split and the row is
+ * the same bytes. AVX2 (the values do not depend on the instruction set: IEEE multiply, round to nearest even). */
+AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_t per, int64_t sum_every,
+                                            const ActRow *a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const uint16_t *xb = x + b * per;
+    __m256 largest = _mm256_setzero_ps();
+    for (int64_t i = 0; i < per; i += 8) {
+        const __m256 v = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + i))), 16));
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, largest);
+    float top = lanes[0];
+    for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    a->d[b] = top / 127.0f;
+    const __m256 to_int = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    int8_t *q = a->q + b * per;
+    for (int64_t i = 0; i < per; i += 8) {
+        const __m256 v = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + i))), 16));
+        int32_t iq[8];
+        _mm256_storeu_si256((__m256i *)iq, _mm256_cvtps_epi32(_mm256_mul_ps(v, to_int)));
+        for (int j = 0; j < 8; j++) q[i + j] = (int8_t)iq[j]; /* |q| <= 127 */
+    }
+    int32_t *sums = a->sums + b * (per / sum_every);
+    for (int64_t s = 0; s < per / sum_every; s++) {
+        int32_t total = 0;
+        for (int64_t j = 0; j < sum_every; j++) total += q[s * sum_every + j];
+        sums[s] = total;
+    }
+    if (sum_every == 16)
+        for (int64_t s = 0; s < per / 32; s++) a->sums32[b * (per / 32) + s] = sums[2 * s] + sums[2 * s + 1];
+}
+
+/* One weight of a (possibly fused) block GEMV: n rows of `row_bytes` bytes (nb blocks) of GGUF type `type`, outputs
+ * at y. */
+typedef struct {
+    const uint8_t *weight;
+    int64_t type, n, row_bytes, nb;
+    uint16_t *y;
+} BlockPart;
+
 #define BK_TARGET AVX512_TARGET
 #define BK_SUFFIX vnni
 #define BK_DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
@@ -168,42 +217,6 @@ static int cpu_avx2(void) {
 #undef BK_SUFFIX
 #undef BK_DOT
 #undef BK_MASKED
-
-/* x (K bfloat16) -> the ActRow with blocks of `per` inputs and sums per `sum_every` inputs; AVX2 (the values do not
- * depend on the instruction set: IEEE multiply, round to nearest even) */
-AVX2_ONLY_TARGET static void quantize_activations(const uint16_t *x, int64_t k, int64_t per, int64_t sum_every,
-                                                  ActRow *a) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < k / per; b++) {
-        const uint16_t *xb = x + b * per;
-        __m256 largest = _mm256_setzero_ps();
-        for (int64_t i = 0; i < per; i += 8) {
-            const __m256 v = _mm256_castsi256_ps(
-                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + i))), 16));
-            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, largest);
-        float top = lanes[0];
-        for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
-        a->d[b] = top / 127.0f;
-        const __m256 to_int = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        for (int64_t i = 0; i < per; i += 8) {
-            const __m256 v = _mm256_castsi256_ps(
-                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + i))), 16));
-            int32_t q[8];
-            _mm256_storeu_si256((__m256i *)q, _mm256_cvtps_epi32(_mm256_mul_ps(v, to_int)));
-            for (int j = 0; j < 8; j++) a->q[b * per + i + j] = (int8_t)q[j]; /* |q| <= 127 */
-        }
-    }
-    for (int64_t s = 0; s < k / sum_every; s++) {
-        int32_t total = 0;
-        for (int64_t j = 0; j < sum_every; j++) total += a->q[s * sum_every + j];
-        a->sums[s] = total;
-    }
-    if (sum_every == 16)
-        for (int64_t s = 0; s < k / 32; s++) a->sums32[s] = a->sums[2 * s] + a->sums[2 * s + 1];
-}
 
 /* One block of `type` -> its float32 weights (32 or 256), computed as w = d * sc * q - dmin * m etc. in float32 (the
  * formulas of hfquant.core.blocks' dequantizers, possibly in another order: within a float32 rounding of them) */
@@ -333,34 +346,61 @@ int hfquant_block_gemv_supported(int64_t type) {
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
-int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, int64_t n, int64_t k, int64_t type) {
-    int64_t block, bytes;
-    block_shape((int)type, &block, &bytes);
-    if (!block || !hfquant_block_gemv_supported(type) || n <= 0 || k <= 0 || k % block) return 1;
-    const int64_t sum_every = block == 256 ? 16 : 32;
-    ActRow a;
-    a.d = (float *)_mm_malloc((size_t)(k / block) * sizeof(float), 64);
-    a.q = (int8_t *)_mm_malloc((size_t)k, 64);
-    a.sums = (int32_t *)_mm_malloc((size_t)(k / sum_every) * sizeof(int32_t), 64);
-    a.sums32 = (int32_t *)_mm_malloc((size_t)(k / 32) * sizeof(int32_t), 64);
-    if (a.d == NULL || a.q == NULL || a.sums == NULL || a.sums32 == NULL) {
-        _mm_free(a.d);
-        _mm_free(a.q);
-        _mm_free(a.sums);
-        _mm_free(a.sums32);
-        return 2;
+/* The activation row's scratch: d, q, sums and sums32 in one buffer, each part 64-byte aligned; on the caller's stack
+ * up to ACT_STACK bytes (K up to about 30000 inputs), else one allocation. */
+enum { ACT_STACK = 40960 };
+
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int64_t offsets[4]) {
+    const int64_t sizes[4] = {(k / block) * 4, k, (k / sum_every) * 4, (k / 32) * 4};
+    int64_t total = 0;
+    for (int i = 0; i < 4; i++) {
+        offsets[i] = total;
+        total += (sizes[i] + 63) & ~(int64_t)63;
     }
-    quantize_activations(x, k, block, sum_every, &a);
-    const int64_t nb = k / block;
+    return total;
+}
+
+int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, const int64_t *types, const int64_t *ns,
+                             uint16_t *y, int64_t count, int64_t k) {
+    enum { MAX_PARTS = 8 };
+    if (count < 1 || count > MAX_PARTS || k <= 0) return 1;
+    BlockPart parts[MAX_PARTS];
+    int64_t block = 0, offset = 0;
+    for (int64_t p = 0; p < count; p++) {
+        int64_t part_block, bytes;
+        block_shape((int)types[p], &part_block, &bytes);
+        if (!part_block || !hfquant_block_gemv_supported(types[p]) || ns[p] <= 0 || k % part_block) return 1;
+        if (block && part_block != block) return 1; /* one activation row: one block size */
+        block = part_block;
+        parts[p].weight = weights[p];
+        parts[p].type = types[p];
+        parts[p].n = ns[p];
+        parts[p].nb = k / part_block;
+        parts[p].row_bytes = parts[p].nb * bytes;
+        parts[p].y = y + offset;
+        offset += ns[p];
+    }
+    const int64_t sum_every = block == 256 ? 16 : 32;
+    int64_t at[4];
+    const int64_t need = act_layout(k, block, sum_every, at);
+    _Alignas(64) uint8_t local[ACT_STACK];
+    uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
+    if (scratch == NULL) return 2;
+    ActRow a;
+    a.d = (float *)(scratch + at[0]);
+    a.q = (int8_t *)(scratch + at[1]);
+    a.sums = (int32_t *)(scratch + at[2]);
+    a.sums32 = (int32_t *)(scratch + at[3]);
     if (cpu_vnni())
-        gemv_rows_vnni((int)type, weight, &a, y, n, nb * bytes, nb);
+        gemv_parts_vnni(x, &a, k / block, block, sum_every, parts, count);
     else
-        gemv_rows_avx2((int)type, weight, &a, y, n, nb * bytes, nb);
-    _mm_free(a.d);
-    _mm_free(a.q);
-    _mm_free(a.sums);
-    _mm_free(a.sums32);
+        gemv_parts_avx2(x, &a, k / block, block, sum_every, parts, count);
+    if (scratch != local) _mm_free(scratch);
     return 0;
+}
+
+int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, int64_t n, int64_t k, int64_t type) {
+    return hfquant_block_gemv_group(x, &weight, &type, &n, y, 1, k);
 }
 
 #else
@@ -372,6 +412,12 @@ int hfquant_block_gemv_supported(int64_t type) {
 
 int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, int64_t n, int64_t k, int64_t type) {
     (void)x; (void)weight; (void)y; (void)n; (void)k; (void)type;
+    return 1;
+}
+
+int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, const int64_t *types, const int64_t *ns,
+                             uint16_t *y, int64_t count, int64_t k) {
+    (void)x; (void)weights; (void)types; (void)ns; (void)y; (void)count; (void)k;
     return 1;
 }
 

@@ -1,6 +1,7 @@
 // hfquant's one-row GEMVs (csrc/int4_cpu.c, csrc/int4_intdot_cpu.c, csrc/int8_cpu.c) as PyTorch dispatcher operators:
 // torch.ops.hfquant_cpu.int4_gemv, int4_gemv_avx2 (CPUs without AVX-512), int4_gemv_a8 (activations quantized to
-// int8) and int8_gemv, CPU kernels only.
+// int8), int8_gemv, block_gemv (GGUF's block formats) and block_gemv_group (several block weights, one x), CPU kernels
+// only.
 //
 // Why: called through ctypes, or through a Python custom op inside a torch.compile graph, each GEMV pays Python's
 // call cost (about 4 us through ctypes, 14 us through torch.library.custom_op on an AMD EPYC Zen 4), as much as the
@@ -115,6 +116,32 @@ at::Tensor block_gemv(const at::Tensor &x, const at::Tensor &weight, int64_t in_
   return y;
 }
 
+// the block GEMVs of several weights reading the same x (a fused decode group: q/k/v, gate/up), in one C call: x
+// quantized once, one OpenMP region; output (1, sum N_i), each weight's rows in order
+at::Tensor block_gemv_group(const at::Tensor &x, at::TensorList weights, int64_t in_features, at::IntArrayRef types) {
+  const int64_t count = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(count >= 1 && count <= 8 && static_cast<int64_t>(types.size()) == count,
+              "hfquant block GEMV group: needs 1-8 weights and one GGUF type each, got ", count, " weights and ",
+              types.size(), " types");
+  check_row(x, in_features);
+  const uint8_t *pointers[8];
+  int64_t rows[8], total = 0;
+  for (int64_t i = 0; i < count; i++) {
+    TORCH_CHECK(weights[i].dim() == 2, "hfquant block GEMV group: weight ", i, " must be (N, row bytes), got shape ",
+                weights[i].sizes());
+    check_operand(weights[i], at::kByte, "weight");
+    pointers[i] = static_cast<const uint8_t *>(weights[i].const_data_ptr());
+    rows[i] = weights[i].size(0);
+    total += rows[i];
+  }
+  at::Tensor y = at::empty({1, total}, x.options());
+  int status = hfquant_block_gemv_group(static_cast<const uint16_t *>(x.const_data_ptr()), pointers, types.data(),
+                                        rows, static_cast<uint16_t *>(y.mutable_data_ptr()), count, in_features);
+  TORCH_CHECK(status == 0, "hfquant native block GEMV group refused K=", in_features, ", GGUF types ", types,
+              " (needs hfquant's block types of one block size, K a multiple of it, AVX2 or AVX512-VNNI)");
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -123,6 +150,7 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int4_gemv_avx2(Tensor x, Tensor weight, Tensor scale_zero, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("block_gemv(Tensor x, Tensor weight, int in_features, int ggml_type) -> Tensor");
+  m.def("block_gemv_group(Tensor x, Tensor[] weights, int in_features, int[] ggml_types) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -131,4 +159,5 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("int4_gemv_avx2", &int4_gemv_avx2);
   m.impl("int8_gemv", &int8_gemv);
   m.impl("block_gemv", &block_gemv);
+  m.impl("block_gemv_group", &block_gemv_group);
 }
