@@ -86,6 +86,48 @@ def test_the_input_scale_weighs_the_columns():
     assert doubled == pytest.approx(4 * e[("none", "plain")], rel=1e-9)
 
 
+def _whole_sum_rule(consumers, col_scale, input_scale=None) -> bool:
+    """`_fold_lowers_error`'s rule on the whole sampled sums, without its first look at a few rows."""
+    error = integration_folding._reconstruction_error
+    sampled = [(*integration_folding._sampled_rows(w, rows), fmt) for w, fmt, rows in consumers]
+    weights = None if input_scale is None else input_scale.double().square()
+    energy = 0.0
+    for w, _, _ in sampled:
+        per_column = w.float().square().sum(0, dtype=torch.float64)
+        energy += float((per_column * weights).sum() if weights is not None else per_column.sum())
+    plain = sum(error(w, fmt, integration_folding.Transform(r, None), "minmax", input_scale) for w, r, fmt in sampled)
+    if plain > integration_folding.EXACT_ENOUGH * energy:
+        return True
+    folded = sum(
+        error(w, fmt, integration_folding.Transform(r, col_scale), "minmax", input_scale) for w, r, fmt in sampled
+    )
+    return folded < plain
+
+
+@pytest.mark.parametrize("case", ["random", "int8", "on_grid", "grid_but_one_row", "row_scaled"])
+def test_the_first_rows_decide_as_the_whole_sum_would(case):
+    """The early look at `_FIRST_ROWS` sampled rows gives the whole sum's decision: far from the grid (int4, and int8
+    whose error is near the bound, so the whole sum decides), on it (refused), and on it but for one late row (only
+    the whole sum sees it)."""
+    torch.manual_seed(0)
+    fmt = StoredFormat(8, 32, False) if case == "int8" else INT4
+    weight = torch.randn(256, 128)
+    if case in ("on_grid", "grid_but_one_row"):
+        fmt = Q4_1
+        weight = _on_q4_1_grid(weight)
+    if case == "grid_but_one_row":
+        weight[200] = torch.randn(128) * 3  # sampled (every 4th row), after the first rows
+    rows = torch.rand(256) + 0.5 if case == "row_scaled" else None
+    scale = _sinq_scale(_with_outlier_columns(torch.randn(96, 128)))
+    norm = torch.rand(128) + 0.5
+    consumers = [(weight, fmt, rows), (torch.randn(64, 128) if case == "random" else weight[:64], fmt, None)]
+    for input_scale in (None, norm):
+        want = _whole_sum_rule(consumers, scale, input_scale)
+        assert integration_folding._fold_lowers_error(consumers, scale, "minmax", input_scale) == want
+    if case == "on_grid":
+        assert not want
+
+
 def test_sampled_rows_are_evenly_spaced_and_paired_with_their_row_scale():
     weight = torch.arange(1000.0).repeat_interleave(32).reshape(1000, 32)
     rows = torch.arange(1000.0) + 1

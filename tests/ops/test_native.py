@@ -212,7 +212,9 @@ def test_prefill_gemm_with_native_dequantization_matches_torch_ops(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("n, k", [(64, 32), (128, 576), (192, 2048)])
+# K / 2 a multiple of 16 goes through the 16 x 16 byte transposes alone; 40 and 600 leave 4 stored bytes to the byte
+# loop
+@pytest.mark.parametrize("n, k", [(64, 32), (128, 576), (192, 2048), (64, 40), (128, 600)])
 def test_native_repacking_equals_the_torch_path_both_ways(n, k):
     """hfquant_int4_to_cpu_layout / _from_cpu_layout: one pass each way, byte for byte what the torch ops give."""
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + k))

@@ -29,21 +29,15 @@
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
-/* quantize one group of `group` float32 values into codes (one byte each); returns 1 if a value is not finite */
-static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uint8_t *codes, uint16_t *scale_out,
-                     uint8_t *zero_out) {
-    float lo = x[0], hi = x[0];
-    int finite = 1;
-    /* min and max in any order: only the sign of a zero could differ, and it changes neither s nor z below; NaN and
-     * infinities are caught by `finite` */
-#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(& : finite)
-    for (int64_t i = 0; i < group; i++) {
-        const float v = x[i];
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-        finite &= fabsf(v) <= 3.402823466e38f;
-    }
-    if (!finite) return 1;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(RTN_FORCE_GENERIC) /* -DRTN_FORCE_GENERIC: the loops below */
+#include <immintrin.h>
+#define RTN_AVX512 1
+#endif
+
+/* The group scale from its (lo, hi) as rtn_group makes it (bfloat16 bits into *scale_out, the zero point into
+ * *zero_out when asymmetric); sets (shift, cmin, cmax) of the codes; returns 1 if the scale is not finite. */
+static inline int group_scale(float lo, float hi, int bits, int symmetric, uint16_t *scale_out, uint8_t *zero_out,
+                              float *sf_out, float *shift, float *cmin, float *cmax) {
     const float levels = bits == 4 ? 15.0f : 255.0f;
     float s;
     if (symmetric) {
@@ -60,19 +54,39 @@ static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uin
     if (bf16_to_float(stored) < s) stored += 1; /* the next bfloat16 up (positive, finite) */
     const float sf = bf16_to_float(stored);
     *scale_out = stored;
-    float shift, cmin, cmax;
+    *sf_out = sf;
     if (symmetric) {
-        shift = bits == 4 ? 8.5f : 128.5f;
-        cmin = 1.0f;
-        cmax = levels;
+        *shift = bits == 4 ? 8.5f : 128.5f;
+        *cmin = 1.0f;
+        *cmax = levels;
     } else {
         float z = nearbyintf(-lo / sf);
         z = z < 0.0f ? 0.0f : (z > levels ? levels : z);
         *zero_out = (uint8_t)z;
-        shift = z + 0.5f;
-        cmin = 0.0f;
-        cmax = levels;
+        *shift = z + 0.5f;
+        *cmin = 0.0f;
+        *cmax = levels;
     }
+    return 0;
+}
+
+/* quantize one group of `group` float32 values into codes (one byte each); returns 1 if a value is not finite */
+static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uint8_t *codes, uint16_t *scale_out,
+                     uint8_t *zero_out) {
+    float lo = x[0], hi = x[0];
+    int finite = 1;
+    /* min and max in any order: only the sign of a zero could differ, and it changes neither s nor z below; NaN and
+     * infinities are caught by `finite` */
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(& : finite)
+    for (int64_t i = 0; i < group; i++) {
+        const float v = x[i];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        finite &= fabsf(v) <= 3.402823466e38f;
+    }
+    if (!finite) return 1;
+    float sf, shift, cmin, cmax;
+    if (group_scale(lo, hi, bits, symmetric, scale_out, zero_out, &sf, &shift, &cmin, &cmax)) return 1;
     for (int64_t i = 0; i < group; i++) {
         float q = shift + x[i] / sf;
         q = q < cmin ? cmin : (q > cmax ? cmax : q);
@@ -80,6 +94,117 @@ static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uin
     }
     return 0;
 }
+
+#ifdef RTN_AVX512
+/* group_scale for 16 groups at once (lanes), the same float32 and integer operations lane by lane: min / max against
+ * zero take the same operand as the scalar ternaries, the bfloat16 rounding is float_to_bf16's, nearbyintf is a
+ * round to nearest even. Writes the bfloat16 scale bits, the zero points (asymmetric), the quotient's divisor and
+ * shift per lane; returns 1 if a scale is not finite. */
+static inline int group_scales_x16(__m512 lo, __m512 hi, int bits, int symmetric, uint16_t *scale_out,
+                                   uint8_t *zero_out, float *sf_out, float *shift_out) {
+    const __m512 zero = _mm512_setzero_ps(), levels = _mm512_set1_ps(bits == 4 ? 15.0f : 255.0f);
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512 s;
+    if (symmetric) {
+        const __m512 alo = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(lo), absmask));
+        const __m512 ahi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(hi), absmask));
+        const __m512 m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(alo, ahi, _CMP_GT_OQ), ahi, alo);
+        s = _mm512_div_ps(m, _mm512_set1_ps(bits == 4 ? 7.0f : 127.0f));
+    } else {
+        lo = _mm512_min_ps(lo, zero); /* lo < 0 ? lo : 0 */
+        hi = _mm512_max_ps(hi, zero); /* hi > 0 ? hi : 0 */
+        s = _mm512_sub_ps(_mm512_div_ps(hi, levels), _mm512_div_ps(lo, levels));
+    }
+    const __m512 abs_s = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s), absmask));
+    if (_mm512_cmp_ps_mask(abs_s, _mm512_set1_ps(3.402823466e38f), _CMP_LE_OQ) != 0xFFFF) return 1;
+    s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f), s);
+    const __m512i b = _mm512_castps_si512(s);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i stored = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    const __mmask16 below = _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_slli_epi32(stored, 16)), s, _CMP_LT_OQ);
+    stored = _mm512_mask_add_epi32(stored, below, stored, _mm512_set1_epi32(1));
+    const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(stored, 16));
+    _mm256_storeu_si256((__m256i *)scale_out, _mm512_cvtepi32_epi16(stored));
+    _mm512_storeu_ps(sf_out, sf);
+    if (symmetric) {
+        _mm512_storeu_ps(shift_out, _mm512_set1_ps(bits == 4 ? 8.5f : 128.5f));
+    } else {
+        const __m512 neg_lo = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lo), _mm512_set1_epi32((int)0x80000000u)));
+        __m512 z = _mm512_roundscale_ps(_mm512_div_ps(neg_lo, sf), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        z = _mm512_min_ps(_mm512_max_ps(z, zero), levels); /* z < 0 ? 0 : (z > L ? L : z); a -0 makes code 0 alike */
+        _mm_storeu_si128((__m128i *)zero_out, _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(z)));
+        _mm512_storeu_ps(shift_out, _mm512_add_ps(z, _mm512_set1_ps(0.5f)));
+    }
+    return 0;
+}
+
+/* rtn_quantize's work on one row of k inputs in groups of a multiple of 16, 16 lanes at a time, from the stored row
+ * itself: widening (or float32 loads), the fold's product (a = 1: none) and quotient, each group's min / max, the
+ * scales of 16 groups at once (group_scales_x16), then the codes, written packed at 4 bits (even input in the low
+ * nibble) or as bytes at 8 bits (minus 128 as int8 when symmetric). The same float32 operations per value as the
+ * loops of rtn_quantize + rtn_group (IEEE products and quotients, the clamp of non-NaN values, truncation): the same
+ * bytes. Work space: xf (k floats), and 5 arrays of `groups` rounded up to 16 floats. Returns 1 on a non-finite
+ * value or scale. */
+static int rtn_row_avx512(const void *src, int is_bf16, float a, const float *c, int64_t k, int64_t group, int bits,
+                          int symmetric, float *xf, float *work, uint8_t *out, uint16_t *scale_out,
+                          uint8_t *zero_out) {
+    const int64_t groups = k / group, padded = (groups + 15) / 16 * 16;
+    float *lo = work, *hi = lo + padded, *sf = hi + padded, *shift = sf + padded;
+    uint16_t *scales = (uint16_t *)(shift + padded);
+    uint8_t *zeros = (uint8_t *)(scales + padded);
+    const __m512 va = _mm512_set1_ps(a), big = _mm512_set1_ps(3.402823466e38f);
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
+    __mmask16 finite = 0xFFFF;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+            __m512 x;
+            if (is_bf16) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+                x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                x = _mm512_loadu_ps((const float *)src + i);
+            }
+            if (a != 1.0f) x = _mm512_mul_ps(x, va); /* a product by 1 is exact: 1 stands for no row factors */
+            if (c) x = _mm512_div_ps(x, _mm512_loadu_ps(c + i));
+            _mm512_storeu_ps(xf + i, x);
+            vlo = _mm512_min_ps(vlo, x);
+            vhi = _mm512_max_ps(vhi, x);
+            finite &= _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absmask)), big,
+                                         _CMP_LE_OQ);
+        }
+        /* min and max in any order: only the sign of a zero could differ, which changes neither s nor z */
+        lo[g] = _mm512_reduce_min_ps(vlo);
+        hi[g] = _mm512_reduce_max_ps(vhi);
+    }
+    if (finite != 0xFFFF) return 1;
+    for (int64_t g = groups; g < padded; g++) lo[g] = hi[g] = 0.0f; /* padding lanes: a finite scale of 1 */
+    for (int64_t g = 0; g < padded; g += 16)
+        if (group_scales_x16(_mm512_loadu_ps(lo + g), _mm512_loadu_ps(hi + g), bits, symmetric, scales + g,
+                             zeros + g, sf + g, shift + g))
+            return 1;
+    memcpy(scale_out, scales, (size_t)groups * sizeof(uint16_t));
+    if (!symmetric) memcpy(zero_out, zeros, (size_t)groups);
+    const __m512 vmin = _mm512_set1_ps(symmetric ? 1.0f : 0.0f), vmax = _mm512_set1_ps(bits == 4 ? 15.0f : 255.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 vsf = _mm512_set1_ps(sf[g]), vshift = _mm512_set1_ps(shift[g]);
+        for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+            __m512 q = _mm512_add_ps(vshift, _mm512_div_ps(_mm512_loadu_ps(xf + i), vsf));
+            q = _mm512_min_ps(_mm512_max_ps(q, vmin), vmax);
+            const __m512i codes = _mm512_cvttps_epi32(q);
+            if (bits == 4) { /* the odd code of each pair into the high nibble of the even one's 64-bit lane */
+                const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
+                _mm_storel_epi64((__m128i *)(out + i / 2), _mm512_cvtepi64_epi8(pairs));
+            } else {
+                __m128i bytes = _mm512_cvtepi32_epi8(codes);
+                if (symmetric) bytes = _mm_xor_si128(bytes, _mm_set1_epi8((char)0x80));
+                _mm_storeu_si128((__m128i *)(out + i), bytes);
+            }
+        }
+    }
+    return 0;
+}
+#endif
 
 static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
                         const float *row_scale, const float *col_scale, uint8_t *codes, uint16_t *scale,
@@ -93,9 +218,23 @@ static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int6
     {
         float xf[group];
         uint8_t row_codes[bits == 4 ? k : 1];
+#ifdef RTN_AVX512
+        /* rtn_row_avx512's row of scaled values and per-group scalars (4 float arrays, scale bits, zero points) */
+        float xrow[group % 16 == 0 ? k : 1];
+        float work[group % 16 == 0 ? ((groups + 15) / 16 * 16) * 5 + 16 : 1];
+#endif
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
             if (bad) continue;
+#ifdef RTN_AVX512
+            if (group % 16 == 0) {
+                bad |= rtn_row_avx512((const char *)w + (size_t)(r * k) * (w_is_bf16 ? 2 : 4), w_is_bf16,
+                                      row_scale ? row_scale[r] : 1.0f, col_scale, k, group, bits, symmetric, xrow,
+                                      work, codes + r * (bits == 4 ? k / 2 : k), scale + r * groups,
+                                      symmetric ? NULL : zero_point + r * groups);
+                continue;
+            }
+#endif
             uint8_t *out = bits == 4 ? row_codes : codes + r * k;
             for (int64_t g = 0; g < groups && !bad; g++) {
                 const int64_t start = r * k + g * group;
