@@ -70,10 +70,9 @@ static inline void transpose16(const __m128i *in, __m128i *out) {
 int hfquant_int4_to_cpu_layout(const uint8_t *stored, uint8_t *out, int64_t n, int64_t k) {
     if (n % 64 || k % 2 || n <= 0 || k <= 0) return 1;
     const int64_t half = k / 2, blocks = n / 64;
+    int64_t whole = 0; /* stored bytes done 16 at a time, by transposing 16 x 16 byte tiles (x86) */
 #if defined(__x86_64__)
-    const int64_t whole = half / 16 * 16; /* stored bytes done 16 at a time, by transposing 16 x 16 byte tiles */
-#else
-    const int64_t whole = 0;
+    whole = half / 16 * 16;
 #endif
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
