@@ -42,7 +42,7 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
         assert layer.weight.dtype == torch.uint8
         assert tuple(layer.weight.shape) == (
             layer.out_features,
-            layer.in_features // layout.block_size * layout.type_size,
+            layout.row_bytes(layer.in_features),
         )
         if layer.in_features == 256:  # the layer multiplies by exactly the weight its bytes describe
             expected = x @ blocks.dequantize(name, layer.weight).T
@@ -56,7 +56,7 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0", "hq3_nl"])
+@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0", "hq3_nl", "hq3_r"])
 def test_block_format_stays_close_to_the_float_model(wide_checkpoint, name):
     """Logits within a tolerance that grows with the quantization step: the relative error of the logits against
     the float model's is at most 4 * 2**-bits (measured about 2**-bits on this random model)."""

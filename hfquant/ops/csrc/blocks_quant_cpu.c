@@ -1002,3 +1002,110 @@ int hfquant_hq3_nl_quantize(const float *x, const float *w, int64_t w_period, in
     hq3_quantize(&grid, x, w, w_period, nblocks, targets, ntargets, out);
     return 0;
 }
+
+/* --- HQ3_R, hfquant's own 3-bit rows (hq3r.py's module docstring): D f16, then per 64 weights sc[3] (four 6-bit
+ * fields e | s << 5) and two HQ3_0 code groups; weight = (-1)^s (D * levels[e]) * NL_VALUES[q] --- */
+
+#define QR 16
+
+/* the grid values q nearest to x * inv (ties to the larger value: `torch.bucketize(right=True)`), their indices, and
+ * the weighted squared error sum w (x - d q)^2 of one 16-weight sub-block */
+static float hq3r_error(const grid_t *g, const float *x, const float *w, float d, float *q, uint8_t *idx) {
+    const float inv = inverse_or_zero(d);
+    float terms[QR];
+    for (int i = 0; i < QR; i++) {
+        const float u = x[i] * inv;
+        float v = g->low;
+        int k = 0;
+        for (int m = 0; m < g->n - 1; m++) {
+            const int up = u >= g->mids[m];
+            v += up ? g->steps[m] : 0.0f;
+            k += up;
+        }
+        q[i] = v;
+        idx[i] = (uint8_t)k;
+        const float diff = x[i] - d * v;
+        terms[i] = w[i] * (diff * diff);
+    }
+    return sum_terms(terms, QR);
+}
+
+/* `hq3r._continuous` for one sub-block: the scale of least weighted error over the targets and refit rounds */
+static float hq3r_continuous(const grid_t *g, const float *x, const float *w, const float *targets, int ntargets) {
+    const float peak = x[extreme_index(x, QR)];
+    float q[QR], a[QR], b[QR], best_d = 0.0f, best_err = 0.0f;
+    uint8_t idx[QR];
+    for (int c = 0; c < ntargets; c++) {
+        float d = peak / targets[c];
+        for (int r = 0; r < 3; r++) {
+            const float err = hq3r_error(g, x, w, d, q, idx);
+            if ((c == 0 && r == 0) || err < best_err) {
+                best_err = err;
+                best_d = d;
+            }
+            for (int i = 0; i < QR; i++) {
+                const float wq = w[i] * q[i];
+                a[i] = wq * x[i];
+                b[i] = wq * q[i];
+            }
+            const float sqx = sum_terms(a, QR), sqq = sum_terms(b, QR);
+            d = sqq > 0.0f ? sqx / sqq : d;
+        }
+    }
+    return best_d;
+}
+
+/*
+ * Quantize `rows` rows of K (a multiple of 64) float32 weights `x` into HQ3_R (`out`: rows * (2 + K / 64 * 27)
+ * bytes), the search of `hq3r.quantize_hq3_r`. `w`: each element's weight in the squared error, NULL for all 1;
+ * `w_stride`: 0 when w is one (K,) row for every row, K when it is (rows, K). `targets` (hq3r.search_targets) and
+ * `levels` (hq3r.LEVELS, 32 values) as the torch codec's. Rows split over OpenMP threads. Returns 0, 1 for a bad K.
+ */
+int hfquant_hq3_r_quantize(const float *x, const float *w, int64_t w_stride, int64_t rows, int64_t k,
+                           const float *targets, int64_t ntargets, const float *levels, uint8_t *out) {
+    if (k <= 0 || k % 64) return 1;
+    grid_t grid;
+    grid_table(&grid, kvalues_hq3nl, 8);
+    const int64_t nsub = k / QR, row_bytes = 2 + k / 64 * 27;
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        float ones[QR], q[QR], top = 0.0f;
+        for (int i = 0; i < QR; i++) ones[i] = 1.0f;
+        for (int64_t s = 0; s < nsub; s++) {
+            const float *wb = w == NULL ? ones : w + r * w_stride + s * QR;
+            const float d = fabsf(hq3r_continuous(&grid, xr + s * QR, wb, targets, (int)ntargets));
+            top = d > top ? d : top;
+        }
+        top = to_half(top);
+        uint8_t *o = out + r * row_bytes;
+        put_half(o, top);
+        uint8_t codes[64], idx[QR];
+        for (int64_t b = 0; b < k / 64; b++) {
+            uint32_t fields = 0;
+            for (int j = 0; j < 4; j++) {
+                const int64_t s = b * 4 + j;
+                const float *xb = xr + s * QR, *wb = w == NULL ? ones : w + r * w_stride + s * QR;
+                float best_err = 0.0f;
+                int best = 0;
+                for (int f = 0; f < 64; f++) {
+                    const float magnitude = top * levels[f & 31];
+                    const float err = hq3r_error(&grid, xb, wb, f < 32 ? magnitude : -magnitude, q, idx);
+                    if (f == 0 || err < best_err) {
+                        best_err = err;
+                        best = f;
+                        memcpy(codes + 16 * j, idx, QR);
+                    }
+                }
+                fields |= (uint32_t)best << (6 * j);
+            }
+            uint8_t *blk = o + 2 + b * 27;
+            blk[0] = (uint8_t)(fields & 255);
+            blk[1] = (uint8_t)((fields >> 8) & 255);
+            blk[2] = (uint8_t)(fields >> 16);
+            put_hq3_codes(codes, blk + 3);
+            put_hq3_codes(codes + 32, blk + 15);
+        }
+    }
+    return 0;
+}
