@@ -52,11 +52,11 @@ def _codable_errors(x: torch.Tensor, w: torch.Tensor, top: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize("rule", ["default", "uniform"])
-def test_each_sub_block_takes_the_best_codable_scale(rule):
-    """Given the row's D, no other of the 64 scales a field can code (with its nearest codes) has a smaller weighted
-    error than the one stored (float64 reference, up to float32 rounding)."""
+def test_sub_blocks_take_the_best_codable_scale_but_rarely_miss_it(rule):
+    """Given the row's D, the search tries 12 of the 64 scales a field can code (both signs, 6 levels around its
+    searched scale): the exhaustive best (float64 reference) is at most rarely better, and then barely."""
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(6, 384, generator=generator) * torch.exp(torch.randn(6, 384, generator=generator))
+    weight = torch.randn(24, 384, generator=generator) * torch.exp(torch.randn(24, 384, generator=generator))
     weights = importance.default_importance("hq3_r", weight) if rule == "default" else torch.ones_like(weight)
     data = blocks.quantize("hq3_r", weight, weights)
     top = data[:, :2].flatten().clone().view(torch.float16).float().reshape(-1)
@@ -64,7 +64,10 @@ def test_each_sub_block_takes_the_best_codable_scale(rule):
     x, w = weight.reshape(-1, 16), weights.reshape(-1, 16)
     got = (w.double() * (x.double() - restored.reshape(-1, 16).double()) ** 2).sum(-1)
     best = _codable_errors(x, w, top.repeat_interleave(384 // 16)).amin(-1)
-    assert (got <= best * (1 + 1e-5) + 1e-12).all(), (got - best).max()
+    assert (got >= best * (1 - 1e-5)).all()  # nothing codable beats the exhaustive minimum: the reference is right
+    missed = got > best * (1 + 1e-5) + 1e-12
+    assert missed.float().mean() < 0.05, missed.float().mean()  # measured 0.2-3% (log-normal rows, both rules)
+    assert got.sum() <= best.sum() * 1.005  # measured at most 0.18% more in all
 
 
 def test_row_scale_is_the_largest_sub_block_scale_in_float16():
