@@ -107,11 +107,16 @@ def test_inspect_reports_each_layers_block_format_and_its_bytes(wide_checkpoint,
 
 @pytest.mark.parametrize(
     "spelling",
-    [dict(format="hq3_0", mixed_precision="auto"), dict(format="hq3_nl", mixed_precision="auto"), dict(bits=3.5)],
+    [
+        dict(format="hq3_0", mixed_precision="auto"),
+        dict(format="hq3_nl", mixed_precision="auto"),
+        dict(format="hq3_r", mixed_precision="auto"),
+        dict(bits=3.5),
+    ],
 )
 def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spelling):
-    """`format="hq3_nl", mixed_precision="auto"` (or `bits=3.5`; or "hq3_0"): Q3_K where 256 divides a row, the
-    format elsewhere, value
+    """`format="hq3_r", mixed_precision="auto"` (or `bits=3.5`; or "hq3_nl", "hq3_0"): Q3_K where 256 divides a row,
+    the format elsewhere (hq3_r: its fallback hq3_nl where 64 does not divide a row: 96 here), value
     projections raised while the stored bits stay within 3.5 per weight; config.json names each layer's format and
     the reload holds the same bytes."""
     tiny_model(
@@ -119,16 +124,17 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spe
     ).save_pretrained(tmp_path / "float")
     config = HfQuantConfig(**spelling)
     base = config.format
-    assert base == spelling.get("format", "hq3_nl")
+    assert base == spelling.get("format", "hq3_r")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     layers = _layers(model)
     assert len(layers) == 14
-    stored_bits = sum(layer.weight.numel() * 8 for layer in layers.values())
+    stored_bits = sum(layer.weight.numel() * 8 for layer in layers.values())  # row headers included
     weights = sum(layer.in_features * layer.out_features for layer in layers.values())
     assert stored_bits / weights <= 3.5
     assert {layers[n].format.block for n in layers if n.endswith("down_proj")} <= {"q3_k", "q4_k", "q5_k"}
-    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {base}
-    assert any(layers[n].format.block != base for n in layers if n.endswith("v_proj"))
+    first = base if 96 % blocks.layout(base).block_size == 0 else blocks.layout(base).fallback
+    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {first}
+    assert any(layers[n].format.block != first for n in layers if n.endswith("v_proj"))
     model.save_pretrained(tmp_path / "q")
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert set(saved["module_overrides"]) == set(layers)

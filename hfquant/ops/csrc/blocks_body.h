@@ -496,15 +496,25 @@ BK_TARGET static inline __m256 BK_NAME(hq3_r_group_)(const uint8_t *g, const Act
 BK_TARGET static float BK_NAME(row_hq3_r_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)HQ3_NL_GRID));
     const float d_row = BK_NAME(half_)(w);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     w += 2;
-    for (int64_t b = 0; b < nb; b++, w += 27) {
-        const float s0 = hq3r_scale(w, 0, 1.0f), s1 = hq3r_scale(w, 1, 1.0f);
-        const float s2 = hq3r_scale(w, 2, 1.0f), s3 = hq3r_scale(w, 3, 1.0f);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 54) { /* two blocks a step: four independent accumulators */
+        const uint32_t f = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16);
+        const uint32_t g = (uint32_t)w[27] | ((uint32_t)w[28] << 8) | ((uint32_t)w[29] << 16);
+        acc0 = BK_NAME(hq3_r_group_)(w + 3, a, 2 * b, acc0, grid, HQ3R_SIGNED[f & 63], HQ3R_SIGNED[(f >> 6) & 63]);
+        acc1 = BK_NAME(hq3_r_group_)(w + 15, a, 2 * b + 1, acc1, grid, HQ3R_SIGNED[(f >> 12) & 63], HQ3R_SIGNED[f >> 18]);
+        acc2 = BK_NAME(hq3_r_group_)(w + 30, a, 2 * b + 2, acc2, grid, HQ3R_SIGNED[g & 63], HQ3R_SIGNED[(g >> 6) & 63]);
+        acc3 = BK_NAME(hq3_r_group_)(w + 42, a, 2 * b + 3, acc3, grid, HQ3R_SIGNED[(g >> 12) & 63], HQ3R_SIGNED[g >> 18]);
+    }
+    for (; b < nb; b++, w += 27) {
+        const uint32_t fields = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16);
+        const float s0 = HQ3R_SIGNED[fields & 63], s1 = HQ3R_SIGNED[(fields >> 6) & 63];
+        const float s2 = HQ3R_SIGNED[(fields >> 12) & 63], s3 = HQ3R_SIGNED[fields >> 18];
         acc0 = BK_NAME(hq3_r_group_)(w + 3, a, 2 * b, acc0, grid, s0, s1);
         acc1 = BK_NAME(hq3_r_group_)(w + 15, a, 2 * b + 1, acc1, grid, s2, s3);
     }
-    return d_row * BK_NAME(hsum_)(_mm256_add_ps(acc0, acc1));
+    return d_row * BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
 }
 
 /* Q4_0 / Q5_0 (w = d * (u - offset): the offset times the activation sum, an integer term of the block's dot) and

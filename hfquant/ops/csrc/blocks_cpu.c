@@ -81,6 +81,26 @@ static const int8_t HQ3_NL_GRID[16] = {-127, -87, -56, -29, 0, 29, 58, 94, 0, 0,
 /* HQ3_R's sub-block scale magnitudes relative to D, 2^(-e / 8) rounded to float32 (hq3r.py `LEVELS`, the same bits) */
 static const float HQ3R_LEVELS[32] = {0x1.000000p+0f, 0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f, 0x1.6a09e6p-1f, 0x1.4bfdacp-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f, 0x1.000000p-1f, 0x1.d5818ep-2f, 0x1.ae89fap-2f, 0x1.8ace54p-2f, 0x1.6a09e6p-2f, 0x1.4bfdacp-2f, 0x1.306fe0p-2f, 0x1.172b84p-2f, 0x1.000000p-2f, 0x1.d5818ep-3f, 0x1.ae89fap-3f, 0x1.8ace54p-3f, 0x1.6a09e6p-3f, 0x1.4bfdacp-3f, 0x1.306fe0p-3f, 0x1.172b84p-3f, 0x1.000000p-3f, 0x1.d5818ep-4f, 0x1.ae89fap-4f, 0x1.8ace54p-4f, 0x1.6a09e6p-4f, 0x1.4bfdacp-4f, 0x1.306fe0p-4f, 0x1.172b84p-4f};
 
+/* HQ3_R's 64 field values as signed scales relative to D: LEVELS[e], negated for s = 1 (the GEMV's table) */
+static const float HQ3R_SIGNED[64] = {
+    0x1.000000p+0f, 0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f,
+    0x1.6a09e6p-1f, 0x1.4bfdacp-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f,
+    0x1.000000p-1f, 0x1.d5818ep-2f, 0x1.ae89fap-2f, 0x1.8ace54p-2f,
+    0x1.6a09e6p-2f, 0x1.4bfdacp-2f, 0x1.306fe0p-2f, 0x1.172b84p-2f,
+    0x1.000000p-2f, 0x1.d5818ep-3f, 0x1.ae89fap-3f, 0x1.8ace54p-3f,
+    0x1.6a09e6p-3f, 0x1.4bfdacp-3f, 0x1.306fe0p-3f, 0x1.172b84p-3f,
+    0x1.000000p-3f, 0x1.d5818ep-4f, 0x1.ae89fap-4f, 0x1.8ace54p-4f,
+    0x1.6a09e6p-4f, 0x1.4bfdacp-4f, 0x1.306fe0p-4f, 0x1.172b84p-4f,
+    -0x1.000000p+0f, -0x1.d5818ep-1f, -0x1.ae89fap-1f, -0x1.8ace54p-1f,
+    -0x1.6a09e6p-1f, -0x1.4bfdacp-1f, -0x1.306fe0p-1f, -0x1.172b84p-1f,
+    -0x1.000000p-1f, -0x1.d5818ep-2f, -0x1.ae89fap-2f, -0x1.8ace54p-2f,
+    -0x1.6a09e6p-2f, -0x1.4bfdacp-2f, -0x1.306fe0p-2f, -0x1.172b84p-2f,
+    -0x1.000000p-2f, -0x1.d5818ep-3f, -0x1.ae89fap-3f, -0x1.8ace54p-3f,
+    -0x1.6a09e6p-3f, -0x1.4bfdacp-3f, -0x1.306fe0p-3f, -0x1.172b84p-3f,
+    -0x1.000000p-3f, -0x1.d5818ep-4f, -0x1.ae89fap-4f, -0x1.8ace54p-4f,
+    -0x1.6a09e6p-4f, -0x1.4bfdacp-4f, -0x1.306fe0p-4f, -0x1.172b84p-4f,
+};
+
 /* HQ3_R: sub-block i's scale of a block (the fields in its first 3 bytes), D * LEVELS[e] negated for s = 1 */
 static inline float hq3r_scale(const uint8_t *w, int i, float d_row) {
     const uint32_t fields = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16);
