@@ -100,9 +100,9 @@ formats only."""
 
 _DEFAULT_BLOCK = {2: "q2_k", 3: "q3_k", 5: "q5_k", 6: "q6_k"}
 
-BUDGET_BITS = {3.5: "hq3_nl"}
+BUDGET_BITS = {3.5: "hq3_r"}
 """Non-integer `bits` a config accepts: a bits budget in bits per weight over the quantized layers, with the budget
-format it means (`HfQuantConfig(bits=3.5)` is `HfQuantConfig(bits=3, format="hq3_nl", mixed_precision="auto")`,
+format it means (`HfQuantConfig(bits=3.5)` is `HfQuantConfig(bits=3, format="hq3_r", mixed_precision="auto")`,
 `hfquant.core.allocation.budget_overrides`), which is also what the config stores."""
 
 
@@ -119,7 +119,7 @@ def _budget_bits(given: dict[str, Any]) -> dict[str, Any]:
     if fmt is None:
         raise ValueError(
             f"bits={bits!r} is not supported; use an int from {list(ALL_BITS)} or a bits budget from "
-            f"{list(BUDGET_BITS)} (3.5: format='hq3_nl' with mixed_precision='auto')."
+            f"{list(BUDGET_BITS)} (3.5: format='hq3_r' with mixed_precision='auto')."
         )
     asked = given.get("format", _DEFAULT)
     if asked not in (_DEFAULT, None, QuantFormat.AUTO, "auto", fmt):
@@ -242,7 +242,7 @@ def default_group_size(bits: int) -> int | None:
 def default_method(bits: int, format: str = "int") -> Method:
     """The method used when none is given. Format "int": SINQ at 4 bits (more accurate at little cost), RTN at 8 bits
     (already about as accurate as bf16: docs/performance.md, "Figures from the config's docstrings"). A block format
-    (llama.cpp's types, hq3_nl, hq3_0): SINQ at every width, so that `fold_column_scales` (True with SINQ) folds the column
+    (llama.cpp's types, hq3_r, hq3_nl, hq3_0): SINQ at every width, so that `fold_column_scales` (True with SINQ) folds the column
     scales into Llama-family blocks before the block search, whose layers are then stored as plain RTN blocks that a
     GGUF export copies (SmolLM2 IQ4_NL: 1.117x bf16's perplexity against 1.225x without the fold and llama.cpp's
     1.182x; docs/performance.md, "Block formats: the data-free importance")."""
@@ -445,7 +445,8 @@ FIELDS: tuple[ConfigField, ...] = (
         "A block type's rows must be whole blocks (32 weights, 256 for q2_k-q6_k and iq4_xs); other layers take "
         "llama.cpp's fallback type (q3_k -> iq4_nl, q4_k -> q5_0, q6_k -> q8_0, ...); 'hq3_nl' and 'hq3_0' are "
         "hfquant's own 3-bit 32-weight blocks (3.5 bits per weight, not GGUF types; hq3_nl's codes on a non-uniform "
-        "grid with a zero). group_size and symmetric "
+        "grid with a zero); 'hq3_r' is hfquant's own 3-bit rows (hq3_nl's codes, a 6-bit scale per 16 weights under "
+        "a float16 per row: 3.375 + 16 / K bits per weight; rows 64 does not divide take hq3_nl). group_size and symmetric "
         "apply to 'int' only",
         QuantFormat,
         QuantFormat.AUTO,
@@ -456,7 +457,7 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "bits",
         "width of the stored integer codes: 4 or 8 in format 'int', 2 to 6 in block formats (default: the block "
-        "format's own, else 4); the float 3.5 asks for the 3.5-bit budget (BUDGET_BITS: format 'hq3_nl' with "
+        "format's own, else 4); the float 3.5 asks for the 3.5-bit budget (BUDGET_BITS: format 'hq3_r' with "
         "mixed_precision 'auto', stored as bits 3)",
         ALL_BITS,
         lambda resolved: default_bits(resolved["format"]),
@@ -481,7 +482,7 @@ FIELDS: tuple[ConfigField, ...] = (
         "rule (hfquant.core.allocation) gives the value projections of the second half of the layers int8 and MLP "
         "down projections groups of at most 64; with a block format (opt-in: 'none' is its default) a llama.cpp "
         "Q3_K_M / Q4_K_M-style mix (block_overrides): value and down projections one or two block types up, more in "
-        "the first and last eighth of the layers, attention outputs one up at 2-3 bits; with format 'hq3_nl' or 'hq3_0' a "
+        "the first and last eighth of the layers, attention outputs one up at 2-3 bits; with format 'hq3_r', 'hq3_nl' or 'hq3_0' a "
         "bits budget of 3.5 bits per weight (budget_overrides: Q3_K where 256 divides a row, else that format, then value and "
         "down projections raised in that order while the total stays within 3.5); the entries are appended to "
         "module_overrides when a model is quantized (after the user's entries, which win), so the saved config names "
@@ -750,7 +751,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         **unknown: Any,
     ):
         given = {name: value for name, value in locals().items() if name in FIELD_NAMES}  # the keywords above
-        given = _budget_bits(given)  # bits=3.5: the hq3_nl budget
+        given = _budget_bits(given)  # bits=3.5: the hq3_r budget
         values = resolve_defaults(given)
         validate_fields({**values, **unknown})
         for name, value in values.items():
@@ -781,7 +782,7 @@ class HfQuantConfig(QuantizationConfigMixin):
     ) -> dict[str, dict[str, Any]]:
         """Append the data-free rule's `module_overrides` entries for a model's Linear layers `layer_names` (full
         dotted names) when `mixed_precision` is "auto" (`hfquant.core.allocation.data_free_overrides` in the integer
-        format, `block_overrides` with a block format, `budget_overrides` with a bits-budget format such as "hq3_nl",
+        format, `block_overrides` with a block format, `budget_overrides` with a bits-budget format such as "hq3_r",
         which needs `shapes`: {name: (in_features, out_features)} and counts `overhead`: {name: bits per weight
         stored beside the blocks}, such as a SINQ column scale).
 

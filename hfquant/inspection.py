@@ -311,7 +311,7 @@ def _add_block_row(quantized: dict, name: str, header: TensorHeader, tensors, fm
     rows, row_bytes = header.shape
     row["count"] += 1
     row["bytes"] += header.nbytes + (tensors[col_name].nbytes if col_name in tensors else 0)
-    row["float_bytes"] += rows * row_bytes // layout.type_size * layout.block_size * itemsize
+    row["float_bytes"] += rows * layout.in_features_of(row_bytes) * itemsize
 
 
 def _float_rows(tensors: dict[str, TensorHeader], consumed: set[str]) -> list[dict]:

@@ -21,7 +21,8 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   SmolLM2's blocks before the block search (MiniLM, a BERT, is not folded: its column scales are stored beside the
   layers), and `-rtn` rows llama.cpp's own recipe, `method="rtn"` (no fold);
 - `hq3_0`: hfquant's own 3-bit 32-weight blocks (3.5 bits per weight) on every layer (`hq3_nl`: on a non-uniform
-  grid with a zero); `hq3_0-auto` / `hq3_nl-auto` the 3.5-bit budget
+  grid with a zero; `hq3_r`: HQ3_NL's codes with a 6-bit scale per 16 weights under a float16 per row, 3.375 + 16 / K);
+  `hq3_0-auto` / `hq3_nl-auto` / `hq3_r-auto` the 3.5-bit budget
   (`hfquant.core.allocation.budget_overrides`: Q3_K where 256 divides a row, value and down projections raised);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
   quantized tensor, over the number of weights they store);
@@ -110,6 +111,8 @@ CONFIGS = {
     "hq3_0-auto": dict(format="hq3_0", mixed_precision="auto"),
     "hq3_nl": dict(format="hq3_nl"),
     "hq3_nl-auto": dict(format="hq3_nl", mixed_precision="auto"),
+    "hq3_r": dict(format="hq3_r"),
+    "hq3_r-auto": dict(format="hq3_r", mixed_precision="auto"),
 }
 LLAMA_CPP = {f"llama.cpp-{name}": name for name in [*BLOCK_FORMATS, *(f"{n}-auto" for n in BLOCK_RULE_ROWS)]}
 """llama.cpp's own quantizer on the same weights: each row quantizes the layers hfquant's config of the same name
@@ -299,9 +302,8 @@ def bits_per_weight(folder: Path) -> float | None:
         if not name.endswith(".weight"):
             continue
         settings = config.layer_settings(prefix.rstrip("."))
-        if settings.format in blocks.LAYOUTS and dtype == "U8":  # GGUF block bytes: (N, K / B * S)
-            fmt = blocks.LAYOUTS[settings.format]
-            weights += shape[0] * shape[1] // fmt.type_size * fmt.block_size
+        if settings.format in blocks.LAYOUTS and dtype == "U8":  # block bytes: (N, row header + K / B * S)
+            weights += shape[0] * blocks.LAYOUTS[settings.format].in_features_of(shape[1])
         elif prefix + "weight_scale" in tensors:
             weights += math.prod(shape) * (2 if settings.bits == 4 else 1)  # 4-bit codes are packed two per byte
         else:

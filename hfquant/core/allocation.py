@@ -176,12 +176,23 @@ def block_overrides(names: Iterable[str], format: str) -> dict[str, dict[str, An
 BUDGET_FORMATS: dict[str, float] = {
     "hq3_0": blocks.LAYOUTS["hq3_0"].bits_per_weight,
     "hq3_nl": blocks.LAYOUTS["hq3_nl"].bits_per_weight,
+    "hq3_r": 3.5,
 }
 """Block formats whose `mixed_precision="auto"` is a bits budget (`budget_overrides`), with the budget in bits per weight:
-`HfQuantConfig(format="hq3_nl", mixed_precision="auto")` (`bits=3.5`) and its uniform-grid predecessor "hq3_0" are
+`HfQuantConfig(format="hq3_r", mixed_precision="auto")` (`bits=3.5`) and its predecessors "hq3_nl" and "hq3_0" are
 hfquant's 3.5-bit configurations (at most 3.5 bits per weight over the quantized layers)."""
 
-_BUDGET_LADDER = {"q3_k": ("q4_k", "q5_k"), "hq3_0": ("iq4_nl", "q5_0"), "hq3_nl": ("iq4_nl", "q5_0")}
+_BUDGET_LADDER = {
+    "q3_k": ("q4_k", "q5_k"),
+    "hq3_0": ("iq4_nl", "q5_0"),
+    "hq3_nl": ("iq4_nl", "q5_0"),
+    "hq3_r": ("iq4_nl", "q5_0"),
+}
+
+
+def _row_bits(name: str, in_features: int) -> float:
+    """Stored bits per weight of format `name` on rows of `in_features` weights, a row header included."""
+    return blocks.LAYOUTS[name].row_bits_per_weight(in_features)
 
 
 def _budget_order(names: list[str], count: int) -> list[str]:
@@ -213,13 +224,14 @@ def budget_overrides(
     the budget in bits per weight over the layers.
 
     Each layer starts at the cheapest 3-bit type its rows take (Q3_K, 3.44 bits per weight, where 256 divides them;
-    else `format`, hfquant's HQ3_NL or HQ3_0, 3.5). Then, in the data-free sensitivity order of `block_overrides` (value and down
+    else `format`, hfquant's HQ3_R (3.375 + 16 / K, where 64 divides them, else its fallback HQ3_NL), HQ3_NL or
+    HQ3_0, 3.5). Each layer counts its real bits per weight (`BlockLayout.row_bits_per_weight`: HQ3_R's row header). Then, in the data-free sensitivity order of `block_overrides` (value and down
     projections, the first and last blocks first: `_budget_order`), each layer goes one type up (Q3_K -> Q4_K,
     HQ3_NL / HQ3_0 -> IQ4_NL) when the total stays within the budget, and in a second pass one more (Q5_K, Q5_0).
 
     Args:
         shapes: {full layer name: (in_features, out_features)} of the layers to quantize.
-        format: a `BUDGET_FORMATS` name ("hq3_nl", "hq3_0"); any other gives nothing.
+        format: a `BUDGET_FORMATS` name ("hq3_r", "hq3_nl", "hq3_0"); any other gives nothing.
         overhead: {full layer name: bits per weight the layer stores beside its blocks} (a SINQ column scale kept
             beside the layer: 16 / out_features), counted in the budget; None or a missing name: 0.
     Returns:
@@ -230,14 +242,17 @@ def budget_overrides(
     if budget is None:
         return {}
     chosen: dict[str, str] = {}
+    bases = [("q3_k", 256), (format, blocks.LAYOUTS[format].block_size)]
+    if blocks.LAYOUTS[format].fallback:
+        bases.append((blocks.LAYOUTS[format].fallback, 32))  # HQ3_R's rows that 64 does not divide: HQ3_NL
     for name, (k, _) in shapes.items():
-        base = next((fmt for fmt, block in (("q3_k", 256), (format, 32)) if k % block == 0), None)
+        base = next((fmt for fmt, block in bases if k % block == 0), None)
         if base is not None:
             chosen[name] = base
     weights = {name: shapes[name][0] * shapes[name][1] for name in chosen}
     allowed = budget * sum(weights.values())
     extra = {n: (overhead or {}).get(n, 0.0) for n in chosen}
-    used = sum((blocks.LAYOUTS[chosen[n]].bits_per_weight + extra[n]) * weights[n] for n in chosen)
+    used = sum((_row_bits(chosen[n], shapes[n][0]) + extra[n]) * weights[n] for n in chosen)
     indices = [i for i in map(_layer_index, chosen) if i is not None]
     order = _budget_order(list(chosen), max(indices) + 1) if indices else []
     base = dict(chosen)
@@ -247,7 +262,8 @@ def budget_overrides(
             if chosen[name] != (base[name] if step == 0 else ladder[0]):
                 continue
             up = ladder[step]
-            cost = (blocks.LAYOUTS[up].bits_per_weight - blocks.LAYOUTS[chosen[name]].bits_per_weight) * weights[name]
+            k = shapes[name][0]
+            cost = (_row_bits(up, k) - _row_bits(chosen[name], k)) * weights[name]
             if used + cost <= allowed:
                 chosen[name], used = up, used + cost
     return {name: {"format": fmt} for name, fmt in chosen.items()}

@@ -31,7 +31,7 @@ import subprocess
 import torch
 
 from hfquant.core import blocks
-from hfquant.core.blocks import hq3, iq4, legacy
+from hfquant.core.blocks import hq3, hq3r, iq4, legacy
 from hfquant.core.blocks.importance import default_importance
 from hfquant.ops import native_build
 
@@ -84,6 +84,7 @@ _SIGNATURES = {
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
+    "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
     "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
     "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 3 + [_POINTER],
 }
@@ -711,6 +712,7 @@ BLOCK_QUANTIZE_TYPES = {
     **KQUANT_TYPES,
     "hq3_0": blocks.LAYOUTS["hq3_0"].ggml_type,
     "hq3_nl": blocks.LAYOUTS["hq3_nl"].ggml_type,
+    "hq3_r": blocks.LAYOUTS["hq3_r"].ggml_type,
 }
 """The block types `block_quantize` writes in C (every `hfquant.core.blocks.LAYOUTS` type), with their ggml numbers."""
 
@@ -772,6 +774,22 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
             )
         period = k // fmt.block_size if w.dim() == 1 else 0
     out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    if name == "hq3_r":
+        targets = hq3r.search_targets().contiguous()
+        levels = hq3r.LEVELS.contiguous()
+        stride = 0 if w is None or w.dim() == 1 else k
+        library.hfquant_hq3_r_quantize(
+            x.data_ptr(),
+            _as_float_pointer(w),
+            stride,
+            rows,
+            k,
+            targets.data_ptr(),
+            targets.numel(),
+            levels.data_ptr(),
+            out.data_ptr(),
+        )
+        return out
     if name in ("hq3_0", "hq3_nl"):
         targets = hq3.search_targets(name).to(torch.float32).contiguous()
         (library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize)(

@@ -107,12 +107,12 @@ def smollm2_shapes(layers: int) -> dict[str, tuple[int, int]]:
 
 
 def _bits_per_weight(overrides: dict, shapes: dict) -> float:
-    bits = sum(LAYOUTS[overrides[n]["format"]].bits_per_weight * k * m for n, (k, m) in shapes.items())
+    bits = sum(LAYOUTS[overrides[n]["format"]].row_bits_per_weight(k) * k * m for n, (k, m) in shapes.items())
     return bits / sum(k * m for k, m in shapes.values())
 
 
 @pytest.mark.parametrize("layers", [4, 30])
-@pytest.mark.parametrize("base", ["hq3_0", "hq3_nl"])
+@pytest.mark.parametrize("base", ["hq3_0", "hq3_nl", "hq3_r"])
 def test_budget_names_every_layer_and_stays_within_3_5_bits(layers, base):
     shapes = smollm2_shapes(layers)
     overrides = budget_overrides(shapes, base)
@@ -123,6 +123,21 @@ def test_budget_names_every_layer_and_stays_within_3_5_bits(layers, base):
     assert formats(overrides, "self_attn.q_proj", layers) == [base] * layers
     assert formats(overrides, "mlp.gate_proj", layers) == [base] * layers
     assert set(formats(overrides, "self_attn.v_proj", layers)) <= {base, "iq4_nl", "q5_0"}
+
+
+def test_hq3_r_budget_counts_its_row_header_and_raises_more_layers_than_hq3_nl():
+    """HQ3_R costs 3.375 + 16 / K bits per weight (K = 576: 3.403): the 0.1 bits below 3.5 go to raised layers; rows
+    64 does not divide (K = 96) take its fallback HQ3_NL."""
+    shapes = smollm2_shapes(30)
+    r, nl = budget_overrides(shapes, "hq3_r"), budget_overrides(shapes, "hq3_nl")
+    assert 3.49 < _bits_per_weight(r, shapes) <= 3.5
+    raised = {
+        name: sum(o[n]["format"] not in (name, "q3_k") for n in shapes) for name, o in (("hq3_r", r), ("hq3_nl", nl))
+    }
+    assert raised["hq3_r"] >= 2 * raised["hq3_nl"] > 0  # measured 30 against 15
+    assert budget_overrides({"model.layers.0.mlp.up_proj": (96, 64)}, "hq3_r") == {
+        "model.layers.0.mlp.up_proj": {"format": "hq3_nl"}
+    }
 
 
 def test_budget_raises_value_projections_of_the_first_and_last_layers_first():

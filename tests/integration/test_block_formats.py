@@ -42,7 +42,7 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
         assert layer.weight.dtype == torch.uint8
         assert tuple(layer.weight.shape) == (
             layer.out_features,
-            layer.in_features // layout.block_size * layout.type_size,
+            layout.row_bytes(layer.in_features),
         )
         if layer.in_features == 256:  # the layer multiplies by exactly the weight its bytes describe
             expected = x @ blocks.dequantize(name, layer.weight).T
@@ -56,7 +56,7 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0", "hq3_nl"])
+@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q4_k", "iq4_xs", "q3_k", "hq3_0", "hq3_nl", "hq3_r"])
 def test_block_format_stays_close_to_the_float_model(wide_checkpoint, name):
     """Logits within a tolerance that grows with the quantization step: the relative error of the logits against
     the float model's is at most 4 * 2**-bits (measured about 2**-bits on this random model)."""
@@ -107,11 +107,16 @@ def test_inspect_reports_each_layers_block_format_and_its_bytes(wide_checkpoint,
 
 @pytest.mark.parametrize(
     "spelling",
-    [dict(format="hq3_0", mixed_precision="auto"), dict(format="hq3_nl", mixed_precision="auto"), dict(bits=3.5)],
+    [
+        dict(format="hq3_0", mixed_precision="auto"),
+        dict(format="hq3_nl", mixed_precision="auto"),
+        dict(format="hq3_r", mixed_precision="auto"),
+        dict(bits=3.5),
+    ],
 )
 def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spelling):
-    """`format="hq3_nl", mixed_precision="auto"` (or `bits=3.5`; or "hq3_0"): Q3_K where 256 divides a row, the
-    format elsewhere, value
+    """`format="hq3_r", mixed_precision="auto"` (or `bits=3.5`; or "hq3_nl", "hq3_0"): Q3_K where 256 divides a row,
+    the format elsewhere (hq3_r: its fallback hq3_nl where 64 does not divide a row: 96 here), value
     projections raised while the stored bits stay within 3.5 per weight; config.json names each layer's format and
     the reload holds the same bytes."""
     tiny_model(
@@ -119,16 +124,17 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spe
     ).save_pretrained(tmp_path / "float")
     config = HfQuantConfig(**spelling)
     base = config.format
-    assert base == spelling.get("format", "hq3_nl")
+    assert base == spelling.get("format", "hq3_r")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     layers = _layers(model)
     assert len(layers) == 14
-    stored_bits = sum(layer.weight.numel() * 8 for layer in layers.values())
+    stored_bits = sum(layer.weight.numel() * 8 for layer in layers.values())  # row headers included
     weights = sum(layer.in_features * layer.out_features for layer in layers.values())
     assert stored_bits / weights <= 3.5
     assert {layers[n].format.block for n in layers if n.endswith("down_proj")} <= {"q3_k", "q4_k", "q5_k"}
-    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {base}
-    assert any(layers[n].format.block != base for n in layers if n.endswith("v_proj"))
+    first = base if 96 % blocks.layout(base).block_size == 0 else blocks.layout(base).fallback
+    assert {layers[n].format.block for n in layers if n.endswith("q_proj")} == {first}
+    assert any(layers[n].format.block != first for n in layers if n.endswith("v_proj"))
     model.save_pretrained(tmp_path / "q")
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert set(saved["module_overrides"]) == set(layers)

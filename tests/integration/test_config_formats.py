@@ -110,14 +110,14 @@ def test_block_mix_formats_land_in_config_json_and_reload(tmp_path, overrides, e
     assert all(torch.equal(saved_tensors[key], reloaded_tensors[key]) for key in saved_tensors)
 
 
-def test_bits_three_and_a_half_is_the_hq3_nl_budget_and_saves_as_it():
+def test_bits_three_and_a_half_is_the_hq3_r_budget_and_saves_as_it():
     config = HfQuantConfig(bits=3.5)
-    assert (config.bits, config.format, config.mixed_precision, config.method) == (3, "hq3_nl", "auto", "sinq")
-    assert config == HfQuantConfig(format="hq3_nl", mixed_precision="auto")
+    assert (config.bits, config.format, config.mixed_precision, config.method) == (3, "hq3_r", "auto", "sinq")
+    assert config == HfQuantConfig(format="hq3_r", mixed_precision="auto")
     saved = json.loads(json.dumps(config.to_dict()))
-    assert saved["bits"] == 3 and saved["format"] == "hq3_nl"  # config.json names the format, not the float
+    assert saved["bits"] == 3 and saved["format"] == "hq3_r"  # config.json names the format, not the float
     assert HfQuantConfig.from_dict(saved) == config
-    assert HfQuantConfig(bits=3.5, mixed_precision="none").mixed_precision == "none"  # every layer hq3_nl: 3.5 bpw
+    assert HfQuantConfig(bits=3.5, mixed_precision="none").mixed_precision == "none"  # every layer hq3_r: < 3.5 bpw
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_bits_three_and_a_half_is_the_hq3_nl_budget_and_saves_as_it():
             r"bits=2.5 is not supported; use an int from \[8, 6, 5, 4, 3, 2\] or a bits budget",
         ),
         (dict(bits=3.25), ValueError, r"bits=3.25 is not supported"),
-        (dict(bits=3.5, format="q3_k"), ValueError, r"bits=3.5 is the hq3_nl bits budget; it takes format='hq3_nl'"),
+        (dict(bits=3.5, format="q3_k"), ValueError, r"bits=3.5 is the hq3_r bits budget; it takes format='hq3_r'"),
         (dict(bits=4.0), TypeError, r"bits must be an int"),
     ],
 )

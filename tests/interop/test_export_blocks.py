@@ -64,20 +64,23 @@ def test_compressed_tensors_export_refuses_block_formats_before_writing(tmp_path
     assert not (tmp_path / "ct").exists()
 
 
-def test_both_exports_refuse_hfquants_own_block_format_by_name_before_writing(tmp_path):
-    """HQ3_0 (hfquant's 3-bit 32-weight blocks) has no GGUF type and no compressed-tensors form."""
-    model = tiny_model("llama", **MERGES_VOCAB)  # rows of 64 and 128: every layer in HQ3_0
+@pytest.mark.parametrize("name", ["hq3_0", "hq3_r"])
+def test_both_exports_refuse_hfquants_own_block_format_by_name_before_writing(tmp_path, name):
+    """HQ3_0 and HQ3_R (hfquant's 3-bit blocks) have no GGUF type and no compressed-tensors form."""
+    model = tiny_model("llama", **MERGES_VOCAB)  # rows of 64 and 128: every layer in the format
     model.save_pretrained(tmp_path / "float")
     tiny_tokenizer(merges=True).save_pretrained(tmp_path / "float")
     quantized = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "float", quantization_config=HfQuantConfig(format="hq3_0")
+        tmp_path / "float", quantization_config=HfQuantConfig(format=name)
     )
     quantized.save_pretrained(tmp_path / "q")
     tiny_tokenizer(merges=True).save_pretrained(tmp_path / "q")
-    with pytest.raises(ValueError, match=r"hfquant's own block format hq3_0 \(14 layer\(s\)\).*nothing was written"):
+    with pytest.raises(ValueError, match=rf"hfquant's own block format {name} \(14 layer\(s\)\).*nothing was written"):
         export_checkpoint(tmp_path / "q", tmp_path / "q.gguf", format="gguf")
     assert not (tmp_path / "q.gguf").exists()
-    with pytest.raises(ValueError, match=r"hfquant's block format hq3_0 \(14 layer\(s\) in block formats\)") as error:
+    with pytest.raises(
+        ValueError, match=rf"hfquant's block format {name} \(14 layer\(s\) in block formats\)"
+    ) as error:
         export_checkpoint(tmp_path / "q", tmp_path / "ct")
     assert "--format gguf" not in str(error.value)
     assert not (tmp_path / "ct").exists()

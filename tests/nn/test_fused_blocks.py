@@ -62,7 +62,7 @@ def _row(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn((*shape, K), generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "iq4_xs", "hq3_0", "hq3_nl"])
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "iq4_xs", "hq3_0", "hq3_nl", "hq3_r"])
 def test_a_block_layer_binds_its_gemv_and_gives_the_planned_paths_bytes(monkeypatch, name):
     used = record_row_kernels(monkeypatch)
     block = _block(monkeypatch, name, link=False)

@@ -31,8 +31,12 @@ HALF_FIELDS = {
     "iq4_xs": (0,),
     "hq3_0": (0,),
     "hq3_nl": (0,),
+    "hq3_r": (),  # its float16 is the row header's
 }
 """Byte offsets of each block's float16 fields (ggml-common.h's d / dmin / m)."""
+
+ACTIVATION_BLOCK = {"hq3_r": 32}
+"""Inputs per int8 activation block where it is not the type's block size (HQ3_R: two per 64-weight block)."""
 
 needs_kernel = pytest.mark.skipif(
     not native.block_gemv_supported(blocks.layout("q4_k").ggml_type),
@@ -41,14 +45,19 @@ needs_kernel = pytest.mark.skipif(
 
 
 def _random_blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """(N, row bytes) uint8: random bytes (every code and block-scale bit pattern), with finite float16 fields."""
+    """(N, row bytes) uint8: random bytes (every code and block-scale bit pattern), with finite float16 fields (and
+    a finite float16 row header where the type has one)."""
     fmt = blocks.layout(name)
     generator = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, k // fmt.block_size, fmt.type_size), dtype=torch.uint8, generator=generator)
     for offset in HALF_FIELDS[name]:
         values = ((torch.rand((n, k // fmt.block_size), generator=generator) - 0.5) * 0.02).to(torch.float16)
         data[:, :, offset : offset + 2] = values.view(torch.uint8).reshape(n, -1, 2)
-    return data.reshape(n, -1).contiguous()
+    data = data.reshape(n, -1)
+    if fmt.row_header:
+        header = ((torch.rand(n, generator=generator) - 0.5) * 2e-4).to(torch.float16).view(torch.uint8).reshape(n, 2)
+        data = torch.cat([header, data], dim=1)
+    return data.contiguous()
 
 
 def _row(k: int, seed: int) -> torch.Tensor:
@@ -85,7 +94,7 @@ def test_block_gemv_is_the_stated_formula_and_within_the_int8_bound(name, shape)
     weight = blocks.dequantize(name, data).double()  # (N, K)
     x = _row(k, seed=k)
     y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
-    x_hat, top = _quantized_row(x, fmt.block_size)
+    x_hat, top = _quantized_row(x, ACTIVATION_BLOCK.get(name, fmt.block_size))
     stated = weight @ x_hat
     magnitude = weight.abs() @ x_hat.abs()
     # float32 products and sums of the kernel, then one bfloat16 rounding (relative 2**-9, one step allowed)
@@ -173,7 +182,7 @@ def _block_layer(name: str, n: int = 128, k: int = 512) -> QuantLinear:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0", "hq3_0", "hq3_nl"])
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0", "hq3_0", "hq3_nl", "hq3_r"])
 def test_plan_picks_the_block_gemv_for_one_bfloat16_row(name, monkeypatch):
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # read when the layer is planned: no timing in tests
     assert gemv.native_block_works(name)
@@ -221,23 +230,25 @@ def test_c_dequantization_is_the_torch_dequantizers_bfloat16_transposed(name):
 
 
 @needs_kernel
-def test_prefill_of_a_block_layer_multiplies_the_c_dequantized_weight():
-    layer = _block_layer("q4_k", n=96)
+@pytest.mark.parametrize("name", ["q4_k", "hq3_r"])
+def test_prefill_of_a_block_layer_multiplies_the_c_dequantized_weight(name):
+    layer = _block_layer(name, n=96)
     layer.prepare_kernel(torch.bfloat16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    expected = x @ blocks.dequantize("q4_k", layer.weight).to(torch.bfloat16).t()
+    expected = x @ blocks.dequantize(name, layer.weight).to(torch.bfloat16).t()
     with torch.inference_mode():
         assert torch.equal(layer(x), expected)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 200], ids=lambda r: f"M{r}")
-def test_hq3_0_layer_gradients_are_those_of_its_dequantized_weight(rows):
-    """hfquant's own HQ3_0 takes the block formats' autograd rule (the LoRA path): grad_x = grad_y @ w_hat."""
+@pytest.mark.parametrize("name", ["hq3_0", "hq3_r"])
+def test_hq3_layer_gradients_are_those_of_its_dequantized_weight(rows, name):
+    """hfquant's own HQ3_0 / HQ3_R take the block formats' autograd rule (the LoRA path): grad_x = grad_y @ w_hat."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn((48, 576), generator=generator)
-    layer = QuantLinear.from_float(weight, None, StoredFormat.of_block("hq3_0"))
+    layer = QuantLinear.from_float(weight, None, StoredFormat.of_block(name))
     layer.prepare_kernel(torch.float32)
-    w_hat = blocks.dequantize("hq3_0", layer.weight)
+    w_hat = blocks.dequantize(name, layer.weight)
     x = torch.randn((rows, 576), generator=generator, requires_grad=True)
     grad_y = torch.randn((rows, 48), generator=generator)
     layer(x).backward(grad_y)

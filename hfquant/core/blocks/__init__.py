@@ -11,7 +11,9 @@ The codecs live in one module per family, each defining `quantize_<name>(weight,
 - `kquants`: 256-weight super-blocks with quantized block scales (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K);
 - `iq4`: 4-bit codes on llama.cpp's non-uniform grid (IQ4_NL, 32-weight blocks; IQ4_XS, 256-weight super-blocks);
 - `hq3`: hfquant's own HQ3_0 and HQ3_NL (3-bit codes, 32-weight blocks, 3.5 bits per weight; HQ3_NL's codes on a
-  non-uniform grid with a zero), not GGUF types (`gguf` False).
+  non-uniform grid with a zero), not GGUF types (`gguf` False);
+- `hq3r`: hfquant's own HQ3_R (HQ3_NL's codes, a 6-bit scale per 16 weights under a float16 per row: a 2-byte row
+  header, `row_header`, then 27-byte blocks of 64 weights; 3.375 + 16 / K bits per weight).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 
 import torch
 
-from . import hq3, iq4, kquants, legacy
+from . import hq3, hq3r, iq4, kquants, legacy
 
 __all__ = ["BlockLayout", "LAYOUTS", "layout", "quantize", "dequantize"]
 
@@ -42,6 +44,8 @@ class BlockLayout:
         family: the module under `hfquant.core.blocks` that holds the codec.
         gguf: whether GGUF has the type (False: hfquant's own format, `ggml_type` then a number >= 1000 that only
             hfquant's kernels read; the GGUF and compressed-tensors exports refuse it).
+        row_header: bytes stored at the start of every row before its blocks (HQ3_R's float16 row scale: 2; 0 for
+            every GGUF type).
     """
 
     name: str
@@ -53,11 +57,35 @@ class BlockLayout:
     fallback: str | None
     family: str
     gguf: bool = True
+    row_header: int = 0
 
     @property
     def bits_per_weight(self) -> float:
-        """Stored bits per weight, block metadata included (Q4_K: 144 * 8 / 256 = 4.5)."""
+        """Stored bits per weight of the blocks, block metadata included (Q4_K: 144 * 8 / 256 = 4.5); a row header
+        adds `row_bits_per_weight(K) - bits_per_weight`."""
         return self.type_size * 8 / self.block_size
+
+    def row_bits_per_weight(self, in_features: int) -> float:
+        """Stored bits per weight of rows of `in_features` weights, the row header included (HQ3_R at 576: 3.403).
+
+        Raises:
+            ValueError: `block_size` does not divide `in_features`.
+        """
+        return self.row_bytes(in_features) * 8 / in_features
+
+    def in_features_of(self, row_bytes: int) -> int:
+        """The weights of a stored row of `row_bytes` bytes (the inverse of `row_bytes`).
+
+        Raises:
+            ValueError: `row_bytes` is not a row header and whole blocks.
+        """
+        body = row_bytes - self.row_header
+        if body < 0 or body % self.type_size:
+            raise ValueError(
+                f"{self.name} rows are {self.row_header} header byte(s) and whole {self.type_size}-byte blocks; got "
+                f"{row_bytes} bytes"
+            )
+        return body // self.type_size * self.block_size
 
     def divides(self, in_features: int) -> bool:
         """Whether rows of `in_features` weights are whole blocks of this type."""
@@ -75,7 +103,7 @@ class BlockLayout:
                 f"multiple of {self.block_size}"
                 + (f" (llama.cpp uses {self.fallback} for such rows)" if self.fallback else "")
             )
-        return in_features // self.block_size * self.type_size
+        return self.row_header + in_features // self.block_size * self.type_size
 
 
 def _layouts(*rows: tuple) -> dict[str, BlockLayout]:
@@ -83,7 +111,7 @@ def _layouts(*rows: tuple) -> dict[str, BlockLayout]:
 
 
 LAYOUTS: dict[str, BlockLayout] = _layouts(
-    # name, ggml_type, block_size, type_size, bits, symmetric, fallback, family
+    # name, ggml_type, block_size, type_size, bits, symmetric, fallback, family[, gguf, row_header]
     ("q4_0", 2, 32, 18, 4, True, None, "legacy"),
     ("q4_1", 3, 32, 20, 4, False, None, "legacy"),
     ("q5_0", 6, 32, 22, 5, True, None, "legacy"),
@@ -98,6 +126,7 @@ LAYOUTS: dict[str, BlockLayout] = _layouts(
     ("iq4_xs", 23, 256, 136, 4, True, "iq4_nl", "iq4"),
     ("hq3_0", 1000, 32, 14, 3, True, None, "hq3", False),
     ("hq3_nl", 1001, 32, 14, 3, True, None, "hq3", False),
+    ("hq3_r", 1002, 64, 27, 3, True, "hq3_nl", "hq3r", False, 2),
 )
 """Every block type hfquant stores, by name (sizes from ggml-common.h; gguf-py's `GGML_QUANT_SIZES` agrees)."""
 
@@ -114,7 +143,7 @@ def layout(name: str) -> BlockLayout:
     return found
 
 
-_FAMILIES = {"hq3": hq3, "iq4": iq4, "kquants": kquants, "legacy": legacy}
+_FAMILIES = {"hq3": hq3, "hq3r": hq3r, "iq4": iq4, "kquants": kquants, "legacy": legacy}
 """`BlockLayout.family` -> its codec module, imported with the package: a `torch.compile` graph that dequantizes
 blocks (a block-format embedding's lookup) cannot trace `importlib.import_module`."""
 
@@ -133,7 +162,7 @@ def quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = 
         importance: optional (K,) or (rows, K) float32 weights >= 0 of each element's squared error in the search for
             block scales (None: the type's data-free default, `importance.default_importance`).
     Returns:
-        (rows, K // block_size * type_size) uint8: the blocks as GGUF stores them.
+        (rows, row_header + K // block_size * type_size) uint8: the blocks as GGUF stores them.
     Raises:
         ValueError: an unknown name, a weight that is not 2-D, or K not a multiple of the block size.
     """
@@ -155,9 +184,10 @@ def dequantize(name: str, data: torch.Tensor) -> torch.Tensor:
         ValueError: an unknown name, or data that is not 2-D uint8 of whole blocks.
     """
     fmt, function = _codec(name, "dequantize")
-    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % fmt.type_size:
+    if data.dtype != torch.uint8 or data.dim() != 2 or (data.shape[1] - fmt.row_header) % fmt.type_size:
+        header = f"a {fmt.row_header}-byte row header and " if fmt.row_header else ""
         raise ValueError(
-            f"{fmt.name} blocks are a 2-D uint8 tensor of whole {fmt.type_size}-byte blocks per row; got "
+            f"{fmt.name} blocks are a 2-D uint8 tensor of {header}whole {fmt.type_size}-byte blocks per row; got "
             f"{data.dtype} {tuple(data.shape)}"
         )
     return function(data)

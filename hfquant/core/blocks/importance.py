@@ -40,10 +40,11 @@ RULES: dict[str, str] = {
     "iq4_xs": "uniform",
     "hq3_0": "rms_abs_square",
     "hq3_nl": "rms_abs_square",
+    "hq3_r": "rms_abs_square",
 }
 """Block type -> the data-free rule `default_importance` applies to it (`rule_importance`)."""
 
-STORED_SCALE_RULES: dict[str, str] = {"hq3_0": "uniform", "hq3_nl": "uniform"}
+STORED_SCALE_RULES: dict[str, str] = {"hq3_0": "uniform", "hq3_nl": "uniform", "hq3_r": "uniform"}
 """Block type -> the rule of a layer whose SINQ column scales are stored beside it (not folded: MiniLM and other
 models `find_blocks` does not fold), where it differs from `RULES`. HQ3_0's (rms + |x|)^2 is chosen on SmolLM2's folded
 layers; on MiniLM's stored-scale layers "uniform" is better (`HfQuantConfig(bits=3.5)`: cosine 0.9325 against 0.9255;

@@ -475,6 +475,48 @@ BK_TARGET static float BK_NAME(row_hq3_nl_)(const uint8_t *w, const ActRow *a, i
     BK_ROW32(BK_NAME(hq3_nl_step_), 14, grid);
 }
 
+/* HQ3_R: a row is D (float16), then blocks of 64 weights: 3 bytes of four 6-bit sub-block scale fields, then two
+ * groups of 32 codes in HQ3_0's packing. Per group: the codes looked up in HQ3_NL's grid (a byte shuffle), a signed
+ * dot with the activation block (int32 lanes 0-3 hold the first 16 weights' sums, 4-7 the next 16), each half times
+ * its sub-block's scale relative to D and the activation scale; D multiplies the row's sum once. */
+BK_TARGET static inline __m256 BK_NAME(hq3_r_group_)(const uint8_t *g, const ActRow *a, int64_t b, __m256 acc,
+                                                     __m256i grid, float s0, float s1) {
+    const __m256i three = _mm256_set1_epi8(3), shifts = _mm256_set_epi64x(6, 4, 2, 0);
+    long long qs;
+    memcpy(&qs, g, 8);
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(qs), shifts), three);
+    const __m256i q = _mm256_shuffle_epi8(grid, BK_NAME(add_high_)(low, g + 8, 4));
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+    const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    const float dx = a->d[b];
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(s1 * dx), _mm_set1_ps(s0 * dx));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+}
+
+BK_TARGET static float BK_NAME(row_hq3_r_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)HQ3_NL_GRID));
+    const float d_row = BK_NAME(half_)(w);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    w += 2;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 54) { /* two blocks a step: four independent accumulators */
+        const uint32_t f = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16);
+        const uint32_t g = (uint32_t)w[27] | ((uint32_t)w[28] << 8) | ((uint32_t)w[29] << 16);
+        acc0 = BK_NAME(hq3_r_group_)(w + 3, a, 2 * b, acc0, grid, HQ3R_SIGNED[f & 63], HQ3R_SIGNED[(f >> 6) & 63]);
+        acc1 = BK_NAME(hq3_r_group_)(w + 15, a, 2 * b + 1, acc1, grid, HQ3R_SIGNED[(f >> 12) & 63], HQ3R_SIGNED[f >> 18]);
+        acc2 = BK_NAME(hq3_r_group_)(w + 30, a, 2 * b + 2, acc2, grid, HQ3R_SIGNED[g & 63], HQ3R_SIGNED[(g >> 6) & 63]);
+        acc3 = BK_NAME(hq3_r_group_)(w + 42, a, 2 * b + 3, acc3, grid, HQ3R_SIGNED[(g >> 12) & 63], HQ3R_SIGNED[g >> 18]);
+    }
+    for (; b < nb; b++, w += 27) {
+        const uint32_t fields = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16);
+        const float s0 = HQ3R_SIGNED[fields & 63], s1 = HQ3R_SIGNED[(fields >> 6) & 63];
+        const float s2 = HQ3R_SIGNED[(fields >> 12) & 63], s3 = HQ3R_SIGNED[fields >> 18];
+        acc0 = BK_NAME(hq3_r_group_)(w + 3, a, 2 * b, acc0, grid, s0, s1);
+        acc1 = BK_NAME(hq3_r_group_)(w + 15, a, 2 * b + 1, acc1, grid, s2, s3);
+    }
+    return d_row * BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+}
+
 /* Q4_0 / Q5_0 (w = d * (u - offset): the offset times the activation sum, an integer term of the block's dot) and
  * Q4_1 / Q5_1 (w = d * u + m: m times the activation sum, in lane 0 of the float contribution); u the 4- or 5-bit
  * code. kind: bit 0 five-bit, bit 1 affine; offset 8 or 16 */
@@ -522,6 +564,7 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
         case GGML_IQ4_XS: return BK_NAME(row_iq4_xs_)(w, a, nb);
         case HQ3_0: return BK_NAME(row_hq3_0_)(w, a, nb);
         case HQ3_NL: return BK_NAME(row_hq3_nl_)(w, a, nb);
+        case HQ3_R: return BK_NAME(row_hq3_r_)(w, a, nb);
         default: return 0.0f;
     }
 }

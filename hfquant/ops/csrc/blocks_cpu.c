@@ -6,8 +6,8 @@
  * is the dequantized weight (hfquant.core.blocks.dequantize) and x_hat the activation row quantized once per call:
  *   - for the 256-weight types (Q2_K..Q6_K, IQ4_XS): per 256 inputs, xs = max|x| / 127 and xq = round(x / xs) (to
  *     nearest even) in int8, with the sums of xq per 16 inputs (the role of llama.cpp's block_q8_K);
- *   - for the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, hfquant's HQ3_0): the same per 32 inputs, with
- *     the sum per 32.
+ *   - for the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, hfquant's HQ3_0, HQ3_NL) and hfquant's HQ3_R
+ *     (64-weight blocks after a 2-byte row header): the same per 32 inputs, with the sum per 32.
  * So |x_hat[k] - x[k]| <= max|x_block| / 254 for the block of k, and |y[n] - x . w_hat[n]| <= sum_k |w_hat[n, k]| *
  * max|x_block(k)| / 254 plus float32 summation and the final bfloat16 rounding.
  *
@@ -49,7 +49,11 @@ enum {
     GGML_IQ4_XS = 23,
     HQ3_0 = 1000, /* hfquant's own (hfquant.core.blocks.hq3), not a GGUF type */
     HQ3_NL = 1001, /* hfquant's own: HQ3_0's bytes, codes on the grid HQ3_NL_GRID */
+    HQ3_R = 1002,  /* hfquant's own (hfquant.core.blocks.hq3r): a float16 row header, then 64-weight blocks */
 };
+
+/* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
+static inline int64_t row_header(int type) { return type == HQ3_R ? 2 : 0; }
 
 /* weights per block and bytes per block of a GGML type (0: not one of ours) */
 static void block_shape(int type, int64_t *block, int64_t *bytes) {
@@ -57,7 +61,7 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
         {GGML_Q8_0, 32, 34},  {GGML_Q2_K, 256, 84},  {GGML_Q3_K, 256, 110}, {GGML_Q4_K, 256, 144},
         {GGML_Q5_K, 256, 176}, {GGML_Q6_K, 256, 210}, {GGML_IQ4_NL, 32, 18}, {GGML_IQ4_XS, 256, 136},
-        {HQ3_0, 32, 14},      {HQ3_NL, 32, 14},
+        {HQ3_0, 32, 14},      {HQ3_NL, 32, 14},     {HQ3_R, 64, 27},
     };
     *block = 0;
     *bytes = 0;
@@ -76,6 +80,37 @@ static const int8_t IQ4_GRID[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,
 
 /* hfquant's HQ3_NL grid (hq3.py `NL_VALUES`): the value of each 3-bit code, padded to 16 bytes for a byte shuffle */
 static const int8_t HQ3_NL_GRID[16] = {-127, -87, -56, -29, 0, 29, 58, 94, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* HQ3_R's sub-block scale magnitudes relative to D, 2^(-e / 8) rounded to float32 (hq3r.py `LEVELS`, the same bits) */
+static const float HQ3R_LEVELS[32] = {0x1.000000p+0f, 0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f, 0x1.6a09e6p-1f, 0x1.4bfdacp-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f, 0x1.000000p-1f, 0x1.d5818ep-2f, 0x1.ae89fap-2f, 0x1.8ace54p-2f, 0x1.6a09e6p-2f, 0x1.4bfdacp-2f, 0x1.306fe0p-2f, 0x1.172b84p-2f, 0x1.000000p-2f, 0x1.d5818ep-3f, 0x1.ae89fap-3f, 0x1.8ace54p-3f, 0x1.6a09e6p-3f, 0x1.4bfdacp-3f, 0x1.306fe0p-3f, 0x1.172b84p-3f, 0x1.000000p-3f, 0x1.d5818ep-4f, 0x1.ae89fap-4f, 0x1.8ace54p-4f, 0x1.6a09e6p-4f, 0x1.4bfdacp-4f, 0x1.306fe0p-4f, 0x1.172b84p-4f};
+
+/* HQ3_R's 64 field values as signed scales relative to D: LEVELS[e], negated for s = 1 (the GEMV's table) */
+static const float HQ3R_SIGNED[64] = {
+    0x1.000000p+0f, 0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f,
+    0x1.6a09e6p-1f, 0x1.4bfdacp-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f,
+    0x1.000000p-1f, 0x1.d5818ep-2f, 0x1.ae89fap-2f, 0x1.8ace54p-2f,
+    0x1.6a09e6p-2f, 0x1.4bfdacp-2f, 0x1.306fe0p-2f, 0x1.172b84p-2f,
+    0x1.000000p-2f, 0x1.d5818ep-3f, 0x1.ae89fap-3f, 0x1.8ace54p-3f,
+    0x1.6a09e6p-3f, 0x1.4bfdacp-3f, 0x1.306fe0p-3f, 0x1.172b84p-3f,
+    0x1.000000p-3f, 0x1.d5818ep-4f, 0x1.ae89fap-4f, 0x1.8ace54p-4f,
+    0x1.6a09e6p-4f, 0x1.4bfdacp-4f, 0x1.306fe0p-4f, 0x1.172b84p-4f,
+    -0x1.000000p+0f, -0x1.d5818ep-1f, -0x1.ae89fap-1f, -0x1.8ace54p-1f,
+    -0x1.6a09e6p-1f, -0x1.4bfdacp-1f, -0x1.306fe0p-1f, -0x1.172b84p-1f,
+    -0x1.000000p-1f, -0x1.d5818ep-2f, -0x1.ae89fap-2f, -0x1.8ace54p-2f,
+    -0x1.6a09e6p-2f, -0x1.4bfdacp-2f, -0x1.306fe0p-2f, -0x1.172b84p-2f,
+    -0x1.000000p-2f, -0x1.d5818ep-3f, -0x1.ae89fap-3f, -0x1.8ace54p-3f,
+    -0x1.6a09e6p-3f, -0x1.4bfdacp-3f, -0x1.306fe0p-3f, -0x1.172b84p-3f,
+    -0x1.000000p-3f, -0x1.d5818ep-4f, -0x1.ae89fap-4f, -0x1.8ace54p-4f,
+    -0x1.6a09e6p-4f, -0x1.4bfdacp-4f, -0x1.306fe0p-4f, -0x1.172b84p-4f,
+};
+
+/* HQ3_R: sub-block i's scale of a block (the fields in its first 3 bytes), D * LEVELS[e] negated for s = 1 */
+static inline float hq3r_scale(const uint8_t *w, int i, float d_row) {
+    const uint32_t fields = (uint32_t)w[0] | ((uint32_t)w[1] << 8) | ((uint32_t)w[2] << 16);
+    const uint32_t f = (fields >> (6 * i)) & 63;
+    const float s = d_row * HQ3R_LEVELS[f & 31];
+    return (f & 32) ? -s : s;
+}
 
 /* The quantized activation row: d (a float32 scale per block of `per` inputs), q (K int8), sums (the int32 sum of q
  * per 16 inputs when per = 256, per 32 when per = 32). */
@@ -218,10 +253,23 @@ typedef struct {
 #undef BK_DOT
 #undef BK_MASKED
 
-/* One block of `type` -> its float32 weights (32 or 256), computed as w = d * sc * q - dmin * m etc. in float32 (the
- * formulas of hfquant.core.blocks' dequantizers, possibly in another order: within a float32 rounding of them) */
-static void decode_block(int type, const uint8_t *w, float *out) {
+/* One block of `type` -> its float32 weights (32, 64 or 256), computed as w = d * sc * q - dmin * m etc. in float32
+ * (the formulas of hfquant.core.blocks' dequantizers, possibly in another order: within a float32 rounding of them);
+ * d_row: the row header's scale (HQ3_R), unused by the other types */
+static void decode_block(int type, const uint8_t *w, float d_row, float *out) {
     switch (type) {
+        case HQ3_R: { /* hq3r.dequantize_hq3_r's order: (D * LEVELS[e]), negated, times the grid value */
+            for (int i = 0; i < 4; i++) {
+                const float s = hq3r_scale(w, i, d_row);
+                for (int j = 0; j < 16; j++) {
+                    const int e = 16 * i + j, l = e % 32;
+                    const uint8_t *g = w + 3 + 12 * (e / 32);
+                    const int u = ((g[l % 8] >> (2 * (l / 8))) & 3) | (((g[8 + l / 8] >> (l % 8)) & 1) << 2);
+                    out[e] = s * (float)HQ3_NL_GRID[u];
+                }
+            }
+            return;
+        }
         case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_IQ4_NL: {
             const int affine = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
             const float d = fp16_to_float(w), m = affine ? fp16_to_float(w + 2) : 0.0f;
@@ -321,7 +369,7 @@ int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, 
     int64_t block, bytes;
     block_shape((int)type, &block, &bytes);
     if (!block || k <= 0 || k % block || start < 0 || stop > n || start >= stop) return 1;
-    const int64_t nb = k / block, cols = stop - start;
+    const int64_t nb = k / block, cols = stop - start, header = row_header((int)type), row_bytes = header + nb * bytes;
     /* A tile of DEQ_TILE rows at a time, block by block: each output row (one input feature) then gets DEQ_TILE
      * adjacent values per write instead of one value per cache line (the transposed writes cost most of the time). */
     enum { DEQ_TILE = 16 };
@@ -330,7 +378,10 @@ int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, 
         float values[DEQ_TILE][256];
         const int64_t rows = stop - r0 < DEQ_TILE ? stop - r0 : DEQ_TILE;
         for (int64_t b = 0; b < nb; b++) {
-            for (int64_t t = 0; t < rows; t++) decode_block((int)type, weight + ((r0 + t) * nb + b) * bytes, values[t]);
+            for (int64_t t = 0; t < rows; t++) {
+                const uint8_t *row = weight + (r0 + t) * row_bytes;
+                decode_block((int)type, row + header + b * bytes, header ? fp16_to_float(row) : 0.0f, values[t]);
+            }
             for (int64_t i = 0; i < block; i++) {
                 uint16_t *dst = out + (b * block + i) * cols + (r0 - start);
                 for (int64_t t = 0; t < rows; t++) dst[t] = float_to_bf16(values[t][i]);
@@ -376,13 +427,14 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         parts[p].type = types[p];
         parts[p].n = ns[p];
         parts[p].nb = k / part_block;
-        parts[p].row_bytes = parts[p].nb * bytes;
+        parts[p].row_bytes = row_header((int)types[p]) + parts[p].nb * bytes;
         parts[p].y = y + offset;
         offset += ns[p];
     }
+    const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
     int64_t at[4];
-    const int64_t need = act_layout(k, block, sum_every, at);
+    const int64_t need = act_layout(k, per, sum_every, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
     if (scratch == NULL) return 2;
@@ -392,9 +444,9 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.sums = (int32_t *)(scratch + at[2]);
     a.sums32 = (int32_t *)(scratch + at[3]);
     if (cpu_vnni())
-        gemv_parts_vnni(x, &a, k / block, block, sum_every, parts, count);
+        gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else
-        gemv_parts_avx2(x, &a, k / block, block, sum_every, parts, count);
+        gemv_parts_avx2(x, &a, k / per, per, sum_every, parts, count);
     if (scratch != local) _mm_free(scratch);
     return 0;
 }

@@ -1002,3 +1002,127 @@ int hfquant_hq3_nl_quantize(const float *x, const float *w, int64_t w_period, in
     hq3_quantize(&grid, x, w, w_period, nblocks, targets, ntargets, out);
     return 0;
 }
+
+/* --- HQ3_R, hfquant's own 3-bit rows (hq3r.py's module docstring): D f16, then per 64 weights sc[3] (four 6-bit
+ * fields e | s << 5) and two HQ3_0 code groups; weight = (-1)^s (D * levels[e]) * NL_VALUES[q] --- */
+
+#define QR 16
+
+/* the grid values q nearest to x * inv (ties to the larger value: `torch.bucketize(right=True)`), their indices, and
+ * the weighted squared error sum w (x - d q)^2 of one 16-weight sub-block */
+static inline __attribute__((always_inline)) float hq3r_error(const grid_t *g, const float *x, const float *w, float d,
+                                                              float *q, uint8_t *idx) {
+    const float inv = inverse_or_zero(d);
+    float u[QR], terms[QR];
+    int32_t k[QR];
+    for (int i = 0; i < QR; i++) {
+        u[i] = x[i] * inv;
+        q[i] = g->low;
+        k[i] = 0;
+    }
+    for (int m = 0; m < 7; m++) { /* HQ3_NL's 8 values: 7 midpoints, a constant trip count that vectorizes */
+        const float mid = g->mids[m], step = g->steps[m];
+        for (int i = 0; i < QR; i++) {
+            const int up = u[i] >= mid;
+            q[i] += up ? step : 0.0f;
+            k[i] += up;
+        }
+    }
+    for (int i = 0; i < QR; i++) {
+        const float diff = x[i] - d * q[i];
+        terms[i] = w[i] * (diff * diff);
+        if (idx) idx[i] = (uint8_t)k[i];
+    }
+    return sum_terms(terms, QR);
+}
+
+/* `hq3r._continuous` for one sub-block: per target the least-squares scale of the nearest codes, the one of largest
+ * gain (sum w q x)^2 / sum w q^2 kept (the first on ties) */
+static inline __attribute__((always_inline)) float hq3r_continuous(const grid_t *g, const float *x, const float *w,
+                                                                   const float *targets, int ntargets) {
+    const float peak = x[extreme_index(x, QR)];
+    float q[QR], a[QR], b[QR], best_d = 0.0f, best_gain = 0.0f;
+    for (int c = 0; c < ntargets; c++) {
+        const float d = peak / targets[c];
+        hq3r_error(g, x, w, d, q, NULL);
+        for (int i = 0; i < QR; i++) {
+            const float wq = w[i] * q[i];
+            a[i] = wq * x[i];
+            b[i] = wq * q[i];
+        }
+        const float sqx = sum_terms(a, QR), sqq = sum_terms(b, QR);
+        const float gain = sqq != 0.0f ? (sqx * sqx) / sqq : 0.0f;
+        if (c == 0 || gain > best_gain) {
+            best_gain = gain;
+            best_d = sqq != 0.0f ? sqx / sqq : 0.0f;
+        }
+    }
+    return best_d;
+}
+
+/*
+ * Quantize `rows` rows of K (a multiple of 64) float32 weights `x` into HQ3_R (`out`: rows * (2 + K / 64 * 27)
+ * bytes), the search of `hq3r.quantize_hq3_r`. `w`: each element's weight in the squared error, NULL for all 1;
+ * `w_stride`: 0 when w is one (K,) row for every row, K when it is (rows, K). `targets` (hq3r.search_targets) and
+ * `levels` (hq3r.LEVELS, 32 values) as the torch codec's. Rows split over OpenMP threads. Returns 0, 1 for a bad K.
+ */
+#if defined(__x86_64__) && defined(__GNUC__)
+/* an AVX2 clone where the CPU has it: 8-float vectors for the 16-weight loops (IEEE operations, no fused multiply-add:
+ * the same bytes as the baseline clone and the torch codec) */
+__attribute__((target_clones("avx2", "default")))
+#endif
+int hfquant_hq3_r_quantize(const float *x, const float *w, int64_t w_stride, int64_t rows, int64_t k,
+                           const float *targets, int64_t ntargets, const float *levels, uint8_t *out) {
+    if (k <= 0 || k % 64) return 1;
+    grid_t grid;
+    grid_table(&grid, kvalues_hq3nl, 8);
+    const int64_t nsub = k / QR, row_bytes = 2 + k / 64 * 27;
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        float ones[QR], q[QR], top = 0.0f;
+        for (int i = 0; i < QR; i++) ones[i] = 1.0f;
+        float dall[nsub]; /* each sub-block's searched |scale| (K / 16 floats on the stack: 7 KiB at K = 28672) */
+        for (int64_t s = 0; s < nsub; s++) {
+            const float *wb = w == NULL ? ones : w + r * w_stride + s * QR;
+            dall[s] = fabsf(hq3r_continuous(&grid, xr + s * QR, wb, targets, (int)ntargets));
+            top = dall[s] > top ? dall[s] : top;
+        }
+        top = to_half(top);
+        uint8_t *o = out + r * row_bytes;
+        put_half(o, top);
+        uint8_t codes[64], idx[QR];
+        for (int64_t b = 0; b < k / 64; b++) {
+            uint32_t fields = 0;
+            for (int j = 0; j < 4; j++) {
+                const int64_t s = b * 4 + j;
+                const float *xb = xr + s * QR, *wb = w == NULL ? ones : w + r * w_stride + s * QR;
+                int e0 = 0; /* the first level at most |d| (levels decrease) */
+                while (e0 < 32 && top * levels[e0] > dall[s]) e0++;
+                const int lo = e0 - 3 < 0 ? 0 : e0 - 3, hi = e0 + 2 > 31 ? 31 : e0 + 2;
+                float best_err = 0.0f;
+                int best = -1;
+                for (int sign = 0; sign < 2; sign++)
+                    for (int e = lo; e <= hi; e++) {
+                        const float magnitude = top * levels[e];
+                        const float err = hq3r_error(&grid, xb, wb, sign ? -magnitude : magnitude, q, NULL);
+                        if (best < 0 || err < best_err) {
+                            best_err = err;
+                            best = e | (sign << 5);
+                        }
+                    }
+                const float magnitude = top * levels[best & 31];
+                hq3r_error(&grid, xb, wb, best < 32 ? magnitude : -magnitude, q, idx);
+                memcpy(codes + 16 * j, idx, QR);
+                fields |= (uint32_t)best << (6 * j);
+            }
+            uint8_t *blk = o + 2 + b * 27;
+            blk[0] = (uint8_t)(fields & 255);
+            blk[1] = (uint8_t)((fields >> 8) & 255);
+            blk[2] = (uint8_t)(fields >> 16);
+            put_hq3_codes(codes, blk + 3);
+            put_hq3_codes(codes + 32, blk + 15);
+        }
+    }
+    return 0;
+}

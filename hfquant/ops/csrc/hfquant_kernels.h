@@ -59,6 +59,9 @@ int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64
 /* blocks_quant_cpu.c: the same for HQ3_NL (HQ3_0's bytes, codes on hq3.py's NL_VALUES grid) */
 int hfquant_hq3_nl_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
                             int64_t ntargets, uint8_t *out);
+/* blocks_quant_cpu.c: hfquant's search for its own HQ3_R (16-weight sub-blocks, 6-bit scales, a float16 per row) */
+int hfquant_hq3_r_quantize(const float *x, const float *w, int64_t w_stride, int64_t rows, int64_t k,
+                           const float *targets, int64_t ntargets, const float *levels, uint8_t *out);
 
 /* int8_cpu.c: int8 per-channel codes, row-major as stored */
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
