@@ -39,7 +39,8 @@ def test_metadata(llama_int4):
     assert data["library_name"] == "transformers"
     assert data["pipeline_tag"] == "text-generation"
     assert {"hfquant", "int4", "4-bit", "quantized"} <= set(data["tags"])
-    assert "int8" not in data["tags"]
+    assert {"int8", "8-bit"} <= set(data["tags"])  # the 4-bit default's int8 lm_head: a stored width
+    assert "int2" not in data["tags"]
 
 
 def test_int8_encoder_card(float_checkpoint, tmp_path):
