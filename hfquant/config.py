@@ -608,7 +608,7 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "lm_head",
         "the output embedding: 'keep' (float, unless tied to a quantized input embedding) or int8 / int4 "
-        "(QuantLinear, per-channel int8 / the layers' int4 groups). Default (default_lm_head): int8 at 4 bits in the "
+        "(QuantLinear: int8 per channel, int4 in groups). Default (default_lm_head): int8 at 4 bits in the "
         "int format with embedding_dtype 'auto', else keep; a config.json without the field means keep. "
         "Tied to the input embedding, both are one tensor, stored once and quantized if either field asks for it "
         "(two different formats are an error)",
