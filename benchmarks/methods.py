@@ -51,8 +51,8 @@ METHODS: dict[str, tuple[str | None, str]] = {
     ),
     "hfquant-int4-lm8": (
         None,
-        "hfquant-int4 with lm_head='int8': the output layer per-channel int8 (bf16 by default; tied to the input "
-        "embedding, both)",
+        "hfquant-int4 with lm_head='int8': the output layer per-channel int8 (tied to the input embedding, both); "
+        "the 4-bit int default's own lm_head since issue #32, so the same as hfquant-int4, kept for earlier figures",
     ),
     "torchao-int8": ("torchao", "TorchAoConfig(Int8WeightOnlyConfig())"),
     "torchao-int4": (

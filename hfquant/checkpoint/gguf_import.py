@@ -436,4 +436,5 @@ def quantization_config(
         module_overrides=overrides,
         modules_to_not_convert=kept,
         embedding_dtype=embedding_dtype,
+        lm_head="keep",  # the output table is its block override, else float: never the 4-bit int default's int8
     )

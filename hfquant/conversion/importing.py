@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 def hfquant_config_for(layers: list[ExportLayer], float_linears: list[str]) -> HfQuantConfig:
     """The `HfQuantConfig` under which hfquant rebuilds exactly `layers`: the most common (bits, group size,
     symmetric) as the config's, the others as exact-name `module_overrides`, `float_linears` in
-    `modules_to_not_convert`; method "rtn" (no column scale)."""
+    `modules_to_not_convert`; method "rtn" (no column scale); lm_head "keep" (the export's lm_head is float)."""
     schemes = Counter(layer.scheme for layer in layers)
     base = schemes.most_common(1)[0][0]
     overrides = {
@@ -72,6 +72,7 @@ def hfquant_config_for(layers: list[ExportLayer], float_linears: list[str]) -> H
         method="rtn",
         module_overrides=overrides,
         modules_to_not_convert=sorted(float_linears),
+        lm_head="keep",  # a compressed-tensors lm_head is float (a quantized one is refused): not the 4-bit default's int8
     )
     if "mixed_precision" in FIELD_NAMES:  # no data-free allocation on top: the layers' formats are given
         kwargs["mixed_precision"] = "none"

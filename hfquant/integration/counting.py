@@ -22,7 +22,8 @@ __all__ = ["quantized_weight_count", "count_quantized_weights", "count_quantized
 
 def quantized_weight_count(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Weights held by hfquant's quantized modules of `model` (QuantLinear, QuantEmbedding, QuantExperts), each
-    stored tensor counted once (a tied lm_head and embedding share theirs). `exclude_embeddings` leaves out
+    stored tensor counted once (a tied lm_head and embedding share theirs; a tied copy's tensors are non-persistent
+    buffers, counted under the module holding them, also before loading shares them). `exclude_embeddings` leaves out
     quantized embedding tables, as `num_parameters(exclude_embeddings=True)` leaves out `nn.Embedding` weights."""
     from hfquant.nn.embedding import QuantEmbedding
 
@@ -30,8 +31,8 @@ def quantized_weight_count(model: nn.Module, exclude_embeddings: bool = False) -
     total = 0
     for module in model.modules():
         count = getattr(module, "quantized_parameters", None)
-        if not isinstance(count, int):
-            continue
+        if not isinstance(count, int) or "weight" in module._non_persistent_buffers_set:
+            continue  # a tied copy (lm_head, tied embedding) reads its source's tensor: counted there, also on meta
         stored = next(iter(module.buffers(recurse=False)), None)
         key = id(stored) if stored is not None else id(module)
         if key in seen:

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant import HfQuantConfig, QuantLinear
+from hfquant import HfQuantConfig, QuantEmbedding, QuantLinear
 from hfquant.config import matches_module
 from hfquant.nn.float_linear import FloatLinear
 
@@ -122,13 +122,26 @@ def test_config_json_holds_the_quantization_config_exactly(saved, name):
 def test_on_disk_schema_of_every_quantized_layer(saved, name, float_checkpoint):
     case = saved(name)
     tensors = _read_files(case.path)
+    qconfig = case.model.config.quantization_config
     layers = _quant_layers(case.model)
     assert layers
-    bits, symmetric = case.model.config.quantization_config.bits, case.model.config.quantization_config.symmetric
+    # the 4-bit default's int8 lm_head (its `lm_head` field, per-channel symmetric); tied, its one tensor is stored
+    # under the input embedding's name (a QuantEmbedding), the lm_head's buffers are not persistent
+    heads = {"lm_head"} if qconfig.lm_head == "int8" else set()
+    for name, module in case.model.named_modules():
+        if isinstance(module, QuantEmbedding) and "weight" not in module._non_persistent_buffers_set:
+            heads.add(name)
+            layers[name] = module
+    layers = {name: m for name, m in layers.items() if "weight" not in m._non_persistent_buffers_set}
     for layer_name, layer in layers.items():
-        n, k, g = layer.out_features, layer.in_features, layer.group_size
+        if isinstance(layer, QuantEmbedding):
+            n, k, g = layer.num_embeddings, layer.embedding_dim, layer.group_size
+        else:
+            n, k, g = layer.out_features, layer.in_features, layer.group_size
+        bits, symmetric = (8, True) if layer_name in heads else (qconfig.bits, qconfig.symmetric)
+        assert g == k or layer_name not in heads  # per channel
         expected = {"weight", "weight_scale"} | (set() if symmetric else {"weight_zero_point"})
-        expected |= {"bias"} if layer.bias is not None else set()
+        expected |= {"bias"} if getattr(layer, "bias", None) is not None else set()
         assert {key[len(layer_name) + 1 :] for key in tensors if key.startswith(layer_name + ".")} == expected
         weight = tensors[f"{layer_name}.weight"]
         if bits == 4:
@@ -141,7 +154,7 @@ def test_on_disk_schema_of_every_quantized_layer(saved, name, float_checkpoint):
             zero_point = tensors[f"{layer_name}.weight_zero_point"]
             assert zero_point.dtype == torch.uint8 and zero_point.shape == (n, k // g)
             assert int(zero_point.max()) < 2**bits
-        if layer.bias is not None:
+        if getattr(layer, "bias", None) is not None:
             bias = tensors[f"{layer_name}.bias"]
             assert bias.dtype == case.dtype and bias.shape == (n,)
     # Everything else is the float checkpoint's tensors, unchanged in name and dtype.

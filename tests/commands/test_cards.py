@@ -39,7 +39,8 @@ def test_metadata(llama_int4):
     assert data["library_name"] == "transformers"
     assert data["pipeline_tag"] == "text-generation"
     assert {"hfquant", "int4", "4-bit", "quantized"} <= set(data["tags"])
-    assert "int8" not in data["tags"]
+    assert {"int8", "8-bit"} <= set(data["tags"])  # the 4-bit default's int8 lm_head: a stored width
+    assert "int2" not in data["tags"]
 
 
 def test_int8_encoder_card(float_checkpoint, tmp_path):
@@ -67,7 +68,9 @@ def test_body_has_the_config_table_sizes_and_usage(llama_int4):
     assert "| `model.layers.*.mlp.down_proj` | 2 | 4 | 32 | no |" in card.content
     assert 'AutoModelForCausalLM.from_pretrained("me/tiny-int4"' in card.content
     assert f"https://huggingface.co/{BASE}" in card.content
-    assert "`lm_head`: output embedding" in card.content
+    # the 4-bit default's lm_head: an int8 per-channel row of the layer table, not a float layer
+    assert "| `lm_head` | 1 | 8 | per-channel | yes |" in card.content
+    assert "`lm_head`: output embedding" not in card.content
     assert "Not measured yet" in card.content
 
 

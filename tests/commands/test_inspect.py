@@ -46,10 +46,18 @@ def test_layer_kind_replaces_indices_only():
     assert layer_kind("h2.attn.c_proj") == "h2.attn.c_proj"
 
 
-def test_int4_kinds_bits_groups_and_bytes(converted):
-    """Group 128 asked: the 64-wide layers fall back to 64, down_proj (128 wide) keeps 128; bytes are exact."""
-    report = inspect_checkpoint(converted("llama", bits=4, method="rtn", mixed_precision="none"))
+@pytest.mark.parametrize("head", [{}, {"lm_head": "keep"}], ids=["default-lm_head", "keep"])
+def test_int4_kinds_bits_groups_and_bytes(converted, head):
+    """Group 128 asked: the 64-wide layers fall back to 64, down_proj (128 wide) keeps 128; bytes are exact. The
+    4-bit default's lm_head is int8 per channel; with lm_head "keep" it is a float layer."""
+    report = inspect_checkpoint(converted("llama", bits=4, method="rtn", mixed_precision="none", **head))
     rows = {row["kind"]: row for row in report["quantized"]}
+    if not head:
+        lm_head = rows.pop("lm_head")
+        assert (lm_head["count"], lm_head["bits"], lm_head["symmetric"], lm_head["per_channel"]) == (1, 8, True, True)
+        assert (lm_head["group_size"], lm_head["method"]) == (64, "rtn")
+        # int8 codes (V, D) + one bfloat16 scale per row; float32 source (V, D)
+        assert (lm_head["bytes"], lm_head["float_bytes"]) == (256 * 64 + 256 * 2, 256 * 64 * 4)
     assert sorted(rows) == LLAMA_KINDS
     for kind, row in rows.items():
         in_features = 128 if kind.endswith("down_proj") else 64
@@ -63,7 +71,7 @@ def test_int4_kinds_bits_groups_and_bytes(converted):
         assert row["bytes"] == 2 * out_features * (in_features // 2 + 2 * groups + groups)
         assert row["float_bytes"] == 2 * out_features * in_features * 4  # float32 source
     totals = report["totals"]
-    assert totals["quantized_layers"] == 14
+    assert totals["quantized_layers"] == (14 if head else 15)
     assert totals["tensor_bytes"] < totals["float_bytes"]
     assert totals["ratio"] == pytest.approx(totals["tensor_bytes"] / totals["float_bytes"])
     assert totals["file_bytes"] > totals["tensor_bytes"]  # plus the safetensors header
@@ -75,9 +83,8 @@ def test_int4_kinds_bits_groups_and_bytes(converted):
         "dtype": "float32",
         "bytes": 256 * 64 * 4,
     }
-    assert report["float_layers"] == [
-        {"kind": "lm_head", "count": 1, "reason": "output embedding (lm_head), kept in float"}
-    ]
+    kept = [{"kind": "lm_head", "count": 1, "reason": "output embedding (lm_head), kept in float"}]
+    assert report["float_layers"] == (kept if head else [])
 
 
 def test_int8_per_channel_and_reasons(converted):
@@ -109,14 +116,16 @@ def test_methods_as_stored_sinq_folded_sinq_and_rtn(converted):
     as folded SINQ, not as RTN; unfolded SINQ (GPT-2's Conv1D, or fold_column_scales off) stores column scales and
     is "sinq"; method rtn is "rtn". The v_proj the data-free rule stores in int8 is per-channel."""
     folded = {row["kind"]: row for row in inspect_checkpoint(converted("llama"))["quantized"]}
+    assert folded.pop("lm_head")["method"] == "rtn"  # the 4-bit default's int8 lm_head: RTN, as embeddings
     assert {row["method"] for row in folded.values()} == {FOLDED_SINQ}
     int8 = [row for row in folded.values() if row["bits"] == 8]
     assert [(row["kind"], row["count"], row["per_channel"]) for row in int8] == [
         ("model.layers.*.self_attn.v_proj", 1, True)
     ]
-    assert {row["method"] for row in inspect_checkpoint(converted("gpt2"))["quantized"]} == {"sinq"}
+    gpt2 = inspect_checkpoint(converted("gpt2", lm_head="keep"))["quantized"]
+    assert {row["method"] for row in gpt2} == {"sinq"}
     unfolded = inspect_checkpoint(converted("llama", fold_column_scales=False))["quantized"]
-    assert {row["method"] for row in unfolded} == {"sinq"}
+    assert {row["method"] for row in unfolded if row["kind"] != "lm_head"} == {"sinq"}
     plain = inspect_checkpoint(converted("llama", method="rtn", mixed_precision="none"))["quantized"]
     assert {row["method"] for row in plain} == {"rtn"}
     # a layer asked in RTN by a pattern in a folded checkpoint is RTN
@@ -136,7 +145,15 @@ def test_text_report_lists_every_kind(converted):
     text = format_report(inspect_checkpoint(converted("llama", bits=4)))
     for kind in LLAMA_KINDS:
         assert kind in text
-    assert "lm_head: output embedding" in text
+    assert "lm_head: output embedding" not in text  # the 4-bit default's lm_head is int8: a quantized row
+    assert next(line for line in text.splitlines() if line.startswith("lm_head")).split()[:5] == [
+        "lm_head",
+        "1",
+        "8",
+        "per-channel",
+        "yes",
+    ]
+    assert "lm_head: output embedding" in format_report(inspect_checkpoint(converted("llama", lm_head="keep")))
     assert "smaller" in text
 
 

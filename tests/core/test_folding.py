@@ -145,6 +145,8 @@ def test_default_4bit_checkpoint_is_plain_rtn_reloads_bit_exactly_and_exports(fl
     model.save_pretrained(tmp_path / "q")
     stored = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert stored["fold_column_scales"] is True
+    head = layers.pop("lm_head")  # the 4-bit default's int8 lm_head: its own field, RTN, no fold entry
+    assert head.format.method is Method.RTN and head.bits == 8 and "lm_head" not in stored["module_overrides"]
     assert all(stored["module_overrides"][name]["method"] == "rtn" for name in layers)
     again = auto_class("llama").from_pretrained(tmp_path / "q", device_map="cpu")
     assert torch.equal(model_output(again, ids), logits)
@@ -189,8 +191,11 @@ def test_other_architectures_keep_stored_column_scales(float_checkpoint, arch):
     config = HfQuantConfig(bits=4, group_size=32)
     assert config.fold_column_scales is True and config.method == "sinq"
     model = auto_class(arch).from_pretrained(float_checkpoint(arch), quantization_config=config, device_map="cpu")
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert layers and all(m.format.method is Method.SINQ for m in layers) and model.hf_quantizer.plan.folds == {}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    head = layers.pop("lm_head", None)  # the 4-bit default's int8 lm_head: RTN, never SINQ or folded
+    assert head is None or head.format.method is Method.RTN
+    assert layers and all(m.format.method is Method.SINQ for m in layers.values())
+    assert model.hf_quantizer.plan.folds == {}
 
 
 def test_defaults_and_the_cli_flag():

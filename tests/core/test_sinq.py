@@ -125,7 +125,9 @@ def test_sinq_checkpoint_reloads_bit_exactly_and_verifies(float_checkpoint, tmp_
     assert torch.equal(model_output(again, ids), logits)
     result = verify(tmp_path / "q")
     assert result.problems == [] and result.tensors > 0
-    layers = [m for m in again.modules() if isinstance(m, QuantLinear)]
+    # the 4-bit default's int8 lm_head is RTN, as embeddings (SINQ is for Linear / Conv1D layers)
+    assert again.lm_head.format.method is Method.RTN and again.lm_head.bits == 8
+    layers = [m for n, m in again.named_modules() if isinstance(m, QuantLinear) and n != "lm_head"]
     assert layers and all(m.format.method is Method.SINQ for m in layers)
 
 

@@ -266,7 +266,7 @@ def test_to_json_string_is_unchanged():
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
         '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "int",\n  "format_version": 1,\n'
         '  "group_size": 128,\n'
-        '  "lm_head": "keep",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
+        '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
     assert json.loads(HfQuantConfig(bits=8).to_json_string()) == {
@@ -379,8 +379,36 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         "clipping": "minmax",
         "fold_column_scales": False,
         "format": "int",
+        "lm_head": "keep",
     }
     assert config.format == "int"  # written before block formats existed
+    assert config.lm_head == "keep"  # written before the 4-bit default's lm_head became int8
+
+
+@pytest.mark.parametrize(
+    "given, lm_head",
+    [
+        ({}, "int8"),  # the 4-bit int default
+        (dict(bits=4, format="int", group_size=32, symmetric=True, method="rtn"), "int8"),
+        (dict(embedding_dtype="auto"), "int8"),
+        (dict(bits=8), "keep"),
+        (dict(format="q4_k"), "keep"),  # a block format: a GGUF export's own output type
+        (dict(bits=3), "keep"),
+        (dict(embedding_dtype="int8"), "keep"),  # a tied head follows the quantized embedding as before
+        (dict(embedding_dtype="int4"), "keep"),
+        (dict(embedding_dtype="bfloat16"), "keep"),  # an int8 default would conflict with a tied float table
+        (dict(lm_head="keep"), "keep"),  # an explicit value always wins
+        (dict(lm_head="int4"), "int4"),
+        (dict(bits=8, lm_head="int8"), "int8"),
+        (dict(embedding_dtype="int4", lm_head="int8"), "int8"),  # wins here too (a tied model then refuses it)
+    ],
+)
+def test_the_lm_head_default_is_int8_for_the_4_bit_int_format_with_embedding_dtype_auto(given, lm_head):
+    config = HfQuantConfig(**given)
+    assert config.lm_head == lm_head and isinstance(config.lm_head, LmHead)
+    assert HfQuantConfig.from_dict(config.to_dict()).lm_head == lm_head  # saved, it reloads as written
+    if "lm_head" not in given:
+        assert config_module.default_lm_head(config.bits, config.format, config.embedding_dtype) == lm_head
 
 
 def test_an_entry_naming_a_layer_exactly_wins_over_a_pattern_listed_before_it():

@@ -8,19 +8,24 @@ from helpers import ARCHITECTURES, LLAMA_PROJECTIONS, auto_class, cosine_similar
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfquant import HfQuantConfig, QuantLinear
+from hfquant import HfQuantConfig, QuantEmbedding, QuantLinear
 from hfquant.core.rtn import effective_group_size
 from hfquant.nn.float_linear import FloatLinear
 from hfquant.nn.linear import quantize_to_buffers
 from hfquant.ops.kernels import select_kernel
 
 # Every layer in one format (mixed_precision="none"): these tests check each layer against the config's own values;
-# the data-free rule of the 4-bit default is tested in tests/test_allocation.py.
-QCONFIGS = {"int8": dict(bits=8), "int4_g32": dict(bits=4, group_size=32, mixed_precision="none")}
+# the data-free rule of the 4-bit default is tested in tests/test_allocation.py. The lm_head: float at 8 bits, int8
+# per-channel by default at 4 bits ("int4_g32"), float again with lm_head="keep" ("int4_g32_keep").
+QCONFIGS = {
+    "int8": dict(bits=8),
+    "int4_g32": dict(bits=4, group_size=32, mixed_precision="none"),
+    "int4_g32_keep": dict(bits=4, group_size=32, mixed_precision="none", lm_head="keep"),
+}
 # Minimum cosine similarity of the quantized model's output with the float model's. Per layer the SNR is ~43 dB at
 # int8 and ~21 dB at int4 g32 (see test_linear); through two blocks with residual connections the output keeps
 # 1 - cos of the order of 1e-4 (int8) and 1e-2 (int4) on these random models (observed: > 0.9999 and > 0.992).
-COSINE_MIN = {"int8": 0.99, "int4_g32": 0.95}
+COSINE_MIN = {"int8": 0.99, "int4_g32": 0.95, "int4_g32_keep": 0.95}
 
 
 def _expected_quantized(arch: str) -> set[str]:
@@ -70,8 +75,10 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
     model = _load(path, arch, dtype, **qconfig)
 
     quantized = _quant_layers(model)
-    expected = _expected_quantized(arch)
+    int8_head = arch != "bert" and HfQuantConfig(**qconfig).lm_head == "int8"
+    expected = _expected_quantized(arch) | ({"lm_head"} if int8_head else set())
     assert set(quantized) == expected
+    head = quantized.pop("lm_head", None)
     assert set(_float_layers(model)) == set(_float_layers(reference)) - expected
     float_modules = dict(reference.named_modules())
     folded = set()
@@ -100,9 +107,19 @@ def test_quantize_on_load(float_checkpoint, arch, qname, dtype):
         if fold is not None:
             folded.add(name)
     # the int4 default folds the column scales of every Llama block (all of their layers are quantized here)
-    assert bool(folded) is (qname == "int4_g32" and arch.startswith("llama"))
+    assert bool(folded) is (qname.startswith("int4_g32") and arch.startswith("llama"))
 
-    if arch != "bert":
+    if int8_head:  # the 4-bit default: the output embedding per-channel int8, RTN codes of its float weight
+        source = reference.lm_head.weight.detach()
+        assert head.bits == 8 and head.symmetric and head.group_size == effective_group_size(head.in_features, None, 8)
+        assert head.bias is None
+        direct = QuantLinear.from_float(source, None, head.format).state_dict()
+        for key, value in direct.items():  # getattr: a tied head's tensors are the embedding's (not in its state)
+            assert torch.equal(getattr(head, key), value), ("lm_head", key)
+        if arch in ("llama_tied", "gpt2"):  # tied: the input embedding is the same int8 tensor
+            embedding = model.get_input_embeddings()
+            assert isinstance(embedding, QuantEmbedding) and embedding.weight is head.weight
+    elif arch != "bert":
         assert type(model.lm_head) is FloatLinear and model.lm_head.weight.dtype == dtype
         assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
         if arch in ("llama_tied", "gpt2"):
@@ -120,8 +137,8 @@ def test_modules_to_not_convert_are_kept_in_float(float_checkpoint):
     model = _load(path, "llama", torch.float32, bits=4, group_size=32, modules_to_not_convert=skip)
     kept = {f"model.layers.{i}.mlp.down_proj" for i in range(2)} | {"model.layers.0.self_attn.q_proj"}
     kept |= {f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    assert set(_quant_layers(model)) == _expected_quantized("llama") - kept
-    assert set(_float_layers(model)) == kept | {"lm_head"}
+    assert set(_quant_layers(model)) == (_expected_quantized("llama") - kept) | {"lm_head"}  # int8 by default
+    assert set(_float_layers(model)) == kept
     assert model.config.quantization_config.modules_to_not_convert == skip
 
 
@@ -140,6 +157,8 @@ def test_in_features_without_a_group_divisor(float_checkpoint, bits, group_size)
     reference = _load(path, "llama", torch.float32)
     model = _load(path, "llama", torch.float32, bits=bits, group_size=group_size, mixed_precision="none")
     layers = _quant_layers(model)
+    head = layers.pop("lm_head", None)  # the 4-bit default's lm_head: int8 per-channel, needs no divisor
+    assert (head is not None and head.bits == 8 and head.group_size == 64) is (bits == 4)
     downs = {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
     if group_size is None:  # per-channel needs no divisor
         assert set(layers) == _expected_quantized("llama")
@@ -183,6 +202,8 @@ def test_device_maps(float_checkpoint, device_map):
     expected = model_output(_load(path, "llama", torch.bfloat16, **settings), input_ids())
     model = _load(path, "llama", torch.bfloat16, device_map=device_map, **settings)
     layers = _quant_layers(model)
+    head = layers.pop("lm_head")  # the 4-bit default's int8 lm_head, placed by the map like the others
+    assert head.bits == 8 and head.weight.device.type == "cpu"
     assert set(layers) == _expected_quantized("llama")
     assert all(layer.weight.device.type == "cpu" and layer.kernel == "int4pack_mm_cpu" for layer in layers.values())
     assert torch.equal(model_output(model, input_ids()), expected)

@@ -87,6 +87,9 @@ def _recorded_formats(folder, in_features: dict[str, int]) -> dict[str, tuple]:
     formats = {}
     for layer, k in in_features.items():
         bits, group, symmetric, method = config.layer_settings(layer)[:4]
+        if layer == "lm_head":  # the `lm_head` field: int8 per channel, symmetric, RTN (the 4-bit default)
+            assert config.lm_head == "int8"
+            bits, group, symmetric, method = 8, None, True, Method.RTN
         formats[layer] = (bits, k if group is None else group, symmetric, method.value)
     return formats
 
@@ -110,7 +113,8 @@ def test_config_records_the_format_each_layer_is_stored_in(float_checkpoint, tmp
     model = auto_class(arch).from_pretrained(src, quantization_config=HfQuantConfig(**settings), device_map="cpu")
     model.save_pretrained(tmp_path / "q")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    in_features = {name: layer.in_features for name, layer in layers.items()}
+    tied = model.get_input_embeddings().weight  # GPT-2's lm_head is stored once, as wte (tests/nn/test_embedding.py)
+    in_features = {name: layer.in_features for name, layer in layers.items() if layer.weight is not tied}
     stored = _stored_formats(tmp_path / "q", in_features)
     assert 32 in {group for _, group, _, _ in stored.values()}  # some layers fell back from the asked group
     assert _recorded_formats(tmp_path / "q", in_features) == stored
@@ -126,7 +130,8 @@ def test_checkpoint_without_the_entries_still_loads(float_checkpoint, tmp_path):
     """A config.json written before the stored formats were recorded (group 128 asked, 96 inputs stored at 32, no
     entry) loads the same layers: the group is read back as before, from the fallback rule."""
     src = float_checkpoint("llama", hidden_size=96)
-    config = HfQuantConfig(bits=4, method="rtn", mixed_precision="none")
+    # lm_head "keep": such a checkpoint was written before the 4-bit default's int8 lm_head, with a float one
+    config = HfQuantConfig(bits=4, method="rtn", mixed_precision="none", lm_head="keep")
     model = auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu")
     model.save_pretrained(tmp_path)
     path = tmp_path / "config.json"

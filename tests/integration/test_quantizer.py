@@ -48,8 +48,11 @@ def _own_fields(quantizer: HfQuantQuantizer) -> set[str]:
 # -- the plan ----------------------------------------------------------------------------------------------------
 
 
-def test_the_plan_of_a_tiny_llama_names_the_skipped_modules_and_each_layer_format():
-    config = HfQuantConfig(bits=4, group_size=32, mixed_precision="none", modules_to_not_convert=["layers.1.mlp"])
+@pytest.mark.parametrize("head", [{}, {"lm_head": "keep"}], ids=["default-lm_head", "keep"])
+def test_the_plan_of_a_tiny_llama_names_the_skipped_modules_and_each_layer_format(head):
+    config = HfQuantConfig(
+        bits=4, group_size=32, mixed_precision="none", modules_to_not_convert=["layers.1.mlp"], **head
+    )
     quantizer, model = _prepared("llama", config)
     plan = quantizer.plan
     assert "lm_head" in plan.skip and "layers.1.mlp" in plan.skip  # transformers' default and the user's
@@ -59,7 +62,9 @@ def test_the_plan_of_a_tiny_llama_names_the_skipped_modules_and_each_layer_forma
         for name in ATTENTION:
             assert formats[f"model.layers.{i}.self_attn.{name}"] == int4_g32
     assert formats["model.layers.0.mlp.down_proj"] == int4_g32
-    assert formats["model.layers.1.mlp.down_proj"] is None and formats["lm_head"] is None
+    assert formats["model.layers.1.mlp.down_proj"] is None
+    # the 4-bit default's lm_head: int8 per channel (64 inputs), RTN; "keep": float
+    assert formats["lm_head"] == (None if head else StoredFormat(8, 64, True, Method.RTN))
     reasons = {layer.name: layer.reason for layer in plan.layers}
     assert reasons["model.layers.1.mlp.gate_proj"] == "modules_to_not_convert"
     assert plan.ties == [] and plan.embeddings == {} and plan.adapters == {}

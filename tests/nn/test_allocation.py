@@ -76,6 +76,8 @@ def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpo
     model = auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu")
     assert config.module_overrides == {}  # the caller's config is not changed
     formats = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    head = formats.pop("lm_head")  # the 4-bit default's lm_head: int8 per channel (its own field, not the rule's)
+    assert (head.bits, head.group_size, head.symmetric, head.method.value) == (8, 64, True, "rtn")
     assert {name for name, f in formats.items() if f.bits == 8} == {
         "model.layers.2.self_attn.v_proj",
         "model.layers.3.self_attn.v_proj",
@@ -107,7 +109,10 @@ def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpo
     assert all(stored["module_overrides"][name].items() >= settings.items() for name, settings in rule.items())
     assert {formats[f"model.layers.{i}.mlp.down_proj"].group_size for i in range(4)} == {64}
     reloaded = auto_class("llama").from_pretrained(tmp_path, device_map="cpu")
-    assert {name: m.format for name, m in reloaded.named_modules() if isinstance(m, QuantLinear)} == formats
+    assert {name: m.format for name, m in reloaded.named_modules() if isinstance(m, QuantLinear)} == {
+        **formats,
+        "lm_head": head,
+    }
     ids = input_ids()
     assert torch.equal(model_output(reloaded, ids), model_output(model, ids))
     first, second = model.state_dict(), reloaded.state_dict()

@@ -74,9 +74,10 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     assert (config.embedding_dtype, config.norm_dtype, config.lm_head, config.compute_dtype) == (
         "auto",
         "auto",
-        "keep",
+        "int8",  # the 4-bit int default's per-channel int8 lm_head (config.default_lm_head)
         "auto",
     )
+    assert HfQuantConfig(bits=8).lm_head == "keep" and HfQuantConfig(embedding_dtype="int4").lm_head == "keep"
     old = {
         "quant_method": "hfquant",
         "format_version": 1,
@@ -85,9 +86,12 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
         "symmetric": False,
         "modules_to_not_convert": [],
     }
-    # a config.json without method / mixed_precision holds plain RTN, whatever today's defaults are
+    # a config.json without method / mixed_precision / lm_head holds plain RTN and a float lm_head, whatever today's
+    # defaults are
     legacy = HfQuantConfig.from_dict(old)
-    assert legacy == HfQuantConfig(bits=4, group_size=128, symmetric=False, method="rtn", mixed_precision="none")
+    assert legacy == HfQuantConfig(
+        bits=4, group_size=128, symmetric=False, method="rtn", mixed_precision="none", lm_head="keep"
+    )
     assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {
         "method",
         "module_overrides",
@@ -100,6 +104,7 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     assert legacy.format == "int"
     assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
     assert (legacy.fold_column_scales, legacy.clipping, legacy.decode_activations) == (False, "minmax", "float")
+    assert legacy.lm_head == "keep"
 
 
 def test_defaults_leave_embeddings_norms_and_lm_head_in_the_load_dtype(float_checkpoint):

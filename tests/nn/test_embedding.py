@@ -162,10 +162,16 @@ def test_block_format_table_shares_the_tied_heads_tensor():
     assert torch.equal(module(ids), before)
 
 
-TIED = {"int8": dict(bits=8, embedding_dtype="int8"), "int4": dict(bits=4, group_size=32, embedding_dtype="int4")}
+TIED = {
+    "int8": dict(bits=8, embedding_dtype="int8"),
+    "int4": dict(bits=4, group_size=32, embedding_dtype="int4"),
+    # the 4-bit default: its lm_head "int8" makes the one tied tensor int8 per row (quantized if either field asks)
+    "int4-default": dict(bits=4, group_size=32),
+}
 # 1 - cosine of the logits against float: per-layer SNR ~43 dB (int8) / ~21 dB (int4 g32), and now the embedding and
 # the lm_head are quantized too; observed 6e-5 and 1.2e-2 on the tiny Llama, thresholds leave 3-5x margin.
-TIED_COSINE_MIN = {"int8": 0.9997, "int4": 0.95}
+TIED_COSINE_MIN = {"int8": 0.9997, "int4": 0.95, "int4-default": 0.95}
+TIED_BITS = {"int8": 8, "int4": 4, "int4-default": 8}
 
 
 @pytest.mark.parametrize("name", list(TIED))
@@ -179,6 +185,7 @@ def test_tied_embedding_and_lm_head_share_one_quantized_tensor(float_checkpoint,
     embedding, head = model.model.embed_tokens, model.lm_head
     assert isinstance(embedding, QuantEmbedding) and isinstance(head, QuantLinear)
     assert embedding.weight is head.weight and embedding.weight_scale is head.weight_scale
+    assert embedding.bits == head.bits == TIED_BITS[name]
     assert model.get_memory_footprint() == tensor_bytes(model)  # counted once by both
 
     ids = input_ids()
@@ -194,6 +201,30 @@ def test_tied_embedding_and_lm_head_share_one_quantized_tensor(float_checkpoint,
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     assert torch.equal(model_output(reloaded, ids), logits)
+
+
+@pytest.mark.parametrize("embedding_dtype", ["float32", "bfloat16"])
+def test_a_tied_model_asking_a_float_embedding_keeps_the_4_bit_default_s_lm_head_float(
+    float_checkpoint, embedding_dtype
+):
+    """An explicit float `embedding_dtype` makes the default lm_head "keep" (`default_lm_head`): an int8 default
+    would be a second format for the one tied tensor, refused; the head stays tied to the float table."""
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama_tied"),
+        quantization_config=HfQuantConfig(bits=4, group_size=32, embedding_dtype=embedding_dtype),
+        dtype=torch.float32,
+        device_map="cpu",
+    )
+    assert model.config.quantization_config.lm_head == "keep"
+    assert type(model.model.embed_tokens) is nn.Embedding and not isinstance(model.lm_head, QuantLinear)
+    assert model.model.embed_tokens.weight.dtype == getattr(torch, embedding_dtype)
+    assert model_output(model, input_ids()).isfinite().all()
+    with pytest.raises(ValueError, match=f"lm_head='int8' and embedding_dtype='{embedding_dtype}' conflict"):
+        AutoModelForCausalLM.from_pretrained(  # an explicit lm_head still wins, and two formats stay an error
+            float_checkpoint("llama_tied"),
+            quantization_config=HfQuantConfig(bits=4, embedding_dtype=embedding_dtype, lm_head="int8"),
+            device_map="cpu",
+        )
 
 
 def test_untied_lm_head_is_quantized_separately(float_checkpoint, tmp_path):

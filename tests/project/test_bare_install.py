@@ -218,7 +218,7 @@ def test_bare_install_imports_quantizes_and_names_each_extra(float_source, tmp_p
     assert Path(results["hfquant_file"]).is_relative_to(ROOT), results["hfquant_file"]  # this worktree's package
     assert results["hidden_found"] == []
     assert results["help_exit"] == 0 and "convert" in results["help"] and "export" in results["help"]
-    assert results["quantized_layers"] == 14  # 2 layers x 7 Linear
+    assert results["quantized_layers"] == 15  # 2 layers x 7 Linear, and the 4-bit default's int8 lm_head
     assert results["reload_equal"] is True
     assert results["convert_exit"] == 0 and results["card"] is True
     assert results["compressed_tensors_round_trip"] is True

@@ -171,7 +171,7 @@ def _corrupt_header(folder):
 
 
 def _missing_shard(folder):
-    (folder / "model-00002-of-00004.safetensors").unlink()
+    (folder / "model-00002-of-00003.safetensors").unlink()
 
 
 def _scale_shape(folder):
@@ -222,7 +222,7 @@ LOAD_CASES = [
         _missing_shard,
         True,
         FileNotFoundError,
-        ["model-00002-of-00004.safetensors"],
+        ["model-00002-of-00003.safetensors"],
     ),
     (
         "quantized tensor of the wrong shape",

@@ -31,11 +31,14 @@ LAYER = "model.layers.0.mlp.down_proj"
 
 @pytest.fixture(scope="module")
 def stored(float_checkpoint, tmp_path_factory):
-    """method -> a tiny Llama converted at 4 bits, group 32, with that method (SINQ's column scales stored)."""
+    """method -> a tiny Llama converted at 4 bits, group 32, with that method (SINQ's column scales stored); its
+    lm_head "keep" (not the 4-bit default's int8): the float layer whose stray scale `UNUSED` adds."""
     root = tmp_path_factory.mktemp("schema")
     folders = {}
     for method in ("sinq", "rtn"):
-        config = HfQuantConfig(bits=4, group_size=32, method=method, fold_column_scales=False, mixed_precision="none")
+        config = HfQuantConfig(
+            bits=4, group_size=32, method=method, fold_column_scales=False, mixed_precision="none", lm_head="keep"
+        )
         folders[method] = root / method
         convert(float_checkpoint("llama"), folders[method], config, progress=False)
     return folders
@@ -210,3 +213,29 @@ def test_convert_refuses_a_float_source_holding_quantized_layers(stored, tmp_pat
     ):
         convert(folder, tmp_path / "out", HfQuantConfig(bits=8), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_int8_lm_head_s_tensors_are_checked_against_the_config(float_checkpoint, tmp_path):
+    """The 4-bit default's lm_head is int8 per channel: its scale must be (V, 1); a checkpoint of it whose config.json
+    loses the field (read as "keep", a float lm_head) has codes and a scale where a float weight is expected."""
+    folder = tmp_path / "default"
+    convert(float_checkpoint("llama"), folder, HfQuantConfig(bits=4, group_size=32), progress=False)
+    assert verify(folder).problems == []
+    assert load_file(folder / "model.safetensors")["lm_head.weight_scale"].shape == (256, 1)
+    wrong = tmp_path / "wrong-scale"
+    shutil.copytree(folder, wrong)
+    tensors = load_file(wrong / "model.safetensors")
+    tensors["lm_head.weight_scale"] = tensors["lm_head.weight_scale"].repeat(1, 2).contiguous()
+    save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
+    (wrong / SUMS_NAME).unlink()
+    problems = verify(wrong).problems
+    assert len(problems) == 1 and "lm_head.weight_scale" in problems[0], problems
+    assert _one_line(_load_error(wrong), ["lm_head.weight_scale"]) == schema_error(problems)
+
+    def drop_lm_head(config):
+        del config["quantization_config"]["lm_head"]
+
+    legacy = _edited_copy(folder, tmp_path / "legacy", drop_lm_head)
+    problems = verify(legacy).problems
+    assert problems and any("lm_head" in problem for problem in problems), problems
+    assert _one_line(_load_error(legacy), ["lm_head"]) == schema_error(problems)
