@@ -99,12 +99,15 @@ def test_config_from_args_defaults_and_values():
     assert convert.parse_args(["a", "b", "--max-shard-size", "50MB"]).max_shard_size == "50MB"
     args = convert.parse_args(["a", "b", "--method", "sinq", "--module-overrides", '{"v_proj": {"bits": 8}}'])
     assert config_from_args(args) == HfQuantConfig(bits=4, method="sinq", module_overrides={"v_proj": {"bits": 8}})
+    budget = config_from_args(convert.parse_args(["a", "b", "--bits", "3.5"]))  # the README's bits=3.5
+    assert budget == HfQuantConfig(bits=3.5) and budget.format == "hq3_r" and budget.bits == 3
 
 
 @pytest.mark.parametrize(
     "argv,code,message",
     [
-        (["convert", "s", "d", "--bits", "7"], 2, "invalid choice: 7"),
+        (["convert", "s", "d", "--bits", "7"], 2, "--bits '7' is not supported; use one of 8, 6, 5, 4, 3, 2, 3.5"),
+        (["convert", "s", "d", "--bits", "3.7"], 2, "--bits '3.7' is not supported"),
         (["convert", "s", "d", "--group-size", "100"], 2, "group_size=100 is not allowed"),
         (["convert", "s", "d", "--group-size", "big"], 2, "--group-size 'big' is not an integer"),
         (["convert", "s", "d", "--method", "awq"], 2, "method='awq' is not allowed"),
@@ -194,7 +197,7 @@ def test_convert_as_a_user_then_refuse_to_overwrite(llama_with_tokenizer, tmp_pa
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("wrote int4: 14 tensors quantized")
+    assert result.stdout.startswith("wrote int4: 15 tensors quantized")
     out = tmp_path / "int4"
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (out / "README.md").read_text()
@@ -343,7 +346,7 @@ def test_smollm2_as_a_user_types_it(tmp_path, monkeypatch):
         "HuggingFaceTB/SmolLM2-135M-Instruct",
         "--no-progress",
     )
-    assert out.startswith("wrote SmolLM2-int4: 210 tensors quantized")
+    assert out.startswith("wrote SmolLM2-int4: 211 tensors quantized")
     report = user("inspect", "SmolLM2-int4")
     # the 4-bit default's data-free mixed precision: down projections (K=1536) at group 64 instead of the asked 128,
     # the value projections of layers 15-29 in int8 (per-channel: one group of K); SINQ's column scales folded into
