@@ -47,6 +47,22 @@ def _group_size(text: str) -> int | None:
         ) from None
 
 
+def _bits(text: str) -> int | float:
+    """`--bits`: an int width, or a bits budget of `hfquant.config.BUDGET_BITS` ("3.5")."""
+    from hfquant.config import ALL_BITS, BUDGET_BITS
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and value.is_integer() and int(value) in ALL_BITS:
+        return int(value)
+    if value in BUDGET_BITS:
+        return value
+    allowed = ", ".join(str(bits) for bits in (*ALL_BITS, *BUDGET_BITS))
+    raise argparse.ArgumentTypeError(f"--bits {text!r} is not supported; use one of {allowed}")
+
+
 def shard_size(text: str) -> int | str:
     """A number of bytes ("50000000") or a size with a unit ("50MB"), as `save_pretrained(max_shard_size=...)`."""
     return int(text) if text.strip().isdigit() else text
@@ -116,7 +132,11 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     field = {f.name: f for f in FIELDS}
     group = parser.add_argument_group("quantization (the fields of HfQuantConfig)")
     group.add_argument(
-        "--bits", type=int, default=4, choices=list(field["bits"].choices), help=f"{field['bits'].help} (default 4)"
+        "--bits",
+        type=_bits,
+        default=4,
+        metavar="BITS",
+        help=f"{field['bits'].help} (8, 6, 5, 4, 3, 2 or 3.5; default 4)",
     )
     group.add_argument(
         "--group-size",
