@@ -752,27 +752,9 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
         raise ValueError(f"block_quantize covers {list(BLOCK_QUANTIZE_TYPES)}; got {name!r}")
     library = _loaded_library(any_x86=True)
     fmt = blocks.layout(name)
-    if weight.dim() != 2 or not fmt.divides(weight.shape[1]) or weight.device.type != "cpu":
-        raise ValueError(
-            f"{name} quantizes a 2-D float CPU weight (rows, K) with K a multiple of {fmt.block_size}; got "
-            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
-        )
-    if not weight.is_floating_point():
-        raise ValueError(f"{name} quantizes a float weight; got {weight.dtype}")
-    x = weight.detach().to(torch.float32).contiguous()
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name} quantizes finite weights; the weight holds NaN or inf")
+    x, w = _block_search_inputs(name, fmt, weight, importance)
     rows, k = x.shape
-    if importance is None:
-        importance = default_importance(name, x)  # the torch codec's default (None: all 1), for the same bytes
-    period, w = 0, None
-    if importance is not None:
-        w = importance.detach().to(torch.float32).contiguous()
-        if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
-            raise ValueError(
-                f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
-            )
-        period = k // fmt.block_size if w.dim() == 1 else 0
+    period = k // fmt.block_size if w is not None and w.dim() == 1 else 0
     out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
     if name == "hq3_r":
         targets = hq3r.search_targets().contiguous()
@@ -792,7 +774,8 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
         return out
     if name in ("hq3_0", "hq3_nl"):
         targets = hq3.search_targets(name).to(torch.float32).contiguous()
-        (library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize)(
+        search = library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize
+        search(
             x.data_ptr(),
             _as_float_pointer(w),
             period,
@@ -820,3 +803,31 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
     if status:
         raise RuntimeError(f"hfquant native block quantizer refused type {name}")
     return out
+
+
+def _block_search_inputs(
+    name: str, fmt: blocks.BlockLayout, weight: torch.Tensor, importance: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`block_quantize`'s checked inputs: the weight as contiguous float32 (rows, K), and the importance as contiguous
+    float32 (K,) or (rows, K), or None (all 1); the errors of `block_quantize`."""
+    if weight.dim() != 2 or not fmt.divides(weight.shape[1]) or weight.device.type != "cpu":
+        raise ValueError(
+            f"{name} quantizes a 2-D float CPU weight (rows, K) with K a multiple of {fmt.block_size}; got "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
+    if not weight.is_floating_point():
+        raise ValueError(f"{name} quantizes a float weight; got {weight.dtype}")
+    x = weight.detach().to(torch.float32).contiguous()
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} quantizes finite weights; the weight holds NaN or inf")
+    rows, k = x.shape
+    if importance is None:
+        importance = default_importance(name, x)  # the torch codec's default (None: all 1), for the same bytes
+    if importance is None:
+        return x, None
+    w = importance.detach().to(torch.float32).contiguous()
+    if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
+        raise ValueError(
+            f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
+        )
+    return x, w
