@@ -49,6 +49,7 @@ METHODS: dict[str, tuple[str | None, str]] = {
         None,
         "hfquant-int4-sym with decode_activations='int8': the weights and the activation rounding of llama.cpp's Q4_0",
     ),
+    "hfquant-3.5bit": (None, "HfQuantConfig(bits=3.5): HQ3_R 3-bit blocks under a 3.5-bit budget (mixed precision)"),
     "hfquant-int4-lm8": (
         None,
         "hfquant-int4 with lm_head='int8': the output layer per-channel int8 (tied to the input embedding, both); "
@@ -86,6 +87,8 @@ BLOCK_FORMATS = (
     "iq4_nl",
     "iq4_xs",
     "hq3_0",
+    "hq3_nl",
+    "hq3_r",
 )
 """The block formats with an `hfquant-<format>` method: `HfQuantConfig(format=<format>)` (its defaults: SINQ folded,
 every layer in that format, the lm_head kept)."""
@@ -98,7 +101,7 @@ METHODS.update(
 BLOCK_TWINS = {
     (f"llamacpp-{fmt}-blocks" if f"llamacpp-{fmt}" in METHODS else f"llamacpp-{fmt}"): f"hfquant-{fmt}"
     for fmt in BLOCK_FORMATS
-    if fmt != "hq3_0"  # hfquant's own, no GGUF type
+    if not fmt.startswith("hq3")  # hfquant's own, no GGUF type
 }
 """llama.cpp method -> the hfquant block method whose file it runs (exported blocks are copies); `-blocks` where the
 plain name already runs the uniform int format's re-blocked twin (Q4_0, Q8_0)."""
@@ -171,6 +174,8 @@ def quantization_config(method: str):
             return hfquant.HfQuantConfig(format=method.removeprefix("hfquant-"))
         if method == "hfquant-int8":
             return hfquant.HfQuantConfig(bits=8)
+        if method == "hfquant-3.5bit":
+            return hfquant.HfQuantConfig(bits=3.5)
         if method == "hfquant-int4-rtn":
             return hfquant.HfQuantConfig(bits=4, group_size=128, method="rtn", mixed_precision="none")
         if method == "hfquant-int4-sym":
