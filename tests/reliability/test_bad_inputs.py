@@ -606,7 +606,7 @@ def test_convert_under_a_file_says_the_parent_is_a_file(float_copy, tmp_path):
 
 COMMAND_CASES = [
     # (name, arguments after SRC DST (or replacing them), exit status, words on stderr)
-    ("bits not allowed", ["--bits", "7"], 2, ["--bits", "invalid choice", "7"]),
+    ("bits not allowed", ["--bits", "7"], 2, ["--bits", "'7'", "not supported", "8, 6, 5, 4, 3, 2, 3.5"]),
     ("group size not a power of two", ["--group-size", "48"], 2, ["group_size=48", GROUPS]),
     ("group size not a number", ["--group-size", "big"], 2, ["--group-size", "'big'", "power of two"]),
     ("max shard size not a size", ["--max-shard-size", "lots"], 2, ["'lots'", "500MB"]),
