@@ -242,11 +242,9 @@ def budget_overrides(
     if budget is None:
         return {}
     chosen: dict[str, str] = {}
-    bases = [("q3_k", 256), (format, blocks.LAYOUTS[format].block_size)]
-    if blocks.LAYOUTS[format].fallback:
-        bases.append((blocks.LAYOUTS[format].fallback, 32))  # HQ3_R's rows that 64 does not divide: HQ3_NL
+    bases = ["q3_k", format, blocks.LAYOUTS[format].fallback]  # HQ3_R's rows that 64 does not divide: HQ3_NL
     for name, (k, _) in shapes.items():
-        base = next((fmt for fmt, block in bases if k % block == 0), None)
+        base = next((fmt for fmt in bases if fmt is not None and blocks.LAYOUTS[fmt].divides(k)), None)
         if base is not None:
             chosen[name] = base
     weights = {name: shapes[name][0] * shapes[name][1] for name in chosen}

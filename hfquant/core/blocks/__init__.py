@@ -106,6 +106,15 @@ class BlockLayout:
         return self.row_header + in_features // self.block_size * self.type_size
 
 
+def _whole_row(fmt: BlockLayout, row_bytes: int) -> bool:
+    """Whether `row_bytes` is a row of `fmt`: its row header and whole blocks (`BlockLayout.in_features_of`)."""
+    try:
+        fmt.in_features_of(row_bytes)
+    except ValueError:
+        return False
+    return True
+
+
 def _layouts(*rows: tuple) -> dict[str, BlockLayout]:
     return {row[0]: BlockLayout(*row) for row in rows}
 
@@ -184,7 +193,7 @@ def dequantize(name: str, data: torch.Tensor) -> torch.Tensor:
         ValueError: an unknown name, or data that is not 2-D uint8 of whole blocks.
     """
     fmt, function = _codec(name, "dequantize")
-    if data.dtype != torch.uint8 or data.dim() != 2 or (data.shape[1] - fmt.row_header) % fmt.type_size:
+    if data.dtype != torch.uint8 or data.dim() != 2 or not _whole_row(fmt, data.shape[1]):
         header = f"a {fmt.row_header}-byte row header and " if fmt.row_header else ""
         raise ValueError(
             f"{fmt.name} blocks are a 2-D uint8 tensor of {header}whole {fmt.type_size}-byte blocks per row; got "
