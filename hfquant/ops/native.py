@@ -659,25 +659,9 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     if name not in KQUANT_TYPES:
         raise ValueError(f"kquant_quantize covers {list(KQUANT_TYPES)}; got {name!r}")
     library = _loaded_library(any_x86=True)
-    if weight.dim() != 2 or weight.shape[1] % 256 or weight.device.type != "cpu" or not weight.is_floating_point():
-        raise ValueError(
-            f"{name} quantizes a 2-D float CPU weight (rows, K) with K a multiple of 256; got {weight.dtype} "
-            f"{tuple(weight.shape)} on {weight.device}"
-        )
-    x = weight.detach().to(torch.float32).contiguous()
-    if not torch.isfinite(x).all():
-        raise ValueError("k-quants quantize finite weights; the weight holds NaN or inf")
+    x, w = _block_search_inputs(name, blocks.layout(name), weight, importance)
     rows, k = x.shape
-    period, w = 0, None
-    if importance is None:
-        importance = default_importance(name, x)  # the torch codec's default, for the same bytes
-    if importance is not None:
-        w = importance.detach().to(torch.float32).contiguous()
-        if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
-            raise ValueError(
-                f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
-            )
-        period = k // 256 if w.dim() == 1 else 0
+    period = k // 256 if w is not None and w.dim() == 1 else 0
 
     type_size = blocks.layout(name).type_size
     out = torch.empty(rows, k // 256 * type_size, dtype=torch.uint8)

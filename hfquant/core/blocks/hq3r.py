@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .hq3 import _FACTORS, _NL_GRID, pack_codes, unpack_codes
-from .legacy import _safe_div, _signed_absmax, _sum, f16_bytes
+from .legacy import _safe_div, _signed_absmax, _sum, f16_bytes, importance_blocks
 
 __all__ = ["QK", "SUB", "TYPE_SIZE", "ROW_HEADER", "LEVELS", "search_targets", "quantize_hq3_r", "dequantize_hq3_r"]
 
@@ -126,16 +126,7 @@ def quantize_hq3_r(weight: torch.Tensor, importance: torch.Tensor | None = None)
         raise ValueError(f"hq3_r quantizes (rows, K) weights with K a multiple of {QK}; got {tuple(weight.shape)}")
     x = weight.detach().to(torch.float32)
     rows, k = x.shape
-    if importance is None:
-        w = torch.ones_like(x)
-    else:
-        w = importance.detach().to(torch.float32)
-        if tuple(w.shape) not in ((k,), (rows, k)) or (w < 0).any() or not torch.isfinite(w).all():
-            raise ValueError(
-                f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
-            )
-        w = w.expand(rows, k)
-    xs, ws = x.reshape(-1, SUB), w.reshape(-1, SUB)
+    xs, ws = x.reshape(-1, SUB), importance_blocks(importance, x, SUB).reshape(-1, SUB)
     d = torch.cat([_continuous(xs[i : i + _CHUNK], ws[i : i + _CHUNK]) for i in range(0, max(len(xs), 1), _CHUNK)])
     top = _half(d.reshape(rows, -1).abs().amax(-1) if k else torch.zeros(rows))  # (rows,)
     tops = top.repeat_interleave(k // SUB)
