@@ -243,47 +243,65 @@ def _quantized_rows(
             scale_name = f"{name}_scale"
             if scale_name not in tensors:
                 continue
-        zero_name = scale_name.removesuffix("scale") + "zero_point"
-        col_name = scale_name.removesuffix("scale") + "col_scale"  # SINQ's column scale
-        parts = [name, scale_name] + [n for n in (zero_name, col_name) if n in tensors]
-        consumed.update(parts)
         module = name.rpartition(".")[0] if name.endswith(".weight") else name
         quantized_modules.add(module)
-        scale_shape = tensors[scale_name].shape
-        groups = scale_shape[-1]
-        rows = math.prod(scale_shape) // groups
-        float_numel = math.prod(float_shapes[name]) if name in float_shapes else None
-        stored_numel = math.prod(header.shape)
-        if float_numel:
-            bits = 8 if stored_numel == float_numel else 4
-        else:
-            bits = int((qconfig or {}).get("bits", 8))
-            float_numel = stored_numel * 8 // bits
-        in_features = float_numel // rows
-        if col_name in tensors:
-            method = Method.SINQ.value
-        else:
-            method = FOLDED_SINQ if module in folded else Method.RTN.value
-        key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors, method)
-        row = quantized.setdefault(
-            key,
-            {
-                "kind": key[0],
-                "count": 0,
-                "bits": bits,
-                "group_size": key[2],
-                "per_channel": groups == 1,
-                "symmetric": key[3],
-                "method": method,
-                "format": "int",
-                "bytes": 0,
-                "float_bytes": 0,
-            },
+        consumed.update(
+            _add_int_row(quantized, name, scale_name, module, tensors, float_shapes, qconfig, folded, float_itemsize)
         )
-        row["count"] += 1
-        row["bytes"] += sum(tensors[p].nbytes for p in parts)
-        row["float_bytes"] += float_numel * float_itemsize
     return list(quantized.values()), quantized_modules, consumed
+
+
+def _add_int_row(
+    quantized: dict,
+    name: str,
+    scale_name: str,
+    module: str,
+    tensors: dict[str, TensorHeader],
+    float_shapes: dict[str, tuple],
+    qconfig: dict | None,
+    folded: set[str],
+    itemsize: int,
+) -> list[str]:
+    """Count the int-format weight `name` (with its `scale_name`) into its row of `quantized` (kind, bits, group,
+    symmetry, method); returns the stored tensors that belong to it."""
+    zero_name = scale_name.removesuffix("scale") + "zero_point"
+    col_name = scale_name.removesuffix("scale") + "col_scale"  # SINQ's column scale
+    parts = [name, scale_name] + [n for n in (zero_name, col_name) if n in tensors]
+    scale_shape = tensors[scale_name].shape
+    groups = scale_shape[-1]
+    rows = math.prod(scale_shape) // groups
+    float_numel = math.prod(float_shapes[name]) if name in float_shapes else None
+    stored_numel = math.prod(tensors[name].shape)
+    if float_numel:
+        bits = 8 if stored_numel == float_numel else 4
+    else:
+        bits = int((qconfig or {}).get("bits", 8))
+        float_numel = stored_numel * 8 // bits
+    in_features = float_numel // rows
+    if col_name in tensors:
+        method = Method.SINQ.value
+    else:
+        method = FOLDED_SINQ if module in folded else Method.RTN.value
+    key = (layer_kind(module), bits, in_features // groups, zero_name not in tensors, method)
+    row = quantized.setdefault(
+        key,
+        {
+            "kind": key[0],
+            "count": 0,
+            "bits": bits,
+            "group_size": key[2],
+            "per_channel": groups == 1,
+            "symmetric": key[3],
+            "method": method,
+            "format": "int",
+            "bytes": 0,
+            "float_bytes": 0,
+        },
+    )
+    row["count"] += 1
+    row["bytes"] += sum(tensors[p].nbytes for p in parts)
+    row["float_bytes"] += float_numel * itemsize
+    return parts
 
 
 def _add_block_row(quantized: dict, name: str, header: TensorHeader, tensors, fmt: str, folded, itemsize) -> None:
