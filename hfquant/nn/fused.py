@@ -41,6 +41,7 @@ are prepared again. A pickled or deep-copied layer leaves its group (its copy ru
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -252,14 +253,14 @@ class DecodeGroup:
         return traced[1][index]
 
 
-def _mixed_blocks(keys: list[tuple]) -> bool:
+def _mixed_blocks(keys: list[RowKey]) -> bool:
     """Whether layers of these `_row_key`s may share one `native.block_gemv_group` call though their keys differ: the
     block GEMV of up to 8 block formats of one block size (the plan's group size) with the same call and K, differing
     in the block type alone."""
     first = keys[0]
-    if first[1] is not RowKernel.BLOCK_GEMV or len(keys) > 8:
+    if first.row is not RowKernel.BLOCK_GEMV or len(keys) > 8:
         return False
-    return all(key[:5] == first[:5] and key[6:] == first[6:] and key[5] for key in keys)
+    return all(key.block and key._replace(block=None) == first._replace(block=None) for key in keys)
 
 
 def _row_key(layer: nn.Module):
@@ -290,9 +291,22 @@ def _rows_of_one_tensor(weights: list[torch.Tensor], sizes: tuple[int, ...]) -> 
     return base
 
 
-def _plan_key(plan, weight_dtype: torch.dtype) -> tuple:
+class RowKey(NamedTuple):
+    """What must match for layers to share a GEMV (`_row_key`): the plan's bound kernels, K, group size and block
+    type, and the runtime weight dtype."""
+
+    kernel: object
+    row: object
+    row_call: object
+    in_features: int
+    group_size: int | None
+    block: object
+    weight_dtype: torch.dtype
+
+
+def _plan_key(plan, weight_dtype: torch.dtype) -> RowKey:
     """`_row_key` of a layer with this plan and runtime weight dtype, its GEMV bound."""
-    return (plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, plan.block, weight_dtype)
+    return RowKey(plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, plan.block, weight_dtype)
 
 
 def _group_format(fmt):
