@@ -1067,9 +1067,10 @@ static inline __attribute__((always_inline)) float hq3r_continuous(const grid_t 
  * `levels` (hq3r.LEVELS, 32 values) as the torch codec's. Rows split over OpenMP threads. Returns 0, 1 for a bad K.
  */
 #if defined(__x86_64__) && defined(__GNUC__)
-/* an AVX2 clone where the CPU has it: 8-float vectors for the 16-weight loops (IEEE operations, no fused multiply-add:
- * the same bytes as the baseline clone and the torch codec) */
-__attribute__((target_clones("avx2", "default")))
+/* AVX-512 and AVX2 clones where the CPU has them: 16- and 8-float vectors for the 16-weight loops (IEEE operations,
+ * no contraction into fused multiply-adds, which AVX-512 would allow: the same bytes as the baseline clone and the
+ * torch codec) */
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
 #endif
 int hfquant_hq3_r_quantize(const float *x, const float *w, int64_t w_stride, int64_t rows, int64_t k,
                            const float *targets, int64_t ntargets, const float *levels, uint8_t *out) {
