@@ -23,6 +23,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hfquant.core import blocks
 from hfquant.core.allocation import BUDGET_FORMATS, block_overrides, budget_overrides, data_free_overrides
+from hfquant.core.choice import Choice
 from hfquant.core.format import SUPPORTED_BITS, Method
 
 __all__ = [
@@ -73,20 +74,6 @@ _ALLOWED_GROUP_SIZES = tuple(2**p for p in range(5, 11))  # 32 .. 1024
 
 
 # -- closed choices ------------------------------------------------------------------------------------------------
-
-
-class Choice(str, enum.Enum):
-    """A closed choice of the config: a `str` enum whose `str()`, `format()` and `repr()` are its value's, so that a
-    message quoting a config value (`lm_head='int4'`) reads as the user wrote it in Python or `config.json`."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
 
 QuantFormat = Choice(
@@ -184,10 +171,17 @@ class LmHead(Choice):
 
 
 class DecodeActivations(Choice):
-    """`decode_activations`: "float" (the compute dtype) or "int8" (W4A8 one-token decode steps on CPU)."""
+    """`decode_activations`: "float" (the compute dtype) or "int8" (W4A8 one-token decode steps on CPU, on int4 layers
+    where `hfquant.ops.kernels.int8_decode_activations_available()`, per block of 32); also each layer's
+    `KernelPlan.activations`."""
 
     FLOAT = "float"
     INT8 = "int8"
+
+    @classmethod
+    def _missing_(cls, value):
+        allowed = [member.value for member in cls]
+        raise ValueError(f"decode_activations={value!r} is not supported; use one of {allowed}")
 
 
 def _values(choices: type[enum.Enum]) -> tuple:

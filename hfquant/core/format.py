@@ -7,11 +7,11 @@ checks read the layout from here; docs/format.md describes the same layout for t
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import torch
 
 from hfquant.core import blocks, rtn
+from hfquant.core.choice import Choice
 
 __all__ = ["Method", "StoredFormat", "SUPPORTED_BITS", "require_format"]
 
@@ -19,19 +19,13 @@ SUPPORTED_BITS = (8, 4)
 """Bit widths of the uniform integer formats (a block format has its own, `blocks.BlockLayout.bits`)."""
 
 
-class Method(str, enum.Enum):
+class Method(Choice):
     """How the integer codes were computed from the float weight (docs/format.md)."""
 
     RTN = "rtn"
     """Round-to-nearest with min/max scales (`hfquant.core.rtn`)."""
     SINQ = "sinq"
     """RTN of the weight divided by a SINQ column scale (`hfquant.core.sinq`), stored as `weight_col_scale`."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,6 @@ tensors, x)` follows it without deciding anything.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import json
 import logging
@@ -43,7 +42,9 @@ from typing import NamedTuple
 
 import torch
 
+from hfquant.config import DecodeActivations
 from hfquant.core import blocks, packing, rtn
+from hfquant.core.choice import Choice
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
 from hfquant.ops import gemv, native
@@ -72,26 +73,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Kernel(str, enum.Enum):
-    """The matmuls a quantized layer can run (see the module docstring).
-
-    A `str` enum: each member equals its value ("int8pack_mm" == Kernel.INT8PACK_MM), and str(), format() and repr()
-    give that plain value, so logs and module reprs read as the kernel names always did.
-    """
+class Kernel(Choice):
+    """The matmuls a quantized layer can run (see the module docstring). A `Choice`: each member equals its value
+    ("int8pack_mm" == Kernel.INT8PACK_MM), and logs and module reprs show that plain value."""
 
     INT8PACK_MM = "int8pack_mm"
     INT4PACK_MM_CPU = "int4pack_mm_cpu"
     INT4PACK_MM_CUDA = "int4pack_mm_cuda"
     DEQUANT = "dequant"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
 
 INT4_KERNELS = (Kernel.INT4PACK_MM_CPU, Kernel.INT4PACK_MM_CUDA)
@@ -111,20 +100,6 @@ fixed cost and so its crossover; the int4 threshold was not lowered for it."""
 
 NO_GEMM = 2**62
 """`KernelPlan.gemm_min_rows` of a layer without the chunked GEMM: more rows than any call has."""
-
-
-class DecodeActivations(str, enum.Enum):
-    """The activations of a layer's one-token decode steps (`HfQuantConfig.decode_activations`)."""
-
-    FLOAT = "float"
-    """The compute dtype."""
-    INT8 = "int8"
-    """Quantized to int8 per block of 32 (W4A8, CPU int4 layers where `int8_decode_activations_available()`)."""
-
-    @classmethod
-    def _missing_(cls, value):
-        allowed = [member.value for member in cls]
-        raise ValueError(f"decode_activations={value!r} is not supported; use one of {allowed}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
