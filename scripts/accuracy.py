@@ -25,7 +25,7 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   `hq3_0-auto` / `hq3_nl-auto` / `hq3_r-auto` the 3.5-bit budget
   (`hfquant.core.allocation.budget_overrides`: Q3_K where 256 divides a row, value and down projections raised);
 - bits per quantized weight, counted from the saved files (codes, scales, zero points and column scales of every
-  quantized tensor, over the number of weights they store);
+  quantized Linear layer, over the number of weights they store; embeddings and the lm_head left out);
 - quantization on load in GB/s of bf16 source (SmolLM2's safetensors bytes over the `from_pretrained` seconds, model
   construction included);
 - greedy batch-1 decode tokens/s of SmolLM2 (64 tokens, best of 3, prefill excluded).
@@ -86,6 +86,22 @@ UNIFORM = dict(mixed_precision="none")
 STORED = dict(fold_column_scales=False)
 """SINQ's column scales stored beside the layers (`weight_col_scale`, read by hfquant only) instead of folded into the
 model; folding acts on Llama-family blocks only, so MiniLM (BERT) gives the same figures either way."""
+G32 = {"group_size": 32}
+DEFAULT_VARIANTS = {
+    "g32": dict(group_size=32),
+    "v8": dict(module_overrides=VALUES_IN_INT8),
+    "down-g32": dict(module_overrides={"down_proj": G32, "*.output.dense": G32}),
+    "attn-g32": dict(
+        module_overrides={n: G32 for n in ("q_proj", "k_proj", "o_proj", "query", "key", "attention.output.dense")}
+    ),
+    "mlp-g32": dict(module_overrides={"gate_proj": G32, "up_proj": G32, "intermediate.dense": G32}),
+    "g64-v8": dict(group_size=64, mixed_precision="none", module_overrides=VALUES_IN_INT8),
+    "g64-v8-mse": dict(group_size=64, mixed_precision="none", clipping="mse", module_overrides=VALUES_IN_INT8),
+    "sym-g32": dict(group_size=32, symmetric=True, mixed_precision="none"),
+}
+"""Candidates for the 4-bit default within the int4 format (issue #30, docs/performance.md "The 4-bit default against
+#30's goal"): `int4-default-<name>` is `HfQuantConfig(bits=4, **DEFAULT_VARIANTS[name])`. `module_overrides` entries
+win over the data-free rule, which still sets the other layers; the patterns name both SmolLM2's and MiniLM's layers."""
 CONFIGS = {
     "bf16": None,
     "rtn-int8": dict(bits=8, method="rtn"),
@@ -103,6 +119,7 @@ CONFIGS = {
     "int4-default-stored": dict(bits=4, **STORED),
     "int4-default": dict(bits=4),
     "int4-default-mse": dict(bits=4, clipping="mse"),
+    **{f"int4-default-{name}": dict(bits=4, **extra) for name, extra in DEFAULT_VARIANTS.items()},
     **{name: dict(format=name) for name in BLOCK_FORMATS},
     **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},
     **{f"{name}-rtn": dict(format=name, method="rtn") for name in BLOCK_FORMATS},
@@ -275,7 +292,7 @@ def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool =
     if isinstance(settings, dict) and not fake:  # bits per weight are counted from hfquant's files
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
-            row["bpw"] = bits_per_weight(Path(tmp))
+            row["bpw"] = bits_per_weight(Path(tmp), embedding_names(model))
     if hasattr(model, "llama_cpp_bpw"):
         row["bpw"] = model.llama_cpp_bpw
     row["ppl"] = perplexity(model, tokenizer, text, max_length=512, stride=512)
@@ -284,10 +301,20 @@ def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool =
     return row
 
 
-def bits_per_weight(folder: Path) -> float | None:
-    """Bits of every quantized tensor's stored tensors (codes, scales, zero points, column scales) over the number of
-    weights they store, counted from the safetensors files of `folder`; a layer's bit width comes from the saved
-    config (`HfQuantConfig.layer_settings`, so `module_overrides` count at their own width)."""
+def embedding_names(model) -> set[str]:
+    """Full names of `model`'s input and output embeddings (a tied lm_head is saved under the input embedding's name)."""
+    wanted = {id(model.get_input_embeddings())}
+    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
+        wanted.add(id(model.get_output_embeddings()))
+    return {name for name, module in model.named_modules() if id(module) in wanted}
+
+
+def bits_per_weight(folder: Path, skip: set[str] = frozenset()) -> float | None:
+    """Bits of every quantized Linear layer's stored tensors (codes, scales, zero points, column scales) over the number
+    of weights they store, counted from the safetensors files of `folder`; a layer's bit width comes from the saved
+    config (`HfQuantConfig.layer_settings`, so `module_overrides` count at their own width). Modules named in `skip`
+    (`embedding_names`: the embeddings and the lm_head, which follow `embedding_dtype` / `lm_head`, not the layers'
+    width: the 4-bit default's int8 tied lm_head was counted as packed 4-bit codes) are left out."""
     config = hfquant.HfQuantConfig.from_dict(json.loads((folder / "config.json").read_text())["quantization_config"])
     tensors = {}
     for shard in folder.glob("*.safetensors"):
@@ -299,7 +326,7 @@ def bits_per_weight(folder: Path) -> float | None:
     stored_bits = weights = 0
     for name, (dtype, shape) in tensors.items():
         prefix = name[: -len("weight")]
-        if not name.endswith(".weight"):
+        if not name.endswith(".weight") or prefix.rstrip(".") in skip:
             continue
         settings = config.layer_settings(prefix.rstrip("."))
         if settings.format in blocks.LAYOUTS and dtype == "U8":  # block bytes: (N, row header + K / B * S)
@@ -351,7 +378,7 @@ def minilm(
     elif isinstance(settings, dict):
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
-            row["minilm_bpw"] = bits_per_weight(Path(tmp))
+            row["minilm_bpw"] = bits_per_weight(Path(tmp), embedding_names(model))
     if hasattr(model, "llama_cpp_bpw"):
         row["minilm_bpw"] = model.llama_cpp_bpw
     return row
