@@ -94,7 +94,11 @@ def test_same_result_for_any_thread_count():
             results.append(native.sinq_balance(weights, 64, 4, [None, factors]))
     finally:
         torch.set_num_threads(threads)
+    for count in (1, 3):  # the fold worker's explicit team
+        results.append(native.sinq_balance(weights, 64, 4, [None, factors], threads=count))
     assert all(torch.equal(results[0], r) for r in results[1:])
+    with pytest.raises(ValueError, match="threads=0"):
+        native.sinq_balance(weights, 64, 4, threads=0)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -41,6 +41,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
@@ -356,7 +360,8 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
     }
 }
 
-static int run(State *st, int64_t iterations, float *best_ic, float *best, double *cs, double *cq, float *col_std) {
+static int run(State *st, int64_t iterations, int threads, float *best_ic, float *best, double *cs, double *cq,
+               float *col_std) {
     const int64_t n = st->n, k = st->k, g = st->group, tiles = st->tiles;
     const int64_t blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
     int bad = 0, oom = 0;
@@ -369,7 +374,7 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
 #endif
     for (int64_t step = 0; step <= iterations; step++) {
         const int first = step == 0;
-#pragma omp parallel reduction(| : bad, oom)
+#pragma omp parallel num_threads(threads) reduction(| : bad, oom)
         {
             /* block_pass: a float32 row and the tiles' weights; block_pass_avx512: ROW_GROUP bfloat16 rows and weights */
             float *x = malloc((size_t)(wide ? (k + 1) / 2 * ROW_GROUP + tiles * ROW_GROUP : k + tiles) * sizeof(float));
@@ -395,7 +400,7 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
             return oom ? 3 : 2;
         }
         /* the column totals, block by block in order */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t j0 = 0; j0 < k; j0 += 256) {
             const int64_t j1 = j0 + 256 < k ? j0 + 256 : k;
             for (int64_t j = j0; j < j1; j++) cs[j] = cq[j] = 0.0;
@@ -439,8 +444,13 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
 }
 
 int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const float *const *row_scales, int64_t count,
-                         int is_bf16, int64_t k, int64_t group, int64_t iterations, float *inv_col) {
-    if (!mats || !rows || !inv_col || count <= 0 || k <= 0 || group <= 0 || k % group || iterations < 0) return 1;
+                         int is_bf16, int64_t k, int64_t group, int64_t iterations, int64_t threads, float *inv_col) {
+    if (!mats || !rows || !inv_col || count <= 0 || k <= 0 || group <= 0 || k % group || iterations < 0 || threads < 0)
+        return 1;
+    int team = 1;
+#ifdef _OPENMP
+    team = threads > 0 ? (int)threads : omp_get_max_threads();
+#endif
     int64_t n = 0;
     for (int64_t m = 0; m < count; m++) {
         if (rows[m] < 0 || (rows[m] > 0 && !mats[m])) return 1;
@@ -469,7 +479,7 @@ int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const flo
             }
         }
         for (int64_t j = 0; j < k; j++) st.ic[j] = 1.0f;
-        status = run(&st, iterations, inv_col, best, sums, sums + k, col_std);
+        status = run(&st, iterations, team, inv_col, best, sums, sums + k, col_std);
     }
     free(st.row);
     free(st.ir);
