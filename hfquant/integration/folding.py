@@ -46,7 +46,13 @@ from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled, tqdm
 
 from hfquant.checkpoint.files import open_safetensors, read_headers, read_tensor
-from hfquant.checkpoint.streaming import release_checkpoint_pages, release_range, spare_mapping, trim_heap
+from hfquant.checkpoint.streaming import (
+    populate_range,
+    release_checkpoint_pages,
+    release_range,
+    spare_mapping,
+    trim_heap,
+)
 from hfquant.core import folding, packing, rtn, sinq
 from hfquant.core.blocks import dequantize as block_dequantize
 from hfquant.core.folding import Transform
@@ -69,6 +75,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FOLDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+FOLD_AHEAD = 2
+"""Blocks `FoldStream`'s worker folds beyond the one being loaded (queued in order): with one, the load waited whenever
+one block's fold took longer than the previous block's quantization; with two the differences even out. The worker
+maps one block at a time (released after its fold), so the peak RSS is as with one; the page cache holds the
+blocks read ahead until the load reads them."""
 """`config.model_type`s whose decoder blocks `find_blocks` folds: pre-norm blocks whose norms compute
 normalize(x) * weight (no offset such as Gemma's 1 + weight) and whose attention output mixes `v_proj`'s rows per head."""
 
@@ -217,7 +229,7 @@ class _Planner:
         groups = zip(_fold_groups(block), _foldable(block, self.formats), strict=True)
         return [name for (matrices, norms), folds in groups if folds for name in (*matrices, *norms)]
 
-    def fold(self, block: Block) -> dict[str, Transform] | None:
+    def fold(self, block: Block, threads: int | None = None) -> dict[str, Transform] | None:
         """`_fold_block` of `block`, its checkpoint pages released after; None (a warning names the block) where it
         reads a missing tensor or a weight holding NaN/Inf: left unfolded, its layers go through the load's own checks,
         which name the tensor and the fix.
@@ -235,6 +247,7 @@ class _Planner:
                 self.num_kv_heads,
                 self.scratch,
                 self.clipping,
+                threads,
             )
         except (KeyError, sinq.NonFiniteWeightError) as error:
             reason = error.args[0] if error.args else error
@@ -282,17 +295,19 @@ def _fold_block(
     num_kv_heads: int,
     scratch: Scratch | None = None,
     clipping: str | None = "minmax",
+    threads: int | None = None,
 ) -> dict[str, Transform]:
     """The folds of one block (see `plan_folds`): {module name: Transform}, merged where two folds change one module.
     `clipping` None folds every group; else each group is kept only where `_fold_lowers_error` (quantizing with that
-    clipping), the Linear layers of the others getting an empty `Transform`.
+    clipping), the Linear layers of the others getting an empty `Transform`. `threads`: the C balancing's OpenMP
+    threads (None: OpenMP's default; the result does not depend on it).
 
     Raises:
         KeyError: the checkpoint lacks a tensor the block's folds read.
         sinq.NonFiniteWeightError: a weight the folds read holds NaN or Inf.
         ValueError: the head counts do not fit the projections.
     """
-    folds = _BlockFolds(read, tile, formats, scratch, clipping)
+    folds = _BlockFolds(read, tile, formats, scratch, clipping, threads)
     v_o, qkv, up_down, gate_up = _foldable(block, formats)
     v_rows = up_rows = None
     if v_o:
@@ -338,8 +353,9 @@ class _BlockFolds:
     column scale into its producer's rows: v -> o_proj, up -> down_proj) and `into_norm` (the consumers' shared column
     scale into the norm before them). `clipping` None keeps every group, else `_fold_lowers_error` decides."""
 
-    def __init__(self, read, tile, formats, scratch: Scratch | None, clipping: str | None):
+    def __init__(self, read, tile, formats, scratch: Scratch | None, clipping: str | None, threads: int | None = None):
         self.read, self.tile, self.formats, self.scratch, self.clipping = read, tile, formats, scratch, clipping
+        self.threads = threads  # the C balancing's (`hfquant.ops.balance.column_scale`)
         self.transforms: dict[str, Transform] = {}
 
     def add(self, name: str, transform: Transform) -> None:
@@ -368,7 +384,7 @@ class _BlockFolds:
         consumer's column scale) (o_proj's heads shared by grouped-query v). Returns the producer's row scale, None
         when the group is refused (the producer then gets an empty Transform too)."""
         weight = self.read(consumer + ".weight")
-        col_scale = balance.column_scale([weight], self.tile(consumer), scratch=self.scratch)
+        col_scale = balance.column_scale([weight], self.tile(consumer), scratch=self.scratch, threads=self.threads)
         rows, col_scale = share(col_scale) if share else (col_scale, col_scale)
         if not self.kept([(consumer, weight, None)], col_scale):
             self.add(producer, Transform())
@@ -381,7 +397,9 @@ class _BlockFolds:
         """Fold the column scale that `names` (whose rows carry `row_scales` from earlier folds, None for none) share
         into the norm `norm_name` before them."""
         weights = [self.read(name + ".weight") for name in names]
-        scale = balance.column_scale(weights, self.tile(*names), list(row_scales), scratch=self.scratch)
+        scale = balance.column_scale(
+            weights, self.tile(*names), list(row_scales), scratch=self.scratch, threads=self.threads
+        )
         norm_weight = self.read(norm_name + ".weight")
         norm, scale = folding.fold_into_norm(norm_weight, scale)
         if self.kept(list(zip(names, weights, row_scales, strict=True)), scale, norm_weight.float().abs()):
@@ -545,10 +563,12 @@ class FoldStream(Mapping):
     """`plan_folds`'s folds, computed block by block beside the streaming load instead of in a pass before it.
 
     The first block is folded when the stream is made (so that a model whose head counts do not fit its projections is
-    refused in the pre-load hook, as by `plan_folds`); the first value read then starts block 1 on one worker thread,
+    refused in the pre-load hook, as by `plan_folds`); the first value read then queues blocks 1 .. `FOLD_AHEAD` on one worker
+    thread,
     and reading any value of block i waits for block i (folding it in the caller's thread when nothing started it) and
-    starts block i + 1. So the worker folds the next block on the second core while the load quantizes this one, and
-    at most one block beyond the one being loaded is read ahead (peak memory: one block's checkpoint pages more).
+    queues blocks i + 1 .. i + `FOLD_AHEAD`. So the worker folds the next blocks on the second core while the load
+    quantizes this one, and at most `FOLD_AHEAD` blocks beyond the one being loaded are read ahead, one at a time (peak
+    memory: one block's checkpoint pages more; the blocks read ahead stay in the page cache, out of the process).
 
     Membership (`name in stream`, `bool`) answers at once, from the formats: the names `_Planner.planned` lists, which
     the pre-load hook needs before any weight is read (`fold_overrides`, `param_needs_quantization`). `get` waits;
@@ -676,6 +696,9 @@ class FoldStream(Mapping):
                 self._spared.append(mapping)
         if mapping is not None:
             self._pages.append((address, nbytes, mapping))
+            populate_range(
+                address, nbytes, mapping
+            )  # one call, not a fault per page range: the balancing reads it all
         return tensor
 
     def _release(self) -> None:
@@ -692,15 +715,13 @@ class FoldStream(Mapping):
         self._spared.clear()
 
     def _prefetch(self, index: int) -> None:
-        """Start folding block `index` on the worker thread, unless started, closed, or the default dtype is not
-        float32 (which the worker cannot set: it is the process's)."""
-        if (
-            index < len(self._planner.blocks)
-            and index not in self._futures
-            and not self._closed
-            and torch.get_default_dtype() == torch.float32
-        ):
-            self._future(index, background=True)
+        """Queue blocks `index` .. `index + FOLD_AHEAD - 1` on the worker thread (it folds them in order), each unless
+        started, closed, or the default dtype is not float32 (which the worker cannot set: it is the process's)."""
+        if self._closed or torch.get_default_dtype() != torch.float32:
+            return
+        for queued in range(index, min(index + FOLD_AHEAD, len(self._planner.blocks))):
+            if queued not in self._futures:
+                self._future(queued, background=True)
 
     def _future(self, index: int, background: bool) -> Future:
         with self._guard:
@@ -721,4 +742,5 @@ class FoldStream(Mapping):
 
     def _fold(self, index: int, here: bool) -> dict[str, Transform] | None:
         with self._folding, _on_cpu_in_float32() if here else torch.device("cpu"):
-            return self._planner.fold(self._planner.blocks[index])
+            # the worker balances at one thread: the load's main thread keeps the other core busy
+            return self._planner.fold(self._planner.blocks[index], None if here else 1)

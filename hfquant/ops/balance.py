@@ -34,6 +34,7 @@ def column_scale(
     row_scales: list[torch.Tensor | None] | None = None,
     iterations: int = sinq.ITERATIONS,
     scratch: Scratch | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """The SINQ column scale (K,) float32 shared by the matrices `weights` (N_i, K) stacked along their rows, each
     row of matrix i first multiplied by `row_scales[i]` when given: `hfquant.core.folding.column_scale_of`'s result
@@ -45,6 +46,7 @@ def column_scale(
         row_scales: per matrix, None or (N_i,) float factors of its rows.
         iterations: balancing iterations (`hfquant.core.sinq.ITERATIONS`).
         scratch: the torch path's reusable buffers (`hfquant.core.scratch`); the C path needs none.
+        threads: the C path's OpenMP threads (`hfquant.ops.native.sinq_balance`), None for OpenMP's default.
     Returns:
         (K,) float32, > 0, exactly representable in bfloat16; all ones for fewer than 2 rows in all.
     Raises:
@@ -61,7 +63,7 @@ def column_scale(
         return torch.ones(k)
     if all(w.device.type == "cpu" for w in weights) and native_balance_available():
         try:
-            inv_col = native.sinq_balance(weights, group_size, iterations, row_scales)
+            inv_col = native.sinq_balance(weights, group_size, iterations, row_scales, threads)
         except ValueError as error:
             if "NaN or Inf" in str(error):
                 raise sinq.NonFiniteWeightError(str(error)) from None

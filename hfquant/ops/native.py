@@ -61,7 +61,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI = 5
+_ABI = 6
 """`HFQUANT_INT4_CPU_ABI` of `csrc/int4_cpu.c`: a library built from other signatures is not called."""
 
 _POINTER, _INT, _INT64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -86,7 +86,7 @@ _SIGNATURES = {
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
     "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
-    "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 3 + [_POINTER],
+    "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 4 + [_POINTER],
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 
@@ -446,6 +446,7 @@ def sinq_balance(
     group_size: int,
     iterations: int,
     row_scales: list[torch.Tensor | None] | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """SINQ's Sinkhorn balancing (`hfquant.core.sinq`) of the matrices `weights` stacked along their rows, in C
     (`csrc/sinq_cpu.c`): each tile of `group_size` columns is balanced on a bfloat16 copy that stays in cache, with
@@ -457,6 +458,8 @@ def sinq_balance(
         group_size: columns per tile, dividing K.
         iterations: balancing iterations (>= 0).
         row_scales: per matrix, None or (N_i,) factors its rows are multiplied by first.
+        threads: OpenMP threads (>= 1), None for OpenMP's default; the result does not depend on it. The fold worker
+            passes 1: beside the load's main thread, a second thread only contends for the other core.
     Returns:
         (K,) float32: the inverse column factors of the kept iterate (`hfquant.core.sinq.scale_from_balance` makes
         the column scale of them).
@@ -474,6 +477,8 @@ def sinq_balance(
     k = widths.pop()
     if group_size <= 0 or k % group_size or iterations < 0:
         raise ValueError(f"group_size={group_size} does not divide in_features={k} (or iterations={iterations} < 0)")
+    if threads is not None and threads < 1:
+        raise ValueError(f"sinq_balance threads={threads}: give at least 1, or None for OpenMP's default")
     row_scales = row_scales or [None] * len(weights)
     bf16 = all(w.dtype == torch.bfloat16 for w in weights)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -491,7 +496,7 @@ def sinq_balance(
     scales = (ctypes.c_void_p * count)(*[None if f is None else f.data_ptr() for f in factors])
     inv_col = torch.empty(k, dtype=torch.float32)
     status = library.hfquant_sinq_balance(
-        pointers, rows_array, scales, count, int(bf16), k, group_size, iterations, inv_col.data_ptr()
+        pointers, rows_array, scales, count, int(bf16), k, group_size, iterations, threads or 0, inv_col.data_ptr()
     )
     if status == 2:
         raise ValueError("the weight holds NaN or Inf values; SINQ cannot balance it")

@@ -74,3 +74,40 @@ def test_background_releases_run_beside_the_load_one_at_a_time(monkeypatch):
     assert releaser.flush() == 1
     assert len(started) == 3 and started[0] != threading.current_thread().name
     assert started[2] == threading.current_thread().name  # the last release, at the end of loading, is the caller's
+
+
+def _resident_kib(start: int) -> int:
+    """Rss of this process's map starting at `start` (/proc/self/smaps)."""
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == start
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no map starts at {start:#x}")
+
+
+def test_populate_range_maps_a_tensor_in_and_release_range_takes_it_out(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from hfquant.checkpoint.files import open_safetensors, read_tensor
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(512, 1024, dtype=torch.bfloat16), "b": torch.ones(512, 1024)}, str(path))
+    handle = open_safetensors(path)
+    tensor = read_tensor(handle, path, "b")  # 2 MiB, not touched
+    mapping = streaming.spare_mapping(tensor.data_ptr())
+    if mapping is None:
+        pytest.skip("no checkpoint maps in /proc/self/maps here")
+    try:
+        before = _resident_kib(mapping[0])
+        if not streaming.populate_range(tensor.data_ptr(), tensor.nbytes, mapping):
+            pytest.skip("MADV_POPULATE_READ needs Linux >= 5.14")
+        assert _resident_kib(mapping[0]) - before >= 2048  # the whole tensor, without reading it
+        assert streaming.release_range(tensor.data_ptr(), tensor.nbytes, mapping)
+        assert _resident_kib(mapping[0]) < before + 2048
+    finally:
+        streaming.spare_mapping(mapping[0], spared=False)

@@ -1,6 +1,6 @@
 """`FoldStream`: the folds of `fold_column_scales` computed block by block beside the streaming load
 (`hfquant.integration.folding`). It must give `plan_folds`'s folds exactly, fold the blocks after the first on its
-worker thread only as the load reads them (one block ahead), answer membership without folding, and keep the map it
+worker thread only as the load reads them (`FOLD_AHEAD` blocks ahead), answer membership without folding, and keep the map it
 reads ahead through out of the load's page-out (`streaming.spare_mapping`)."""
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def folded_on(monkeypatch):
     threads: dict[int, str] = {}
     fold = folding._Planner.fold
 
-    def recording(self, block):
+    def recording(self, block, *args):
         threads[self.blocks.index(block)] = threading.current_thread().name
-        return fold(self, block)
+        return fold(self, block, *args)
 
     monkeypatch.setattr(folding._Planner, "fold", recording)
     return threads
@@ -81,7 +81,10 @@ def test_the_stream_gives_plan_folds_folds_exactly(checkpoint, folded_on):
     assert all(folded_on[i] != threading.current_thread().name for i in range(1, 4))  # the others on the worker
 
 
-def test_membership_answers_without_folding_and_the_worker_reads_one_block_ahead(checkpoint, folded_on):
+def test_membership_answers_without_folding_and_the_worker_reads_fold_ahead_blocks_ahead(
+    checkpoint, folded_on, monkeypatch
+):
+    monkeypatch.setattr(folding, "FOLD_AHEAD", 2)
     model, plans, files = checkpoint
     blocks = find_blocks(model)
     stream = FoldStream(model, plans, files)
@@ -89,9 +92,13 @@ def test_membership_answers_without_folding_and_the_worker_reads_one_block_ahead
         assert all(name in stream for block in blocks for name in block)  # every group is quantized here
         assert "lm_head" not in stream and stream
         assert set(folded_on) == {0}
+        stream.get(blocks[0].q)
+        stream._futures[2].result()  # queued by the read of block 0 (blocks 1 and 2), folded in order
+        assert set(folded_on) == {0, 1, 2} and 3 not in stream._futures
         stream.get(blocks[1].q)
-        stream._futures[2].result()  # started by the read of block 1, not block 3
-        assert set(folded_on) == {0, 1, 2}
+        stream._futures[3].result()
+        assert set(folded_on) == {0, 1, 2, 3}
+        assert all(folded_on[i].startswith("hfquant-folds") for i in (1, 2, 3))
         assert stream.get("lm_head") is None
     finally:
         stream.close()

@@ -49,7 +49,8 @@ def _assert_close_to_reference(weights, group_size, row_scales=None, iterations=
 @pytest.mark.parametrize(
     "n, k, group",
     # 20 tiles of 64 and 21 of 16: the C pass reduces 16 tiles at a time (a last partial set) in 32-column steps
-    [(256, 512, 64), (96, 1536, 128), (64, 256, 256), (3, 64, 32), (45, 1280, 64), (37, 336, 16)],
+    # 4608 columns: two strips of 2048 balanced one after the other and a last one of 512
+    [(256, 512, 64), (96, 1536, 128), (64, 256, 256), (3, 64, 32), (45, 1280, 64), (37, 336, 16), (40, 4608, 128)],
 )
 def test_one_matrix_matches_the_float64_steps(n, k, group, iterations):
     _assert_close_to_reference([_weight(n, k, n + k)], group, iterations=iterations)
@@ -94,7 +95,11 @@ def test_same_result_for_any_thread_count():
             results.append(native.sinq_balance(weights, 64, 4, [None, factors]))
     finally:
         torch.set_num_threads(threads)
+    for count in (1, 3):  # the fold worker's explicit team
+        results.append(native.sinq_balance(weights, 64, 4, [None, factors], threads=count))
     assert all(torch.equal(results[0], r) for r in results[1:])
+    with pytest.raises(ValueError, match="threads=0"):
+        native.sinq_balance(weights, 64, 4, threads=0)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -79,7 +79,7 @@ int hfquant_rtn_quantize_scaled(const void *w, int w_is_bf16, int64_t n, int64_t
 
 /* sinq_cpu.c: SINQ's Sinkhorn balancing of stacked matrices, tile by tile in cache */
 int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const float *const *row_scales, int64_t count,
-                         int is_bf16, int64_t k, int64_t group, int64_t iterations, float *inv_col);
+                         int is_bf16, int64_t k, int64_t group, int64_t iterations, int64_t threads, float *inv_col);
 
 #ifdef __cplusplus
 }

@@ -31,7 +31,7 @@
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
-#define HFQUANT_INT4_CPU_ABI 5
+#define HFQUANT_INT4_CPU_ABI 6
 
 int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
 

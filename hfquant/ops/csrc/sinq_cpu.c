@@ -25,11 +25,13 @@
  *
  * Output: inv_col (K,) float32, the kept ic of every tile; hfquant.core.sinq.scale_from_balance makes the stored column
  * scale of it. Returns 0; 1 for bad arguments; 2 when an input value is NaN or infinite; 3 when memory runs out.
- * Blocks of rows are split over OpenMP threads, and every sum is made in the same order whatever their number: the
- * result does not depend on the thread count. Memory: 3 floats per row and tile, 2 per column and block of rows, two
- * rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant allows), the pass is
- * block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read and written once per
- * group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their square roots taken in
+ * Columns are balanced in strips of at most STRIP_COLUMNS, one after the other (each tile is balanced on its own, so
+ * the result is the same; at K = 8192 the column sums of a strip stay in L1). Blocks of rows are split over OpenMP
+ * threads (`threads`, 0 for OpenMP's default), and every sum is made in the same order whatever their number: the
+ * result does not depend on the thread count. Memory: 3 floats per row and tile of a strip, 2 per column of a strip and
+ * block of rows, two rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant allows),
+ * the pass is block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read and
+ * written once per group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their square roots taken in
  * one vector (one horizontal sum and one scalar square root per row and tile cost about as much as the read:
  * docs/performance.md). Elsewhere the hot loop is compiled for AVX2 and the baseline, picked at load time (GCC's
  * target_clones). The paths' float32 results can differ in the last bits. After each pass the per-row factors and
@@ -40,6 +42,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
@@ -53,6 +59,7 @@
 #define PREFETCH_ROWS 2 /* block_pass asks for the row this many ahead */
 #define COL_BLOCK 256    /* rows whose column sums are made in float32 before the double totals take them */
 #define RATIO_LIMIT 1e3f /* relative(): the largest factor */
+#define STRIP_COLUMNS 2048 /* hfquant_sinq_balance: the widest strip of columns balanced together */
 
 typedef struct {
     int64_t n, k, group, tiles;
@@ -356,7 +363,8 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
     }
 }
 
-static int run(State *st, int64_t iterations, float *best_ic, float *best, double *cs, double *cq, float *col_std) {
+static int run(State *st, int64_t iterations, int threads, float *best_ic, float *best, double *cs, double *cq,
+               float *col_std) {
     const int64_t n = st->n, k = st->k, g = st->group, tiles = st->tiles;
     const int64_t blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
     int bad = 0, oom = 0;
@@ -369,7 +377,7 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
 #endif
     for (int64_t step = 0; step <= iterations; step++) {
         const int first = step == 0;
-#pragma omp parallel reduction(| : bad, oom)
+#pragma omp parallel num_threads(threads) reduction(| : bad, oom)
         {
             /* block_pass: a float32 row and the tiles' weights; block_pass_avx512: ROW_GROUP bfloat16 rows and weights */
             float *x = malloc((size_t)(wide ? (k + 1) / 2 * ROW_GROUP + tiles * ROW_GROUP : k + tiles) * sizeof(float));
@@ -395,7 +403,7 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
             return oom ? 3 : 2;
         }
         /* the column totals, block by block in order */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t j0 = 0; j0 < k; j0 += 256) {
             const int64_t j1 = j0 + 256 < k ? j0 + 256 : k;
             for (int64_t j = j0; j < j1; j++) cs[j] = cq[j] = 0.0;
@@ -439,37 +447,50 @@ static int run(State *st, int64_t iterations, float *best_ic, float *best, doubl
 }
 
 int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const float *const *row_scales, int64_t count,
-                         int is_bf16, int64_t k, int64_t group, int64_t iterations, float *inv_col) {
-    if (!mats || !rows || !inv_col || count <= 0 || k <= 0 || group <= 0 || k % group || iterations < 0) return 1;
+                         int is_bf16, int64_t k, int64_t group, int64_t iterations, int64_t threads, float *inv_col) {
+    if (!mats || !rows || !inv_col || count <= 0 || k <= 0 || group <= 0 || k % group || iterations < 0 || threads < 0)
+        return 1;
+    int team = 1;
+#ifdef _OPENMP
+    team = threads > 0 ? (int)threads : omp_get_max_threads();
+#endif
     int64_t n = 0;
     for (int64_t m = 0; m < count; m++) {
         if (rows[m] < 0 || (rows[m] > 0 && !mats[m])) return 1;
         n += rows[m];
     }
     if (n < 2) return 1;
-    State st = {.n = n, .k = k, .group = group, .tiles = k / group, .is_bf16 = is_bf16};
+    /* column strips of at most STRIP_COLUMNS, balanced one after the other: every tile is balanced on its own, so the
+     * result is the same, and a strip's passes read rows a quarter as wide (the column sums stay in L1) */
+    const int64_t strip = k <= STRIP_COLUMNS ? k : (STRIP_COLUMNS >= group ? STRIP_COLUMNS / group * group : group);
+    State st = {.n = n, .k = strip, .group = group, .tiles = strip / group, .is_bf16 = is_bf16};
     const int64_t tiles = st.tiles, blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
     st.row = malloc((size_t)n * sizeof(*st.row));
     st.ir = malloc((size_t)(3 * n * tiles) * sizeof(float));
-    st.part = malloc((size_t)(blocks * 2 * k) * sizeof(float));
-    st.ic = malloc((size_t)(3 * k + tiles) * sizeof(float));
-    double *sums = malloc((size_t)(2 * k) * sizeof(double));
+    st.part = malloc((size_t)(blocks * 2 * strip) * sizeof(float));
+    st.ic = malloc((size_t)(3 * strip + tiles) * sizeof(float));
+    double *sums = malloc((size_t)(2 * strip) * sizeof(double));
     int status = 3;
     if (st.row && st.ir && st.part && st.ic && sums) {
         st.rs = st.ir + n * tiles;
         st.row_std = st.rs + n * tiles;
-        float *col_std = st.ic + k, *best = col_std + k;
+        float *col_std = st.ic + strip, *best = col_std + strip;
         const size_t size = is_bf16 ? sizeof(uint16_t) : sizeof(float);
-        int64_t r = 0;
-        for (int64_t m = 0; m < count; m++) {
-            for (int64_t i = 0; i < rows[m]; i++, r++) {
-                st.row[r] = (const char *)mats[m] + (size_t)(i * k) * size;
-                const float factor = row_scales && row_scales[m] ? row_scales[m][i] : 1.0f;
-                for (int64_t t = 0; t < tiles; t++) st.ir[r * tiles + t] = factor;
+        status = 0;
+        for (int64_t col0 = 0; col0 < k && status == 0; col0 += strip) {
+            st.k = k - col0 < strip ? k - col0 : strip;
+            st.tiles = st.k / group;
+            int64_t r = 0;
+            for (int64_t m = 0; m < count; m++) {
+                for (int64_t i = 0; i < rows[m]; i++, r++) {
+                    st.row[r] = (const char *)mats[m] + (size_t)(i * k + col0) * size;
+                    const float factor = row_scales && row_scales[m] ? row_scales[m][i] : 1.0f;
+                    for (int64_t t = 0; t < st.tiles; t++) st.ir[r * st.tiles + t] = factor;
+                }
             }
+            for (int64_t j = 0; j < st.k; j++) st.ic[j] = 1.0f;
+            status = run(&st, iterations, team, inv_col + col0, best, sums, sums + st.k, col_std);
         }
-        for (int64_t j = 0; j < k; j++) st.ic[j] = 1.0f;
-        status = run(&st, iterations, inv_col, best, sums, sums + k, col_std);
     }
     free(st.row);
     free(st.ir);
