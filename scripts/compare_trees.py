@@ -11,7 +11,8 @@ the page cache and `generate` again. Prints a markdown table of medians (min-max
 of the medians, with the CPU named. The load is also given in CPU seconds of the process (user + system, every
 thread: on a shared machine they move far less than the wall time) and its peak RSS.
 
-`--load-only` times `from_pretrained` alone; `--shape 8b` loads a random Llama with Llama-3-8B's layers instead
+`--load-only` times `from_pretrained` alone (transformers' model code imported first and timed apart: a fresh process
+pays it once, on its first load, whatever the quantizer; both figures are in the table); `--shape 8b` loads a random Llama with Llama-3-8B's layers instead
 (14.8 GB of bfloat16, built once into the cache, about 10 minutes on 2 cores), `--model` any float checkpoint:
 
     python scripts/compare_trees.py /tmp/before . --methods int4-default,int8 --load-only --shape 8b --runs 2
@@ -44,6 +45,8 @@ from benchmarks.methods import worker_env  # noqa: E402
 from benchmarks.random_model import SHAPES  # noqa: E402
 
 LOAD_FIELDS = (
+    ("transformers' model code, imported before the load, s (once per process)", "model_import_s"),
+    ("quantize on load with that import (a fresh process's first load), GB/s", "first_load_gb_s"),
     ("quantize on load, s", "quantize_load_s"),
     ("quantize on load, GB/s of the source's safetensors", "quantize_load_gb_s"),
     ("quantize on load, CPU s (user + system, all threads)", "quantize_load_cpu_s"),
@@ -102,6 +105,12 @@ for name in os.listdir(source):  # every run starts with the shards in the page 
 def cpu_s():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+# The model class's module (transformers imports it lazily on the first from_pretrained, with its generation code:
+# about 0.8 s here, the same for every tree and quantizer) is imported and timed apart from the load.
+t0 = time.perf_counter()
+from transformers import AutoConfig
+AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(source))]
+result["model_import_s"] = time.perf_counter() - t0
 gc.collect()
 c0, m0, t0 = cpu_s(), time.thread_time(), time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
@@ -113,6 +122,7 @@ shards = [os.path.join(source, n) for n in os.listdir(source) if n.endswith(".sa
 gigabytes = sum(os.path.getsize(p) for p in shards) / 1e9
 result["quantize_load_gb_s"] = gigabytes / result["quantize_load_s"]
 result["quantize_load_gb_cpu_s"] = gigabytes / result["quantize_load_cpu_s"]
+result["first_load_gb_s"] = gigabytes / (result["quantize_load_s"] + result["model_import_s"])
 if load_only:
     with open(out, "w") as handle:
         json.dump(result, handle)
