@@ -30,8 +30,8 @@ there the same tensor object is taken as the same input). Every output row is co
 in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order; the block GEMV quantizes
 the row to int8 the same way whatever N, then sums each output in one thread), so the fused outputs equal
 the unfused ones bit for bit. In torch.compile graphs a block group whose layers call the dispatcher operators puts
-one `hfquant_cpu.block_gemv_group` call in the graph for its members (`DecodeGroup.graph_product`); int4 groups are
-not fused in graphs yet. Anything else takes each layer's own path: inputs requiring gradients, several rows, a member
+one `hfquant_cpu.block_gemv_group` call in the graph for its members (`DecodeGroup.graph_product`), and an int4 group whose members' plans call
+their GEMV operator in graphs too puts one call of that operator over the group's rows (the eager group's bytes). Anything else takes each layer's own path: inputs requiring gradients, several rows, a member
 called with another tensor. A group whose members keep being called with different
 inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
 (offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
@@ -48,7 +48,7 @@ from torch import nn
 
 from hfquant.core import blocks
 from hfquant.ops import native
-from hfquant.ops.gemv import RowCall, RowKernel
+from hfquant.ops.gemv import INT4_ROWS, RowCall, RowKernel, int4_row
 
 __all__ = ["SIBLINGS", "MAX_MISSES", "DecodeGroup", "link_decode_groups"]
 
@@ -85,7 +85,8 @@ class DecodeGroup:
         self._row = None
         self._views: tuple = ()
         self._cache = None  # (x, x._version, outputs, [members yet to take theirs])
-        self.in_graphs = False  # a block group with the dispatcher operators: one call in compiled graphs too
+        self.in_graphs = False  # the members' GEMV is a dispatcher operator in graphs too: one call for the group
+        self._graph_call: tuple = ()  # (the GEMV `RowKernel`, group size, K) of that call, fixed when built
         self._parts: tuple = ()  # the block weights of the group's C call: (weight,), or each member's (mixed types)
         self._types: tuple = ()  # their GGUF type numbers
         self._traced = None  # while a graph is traced: (x, outputs) of the member called first (`graph_product`)
@@ -125,9 +126,17 @@ class DecodeGroup:
             member._buffers["weight"] = view  # the member's rows of the group's tensor: no second copy of the codes
             member._fused = self
         self.weight, self.scale_zero, self._row, self._views = weight, scale_zero, first._row, views
+        self._graph_call = (plan.row, plan.group_size, plan.in_features)
         if plan.block:
             self._parts, self._types = (weight,), (blocks.layout(plan.block).ggml_type,)
             self.in_graphs = plan.row_call is RowCall.OPERATOR
+        else:  # int4: graphs call the members' own GEMV operator once over the group's rows, where that is theirs
+            self.in_graphs = (
+                plan.compiled_row is plan.row
+                and plan.row in INT4_ROWS
+                and plan.compiled_row_call is RowCall.OPERATOR
+                and plan.row_call is RowCall.OPERATOR
+            )
         return True
 
     def _build_mixed(self, weights: list[torch.Tensor]) -> bool:
@@ -149,6 +158,7 @@ class DecodeGroup:
             member._fused = self
         self.weight, self.scale_zero, self._row, self._views = None, None, group_row, parts
         self._parts, self._types = parts, types
+        self._graph_call = (plan.row, plan.group_size, plan.in_features)
         self.in_graphs = plan.row_call is RowCall.OPERATOR
         return True
 
@@ -194,7 +204,7 @@ class DecodeGroup:
         for member in self.members:
             member._fused = None
         self.weight = self.scale_zero = self._row = self._cache = self._traced = None
-        self._views = self._parts = self._types = ()
+        self._views = self._parts = self._types = self._graph_call = ()
         self.in_graphs = False
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -228,9 +238,10 @@ class DecodeGroup:
         return outputs[index]
 
     def graph_product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        """`product` while torch.compile traces a graph (`in_graphs`: a block group whose layers call the dispatcher
-        operators): the member called first (index 0) puts one `hfquant_cpu.block_gemv_group` call in the graph for
-        all members and keeps (x, the outputs split as views) until the last member takes its view; each sibling
+        """`product` while torch.compile traces a graph (`in_graphs`: a group whose layers call a dispatcher operator
+        in graphs): the member called first (index 0) puts one call in the graph for all members (a block group's
+        `hfquant_cpu.block_gemv_group`; an int4 group's GEMV operator, `gemv.int4_row`, over `weight` and
+        `scale_zero`) and keeps (x, the outputs split as views) until the last member takes its view; each sibling
         called with that same traced tensor takes its view. The same bytes as each member's own operator call (see
         `product`). None for a member called with another tensor, or before the first: the caller runs its own
         operator.
@@ -239,9 +250,13 @@ class DecodeGroup:
         to None: the graph returns nothing more (a group whose members are not all called in one graph keeps its last
         pair until the next call, which replaces it)."""
         if index == 0:
-            y = torch.ops.hfquant_cpu.block_gemv_group(
-                x.contiguous(), list(self._parts), self.members[0].in_features, list(self._types)
-            )
+            row, group_size, in_features = self._graph_call
+            if self._parts:
+                y = torch.ops.hfquant_cpu.block_gemv_group(
+                    x.contiguous(), list(self._parts), in_features, list(self._types)
+                )
+            else:
+                y = int4_row(row, RowCall.OPERATOR, x.contiguous(), self.weight, self.scale_zero, group_size)
             outputs = y.view(*x.shape[:-1], -1).split_with_sizes(self.sizes, -1)
             self._traced = (x, outputs)
             return outputs[0]

@@ -30,6 +30,7 @@ __all__ = [
     "RowCall",
     "row_product",
     "row_function",
+    "int4_row",
     "INT4_ROWS",
     "native_int4_works",
     "native_int8_works",
@@ -121,7 +122,7 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors, plan) -
     scale_zero = tensors.scale_zero
     if scale_zero.dtype != x.dtype:
         scale_zero = scale_zero.to(x.dtype)
-    return _int4_row(row, call, x, tensors.weight, scale_zero, plan.group_size)
+    return int4_row(row, call, x, tensors.weight, scale_zero, plan.group_size)
 
 
 INT4_ROWS = (RowKernel.INT4_GEMV, RowKernel.INT4_GEMV_AVX2, RowKernel.INT4_A8, RowKernel.INT4_A8_AVX2)
@@ -172,10 +173,12 @@ def row_function(row: RowKernel, call: RowCall, group_size: int, in_features: in
     return int4
 
 
-def _int4_row(
+def int4_row(
     row: RowKernel, call: RowCall, x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """`row_product` for the int4 GEMVs (arguments as `native.int4_gemv`)."""
+    """`row_product` for the int4 GEMVs `row` (one of `INT4_ROWS`) called as `call`: x (1, K) contiguous bfloat16,
+    weight (N, K / 2) uint8 in PyTorch's CPU int4 layout, scale_zero (K / group_size, N, 2) bfloat16; returns (1, N)
+    bfloat16 (arguments as `native.int4_gemv`)."""
     if row is RowKernel.INT4_GEMV:
         if call is RowCall.OPERATOR:
             return torch.ops.hfquant_cpu.int4_gemv(x, weight, scale_zero, group_size)
