@@ -175,3 +175,18 @@ def record_row_kernels(monkeypatch) -> list:
 
     monkeypatch.setattr(gemv, "row_function", bound)
     return used
+
+
+def graph_ops(module: torch.nn.Module, x: torch.Tensor) -> tuple[tuple, list[str]]:
+    """(the outputs of `module` compiled with fullgraph=True for x, the hfquant operators its graph calls)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(module, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        compiled(x)
+        outputs = compiled(x)
+    ops = [str(node.target) for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    torch._dynamo.reset()
+    return outputs, [op for op in ops if op.startswith("hfquant")]

@@ -123,13 +123,7 @@ def release_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
     or walking every shard. The range is widened to whole pages within `mapping` only: never call it on memory outside
     a read-only file map (on anonymous memory `MADV_DONTNEED` zeroes the pages). Returns whether the kernel accepted it
     (False off Linux or for an empty range)."""
-    madvise = _madvise()
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = max(mapping[0], address // page * page)
-    end = min(mapping[1], -(-(address + nbytes) // page) * page)
-    if madvise is None or end <= start:
-        return False
-    return madvise(start, end - start, _MADV_DONTNEED) == 0
+    return _advise_range(address, nbytes, mapping, _MADV_DONTNEED)
 
 
 def populate_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
@@ -139,13 +133,19 @@ def populate_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
     of faults, 6-20 ms populated; docs/performance.md). Pages already mapped are left as they are, nothing is read
     that the pass would not read. Returns whether the kernel accepted it (False off Linux, on an older kernel or for an
     empty range: the pass then faults the pages in itself)."""
+    return _advise_range(address, nbytes, mapping, _MADV_POPULATE_READ)
+
+
+def _advise_range(address: int, nbytes: int, mapping: tuple[int, int], advice: int) -> bool:
+    """`madvise(advice)` on the pages of `nbytes` at `address`, widened to whole pages within `mapping` only; whether
+    the kernel accepted it (False off Linux or for an empty range)."""
     madvise = _madvise()
     page = os.sysconf("SC_PAGE_SIZE")
     start = max(mapping[0], address // page * page)
     end = min(mapping[1], -(-(address + nbytes) // page) * page)
     if madvise is None or end <= start:
         return False
-    return madvise(start, end - start, _MADV_POPULATE_READ) == 0
+    return madvise(start, end - start, advice) == 0
 
 
 def trim_heap() -> None:

@@ -13,6 +13,7 @@ from hfquant.nn import fused
 from hfquant.nn.linear import QuantLinear
 from hfquant.ops import gemv, kernels, native, torch_ops
 from hfquant.ops.kernels import Kernel
+from tests.helpers import graph_ops
 
 pytestmark = pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's int4 GEMV does not run here")
 
@@ -286,21 +287,6 @@ def test_prepare_packed_int4_writes_into_out_on_either_path():
         kernels.prepare_packed_int4(Kernel.DEQUANT, packed, K, out=rows[:n])
 
 
-def _graph_ops(module: nn.Module, x: torch.Tensor) -> tuple[tuple, list[str]]:
-    """(the outputs of `module` compiled with fullgraph=True for x, the hfquant operators its graph calls)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(module, fullgraph=True, backend=counter)
-    with torch.no_grad():
-        compiled(x)
-        outputs = compiled(x)
-    ops = [str(node.target) for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"]
-    torch._dynamo.reset()
-    return outputs, [op for op in ops if op.startswith("hfquant")]
-
-
 @pytest.mark.skipif(not torch_ops.loaded(), reason="the dispatcher operators do not build here")
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_compiled_graph_calls_an_int4_group_once_with_each_layers_bytes(monkeypatch, bias):
@@ -311,14 +297,14 @@ def test_a_compiled_graph_calls_an_int4_group_once_with_each_layers_bytes(monkey
     with torch.no_grad():
         expected = block(x)  # eager, fused
         own = _unfused(block, x)  # each layer's own GEMV
-    outputs, ops = _graph_ops(block, x)
+    outputs, ops = graph_ops(block, x)
     assert ops == [f"hfquant_cpu.{block.q_proj.plan.row.value}"]
     assert group._traced is None  # the trace left nothing behind: the graph returns the three outputs only
     for got, fused_eager, alone in zip(outputs, expected, own, strict=True):
         assert torch.equal(got, fused_eager) and torch.equal(got, alone)
 
     group.dissolve()  # members not fused: one operator call per layer, the same bytes
-    outputs, ops = _graph_ops(block, x)
+    outputs, ops = graph_ops(block, x)
     assert len(ops) == 3
     for got, alone in zip(outputs, own, strict=True):
         assert torch.equal(got, alone)

@@ -15,7 +15,7 @@ from hfquant.nn import fused
 from hfquant.nn.linear import QuantLinear
 from hfquant.ops import native
 from hfquant.ops.gemv import RowKernel
-from tests.helpers import record_row_kernels
+from tests.helpers import graph_ops, record_row_kernels
 
 pytestmark = pytest.mark.skipif(
     not native.block_gemv_supported(blocks.layout("q4_k").ggml_type),
@@ -172,21 +172,6 @@ def test_fused_block_members_save_and_reload_their_own_bytes(monkeypatch, tmp_pa
         assert torch.equal(a, b)
 
 
-def _graph_ops(module: nn.Module, x: torch.Tensor) -> tuple[tuple, list[str]]:
-    """(the outputs of `module` compiled with fullgraph=True for x, the hfquant operators its graph calls)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(module, fullgraph=True, backend=counter)
-    with torch.no_grad():
-        compiled(x)
-        outputs = compiled(x)
-    ops = [str(node.target) for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"]
-    torch._dynamo.reset()
-    return outputs, [op for op in ops if op.startswith("hfquant")]
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("v_name", [None, "q6_k"], ids=["q4_k", "q4_k+q6_k"])
 def test_a_compiled_graph_calls_a_block_group_once_with_each_layers_bytes(monkeypatch, v_name, bias):
@@ -199,14 +184,14 @@ def test_a_compiled_graph_calls_a_block_group_once_with_each_layers_bytes(monkey
         group.dissolve()
         own = block(x)  # each layer's own GEMV
         assert group.build()
-    outputs, ops = _graph_ops(block, x)
+    outputs, ops = graph_ops(block, x)
     assert ops == ["hfquant_cpu.block_gemv_group"]
     assert group._traced is None  # the trace left nothing behind: the graph returns the three outputs only
     for got, fused_eager, alone in zip(outputs, expected, own, strict=True):
         assert torch.equal(got, fused_eager) and torch.equal(got, alone)
 
     group.dissolve()  # members not fused: one operator call per layer, the same bytes
-    outputs, ops = _graph_ops(block, x)
+    outputs, ops = graph_ops(block, x)
     assert ops == ["hfquant_cpu.block_gemv"] * 3
     for got, alone in zip(outputs, own, strict=True):
         assert torch.equal(got, alone)
