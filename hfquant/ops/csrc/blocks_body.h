@@ -132,19 +132,40 @@ BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    /* Q4_K's loop (scales and minimums unpacked once per super-block as vectors, the minimums' term against the
+     * 32-input sums in one vector step) plus bit 2j / 2j + 1 of qh's bytes as the fifth bit of block 2j / 2j + 1 */
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
         const int8_t *xq = a->q + b * 256;
-        const int32_t *bs = a->sums + b * 16;
-        uint8_t sc[8], mn[8];
-        k4_scales(w + 4, sc, mn);
-        const float d = BK_NAME(half_)(w) * a->d[b], dmin = BK_NAME(half_)(w + 2) * a->d[b];
-        int32_t msum = 0;
-        for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-        mins += dmin * (float)msum;
+        uint32_t packed[4];
+        BK_NAME(k4_unpack_)(w + 4, packed);
+        const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
+        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+        const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
+        const float dx = a->d[b];
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * dx), mins);
+        const __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+#if BK_MASKED
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
+            qh = _mm256_srli_epi16(qh, 2);
+            const __m512i u = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(q, low), h0)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1), 1);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
+            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
+                                                    _mm256_set1_epi32(2 * j + 1), 1);
+            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
+                                                                    pick, _mm512_castsi256_si512(scales))));
+        }
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
+#else
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
@@ -153,16 +174,18 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
             qh = _mm256_srli_epi16(qh, 2);
             const __m256i u0 = _mm256_or_si256(_mm256_and_si256(q, low), h0);
             const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1);
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
-            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, x0);
-            const __m256i p1 = BK_DOT(_mm256_setzero_si256(), u1, x1);
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p0, _mm256_set1_epi32(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * j + 1])));
+            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i *)(xq + 64 * j)));
+            const __m256i p1 =
+                BK_DOT(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32)));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+#endif
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
     }
-    return BK_NAME(hsum_)(acc) - mins;
+    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
 BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
