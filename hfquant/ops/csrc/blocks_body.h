@@ -293,19 +293,57 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
 
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+#if BK_MASKED
+    /* two 32-weight blocks per 512-bit dot of unsigned grid + 128 (g ^ 0x80) with x; the 128 * sum(x) excess comes
+     * off once per super-block against sums32 (vpdpbusd's int32 sums do not saturate; every term < 2^31) */
+    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
+                                            _mm512_set1_epi8((char)0x80));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+#endif
+    const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10,
+                                                                                                     12, 14);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
         const int8_t *xq = a->q + b * 256;
         uint16_t high;
+        uint32_t lows;
         memcpy(&high, w + 2, 2);
+        memcpy(&lows, w + 4, 4);
+        /* the eight 6-bit scales minus 32, one per int32 lane */
+        const __m256i ls = _mm256_sub_epi32(
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lows), shift_l), _mm256_set1_epi32(15)),
+                _mm256_slli_epi32(
+                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
+            _mm256_set1_epi32(32));
+#if BK_MASKED
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j)));
+            const __m512i both = _mm512_inserti64x4(v, _mm512_castsi512_si256(_mm512_srli_epi16(v, 4)), 1);
+            /* 128-bit lanes [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1]: block 2j's 32 codes, then block 2j + 1's */
+            const __m512i codes = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), low);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(grid_u, codes),
+                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
+            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
+                                                    _mm256_set1_epi32(2 * j + 1), 1);
+            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
+                                                                    pick, _mm512_castsi256_si512(ls))));
+        }
+        const __m256i excess =
+            _mm256_slli_epi32(_mm256_mullo_epi32(ls, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8))), 7);
+        const __m256i sumi = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1)), excess);
+#else
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            const int ls = ((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
             const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 8 + 16 * j));
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
             const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, _mm256_set1_epi32(ls - 32)));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p, _mm256_permutevar8x32_epi32(ls, _mm256_set1_epi32(j))));
         }
+#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
     }
     return BK_NAME(hsum_)(acc);
