@@ -276,16 +276,43 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
                                _mm256_loadu_si256((const __m256i *)(bs + 8))));
         const float dx = a->d[b];
         mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 82) * dx), mins);
-        const __m256i sc[2] = {_mm256_cvtepu8_epi32(lows), _mm256_cvtepu8_epi32(_mm_srli_si128(lows, 8))};
+        /* the scale goes into the codes before the dot: u * sc <= 3 * 15 = 45 per byte (one 16-bit multiply, no
+         * carry between bytes), so one dot accumulates every sub-block and no 32-bit multiply per step is needed */
+#if BK_MASKED
+        /* both 128-weight halves per 512-bit step: 256-bit lanes h = 0 and h = 1 */
+        const __m512i scale_bytes = _mm512_broadcast_i32x4(lows), q = _mm512_loadu_si512((const void *)(w + 16));
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i s16 = _mm512_shuffle_epi8(
+                scale_bytes, _mm512_inserti64x4(
+                                 _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (2 * j + 1))),
+                                                                         _mm_set1_epi16((short)(0x8000 | (2 * j))))),
+                                 _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (2 * j + 9))),
+                                                  _mm_set1_epi16((short)(0x8000 | (2 * j + 8)))), 1));
+            const __m512i u =
+                _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 2 * j), _mm512_set1_epi8(3)), s16);
+            const __m512i x = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + 32 * j))),
+                _mm256_loadu_si256((const __m256i *)(xq + 128 + 32 * j)), 1);
+            sum2 = _mm512_dpbusd_epi32(sum2, u, x);
+        }
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
+#else
+        const __m256i scale_bytes = _mm256_broadcastsi128_si256(lows);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u = _mm256_and_si256(q, three);
+                const int k = 8 * h + 2 * j; /* sub-block k's scale in bytes 0-15's 16-bit lanes, k + 1's in 16-31 */
+                const __m256i s16 = _mm256_shuffle_epi8(scale_bytes,
+                                                        _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (k + 1))),
+                                                                         _mm_set1_epi16((short)(0x8000 | k))));
+                const __m256i u = _mm256_mullo_epi16(_mm256_and_si256(q, three), s16);
                 q = _mm256_srli_epi16(q, 2);
-                sumi = BK_NAME(scaled_dot_v_)(sumi, u, xq + 128 * h + 32 * j, BK_NAME(pair_from_)(sc[h], 2 * j));
+                sumi = BK_DOT(sumi, u, _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j)));
             }
         }
+#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w + 80) * dx), acc);
     }
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
@@ -300,8 +327,8 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
                                             _mm512_set1_epi8((char)0x80));
     const __m512i low = _mm512_set1_epi8(0x0F);
 #endif
-    const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10,
-                                                                                                     12, 14);
+    const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
         const int8_t *xq = a->q + b * 256;
