@@ -132,19 +132,40 @@ BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    /* Q4_K's loop (scales and minimums unpacked once per super-block as vectors, the minimums' term against the
+     * 32-input sums in one vector step) plus bit 2j / 2j + 1 of qh's bytes as the fifth bit of block 2j / 2j + 1 */
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
         const int8_t *xq = a->q + b * 256;
-        const int32_t *bs = a->sums + b * 16;
-        uint8_t sc[8], mn[8];
-        k4_scales(w + 4, sc, mn);
-        const float d = BK_NAME(half_)(w) * a->d[b], dmin = BK_NAME(half_)(w + 2) * a->d[b];
-        int32_t msum = 0;
-        for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-        mins += dmin * (float)msum;
+        uint32_t packed[4];
+        BK_NAME(k4_unpack_)(w + 4, packed);
+        const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
+        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+        const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
+        const float dx = a->d[b];
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * dx), mins);
+        const __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+#if BK_MASKED
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
+            qh = _mm256_srli_epi16(qh, 2);
+            const __m512i u = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(q, low), h0)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1), 1);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
+            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
+                                                    _mm256_set1_epi32(2 * j + 1), 1);
+            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
+                                                                    pick, _mm512_castsi256_si512(scales))));
+        }
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
+#else
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
@@ -153,16 +174,18 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
             qh = _mm256_srli_epi16(qh, 2);
             const __m256i u0 = _mm256_or_si256(_mm256_and_si256(q, low), h0);
             const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1);
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
-            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, x0);
-            const __m256i p1 = BK_DOT(_mm256_setzero_si256(), u1, x1);
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p0, _mm256_set1_epi32(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * j + 1])));
+            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i *)(xq + 64 * j)));
+            const __m256i p1 =
+                BK_DOT(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32)));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+#endif
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
     }
-    return BK_NAME(hsum_)(acc) - mins;
+    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
 BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -253,16 +276,43 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
                                _mm256_loadu_si256((const __m256i *)(bs + 8))));
         const float dx = a->d[b];
         mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 82) * dx), mins);
-        const __m256i sc[2] = {_mm256_cvtepu8_epi32(lows), _mm256_cvtepu8_epi32(_mm_srli_si128(lows, 8))};
+        /* the scale goes into the codes before the dot: u * sc <= 3 * 15 = 45 per byte (one 16-bit multiply, no
+         * carry between bytes), so one dot accumulates every sub-block and no 32-bit multiply per step is needed */
+#if BK_MASKED
+        /* both 128-weight halves per 512-bit step: 256-bit lanes h = 0 and h = 1 */
+        const __m512i scale_bytes = _mm512_broadcast_i32x4(lows), q = _mm512_loadu_si512((const void *)(w + 16));
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i s16 = _mm512_shuffle_epi8(
+                scale_bytes, _mm512_inserti64x4(
+                                 _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (2 * j + 1))),
+                                                                         _mm_set1_epi16((short)(0x8000 | (2 * j))))),
+                                 _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (2 * j + 9))),
+                                                  _mm_set1_epi16((short)(0x8000 | (2 * j + 8)))), 1));
+            const __m512i u =
+                _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 2 * j), _mm512_set1_epi8(3)), s16);
+            const __m512i x = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + 32 * j))),
+                _mm256_loadu_si256((const __m256i *)(xq + 128 + 32 * j)), 1);
+            sum2 = _mm512_dpbusd_epi32(sum2, u, x);
+        }
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
+#else
+        const __m256i scale_bytes = _mm256_broadcastsi128_si256(lows);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u = _mm256_and_si256(q, three);
+                const int k = 8 * h + 2 * j; /* sub-block k's scale in bytes 0-15's 16-bit lanes, k + 1's in 16-31 */
+                const __m256i s16 = _mm256_shuffle_epi8(scale_bytes,
+                                                        _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (k + 1))),
+                                                                         _mm_set1_epi16((short)(0x8000 | k))));
+                const __m256i u = _mm256_mullo_epi16(_mm256_and_si256(q, three), s16);
                 q = _mm256_srli_epi16(q, 2);
-                sumi = BK_NAME(scaled_dot_v_)(sumi, u, xq + 128 * h + 32 * j, BK_NAME(pair_from_)(sc[h], 2 * j));
+                sumi = BK_DOT(sumi, u, _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j)));
             }
         }
+#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w + 80) * dx), acc);
     }
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
@@ -270,19 +320,57 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
 
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+#if BK_MASKED
+    /* two 32-weight blocks per 512-bit dot of unsigned grid + 128 (g ^ 0x80) with x; the 128 * sum(x) excess comes
+     * off once per super-block against sums32 (vpdpbusd's int32 sums do not saturate; every term < 2^31) */
+    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
+                                            _mm512_set1_epi8((char)0x80));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+#endif
+    const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
         const int8_t *xq = a->q + b * 256;
         uint16_t high;
+        uint32_t lows;
         memcpy(&high, w + 2, 2);
+        memcpy(&lows, w + 4, 4);
+        /* the eight 6-bit scales minus 32, one per int32 lane */
+        const __m256i ls = _mm256_sub_epi32(
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lows), shift_l), _mm256_set1_epi32(15)),
+                _mm256_slli_epi32(
+                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
+            _mm256_set1_epi32(32));
+#if BK_MASKED
+        __m512i sum2 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j)));
+            const __m512i both = _mm512_inserti64x4(v, _mm512_castsi512_si256(_mm512_srli_epi16(v, 4)), 1);
+            /* 128-bit lanes [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1]: block 2j's 32 codes, then block 2j + 1's */
+            const __m512i codes = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), low);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(grid_u, codes),
+                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
+            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
+                                                    _mm256_set1_epi32(2 * j + 1), 1);
+            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
+                                                                    pick, _mm512_castsi256_si512(ls))));
+        }
+        const __m256i excess =
+            _mm256_slli_epi32(_mm256_mullo_epi32(ls, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8))), 7);
+        const __m256i sumi = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1)), excess);
+#else
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            const int ls = ((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
             const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 8 + 16 * j));
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
             const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, _mm256_set1_epi32(ls - 32)));
+            sumi = _mm256_add_epi32(
+                sumi, _mm256_mullo_epi32(p, _mm256_permutevar8x32_epi32(ls, _mm256_set1_epi32(j))));
         }
+#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
     }
     return BK_NAME(hsum_)(acc);
