@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ggml_reference import find_library  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from hfquant.core import blocks  # noqa: E402
 from hfquant.ops import gemv, torch_ops  # noqa: E402
 
 TYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 SHAPES = ("2048x2048", "512x2048", "8192x2048", "2048x8192", "128256x2048")
-_LLAMA_GLOB = "~/.cache/hfquant/engines/llama.cpp/.venv-llama/lib/python3*/site-packages/llama_cpp/lib/libggml-cpu.so"
 _SHIM = r"""
 #include <stddef.h>
 #include <stdint.h>
@@ -144,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     names = ["q4_0"] + [t for t in args.types.lower().split(",") if t != "q4_0"]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
-    found = glob.glob(os.path.expanduser(_LLAMA_GLOB))
-    lib = args.llama_lib or (found[0] if found else None)
+    base = find_library()  # libggml-base.so of the engines venv (or $HFQUANT_GGML_LIB); libggml-cpu.so beside it
+    cpu = base.with_name("libggml-cpu.so") if base is not None else None
+    lib = args.llama_lib or (str(cpu) if cpu is not None and cpu.is_file() else None)
     llama = _Llama(lib) if lib else None
     torch_ops.loaded()
     print(f"{describe()}; torch {torch.__version__}; llama.cpp: {lib or 'not found'}")
