@@ -84,106 +84,91 @@ BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
 
 /* ---- 256-weight super-blocks, activations in Q8Row256 (one float scale per 256, 16-input sums) ---- */
 
+/* Q4_K / Q5_K, one super-block's 6-bit scales and minimums (k4_unpack_): the minimums' term (each times its 32 inputs'
+ * activation sum, times dmin and the activation scale) added to *mins; returns the 8 scales as int32 lanes */
+BK_TARGET static inline __m256i BK_NAME(k4_scales_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 *mins) {
+    uint32_t packed[4];
+    BK_NAME(k4_unpack_)(w + 4, packed);
+    const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
+    const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
+    *mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * a->d[b]), *mins);
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+}
+
+/* Q4_K / Q5_K, blocks 2j and 2j + 1 of a super-block (unsigned codes u0, u1) against their activations x + 64 j, each
+ * dot times its scale (lanes 2j, 2j + 1 of scales), added to sum: one 512-bit dot for both where AVX-512 is (BK_KSUM
+ * then holds 16 lanes, k_sum_ folds them to the 8 of the 256-bit steps: the same integers) */
+#if BK_MASKED
+#define BK_KSUM __m512i
+#define BK_KSUM_ZERO _mm512_setzero_si512()
+#else
+#define BK_KSUM __m256i
+#define BK_KSUM_ZERO _mm256_setzero_si256()
+#endif
+BK_TARGET static inline BK_KSUM BK_NAME(k_pair_)(BK_KSUM sum, __m256i u0, __m256i u1, const int8_t *x, int j,
+                                                 __m256i scales) {
+#if BK_MASKED
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)(x + 64 * j)));
+    const __m512i pick =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
+    const __m512i scale = _mm512_permutexvar_epi32(pick, _mm512_castsi256_si512(scales));
+    return _mm512_add_epi32(sum, _mm512_mullo_epi32(p, scale));
+#else
+    const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i *)(x + 64 * j)));
+    const __m256i p1 = BK_DOT(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32)));
+    sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
+    return _mm256_add_epi32(sum,
+                            _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
+#endif
+}
+
+BK_TARGET static inline __m256i BK_NAME(k_sum_)(BK_KSUM sum) {
+#if BK_MASKED
+    return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+#else
+    return sum;
+#endif
+}
+
 BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
         const int8_t *xq = a->q + b * 256;
-        uint32_t packed[4];
-        BK_NAME(k4_unpack_)(w + 4, packed);
-        const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
-        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-        const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
-        const float dx = a->d[b];
-        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * dx), mins);
-        const __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
-#if BK_MASKED
-        /* two 32-weight blocks per 512-bit dot: the same integers per lane as the 256-bit steps below */
-        __m512i sum2 = _mm512_setzero_si512();
+        const __m256i scales = BK_NAME(k4_scales_)(w, a, b, &mins);
+        BK_KSUM sum = BK_KSUM_ZERO;
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
-                                                 _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
-            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
-                                                    _mm256_set1_epi32(2 * j + 1), 1);
-            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
-                                                                    pick, _mm512_castsi256_si512(scales))));
+            sum = BK_NAME(k_pair_)(sum, _mm256_and_si256(q, low), _mm256_and_si256(_mm256_srli_epi16(q, 4), low), xq,
+                                   j, scales);
         }
-        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
-#else
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
-            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), _mm256_and_si256(q, low), x0);
-            const __m256i p1 = BK_DOT(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(q, 4), low), x1);
-            sumi = _mm256_add_epi32(
-                sumi, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
-            sumi = _mm256_add_epi32(
-                sumi, _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
-        }
-#endif
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k_sum_)(sum)), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]),
+                              acc);
     }
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
 BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    /* Q4_K's loop (scales and minimums unpacked once per super-block as vectors, the minimums' term against the
-     * 32-input sums in one vector step) plus bit 2j / 2j + 1 of qh's bytes as the fifth bit of block 2j / 2j + 1 */
+    /* Q4_K's loop plus bit 2j / 2j + 1 of qh's bytes as the fifth bit of block 2j / 2j + 1 */
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
         const int8_t *xq = a->q + b * 256;
-        uint32_t packed[4];
-        BK_NAME(k4_unpack_)(w + 4, packed);
-        const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
-        const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-        const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
-        const float dx = a->d[b];
-        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * dx), mins);
-        const __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const __m256i scales = BK_NAME(k4_scales_)(w, a, b, &mins);
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-#if BK_MASKED
-        __m512i sum2 = _mm512_setzero_si512();
+        BK_KSUM sum = BK_KSUM_ZERO;
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
             const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
             const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
             qh = _mm256_srli_epi16(qh, 2);
-            const __m512i u = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(q, low), h0)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1), 1);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
-            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
-                                                    _mm256_set1_epi32(2 * j + 1), 1);
-            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
-                                                                    pick, _mm512_castsi256_si512(scales))));
+            sum = BK_NAME(k_pair_)(sum, _mm256_or_si256(_mm256_and_si256(q, low), h0),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1), xq, j, scales);
         }
-        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
-#else
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
-            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
-            qh = _mm256_srli_epi16(qh, 2);
-            const __m256i u0 = _mm256_or_si256(_mm256_and_si256(q, low), h0);
-            const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1);
-            const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i *)(xq + 64 * j)));
-            const __m256i p1 =
-                BK_DOT(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32)));
-            sumi = _mm256_add_epi32(
-                sumi, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
-            sumi = _mm256_add_epi32(
-                sumi, _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
-        }
-#endif
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * dx), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k_sum_)(sum)), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]),
+                              acc);
     }
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
@@ -681,6 +666,8 @@ BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *a, i
     }
 }
 
+#undef BK_KSUM
+#undef BK_KSUM_ZERO
 #undef BK_ROW32
 #undef BK_ROW32_PAIRS
 #undef BK_ROW32_FAST
