@@ -75,14 +75,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FOLDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""`config.model_type`s whose decoder blocks `find_blocks` folds: pre-norm blocks whose norms compute
+normalize(x) * weight (no offset such as Gemma's 1 + weight) and whose attention output mixes `v_proj`'s rows per head."""
 
 FOLD_AHEAD = 2
 """Blocks `FoldStream`'s worker folds beyond the one being loaded (queued in order): with one, the load waited whenever
 one block's fold took longer than the previous block's quantization; with two the differences even out. The worker
 maps one block at a time (released after its fold), so the peak RSS is as with one; the page cache holds the
 blocks read ahead until the load reads them."""
-"""`config.model_type`s whose decoder blocks `find_blocks` folds: pre-norm blocks whose norms compute
-normalize(x) * weight (no offset such as Gemma's 1 + weight) and whose attention output mixes `v_proj`'s rows per head."""
 
 
 class Block(NamedTuple):

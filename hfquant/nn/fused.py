@@ -29,11 +29,12 @@ with that same tensor, unmodified, takes its view (under `torch.inference_mode` 
 there the same tensor object is taken as the same input). Every output row is computed by the same kernel in the same order as
 in the member's own GEMV (the int4 GEMVs sum each output in one thread, in a fixed order; the block GEMV quantizes
 the row to int8 the same way whatever N, then sums each output in one thread), so the fused outputs equal
-the unfused ones bit for bit. In torch.compile graphs a block group whose layers call the dispatcher operators puts
-one `hfquant_cpu.block_gemv_group` call in the graph for its members (`DecodeGroup.graph_product`), and an int4 group whose members' plans call
-their GEMV operator in graphs too puts one call of that operator over the group's rows (the eager group's bytes). Anything else takes each layer's own path: inputs requiring gradients, several rows, a member
-called with another tensor. A group whose members keep being called with different
-inputs (its computed rows left unused `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
+the unfused ones bit for bit. In torch.compile graphs a block group whose layers call the dispatcher operators puts one
+`hfquant_cpu.block_gemv_group` call in the graph for its members (`DecodeGroup.graph_product`), and an int4 group whose
+members' plans call their GEMV operator in graphs too puts one call of that operator over the group's rows (the eager
+group's bytes). Anything else takes each layer's own path: inputs requiring gradients, several rows, a member called
+with another tensor. A group whose members keep being called with different inputs (its computed rows left unused
+`MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
 (offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
 are prepared again. A pickled or deep-copied layer leaves its group (its copy runs its own GEMV).
 """
