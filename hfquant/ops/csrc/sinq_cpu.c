@@ -28,14 +28,14 @@
  * Columns are balanced in strips of at most STRIP_COLUMNS, one after the other (each tile is balanced on its own, so
  * the result is the same; at K = 8192 the column sums of a strip stay in L1). Blocks of rows are split over OpenMP
  * threads (`threads`, 0 for OpenMP's default), and every sum is made in the same order whatever their number: the
- * result does not depend on the thread count. Memory: 3 floats per row and tile of a strip, 2 per column of a strip and
- * block of rows, two rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant allows),
- * the pass is block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read and
- * written once per group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their square roots taken in
- * one vector (one horizontal sum and one scalar square root per row and tile cost about as much as the read:
- * docs/performance.md). Elsewhere the hot loop is compiled for AVX2 and the baseline, picked at load time (GCC's
- * target_clones). The paths' float32 results can differ in the last bits. After each pass the per-row factors and
- * statistics (N, tiles) are updated row by row, in their memory order.
+ * result does not depend on the thread count. Memory: 3 floats per row and tile of a strip, 2 per column of a strip
+ * and block of rows, two rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant
+ * allows), the pass is block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read
+ * and written once per group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their
+ * square roots taken in one vector (one horizontal sum and one scalar square root per row and tile cost about as much
+ * as the read: docs/performance.md). Elsewhere the hot loop is compiled for AVX2 and the baseline, picked at load time
+ * (GCC's target_clones). The paths' float32 results can differ in the last bits. After each pass the per-row factors
+ * and statistics (N, tiles) are updated row by row, in their memory order.
  */
 #include <float.h>
 #include <math.h>
