@@ -37,7 +37,9 @@ measurement runs without its short warm-up (a different cache length would recom
 With ``--paired-rounds N`` each llama.cpp method is also measured against its twin hfquant method (eager, and
 ``+compile`` with ``--compile``) in N rounds of back-to-back decodes, every engine loaded once in its own process
 (:mod:`benchmarks.paired`): the ratio of engines measured seconds apart, where the rows are minutes apart while this
-machine's memory speed moves. The paired medians get their own target lines.
+machine's memory speed moves. The groups of the other 4-bit methods (``llamacpp-int4``, ``llamacpp-q4_1``) also
+decode llama.cpp's fastest 4-bit type, Q4_0, so that each hfquant 4-bit method is paired with it too (issue #32). The
+paired medians get their own target lines.
 
 The worker rewrites its result file after every step, so a step that fails or a timeout keeps the numbers
 measured before it (the row then shows them with the error).
@@ -739,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also measure each llama.cpp method against its twin hfquant method (eager, and +compile "
         "with --compile) in N rounds of back-to-back decodes, each engine loaded once in its own "
-        "process (benchmarks/paired.py); default 0: off",
+        "process (benchmarks/paired.py; the other 4-bit groups also run Q4_0); default 0: off",
     )
     p.add_argument("--_worker", dest="worker", choices=("eager", "compile"), help=argparse.SUPPRESS)
     p.add_argument("--_method", dest="method", help=argparse.SUPPRESS)

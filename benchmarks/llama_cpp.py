@@ -25,6 +25,8 @@ from benchmarks.methods import BLOCK_TWINS
 
 __all__ = [
     "TWINS",
+    "FASTEST_4BIT",
+    "FOUR_BIT",
     "WORKER",
     "SERVER",
     "default_python",
@@ -44,6 +46,14 @@ TWINS = {
 }
 """llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers; a
 block format's blocks are copied)."""
+
+FASTEST_4BIT = "llamacpp-q4_0"
+"""llama.cpp's fastest 4-bit type, which a user comparing engines runs (issue #32): the paired rounds of every other
+4-bit group (`FOUR_BIT`) also decode it, so each hfquant 4-bit method is measured beside it as well as beside the
+GGUF of its own weights."""
+
+FOUR_BIT = ("llamacpp-q4_1", "llamacpp-int4")
+"""The llama.cpp methods, other than `FASTEST_4BIT`, whose twins are hfquant's int4 methods."""
 
 _LOAD = r"""
 import json, sys, time

@@ -188,3 +188,47 @@ def test_benchmark_reports_paired_rounds_and_their_targets(tmp_path):
     ]
     assert "Paired decode rounds (2 per group" in (out / "benchmark.md").read_text()
     assert rc in (0, 1)  # the llama.cpp row itself fails: the stand-in does not speak the row worker's protocol
+
+
+def test_a_4bit_group_also_runs_llama_cpps_fastest_4bit_type(tmp_path):
+    """Issue #32: the default's group (llamacpp-int4) runs Q4_0 too, and its hfquant engines are paired with both."""
+    args = benchmark.build_parser().parse_args(
+        ["--paired-rounds", "2", "--out", str(tmp_path), "--compile", "--llama-python", str(tmp_path / "no" / "py")]
+    )
+    groups = paired.for_workload(
+        tmp_path, ["llamacpp-int4", "llamacpp-q4_0"], args, benchmark.QUICK, benchmark.quantization_config, None
+    )
+    assert [g["engines"] for g in groups] == [
+        ["hfquant-int4", "hfquant-int4 +compile", "llamacpp-int4", "llamacpp-q4_0"],
+        ["hfquant-int4-sym", "hfquant-int4-sym +compile", "llamacpp-q4_0"],
+    ]
+
+
+def _pair(mine: str, theirs: str, median: float) -> dict:
+    return {"mine": mine, "theirs": theirs, "rounds": 3, "median": median, "min": median, "max": median}
+
+
+def test_the_default_against_q4_0_has_issue_32s_limits():
+    pairs = [
+        _pair("hfquant-int4", "llamacpp-int4", 1.3),
+        _pair("hfquant-int4 +compile", "llamacpp-int4", 1.3),
+        _pair("hfquant-int4", "llamacpp-q4_0", 1.05),
+        _pair("hfquant-int4 +compile", "llamacpp-q4_0", 1.1),
+        _pair("hfquant-int4-rtn", "llamacpp-q4_0", 0.9),  # no limit: only the default has one against Q4_0
+    ]
+    speed = {c["target"]: (c["limit"], c["met"]) for c in paired.paired_targets([{"pairs": pairs}], speed=True)}
+    assert speed == {
+        "hfquant-int4 decode >= 1.2x llamacpp-int4 (same weights, paired median of 3 rounds)": (1.2, True),
+        "hfquant-int4 +compile decode >= 1.2x llamacpp-int4 (same weights, paired median of 3 rounds)": (1.2, True),
+        "hfquant-int4 decode >= 1.0x llamacpp-q4_0 (llama.cpp's fastest 4-bit type, paired median of 3 rounds)": (
+            1.0,
+            True,
+        ),
+        "hfquant-int4 +compile decode >= 1.2x llamacpp-q4_0 (llama.cpp's fastest 4-bit type, paired median of 3 "
+        "rounds)": (1.2, False),
+    }
+    small = {c["target"]: c["limit"] for c in paired.paired_targets([{"pairs": pairs[:2]}], speed=False)}
+    assert small == {
+        "hfquant-int4 decode >= 0.8x llamacpp-int4 (same weights, paired median of 3 rounds)": 0.8,
+        "hfquant-int4 +compile decode >= 1.0x llamacpp-int4 (same weights, paired median of 3 rounds)": 1.0,
+    }
