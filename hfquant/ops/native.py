@@ -17,7 +17,8 @@ ctypes, declares the C signatures and calls the kernels with raw pointers. OpenM
 already loaded, so `torch.set_num_threads` applies.
 
 Not available (None, logged once at INFO level) when: `HFQUANT_NATIVE` is 0/false/no/off, the machine is not x86-64
-with AVX512-F/BW/VL and AVX512-BF16, no compiler works, or the build fails. hfquant then uses the aten kernel alone.
+with AVX512-F/BW/VL and AVX512-BF16 (or `HFQUANT_ISA` lowers the instruction sets below them: `isa`), no compiler
+works, or the build fails. hfquant then uses the aten kernel alone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from hfquant.ops import native_build
 
 __all__ = [
     "built_library",
+    "ISA_NAMES",
+    "isa",
     "block_codes",
     "int4_cpu_library",
     "int4_gemv",
@@ -63,6 +66,13 @@ logger = logging.getLogger(__name__)
 
 _ABI = 6
 """`HFQUANT_INT4_CPU_ABI` of `csrc/int4_cpu.c`: a library built from other signatures is not called."""
+
+ISA_NAMES = {1: "avx2", 2: "avx512", 4: "avx512_bf16", 8: "avx512_vnni"}
+"""The bits of `csrc/isa_cpu.c`'s hfquant_isa() (HFQUANT_ISA_* in `csrc/hfquant_kernels.h`) and their names: AVX2
+(with FMA and F16C), AVX512-F/BW/VL, AVX512-BF16, AVX512-VNNI."""
+_ISA_REFUSED = 1 << 30
+_ISA_VALUES = ("native", "avx512", "avx2", "generic")
+"""Values of `HFQUANT_ISA` (unset: native), the instruction sets the kernels may use (`csrc/isa_cpu.c`)."""
 
 _POINTER, _INT, _INT64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
@@ -98,7 +108,8 @@ def built_library() -> ctypes.CDLL | None:
     build or a stale ABI (the reason logged at INFO level).
 
     Raises:
-        ValueError: `HFQUANT_NATIVE` holds a value `native_build.native_enabled` does not understand.
+        ValueError: `HFQUANT_NATIVE` holds a value `native_build.native_enabled` does not understand, or `HFQUANT_ISA`
+            one the library does not (`isa`).
     """
     if not native_build.native_enabled():
         logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=%s", os.environ.get("HFQUANT_NATIVE"))
@@ -116,11 +127,36 @@ def built_library() -> ctypes.CDLL | None:
     if library.hfquant_int4_cpu_abi() != _ABI:
         logger.info("hfquant native int4 kernels unavailable: the library's ABI is not %d", _ABI)
         return None
+    _check_isa(library)
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.restype = ctypes.c_int
         function.argtypes = argtypes
     return library
+
+
+def _check_isa(library: ctypes.CDLL) -> None:
+    """Raises ValueError when the library did not understand `HFQUANT_ISA` (csrc/isa_cpu.c), naming the value."""
+    if library.hfquant_isa() & _ISA_REFUSED:
+        raise ValueError(
+            f"HFQUANT_ISA={os.environ.get('HFQUANT_ISA')!r} is not understood; use one of {list(_ISA_VALUES)} (the "
+            "instruction sets hfquant's kernels may use), or leave it unset for all this CPU has"
+        )
+
+
+def isa() -> tuple[str, ...]:
+    """The instruction sets hfquant's kernels may use in this process (`ISA_NAMES`, e.g. ("avx2", "avx512",
+    "avx512_bf16", "avx512_vnni") on a Zen 4 or 5): what the CPU has, lowered by the environment variable
+    `HFQUANT_ISA` when the library loads ("avx2": as on a CPU without AVX-512, the block and W4A8 GEMVs take their
+    AVX2 bodies and `int4_cpu_library()` is None; "avx512": without VNNI; "generic": none), so tests run every body of
+    a kernel on one machine (`csrc/isa_cpu.c`). Empty where the library is unavailable.
+
+    Raises:
+        ValueError: as `built_library` (an `HFQUANT_ISA` value not understood).
+    """
+    library = built_library()
+    bits = library.hfquant_isa() if library is not None else 0
+    return tuple(name for bit, name in ISA_NAMES.items() if bits & bit)
 
 
 @functools.cache
@@ -129,7 +165,11 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
     library = built_library()
     if library is not None and not library.hfquant_int4_cpu_supported():
-        logger.info("hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16; using the aten kernel")
+        logger.info(
+            "hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16 (or HFQUANT_ISA=%s); using the aten "
+            "kernel",
+            os.environ.get("HFQUANT_ISA"),
+        )
         return None
     return library
 
