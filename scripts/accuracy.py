@@ -72,6 +72,7 @@ from benchmarks.example_model import build_example_model  # noqa: E402
 from benchmarks.machine import cpu_name, describe  # noqa: E402
 from hfquant.core import blocks  # noqa: E402
 from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
+from hfquant.nn.replace import output_embedding  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
@@ -182,7 +183,7 @@ def hqq_quantize(model, name: str):
     """Replace every nn.Linear of `model` except its output embedding by hqq's `HQQLinear` (4 bits, the row's group)."""
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embedding(model)
     config = BaseQuantizeConfig(nbits=4, group_size=int(name.removeprefix("hqq-g")))
     dtype = next(model.parameters()).dtype
     for module_name, module in list(model.named_modules()):
@@ -303,10 +304,8 @@ def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool =
 
 def embedding_names(model) -> set[str]:
     """Full names of `model`'s input and output embeddings (a tied lm_head is saved under the input embedding's name)."""
-    wanted = {id(model.get_input_embeddings())}
-    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
-        wanted.add(id(model.get_output_embeddings()))
-    return {name for name, module in model.named_modules() if id(module) in wanted}
+    wanted = [model.get_input_embeddings(), output_embedding(model)]
+    return {name for name, module in model.named_modules() if any(module is table for table in wanted)}
 
 
 def bits_per_weight(folder: Path, skip: set[str] = frozenset()) -> float | None:
