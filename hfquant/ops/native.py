@@ -782,45 +782,77 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
     library = _loaded_library(any_x86=True)
     fmt = blocks.layout(name)
     x, w = _block_search_inputs(name, fmt, weight, importance)
-    rows, k = x.shape
-    period = k // fmt.block_size if w is not None and w.dim() == 1 else 0
-    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    out = torch.empty(x.shape[0], fmt.row_bytes(x.shape[1]), dtype=torch.uint8)
     if name == "hq3_r":
-        targets = hq3r.search_targets().contiguous()
-        levels = hq3r.LEVELS.contiguous()
-        stride = 0 if w is None or w.dim() == 1 else k
-        library.hfquant_hq3_r_quantize(
-            x.data_ptr(),
-            _as_float_pointer(w),
-            stride,
-            rows,
-            k,
-            targets.data_ptr(),
-            targets.numel(),
-            levels.data_ptr(),
-            out.data_ptr(),
-        )
-        return out
-    if name in ("hq3_0", "hq3_nl"):
-        targets = hq3.search_targets(name).to(torch.float32).contiguous()
-        search = library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize
-        search(
-            x.data_ptr(),
-            _as_float_pointer(w),
-            period,
-            rows * (k // 32),
-            targets.data_ptr(),
-            targets.numel(),
-            out.data_ptr(),
-        )
-        return out
+        status = _hq3_r_search(library, x, w, out)
+    elif name in ("hq3_0", "hq3_nl"):
+        status = _hq3_search(library, name, x, w, out)
+    else:
+        status = _legacy_iq4_search(library, name, fmt, x, w, out)
+    if status:
+        raise RuntimeError(f"hfquant native block quantizer refused type {name}")
+    return out
+
+
+def _importance_period(w: torch.Tensor | None, k: int, block_size: int) -> int:
+    """The C searches' `w_period`: blocks per row when one (K,) importance serves every row, else 0 (none, or one
+    per row)."""
+    return k // block_size if w is not None and w.dim() == 1 else 0
+
+
+def _hq3_r_search(library: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor | None, out: torch.Tensor) -> int:
+    """HQ3_R's row search (a float16 row scale, then 64-weight blocks: `hq3r`) of x (rows, K) into out; C's status."""
+    rows, k = x.shape
+    targets = hq3r.search_targets().contiguous()
+    levels = hq3r.LEVELS.contiguous()
+    stride = 0 if w is None or w.dim() == 1 else k
+    return library.hfquant_hq3_r_quantize(
+        x.data_ptr(),
+        _as_float_pointer(w),
+        stride,
+        rows,
+        k,
+        targets.data_ptr(),
+        targets.numel(),
+        levels.data_ptr(),
+        out.data_ptr(),
+    )
+
+
+def _hq3_search(library: ctypes.CDLL, name: str, x: torch.Tensor, w: torch.Tensor | None, out: torch.Tensor) -> int:
+    """HQ3_0's or HQ3_NL's search (3-bit codes in 32-weight blocks: `hq3`) of x (rows, K) into out; C's status."""
+    rows, k = x.shape
+    targets = hq3.search_targets(name).to(torch.float32).contiguous()
+    search = library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize
+    return search(
+        x.data_ptr(),
+        _as_float_pointer(w),
+        _importance_period(w, k, 32),
+        rows * (k // 32),
+        targets.data_ptr(),
+        targets.numel(),
+        out.data_ptr(),
+    )
+
+
+def _legacy_iq4_search(
+    library: ctypes.CDLL,
+    name: str,
+    fmt: blocks.BlockLayout,
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    out: torch.Tensor,
+) -> int:
+    """The search of a 32-weight legacy type (Q4_0 .. Q8_0), IQ4_NL or IQ4_XS, with its parameters from
+    `_search_parameters`, of x (rows, K) into out; C's status."""
+    rows, k = x.shape
     params, params2 = _search_parameters(name)
     params = params.to(torch.float32).contiguous()
     params2 = None if params2 is None else params2.to(torch.float32).contiguous()
-    status = library.hfquant_block_quantize(
+    return library.hfquant_block_quantize(
         x.data_ptr(),
         _as_float_pointer(w),
-        period,
+        _importance_period(w, k, fmt.block_size),
         rows * (k // fmt.block_size),
         _LEGACY_IQ4_TYPES[name],
         params.data_ptr(),
@@ -829,9 +861,6 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
         0 if params2 is None else params2.numel(),
         out.data_ptr(),
     )
-    if status:
-        raise RuntimeError(f"hfquant native block quantizer refused type {name}")
-    return out
 
 
 def _block_search_inputs(
