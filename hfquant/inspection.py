@@ -32,7 +32,7 @@ from hfquant.integration.folding import find_blocks
 from hfquant.integration.quantizer import plan_model
 from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
-from hfquant.nn.replace import linear_shape
+from hfquant.nn.replace import linear_shape, output_embedding
 
 __all__ = ["FOLDED_SINQ", "inspect_checkpoint", "format_report", "layer_kind", "human_bytes", "group_text"]
 
@@ -123,7 +123,7 @@ def _float_layer_reasons(model, qconfig: dict | None, quantized_modules: set[str
         plans = {plan.name: plan for plan in layer_plans}
     tied = {t.removesuffix(".weight"): s for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()}
     head = None
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output = output_embedding(model)
     for name, module in model.named_modules():
         if module is output:
             head = name

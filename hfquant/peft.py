@@ -37,6 +37,7 @@ from torch import nn
 from hfquant.core.optional import PEFT
 from hfquant.integration.counting import count_quantized_weights_in_peft
 from hfquant.nn.linear import QuantLinear
+from hfquant.nn.replace import output_embedding
 
 try:
     from peft import LoraConfig, PeftModel
@@ -190,7 +191,7 @@ def _with_hfquant_layers(model: nn.Module, config: LoraConfig) -> LoraConfig:
     """A copy of `config` with `QuantLinear` mapped to `HfQuantLoraLinear` and "all-linear" resolved."""
     config = copy.deepcopy(config)
     if isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear":
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        output = output_embedding(model)
         names = {
             name.rpartition(".")[2]
             for name, module in model.named_modules()

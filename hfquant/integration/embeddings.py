@@ -33,6 +33,7 @@ from hfquant.nn.replace import (
     QUANTIZED_STORAGE,
     LayerPlan,
     embedding_kind,
+    output_embedding,
     quantized_format,
     replace_tied_quant_linear,
     replace_with_quant_embedding,
@@ -279,11 +280,9 @@ def tie_float_weights(model: nn.Module, ties: list[tuple[str, str]]) -> None:
 
 
 def output_embeddings(model: nn.Module) -> nn.Linear | None:
-    """The model's output embedding (lm_head) when it is an `nn.Linear`, else None."""
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
+    """The model's output embedding (lm_head) when it is an `nn.Linear` (one hfquant may still quantize or tie), else
+    None; any module: `hfquant.nn.replace.output_embedding`."""
+    head = output_embedding(model)
     return head if isinstance(head, nn.Linear) else None
 
 

@@ -46,7 +46,7 @@ from hfquant.core.dtypes import dtype_name
 from hfquant.core.text import terminal_safe
 from hfquant.integration.embeddings import output_embeddings
 from hfquant.nn.fused import SIBLINGS
-from hfquant.nn.replace import embedding_kind
+from hfquant.nn.replace import embedding_kind, output_embedding
 
 gguf = gguf_import.gguf
 
@@ -126,7 +126,7 @@ def gguf_layer_plan(model: nn.Module, tensors: dict[str, GgufTensor], names: dic
         ValueError: a Linear weight in a type hfquant stores no layout for (named, with the allowed types).
     """
     by_key = {key: tensors[name] for name, key in names.items() if name in tensors}
-    output = model.get_output_embeddings()
+    output = output_embedding(model)
     plan = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is output:

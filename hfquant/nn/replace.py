@@ -32,6 +32,7 @@ __all__ = [
     "replace_with_quant_embedding",
     "replace_with_quant_experts",
     "embedding_kind",
+    "output_embedding",
     "quantized_format",
     "cast_float_params",
 ]
@@ -182,6 +183,20 @@ def embedding_kind(module: nn.Module) -> str | None:
     if isinstance(getattr(module, "scalar_embed_scale", None), (int, float)):
         return "scaled"
     return None
+
+
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """`model`'s output embedding (lm_head) whatever it is now (`nn.Linear`, `QuantLinear`, `FloatLinear`, a peft
+    wrapper), or None: no `get_output_embeddings` (a bare `nn.Module`), one that returns None (transformers' models
+    without an lm_head) or raises AttributeError / NotImplementedError (backbones whose input embedding is not
+    defined)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def cast_float_params(module: nn.Module, dtype: torch.dtype) -> None:

@@ -86,13 +86,14 @@ def cache_file() -> Path:
 
 def cpu_signature() -> str:
     """The key of this CPU, torch build and native kernel sources in the cache file: "model name | family F model M |
-    flags | torch V (aten CAPABILITY) | kernels D" (a changed kernel is timed again; CAPABILITY is the instruction set
-    PyTorch dispatches to, which `ATEN_CPU_CAPABILITY` can lower, and which sets the int4 layout)."""
+    flags | torch V (aten CAPABILITY) | kernels D (ISA)" (a changed kernel is timed again; CAPABILITY is the
+    instruction set PyTorch dispatches to, which `ATEN_CPU_CAPABILITY` can lower, and which sets the int4 layout; ISA
+    the instruction sets hfquant's kernels may use, which `HFQUANT_ISA` can lower: `native.isa`)."""
     family, model = machine.cpuinfo_field("cpu family"), machine.cpuinfo_field("model")
     return (
         f"{machine.cpu_name()} | family {family} model {model} | {','.join(machine.isa_flags())} | "
         f"torch {torch.__version__} (aten {torch.backends.cpu.get_cpu_capability()}) | "
-        f"kernels {native_build.source_digest()}"
+        f"kernels {native_build.source_digest()} ({','.join(native.isa())})"
     )
 
 

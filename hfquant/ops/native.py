@@ -17,7 +17,8 @@ ctypes, declares the C signatures and calls the kernels with raw pointers. OpenM
 already loaded, so `torch.set_num_threads` applies.
 
 Not available (None, logged once at INFO level) when: `HFQUANT_NATIVE` is 0/false/no/off, the machine is not x86-64
-with AVX512-F/BW/VL and AVX512-BF16, no compiler works, or the build fails. hfquant then uses the aten kernel alone.
+with AVX512-F/BW/VL and AVX512-BF16 (or `HFQUANT_ISA` lowers the instruction sets below them: `isa`), no compiler
+works, or the build fails. hfquant then uses the aten kernel alone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from hfquant.ops import native_build
 
 __all__ = [
     "built_library",
+    "ISA_NAMES",
+    "isa",
     "block_codes",
     "int4_cpu_library",
     "int4_gemv",
@@ -63,6 +66,13 @@ logger = logging.getLogger(__name__)
 
 _ABI = 6
 """`HFQUANT_INT4_CPU_ABI` of `csrc/int4_cpu.c`: a library built from other signatures is not called."""
+
+ISA_NAMES = {1: "avx2", 2: "avx512", 4: "avx512_bf16", 8: "avx512_vnni"}
+"""The bits of `csrc/isa_cpu.c`'s hfquant_isa() (HFQUANT_ISA_* in `csrc/hfquant_kernels.h`) and their names: AVX2
+(with FMA and F16C), AVX512-F/BW/VL, AVX512-BF16, AVX512-VNNI."""
+_ISA_REFUSED = 1 << 30
+_ISA_VALUES = ("native", "avx512", "avx2", "generic")
+"""Values of `HFQUANT_ISA` (unset: native), the instruction sets the kernels may use (`csrc/isa_cpu.c`)."""
 
 _POINTER, _INT, _INT64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
@@ -98,7 +108,8 @@ def built_library() -> ctypes.CDLL | None:
     build or a stale ABI (the reason logged at INFO level).
 
     Raises:
-        ValueError: `HFQUANT_NATIVE` holds a value `native_build.native_enabled` does not understand.
+        ValueError: `HFQUANT_NATIVE` holds a value `native_build.native_enabled` does not understand, or `HFQUANT_ISA`
+            one the library does not (`isa`).
     """
     if not native_build.native_enabled():
         logger.info("hfquant native int4 kernels off: HFQUANT_NATIVE=%s", os.environ.get("HFQUANT_NATIVE"))
@@ -116,11 +127,36 @@ def built_library() -> ctypes.CDLL | None:
     if library.hfquant_int4_cpu_abi() != _ABI:
         logger.info("hfquant native int4 kernels unavailable: the library's ABI is not %d", _ABI)
         return None
+    _check_isa(library)
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.restype = ctypes.c_int
         function.argtypes = argtypes
     return library
+
+
+def _check_isa(library: ctypes.CDLL) -> None:
+    """Raises ValueError when the library did not understand `HFQUANT_ISA` (csrc/isa_cpu.c), naming the value."""
+    if library.hfquant_isa() & _ISA_REFUSED:
+        raise ValueError(
+            f"HFQUANT_ISA={os.environ.get('HFQUANT_ISA')!r} is not understood; use one of {list(_ISA_VALUES)} (the "
+            "instruction sets hfquant's kernels may use), or leave it unset for all this CPU has"
+        )
+
+
+def isa() -> tuple[str, ...]:
+    """The instruction sets hfquant's kernels may use in this process (`ISA_NAMES`, e.g. ("avx2", "avx512",
+    "avx512_bf16", "avx512_vnni") on a Zen 4 or 5): what the CPU has, lowered by the environment variable
+    `HFQUANT_ISA` when the library loads ("avx2": as on a CPU without AVX-512, the block and W4A8 GEMVs take their
+    AVX2 bodies and `int4_cpu_library()` is None; "avx512": without VNNI; "generic": none), so tests run every body of
+    a kernel on one machine (`csrc/isa_cpu.c`). Empty where the library is unavailable.
+
+    Raises:
+        ValueError: as `built_library` (an `HFQUANT_ISA` value not understood).
+    """
+    library = built_library()
+    bits = library.hfquant_isa() if library is not None else 0
+    return tuple(name for bit, name in ISA_NAMES.items() if bits & bit)
 
 
 @functools.cache
@@ -129,7 +165,11 @@ def int4_cpu_library() -> ctypes.CDLL | None:
     dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
     library = built_library()
     if library is not None and not library.hfquant_int4_cpu_supported():
-        logger.info("hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16; using the aten kernel")
+        logger.info(
+            "hfquant native int4 kernels unavailable: this CPU lacks AVX512-BF16 (or HFQUANT_ISA=%s); using the aten "
+            "kernel",
+            os.environ.get("HFQUANT_ISA"),
+        )
         return None
     return library
 
@@ -742,45 +782,77 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
     library = _loaded_library(any_x86=True)
     fmt = blocks.layout(name)
     x, w = _block_search_inputs(name, fmt, weight, importance)
-    rows, k = x.shape
-    period = k // fmt.block_size if w is not None and w.dim() == 1 else 0
-    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    out = torch.empty(x.shape[0], fmt.row_bytes(x.shape[1]), dtype=torch.uint8)
     if name == "hq3_r":
-        targets = hq3r.search_targets().contiguous()
-        levels = hq3r.LEVELS.contiguous()
-        stride = 0 if w is None or w.dim() == 1 else k
-        library.hfquant_hq3_r_quantize(
-            x.data_ptr(),
-            _as_float_pointer(w),
-            stride,
-            rows,
-            k,
-            targets.data_ptr(),
-            targets.numel(),
-            levels.data_ptr(),
-            out.data_ptr(),
-        )
-        return out
-    if name in ("hq3_0", "hq3_nl"):
-        targets = hq3.search_targets(name).to(torch.float32).contiguous()
-        search = library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize
-        search(
-            x.data_ptr(),
-            _as_float_pointer(w),
-            period,
-            rows * (k // 32),
-            targets.data_ptr(),
-            targets.numel(),
-            out.data_ptr(),
-        )
-        return out
+        status = _hq3_r_search(library, x, w, out)
+    elif name in ("hq3_0", "hq3_nl"):
+        status = _hq3_search(library, name, x, w, out)
+    else:
+        status = _legacy_iq4_search(library, name, fmt, x, w, out)
+    if status:
+        raise RuntimeError(f"hfquant native block quantizer refused type {name}")
+    return out
+
+
+def _importance_period(w: torch.Tensor | None, k: int, block_size: int) -> int:
+    """The C searches' `w_period`: blocks per row when one (K,) importance serves every row, else 0 (none, or one
+    per row)."""
+    return k // block_size if w is not None and w.dim() == 1 else 0
+
+
+def _hq3_r_search(library: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor | None, out: torch.Tensor) -> int:
+    """HQ3_R's row search (a float16 row scale, then 64-weight blocks: `hq3r`) of x (rows, K) into out; C's status."""
+    rows, k = x.shape
+    targets = hq3r.search_targets().contiguous()
+    levels = hq3r.LEVELS.contiguous()
+    stride = 0 if w is None or w.dim() == 1 else k
+    return library.hfquant_hq3_r_quantize(
+        x.data_ptr(),
+        _as_float_pointer(w),
+        stride,
+        rows,
+        k,
+        targets.data_ptr(),
+        targets.numel(),
+        levels.data_ptr(),
+        out.data_ptr(),
+    )
+
+
+def _hq3_search(library: ctypes.CDLL, name: str, x: torch.Tensor, w: torch.Tensor | None, out: torch.Tensor) -> int:
+    """HQ3_0's or HQ3_NL's search (3-bit codes in 32-weight blocks: `hq3`) of x (rows, K) into out; C's status."""
+    rows, k = x.shape
+    targets = hq3.search_targets(name).to(torch.float32).contiguous()
+    search = library.hfquant_hq3_quantize if name == "hq3_0" else library.hfquant_hq3_nl_quantize
+    return search(
+        x.data_ptr(),
+        _as_float_pointer(w),
+        _importance_period(w, k, 32),
+        rows * (k // 32),
+        targets.data_ptr(),
+        targets.numel(),
+        out.data_ptr(),
+    )
+
+
+def _legacy_iq4_search(
+    library: ctypes.CDLL,
+    name: str,
+    fmt: blocks.BlockLayout,
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    out: torch.Tensor,
+) -> int:
+    """The search of a 32-weight legacy type (Q4_0 .. Q8_0), IQ4_NL or IQ4_XS, with its parameters from
+    `_search_parameters`, of x (rows, K) into out; C's status."""
+    rows, k = x.shape
     params, params2 = _search_parameters(name)
     params = params.to(torch.float32).contiguous()
     params2 = None if params2 is None else params2.to(torch.float32).contiguous()
-    status = library.hfquant_block_quantize(
+    return library.hfquant_block_quantize(
         x.data_ptr(),
         _as_float_pointer(w),
-        period,
+        _importance_period(w, k, fmt.block_size),
         rows * (k // fmt.block_size),
         _LEGACY_IQ4_TYPES[name],
         params.data_ptr(),
@@ -789,9 +861,6 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
         0 if params2 is None else params2.numel(),
         out.data_ptr(),
     )
-    if status:
-        raise RuntimeError(f"hfquant native block quantizer refused type {name}")
-    return out
 
 
 def _block_search_inputs(

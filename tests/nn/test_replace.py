@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.format import StoredFormat
 from hfquant.nn.linear import QuantLinear
-from hfquant.nn.replace import plan_layers, quantized_format, replace_with_quant_linear
+from hfquant.nn.replace import output_embedding, plan_layers, quantized_format, replace_with_quant_linear
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"
@@ -209,3 +210,20 @@ def test_bad_module_overrides_are_named(overrides, words):
     with pytest.raises((TypeError, ValueError)) as info:
         HfQuantConfig(bits=4, module_overrides=overrides)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_output_embedding_of_any_module():
+    """The lm_head whatever class it has (a QuantLinear once quantized), None for a module without one."""
+    model = tiny_model("llama")
+    assert output_embedding(model) is model.lm_head
+    weight = model.lm_head.weight.detach()
+    model.lm_head = QuantLinear.from_float(weight, None, StoredFormat(8, weight.shape[1], True))
+    assert output_embedding(model) is model.lm_head
+    assert output_embedding(model.model) is None  # the base model: no lm_head
+    assert output_embedding(nn.Linear(4, 4)) is None  # no get_output_embeddings at all
+
+    class Backbone(nn.Module):
+        def get_output_embeddings(self):
+            raise NotImplementedError
+
+    assert output_embedding(Backbone()) is None

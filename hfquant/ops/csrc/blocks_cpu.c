@@ -164,27 +164,15 @@ static inline void k3_scales(const uint8_t *s, int8_t *sc) {
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define AVX2_ONLY_TARGET __attribute__((target("avx2,fma,f16c")))
 
+/* which body runs: hfquant_isa (isa_cpu.c) decides, so HFQUANT_ISA=avx2 picks the AVX2 body on a VNNI CPU */
 static int cpu_vnni(void) {
-#ifdef BK_FORCE_AVX2 /* build with -DBK_FORCE_AVX2 to check the AVX2 variant on a VNNI CPU (same integers) */
+#ifdef BK_FORCE_AVX2 /* or build with -DBK_FORCE_AVX2: the AVX2 body here, the other kernels unchanged */
     return 0;
 #endif
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }
-    return known;
+    return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_VNNI);
 }
 
-static int cpu_avx2(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return known;
-}
+static int cpu_avx2(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32). Each

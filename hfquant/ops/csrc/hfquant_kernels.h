@@ -17,6 +17,17 @@
 extern "C" {
 #endif
 
+/* isa_cpu.c: the instruction sets the kernels may use here, as bits: what the CPU has, lowered by the environment
+ * variable HFQUANT_ISA (native / avx512 / avx2 / generic) when the library loads; HFQUANT_ISA_REFUSED alone for a
+ * value not understood. Every kernel with several bodies picks one by HFQUANT_ISA_HAS. */
+#define HFQUANT_ISA_AVX2 1         /* AVX2, FMA and F16C */
+#define HFQUANT_ISA_AVX512 2       /* AVX512-F, BW and VL */
+#define HFQUANT_ISA_AVX512_BF16 4  /* AVX512-BF16 */
+#define HFQUANT_ISA_AVX512_VNNI 8  /* AVX512-VNNI */
+#define HFQUANT_ISA_REFUSED (1 << 30)
+#define HFQUANT_ISA_HAS(bits) ((hfquant_isa() & (bits)) == (bits))
+int hfquant_isa(void);
+
 /* int4_cpu.c: int4 on the 64-row "halves" layout of PyTorch's _weight_int4pack_mm_for_cpu (AVX512-BF16) */
 int hfquant_int4_cpu_abi(void);
 int hfquant_int4_cpu_supported(void);

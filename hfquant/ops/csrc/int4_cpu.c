@@ -131,11 +131,8 @@ int hfquant_int4_from_cpu_layout(const uint8_t *layout, uint8_t *stored, int64_t
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-int hfquant_int4_cpu_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
+/* AVX512-F/BW/VL and BF16 as hfquant_isa (isa_cpu.c) allows: HFQUANT_ISA=avx2 makes this CPU look like an AVX2 one */
+int hfquant_int4_cpu_supported(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_BF16); }
 
 /* sum of n bfloat16 values in float32: 16 lanes, then the lanes (a fixed order for a given n); scalar tail */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))

@@ -56,25 +56,12 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+/* which kernels run: hfquant_isa (isa_cpu.c) decides (HFQUANT_ISA=avx2 refuses the AVX-512 one on any CPU) */
 static int avx512_vnni(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-                __builtin_cpu_supports("avx512vnni");
-    }
-    return known;
+    return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_BF16 | HFQUANT_ISA_AVX512_VNNI);
 }
 
-static int avx2_fma(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return known;
-}
+static int avx2_fma(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
 
 /* whether the W4A8 GEMV for PyTorch's int4 layout with blocks of block_n rows (64: AVX-512, 32: AVX2) runs here */
 int hfquant_int4_a8_supported(int64_t block_n) {

@@ -17,7 +17,8 @@
  *   float32 (exact) and multiply-adds them with the 16 activations (vfmadd231ps).
  * Long rows (K > INT8_ROWS4_MIN_K) go 4 rows at a time, each activation block loaded once for the 4. OpenMP threads
  * split the rows; each output is summed by one thread in a fixed order (no dependence on the thread count).
- * Requires K % 16 == 0 (and K <= 2^20). Returns 0 on success, 1 for a refused shape, 2 when memory runs out. */
+ * Requires K % 16 == 0 (and K <= 2^20) and AVX512-F/BW/VL + BF16. Returns 0 on success, 1 for a refused shape or
+ * CPU, 2 when memory runs out. */
 #include <stdint.h>
 
 #include "bf16_bits.h"
@@ -96,14 +97,8 @@ static void int8_rows4_dot_w8a16(const int8_t *rows, int64_t k, const int16_t *x
     for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-static int int8_has_vnni(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
-    }
-    return known;
-}
+/* which body runs: hfquant_isa (isa_cpu.c) decides, so HFQUANT_ISA=avx512 picks the float body on a VNNI CPU */
+static int int8_has_vnni(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512_VNNI); }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 static int int8_gemv_w8a16(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
@@ -153,6 +148,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k) {
     if (k % 16 || k <= 0 || n <= 0 || k > (1 << 20)) return 1;
+    if (!HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_BF16)) return 1;
     if (k % INT8_BLOCK == 0 && int8_has_vnni()) return int8_gemv_w8a16(x, weight, scale, y, n, k);
     float *xf = (float *)_mm_malloc((size_t)k * sizeof(float), 64);
     if (xf == NULL) return 2;

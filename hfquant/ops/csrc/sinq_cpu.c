@@ -373,7 +373,7 @@ static int run(State *st, int64_t iterations, int threads, float *best_ic, float
     float *floor = again + k, *hi = floor + tiles, *lo = hi + tiles, *old = lo + tiles;
     int wide = 0; /* set below, not in an else branch: a C file's first else directive starts its other-machine stubs */
 #if defined(HFQ_AVX512) && !defined(SINQ_FORCE_GENERIC) /* build with -DSINQ_FORCE_GENERIC to check block_pass */
-    wide = g % 16 == 0 && __builtin_cpu_supports("avx512f");
+    wide = g % 16 == 0 && HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512); /* isa_cpu.c; HFQUANT_ISA=avx2: block_pass */
 #endif
     for (int64_t step = 0; step <= iterations; step++) {
         const int first = step == 0;

@@ -1,0 +1,190 @@
+"""The other bodies of hfquant's dispatching C kernels, picked at load time by `HFQUANT_ISA` (csrc/isa_cpu.c), so this
+AVX512-VNNI machine runs the code AVX2 CPUs run. A child process per setting computes on the inputs this process wrote
+and its outputs are compared with this process's (every instruction set):
+- every block type's GEMV and a fused group (blocks_cpu.c): VNNI body against AVX2 body (`HFQUANT_ISA=avx2`), bit
+  for bit (the same integers, then the same float32 operations in the same order);
+- the W4A8 int4 GEMV (int4_intdot_cpu.c): its AVX-512 body on the 64-row layout against its AVX2 body on the 32-row
+  layout of the same weight (the AVX2 child), bit for bit (same integers, same float32 order per output);
+- the bfloat16-activation int4 GEMVs: int4_cpu.c's (AVX512-BF16, exact bfloat16 inputs) against the AVX2 one
+  (int16 activations) within their stated bounds;
+- the int8 GEMV (int8_cpu.c): W8A16 body (VNNI) against the float body (`HFQUANT_ISA=avx512`), within the bound the
+  source states (int16 rounding of each activation, then two bfloat16 roundings).
+The children also show that the settings hold: with avx2 the AVX-512 kernels refuse, with generic every kernel refuses,
+and an unknown value is named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from test_block_gemv import _random_blocks as random_blocks  # every code and scale bit pattern, finite float16s
+
+from hfquant.core import blocks, packing, rtn
+from hfquant.ops import native
+
+pytestmark = pytest.mark.skipif(
+    not {"avx512", "avx512_bf16", "avx512_vnni"} <= set(native.isa()),
+    reason="compares the AVX-512 bodies with the others: needs AVX512-VNNI and AVX512-BF16",
+)
+
+N, K, GROUP = 64, 512, 64
+GROUPS = {256: ["q2_k", "q4_k", "q6_k"], 32: ["q4_0", "q8_0", "iq4_nl"]}
+"""The fused GEMVs compared: weights of one activation block size reading one x."""
+
+
+def _inputs() -> dict:
+    """Everything both processes compute on (saved by this one, loaded by the child)."""
+    generator = torch.Generator().manual_seed(11)
+    x = (torch.randn(K, generator=generator) * torch.rand(K, generator=generator) * 4).to(torch.bfloat16)
+    q = rtn.quantize_weight(torch.randn((N, K), generator=generator), 4, GROUP, False)
+    codes8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+    return {
+        "x": x,
+        "blocks": {name: random_blocks(name, N, K, seed) for seed, name in enumerate(blocks.LAYOUTS)},
+        "int4": {block_n: packing.CpuInt4Layout(block_n, True).pack(q.q) for block_n in (64, 32)},
+        "int4_codes": q.q,
+        "scale_zero": packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16),
+        "int8": codes8,
+        "int8_scale": (torch.rand(N, generator=generator) * 0.01 + 1e-3).to(torch.bfloat16),
+    }
+
+
+def _outputs(data: dict) -> dict:
+    """The GEMVs this process's instruction sets run, by name (the kernels that refuse are left out)."""
+    x = data["x"]
+    out = {}
+    for name, weight in data["blocks"].items():
+        if native.block_gemv_supported(blocks.layout(name).ggml_type):
+            out[name] = native.block_gemv(x, weight, K, blocks.layout(name).ggml_type)
+    for block, names in GROUPS.items():
+        if native.block_gemv_supported(blocks.layout(names[0]).ggml_type):
+            weights, types = (
+                [data["blocks"][name] for name in names],
+                [blocks.layout(name).ggml_type for name in names],
+            )
+            out[f"group{block}"] = native.block_gemv_group(x, weights, K, types)
+    for block_n, weight in data["int4"].items():
+        if native.int4_a8_supported(block_n):
+            out[f"w4a8_{block_n}"] = native.int4_gemv_a8(x, weight, data["scale_zero"], GROUP, block_n)
+    if "avx2" in native.isa():
+        out["int4_avx2"] = native.int4_gemv_avx2(x, data["int4"][32], data["scale_zero"], GROUP)
+    if native.int4_cpu_library() is not None:
+        out["int4_bf16"] = native.int4_gemv(x, data["int4"][64], data["scale_zero"], GROUP)
+        out["int8"] = native.int8_gemv(x, data["int8"], data["int8_scale"])
+    return out
+
+
+_CHILD = """
+    import sys, torch
+    import test_isa
+    from hfquant.ops import native
+    data = torch.load(sys.argv[1])
+    torch.save({"isa": native.isa(), "outputs": test_isa._outputs(data)}, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2 and avx512: the children
+    run while this process computes."""
+    folder = tmp_path_factory.mktemp("isa")
+    data = _inputs()
+    torch.save(data, folder / "inputs.pt")
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here.parent.parent), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
+    children = {
+        setting: subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_CHILD), str(folder / "inputs.pt"), str(folder / f"{setting}.pt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
+        )
+        for setting in ("avx2", "avx512")
+    }
+    outputs = _outputs(data)
+    results = {}
+    for setting, child in children.items():
+        _, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err[-3000:]
+        results[setting] = torch.load(folder / f"{setting}.pt")
+    return data, outputs, results
+
+
+def test_the_settings_lower_the_instruction_sets(compared):
+    _, here, children = compared
+    assert children["avx2"]["isa"] == ("avx2",)
+    assert children["avx512"]["isa"] == ("avx2", "avx512", "avx512_bf16")
+    # avx2: as on a CPU without AVX-512, no int4_cpu_library kernel and no 64-row W4A8 GEMV
+    assert "w4a8_64" in here and "w4a8_64" not in children["avx2"]["outputs"]
+    assert "int8" in here and "int8" not in children["avx2"]["outputs"]
+
+
+@pytest.mark.parametrize("name", [*blocks.LAYOUTS, *(f"group{block}" for block in GROUPS)])
+def test_every_block_gemv_gives_the_same_bits_in_its_avx2_body(compared, name):
+    _, here, children = compared
+    for setting in ("avx2", "avx512"):  # both lack VNNI: the AVX2 body
+        got = children[setting]["outputs"][name]
+        assert torch.equal(got, here[name]), f"{name} {setting}: {(got.float() - here[name].float()).abs().max()}"
+
+
+def test_the_w4a8_gemv_gives_the_same_bits_in_its_avx2_body(compared):
+    _, here, children = compared
+    assert torch.equal(children["avx2"]["outputs"]["w4a8_32"], here["w4a8_64"])
+
+
+def _within(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor) -> None:
+    """|a - b| <= bound + the two bfloat16 roundings (each at most 2^-8 of its value) + float32 sums (1e-5 of the
+    largest output), output by output; and a != b (two computations, not one kernel called twice)."""
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    limit = bound + 2**-8 * (a.abs() + b.abs()) + 1e-5 * a.abs().max()
+    assert ((a - b).abs() <= limit).all(), ((a - b).abs() - limit).max()
+    assert not torch.equal(a, b)
+
+
+def test_the_bf16_activation_int4_gemvs_agree_within_their_bounds(compared):
+    """int4_cpu.c sums the exact bfloat16 products in float32; the AVX2 GEMV rounds each input to int16 per block of
+    32 first (at most max|x_block| / 65534): the bound is sum_k |w[n, k]| * max|x_block(k)| / 65534."""
+    data, here, children = compared
+    scale, zero = data["scale_zero"][..., 0].double().t(), data["scale_zero"][..., 1].double().t()  # (N, G)
+    w = (data["int4_codes"].double() - 8).reshape(N, -1, GROUP) * scale[..., None] + zero[..., None]
+    x_block = data["x"].double().abs().reshape(-1, 32).amax(dim=1).repeat_interleave(32)
+    bound = (w.reshape(N, K).abs() * x_block).sum(dim=1) / 65534
+    _within(here["int4_bf16"], children["avx2"]["outputs"]["int4_avx2"], bound)
+
+
+def test_the_int8_gemv_bodies_agree_within_the_activation_rounding(compared):
+    """W8A16 (VNNI) rounds each input to int16 per block of 64 (at most max|x_block| / 65534), the float body does
+    not: the bound is scale[n] * sum_k |q[n, k]| * max|x_block(k)| / 65534."""
+    data, here, children = compared
+    x_block = data["x"].double().abs().reshape(-1, 64).amax(dim=1).repeat_interleave(64)
+    bound = data["int8_scale"].double() * (data["int8"].double().abs() * x_block).sum(dim=1) / 65534
+    _within(here["int8"], children["avx512"]["outputs"]["int8"], bound)
+
+
+_PROBE = """
+    import ctypes, sys
+    library = ctypes.CDLL(sys.argv[1])
+    print(library.hfquant_isa(), library.hfquant_int4_cpu_supported(), library.hfquant_block_gemv_supported(12),
+          library.hfquant_int4_a8_supported(32))
+"""
+
+
+def test_generic_refuses_every_kernel_and_a_bad_value_is_named(monkeypatch):
+    """The C library alone (no torch: a fast child): generic allows nothing, so every kernel refuses; an unknown
+    value gives the refused bit, which hfquant.ops.native turns into an error naming it."""
+    library = native.built_library()._name
+    for setting, want in (("generic", [0, 0, 0, 0]), ("avx3", [native._ISA_REFUSED, 0, 0, 0])):
+        command = [sys.executable, "-c", textwrap.dedent(_PROBE), library]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HFQUANT_ISA": setting})
+        assert [int(value) for value in result.stdout.split()] == want, (setting, result.stderr[-2000:])
+    monkeypatch.setenv("HFQUANT_ISA", "avx3")
+    refused = types.SimpleNamespace(hfquant_isa=lambda: native._ISA_REFUSED)
+    with pytest.raises(ValueError, match="HFQUANT_ISA='avx3' is not understood; use one of"):
+        native._check_isa(refused)
