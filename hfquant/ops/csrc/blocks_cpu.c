@@ -14,16 +14,17 @@
  * How, per block: the codes are widened to one unsigned byte per weight in 32-byte registers (masks, shifts and ors
  * of the packed bits; IQ4 grid values by a byte shuffle, signed codes of Q8_0 / IQ4 by their magnitude with the sign
  * moved onto the activation), multiplied with the int8 activations four products per 32-bit lane (vpdpbusd on
- * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale, and
- * one float multiply per super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32,
- * Q3_K's -4, Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums
- * instead of every weight. On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per
- * 512-bit step (blocks_body.h's BK_ROW32_PAIRS): the same integers, products and float additions in the same
- * order, so the same bytes as one block at a time (Q4_1 in 0.6x the time, Q4_K 0.9x: docs/performance.md). One
- * OpenMP region per call: the threads split the activation blocks to quantize, then the rows. hfquant_block_gemv_group
- * takes several weights of one block size reading the same x (a fused q/k/v or gate/up group, types may differ): x
- * quantized once, one region, each weight's outputs the bytes of its own call. The quantized row lives on the caller's
- * stack (one allocation only past ACT_STACK bytes).
+ * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale (Q3_K
+ * and Q6_K: vpmaddubsw's int16 pair sums times the int16 scales by vpdpwssd / vpmaddwd), and one float multiply per
+ * super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32, Q3_K's -4, Q4_0's -8,
+ * Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of every weight.
+ * On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per 512-bit step (blocks_body.h's
+ * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_): the same integers, products and float additions in
+ * the same order, so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.9x:
+ * docs/performance.md). One OpenMP region per call: the threads split the activation blocks to quantize, then the
+ * rows. hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
+ * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
+ * The quantized row lives on the caller's stack (one allocation only past ACT_STACK bytes).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
