@@ -169,13 +169,10 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
  * offset comes off once per super-block against the activation's 16-input sums (k16_offset_). ---- */
 
 /* the codes' offset term, offset * sum over sub-blocks s of scale[s] * (sum of the 16 activations of s), as 8 int32
- * lanes (lane j: sub-blocks 2j, 2j + 1); scale16: the 16 scales as int16; log2_offset: 5 (Q6_K) or 2 (Q3_K). The
- * 16-input sums fit int16 (|sum| <= 16 * 127), so one vpmaddwd */
-BK_TARGET static inline __m256i BK_NAME(k16_offset_)(__m256i scale16, const int32_t *bs, int log2_offset) {
-    const __m256i sums16 = _mm256_permute4x64_epi64(
-        _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)bs), _mm256_loadu_si256((const __m256i *)(bs + 8))),
-        0xD8); /* packs interleaves 128-bit lanes: back to sub-block order */
-    return _mm256_slli_epi32(_mm256_madd_epi16(scale16, sums16), log2_offset);
+ * lanes (lane j: sub-blocks 2j, 2j + 1): one vpmaddwd of the scales (scale16, int16) with the activation's int16
+ * 16-input sums (bs16, made once per call); log2_offset: 5 (Q6_K) or 2 (Q3_K) */
+BK_TARGET static inline __m256i BK_NAME(k16_offset_)(__m256i scale16, const int16_t *bs16, int log2_offset) {
+    return _mm256_slli_epi32(_mm256_madd_epi16(scale16, _mm256_loadu_si256((const __m256i *)bs16)), log2_offset);
 }
 
 /* the super-block's integer sum (8 lanes) minus its offset term, times d and the activation scale, added to acc */
@@ -263,7 +260,7 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
             for (int i = 0; i < 4; i++) sum = BK_NAME(k16_pair_)(sum, u[i], xq + 128 * h + 32 * i, halves, 4 * h + i);
         }
 #endif
-        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums + b * 16, 5),
+        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 5),
                                    BK_NAME(half_)(w + 208) * a->d[b]);
     }
     return BK_NAME(hsum_)(acc);
@@ -321,7 +318,7 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
             }
         }
 #endif
-        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums + b * 16, 2),
+        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
                                    BK_NAME(half_)(w + 108) * a->d[b]);
     }
     return BK_NAME(hsum_)(acc);
