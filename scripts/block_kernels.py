@@ -9,7 +9,8 @@ shim compiled here (OpenMP splits the rows). It is the fairest yardstick at op l
 run repacked layouts (Q4_0, IQ4_NL, Q4_K on AVX2/AVX-512) that vec_dot does not show.
 
 The weight is one tensor called repeatedly (best of several passes): the cached case for the smaller shapes, from
-memory for the lm_head. Rows are 64 distinct quantized rows repeated (N % 64 == 0).
+memory for the lm_head. Rows are 64 distinct quantized rows repeated (N % 64 == 0). Wall-clock times move with the
+machine's load; scripts/block_gemv_ab.py compares two builds and llama.cpp by one thread's CPU time, interleaved.
 
     python scripts/block_kernels.py
     python scripts/block_kernels.py --types q4_0,q6_k --shapes 2048x2048 --threads 1

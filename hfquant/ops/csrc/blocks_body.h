@@ -52,18 +52,6 @@ BK_TARGET static inline void BK_NAME(k4_unpack_)(const uint8_t *s, uint32_t *pac
     packed[3] = ((v[2] >> 4) & four) | (((v[1] >> 6) & two) << 4);
 }
 
-/* lanes 0-3 = scales[i], lanes 4-7 = scales[i + 1] of an 8-lane int32 vector (the scales of two 16-weight sub-blocks) */
-BK_TARGET static inline __m256i BK_NAME(pair_from_)(__m256i scales, int i) {
-    return _mm256_permutevar8x32_epi32(scales, _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
-}
-
-/* sumi + the dot of 32 unsigned codes u with the 32 activation bytes at x, its lanes 0-3 (16 weights of one sub-block)
- * and 4-7 (the next) times those lanes of scale: one step of the 16-weight-block k-quants */
-BK_TARGET static inline __m256i BK_NAME(scaled_dot_v_)(__m256i sumi, __m256i u, const int8_t *x, __m256i scale) {
-    const __m256i p = BK_DOT(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, scale));
-}
-
 /* u + value (4 or 16) in every byte e whose bit e of the 32 bits at qh is set: one masked byte add where AVX512BW is
  * (BK_MASKED), else high_bits32_'s spread */
 BK_TARGET static inline __m256i BK_NAME(add_high_)(__m256i u, const uint8_t *qh, int value) {
@@ -173,77 +161,167 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
+/* ---- Q3_K / Q6_K: sixteen 16-weight sub-blocks per super-block, an int8 scale each, unsigned codes u with a
+ * constant offset (w = d * scale * (u - offset)). Each sub-block's dot is 8 int16 pair sums (vpmaddubsw: u <= 63,
+ * |x| <= 127, at most 2 * 63 * 127 = 16002, no saturation), multiplied by its scale as int16 and summed in pairs into
+ * int32 lanes (vpdpwssd on AVX512-VNNI, vpmaddwd + add on AVX2): no 32-bit multiply per step. Either body leaves the
+ * same 8 int32 lanes (lane 4p + m: the sub-blocks of parity p, weights 4m..4m + 3 of each), so the same floats. The
+ * offset comes off once per super-block against the activation's 16-input sums (k16_offset_). ---- */
+
+/* the codes' offset term, offset * sum over sub-blocks s of scale[s] * (sum of the 16 activations of s), as 8 int32
+ * lanes (lane j: sub-blocks 2j, 2j + 1): one vpmaddwd of the scales (scale16, int16) with the activation's int16
+ * 16-input sums (bs16, made once per call); log2_offset: 5 (Q6_K) or 2 (Q3_K) */
+BK_TARGET static inline __m256i BK_NAME(k16_offset_)(__m256i scale16, const int16_t *bs16, int log2_offset) {
+    return _mm256_slli_epi32(_mm256_madd_epi16(scale16, _mm256_loadu_si256((const __m256i *)bs16)), log2_offset);
+}
+
+/* the super-block's integer sum (8 lanes) minus its offset term, times d and the activation scale, added to acc */
+BK_TARGET static inline __m256 BK_NAME(k16_finish_)(__m256 acc, __m256i sumi, __m256i offset, float d) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, offset)), _mm256_set1_ps(d), acc);
+}
+
+#if BK_MASKED
+#define BK_K16 __m512i
+#define BK_K16_ZERO _mm512_setzero_si512()
+/* the 16 int16 scales (256 bits) -> for group g, each 128-bit lane k holding sub-block 4g + k's scale 8 times */
+BK_TARGET static inline __m512i BK_NAME(k16_group_scales_)(__m256i scale16, int g) {
+    const __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 0x10001, 0x10001, 0x10001, 0x10001, 0x20002, 0x20002, 0x20002,
+                                           0x20002, 0x30003, 0x30003, 0x30003, 0x30003);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(4 * g))),
+                                    _mm512_castsi256_si512(scale16));
+}
+
+/* sum + group g's dot: 64 codes u (sub-blocks 4g..4g + 3, one per 128-bit lane) with the activations at x, each
+ * sub-block's pair sums times its scale */
+BK_TARGET static inline __m512i BK_NAME(k16_group_)(__m512i sum, __m512i u, const int8_t *x, __m256i scale16, int g) {
+    const __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512((const void *)x));
+    return _mm512_dpwssd_epi32(sum, p, BK_NAME(k16_group_scales_)(scale16, g));
+}
+
+/* 16 int32 lanes -> the 8 of the AVX2 body (lane l + 8 onto lane l: sub-blocks of the same parity) */
+BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m512i sum) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+}
+#else
+#define BK_K16 __m256i
+#define BK_K16_ZERO _mm256_setzero_si256()
+/* sum + the dot of 32 codes u (sub-blocks 2i, 2i + 1: 128-bit lanes 0, 1) with the activations at x, each sub-block's
+ * pair sums times its scale: halves[0] / halves[1] hold scales 0-7 / 8-15 as int16 in both 128-bit lanes */
+BK_TARGET static inline __m256i BK_NAME(k16_pair_)(__m256i sum, __m256i u, const int8_t *x, const __m256i *halves,
+                                                   int i) {
+    const int m = 2 * (i & 3); /* scale 2i's int16 index within its half */
+    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(((2 * m + 3) << 8) | (2 * m + 2))),
+                                          _mm_set1_epi16((short)(((2 * m + 1) << 8) | (2 * m))));
+    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_shuffle_epi8(halves[i >> 2], pick)));
+}
+
+BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m256i sum) { return sum; }
+#endif
+
 BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const int8_t *xq = a->q + b * 256;
-        const int32_t *bs = a->sums + b * 16;
-        const __m256i sc[2] = {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 192))),
-                               _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 200)))};
-        /* the codes' -32, through the 16-input sums */
-        const __m256i offset = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], _mm256_loadu_si256((const __m256i *)bs)),
-                                                _mm256_mullo_epi32(sc[1], _mm256_loadu_si256((const __m256i *)(bs + 8))));
-        __m256i sumi = _mm256_setzero_si256();
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
+        const __m256i scale16 = _mm256_cvtepi8_epi16(scales);
+        BK_K16 sum = BK_K16_ZERO;
+#if BK_MASKED
+        /* per 128 weights: ql's 64 bytes hold codes 0-63 (low nibbles) and 64-127 (high nibbles), qh's 32 bytes
+         * bits 0-1 / 2-3 / 4-5 / 6-7 their codes 0-31 / 32-63 / 64-95 / 96-127's bits 4-5 */
+        const __m512i low = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            const __m512i high0 = _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45);
+            /* 0xEC: (ql & low) | high */
+            const __m512i u0 = _mm512_ternarylogic_epi32(ql, high0, low, 0xEC);
+            const __m512i u1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), _mm512_and_si512(qh2, bits45),
+                                                         low, 0xEC);
+            sum = BK_NAME(k16_group_)(sum, u0, xq + 128 * h, scale16, 2 * h);
+            sum = BK_NAME(k16_group_)(sum, u1, xq + 128 * h + 64, scale16, 2 * h + 1);
+        }
+#else
+        const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bits45 = _mm256_set1_epi8(0x30);
+        const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
+                                   _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            const __m256i qh2 = _mm256_srli_epi16(qh, 2);
             const __m256i u[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
+                _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(qh2, three), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, bits45)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(qh2, bits45)),
             };
-            for (int i = 0; i < 4; i++)
-                sumi = BK_NAME(scaled_dot_v_)(sumi, u[i], xq + 128 * h + 32 * i, BK_NAME(pair_from_)(sc[h], 2 * i));
+            for (int i = 0; i < 4; i++) sum = BK_NAME(k16_pair_)(sum, u[i], xq + 128 * h + 32 * i, halves, 4 * h + i);
         }
-        const __m256 d = _mm256_set1_ps(BK_NAME(half_)(w + 208) * a->d[b]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
-        offsets = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), d, offsets);
+#endif
+        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 5),
+                                   BK_NAME(half_)(w + 208) * a->d[b]);
     }
-    return BK_NAME(hsum_)(_mm256_fnmadd_ps(offsets, _mm256_set1_ps(32.0f), acc));
+    return BK_NAME(hsum_)(acc);
+}
+
+/* Q3_K's sixteen 6-bit scales minus 32 (k3_scales' values): 4-bit lows and 2-bit highs by 32-bit masks */
+BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
+    const uint32_t four = 0x0f0f0f0fu, two = 0x03030303u;
+    uint32_t v[3];
+    memcpy(v, s, 12);
+    return _mm_sub_epi8(_mm_setr_epi32((int)((v[0] & four) | ((v[2] & two) << 4)),
+                                       (int)((v[1] & four) | (((v[2] >> 2) & two) << 4)),
+                                       (int)(((v[0] >> 4) & four) | (((v[2] >> 4) & two) << 4)),
+                                       (int)(((v[1] >> 4) & four) | (((v[2] >> 6) & two) << 4))),
+                        _mm_set1_epi8(32));
 }
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const uint32_t four = 0x0f0f0f0fu, two = 0x03030303u;
-    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 110) {
         const int8_t *xq = a->q + b * 256;
-        const int32_t *bs = a->sums + b * 16;
-        uint32_t v[3]; /* the sixteen 6-bit scales (k3_scales' values): 4-bit lows and 2-bit highs by 32-bit masks */
-        memcpy(v, w + 96, 12);
-        const __m128i packed = _mm_sub_epi8(
-            _mm_setr_epi32((int)((v[0] & four) | ((v[2] & two) << 4)),
-                           (int)((v[1] & four) | (((v[2] >> 2) & two) << 4)),
-                           (int)(((v[0] >> 4) & four) | (((v[2] >> 4) & two) << 4)),
-                           (int)(((v[1] >> 4) & four) | (((v[2] >> 6) & two) << 4))),
-            _mm_set1_epi8(32));
-        const __m256i sc[2] = {_mm256_cvtepi8_epi32(packed), _mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8))};
-        /* the codes' -4 */
-        const __m256i offset = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], _mm256_loadu_si256((const __m256i *)bs)),
-                                                _mm256_mullo_epi32(sc[1], _mm256_loadu_si256((const __m256i *)(bs + 8))));
-        __m256i hm = _mm256_loadu_si256((const __m256i *)w);
-        __m256i sumi = _mm256_setzero_si256();
+        const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+        BK_K16 sum = BK_K16_ZERO;
+#if BK_MASKED
+        /* codes 128h + 32j + l: bits 0-1 are bits 2j, 2j + 1 of qs[32h + l], bit 2 is bit 4h + j of hmask[l]. Group
+         * g = 2h + (j >> 1) takes j = 2(g & 1) and j + 1 as its two 256-bit halves */
+        const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+        const __m512i hm2 = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi16(hm, 1), 1);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
+            const __m512i q2 = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 2), 1);
+            for (int odd = 0; odd < 2; odd++) {
+                const int g = 2 * h + odd, bit = 2 * g; /* hm2's bit of the group's codes, moved to bit 2 */
+                const __m512i high = bit >= 2 ? _mm512_srli_epi16(hm2, bit - 2) : _mm512_slli_epi16(hm2, 2 - bit);
+                const __m512i codes = odd ? _mm512_srli_epi16(q2, 4) : q2;
+                /* 0xF8: (codes & three) | (high & four), as A | (B & C) after the and */
+                const __m512i u = _mm512_ternarylogic_epi32(_mm512_and_si512(codes, three), high, four, 0xF8);
+                sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
+            }
+        }
+#else
+        const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
+                                   _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
+        __m256i hbits = hm;
         for (int h = 0; h < 2; h++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u = _mm256_or_si256(_mm256_and_si256(q, three),
-                                                  _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
+                const __m256i u =
+                    _mm256_or_si256(_mm256_and_si256(q, three), _mm256_slli_epi16(_mm256_and_si256(hbits, one), 2));
                 q = _mm256_srli_epi16(q, 2);
-                hm = _mm256_srli_epi16(hm, 1);
-                sumi = BK_NAME(scaled_dot_v_)(sumi, u, xq + 128 * h + 32 * j, BK_NAME(pair_from_)(sc[h], 2 * j));
+                hbits = _mm256_srli_epi16(hbits, 1);
+                sum = BK_NAME(k16_pair_)(sum, u, xq + 128 * h + 32 * j, halves, 4 * h + j);
             }
         }
-        const __m256 d = _mm256_set1_ps(BK_NAME(half_)(w + 108) * a->d[b]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
-        offsets = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), d, offsets);
+#endif
+        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
+                                   BK_NAME(half_)(w + 108) * a->d[b]);
     }
-    return BK_NAME(hsum_)(_mm256_fnmadd_ps(offsets, _mm256_set1_ps(4.0f), acc));
+    return BK_NAME(hsum_)(acc);
 }
 
 BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -667,6 +745,8 @@ BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *a, i
 }
 
 #undef BK_KSUM
+#undef BK_K16
+#undef BK_K16_ZERO
 #undef BK_KSUM_ZERO
 #undef BK_ROW32
 #undef BK_ROW32_PAIRS

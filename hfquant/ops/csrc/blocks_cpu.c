@@ -14,16 +14,17 @@
  * How, per block: the codes are widened to one unsigned byte per weight in 32-byte registers (masks, shifts and ors
  * of the packed bits; IQ4 grid values by a byte shuffle, signed codes of Q8_0 / IQ4 by their magnitude with the sign
  * moved onto the activation), multiplied with the int8 activations four products per 32-bit lane (vpdpbusd on
- * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale, and
- * one float multiply per super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32,
- * Q3_K's -4, Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums
- * instead of every weight. On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per
- * 512-bit step (blocks_body.h's BK_ROW32_PAIRS): the same integers, products and float additions in the same
- * order, so the same bytes as one block at a time (Q4_1 in 0.6x the time, Q4_K 0.9x: docs/performance.md). One
- * OpenMP region per call: the threads split the activation blocks to quantize, then the rows. hfquant_block_gemv_group
- * takes several weights of one block size reading the same x (a fused q/k/v or gate/up group, types may differ): x
- * quantized once, one region, each weight's outputs the bytes of its own call. The quantized row lives on the caller's
- * stack (one allocation only past ACT_STACK bytes).
+ * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale (Q3_K
+ * and Q6_K: vpmaddubsw's int16 pair sums times the int16 scales by vpdpwssd / vpmaddwd), and one float multiply per
+ * super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32, Q3_K's -4, Q4_0's -8,
+ * Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of every weight.
+ * On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per 512-bit step (blocks_body.h's
+ * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_): the same integers, products and float additions in
+ * the same order, so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.9x:
+ * docs/performance.md). One OpenMP region per call: the threads split the activation blocks to quantize, then the
+ * rows. hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
+ * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
+ * The quantized row lives on the caller's stack (one allocation only past ACT_STACK bytes).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
@@ -119,6 +120,7 @@ typedef struct {
     int8_t *q;
     int32_t *sums;
     int32_t *sums32; /* per = 256: the sum of q per 32 inputs (pairs of sums), for the 32-weight minimums of Q4_K */
+    int16_t *sums16; /* per = 256: sums as int16 (|sum| <= 16 * 127), for Q3_K / Q6_K's offsets by one vpmaddwd */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -175,9 +177,10 @@ static int cpu_vnni(void) {
 static int cpu_avx2(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
- * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32). Each
- * block's values depend on that block alone, so the threads of a GEMV quantize the blocks in any split and the row is
- * the same bytes. AVX2 (the values do not depend on the instruction set: IEEE multiply, round to nearest even). */
+ * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
+ * per-16 sums again as int16 (sums16). Each block's values depend on that block alone, so the threads of a GEMV
+ * quantize the blocks in any split and the row is the same bytes. AVX2 (the values do not depend on the instruction
+ * set: IEEE multiply, round to nearest even). */
 AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_t per, int64_t sum_every,
                                             const ActRow *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -208,8 +211,10 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
         for (int64_t j = 0; j < sum_every; j++) total += q[s * sum_every + j];
         sums[s] = total;
     }
-    if (sum_every == 16)
+    if (sum_every == 16) {
         for (int64_t s = 0; s < per / 32; s++) a->sums32[b * (per / 32) + s] = sums[2 * s] + sums[2 * s + 1];
+        for (int64_t s = 0; s < per / 16; s++) a->sums16[b * (per / 16) + s] = (int16_t)sums[s];
+    }
 }
 
 /* One weight of a (possibly fused) block GEMV: n rows of `row_bytes` bytes (nb blocks) of GGUF type `type`, outputs
@@ -385,14 +390,14 @@ int hfquant_block_gemv_supported(int64_t type) {
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
-/* The activation row's scratch: d, q, sums and sums32 in one buffer, each part 64-byte aligned; on the caller's stack
- * up to ACT_STACK bytes (K up to about 30000 inputs), else one allocation. */
+/* The activation row's scratch: d, q, sums, sums32 and sums16 in one buffer, each part 64-byte aligned; on the
+ * caller's stack up to ACT_STACK bytes (K up to about 27000 inputs), else one allocation. */
 enum { ACT_STACK = 40960 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int64_t offsets[4]) {
-    const int64_t sizes[4] = {(k / block) * 4, k, (k / sum_every) * 4, (k / 32) * 4};
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int64_t offsets[5]) {
+    const int64_t sizes[5] = {(k / block) * 4, k, (k / sum_every) * 4, (k / 32) * 4, (k / sum_every) * 2};
     int64_t total = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -421,7 +426,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     }
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[4];
+    int64_t at[5];
     const int64_t need = act_layout(k, per, sum_every, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
@@ -431,6 +436,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.q = (int8_t *)(scratch + at[1]);
     a.sums = (int32_t *)(scratch + at[2]);
     a.sums32 = (int32_t *)(scratch + at[3]);
+    a.sums16 = (int16_t *)(scratch + at[4]);
     if (cpu_vnni())
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else
