@@ -142,6 +142,25 @@ at::Tensor block_gemv_group(const at::Tensor &x, at::TensorList weights, int64_t
   return y;
 }
 
+// RMSNorm of one row (csrc/norm_cpu.c): x (..., n) holding one row, weight (n,), both contiguous bfloat16; output
+// x's shape, bfloat16, equal to transformers' LlamaRMSNorm forward bit for bit
+at::Tensor rms_norm_row(const at::Tensor &x, const at::Tensor &weight, double eps) {
+  TORCH_CHECK(weight.dim() == 1, "hfquant RMSNorm: weight must be (n,), got shape ", weight.sizes());
+  const int64_t n = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n && x.numel() == n, "hfquant RMSNorm: x must hold one row of ", n,
+              " values, got shape ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "hfquant RMSNorm: x must be a contiguous bfloat16 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "hfquant RMSNorm: weight must be a contiguous bfloat16 CPU tensor, got ", weight.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  int status = hfquant_rms_norm_row(static_cast<const uint16_t *>(x.const_data_ptr()),
+                                    static_cast<const uint16_t *>(weight.const_data_ptr()),
+                                    static_cast<uint16_t *>(y.mutable_data_ptr()), n, static_cast<float>(eps));
+  TORCH_CHECK(status == 0, "hfquant RMSNorm refused n=", n);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -151,6 +170,7 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("block_gemv(Tensor x, Tensor weight, int in_features, int ggml_type) -> Tensor");
   m.def("block_gemv_group(Tensor x, Tensor[] weights, int in_features, int[] ggml_types) -> Tensor");
+  m.def("rms_norm_row(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -160,4 +180,5 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("block_gemv", &block_gemv);
   m.impl("block_gemv_group", &block_gemv_group);
+  m.impl("rms_norm_row", &rms_norm_row);
 }
