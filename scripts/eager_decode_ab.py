@@ -10,6 +10,7 @@ the wall time more than in the CPU time. Run from a source checkout (the model i
 ~/.cache/hfquant by `benchmarks.example_model`):
 
     python scripts/eager_decode_ab.py --threads 1 --rounds 6 --new-tokens 64
+    python scripts/eager_decode_ab.py --model ~/.cache/hfquant/random-llama-175d2c54d5   # the benchmark's 1.2B
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--model", help="a bfloat16 checkpoint folder instead of SmolLM2 (e.g. the benchmark's 1.2B)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = build_example_model()
+    path = args.model or build_example_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = HfQuantConfig(bits=4, group_size=128)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.bfloat16).eval()
