@@ -172,5 +172,10 @@ def test_a_quantized_model_gets_the_kernel_and_dequantize_removes_it(tmp_path):
         tmp_path / "float", quantization_config=HfQuantConfig(bits=4, group_size=32), dtype=torch.bfloat16
     )
     assert len(_norms(model)) == 5 and all(isinstance(norm, RowRMSNorm) for norm in _norms(model))
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
+    assert all(isinstance(norm, RowRMSNorm) for norm in _norms(reloaded))
+    saved, again = model.state_dict(), reloaded.state_dict()
+    assert saved.keys() == again.keys() and all(torch.equal(saved[name], again[name]) for name in saved)
     model.dequantize()
     assert all(type(norm) is LlamaRMSNorm for norm in _norms(model))
