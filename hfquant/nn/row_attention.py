@@ -3,7 +3,7 @@
 `csrc/attention_cpu.c`) instead of PyTorch's CPU flash-attention kernel.
 
 Why: that kernel costs 16 us at 16 cached tokens, 60 us at 80 and 290 us at 400 for SmolLM2-135M's 9 heads of one
-query (one thread), about four times the C kernel's time, 30 calls a step (docs/performance.md, issue #32).
+query (one thread), three to four times the C kernel's time, 30 calls a step (docs/performance.md, issue #32).
 
 How it is installed: the function is registered with transformers' `AttentionInterface` (and "sdpa"'s mask function
 with `AttentionMaskInterface`) under `ATTENTION_NAME`, and a model whose `config._attn_implementation` is "sdpa"
@@ -12,11 +12,12 @@ field, so a saved config is unchanged). Everything else (prefill, batches, masks
 devices, gradients, compiled graphs) calls transformers' "sdpa" function (`sdpa_attention_forward`) with the same
 arguments.
 
-Accuracy: float32 scores, softmax and sums like the flash kernel, summed in another order and without its rounding of
-the probabilities to bfloat16: about one output in six differs from it by one bfloat16 step, the kernel's outputs at
-least as close to a float64 reference on average (tests/nn/test_row_attention.py bounds both). That is enough to flip
-a greedy token where two logits are one bfloat16 step apart (2 of 4 SmolLM2 prompts within 64 tokens,
-docs/performance.md), so the kernel is opt-in: `use_row_attention(model)`, named in `HfQuantConfig`'s docstring.
+Accuracy: as the flash kernel's (PyTorch 2.13, bfloat16): float32 scores, softmax sum and products, the
+unnormalized probabilities rounded to bfloat16 for the product with V. Its exp and summation order are not reproduced:
+about one output in 25 differs from it by one bfloat16 step (tests/nn/test_row_attention.py bounds the error against
+a float64 reference). That can flip a greedy token where two logits are a step or two apart (1 of 4 SmolLM2 prompts
+within 64 tokens, docs/performance.md), so the kernel is opt-in: `use_row_attention(model)`, named in
+`HfQuantConfig`'s docstring.
 """
 
 from __future__ import annotations
