@@ -744,6 +744,12 @@ class HfQuantConfig(QuantizationConfigMixin):
     Every keyword is a field of `FIELDS`, listed below from that table; a keyword left out takes the field's default.
     A closed choice accepts its enum member or the plain string ("sinq") and is stored as the member.
 
+    Runtime switches outside the config (nothing stored, the weights unchanged): a loaded bfloat16 model's RMSNorms of
+    LlamaRMSNorm's arithmetic compute one-token decode rows in one C call, bit for bit as transformers does
+    (`hfquant.nn.row_norm`; `restore_rms_norms(model)` turns it off, `model.dequantize()` too); the one-row
+    attention kernel is opt-in, `hfquant.nn.row_attention.use_row_attention(model)` (faster eager decode, an output
+    may differ from PyTorch's SDPA by one bfloat16 rounding step; `restore_row_attention(model)` turns it off).
+
     Raises:
         ValueError / TypeError: through `validate_fields`, naming the bad value and what is allowed; ValueError for
             a keyword that is not a field.

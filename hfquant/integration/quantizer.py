@@ -16,7 +16,8 @@ Loading flow (`from_pretrained(path, quantization_config=HfQuantConfig(...))`):
      embedding's tensors, each layer picks its kernel and repacks for it, a tied embedding shares the lm_head's kernel
      tensor (`hfquant.integration.embeddings`), and modules stored in another float dtype get hooks casting their
      output back to the compute dtype; the `nn.Linear` layers left in float become `FloatLinear`s
-     (`hfquant.nn.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV).
+     (`hfquant.nn.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV), and the RMSNorms of known
+     classes compute a single bfloat16 row in one C call (`hfquant.nn.row_norm`).
 Reloading a saved checkpoint (`config.json` has `quantization_config`) skips step 2: the stored tensors load as
 they are, with their stored dtypes.
 """
@@ -71,6 +72,7 @@ from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts
 from hfquant.nn.float_linear import use_float_linear
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import LayerPlan, plan_layers, restore_kernel_buffers
+from hfquant.nn.row_norm import use_row_rms_norms
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "register"]
 
@@ -277,6 +279,8 @@ class HfQuantQuantizer(HfQuantizer):
         keep_expert_scale_conversions(model)
         # the float lm_head is the largest weight an int4 model reads per decoded token: single rows skip oneDNN
         counts["float"] = use_float_linear(model)
+        # one-row RMSNorms in one C call (eager decode): the class's own forward bit for bit, swapped back on dequantize
+        counts["rms_norm_row"] = use_row_rms_norms(model)
         if not self.pre_quantized:
             clipping = self.quantization_config.clipping
             requantize_disk_offloaded(model, self.plan.folds, clipping, self.plan.compute_dtype, offload_weight)

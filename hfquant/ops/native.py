@@ -97,6 +97,10 @@ _SIGNATURES = {
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
     "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
     "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 4 + [_POINTER],
+    "hfquant_rms_norm_row": [_POINTER] * 3 + [_INT64, ctypes.c_float],  # called as torch.ops.hfquant_cpu.rms_norm_row
+    "hfquant_attention_row": [_POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _POINTER]
+    + [_INT64] * 4
+    + [ctypes.c_float],  # called as torch.ops.hfquant_cpu.attention_row
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 

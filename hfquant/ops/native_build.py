@@ -66,6 +66,8 @@ SOURCES = tuple(
         "blocks_quant_cpu.c",
         "sinq_cpu.c",
         "isa_cpu.c",
+        "norm_cpu.c",
+        "attention_cpu.c",
     )
 )
 """The C sources, compiled into one library (`int4_cpu.so`, and with `CPP_SOURCE` into `torch_ops.so`)."""

@@ -123,7 +123,7 @@ def block_gemv_group(
 
 
 def _register_fakes() -> None:
-    """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype."""
+    """Output shapes for torch.compile's tracing: (1, N) in the activation's dtype (the GEMVs), x's (the norm)."""
 
     @torch.library.register_fake("hfquant_cpu::int4_gemv")
     def _(x, weight, scale_zero, group_size):
@@ -144,6 +144,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hfquant_cpu::block_gemv_group")
     def _(x, weights, in_features, ggml_types):
         return x.new_empty((1, sum(weight.shape[0] for weight in weights)))
+
+    @torch.library.register_fake("hfquant_cpu::rms_norm_row")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("hfquant_cpu::attention_row")
+    def _(query, key, value, scale):
+        return query.new_empty((1, 1, query.shape[1], query.shape[3]))
 
     @torch.library.register_fake("hfquant_cpu::int8_gemv")
     def _(x, weight, scale):

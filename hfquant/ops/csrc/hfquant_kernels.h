@@ -81,6 +81,14 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
 /* bf16_cpu.c: bfloat16 weights (the float layers hfquant keeps) */
 int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k);
 
+/* norm_cpu.c: RMSNorm of one bfloat16 row, transformers' LlamaRMSNorm arithmetic bit for bit */
+int hfquant_rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);
+
+/* attention_cpu.c: scaled dot-product attention of one query row over a key/value cache (grouped-query) */
+int hfquant_attention_row(const uint16_t *q, int64_t q_head_stride, const uint16_t *k, const uint16_t *v,
+                          int64_t kv_head_stride, int64_t kv_token_stride, uint16_t *out, int64_t heads,
+                          int64_t kv_heads, int64_t tokens, int64_t dim, float scale);
+
 /* rtn_cpu.c: round-to-nearest quantization in one pass */
 int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
                          uint8_t *codes, uint16_t *scale, uint8_t *zero_point);

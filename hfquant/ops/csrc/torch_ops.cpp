@@ -142,6 +142,50 @@ at::Tensor block_gemv_group(const at::Tensor &x, at::TensorList weights, int64_t
   return y;
 }
 
+// RMSNorm of one row (csrc/norm_cpu.c): x (..., n) holding one row, weight (n,), both contiguous bfloat16; output
+// x's shape, bfloat16, equal to transformers' LlamaRMSNorm forward bit for bit
+at::Tensor rms_norm_row(const at::Tensor &x, const at::Tensor &weight, double eps) {
+  TORCH_CHECK(weight.dim() == 1, "hfquant RMSNorm: weight must be (n,), got shape ", weight.sizes());
+  const int64_t n = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n && x.numel() == n, "hfquant RMSNorm: x must hold one row of ", n,
+              " values, got shape ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "hfquant RMSNorm: x must be a contiguous bfloat16 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "hfquant RMSNorm: weight must be a contiguous bfloat16 CPU tensor, got ", weight.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  int status = hfquant_rms_norm_row(static_cast<const uint16_t *>(x.const_data_ptr()),
+                                    static_cast<const uint16_t *>(weight.const_data_ptr()),
+                                    static_cast<uint16_t *>(y.mutable_data_ptr()), n, static_cast<float>(eps));
+  TORCH_CHECK(status == 0, "hfquant RMSNorm refused n=", n);
+  return y;
+}
+
+// attention of one query row (csrc/attention_cpu.c): query (1, heads, 1, dim), key and value (1, kv_heads, tokens,
+// dim), bfloat16 CPU, the last dimension contiguous; output (1, 1, heads, dim) bfloat16 (transformers' attention
+// functions' layout)
+at::Tensor attention_row(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() && query.size(0) == 1 &&
+                  query.size(2) == 1 && key.size(0) == 1 && query.size(3) == key.size(3),
+              "hfquant attention: needs query (1, heads, 1, dim) and key, value (1, kv_heads, tokens, dim), got ",
+              query.sizes(), ", ", key.sizes(), ", ", value.sizes());
+  for (const at::Tensor *t : {&query, &key, &value})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1,
+                "hfquant attention: tensors must be bfloat16 on CPU with a contiguous last dimension");
+  TORCH_CHECK(value.stride(1) == key.stride(1) && value.stride(2) == key.stride(2),
+              "hfquant attention: key and value must have the same strides");
+  const int64_t heads = query.size(1), dim = query.size(3);
+  at::Tensor out = at::empty({1, 1, heads, dim}, query.options());
+  int status = hfquant_attention_row(
+      static_cast<const uint16_t *>(query.const_data_ptr()), query.stride(1),
+      static_cast<const uint16_t *>(key.const_data_ptr()), static_cast<const uint16_t *>(value.const_data_ptr()),
+      key.stride(1), key.stride(2), static_cast<uint16_t *>(out.mutable_data_ptr()), heads, key.size(1), key.size(2),
+      dim, static_cast<float>(scale));
+  TORCH_CHECK(status == 0, "hfquant attention refused heads=", heads, ", kv_heads=", key.size(1), ", tokens=",
+              key.size(2), " (status ", status, ")");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -151,6 +195,8 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("block_gemv(Tensor x, Tensor weight, int in_features, int ggml_type) -> Tensor");
   m.def("block_gemv_group(Tensor x, Tensor[] weights, int in_features, int[] ggml_types) -> Tensor");
+  m.def("rms_norm_row(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("attention_row(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -160,4 +206,6 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("block_gemv", &block_gemv);
   m.impl("block_gemv_group", &block_gemv_group);
+  m.impl("rms_norm_row", &rms_norm_row);
+  m.impl("attention_row", &attention_row);
 }

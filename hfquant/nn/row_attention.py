@@ -1,0 +1,111 @@
+"""One-query-row attention for eager decoding: transformers' "sdpa" attention, except that a batch-1 decode step
+(one query row, no mask) on bfloat16 CPU tensors runs hfquant's C kernel (`torch.ops.hfquant_cpu.attention_row`,
+`csrc/attention_cpu.c`) instead of PyTorch's CPU flash-attention kernel.
+
+Why: that kernel costs 16 us at 16 cached tokens, 60 us at 80 and 290 us at 400 for SmolLM2-135M's 9 heads of one
+query (one thread), three to four times the C kernel's time, 30 calls a step (docs/performance.md, issue #32).
+
+How it is installed: the function is registered with transformers' `AttentionInterface` (and "sdpa"'s mask function
+with `AttentionMaskInterface`) under `ATTENTION_NAME`, and a model whose `config._attn_implementation` is "sdpa"
+switches to that name (`use_row_attention`; `restore_row_attention` switches back; transformers does not save the
+field, so a saved config is unchanged). Everything else (prefill, batches, masks, sliding windows, other dtypes or
+devices, gradients, compiled graphs) calls transformers' "sdpa" function (`sdpa_attention_forward`) with the same
+arguments.
+
+Accuracy: as the flash kernel's (PyTorch 2.13, bfloat16): float32 scores, softmax sum and products, the
+unnormalized probabilities rounded to bfloat16 for the product with V. Its exp and summation order are not reproduced:
+about one output in 25 differs from it by one bfloat16 step (tests/nn/test_row_attention.py bounds the error against
+a float64 reference). That can flip a greedy token where two logits are a step or two apart (1 of 4 SmolLM2 prompts
+within 64 tokens, docs/performance.md), so the kernel is opt-in: `use_row_attention(model)`, named in
+`HfQuantConfig`'s docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from hfquant.ops import torch_ops
+
+__all__ = ["ATTENTION_NAME", "row_attention_forward", "use_row_attention", "restore_row_attention"]
+
+ATTENTION_NAME = "hfquant_sdpa"
+"""The `attn_implementation` name of `row_attention_forward` in transformers' interfaces."""
+
+_ATTENTION_ROW = None
+"""`torch.ops.hfquant_cpu.attention_row.default`, set by `use_row_attention` once the operators are loaded."""
+
+_SDPA = AttentionInterface()["sdpa"]
+"""transformers' "sdpa" attention function (`sdpa_attention_forward`), which every other call goes to."""
+
+
+def _one_row(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs
+) -> bool:
+    return (
+        _ATTENTION_ROW is not None
+        and not torch.compiler.is_compiling()
+        and attention_mask is None
+        and query.shape[0] == 1
+        and query.shape[2] == 1
+        and query.dtype == torch.bfloat16
+        and key.dtype == torch.bfloat16
+        and query.device.type == "cpu"
+        and dropout == 0.0
+        and kwargs.get("sliding_window") is None
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and not kwargs.get("output_attentions", False)
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+    )
+
+
+def row_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function signature: query (batch, heads, q_len, dim), key and value (batch,
+    kv_heads, kv_len, dim); returns ((batch, q_len, heads, dim), None). One bfloat16 CPU query row without mask goes to
+    the C kernel (scale `scaling`, or dim ** -0.5), anything else to transformers' "sdpa" function."""
+    if _one_row(module, query, key, attention_mask, dropout, kwargs) and key.stride(3) == 1 and value.stride(3) == 1:
+        if value.stride(1) == key.stride(1) and value.stride(2) == key.stride(2) and query.stride(3) == 1:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return _ATTENTION_ROW(query, key, value, scale), None
+    return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _register() -> None:
+    global _SDPA
+    _SDPA = AttentionInterface()["sdpa"]
+    AttentionInterface.register(ATTENTION_NAME, row_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, AttentionMaskInterface()["sdpa"])
+
+
+def use_row_attention(model: nn.Module) -> bool:
+    """Switch `model` (its config's `_attn_implementation`) from "sdpa" to `row_attention_forward`, where hfquant's
+    operators are loaded (`torch_ops.loaded()`) and the model uses "sdpa" (a string, no per-submodel dict). Returns
+    whether it switched."""
+    global _ATTENTION_ROW
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not torch_ops.loaded():
+        return False
+    _register()
+    _ATTENTION_ROW = torch.ops.hfquant_cpu.attention_row.default
+    config._attn_implementation = ATTENTION_NAME
+    return True
+
+
+def restore_row_attention(model: nn.Module) -> bool:
+    """Inverse of `use_row_attention`: the model's config back to "sdpa". Returns whether it switched."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        return False
+    config._attn_implementation = "sdpa"
+    return True

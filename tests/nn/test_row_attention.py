@@ -1,0 +1,95 @@
+"""One-query-row attention (`hfquant.nn.row_attention`, `csrc/attention_cpu.c`): within float32 summation error and
+the bfloat16 roundings of the probabilities and the output of a float64 reference, only for one bfloat16 query row
+without mask, and switched on and off through the config's `_attn_implementation`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import tiny_model
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hfquant.nn import row_attention
+from hfquant.nn.row_attention import ATTENTION_NAME, restore_row_attention, row_attention_forward, use_row_attention
+from hfquant.ops import torch_ops
+
+pytestmark = pytest.mark.skipif(not torch_ops.loaded(), reason="hfquant's operators unavailable (no C/C++ compiler)")
+
+
+def _qkv(heads: int, kv_heads: int, tokens: int, dim: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, 1, heads, dim, generator=generator) * 3).to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, kv_heads, tokens, dim, generator=generator).to(torch.bfloat16)
+    v = torch.randn(1, kv_heads, tokens, dim, generator=generator).to(torch.bfloat16)
+    return q, k, v
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 80, 700])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 64), (16, 4, 128), (8, 2, 72)])
+def test_kernel_is_within_one_rounding_of_the_exact_attention(tokens, heads, kv_heads, dim):
+    q, k, v = _qkv(heads, kv_heads, tokens, dim, seed=tokens + heads)
+    scale = dim**-0.5
+    got = torch.ops.hfquant_cpu.attention_row(q, k, v, scale)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale, enable_gqa=True)
+    exact = exact.transpose(1, 2)
+    flash = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
+    assert got.shape == (1, 1, heads, dim) and got.dtype == torch.bfloat16
+    # the output's bfloat16 rounding (2^-8 relative), the probabilities' (2^-9 relative each, as the flash kernel
+    # rounds them: at most 2^-9 * sum_t p_t |v_t|) and float32 sums over dim and tokens (|v| < 6 here)
+    weighted = F.scaled_dot_product_attention(q.double(), k.double(), v.double().abs(), scale=scale, enable_gqa=True)
+    bound = 2.0**-8 * exact.abs() + 2.0**-9 * weighted.transpose(1, 2) + (dim + tokens) * 2.0**-23 * 6
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert (got.double() - exact).abs().mean() <= (flash.double() - exact).abs().mean() * 1.05
+
+
+def test_operator_refuses_what_it_cannot_compute():
+    q, k, v = _qkv(9, 3, 4, 64)
+    with pytest.raises(RuntimeError, match="query"):
+        torch.ops.hfquant_cpu.attention_row(q.expand(2, -1, -1, -1), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="refused"):
+        torch.ops.hfquant_cpu.attention_row(q[:, :8], k, v, 0.125)  # 8 heads over 3 kv heads
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("case", ["mask", "two rows", "float32", "batch"])
+def test_everything_but_one_unmasked_row_is_transformers_sdpa(case, monkeypatch):
+    monkeypatch.setattr(row_attention, "_ATTENTION_ROW", torch.ops.hfquant_cpu.attention_row.default)
+    q, k, v = _qkv(9, 3, 6, 64)
+    mask = None
+    if case == "mask":
+        mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    elif case == "two rows":
+        q = torch.cat([q, q], dim=2)
+    elif case == "float32":
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        q, k, v = (t.expand(2, -1, -1, -1) for t in (q, k, v))
+    expected, _ = sdpa_attention_forward(_Attention(), q, k, v, mask, scaling=0.125)
+    got, _ = row_attention_forward(_Attention(), q, k, v, mask, scaling=0.125)
+    assert torch.equal(got, expected)
+
+
+def test_the_switch_changes_only_the_config_and_decode_steps():
+    model = tiny_model("llama", dtype=torch.bfloat16, attn_implementation="sdpa")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prefill = model(input_ids=ids, use_cache=True)
+        step = model(input_ids=ids[:, :1], cache=prefill.past_key_values, use_cache=True).logits
+        assert use_row_attention(model) and model.config._attn_implementation == ATTENTION_NAME
+        assert "attn_implementation" not in model.config.to_json_string()
+        again = model(input_ids=ids, use_cache=True)
+        row = model(input_ids=ids[:, :1], cache=again.past_key_values, use_cache=True).logits
+    assert torch.equal(again.logits, prefill.logits)  # the prefill keeps sdpa
+    assert torch.allclose(row.float(), step.float(), atol=0.05) and row.argmax() == step.argmax()
+    assert restore_row_attention(model) and model.config._attn_implementation == "sdpa"
+    assert not restore_row_attention(model)
+
+
+def test_an_eager_model_is_left_alone():
+    model = tiny_model("llama", dtype=torch.bfloat16, attn_implementation="eager")
+    assert not use_row_attention(model) and model.config._attn_implementation == "eager"
