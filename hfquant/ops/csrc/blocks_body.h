@@ -429,8 +429,18 @@ BK_TARGET static inline __m512 BK_NAME(scale_pair_)(__m512i p, __m128 v, __m512 
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v)), acc);
 }
 
-/* signed_step_ of two blocks: acc + d * (the dot of signed codes q with the activations), x negated where q < 0 (the
- * products of _mm256_sign_epi8, which AVX-512 lacks) */
+/* signed_step_ of two blocks: acc + d * (the dot of signed codes with the activations), from their unsigned codes
+ * u = q + 128 (q ^ 0x80) against x, vpdpbusd starting from bias4's -128 times each 4 activations' sum: per int32 lane
+ * the same integer as signed_step_'s abs / sign products (AVX-512 lacks _mm256_sign_epi8), so the same bytes */
+BK_TARGET static inline __m512 BK_NAME(unsigned_pair_)(__m512i u, const uint8_t *w, int64_t bytes, const ActRow *a,
+                                                       int64_t b, __m512 acc) {
+    const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(a->bias4 + 8 * b)), u, x);
+    return BK_NAME(scale_pair_)(p, BK_NAME(halves_dx_)(w, bytes, a, b), acc);
+}
+
+/* signed_step_ of two blocks with the sign moved onto x where q < 0 (Q8_0: its codes + 128 through unsigned_pair_ were
+ * 0.95x as fast, one more 64-byte load per two blocks) */
 BK_TARGET static inline __m512 BK_NAME(signed_pair_)(__m512i q, const uint8_t *w, int64_t bytes, const ActRow *a,
                                                      int64_t b, __m512 acc) {
     const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
@@ -449,8 +459,9 @@ BK_TARGET static inline __m512 BK_NAME(q8_0_pair_)(const uint8_t *w, const ActRo
 
 BK_TARGET static inline __m512 BK_NAME(iq4_nl_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
                                                      int64_t bytes, __m256i grid) {
-    const __m512i g = _mm512_shuffle_epi8(_mm512_broadcast_i64x4(grid), BK_NAME(nibbles64_)(w + 2, bytes));
-    return BK_NAME(signed_pair_)(g, w, bytes, a, b, acc);
+    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i64x4(grid), _mm512_set1_epi8((char)0x80));
+    const __m512i u = _mm512_shuffle_epi8(grid_u, BK_NAME(nibbles64_)(w + 2, bytes));
+    return BK_NAME(unsigned_pair_)(u, w, bytes, a, b, acc);
 }
 
 /* legacy_step_ of two blocks */

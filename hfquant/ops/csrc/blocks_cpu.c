@@ -22,7 +22,8 @@
  * order, so the same bytes as one block at a time (Q4_1 in 0.6x the time, Q4_K 0.9x: docs/performance.md). HQ3_R
  * there takes one 64-weight block per 512-bit step on its grid plus 128 (unsigned), its dot started from -128 times
  * the activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation
- * scales per 16 inputs); both computed once per call with the quantized row. One
+ * scales per 16 inputs); both computed once per call with the quantized row. IQ4_NL takes the same start for its
+ * grid plus 128 (no sign moved onto the activation: 1.27x as fast). One
  * OpenMP region per call: the threads split the activation blocks to quantize, then the rows. hfquant_block_gemv_group
  * takes several weights of one block size reading the same x (a fused q/k/v or gate/up group, types may differ): x
  * quantized once, one region, each weight's outputs the bytes of its own call. The quantized row lives on the caller's
@@ -122,8 +123,9 @@ typedef struct {
     int8_t *q;
     int32_t *sums;
     int32_t *sums32; /* per = 256: the sum of q per 32 inputs (pairs of sums), for the 32-weight minimums of Q4_K */
-    int32_t *bias4;  /* HQ3_R (else NULL): -128 times the sum of q per 4 inputs, the start of the unsigned-grid dots */
-    float *dxs;      /* HQ3_R (else NULL): d of each input's block, once per 16 inputs (one per sub-block) */
+    int32_t *bias4;  /* per = 32 on AVX-512 (else NULL): -128 times the sum of q per 4 inputs, the start of the dots of
+                      * codes + 128 (HQ3_R, IQ4_NL) */
+    float *dxs;      /* with bias4: d of each input's block, once per 16 inputs (HQ3_R: one per sub-block) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -407,13 +409,14 @@ int hfquant_block_gemv_supported(int64_t type) {
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
-/* The activation row's scratch: d, q, sums, sums32 and (HQ3_R on AVX-512: hq3_r) bias4 and dxs in one buffer, each
- * part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 30000 inputs, 15000 for HQ3_R),
- * else one allocation. */
+/* The activation row's scratch: d, q, sums, sums32 and (activation blocks of 32 on AVX-512: starts) bias4 and dxs in
+ * one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 30000 inputs,
+ * 15000 with starts), else one allocation. */
 enum { ACT_STACK = 40960 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int hq3_r, int64_t offsets[6]) {
-    const int64_t sizes[6] = {(k / block) * 4, k, (k / sum_every) * 4, (k / 32) * 4, hq3_r ? k : 0, hq3_r ? k / 4 : 0};
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int64_t offsets[6]) {
+    const int64_t sizes[6] = {(k / block) * 4,       k, (k / sum_every) * 4, (k / 32) * 4,
+                              starts ? k : 0 /* bias4 */, starts ? k / 4 : 0 /* dxs */};
     int64_t total = 0;
     for (int i = 0; i < 6; i++) {
         offsets[i] = total;
@@ -445,8 +448,9 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
     int64_t at[6];
-    const int vnni = cpu_vnni(), hq3_r = vnni && block == 64; /* the AVX-512 HQ3_R step reads bias4 and dxs */
-    const int64_t need = act_layout(k, per, sum_every, hq3_r, at);
+    /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
+    const int vnni = cpu_vnni(), starts = vnni && per == 32;
+    const int64_t need = act_layout(k, per, sum_every, starts, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
     if (scratch == NULL) return 2;
@@ -455,8 +459,8 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.q = (int8_t *)(scratch + at[1]);
     a.sums = (int32_t *)(scratch + at[2]);
     a.sums32 = (int32_t *)(scratch + at[3]);
-    a.bias4 = hq3_r ? (int32_t *)(scratch + at[4]) : NULL;
-    a.dxs = hq3_r ? (float *)(scratch + at[5]) : NULL;
+    a.bias4 = starts ? (int32_t *)(scratch + at[4]) : NULL;
+    a.dxs = starts ? (float *)(scratch + at[5]) : NULL;
     if (vnni)
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else
