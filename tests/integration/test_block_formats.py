@@ -146,8 +146,9 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spe
     assert any(layers[n].format.block != first for n in layers if n.endswith("v_proj"))
     model.save_pretrained(tmp_path / "q")
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert set(saved["module_overrides"]) == set(layers)
+    assert set(saved["module_overrides"]) == set(layers) | {"lm_head"}  # every table's block type, by name
     assert all(saved["module_overrides"][n]["format"] == layers[n].format.block for n in layers)
+    assert saved["module_overrides"]["lm_head"] == {"format": "q8_0"}
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     again = _layers(reloaded)
     assert all(torch.equal(again[n].weight, layers[n].weight) for n in layers)
