@@ -163,11 +163,13 @@ class EmbeddingDtype(Choice):
 
 
 class LmHead(Choice):
-    """`lm_head`: "keep" (float) or a quantized storage ("int8" / "int4", `QuantLinear`)."""
+    """`lm_head`: "keep" (float), a quantized storage ("int8" / "int4", `QuantLinear`) or "q6_k" (llama.cpp's Q6_K
+    blocks, `q8_0` where 256 does not divide the rows)."""
 
     KEEP = "keep"
     INT8 = "int8"
     INT4 = "int4"
+    Q6_K = "q6_k"
 
 
 class DecodeActivations(Choice):
@@ -252,13 +254,22 @@ def default_mixed_precision(bits: int) -> MixedPrecision:
 
 
 def default_lm_head(bits: Any, format: Any, embedding_dtype: Any = EmbeddingDtype.AUTO) -> LmHead:
-    """The `lm_head` used when none is given (the one place that decides it): "int8" (per-channel, `QuantLinear`) with
-    the 4-bit int format when `embedding_dtype` is "auto", else "keep".
+    """The `lm_head` used when none is given (the one place that decides it), when `embedding_dtype` is "auto": "int8"
+    (per-channel, `QuantLinear`) with the 4-bit int format, "q6_k" (llama.cpp's Q6_K blocks, 6.5625 bits per weight;
+    q8_0 where 256 does not divide the rows) with hfquant's 3-bit budget formats (`BUDGET_FORMATS`: `bits=3.5`'s
+    hq3_r, hq3_nl, hq3_0); else "keep".
 
     Why int8: the bf16 output layer was the largest weight a 4-bit decode step read (llama.cpp keeps its output layer
     in 6-8 bits beside 4-bit layers); int8 decodes the 1.2B benchmark model 1.18x faster eager, 1.15x compiled (paired
     rounds) for SmolLM2 perplexity 1.147x -> 1.148x bf16's (docs/performance.md, "An int8 lm_head for the 4-bit
     default"). A tied model with the defaults stores its one tensor in int8 (tied: quantized if either field asks).
+    Why q6_k at 3.5 bits: llama.cpp's Q3_K_M stores its output layer in Q6_K; on the 1.2B benchmark model the bf16
+    lm_head (128256 x 2048) was a third of the bytes of a `bits=3.5` decode step; with an int8 head a step reads
+    about 88% of the 4-bit default's bytes (694 / 784 MiB), with Q6_K about 83% (45 MiB less). SmolLM2 perplexity of
+    `bits=3.5` is 1.569x bf16's with the bf16 head, 1.570x with int8, 1.568x with q8_0 (its rows of 576 take q8_0);
+    the 1.2B's bits=3.5 / bits=4 decode went from 0.85x to 0.91-0.96x (CPU time per token, with the faster HQ3_R
+    GEMV) (docs/performance.md, "Issue #30: a faster HQ3_R GEMV, IQ4_NL at Q4_0's GB/s, a Q6_K lm_head for
+    bits=3.5").
     Why "keep" when the user gives `embedding_dtype`: a tied lm_head then follows the embedding as it always did (an
     int8 default would be a second format for one tied tensor, an error, with "int4" and with a float dtype alike),
     and explicit configs behave as before. An explicit `lm_head` always wins; a config.json without the field reloads
@@ -269,8 +280,12 @@ def default_lm_head(bits: Any, format: Any, embedding_dtype: Any = EmbeddingDtyp
         format: the `format` ("auto" or resolved; a string or `QuantFormat`).
         embedding_dtype: the `embedding_dtype` (a string or `EmbeddingDtype`).
     """
-    int4 = bits == 4 and resolve_format(format, bits) == QuantFormat.INT
-    return LmHead.INT8 if int4 and embedding_dtype == EmbeddingDtype.AUTO else LmHead.KEEP
+    if embedding_dtype != EmbeddingDtype.AUTO:
+        return LmHead.KEEP
+    resolved = resolve_format(format, bits)
+    if resolved in BUDGET_FORMATS:
+        return LmHead.Q6_K
+    return LmHead.INT8 if bits == 4 and resolved == QuantFormat.INT else LmHead.KEEP
 
 
 def default_symmetric(bits: int) -> bool:
@@ -602,9 +617,10 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "lm_head",
-        "the output embedding: 'keep' (float, unless tied to a quantized input embedding) or int8 / int4 "
-        "(QuantLinear: int8 per channel, int4 in groups). Default (default_lm_head): int8 at 4 bits in the "
-        "int format with embedding_dtype 'auto', else keep; a config.json without the field means keep. "
+        "the output embedding: 'keep' (float, unless tied to a quantized input embedding), int8 / int4 "
+        "(QuantLinear: int8 per channel, int4 in groups) or q6_k (llama.cpp's Q6_K blocks; q8_0 where 256 does not "
+        "divide the rows). Default (default_lm_head), with embedding_dtype 'auto': int8 at 4 bits in the int format, "
+        "q6_k with the 3-bit budget formats (bits=3.5), else keep; a config.json without the field means keep. "
         "Tied to the input embedding, both are one tensor, stored once and quantized if either field asks for it "
         "(two different formats are an error)",
         LmHead,

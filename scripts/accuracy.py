@@ -131,6 +131,11 @@ CONFIGS = {
     "hq3_nl-auto": dict(format="hq3_nl", mixed_precision="auto"),
     "hq3_r": dict(format="hq3_r"),
     "hq3_r-auto": dict(format="hq3_r", mixed_precision="auto"),
+    "hq3_r-auto-head-keep": dict(format="hq3_r", mixed_precision="auto", lm_head="keep"),
+    "hq3_r-auto-head-int8": dict(format="hq3_r", mixed_precision="auto", lm_head="int8"),
+    "hq3_r-auto-head-q8_0": dict(
+        format="hq3_r", mixed_precision="auto", module_overrides={"model.embed_tokens": {"format": "q8_0"}}
+    ),
 }
 LLAMA_CPP = {f"llama.cpp-{name}": name for name in [*BLOCK_FORMATS, *(f"{n}-auto" for n in BLOCK_RULE_ROWS)]}
 """llama.cpp's own quantizer on the same weights: each row quantizes the layers hfquant's config of the same name

@@ -36,7 +36,7 @@ from benchmarks.machine import describe  # noqa: E402
 from hfquant.core import blocks  # noqa: E402
 from hfquant.ops import gemv, torch_ops  # noqa: E402
 
-TYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+TYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl", "hq3_r")
 SHAPES = ("2048x2048", "512x2048", "8192x2048", "2048x8192", "128256x2048")
 _SHIM = r"""
 #include <stddef.h>
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 gbs = weight.nbytes / us / 1e3
                 q4_0_gbs.setdefault((n, k, t), gbs)
                 cells = [f"{us:.1f}", f"{gbs:.1f}", f"{gbs / q4_0_gbs[(n, k, t)]:.2f}", "-", "-"]
-                run = llama.call(fmt.ggml_type, weight, x.contiguous(), t) if llama else None
+                run = llama.call(fmt.ggml_type, weight, x.contiguous(), t) if llama and fmt.gguf else None
                 if run is not None:
                     ll = _best_us(run)
                     cells[3:] = [f"{ll:.1f}", f"{ll / us:.2f}x"]

@@ -134,9 +134,11 @@ def _refuse_block_formats(hfconfig: HfQuantConfig, headers: dict) -> None:
     """Refuse a checkpoint with layers in a block format (llama.cpp's types), which compressed-tensors cannot express.
 
     Raises:
-        ValueError: naming the first such layer, its format, how many there are and what to do instead.
+        ValueError: naming the first such layer (one in hfquant's own formats if any), its format, how many there are
+            and what to do instead.
     """
-    layers = list(block_layers(hfconfig, headers).items())
+    # hfquant's own formats named first (a 3-bit budget's layers beside its q6_k / q8_0 lm_head): no GGUF either
+    layers = sorted(block_layers(hfconfig, headers).items(), key=lambda item: blocks.LAYOUTS[item[1]].gguf)
     if layers:
         name, fmt = layers[0]
         gguf = all(blocks.LAYOUTS[f].gguf for _, f in layers)

@@ -103,9 +103,12 @@ def _quantized(storage: str | None) -> bool:
 
 def _storage_format(storage: str, config: HfQuantConfig, in_features: int) -> StoredFormat | None:
     """The stored format of a table stored as `storage` ("int8"/"int4", or a block format) whose rows have
-    `in_features` values, None when it has no group size / the block size does not divide them."""
+    `in_features` values: a block format whose blocks do not divide them takes its fallback type (`lm_head="q6_k"`
+    on rows of 576: q8_0); None when it has no group size / no block size divides them."""
     if storage in blocks.LAYOUTS:
         fmt = StoredFormat.of_block(storage)
+        if not fmt.layout.divides(in_features) and fmt.layout.fallback is not None:
+            fmt = StoredFormat.of_block(fmt.layout.fallback)  # llama.cpp's type for such rows (q6_k -> q8_0)
         return fmt if fmt.layout.divides(in_features) else None
     return quantized_format(storage, config, in_features)
 

@@ -224,6 +224,18 @@ def plan_norm_casts(model: nn.Module, config: HfQuantConfig, compute: torch.dtyp
     }
 
 
+def _name_block_tables(config: HfQuantConfig, embeddings: EmbeddingPlan) -> None:
+    """Give each embedding / output embedding stored in a block format (`lm_head="q6_k"`, or its q8_0 fallback) an
+    exact-name `module_overrides` entry with that format, unless one names it already: what a GGUF import writes, so
+    config.json says which block type each table holds (`checkpoint.schema.block_layers` reads the entries)."""
+    tables = {name: fmt for name, fmt in embeddings.formats.items() if fmt.block is not None}
+    if embeddings.head is not None and embeddings.head.format.block is not None:
+        tables[embeddings.head.name] = embeddings.head.format
+    entries = {name: {"format": fmt.block} for name, fmt in tables.items() if name not in config.module_overrides}
+    if entries:
+        config.prepend_overrides(entries)
+
+
 def plan_load(
     model: nn.Module,
     config: HfQuantConfig,
@@ -239,6 +251,7 @@ def plan_load(
         ValueError: `lm_head` and `embedding_dtype` ask two different formats for one tied tensor.
     """
     embeddings: EmbeddingPlan = plan_embeddings(model, config, compute)
+    _name_block_tables(config, embeddings)
     head = [embeddings.head] if embeddings.head is not None else []
     swapped = {plan.name for plan in head} | {target for target, _ in embeddings.ties}
     norms = plan_norm_casts(model, config, compute)

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from hfquant import HfQuantConfig
 from hfquant.core import blocks
+from hfquant.core.allocation import BUDGET_FORMATS
 from hfquant.nn.linear import QuantLinear
 
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -27,7 +28,10 @@ def wide_checkpoint(tmp_path_factory):
 
 
 def _layers(model):
-    return {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    """The decoder's quantized layers (the lm_head follows its own field: q6_k with the 3-bit budget formats)."""
+    return {
+        name: module for name, module in model.named_modules() if isinstance(module, QuantLinear) and name != "lm_head"
+    }
 
 
 @pytest.mark.parametrize("name", list(blocks.LAYOUTS))
@@ -35,6 +39,10 @@ def test_block_format_loads_computes_and_reloads_bit_exactly(wide_checkpoint, tm
     model = AutoModelForCausalLM.from_pretrained(wide_checkpoint, quantization_config=HfQuantConfig(format=name))
     layers = _layers(model)
     assert len(layers) == 14
+    if name in BUDGET_FORMATS:  # config.default_lm_head: llama.cpp's Q3_K_M output type (rows of 256)
+        assert isinstance(model.lm_head, QuantLinear) and model.lm_head.format.block == "q6_k"
+    else:
+        assert not isinstance(model.lm_head, QuantLinear)
     layout = blocks.layout(name)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     for layer in layers.values():
@@ -128,6 +136,7 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spe
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     layers = _layers(model)
     assert len(layers) == 14
+    assert model.lm_head.format.block == "q8_0"  # the q6_k default's fallback on rows of 96
     stored_bits = sum(layer.weight.numel() * 8 for layer in layers.values())  # row headers included
     weights = sum(layer.in_features * layer.out_features for layer in layers.values())
     assert stored_bits / weights <= 3.5
@@ -137,8 +146,9 @@ def test_the_3_5_bit_budget_writes_every_layers_format_and_reloads(tmp_path, spe
     assert any(layers[n].format.block != first for n in layers if n.endswith("v_proj"))
     model.save_pretrained(tmp_path / "q")
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert set(saved["module_overrides"]) == set(layers)
+    assert set(saved["module_overrides"]) == set(layers) | {"lm_head"}  # every table's block type, by name
     assert all(saved["module_overrides"][n]["format"] == layers[n].format.block for n in layers)
+    assert saved["module_overrides"]["lm_head"] == {"format": "q8_0"}
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     again = _layers(reloaded)
     assert all(torch.equal(again[n].weight, layers[n].weight) for n in layers)

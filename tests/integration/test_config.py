@@ -394,6 +394,10 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         (dict(bits=8), "keep"),
         (dict(format="q4_k"), "keep"),  # a block format: a GGUF export's own output type
         (dict(bits=3), "keep"),
+        (dict(bits=3.5), "q6_k"),  # the 3-bit budget formats: llama.cpp's Q3_K_M output type
+        (dict(format="hq3_r"), "q6_k"),
+        (dict(format="hq3_nl", mixed_precision="none"), "q6_k"),
+        (dict(bits=3.5, embedding_dtype="bfloat16"), "keep"),
         (dict(embedding_dtype="int8"), "keep"),  # a tied head follows the quantized embedding as before
         (dict(embedding_dtype="int4"), "keep"),
         (dict(embedding_dtype="bfloat16"), "keep"),  # an int8 default would conflict with a tied float table
@@ -403,7 +407,7 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         (dict(embedding_dtype="int4", lm_head="int8"), "int8"),  # wins here too (a tied model then refuses it)
     ],
 )
-def test_the_lm_head_default_is_int8_for_the_4_bit_int_format_with_embedding_dtype_auto(given, lm_head):
+def test_the_lm_head_default_is_int8_for_the_4_bit_int_format_and_q6_k_for_the_3_bit_budget(given, lm_head):
     config = HfQuantConfig(**given)
     assert config.lm_head == lm_head and isinstance(config.lm_head, LmHead)
     assert HfQuantConfig.from_dict(config.to_dict()).lm_head == lm_head  # saved, it reloads as written

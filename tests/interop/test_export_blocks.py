@@ -78,8 +78,9 @@ def test_both_exports_refuse_hfquants_own_block_format_by_name_before_writing(tm
     with pytest.raises(ValueError, match=rf"hfquant's own block format {name} \(14 layer\(s\)\).*nothing was written"):
         export_checkpoint(tmp_path / "q", tmp_path / "q.gguf", format="gguf")
     assert not (tmp_path / "q.gguf").exists()
+    # 15: the 14 layers and the lm_head, q8_0 (the 3-bit formats' q6_k lm_head on rows of 64)
     with pytest.raises(
-        ValueError, match=rf"hfquant's block format {name} \(14 layer\(s\) in block formats\)"
+        ValueError, match=rf"hfquant's block format {name} \(15 layer\(s\) in block formats\)"
     ) as error:
         export_checkpoint(tmp_path / "q", tmp_path / "ct")
     assert "--format gguf" not in str(error.value)

@@ -241,6 +241,33 @@ def test_untied_lm_head_is_quantized_separately(float_checkpoint, tmp_path):
     assert torch.equal(model_output(reloaded, input_ids()), model_output(model, input_ids()))
 
 
+@pytest.mark.parametrize(
+    "arch, hidden, block", [("llama", 256, "q6_k"), ("llama_tied", 256, "q6_k"), ("llama", 64, "q8_0")]
+)
+def test_the_3_5_bit_budget_stores_the_lm_head_in_q6_k_or_q8_0_where_256_does_not_divide_its_rows(
+    float_checkpoint, tmp_path, arch, hidden, block
+):
+    """`bits=3.5`'s default lm_head is "q6_k" (config.default_lm_head), llama.cpp's fallback q8_0 on rows of 64; a
+    tied table is the same blocks (one tensor). The head's logits stay within its blocks' error of the float head's."""
+    path = float_checkpoint(arch, hidden_size=hidden)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=HfQuantConfig(bits=3.5), device_map="cpu")
+    float_head = AutoModelForCausalLM.from_pretrained(path).lm_head
+    assert model.config.quantization_config.lm_head == "q6_k"
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.format.block == block
+    if arch == "llama_tied":
+        embedding = model.model.embed_tokens
+        assert isinstance(embedding, QuantEmbedding) and embedding.format.block == block
+        assert model.lm_head.weight.data_ptr() == embedding.weight.data_ptr()
+    hidden_states = torch.randn((3, hidden), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model.lm_head(hidden_states), float_head(hidden_states)
+    assert cosine_similarity(ours, theirs) > 0.999  # Q6_K / Q8_0 rows: about 1% / 0.3% relative error
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.lm_head.format.block == block
+    assert torch.equal(model_output(reloaded, input_ids()), model_output(model, input_ids()))
+
+
 def test_dequantize_restores_float_tied_embedding(float_checkpoint):
     path = float_checkpoint("llama_tied")
     model = AutoModelForCausalLM.from_pretrained(

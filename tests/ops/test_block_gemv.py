@@ -81,9 +81,10 @@ def _quantized_row(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize(
     "shape",
-    [(64, 512), (33, 256 * 3), (17, 32 * 18), (5, 32 * 3)],
-    # 18 and 3 blocks of 32: the AVX-512 steps of two blocks (four per loop) and the one-block steps after them
-    ids=["64x512", "33x768", "17x576", "5x96"],
+    [(64, 512), (33, 256 * 3), (17, 32 * 18), (5, 32 * 3), (7, 64 * 7)],
+    # 18 and 3 blocks of 32: the AVX-512 steps of two blocks (four per loop) and the one-block steps after them; 9 and
+    # 7 HQ3_R blocks: its AVX-512 loop of four blocks, then one and three one-block steps
+    ids=["64x512", "33x768", "17x576", "5x96", "7x448"],
 )
 def test_block_gemv_is_the_stated_formula_and_within_the_int8_bound(name, shape):
     n, k = shape
