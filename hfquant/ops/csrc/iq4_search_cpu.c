@@ -1,7 +1,7 @@
 /*
- * hfquant's fast IQ4_NL / IQ4_XS search (the default of `hfquant.ops.native.block_quantize` for these types; the
- * exhaustive search of blocks_quant_cpu.c stays behind `search="exhaustive"`). Bytes: llama.cpp's `block_iq4_nl` /
- * `block_iq4_xs` (hfquant/core/blocks/iq4.py's module docstring).
+ * hfquant's fast IQ4_NL / IQ4_XS search (`hfquant.ops.native.block_quantize`'s path for these types, with the
+ * candidates `HFQUANT_IQ4_SEARCH` names, "thorough" by default; "exhaustive" takes blocks_quant_cpu.c's port of the
+ * torch codec instead). Bytes: llama.cpp's `block_iq4_nl` / `block_iq4_xs` (hfquant/core/blocks/iq4.py's docstring).
  *
  * The search is llama.cpp's (`quantize_row_iq4_nl_impl`: a few candidate scales per block of 32, each with its nearest
  * codes and least-squares scale, the best by sqx^2 / sqq), with hfquant's candidates at both ends of the grid and, for
