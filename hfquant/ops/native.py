@@ -879,6 +879,7 @@ def iq4_quantize(
     Raises:
         ValueError: another type, a badly shaped weight or importance, non-finite or negative values, or a search
             with no targets, no super factors or level_options other than 1 or 3.
+        MemoryError: the C search could not allocate its work buffers.
         RuntimeError: the library is unavailable.
     """
     if name not in ("iq4_nl", "iq4_xs"):
@@ -910,6 +911,8 @@ def iq4_quantize(
         int(portable),
         out.data_ptr(),
     )
+    if status == 2:
+        raise MemoryError("hfquant native IQ4 search could not allocate its work buffers")
     if status:
         raise ValueError(f"hfquant native IQ4 search refused {name} with {search}")
     return out

@@ -140,7 +140,8 @@ static int avx512_available(void) {
  * for all 1; `w_period` > 0: w repeats every w_period (super-)blocks (a (K,) importance). `targets` (ntargets):
  * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
- * 1 or 3; `rounds` the refits; `portable` != 0 forces the portable C body. Returns 0, or 1 for bad arguments.
+ * 1 or 3; `rounds` the refits; `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when
+ * a thread's 32 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
@@ -155,13 +156,20 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
     const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
     const int vector = !portable && avx512_available();
     const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
+    int failed = 0;
 #pragma omp parallel
     {
-        float *xt = aligned_alloc(64, 2 * 256 * IS_LANES * sizeof(float)), *wt = xt + 256 * IS_LANES;
+        float *xt = aligned_alloc(64, 2 * 256 * IS_LANES * sizeof(float));
+        float *wt = xt ? xt + 256 * IS_LANES : NULL;
+        if (!xt) {
+#pragma omp atomic write
+            failed = 1;
+        }
         uint8_t codes[256 * IS_LANES];
         float d[IS_LANES], levels[8 * IS_LANES];
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < groups; g++) {
+            if (!xt) continue; /* out of memory: reported below */
             const int64_t first = g * IS_LANES;
             const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
             if (count < IS_LANES)
@@ -199,5 +207,5 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
         }
         free(xt);
     }
-    return 0;
+    return failed ? 2 : 0;
 }
