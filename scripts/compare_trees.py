@@ -66,6 +66,7 @@ METHODS = {
     "int8": {"bits": 8, "group_size": None},
     "int4-rtn": {"bits": 4, "group_size": 128, "method": "rtn"},
     "int4-default": {"bits": 4, "mixed_precision": "auto"},  # SINQ folded, the data-free mixed precision
+    "iq4_xs": {"format": "iq4_xs"},  # SINQ folded, then llama.cpp's IQ4_XS blocks (IQ4_NL where 256 does not divide)
 }
 
 WORKER = r"""

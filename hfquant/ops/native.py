@@ -24,6 +24,7 @@ works, or the build fails. hfquant then uses the aten kernel alone.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -92,6 +93,12 @@ _SIGNATURES = {
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
+    "hfquant_iq4_quantize": [_POINTER] * 2
+    + [_INT64] * 2
+    + [_INT, _POINTER, _INT64, _POINTER, _INT64, _INT64]
+    + [ctypes.c_float]
+    + [_INT64] * 3
+    + [_POINTER],
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
@@ -781,6 +788,8 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
     """
     if name in KQUANT_TYPES:
         return kquant_quantize(name, weight, importance)
+    if name in ("iq4_nl", "iq4_xs") and iq4_search_mode() != "exhaustive":
+        return iq4_quantize(name, weight, importance)
     if name not in BLOCK_QUANTIZE_TYPES:
         raise ValueError(f"block_quantize covers {list(BLOCK_QUANTIZE_TYPES)}; got {name!r}")
     library = _loaded_library(any_x86=True)
@@ -865,6 +874,121 @@ def _legacy_iq4_search(
         0 if params2 is None else params2.numel(),
         out.data_ptr(),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Iq4Search:
+    """The candidates of the fast IQ4_NL / IQ4_XS search (`csrc/iq4_search_cpu.c`).
+
+    Attributes:
+        targets: the grid values the largest weight of a 32-weight block is mapped to, one candidate scale each
+            (llama.cpp's data-free scan maps it to -127 + t, t in [-7, 7]).
+        refine: then this many pairs of candidates target * (1 +- step) around each block's best target so far,
+            the step halving after each pair.
+        refine_step: the first pair's relative step.
+        super_factors: IQ4_XS: super-block scale candidates peak / -32 / f and peak / 31 / f for each f.
+        level_options: IQ4_XS: 6-bit levels tried per block around scale / d (1 or 3).
+        rounds: least-squares refits (IQ4_XS: of d; IQ4_NL: of the block's float16 scale).
+    """
+
+    targets: tuple[float, ...] = (-127.0, -119.0, 113.0, 121.0)
+    refine: int = 0
+    refine_step: float = 0.05
+    super_factors: tuple[float, ...] = (1.0,)
+    level_options: int = 3
+    rounds: int = 1
+
+
+def _both_ends(factors) -> tuple[float, ...]:
+    return tuple([iq4.KVALUES[0] * f for f in factors] + [iq4.KVALUES[-1] * f for f in factors])
+
+
+IQ4_SEARCHES = {
+    "fast": Iq4Search(targets=_both_ends((0.8, 0.8667, 0.9333, 1.0, 1.0667, 1.1333, 1.2))),
+    "thorough": Iq4Search(
+        targets=_both_ends(iq4._FACTORS.tolist()), super_factors=tuple(iq4._SUPER_FACTORS.tolist()), rounds=3
+    ),
+}
+"""`HFQUANT_IQ4_SEARCH`'s searches in `csrc/iq4_search_cpu.c`: "thorough" (the default: the exhaustive search's
+candidates, 42 scales per block over 0.8-1.2 at both ends of the grid, 10 super-block scales, 3 refits; its errors
+equal the exhaustive search's to 4 digits, SmolLM2 1.120x, MiniLM 0.9859) and "fast" (14 scales per block over the
+same range, one super-block scale at each end, one refit: 0.3-0.4% more squared error but SmolLM2 1.139x;
+docs/performance.md, "The IQ4 search at load speed"). "exhaustive" is the torch codec's search (`block_quantize`'s C
+port of `iq4.quantize_iq4_xs`, its bytes bit for bit)."""
+
+
+def iq4_search_mode() -> str:
+    """`HFQUANT_IQ4_SEARCH` (unset: "thorough"): one of `IQ4_SEARCHES` or "exhaustive".
+
+    Raises:
+        ValueError: another value, naming the choices.
+    """
+    mode = os.environ.get("HFQUANT_IQ4_SEARCH", "thorough").strip().lower() or "thorough"
+    if mode not in (*IQ4_SEARCHES, "exhaustive"):
+        raise ValueError(f"HFQUANT_IQ4_SEARCH={mode!r}: use one of {[*IQ4_SEARCHES, 'exhaustive']}")
+    return mode
+
+
+def iq4_quantize(
+    name: str,
+    weight: torch.Tensor,
+    importance: torch.Tensor | None = None,
+    search: Iq4Search | None = None,
+    portable: bool = False,
+) -> torch.Tensor:
+    """IQ4_NL / IQ4_XS blocks of `weight` by the fast search in C (`csrc/iq4_search_cpu.c`: llama.cpp's
+    `quantize_row_iq4_nl_impl` scan with hfquant's candidates, 16 blocks per AVX-512 vector), blocks split over
+    threads.
+
+    Args:
+        name: "iq4_nl" or "iq4_xs".
+        weight: (rows, K) finite float CPU tensor, K a multiple of 32 (iq4_nl) or 256 (iq4_xs).
+        importance: None (all 1, the types' data-free default) or (K,) or (rows, K) float weights >= 0 of each
+            element's squared error.
+        search: the candidates (`Iq4Search`; None: `IQ4_SEARCHES[iq4_search_mode()]`, "thorough" for "exhaustive").
+        portable: use the portable C body even where AVX-512 runs (the same bytes; for tests).
+    Returns:
+        (rows, K // block_size * type_size) uint8, GGUF's bytes.
+    Raises:
+        ValueError: another type, a badly shaped weight or importance, non-finite or negative values, or a search
+            with no targets, no super factors or level_options other than 1 or 3.
+        MemoryError: the C search could not allocate its work buffers.
+        RuntimeError: the library is unavailable.
+    """
+    if name not in ("iq4_nl", "iq4_xs"):
+        raise ValueError(f"iq4_quantize covers iq4_nl and iq4_xs; got {name!r}")
+    if search is None:
+        search = IQ4_SEARCHES.get(iq4_search_mode(), IQ4_SEARCHES["thorough"])
+    library = _loaded_library(any_x86=True)
+    fmt = blocks.layout(name)
+    x, w = _block_search_inputs(name, fmt, weight, importance)
+    rows, k = x.shape
+    period = k // fmt.block_size if w is not None and w.dim() == 1 else 0
+    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    targets = torch.tensor(search.targets, dtype=torch.float32)
+    factors = torch.tensor(search.super_factors, dtype=torch.float32)
+    status = library.hfquant_iq4_quantize(
+        x.data_ptr(),
+        _as_float_pointer(w),
+        period,
+        rows * (k // fmt.block_size),
+        _LEGACY_IQ4_TYPES[name],
+        targets.data_ptr(),
+        targets.numel(),
+        factors.data_ptr(),
+        factors.numel(),
+        search.refine,
+        search.refine_step,
+        search.level_options,
+        search.rounds,
+        int(portable),
+        out.data_ptr(),
+    )
+    if status == 2:
+        raise MemoryError("hfquant native IQ4 search could not allocate its work buffers")
+    if status:
+        raise ValueError(f"hfquant native IQ4 search refused {name} with {search}")
+    return out
 
 
 def _block_search_inputs(

@@ -13,6 +13,14 @@ from hfquant.ops import native
 
 pytestmark = pytest.mark.skipif(native.built_library() is None, reason="native library unavailable here")
 
+
+@pytest.fixture(autouse=True)
+def _exhaustive_iq4_search(monkeypatch):
+    """These tests hold the C port of the torch codecs' searches to their bytes: IQ4_NL / IQ4_XS take it under
+    HFQUANT_IQ4_SEARCH=exhaustive (the fast default search is tests/ops/test_iq4_search.py's)."""
+    monkeypatch.setenv("HFQUANT_IQ4_SEARCH", "exhaustive")
+
+
 TYPES = list(native.KQUANT_TYPES)
 BLOCK32_TYPES = [name for name in native.BLOCK_QUANTIZE_TYPES if name not in native.KQUANT_TYPES]
 

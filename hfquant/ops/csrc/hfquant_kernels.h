@@ -64,6 +64,12 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
                            const float *params, int64_t nparams, const float *params2, int64_t nparams2,
                            uint8_t *out);
 
+/* iq4_search_cpu.c: the fast IQ4_NL / IQ4_XS search (types 20, 23), GGUF's bytes out */
+int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
+                         const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
+                         int64_t refine, float refine_step, int64_t level_options, int64_t rounds, int64_t portable,
+                         uint8_t *out);
+
 /* blocks_quant_cpu.c: hfquant's search for its own HQ3_0 (3-bit codes, 32-weight blocks), hq3.py's bytes out */
 int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,
                          int64_t ntargets, uint8_t *out);

@@ -1,0 +1,211 @@
+/*
+ * hfquant's fast IQ4_NL / IQ4_XS search (`hfquant.ops.native.block_quantize`'s path for these types, with the
+ * candidates `HFQUANT_IQ4_SEARCH` names, "thorough" by default; "exhaustive" takes blocks_quant_cpu.c's port of the
+ * torch codec instead). Bytes: llama.cpp's `block_iq4_nl` / `block_iq4_xs` (hfquant/core/blocks/iq4.py's docstring).
+ *
+ * The search is llama.cpp's (`quantize_row_iq4_nl_impl`: a few candidate scales per block of 32, each with its nearest
+ * codes and least-squares scale, the best by sqx^2 / sqq), with hfquant's candidates at both ends of the grid and, for
+ * IQ4_XS, a scan of the float16 super-block scale with the best of three 6-bit levels per block and least-squares
+ * refits of it (iq4.py `quantize_iq4_xs`'s steps with fewer candidates). What makes it fast:
+ * - 16 blocks or super-blocks at once, one per vector lane (the group transposed), so sums need no horizontal adds;
+ * - the nearest code without a search: u = x / scale falls in one of 32 buckets of width 8 (floor(u / 8) + 16,
+ *   clamped), each holding at most one midpoint of the grid (neighbouring midpoints are >= 11.5 apart), so the code is
+ *   the bucket's count of midpoints below it plus (u >= its midpoint): two table lookups and a compare (vpermt2d /
+ *   vpermt2ps), ties to the larger value as `Grid.index`;
+ * - errors from the sums (d^2 sqq - 2 d sqx = error - sum w x^2), no second pass over the weights.
+ * iq4_search_body.h holds the search, compiled for AVX-512 (when the CPU has AVX512F/BW/DQ/VL) and in portable C;
+ * both give the same bytes (tests/ops/test_iq4_search.py).
+ */
+#pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "hfquant_kernels.h"
+
+#define IS_LANES 16
+
+static const float iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* bucket b covers u in [8 (b - 16), 8 (b - 15)): the count of grid midpoints below its lower end, and the midpoint
+ * inside it (+inf: none). Midpoints: -115.5 -93.5 -74 -57 -42 -28.5 -16 -4.5 7 19 31.5 45.5 61 79 101. */
+static int32_t iq4_bucket_base[32];
+static float iq4_bucket_mid[32];
+
+static void iq4_tables(void) {
+    static int ready = 0;
+    if (__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) return;
+    for (int b = 0; b < 32; b++) {
+        const float low = 8.0f * (float)(b - 16);
+        int below = 0;
+        float inside = INFINITY;
+        for (int i = 0; i < 15; i++) {
+            const float mid = (iq4_values[i] + iq4_values[i + 1]) / 2.0f;
+            below += mid < low;
+            if (mid >= low && mid < low + 8.0f) inside = mid;
+        }
+        iq4_bucket_base[b] = below;
+        iq4_bucket_mid[b] = inside;
+    }
+    __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
+}
+
+/* the grid index nearest to u (ties to the larger value): the bucket rule above */
+static inline int iq4_code(float u) {
+    float t = u * 0.125f + 16.0f;
+    t = t < 0.0f ? 0.0f : (t > 31.0f ? 31.0f : t);
+    const int bucket = (int)t;
+    return iq4_bucket_base[bucket] + (u >= iq4_bucket_mid[bucket]);
+}
+
+/* round half to even (torch.round) for |value| < 2**22 */
+static inline float iq4_round(float value) {
+    const float magic = 12582912.0f;
+    return fabsf(value) < 4194304.0f ? (value + magic) - magic : value;
+}
+
+static inline float iq4_clamp(float value, float lo, float hi) { return value < lo ? lo : (value > hi ? hi : value); }
+
+/* the float16 value nearest to `value`, clamped to +-65504 */
+static inline float iq4_half(float value) { return (float)(_Float16)iq4_clamp(value, -65504.0f, 65504.0f); }
+
+typedef struct {
+    const float *targets; /* block stage: the largest weight of a block lands on each of these grid values */
+    int ntargets;
+    int refine;        /* then `refine` pairs target * (1 +- step) around each lane's best, step halving per pair */
+    float refine_step;
+    const float *super_factors; /* IQ4_XS: d = peak block scale / (-32 or 31) / each factor */
+    int nsuper;
+    int level_options; /* IQ4_XS: 6-bit levels tried per block around scale / d: 1 or 3 */
+    int rounds;        /* least-squares refits of d (IQ4_XS) or of the block scale (IQ4_NL) */
+} iq4_search_t;
+
+#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define IS_SUFFIX _avx512
+#define IS_AVX512 1
+#include "iq4_search_body.h"
+#undef IS_TARGET
+#undef IS_SUFFIX
+#undef IS_AVX512
+
+#define IS_TARGET
+#define IS_SUFFIX _portable
+#define IS_AVX512 0
+#include "iq4_search_body.h"
+
+static void put_half16(uint8_t *out, float value) {
+    _Float16 h = (_Float16)value;
+    memcpy(out, &h, 2);
+}
+
+/* lane l of a group: d f16, scales_h, scales_l[4] (iq4.py's module docstring; qs by `iq4_xs_put_codes_`) */
+static void write_xs_scales(const float *d, const float *levels, int l, uint8_t *o) {
+    uint16_t high = 0;
+    uint8_t ls[8];
+    for (int j = 0; j < 8; j++) {
+        ls[j] = (uint8_t)(levels[j * IS_LANES + l] + 32.0f);
+        high |= (uint16_t)(((ls[j] >> 4) & 3) << (2 * j));
+    }
+    put_half16(o, d[l]);
+    o[2] = (uint8_t)(high & 255);
+    o[3] = (uint8_t)(high >> 8);
+    for (int j = 0; j < 4; j++) o[4 + j] = (uint8_t)((ls[2 * j] & 15) | ((ls[2 * j + 1] & 15) << 4));
+}
+
+static void write_nl(const float *d, const uint8_t *codes, int l, uint8_t *o) {
+    put_half16(o, d[l]);
+    for (int i = 0; i < 16; i++) o[2 + i] = (uint8_t)(codes[i * IS_LANES + l] | (codes[(i + 16) * IS_LANES + l] << 4));
+}
+
+/* rows k < size of lanes l < count: xt[k * 16 + l] = src[l * size + k]; lanes past count are zeros */
+static void transpose_in(const float *src, int64_t stride, int count, int size, float *xt) {
+    for (int l = 0; l < IS_LANES; l++)
+        for (int k = 0; k < size; k++) xt[k * IS_LANES + l] = l < count ? src[l * stride + k] : 0.0f;
+}
+
+static int avx512_available(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                __builtin_cpu_supports("fma");
+    }
+    return known;
+}
+
+/*
+ * Quantize `nblocks` blocks (type 20, IQ4_NL: 32 weights) or super-blocks (type 23, IQ4_XS: 256) of float32 weights
+ * `x` into `out` (18 or 136 bytes each) by the fast search. `w`: each element's weight in the squared error, NULL
+ * for all 1; `w_period` > 0: w repeats every w_period (super-)blocks (a (K,) importance). `targets` (ntargets):
+ * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
+ * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
+ * 1 or 3; `rounds` the refits; `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when
+ * a thread's 32 KiB work buffer could not be allocated.
+ */
+int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
+                         const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
+                         int64_t refine, float refine_step, int64_t level_options, int64_t rounds, int64_t portable,
+                         uint8_t *out) {
+    if ((type != 20 && type != 23) || ntargets < 1 || refine < 0 || (type == 23 && nsuper < 1) || rounds < 0 ||
+        (level_options != 1 && level_options != 3))
+        return 1;
+    iq4_tables();
+    const iq4_search_t s = {targets, (int)ntargets, (int)refine, refine_step,
+                            super_factors, (int)nsuper, (int)level_options, (int)rounds};
+    const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
+    const int vector = !portable && avx512_available();
+    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *xt = aligned_alloc(64, 2 * 256 * IS_LANES * sizeof(float));
+        float *wt = xt ? xt + 256 * IS_LANES : NULL;
+        if (!xt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        uint8_t codes[256 * IS_LANES];
+        float d[IS_LANES], levels[8 * IS_LANES];
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!xt) continue; /* out of memory: reported below */
+            const int64_t first = g * IS_LANES;
+            const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
+            if (count < IS_LANES)
+                transpose_in(x + first * size, size, count, size, xt);
+            else if (vector)
+                iq4_transpose_in__avx512(x + first * size, size, xt);
+            else
+                iq4_transpose_in__portable(x + first * size, size, xt);
+            const float *wg = NULL;
+            if (w != NULL) { /* a period divides the group only by chance: gather lane by lane */
+                for (int l = 0; l < IS_LANES; l++) {
+                    const int64_t b = first + (l < count ? l : 0);
+                    const float *src = w + (w_period > 0 ? b % w_period : b) * size;
+                    for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
+                }
+                wg = wt;
+            }
+            if (type == 23) {
+                if (vector)
+                    iq4_xs_group__avx512(xt, wg, &s, d, levels, codes);
+                else
+                    iq4_xs_group__portable(xt, wg, &s, d, levels, codes);
+                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + (first + l) * type_size);
+                if (vector)
+                    iq4_xs_put_codes__avx512(codes, count, out + first * type_size);
+                else
+                    iq4_xs_put_codes__portable(codes, count, out + first * type_size);
+            } else {
+                if (vector)
+                    iq4_nl_group__avx512(xt, wg, &s, d, codes);
+                else
+                    iq4_nl_group__portable(xt, wg, &s, d, codes);
+                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + (first + l) * type_size);
+            }
+        }
+        free(xt);
+    }
+    return failed ? 2 : 0;
+}
