@@ -637,9 +637,9 @@ def check_targets(rows: list[dict], speed: bool = True) -> list[dict]:
     With `speed` (the 1B workload, which the speed targets are set for): decode int8 >= 2.0x bf16, int4 >= 3.0x bf16,
     both >= 1.2x torchao at the same bits and >= 1.2x llama.cpp on the same weights (`LLAMA_CPP_PEERS`); prefill
     <= 1.2x bf16; quantization >= 1.5 GB/s for RTN, >= 0.25 GB/s for
-    SINQ (the 4-bit default); hfquant-int4 decode within 5% of hfquant-int4-rtn (the load: `load_targets`). Without `speed` (the small
-    model): the compiled fast path ('+compile' rows) of each int4 method >= 0.8x llama.cpp on the same weights. On
-    every workload: peak RSS growth <= 1.05 x tensor bytes + 64 MiB.
+    SINQ (the 4-bit default); hfquant-int4 decode within 5% of hfquant-int4-rtn (the load: `load_targets`). Without
+    `speed` (the small model): the compiled fast path ('+compile' rows) of each int4 method >= 0.8x llama.cpp on the
+    same weights. On every workload: peak RSS growth <= 1.05 x tensor bytes + 64 MiB.
     """
     checks = []
 
