@@ -325,7 +325,6 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i three = _mm256_set1_epi8(3);
     const __m128i nibble = _mm_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 84) {
@@ -361,6 +360,7 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
         }
         const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1));
 #else
+        const __m256i three = _mm256_set1_epi8(3);
         const __m256i scale_bytes = _mm256_broadcastsi128_si256(lows);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
@@ -382,7 +382,6 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
 #if BK_MASKED
     /* two 32-weight blocks per 512-bit dot of unsigned grid + 128 (g ^ 0x80) with x; the 128 * sum(x) excess comes
      * off once per super-block against sums32 (vpdpbusd's int32 sums do not saturate; every term < 2^31) */
@@ -425,6 +424,7 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
         const __m256i sumi = _mm256_sub_epi32(
             _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1)), excess);
 #else
+        const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 8 + 16 * j));
