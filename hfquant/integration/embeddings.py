@@ -26,12 +26,13 @@ from torch import nn
 from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core import blocks
 from hfquant.core.dtypes import torch_dtype
-from hfquant.core.format import StoredFormat
+from hfquant.core.format import Method, StoredFormat
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import (
     QUANTIZED_STORAGE,
     LayerPlan,
+    block_format,
     embedding_kind,
     output_embedding,
     quantized_format,
@@ -106,10 +107,7 @@ def _storage_format(storage: str, config: HfQuantConfig, in_features: int) -> St
     `in_features` values: a block format whose blocks do not divide them takes its fallback type (`lm_head="q6_k"`
     on rows of 576: q8_0); None when it has no group size / no block size divides them."""
     if storage in blocks.LAYOUTS:
-        fmt = StoredFormat.of_block(storage)
-        if not fmt.layout.divides(in_features) and fmt.layout.fallback is not None:
-            fmt = StoredFormat.of_block(fmt.layout.fallback)  # llama.cpp's type for such rows (q6_k -> q8_0)
-        return fmt if fmt.layout.divides(in_features) else None
+        return block_format(storage, in_features, Method.RTN)[0]  # the layers' rule, fallback included
     return quantized_format(storage, config, in_features)
 
 
