@@ -717,7 +717,7 @@ def kquant_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | 
     library = _loaded_library(any_x86=True)
     x, w = _block_search_inputs(name, blocks.layout(name), weight, importance)
     rows, k = x.shape
-    period = k // 256 if w is not None and w.dim() == 1 else 0
+    period = _importance_period(w, k, 256)
 
     type_size = blocks.layout(name).type_size
     out = torch.empty(rows, k // 256 * type_size, dtype=torch.uint8)
@@ -963,7 +963,7 @@ def iq4_quantize(
     fmt = blocks.layout(name)
     x, w = _block_search_inputs(name, fmt, weight, importance)
     rows, k = x.shape
-    period = k // fmt.block_size if w is not None and w.dim() == 1 else 0
+    period = _importance_period(w, k, fmt.block_size)
     out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
     targets = torch.tensor(search.targets, dtype=torch.float32)
     factors = torch.tensor(search.super_factors, dtype=torch.float32)
