@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import types
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from hfquant.core.binding import bind
 from hfquant.core.optional import PEFT
 from hfquant.integration.counting import count_quantized_weights_in_peft
 from hfquant.nn.linear import QuantLinear
@@ -183,8 +183,8 @@ def _merge_into_float(peft_model: PeftModel) -> None:
     """Make `peft_model.merge_adapter()` / `merge_and_unload()` say where the update went, and `merge_and_unload()`
     return a float model (set on the `LoraModel` instance, as `count_quantized_weights_in_peft` sets its methods)."""
     lora_model = peft_model.base_model
-    lora_model.merge_adapter = types.MethodType(_merge_adapter, lora_model)
-    lora_model.merge_and_unload = types.MethodType(_merge_and_unload, lora_model)
+    lora_model.merge_adapter = bind(_merge_adapter, lora_model)
+    lora_model.merge_and_unload = bind(_merge_and_unload, lora_model)
 
 
 def _with_hfquant_layers(model: nn.Module, config: LoraConfig) -> LoraConfig:

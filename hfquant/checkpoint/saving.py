@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from hfquant.checkpoint.publish import (
     publish_folder,
     temporary_folder,
 )
+from hfquant.core.binding import bind, is_bound
 
 __all__ = ["WEIGHT_FILE", "attach_staged_save", "is_weight_file", "save_staged"]
 
@@ -177,9 +177,8 @@ def _source_folder(model) -> Path | None:
 
 
 def attach_staged_save(model) -> None:
-    """Make `model.save_pretrained` go through `save_staged`; this instance only, idempotent. A bound method (not a
-    closure), so that `copy.deepcopy(model)` saves the copy."""
-    current = getattr(model, "save_pretrained", None)
-    if isinstance(current, types.MethodType) and current.__func__ is _staged_save_pretrained:
+    """Make `model.save_pretrained` go through `save_staged`; this instance only, idempotent. Bound by
+    `core.binding.bind` (not a closure), so that `copy.deepcopy(model)` saves the copy and `torch.save(model)` pickles."""
+    if is_bound(getattr(model, "save_pretrained", None), _staged_save_pretrained):
         return
-    model.save_pretrained = types.MethodType(_staged_save_pretrained, model)
+    model.save_pretrained = bind(_staged_save_pretrained, model)

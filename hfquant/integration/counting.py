@@ -13,9 +13,9 @@ quantizer can fill, so hfquant sets them on the model instances it returns: the 
 
 from __future__ import annotations
 
-import types
-
 from torch import nn
+
+from hfquant.core.binding import bind
 
 __all__ = ["quantized_weight_count", "count_quantized_weights", "count_quantized_weights_in_peft"]
 
@@ -51,7 +51,7 @@ def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool
 
 def count_quantized_weights(model: nn.Module) -> None:
     """Make `model.num_parameters()` count hfquant's quantized weights (see the module docstring)."""
-    model.num_parameters = types.MethodType(_num_parameters, model)
+    model.num_parameters = bind(_num_parameters, model)
 
 
 def _nb_trainable_parameters(self) -> tuple[int, int]:
@@ -63,4 +63,4 @@ def _nb_trainable_parameters(self) -> tuple[int, int]:
 def count_quantized_weights_in_peft(peft_model: nn.Module) -> None:
     """Make a `PeftModel`'s `get_nb_trainable_parameters()` / `print_trainable_parameters()` count hfquant's
     quantized weights in "all params"."""
-    peft_model.get_nb_trainable_parameters = types.MethodType(_nb_trainable_parameters, peft_model)
+    peft_model.get_nb_trainable_parameters = bind(_nb_trainable_parameters, peft_model)

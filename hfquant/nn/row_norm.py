@@ -21,6 +21,7 @@ weight before installing the kernel, and leaves the module alone where it differ
 
 from __future__ import annotations
 
+import copyreg
 import functools
 
 import torch
@@ -70,6 +71,13 @@ class RowRMSNorm:
         ):
             return _RMS_NORM_ROW(hidden_states, weight, self.variance_epsilon)
         return super().forward(hidden_states)
+
+    def __reduce_ex__(self, protocol: int):
+        """Pickled (`torch.save(model)`, `copy.deepcopy`, multiprocessing) as the norm's own transformers class: the
+        subclass is made at run time and has no importable name. The copy computes the same outputs through the
+        class's forward; `use_row_rms_norms` gives it the kernel again."""
+        _, _, *rest = super().__reduce_ex__(protocol)
+        return (copyreg._reconstructor, (type(self).__bases__[1], object, None), *rest)
 
 
 _RMS_NORM_ROW = None

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import tempfile
-import types
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from huggingface_hub.utils import HFValidationError, get_session, validate_repo_
 
 from hfquant.checkpoint.files import stays_inside
 from hfquant.checkpoint.source import base_model_of
+from hfquant.core.binding import bind, is_bound
 from hfquant.publishing.cards import asked_settings, build_card, is_hfquant_card, read_base_model
 
 __all__ = [
@@ -276,12 +276,9 @@ def push_folder(
 
 def attach_model_card(model) -> None:
     """Make `model.push_to_hub` push with hfquant's card (`push_model_to_hub`); idempotent, this instance only."""
-    if (
-        isinstance(getattr(model, "push_to_hub", None), types.MethodType)
-        and model.push_to_hub.__func__ is push_model_to_hub
-    ):
+    if is_bound(getattr(model, "push_to_hub", None), push_model_to_hub):
         return
-    model.push_to_hub = types.MethodType(push_model_to_hub, model)
+    model.push_to_hub = bind(push_model_to_hub, model)
 
 
 def _loaded_from(model) -> tuple[str | None, str | None]:

@@ -1,0 +1,61 @@
+"""A quantized model pickles (`torch.save(model)`, `copy.deepcopy`): the methods hfquant sets on the instance and the
+one-row RMSNorm's run-time classes used to make `torch.save` / `torch.load` fail."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from helpers import tiny_model
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hfquant import HfQuantConfig
+from hfquant.checkpoint import saving
+from hfquant.nn.row_norm import RowRMSNorm
+from hfquant.ops import torch_ops
+
+
+def _quantized(tmp_path):
+    tiny_model("llama", dtype=torch.bfloat16).save_pretrained(tmp_path / "float")
+    return AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=HfQuantConfig(bits=4, group_size=32), dtype=torch.bfloat16
+    )
+
+
+def _decode(model) -> list[torch.Tensor]:
+    """Logits of a 5-token prefill, then of three one-token steps (the RMSNorm kernel's calls)."""
+    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        logits = [out.logits]
+        for step in range(3):
+            out = model(input_ids=ids[:, step : step + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+    return logits
+
+
+def _norms(model) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if isinstance(module, LlamaRMSNorm)]
+
+
+def test_torch_save_and_load_give_the_same_outputs_and_counts(tmp_path):
+    model = _quantized(tmp_path)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model), _decode(loaded), strict=True))
+    assert loaded.num_parameters() == model.num_parameters() > sum(p.numel() for p in model.parameters())
+    if torch_ops.loaded():  # the kernel's classes pickle as transformers' own: the copy runs the class's forward
+        assert len(_norms(model)) == 5 and all(isinstance(norm, RowRMSNorm) for norm in _norms(model))
+        assert all(type(norm) is LlamaRMSNorm for norm in _norms(loaded))
+
+
+def test_a_deep_copy_saves_itself_through_the_staged_writer(tmp_path):
+    model = _quantized(tmp_path)
+    clone = copy.deepcopy(model)
+    assert clone.save_pretrained.func is saving._staged_save_pretrained
+    assert clone.save_pretrained.args[0] is clone
+    clone.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
+    saved, again = model.state_dict(), reloaded.state_dict()
+    assert saved.keys() == again.keys() and all(torch.equal(saved[name], again[name]) for name in saved)
