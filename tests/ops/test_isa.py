@@ -41,10 +41,10 @@ GROUPS = {256: ["q2_k", "q4_k", "q6_k"], 32: ["q4_0", "q8_0", "iq4_nl"]}
 ATTENTION = {
     "9x3x64": (9, 3, 64, 45),
     "8x2x72": (8, 2, 72, 19),
-    "16x4x128": (16, 4, 128, 300),
+    "16x4x128": (16, 4, 128, 600),
     "2x1x24": (2, 1, 24, 7),
 }
-"""The attention shapes compared: heads, kv heads, head size, cached tokens (whole and partial blocks of 8)."""
+"""The attention shapes compared: heads, kv heads, head size, cached tokens (whole and partial groups of 8, two softmax blocks)."""
 
 
 def _inputs() -> dict:

@@ -37,6 +37,7 @@
 
 #define LANES 8
 #define MAX_CHUNKS 32 /* head sizes up to 256 */
+#define BLOCK 512     /* keys per softmax block, as the flash kernel's kv_split_size (a multiple of LANES) */
 _Static_assert(LANES == 8, "lanes_sum and lanes_sum8 add 8 lanes");
 #define INLINE static inline __attribute__((always_inline))
 
@@ -100,7 +101,9 @@ typedef struct {
     int64_t q_head_stride, kv_token_stride, group, tokens, dim, padded; /* padded: tokens rounded up to LANES */
     uint16_t *out;                                                      /* the group's first output row */
     float scale;
-    float *scores; /* group x padded floats */
+    float *scores;      /* group x padded floats */
+    float *factors;     /* group x blocks floats: softmax_row's rescaling factors */
+    int64_t blocks;     /* blocks of BLOCK keys */
     vfloat *qf, *acc; /* group x MAX_CHUNKS vectors each */
 } Group;
 
@@ -152,24 +155,39 @@ INLINE void group_scores(const Group *j, int64_t chunks, int whole) {
         for (t = j->tokens; t < j->padded; t++) j->scores[h * j->padded + t] = -INFINITY;
 }
 
-/* scores -> bf16(exp(s - max)) in place (padded with -infinity, which gives 0); returns 1 / the sum of the
- * unrounded exponentials, summed in LANES lanes by t mod LANES */
-INLINE float softmax_row(float *s, int64_t padded) {
-    vfloat top = splat(-INFINITY), sums = splat(0.0f), x;
-    for (int64_t t = 0; t < padded; t += LANES) {
-        memcpy(&x, s + t, sizeof x);
-        top = pick(x > top, x, top);
-    }
+/* the largest of LANES lanes */
+INLINE float lanes_max(vfloat top) {
     float most = top[0];
     for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
-    for (int64_t t = 0; t < padded; t += LANES) {
-        memcpy(&x, s + t, sizeof x);
-        const vfloat e = exp_lanes(x - splat(most));
-        sums += e;
-        x = round_bf16(e); /* as the flash kernel's bfloat16 P @ V */
-        memcpy(s + t, &x, sizeof x);
+    return most;
+}
+
+/* scores -> bf16(exp(s - max)) in place (padded with -infinity, which gives 0), block after block of BLOCK keys as
+ * the flash kernel does: the max is the running max up to the block, each block's sum (LANES lanes by t mod LANES,
+ * added pairwise) is added to the sum before it times factors[b] = exp(old max - new max), by which P @ V rescales
+ * its sums at the block's start. Returns 1 / the sum of the unrounded exponentials. */
+INLINE float softmax_row(float *s, int64_t padded, float *factors) {
+    float most = -INFINITY, total = 0.0f;
+    for (int64_t start = 0, b = 0; start < padded; start += BLOCK, b++) {
+        const int64_t end = start + BLOCK < padded ? start + BLOCK : padded;
+        vfloat top = splat(-INFINITY), sums = splat(0.0f), x;
+        for (int64_t t = start; t < end; t += LANES) {
+            memcpy(&x, s + t, sizeof x);
+            top = pick(x > top, x, top);
+        }
+        const float block_most = lanes_max(top), previous = most;
+        most = block_most > most ? block_most : most;
+        for (int64_t t = start; t < end; t += LANES) {
+            memcpy(&x, s + t, sizeof x);
+            const vfloat e = exp_lanes(x - splat(most));
+            sums += e;
+            x = round_bf16(e); /* as the flash kernel's bfloat16 P @ V */
+            memcpy(s + t, &x, sizeof x);
+        }
+        factors[b] = b ? exp_lanes(splat(previous - most))[0] : 0.0f;
+        total = b ? lanes_sum(sums) + factors[b] * total : lanes_sum(sums);
     }
-    return 1.0f / lanes_sum(sums);
+    return 1.0f / total;
 }
 
 /* out[h] = bf16((sum_t p_t v_t) * inverse[h]) for the group's heads, token after token, each value row widened once */
@@ -178,6 +196,10 @@ INLINE void group_values(const Group *j, const float *inverse, int64_t chunks, i
     for (int64_t i = 0; i < j->group * MAX_CHUNKS; i++) j->acc[i] = splat(0.0f);
     for (int64_t t = 0; t < j->tokens; t++) {
         load_row(j->v + t * j->kv_token_stride, row, chunks, whole, j->dim);
+        if (t % BLOCK == 0 && t > 0) /* a new block of keys: the sums rescaled to its max */
+            for (int64_t h = 0; h < j->group; h++)
+                for (int64_t c = 0; c < chunks; c++)
+                    j->acc[h * MAX_CHUNKS + c] *= splat(j->factors[h * j->blocks + t / BLOCK]);
         for (int64_t h = 0; h < j->group; h++) {
             const vfloat p = splat(j->scores[h * j->padded + t]);
             vfloat *acc = j->acc + h * MAX_CHUNKS;
@@ -196,7 +218,8 @@ INLINE void attend_group(const Group *j, int64_t chunks, int whole) {
         load_row(j->q + h * j->q_head_stride, j->qf + h * MAX_CHUNKS, chunks, whole, j->dim);
     group_scores(j, chunks, whole);
     float inverse[j->group];
-    for (int64_t h = 0; h < j->group; h++) inverse[h] = softmax_row(j->scores + h * j->padded, j->padded);
+    for (int64_t h = 0; h < j->group; h++)
+        inverse[h] = softmax_row(j->scores + h * j->padded, j->padded, j->factors + h * j->blocks);
     group_values(j, inverse, chunks, whole);
 }
 
@@ -224,7 +247,8 @@ int hfquant_attention_row(const uint16_t *q, int64_t q_head_stride, const uint16
     if (heads <= 0 || kv_heads <= 0 || tokens <= 0 || dim <= 0 || dim > MAX_CHUNKS * LANES || heads % kv_heads)
         return 1;
     const int64_t group = heads / kv_heads, padded = (tokens + LANES - 1) / LANES * LANES;
-    const int64_t per_group = 2 * group * MAX_CHUNKS + group * padded / LANES; /* vectors */
+    const int64_t blocks = (tokens + BLOCK - 1) / BLOCK;
+    const int64_t per_group = 2 * group * MAX_CHUNKS + group * (padded + blocks + LANES - 1) / LANES; /* vectors */
     vfloat *scratch = aligned_alloc(sizeof(vfloat), (size_t)(kv_heads * per_group) * sizeof(vfloat));
     if (scratch == NULL) return 2;
     void (*body)(const Group *) = HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX2) ? attend_avx512
@@ -245,6 +269,8 @@ int hfquant_attention_row(const uint16_t *q, int64_t q_head_stride, const uint16
                          .out = out + g * group * dim,
                          .scale = scale,
                          .scores = (float *)(own + 2 * group * MAX_CHUNKS),
+                         .factors = (float *)(own + 2 * group * MAX_CHUNKS) + group * padded,
+                         .blocks = blocks,
                          .qf = own,
                          .acc = own + group * MAX_CHUNKS};
         body(&j);
