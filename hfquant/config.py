@@ -762,9 +762,12 @@ class HfQuantConfig(QuantizationConfigMixin):
 
     Runtime switches outside the config (nothing stored, the weights unchanged): a loaded bfloat16 model's RMSNorms of
     LlamaRMSNorm's arithmetic compute one-token decode rows in one C call, bit for bit as transformers does
-    (`hfquant.nn.row_norm`; `restore_rms_norms(model)` turns it off, `model.dequantize()` too); the one-row
-    attention kernel is opt-in, `hfquant.nn.row_attention.use_row_attention(model)` (faster eager decode, an output
-    may differ from PyTorch's SDPA by one bfloat16 rounding step; `restore_row_attention(model)` turns it off).
+    (`hfquant.nn.row_norm`; `restore_rms_norms(model)` turns it off, `model.dequantize()` too); a model whose
+    attention is "sdpa" and was not named in `from_pretrained(attn_implementation=...)` attends one decode query row
+    in one C call (`hfquant.nn.row_attention`: faster eager decode; an output may differ from PyTorch's SDPA by one
+    bfloat16 step, so greedy tokens may differ at near-ties as between "eager" and "sdpa"; prefill unchanged).
+    `attn_implementation="sdpa"` at load, `restore_row_attention(model)` or `model.dequantize()` turn it off;
+    `use_row_attention(model)` turns it on; config.json is saved as without it.
 
     Raises:
         ValueError / TypeError: through `validate_fields`, naming the bad value and what is allowed; ValueError for

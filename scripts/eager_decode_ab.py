@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU time per token of SmolLM2-135M's 4-bit default in eager greedy decode, with hfquant's one-row kernels off,
-with the one-row RMSNorms (the default, `hfquant.nn.row_norm`) and with the opt-in one-row attention too
-(`hfquant.nn.row_attention`), in interleaved rounds of one process (issue #32).
+with the one-row RMSNorms only (`hfquant.nn.row_norm`) and with the one-row attention too (`hfquant.nn.row_attention`;
+both are the default after loading), in interleaved rounds of one process (issue #32).
 
 Per round and setting: the process time of a `new_tokens + 1`-token `generate` minus that of a 1-token one (the
 prefill), divided by `new_tokens`; medians (min, max) over the rounds, the wall time beside it, whether each

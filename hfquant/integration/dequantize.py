@@ -15,6 +15,7 @@ from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts
 from hfquant.nn.float_linear import restore_nn_linear
 from hfquant.nn.linear import QuantLinear
+from hfquant.nn.row_attention import restore_row_attention
 from hfquant.nn.row_norm import restore_rms_norms
 
 __all__ = ["float_module", "dequantize_model"]
@@ -35,10 +36,12 @@ def float_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module | No
 def dequantize_model(model: nn.Module, dtype: torch.dtype | str | None, ties: list[tuple[str, str]]) -> nn.Module:
     """Replace every quantized module of `model` by its float module in `dtype` (a dtype name, as transformers passes
     `model.config.dtype` after `save_pretrained`; an unknown name counts as None), the `FloatLinear`s by
-    `nn.Linear`s, the one-row RMSNorms by their own classes (`restore_rms_norms`), and make each tied pair of `ties`
-    (module reading, module holding) one float tensor again. Returns `model`."""
+    `nn.Linear`s, the one-row RMSNorms by their own classes (`restore_rms_norms`), the one-row attention by "sdpa"
+    (`restore_row_attention`), and make each tied pair of `ties` (module reading, module holding) one float tensor
+    again. Returns `model`."""
     restore_nn_linear(model)
     restore_rms_norms(model)
+    restore_row_attention(model)
     if isinstance(dtype, str):
         try:
             dtype = torch_dtype(dtype)

@@ -16,8 +16,9 @@ Loading flow (`from_pretrained(path, quantization_config=HfQuantConfig(...))`):
      embedding's tensors, each layer picks its kernel and repacks for it, a tied embedding shares the lm_head's kernel
      tensor (`hfquant.integration.embeddings`), and modules stored in another float dtype get hooks casting their
      output back to the compute dtype; the `nn.Linear` layers left in float become `FloatLinear`s
-     (`hfquant.nn.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV), and the RMSNorms of known
-     classes compute a single bfloat16 row in one C call (`hfquant.nn.row_norm`).
+     (`hfquant.nn.float_linear`: a single bfloat16 row on CPU skips oneDNN's slow GEMV), the RMSNorms of known
+     classes compute a single bfloat16 row in one C call (`hfquant.nn.row_norm`), and a "sdpa" model not given an
+     `attn_implementation` by name attends one query row in one C call (`hfquant.nn.row_attention`).
 Reloading a saved checkpoint (`config.json` has `quantization_config`) skips step 2: the stored tensors load as
 they are, with their stored dtypes.
 """
@@ -72,6 +73,7 @@ from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts
 from hfquant.nn.float_linear import use_float_linear
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import LayerPlan, plan_layers, restore_kernel_buffers
+from hfquant.nn.row_attention import use_row_attention
 from hfquant.nn.row_norm import use_row_rms_norms
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "register"]
@@ -176,6 +178,7 @@ class HfQuantQuantizer(HfQuantizer):
         super().__init__(copy.deepcopy(quantization_config), **kwargs)
         self.plan = LoadPlan(folds=dict(folds or {}))  # replaced by the pre-load hook's
         self.report = LoadReport()  # replaced by one sized for the checkpoint in the pre-load hook
+        self.attention_requested = False  # set by update_attn_implementation
 
     # -- environment -------------------------------------------------------------------------------------------
 
@@ -189,6 +192,13 @@ class HfQuantQuantizer(HfQuantizer):
         if dtype is not None and dtype != torch_dtype(compute):
             logger.info("hfquant: compute_dtype=%r replaces dtype=%s", compute, dtype_name(dtype))
         return torch_dtype(compute)
+
+    def update_attn_implementation(self, config):
+        """transformers' hook before the model is built: whether `attn_implementation` was passed to
+        `from_pretrained` (then it is kept as asked, "sdpa" included); otherwise a model that gets "sdpa" takes
+        hfquant's one-query-row attention after loading (`hfquant.nn.row_attention`)."""
+        self.attention_requested = getattr(config, "_attn_implementation", None) is not None
+        return config
 
     # -- before loading -----------------------------------------------------------------------------------------
 
@@ -281,6 +291,9 @@ class HfQuantQuantizer(HfQuantizer):
         counts["float"] = use_float_linear(model)
         # one-row RMSNorms in one C call (eager decode): the class's own forward bit for bit, swapped back on dequantize
         counts["rms_norm_row"] = use_row_rms_norms(model)
+        # one-query-row attention in one C call (eager decode) where "sdpa" was not asked for by name; undone by
+        # dequantize and restore_row_attention, never saved (transformers does not write the field)
+        counts["attention_row"] = not self.attention_requested and use_row_attention(model)
         if not self.pre_quantized:
             clipping = self.quantization_config.clipping
             requantize_disk_offloaded(model, self.plan.folds, clipping, self.plan.compute_dtype, offload_weight)

@@ -3,21 +3,25 @@
 `csrc/attention_cpu.c`) instead of PyTorch's CPU flash-attention kernel.
 
 Why: that kernel costs 16 us at 16 cached tokens, 60 us at 80 and 290 us at 400 for SmolLM2-135M's 9 heads of one
-query (one thread), three to four times the C kernel's time, 30 calls a step (docs/performance.md, issue #32).
+query (one thread, Zen 5), the C kernel 4 / 8 / 28 us; 30 calls a step (docs/performance.md, issue #32).
 
 How it is installed: the function is registered with transformers' `AttentionInterface` (and "sdpa"'s mask function
 with `AttentionMaskInterface`) under `ATTENTION_NAME`, and a model whose `config._attn_implementation` is "sdpa"
 switches to that name (`use_row_attention`; `restore_row_attention` switches back; transformers does not save the
-field, so a saved config is unchanged). Everything else (prefill, batches, masks, sliding windows, other dtypes or
-devices, gradients, compiled graphs) calls transformers' "sdpa" function (`sdpa_attention_forward`) with the same
-arguments.
+field, so a saved config.json is unchanged). hfquant's quantizer calls `use_row_attention` after loading (quantizing
+or reloading) unless `attn_implementation` was passed to `from_pretrained` by name, so `attn_implementation="sdpa"`
+keeps PyTorch's kernel and "eager" stays eager; `model.dequantize()` restores "sdpa"; `model.set_attn_implementation`
+works as usual. Everything else (prefill, batches, masks, sliding windows, other dtypes or devices, gradients,
+compiled graphs) calls transformers' "sdpa" function (`sdpa_attention_forward`) with the same arguments.
 
-Accuracy: as the flash kernel's (PyTorch 2.13, bfloat16): float32 scores, softmax sum and products, the
-unnormalized probabilities rounded to bfloat16 for the product with V. Its exp and summation order are not reproduced:
-about one output in 25 differs from it by one bfloat16 step (tests/nn/test_row_attention.py bounds the error against
-a float64 reference). That can flip a greedy token where two logits are a step or two apart (1 of 4 SmolLM2 prompts
-within 64 tokens, docs/performance.md), so the kernel is opt-in: `use_row_attention(model)`, named in
-`HfQuantConfig`'s docstring.
+Accuracy: as the flash kernel's (PyTorch 2.13, bfloat16): float32 scores, softmax sums and products, the
+unnormalized probabilities rounded to bfloat16 for the product with V, the softmax in blocks of 512 keys with the
+running max. Not bit for bit: PyTorch's exp (`exp_u20`, a faster polynomial) and its products (MKL's bfloat16 GEMM,
+whose summation order is not public) are not reproduced, so a few outputs in a hundred differ from it by one
+bfloat16 step (1-14% over the shapes of docs/performance.md); tests/nn/test_row_attention.py bounds the error
+against a float64 reference, the mean error not above the flash kernel's. Prefill (and so perplexity) is unchanged;
+greedy tokens can differ where two logits are a step or two apart, as they do between transformers' "eager" and
+"sdpa" (1 of 4 SmolLM2 prompts within 64 tokens, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ __all__ = ["ATTENTION_NAME", "row_attention_forward", "use_row_attention", "rest
 
 ATTENTION_NAME = "hfquant_sdpa"
 """The `attn_implementation` name of `row_attention_forward` in transformers' interfaces."""
+
+MAX_HEAD_SIZE = 256
+"""The largest head size the C kernel takes (csrc/attention_cpu.c's MAX_CHUNKS * LANES)."""
 
 _ATTENTION_ROW = None
 """`torch.ops.hfquant_cpu.attention_row.default`, set by `use_row_attention` once the operators are loaded."""
@@ -49,6 +56,7 @@ def _one_row(
         and attention_mask is None
         and query.shape[0] == 1
         and query.shape[2] == 1
+        and query.shape[3] <= MAX_HEAD_SIZE
         and query.dtype == torch.bfloat16
         and key.dtype == torch.bfloat16
         and query.device.type == "cpu"

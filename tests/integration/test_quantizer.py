@@ -137,7 +137,8 @@ def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint):
     assert quantizer.report.failed == {} and quantizer.report.out_of_memory == []
     assert {layer.name for layer in quantizer.plan.layers if layer.format is not None} == layers
     assert len(_own_fields(quantizer)) <= 4, _own_fields(quantizer)
-    assert _own_fields(quantizer) == {"plan", "report"}
+    # attention_requested: whether from_pretrained named an attn_implementation (then the one-row attention stays off)
+    assert _own_fields(quantizer) == {"plan", "report", "attention_requested"}
 
 
 def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():

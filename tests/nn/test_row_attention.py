@@ -93,3 +93,65 @@ def test_the_switch_changes_only_the_config_and_decode_steps():
 def test_an_eager_model_is_left_alone():
     model = tiny_model("llama", dtype=torch.bfloat16, attn_implementation="eager")
     assert not use_row_attention(model) and model.config._attn_implementation == "eager"
+
+
+def _quantized(folder, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    from hfquant import HfQuantConfig
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=HfQuantConfig(bits=4, group_size=32), dtype=torch.bfloat16, **kwargs
+    )
+
+
+def test_a_quantized_model_gets_the_kernel_and_saves_the_same_config(tmp_path):
+    """On by default for a "sdpa" model hfquant quantizes or reloads: config.json as saved with "sdpa" (the field is
+    not written), the reloaded model gets it too, and `dequantize` gives "sdpa" back."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama", dtype=torch.bfloat16).save_pretrained(tmp_path / "float")
+    model = _quantized(tmp_path / "float")
+    assert model.config._attn_implementation == ATTENTION_NAME
+    model.save_pretrained(tmp_path / "with")
+    assert restore_row_attention(model)
+    model.save_pretrained(tmp_path / "without")
+    with_kernel, without = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("with", "without"))
+    assert with_kernel == without and ATTENTION_NAME not in json.dumps(with_kernel)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "with", dtype=torch.bfloat16)
+    assert reloaded.config._attn_implementation == ATTENTION_NAME
+    reloaded.dequantize()
+    assert reloaded.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("asked", ["sdpa", "eager"])
+def test_an_attention_asked_for_by_name_is_kept(tmp_path, asked):
+    tiny_model("llama", dtype=torch.bfloat16).save_pretrained(tmp_path / "float")
+    assert _quantized(tmp_path / "float", attn_implementation=asked).config._attn_implementation == asked
+
+
+def test_the_default_decodes_as_sdpa_within_a_bfloat16_step(tmp_path, monkeypatch):
+    """Greedy decoding of the quantized model with and without the kernel: the prefill's logits equal, the decode
+    steps' logits within a few bfloat16 steps (the attention outputs differ by at most one step each) while the
+    tokens are the same, and the kernel runs every decode step of every layer."""
+    tiny_model("llama", dtype=torch.bfloat16).save_pretrained(tmp_path / "float")
+    model = _quantized(tmp_path / "float")
+    calls = []
+    kernel = row_attention._ATTENTION_ROW
+    monkeypatch.setattr(row_attention, "_ATTENTION_ROW", lambda *args: calls.append(1) or kernel(*args))
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for name in (ATTENTION_NAME, "sdpa"):
+        model.config._attn_implementation = name
+        with torch.no_grad():
+            runs[name] = model.generate(
+                ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+    ours, sdpa = runs[ATTENTION_NAME], runs["sdpa"]
+    assert len(calls) == 7 * model.config.num_hidden_layers
+    assert torch.equal(ours.logits[0], sdpa.logits[0])
+    same = int((ours.sequences[0] == sdpa.sequences[0]).cumprod(0).sum()) - ids.shape[1]  # tokens alike so far
+    for a, b in zip(ours.logits[1 : same + 1], sdpa.logits[1 : same + 1], strict=True):
+        assert torch.allclose(a.float(), b.float(), atol=0.1, rtol=2**-6)

@@ -8,7 +8,9 @@ and its outputs are compared with this process's (every instruction set):
 - the bfloat16-activation int4 GEMVs: int4_cpu.c's (AVX512-BF16, exact bfloat16 inputs) against the AVX2 one
   (int16 activations) within their stated bounds;
 - the int8 GEMV (int8_cpu.c): W8A16 body (VNNI) against the float body (`HFQUANT_ISA=avx512`), within the bound the
-  source states (int16 rounding of each activation, then two bfloat16 roundings).
+  source states (int16 rounding of each activation, then two bfloat16 roundings);
+- the one-query-row attention (attention_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
+  portable body (`HFQUANT_ISA=generic`), bit for bit (the same float32 operations in the same order).
 The children also show that the settings hold: with avx2 the AVX-512 kernels refuse, with generic every kernel refuses,
 and an unknown value is named."""
 
@@ -26,7 +28,7 @@ import torch
 from test_block_gemv import _random_blocks as random_blocks  # every code and scale bit pattern, finite float16s
 
 from hfquant.core import blocks, packing, rtn
-from hfquant.ops import native
+from hfquant.ops import native, torch_ops
 
 pytestmark = pytest.mark.skipif(
     not {"avx512", "avx512_bf16", "avx512_vnni"} <= set(native.isa()),
@@ -36,6 +38,13 @@ pytestmark = pytest.mark.skipif(
 N, K, GROUP = 64, 512, 64
 GROUPS = {256: ["q2_k", "q4_k", "q6_k"], 32: ["q4_0", "q8_0", "iq4_nl"]}
 """The fused GEMVs compared: weights of one activation block size reading one x."""
+ATTENTION = {
+    "9x3x64": (9, 3, 64, 45),
+    "8x2x72": (8, 2, 72, 19),
+    "16x4x128": (16, 4, 128, 600),
+    "2x1x24": (2, 1, 24, 7),
+}
+"""The attention shapes compared: heads, kv heads, head size, cached tokens (whole and partial groups of 8, two softmax blocks)."""
 
 
 def _inputs() -> dict:
@@ -52,6 +61,13 @@ def _inputs() -> dict:
         "scale_zero": packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16),
         "int8": codes8,
         "int8_scale": (torch.rand(N, generator=generator) * 0.01 + 1e-3).to(torch.bfloat16),
+        "attention": {
+            name: [
+                (torch.randn(1, *shape, generator=generator) * scale).to(torch.bfloat16)
+                for shape, scale in (((heads, 1, dim), 3), ((kv_heads, tokens, dim), 1), ((kv_heads, tokens, dim), 1))
+            ]
+            for name, (heads, kv_heads, dim, tokens) in ATTENTION.items()
+        },
     }
 
 
@@ -77,13 +93,16 @@ def _outputs(data: dict) -> dict:
     if native.int4_cpu_library() is not None:
         out["int4_bf16"] = native.int4_gemv(x, data["int4"][64], data["scale_zero"], GROUP)
         out["int8"] = native.int8_gemv(x, data["int8"], data["int8_scale"])
+    if torch_ops.loaded():
+        for name, (q, k, v) in data["attention"].items():
+            out[f"attention{name}"] = torch.ops.hfquant_cpu.attention_row(q, k, v, q.shape[-1] ** -0.5)
     return out
 
 
 _CHILD = """
     import sys, torch
     import test_isa
-    from hfquant.ops import native
+    from hfquant.ops import native, torch_ops
     data = torch.load(sys.argv[1])
     torch.save({"isa": native.isa(), "outputs": test_isa._outputs(data)}, sys.argv[2])
 """
@@ -91,8 +110,8 @@ _CHILD = """
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2 and avx512: the children
-    run while this process computes."""
+    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2, avx512 and generic: the
+    children run while this process computes."""
     folder = tmp_path_factory.mktemp("isa")
     data = _inputs()
     torch.save(data, folder / "inputs.pt")
@@ -106,7 +125,7 @@ def compared(tmp_path_factory):
             text=True,
             env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
         )
-        for setting in ("avx2", "avx512")
+        for setting in ("avx2", "avx512", "generic")
     }
     outputs = _outputs(data)
     results = {}
@@ -121,6 +140,7 @@ def test_the_settings_lower_the_instruction_sets(compared):
     _, here, children = compared
     assert children["avx2"]["isa"] == ("avx2",)
     assert children["avx512"]["isa"] == ("avx2", "avx512", "avx512_bf16")
+    assert children["generic"]["isa"] == ()
     # avx2: as on a CPU without AVX-512, no int4_cpu_library kernel and no 64-row W4A8 GEMV
     assert "w4a8_64" in here and "w4a8_64" not in children["avx2"]["outputs"]
     assert "int8" in here and "int8" not in children["avx2"]["outputs"]
@@ -137,6 +157,15 @@ def test_every_block_gemv_gives_the_same_bits_in_its_avx2_body(compared, name):
 def test_the_w4a8_gemv_gives_the_same_bits_in_its_avx2_body(compared):
     _, here, children = compared
     assert torch.equal(children["avx2"]["outputs"]["w4a8_32"], here["w4a8_64"])
+
+
+@pytest.mark.skipif(not torch_ops.loaded(), reason="hfquant's operators unavailable (no C/C++ compiler)")
+@pytest.mark.parametrize("name", ATTENTION)
+def test_the_attention_gives_the_same_bits_in_its_avx2_and_portable_bodies(compared, name):
+    _, here, children = compared
+    for setting in ("avx2", "avx512", "generic"):  # avx512 runs the AVX-512 body too
+        got = children[setting]["outputs"][f"attention{name}"]
+        assert torch.equal(got, here[f"attention{name}"]), f"{name} {setting}"
 
 
 def _within(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor) -> None:
