@@ -82,6 +82,8 @@ def row_attention_forward(
     """transformers' attention function signature: query (batch, heads, q_len, dim), key and value (batch,
     kv_heads, kv_len, dim); returns ((batch, q_len, heads, dim), None). One bfloat16 CPU query row without mask goes to
     the C kernel (scale `scaling`, or dim ** -0.5), anything else to transformers' "sdpa" function."""
+    if _ATTENTION_ROW is None:
+        _load_kernel()
     if _one_row(module, query, key, attention_mask, dropout, kwargs) and key.stride(3) == 1 and value.stride(3) == 1:
         if value.stride(1) == key.stride(1) and value.stride(2) == key.stride(2) and query.stride(3) == 1:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -96,16 +98,20 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, AttentionMaskInterface()["sdpa"])
 
 
+def _load_kernel() -> None:
+    global _ATTENTION_ROW
+    if torch_ops.loaded():
+        _ATTENTION_ROW = torch.ops.hfquant_cpu.attention_row.default
+
+
 def use_row_attention(model: nn.Module) -> bool:
     """Switch `model` (its config's `_attn_implementation`) from "sdpa" to `row_attention_forward`, where hfquant's
     operators are loaded (`torch_ops.loaded()`) and the model uses "sdpa" (a string, no per-submodel dict). Returns
     whether it switched."""
-    global _ATTENTION_ROW
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not torch_ops.loaded():
         return False
-    _register()
-    _ATTENTION_ROW = torch.ops.hfquant_cpu.attention_row.default
+    _load_kernel()
     config._attn_implementation = ATTENTION_NAME
     return True
 
@@ -117,3 +123,8 @@ def restore_row_attention(model: nn.Module) -> bool:
         return False
     config._attn_implementation = "sdpa"
     return True
+
+
+# registered on import, so that a model pickled with this attention (`torch.save(model)`) finds it when loaded in a
+# fresh process (its kernel is looked up on the first call)
+_register()

@@ -143,7 +143,9 @@ def row_function(row: RowKernel, call: RowCall, group_size: int, in_features: in
     """
     if call not in (RowCall.OPERATOR, RowCall.CTYPES):
         return None
-    operator = call is RowCall.OPERATOR
+    # a plan unpickled in a fresh process (torch.save(model)) names operators not loaded there yet: loading them here
+    # (cached after the first call) keeps its choice, or falls back to ctypes where they cannot be had
+    operator = call is RowCall.OPERATOR and torch_ops.loaded()
     if row is RowKernel.BLOCK_GEMV:
         ggml_type = blocks.layout(block).ggml_type
         block_op = torch.ops.hfquant_cpu.block_gemv.default if operator else native.block_gemv

@@ -4,6 +4,8 @@ one-row RMSNorm's run-time classes used to make `torch.save` / `torch.load` fail
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import torch
 from helpers import tiny_model
@@ -59,3 +61,24 @@ def test_a_deep_copy_saves_itself_through_the_staged_writer(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
     saved, again = model.state_dict(), reloaded.state_dict()
     assert saved.keys() == again.keys() and all(torch.equal(saved[name], again[name]) for name in saved)
+
+
+def test_a_fresh_process_loads_the_pickled_model_and_decodes_the_same(tmp_path):
+    """Unpickled in a new process, the layers' kernel plans name operators and an attention function that only an
+    hfquant call had set up in the first one: both are found again (the greedy tokens are the first process's)."""
+    model = _quantized(tmp_path)
+    ids = torch.tensor([[5, 6, 7]])
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+    torch.save(model, tmp_path / "model.pt")
+    code = (
+        "import sys, torch\n"
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "ids = torch.tensor([[5, 6, 7]])\n"
+        "print(model.config._attn_implementation)\n"
+        "print(model.generate(ids, max_new_tokens=6, do_sample=False).tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    attention, tokens = done.stdout.strip().splitlines()[-2:]
+    assert attention == model.config._attn_implementation
+    assert tokens == str(expected)
