@@ -228,10 +228,34 @@ IS_TARGET static void IS_NAME(iq4_nl_group_)(const float *xt, const float *wt, c
 
 /* xt[k * 16 + l] = src[l * size + k] for rows k < size of all 16 lanes (a full group) */
 IS_TARGET static void IS_NAME(iq4_transpose_in_)(const float *src, int size, float *xt) {
-#if IS_AVX512
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(size));
-    for (int k = 0; k < size; k++) _mm512_storeu_ps(xt + k * IS_LANES, _mm512_i32gather_ps(offsets, src + k, 4));
+#if IS_AVX512 /* 16 x 16 tiles transposed in registers: unpacks of 32- and 64-bit pairs, then two 128-bit shuffles */
+    for (int k0 = 0; k0 < size; k0 += 16) {
+        __m512 r[16], t[16];
+        for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_ps(src + (int64_t)l * size + k0);
+        for (int l = 0; l < 16; l += 2) {
+            t[l] = _mm512_unpacklo_ps(r[l], r[l + 1]);
+            t[l + 1] = _mm512_unpackhi_ps(r[l], r[l + 1]);
+        }
+        for (int l = 0; l < 16; l += 4)
+            for (int h = 0; h < 2; h++) {
+                const __m512d a = _mm512_castps_pd(t[l + h]), b = _mm512_castps_pd(t[l + 2 + h]);
+                r[l + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                r[l + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+            }
+        /* r[4 g + i] now holds, in each 128-bit part p, rows 4 g .. 4 g + 3 at column 4 p + i */
+        for (int g = 0; g < 4; g += 2)
+            for (int i = 0; i < 4; i++) {
+                t[4 * g + i] = _mm512_shuffle_f32x4(r[4 * g + i], r[4 * g + 4 + i], 0x88);
+                t[4 * g + 4 + i] = _mm512_shuffle_f32x4(r[4 * g + i], r[4 * g + 4 + i], 0xdd);
+            }
+        /* t[4 g + i] (g = 0, 2): parts rows 4g (cols i, 8+i), rows 4g+4 (cols i, 8+i); g+1: cols 4+i, 12+i */
+        for (int i = 0; i < 4; i++)
+            for (int h = 0; h < 2; h++) {
+                const __m512 a = t[4 * h + i], b = t[8 + 4 * h + i];
+                _mm512_storeu_ps(xt + (k0 + 4 * h + i) * IS_LANES, _mm512_shuffle_f32x4(a, b, 0x88));
+                _mm512_storeu_ps(xt + (k0 + 8 + 4 * h + i) * IS_LANES, _mm512_shuffle_f32x4(a, b, 0xdd));
+            }
+    }
 #else
     for (int l = 0; l < IS_LANES; l++)
         for (int k = 0; k < size; k++) xt[k * IS_LANES + l] = src[l * size + k];
