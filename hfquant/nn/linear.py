@@ -532,7 +532,8 @@ def _quantize_blocks(
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows].float()
-        if not torch.isfinite(chunk).all():
+        low, high = (float(v) for v in torch.aminmax(chunk))  # NaN and Inf reach the min or max; no bool copy
+        if not (math.isfinite(low) and math.isfinite(high)):
             raise ValueError("cannot quantize a weight that contains NaN or Inf values")
         if row_scale is not None:
             chunk = chunk * row_scale[rows, None]

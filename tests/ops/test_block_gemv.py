@@ -182,6 +182,14 @@ def _block_layer(name: str, n: int = 128, k: int = 512) -> QuantLinear:
     return QuantLinear.from_float(weight, None, StoredFormat.of_block(name))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_block_layer_refuses_a_weight_with_nan_or_inf(bad):
+    weight = torch.zeros(8, 256)
+    weight[5, 17] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        QuantLinear.from_float(weight, None, StoredFormat.of_block("iq4_xs"))
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k", "q8_0", "hq3_0", "hq3_nl", "hq3_r"])
 def test_plan_picks_the_block_gemv_for_one_bfloat16_row(name, monkeypatch):

@@ -128,3 +128,14 @@ def test_refuses_bad_arguments():
         native.iq4_quantize("iq4_xs", torch.zeros(1, 288))
     with pytest.raises(ValueError, match="refused"):
         native.iq4_quantize("iq4_xs", torch.zeros(1, 256), search=native.Iq4Search(level_options=2))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        weight = torch.zeros(2, 256)
+        weight[1, 7] = bad
+        with pytest.raises(ValueError, match="finite weights"):
+            native.iq4_quantize("iq4_xs", weight)
+        importance = torch.ones(256)
+        importance[3] = bad
+        with pytest.raises(ValueError, match="importance must be"):
+            native.iq4_quantize("iq4_xs", torch.zeros(2, 256), importance)
+    with pytest.raises(ValueError, match="importance must be"):
+        native.iq4_quantize("iq4_xs", torch.zeros(2, 256), -torch.ones(256))

@@ -22,6 +22,11 @@ Two quantizers per type, as in `legacy`:
   float16 rounding in the loop, the (importance-)weighted error of the stored block minimized; for IQ4_XS also a
   scan of the super-block scale d, and for each block the best of three neighbouring 6-bit scales with codes chosen
   again, then d refit by least squares.
+
+Where the native library builds, quantize-on-load and `hfquant.ops.native.block_quantize` take the C search of
+hfquant/ops/csrc/iq4_search_cpu.c instead (`native.IQ4_SEARCHES`, "thorough" by default): the same candidates as
+`quantize_<name>` but its bytes differ (float16 rounding and refit order; squared errors equal to 4 digits), unless
+`HFQUANT_IQ4_SEARCH=exhaustive` (this search, ported to C bit for bit).
 """
 
 from __future__ import annotations

@@ -83,6 +83,30 @@ IS_TARGET static void IS_NAME(iq4_lane_peaks_)(const float *xt, int n, float *pe
             peak[l] = fabsf(xt[k * IS_LANES + l]) > fabsf(peak[l]) ? xt[k * IS_LANES + l] : peak[l];
 }
 
+/* per lane, keep (sqx, sqq, tried) in (best_x, best_q, target) where the gain sqx^2 / sqq beats the kept one
+ * (compared cross-multiplied; the kept one on ties) or when `first` */
+IS_TARGET static void IS_NAME(iq4_keep_gain_)(int first, const float *sqx, const float *sqq, const float *tried,
+                                              float *best_x, float *best_q, float *target) {
+#if IS_AVX512
+    const __m512 x = _mm512_loadu_ps(sqx), q = _mm512_loadu_ps(sqq);
+    const __m512 bx = _mm512_loadu_ps(best_x), bq = _mm512_loadu_ps(best_q);
+    const __mmask16 better =
+        first ? (__mmask16)0xffff
+              : _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_mul_ps(x, x), bq), _mm512_mul_ps(_mm512_mul_ps(bx, bx), q),
+                                   _CMP_GT_OQ);
+    _mm512_storeu_ps(best_x, _mm512_mask_mov_ps(bx, better, x));
+    _mm512_storeu_ps(best_q, _mm512_mask_mov_ps(bq, better, q));
+    _mm512_storeu_ps(target, _mm512_mask_mov_ps(_mm512_loadu_ps(target), better, _mm512_loadu_ps(tried)));
+#else
+    for (int l = 0; l < IS_LANES; l++) {
+        const int better = first || sqx[l] * sqx[l] * best_q[l] > best_x[l] * best_x[l] * sqq[l];
+        best_x[l] = better ? sqx[l] : best_x[l];
+        best_q[l] = better ? sqq[l] : best_q[l];
+        target[l] = better ? tried[l] : target[l];
+    }
+#endif
+}
+
 /* each lane's block scale: the least-squares scale sqx / sqq of the candidate (peak / target) with the largest gain
  * sqx^2 / sqq (llama.cpp's `quantize_row_iq4_nl_impl` scan, with hfquant's targets at both ends of the grid; gains
  * compared cross-multiplied, the first kept on ties) */
@@ -99,19 +123,64 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
             if (c > s->ntargets) step *= 0.5f;
         }
         const float up = ((c - s->ntargets) & 1) ? 1.0f - step : 1.0f + step;
+#if IS_AVX512
+        const __m512 vt = c < s->ntargets ? _mm512_set1_ps(s->targets[c])
+                                          : _mm512_mul_ps(_mm512_loadu_ps(centre), _mm512_set1_ps(up));
+        _mm512_storeu_ps(tried, vt);
+        _mm512_storeu_ps(inv, _mm512_mul_ps(vt, _mm512_loadu_ps(peak)));
+#else
         for (int l = 0; l < IS_LANES; l++) {
             tried[l] = c < s->ntargets ? s->targets[c] : centre[l] * up;
             inv[l] = tried[l] * peak[l];
         }
+#endif
         IS_NAME(iq4_sums_)(xt, wt, 32, inv, sqx, sqq);
-        for (int l = 0; l < IS_LANES; l++) {
-            const int better = c == 0 || sqx[l] * sqx[l] * best_q[l] > best_x[l] * best_x[l] * sqq[l];
-            best_x[l] = better ? sqx[l] : best_x[l];
-            best_q[l] = better ? sqq[l] : best_q[l];
-            target[l] = better ? tried[l] : target[l];
-        }
+        IS_NAME(iq4_keep_gain_)(c == 0, sqx, sqq, tried, best_x, best_q, target);
     }
     for (int l = 0; l < IS_LANES; l++) scale[l] = best_q[l] > 0.0f ? best_x[l] / best_q[l] : 0.0f;
+}
+
+/* one level option of one block for each lane: level = clamp(base + o, -32, 31), its codes' sums at scale d level
+ * and error (d l)^2 sqq - 2 d l sqx, kept in best, level, sx, sq where lower than best (or when `first`) */
+IS_TARGET static void IS_NAME(iq4_xs_level_option_)(const float *xb, const float *wb, const float *d,
+                                                    const float *base, float o, int first, float *best, float *level,
+                                                    float *sx, float *sq) {
+    float inv[IS_LANES], sqx[IS_LANES], sqq[IS_LANES];
+#if IS_AVX512
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 vl = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_loadu_ps(base), _mm512_set1_ps(o)),
+                                                  _mm512_set1_ps(-32.0f)),
+                                    _mm512_set1_ps(31.0f));
+    const __m512 vdl = _mm512_mul_ps(_mm512_loadu_ps(d), vl);
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(vdl, zero, _CMP_NEQ_OQ);
+    _mm512_storeu_ps(inv, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), vdl));
+    IS_NAME(iq4_sums_)(xb, wb, 32, inv, sqx, sqq);
+    const __m512 x = _mm512_loadu_ps(sqx), q = _mm512_loadu_ps(sqq), vbest = _mm512_loadu_ps(best);
+    const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vdl, vdl), q),
+                                   _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), vdl), x));
+    const __mmask16 keep = first ? (__mmask16)0xffff : _mm512_cmp_ps_mask(e, vbest, _CMP_LT_OQ);
+    _mm512_storeu_ps(best, _mm512_mask_mov_ps(vbest, keep, e));
+    _mm512_storeu_ps(level, _mm512_mask_mov_ps(_mm512_loadu_ps(level), keep, vl));
+    _mm512_storeu_ps(sx, _mm512_mask_mov_ps(_mm512_loadu_ps(sx), keep, x));
+    _mm512_storeu_ps(sq, _mm512_mask_mov_ps(_mm512_loadu_ps(sq), keep, q));
+#else
+    float lv[IS_LANES], dl[IS_LANES];
+    for (int l = 0; l < IS_LANES; l++) {
+        lv[l] = iq4_clamp(base[l] + o, -32.0f, 31.0f);
+        dl[l] = d[l] * lv[l];
+        inv[l] = dl[l] != 0.0f ? 1.0f / dl[l] : 0.0f;
+    }
+    IS_NAME(iq4_sums_)(xb, wb, 32, inv, sqx, sqq);
+    for (int l = 0; l < IS_LANES; l++) {
+        const float e = dl[l] * dl[l] * sqq[l] - 2.0f * dl[l] * sqx[l];
+        if (first || e < best[l]) {
+            best[l] = e;
+            level[l] = lv[l];
+            sx[l] = sqx[l];
+            sq[l] = sqq[l];
+        }
+    }
+#endif
 }
 
 /* for super-block scales d (per lane), each block's best of the `s->level_options` 6-bit levels nearest to
@@ -119,32 +188,55 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
 IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, const iq4_search_t *s,
                                               const float *scales, const float *d, float *levels, float *lsx,
                                               float *lsq, float *err) {
-    float inv[IS_LANES], sqx[IS_LANES], sqq[IS_LANES], base[8][IS_LANES], best[8][IS_LANES];
+    float base[8][IS_LANES], best[8][IS_LANES];
     for (int l = 0; l < IS_LANES; l++) err[l] = 0.0f;
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < IS_LANES; l++) base[j][l] = d[l] != 0.0f ? iq4_round(scales[j * IS_LANES + l] / d[l]) : 0;
     const int first = -(s->level_options / 2), last = s->level_options / 2;
     for (int j = 0; j < 8; j++) {
         const float *xb = xt + j * 32 * IS_LANES, *wb = wt ? wt + j * 32 * IS_LANES : NULL;
-        for (int o = first; o <= last; o++) {
-            float level[IS_LANES];
-            for (int l = 0; l < IS_LANES; l++) {
-                level[l] = iq4_clamp(base[j][l] + (float)o, -32.0f, 31.0f);
-                const float dl = d[l] * level[l];
-                inv[l] = dl != 0.0f ? 1.0f / dl : 0.0f;
-            }
-            IS_NAME(iq4_sums_)(xb, wb, 32, inv, sqx, sqq);
-            for (int l = 0; l < IS_LANES; l++) {
-                const float dl = d[l] * level[l], e = dl * dl * sqq[l] - 2.0f * dl * sqx[l];
-                if (o == first || e < best[j][l]) {
-                    best[j][l] = e;
-                    levels[j * IS_LANES + l] = level[l];
-                    lsx[j * IS_LANES + l] = sqx[l];
-                    lsq[j * IS_LANES + l] = sqq[l];
-                }
-            }
-        }
+        for (int o = first; o <= last; o++)
+            IS_NAME(iq4_xs_level_option_)(xb, wb, d, base[j], (float)o, o == first, best[j], levels + j * IS_LANES,
+                                          lsx + j * IS_LANES, lsq + j * IS_LANES);
+    }
+    for (int j = 0; j < 8; j++)
         for (int l = 0; l < IS_LANES; l++) err[l] += best[j][l];
+}
+
+/* the super-block scale of each lane: candidate `c` of the scan (d = fp16(peak / e / f) for e in {-32, 31} and the
+ * super factors f), or past them a least-squares refit d = sum_j l_j sqx_j / sum_j l_j^2 sqq_j of the levels and sums
+ * kept so far (d_kept where that is 0 / 0) */
+IS_TARGET static void IS_NAME(iq4_xs_candidate_)(const iq4_search_t *s, int c, const float *peak, const float *levels,
+                                                 const float *sx, const float *sq, const float *d_kept, float *d) {
+    if (c < 2 * s->nsuper) {
+        const float end = c < s->nsuper ? -32.0f : 31.0f, f = s->super_factors[c % s->nsuper];
+        for (int l = 0; l < IS_LANES; l++) d[l] = iq4_half(peak[l] / end / f);
+        return;
+    }
+    for (int l = 0; l < IS_LANES; l++) {
+        float num = 0.0f, den = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            const float level = levels[j * IS_LANES + l];
+            num += level * sx[j * IS_LANES + l];
+            den += level * level * sq[j * IS_LANES + l];
+        }
+        d[l] = den > 0.0f ? iq4_half(num / den) : d_kept[l];
+    }
+}
+
+/* per lane, where err is below best (or when `first`): best = err, d_out = d and the lane's 8 levels and sums */
+IS_TARGET static void IS_NAME(iq4_xs_keep_)(int first, const float *d, const float *err, const float *levels,
+                                            const float *lsx, const float *lsq, float *best, float *d_out,
+                                            float *levels_out, float *best_sx, float *best_sq) {
+    for (int l = 0; l < IS_LANES; l++) {
+        if (!first && !(err[l] < best[l])) continue;
+        best[l] = err[l];
+        d_out[l] = d[l];
+        for (int j = 0; j < 8; j++) {
+            levels_out[j * IS_LANES + l] = levels[j * IS_LANES + l];
+            best_sx[j * IS_LANES + l] = lsx[j * IS_LANES + l];
+            best_sq[j * IS_LANES + l] = lsq[j * IS_LANES + l];
+        }
     }
 }
 
@@ -161,32 +253,9 @@ IS_TARGET static void IS_NAME(iq4_xs_group_)(const float *xt, const float *wt, c
                                    scales + j * IS_LANES);
     IS_NAME(iq4_lane_peaks_)(scales, 8, peak);
     for (int c = 0; c < 2 * s->nsuper + s->rounds; c++) {
-        if (c < 2 * s->nsuper) {
-            const float end = c < s->nsuper ? -32.0f : 31.0f, f = s->super_factors[c % s->nsuper];
-            for (int l = 0; l < IS_LANES; l++) d[l] = iq4_half(peak[l] / end / f);
-        } else { /* refit: d = sum_j l_j sqx_j / sum_j l_j^2 sqq_j for the best levels and codes so far */
-            for (int l = 0; l < IS_LANES; l++) {
-                float num = 0.0f, den = 0.0f;
-                for (int j = 0; j < 8; j++) {
-                    const float level = levels_out[j * IS_LANES + l];
-                    num += level * best_sx[j * IS_LANES + l];
-                    den += level * level * best_sq[j * IS_LANES + l];
-                }
-                d[l] = den > 0.0f ? iq4_half(num / den) : d_out[l];
-            }
-        }
+        IS_NAME(iq4_xs_candidate_)(s, c, peak, levels_out, best_sx, best_sq, d_out, d);
         IS_NAME(iq4_xs_levels_)(xt, wt, s, scales, d, levels, lsx, lsq, err);
-        for (int l = 0; l < IS_LANES; l++) {
-            if (c == 0 || err[l] < best[l]) {
-                best[l] = err[l];
-                d_out[l] = d[l];
-                for (int j = 0; j < 8; j++) {
-                    levels_out[j * IS_LANES + l] = levels[j * IS_LANES + l];
-                    best_sx[j * IS_LANES + l] = lsx[j * IS_LANES + l];
-                    best_sq[j * IS_LANES + l] = lsq[j * IS_LANES + l];
-                }
-            }
-        }
+        IS_NAME(iq4_xs_keep_)(c == 0, d, err, levels, lsx, lsq, best, d_out, levels_out, best_sx, best_sq);
     }
     for (int j = 0; j < 8; j++) {
         float inv[IS_LANES];
@@ -228,10 +297,34 @@ IS_TARGET static void IS_NAME(iq4_nl_group_)(const float *xt, const float *wt, c
 
 /* xt[k * 16 + l] = src[l * size + k] for rows k < size of all 16 lanes (a full group) */
 IS_TARGET static void IS_NAME(iq4_transpose_in_)(const float *src, int size, float *xt) {
-#if IS_AVX512
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(size));
-    for (int k = 0; k < size; k++) _mm512_storeu_ps(xt + k * IS_LANES, _mm512_i32gather_ps(offsets, src + k, 4));
+#if IS_AVX512 /* 16 x 16 tiles transposed in registers: unpacks of 32- and 64-bit pairs, then two 128-bit shuffles */
+    for (int k0 = 0; k0 < size; k0 += 16) {
+        __m512 r[16], t[16];
+        for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_ps(src + (int64_t)l * size + k0);
+        for (int l = 0; l < 16; l += 2) {
+            t[l] = _mm512_unpacklo_ps(r[l], r[l + 1]);
+            t[l + 1] = _mm512_unpackhi_ps(r[l], r[l + 1]);
+        }
+        for (int l = 0; l < 16; l += 4)
+            for (int h = 0; h < 2; h++) {
+                const __m512d a = _mm512_castps_pd(t[l + h]), b = _mm512_castps_pd(t[l + 2 + h]);
+                r[l + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                r[l + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+            }
+        /* r[4 g + i] now holds, in each 128-bit part p, rows 4 g .. 4 g + 3 at column 4 p + i */
+        for (int g = 0; g < 4; g += 2)
+            for (int i = 0; i < 4; i++) {
+                t[4 * g + i] = _mm512_shuffle_f32x4(r[4 * g + i], r[4 * g + 4 + i], 0x88);
+                t[4 * g + 4 + i] = _mm512_shuffle_f32x4(r[4 * g + i], r[4 * g + 4 + i], 0xdd);
+            }
+        /* t[4 g + i] (g = 0, 2): parts rows 4g (cols i, 8+i), rows 4g+4 (cols i, 8+i); g+1: cols 4+i, 12+i */
+        for (int i = 0; i < 4; i++)
+            for (int h = 0; h < 2; h++) {
+                const __m512 a = t[4 * h + i], b = t[8 + 4 * h + i];
+                _mm512_storeu_ps(xt + (k0 + 4 * h + i) * IS_LANES, _mm512_shuffle_f32x4(a, b, 0x88));
+                _mm512_storeu_ps(xt + (k0 + 8 + 4 * h + i) * IS_LANES, _mm512_shuffle_f32x4(a, b, 0xdd));
+            }
+    }
 #else
     for (int l = 0; l < IS_LANES; l++)
         for (int k = 0; k < size; k++) xt[k * IS_LANES + l] = src[l * size + k];
