@@ -55,6 +55,7 @@ enum {
     HQ3_0 = 1000, /* hfquant's own (hfquant.core.blocks.hq3), not a GGUF type */
     HQ3_NL = 1001, /* hfquant's own: HQ3_0's bytes, codes on the grid HQ3_NL_GRID */
     HQ3_R = 1002,  /* hfquant's own (hfquant.core.blocks.hq3r): a float16 row header, then 64-weight blocks */
+    HQ3_R_GFNI = -1002, /* HQ3_R's rows by the VNNI body's GFNI step (hq3r_body.h): a BlockPart type, no caller's */
 };
 
 /* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
@@ -127,7 +128,8 @@ typedef struct {
     int16_t *sums16; /* per = 256: sums as int16 (|sum| <= 16 * 127), for Q3_K / Q6_K's offsets by one vpmaddwd */
     int32_t *bias4;  /* per = 32 on AVX-512 (else NULL): -128 times the sum of q per 4 inputs, the start of the dots of
                       * codes + 128 (HQ3_R, IQ4_NL) */
-    float *dxs;      /* with bias4: d of each input's block, once per 16 inputs (HQ3_R: one per sub-block) */
+    float *dxs;      /* with bias4: d of each input's block, once per 16 inputs (HQ3_R: one per sub-block), in
+                      * dxs_lane's order */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -171,6 +173,7 @@ static inline void k3_scales(const uint8_t *s, int8_t *sc) {
 }
 
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define BK_GFNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,gfni")))
 #define AVX2_ONLY_TARGET __attribute__((target("avx2,fma,f16c")))
 
 /* which body runs: hfquant_isa (isa_cpu.c) decides, so HFQUANT_ISA=avx2 picks the AVX2 body on a VNNI CPU */
@@ -182,6 +185,15 @@ static int cpu_vnni(void) {
 }
 
 static int cpu_avx2(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
+
+/* the type the rows of a `type` weight run as: HQ3_R_GFNI for HQ3_R where the VNNI body runs and the CPU has GFNI */
+static int64_t row_type(int64_t type, int vnni) {
+    return type == HQ3_R && vnni && HFQUANT_ISA_HAS(HFQUANT_ISA_GFNI) ? HQ3_R_GFNI : type;
+}
+
+/* where the scale of HQ3_R sub-block t (inputs 16 t to 16 t + 15) is in dxs: per group of four 64-input blocks, 16
+ * floats, lane 4i + j for block j's sub-block i (hq3_r_scales4_'s order) */
+static inline int64_t dxs_lane(int64_t t) { return 16 * (t / 16) + 4 * (t % 4) + (t % 16) / 4; }
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
@@ -225,7 +237,7 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
     if (a->bias4 != NULL)
         for (int64_t s = 0; s < per / 4; s++) {
             a->bias4[b * (per / 4) + s] = -128 * (q[4 * s] + q[4 * s + 1] + q[4 * s + 2] + q[4 * s + 3]);
-            if (s % 4 == 0) a->dxs[b * (per / 16) + s / 4] = a->d[b];
+            if (s % 4 == 0) a->dxs[dxs_lane(b * (per / 16) + s / 4)] = a->d[b];
         }
 }
 
@@ -411,7 +423,7 @@ static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int start
     const int64_t sizes[7] = {(k / block) * 4,      k,
                               (k / sum_every) * 4,  (k / 32) * 4,
                               (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
-                              starts ? k / 4 : 0 /* dxs */};
+                              starts ? (k + 255) / 256 * 64 : 0 /* dxs: 16 floats per 256 inputs */};
     int64_t total = 0;
     for (int i = 0; i < 7; i++) {
         offsets[i] = total;
@@ -433,7 +445,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         if (block && part_block != block) return 1; /* one activation row: one block size */
         block = part_block;
         parts[p].weight = weights[p];
-        parts[p].type = types[p];
+        parts[p].type = row_type(types[p], cpu_vnni());
         parts[p].n = ns[p];
         parts[p].nb = k / part_block;
         parts[p].row_bytes = row_header((int)types[p]) + parts[p].nb * bytes;
