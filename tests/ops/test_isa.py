@@ -2,8 +2,9 @@
 AVX512-VNNI machine runs the code AVX2 CPUs run. A child process per setting computes on the inputs this process wrote
 and its outputs are compared with this process's (every instruction set):
 - every block type's GEMV and a fused group (blocks_cpu.c): VNNI body against AVX2 body (`HFQUANT_ISA=avx2`), bit
-  for bit (the same integers, then the same float32 operations in the same order); on a CPU with GFNI, the VNNI body
-  with HQ3_R's GFNI step against the same body without GFNI (`HFQUANT_ISA=avx512vnni`, as Cascade Lake), bit for bit;
+  for bit (the same integers, then float32 operations giving the same bfloat16 outputs); on a CPU with AVX512-VBMI,
+  BITALG and GFNI, the VNNI body with HQ3_R's GFNI step against the same body with its shift step
+  (`HFQUANT_ISA=avx512vnni`, as Cascade Lake), bit for bit;
 - the W4A8 int4 GEMV (int4_intdot_cpu.c): its AVX-512 body on the 64-row layout against its AVX2 body on the 32-row
   layout of the same weight (the AVX2 child), bit for bit (same integers, same float32 order per output);
 - the bfloat16-activation int4 GEMVs: int4_cpu.c's (AVX512-BF16, exact bfloat16 inputs) against the AVX2 one
@@ -148,11 +149,14 @@ def test_every_block_gemv_gives_the_same_bits_in_its_avx2_body(compared, name):
         assert torch.equal(got, here[name]), f"{name} {setting}: {(got.float() - here[name].float()).abs().max()}"
 
 
-@pytest.mark.skipif("gfni" not in native.isa(), reason="compares HQ3_R's GFNI step with its shift step: needs GFNI")
+@pytest.mark.skipif(
+    "avx512_vbmi_gfni" not in native.isa(), reason="compares HQ3_R's GFNI step with its shift step: needs VBMI, GFNI"
+)
 @pytest.mark.parametrize("name", BLOCK_OUTPUTS)
 def test_every_block_gemv_gives_the_same_bits_without_gfni(compared, name):
-    """HQ3_R's VNNI step takes its 2-bit codes by a GFNI affine transform here and by shifts and a mask without GFNI
-    (the other types do not use GFNI: the same code either way)."""
+    """HQ3_R's VNNI step here: four blocks at a time, codes by VBMI / GFNI / BITALG, each int32 lane one sub-block's
+    dot (hq3r_body.h); without them one block at a time by shifts and masks, each lane 4 weights' dot, so the float32
+    sums differ in order and the bfloat16 outputs must still agree (the other types: the same code either way)."""
     _, here, children = compared
     got = children["avx512vnni"]["outputs"][name]
     assert torch.equal(got, here[name]), f"{name}: {(got.float() - here[name].float()).abs().max()}"

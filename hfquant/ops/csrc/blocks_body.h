@@ -643,7 +643,18 @@ BK_TARGET static float BK_NAME(row_hq3_nl_)(const uint8_t *w, const ActRow *a, i
  * activation scales, as 16 float lanes in the order of dxs (lane 4i + j: block j's sub-block i, so one in-lane
  * vpermilps gives block j's lanes): block j's 24 field bits broadcast to lanes j, 4 + j, 8 + j, 12 + j, shifted right
  * by 6 i (the level table reads bits 0-4: e), bit 5 (s) shifted to bit 31 and xored on, times dxs (the group's 16
- * floats). Blocks first to first + count - 1 are read; the other lanes are zero. */
+ * floats). f: the fields (lane 4i + j: block j's bytes 0-3). */
+BK_TARGET static inline __m512 BK_NAME(hq3_r_scales_)(__m512i f, __m512 dxs, __m512 levels_lo, __m512 levels_hi) {
+    const __m512i sub = _mm512_setr_epi32(0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18);
+    const __m512 level = _mm512_permutex2var_ps(levels_lo, _mm512_srlv_epi32(f, sub), levels_hi);
+    const __m512i sign = _mm512_sllv_epi32(f, _mm512_sub_epi32(_mm512_set1_epi32(26), sub));
+    /* level ^ (sign & 0x80000000): ternary-logic truth table 0x78 = a ^ (b & c) */
+    const __m512 scale = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(level), sign,
+                                                                       _mm512_set1_epi32(INT32_MIN), 0x78));
+    return _mm512_mul_ps(scale, dxs);
+}
+
+/* hq3_r_scales_ of blocks first to first + count - 1 of the group at w (fields by masked broadcasts) */
 BK_TARGET static inline __m512 BK_NAME(hq3_r_scales4_)(const uint8_t *w, const float *dxs, int first, int count,
                                                       __m512 levels_lo, __m512 levels_hi) {
     __m512i f = _mm512_setzero_si512();
@@ -652,13 +663,8 @@ BK_TARGET static inline __m512 BK_NAME(hq3_r_scales4_)(const uint8_t *w, const f
         memcpy(&fields, w + 27 * j, 4);
         f = _mm512_mask_set1_epi32(f, (__mmask16)(0x1111 << j), fields);
     }
-    const __m512i sub = _mm512_setr_epi32(0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18);
-    const __m512 level = _mm512_permutex2var_ps(levels_lo, _mm512_srlv_epi32(f, sub), levels_hi);
-    const __m512i sign = _mm512_sllv_epi32(f, _mm512_sub_epi32(_mm512_set1_epi32(26), sub));
-    /* level ^ (sign & 0x80000000): ternary-logic truth table 0x78 = a ^ (b & c) */
-    const __m512 scale = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(level), sign,
-                                                                       _mm512_set1_epi32(INT32_MIN), 0x78));
-    return _mm512_mul_ps(scale, _mm512_maskz_loadu_ps((__mmask16)(0x1111 * ((1u << count) - 1) << first), dxs));
+    const __mmask16 lanes = (__mmask16)(0x1111 * ((1u << count) - 1) << first);
+    return BK_NAME(hq3_r_scales_)(f, _mm512_maskz_loadu_ps(lanes, dxs), levels_lo, levels_hi);
 }
 
 /* the row_hq3_r_ of the VNNI body, and (BK_GFNI_TARGET) the same with GFNI's code extraction: hq3r_body.h */

@@ -24,7 +24,7 @@ extern "C" {
 #define HFQUANT_ISA_AVX512 2       /* AVX512-F, BW and VL */
 #define HFQUANT_ISA_AVX512_BF16 4  /* AVX512-BF16 */
 #define HFQUANT_ISA_AVX512_VNNI 8  /* AVX512-VNNI */
-#define HFQUANT_ISA_GFNI 16        /* GFNI (the AVX-512 block GEMVs' vgf2p8affineqb on 512-bit vectors) */
+#define HFQUANT_ISA_AVX512_VBMI_GFNI 16 /* AVX512-VBMI, AVX512-BITALG and GFNI (Ice Lake, Zen 4): HQ3_R's GFNI step */
 #define HFQUANT_ISA_REFUSED (1 << 30)
 #define HFQUANT_ISA_HAS(bits) ((hfquant_isa() & (bits)) == (bits))
 int hfquant_isa(void);

@@ -1,10 +1,14 @@
-/* HQ3_R's AVX-512 row (one 64-weight block per 512-bit step), included twice by blocks_body.h's VNNI body with
- * HQ3R_SUFFIX (appended to the names), HQ3R_TARGET (the function attribute) and HQ3R_GFNI defined:
- *   0: the 2-bit codes by a 64-bit shift (srlv by 0, 2, 4, 6) and `& 3`, for every AVX512-VNNI CPU;
- *   1: the 2-bit codes by one GFNI affine transform (vgf2p8affineqb: per qword an 8 x 8 bit matrix picking bits 2p and
- *      2p + 1 of each byte into bits 0 and 1, the other bits zero), for CPUs with GFNI (Ice Lake, Zen 4 and later;
- *      not Cascade Lake): one vector operation instead of two per block (Intel SDM, GF2P8AFFINEQB).
- * Both give the same bytes (the same codes, then the same integer dots and float operations in the same order). */
+/* HQ3_R's AVX-512 row, included twice by blocks_body.h's VNNI body with HQ3R_SUFFIX (appended to the names),
+ * HQ3R_TARGET (the function attribute) and HQ3R_GFNI defined:
+ *   0: one 64-weight block per 512-bit step, the 2-bit codes by a 64-bit shift (srlv by 0, 2, 4, 6) and `& 3`, each
+ *      int32 lane 4 weights' dot times its sub-block's scale: every AVX512-VNNI CPU (Cascade Lake);
+ *   1: a group of four blocks per step (hq3_r_group_: VBMI byte gathers, GFNI's vgf2p8affineqb for the 2-bit codes,
+ *      BITALG's vpshufbitqmb for the third bit), each int32 lane one sub-block's whole integer dot, one cvt + fmadd
+ *      per four blocks: Ice Lake, Zen 4 and later (Intel SDM: GF2P8AFFINEQB, VPERMI2B, VPSHUFBITQMB). About 9
+ *      vector operations per 64 weights instead of 11-12 (docs/performance.md, issue #30, ninth session).
+ * Both sum the same integers; 1 sums each sub-block's 16 products exactly before converting (0: four partial sums
+ * of 4), so the float32 sums differ in order (within a float32 rounding per sub-block) and the bfloat16 outputs agree
+ * on the tests' weights (tests/ops/test_isa.py). A row's last nb % 4 blocks take 0's step in both. */
 
 #define HQ3R_NAME(name) BK_NAME(BK_CAT(name, HQ3R_SUFFIX))
 
@@ -41,6 +45,35 @@ HQ3R_TARGET static inline __m512 HQ3R_NAME(hq3_r_block_)(const uint8_t *w, const
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
 }
 
+#if HQ3R_GFNI
+/* acc + a group of four blocks' dots (the group at w, blocks b to b + 3 of the row), sub-block by sub-block: vector t
+ * of the group's codes (Hq3rOrder: four vpermi2b from the group's 108 bytes) holds weights 4t to 4t + 3 of every
+ * sub-block, sub-block s of block j in int32 lane 4s + j, so four vpdpbusd against qt (the activations in that
+ * order) from bias16 leave each lane one sub-block's integer dot, and one fmadd takes the 16 lanes times their
+ * scales (hq3_r_scales_, fields by one vpermi2b). Codes: GFNI as hq3_r_low_, the high bit by vpshufbitqmb from the
+ * blocks' qh (Hq3rOrder.qh), plus 4 under that mask, then the grid (plus 128) by vpshufb. */
+HQ3R_TARGET static inline __m512 HQ3R_NAME(hq3_r_group_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
+                                                        __m512i grid, __m512 levels_lo, __m512 levels_hi) {
+    const __m512i z0 = _mm512_loadu_si512((const void *)w);
+    const __m512i z1 = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFFFFFFFULL, w + 64); /* bytes 64-107 */
+    const __m512i qh = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.qh), z1);
+    const int8_t *x = a->qt + 64 * b;
+    __m512i dot[2] = {_mm512_load_si512((const void *)(a->bias16 + 4 * b)), _mm512_setzero_si512()};
+    for (int t = 0; t < 4; t++) { /* two chains of vpdpbusd */
+        const __m512i codes = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.codes[t]), z1);
+        const __m512i low =
+            _mm512_gf2p8affine_epi64_epi8(codes, _mm512_loadu_si512((const void *)HQ3R_ORDER.pick[t]), 0);
+        const __mmask64 high = _mm512_bitshuffle_epi64_mask(qh, _mm512_loadu_si512((const void *)HQ3R_ORDER.high[t]));
+        const __m512i u = _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4));
+        dot[t % 2] = _mm512_dpbusd_epi32(dot[t % 2], _mm512_shuffle_epi8(grid, u),
+                                         _mm512_load_si512((const void *)(x + 64 * t)));
+    }
+    const __m512i f = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.fields), z1);
+    const __m512 scale = BK_NAME(hq3_r_scales_)(f, _mm512_loadu_ps(a->dxs + 4 * b), levels_lo, levels_hi);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1])), scale, acc);
+}
+#endif
+
 /* block j's scales of a group's (hq3_r_scales4_: lane 4i + j) in its sub-blocks' lanes 4i to 4i + 3 */
 #define HQ3R_SCALE(scales4, j) _mm512_permute_ps((scales4), 0x55 * (j))
 
@@ -52,6 +85,13 @@ HQ3R_TARGET static float HQ3R_NAME(row_hq3_r_)(const uint8_t *w, const ActRow *a
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     w += 2;
     int64_t b = 0;
+#if HQ3R_GFNI
+    for (; b + 8 <= nb; b += 8, w += 8 * 27) { /* two groups a step, two accumulators */
+        acc0 = HQ3R_NAME(hq3_r_group_)(w, a, b, acc0, grid, lo, hi);
+        acc1 = HQ3R_NAME(hq3_r_group_)(w + 4 * 27, a, b + 4, acc1, grid, lo, hi);
+    }
+    for (; b + 4 <= nb; b += 4, w += 4 * 27) acc0 = HQ3R_NAME(hq3_r_group_)(w, a, b, acc0, grid, lo, hi);
+#endif
     for (; b + 4 <= nb; b += 4, w += 4 * 27) { /* four independent accumulators: an fmadd's latency per block else */
         const __m512 scales4 = BK_NAME(hq3_r_scales4_)(w, a->dxs + 4 * b, 0, 4, lo, hi);
         acc0 = HQ3R_NAME(hq3_r_block_)(w, a, b, acc0, HQ3R_SCALE(scales4, 0), grid);

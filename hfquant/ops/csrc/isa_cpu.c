@@ -6,8 +6,8 @@
  * hfquant_isa() returns the HFQUANT_ISA_* bits (hfquant_kernels.h) of what the CPU has (__builtin_cpu_supports),
  * lowered by the environment variable HFQUANT_ISA, read once when the library loads:
  *   unset, "" or "native": everything the CPU has;
- *   "avx512vnni": AVX-512 F/BW/VL, BF16 and VNNI without GFNI, as on Cascade / Cooper Lake (the block GEMVs' VNNI
- *     body with HQ3_R's shift step instead of its GFNI one);
+ *   "avx512vnni": AVX-512 F/BW/VL, BF16 and VNNI without VBMI, BITALG and GFNI, as on Cascade / Cooper Lake (the
+ *     block GEMVs' VNNI body with HQ3_R's shift step instead of its GFNI one);
  *   "avx512": AVX-512 F/BW/VL and BF16 without VNNI (the int8 GEMV's float body; the block GEMVs' AVX2 body);
  *   "avx2": AVX2, FMA and F16C only, as on a CPU without AVX-512 (Haswell to Zen 3): the AVX-512 kernels refuse,
  *     the block and W4A8 GEMVs take their AVX2 bodies;
@@ -40,7 +40,9 @@ static int cpu_bits(void) {
         bits |= HFQUANT_ISA_AVX512;
     if (__builtin_cpu_supports("avx512bf16")) bits |= HFQUANT_ISA_AVX512_BF16;
     if (__builtin_cpu_supports("avx512vnni")) bits |= HFQUANT_ISA_AVX512_VNNI;
-    if (__builtin_cpu_supports("gfni")) bits |= HFQUANT_ISA_GFNI;
+    if (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
+        __builtin_cpu_supports("gfni"))
+        bits |= HFQUANT_ISA_AVX512_VBMI_GFNI;
 #endif
     return bits;
 }
