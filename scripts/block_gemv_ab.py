@@ -67,7 +67,7 @@ def _row(name: str, n: int, k: int, libs: list, llama: _Llama | None, rounds: in
         return lambda: lib.hfquant_block_gemv(xb.data_ptr(), weight.data_ptr(), y.data_ptr(), n, k, fmt.ggml_type)
 
     calls = [gemv(lib, y) for lib, y in zip(libs, outputs, strict=True)]
-    if llama is not None:
+    if llama is not None and fmt.gguf:  # hfquant's own types (HQ3_R, ...) are not llama.cpp's: no vec_dot to ask for
         calls.append(llama.call(fmt.ggml_type, weight, x.contiguous(), 1))
     for call in calls:
         call()

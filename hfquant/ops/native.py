@@ -69,11 +69,12 @@ logger = logging.getLogger(__name__)
 _ABI = 6
 """`HFQUANT_INT4_CPU_ABI` of `csrc/int4_cpu.c`: a library built from other signatures is not called."""
 
-ISA_NAMES = {1: "avx2", 2: "avx512", 4: "avx512_bf16", 8: "avx512_vnni"}
+ISA_NAMES = {1: "avx2", 2: "avx512", 4: "avx512_bf16", 8: "avx512_vnni", 16: "avx512_vbmi_gfni"}
 """The bits of `csrc/isa_cpu.c`'s hfquant_isa() (HFQUANT_ISA_* in `csrc/hfquant_kernels.h`) and their names: AVX2
-(with FMA and F16C), AVX512-F/BW/VL, AVX512-BF16, AVX512-VNNI."""
+(with FMA and F16C), AVX512-F/BW/VL, AVX512-BF16, AVX512-VNNI, AVX512-VBMI with AVX512-BITALG and GFNI
+(HQ3_R's GEMV step on AVX512-VNNI CPUs)."""
 _ISA_REFUSED = 1 << 30
-_ISA_VALUES = ("native", "avx512", "avx2", "generic")
+_ISA_VALUES = ("native", "avx512vnni", "avx512", "avx2", "generic")
 """Values of `HFQUANT_ISA` (unset: native), the instruction sets the kernels may use (`csrc/isa_cpu.c`)."""
 
 _POINTER, _INT, _INT64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -158,10 +159,11 @@ def _check_isa(library: ctypes.CDLL) -> None:
 
 def isa() -> tuple[str, ...]:
     """The instruction sets hfquant's kernels may use in this process (`ISA_NAMES`, e.g. ("avx2", "avx512",
-    "avx512_bf16", "avx512_vnni") on a Zen 4 or 5): what the CPU has, lowered by the environment variable
-    `HFQUANT_ISA` when the library loads ("avx2": as on a CPU without AVX-512, the block and W4A8 GEMVs take their
-    AVX2 bodies and `int4_cpu_library()` is None; "avx512": without VNNI; "generic": none), so tests run every body of
-    a kernel on one machine (`csrc/isa_cpu.c`). Empty where the library is unavailable.
+    "avx512_bf16", "avx512_vnni", "avx512_vbmi_gfni") on a Zen 4 or 5): what the CPU has, lowered by the environment
+    variable `HFQUANT_ISA` when the library loads ("avx2": as on a CPU without AVX-512, the block and W4A8 GEMVs take
+    their AVX2 bodies and `int4_cpu_library()` is None; "avx512": without VNNI; "avx512vnni": without VBMI and GFNI,
+    as Cascade Lake; "generic": none), so tests run every body of a kernel on one machine (`csrc/isa_cpu.c`). Empty
+    where the library is unavailable.
 
     Raises:
         ValueError: as `built_library` (an `HFQUANT_ISA` value not understood).

@@ -72,7 +72,13 @@ SOURCES = tuple(
     )
 )
 """The C sources, compiled into one library (`int4_cpu.so`, and with `CPP_SOURCE` into `torch_ops.so`)."""
-HEADERS = (_CSRC / "bf16_bits.h", _CSRC / "hfquant_kernels.h", _CSRC / "blocks_body.h", _CSRC / "iq4_search_body.h")
+HEADERS = (
+    _CSRC / "bf16_bits.h",
+    _CSRC / "hfquant_kernels.h",
+    _CSRC / "blocks_body.h",
+    _CSRC / "hq3r_body.h",
+    _CSRC / "iq4_search_body.h",
+)
 """Headers the C and C++ sources include: part of what a built library is cached under."""
 CPP_SOURCE = _CSRC / "torch_ops.cpp"
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")

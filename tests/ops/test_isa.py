@@ -2,7 +2,9 @@
 AVX512-VNNI machine runs the code AVX2 CPUs run. A child process per setting computes on the inputs this process wrote
 and its outputs are compared with this process's (every instruction set):
 - every block type's GEMV and a fused group (blocks_cpu.c): VNNI body against AVX2 body (`HFQUANT_ISA=avx2`), bit
-  for bit (the same integers, then the same float32 operations in the same order);
+  for bit (the same integers, then float32 operations giving the same bfloat16 outputs); on a CPU with AVX512-VBMI,
+  BITALG and GFNI, the VNNI body with HQ3_R's GFNI step against the same body with its shift step
+  (`HFQUANT_ISA=avx512vnni`, as Cascade Lake), bit for bit;
 - the W4A8 int4 GEMV (int4_intdot_cpu.c): its AVX-512 body on the 64-row layout against its AVX2 body on the 32-row
   layout of the same weight (the AVX2 child), bit for bit (same integers, same float32 order per output);
 - the bfloat16-activation int4 GEMVs: int4_cpu.c's (AVX512-BF16, exact bfloat16 inputs) against the AVX2 one
@@ -36,6 +38,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 N, K, GROUP = 64, 512, 64
+K_TAIL = 576
+"""An HQ3_R weight of 9 blocks per row: two groups of four and one block alone (the GEMV's last-group path)."""
 GROUPS = {256: ["q2_k", "q4_k", "q6_k"], 32: ["q4_0", "q8_0", "iq4_nl"]}
 """The fused GEMVs compared: weights of one activation block size reading one x."""
 ATTENTION = {
@@ -53,8 +57,11 @@ def _inputs() -> dict:
     x = (torch.randn(K, generator=generator) * torch.rand(K, generator=generator) * 4).to(torch.bfloat16)
     q = rtn.quantize_weight(torch.randn((N, K), generator=generator), 4, GROUP, False)
     codes8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+    x_tail = (torch.randn(K_TAIL, generator=generator) * 3).to(torch.bfloat16)
     return {
         "x": x,
+        "x_tail": x_tail,
+        "hq3_r_tail": random_blocks("hq3_r", N, K_TAIL, 99),
         "blocks": {name: random_blocks(name, N, K, seed) for seed, name in enumerate(blocks.LAYOUTS)},
         "int4": {block_n: packing.CpuInt4Layout(block_n, True).pack(q.q) for block_n in (64, 32)},
         "int4_codes": q.q,
@@ -78,6 +85,10 @@ def _outputs(data: dict) -> dict:
     for name, weight in data["blocks"].items():
         if native.block_gemv_supported(blocks.layout(name).ggml_type):
             out[name] = native.block_gemv(x, weight, K, blocks.layout(name).ggml_type)
+    if native.block_gemv_supported(blocks.layout("hq3_r").ggml_type):
+        out["hq3_r_tail"] = native.block_gemv(
+            data["x_tail"], data["hq3_r_tail"], K_TAIL, blocks.layout("hq3_r").ggml_type
+        )
     for block, names in GROUPS.items():
         if native.block_gemv_supported(blocks.layout(names[0]).ggml_type):
             weights, types = (
@@ -110,7 +121,7 @@ _CHILD = """
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2, avx512 and generic: the
+    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2, avx512, avx512vnni and generic: the
     children run while this process computes."""
     folder = tmp_path_factory.mktemp("isa")
     data = _inputs()
@@ -125,7 +136,7 @@ def compared(tmp_path_factory):
             text=True,
             env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
         )
-        for setting in ("avx2", "avx512", "generic")
+        for setting in ("avx2", "avx512", "avx512vnni", "generic")
     }
     outputs = _outputs(data)
     results = {}
@@ -140,18 +151,35 @@ def test_the_settings_lower_the_instruction_sets(compared):
     _, here, children = compared
     assert children["avx2"]["isa"] == ("avx2",)
     assert children["avx512"]["isa"] == ("avx2", "avx512", "avx512_bf16")
+    assert children["avx512vnni"]["isa"] == ("avx2", "avx512", "avx512_bf16", "avx512_vnni")
     assert children["generic"]["isa"] == ()
     # avx2: as on a CPU without AVX-512, no int4_cpu_library kernel and no 64-row W4A8 GEMV
     assert "w4a8_64" in here and "w4a8_64" not in children["avx2"]["outputs"]
     assert "int8" in here and "int8" not in children["avx2"]["outputs"]
 
 
-@pytest.mark.parametrize("name", [*blocks.LAYOUTS, *(f"group{block}" for block in GROUPS)])
+BLOCK_OUTPUTS = [*blocks.LAYOUTS, "hq3_r_tail", *(f"group{block}" for block in GROUPS)]
+
+
+@pytest.mark.parametrize("name", BLOCK_OUTPUTS)
 def test_every_block_gemv_gives_the_same_bits_in_its_avx2_body(compared, name):
     _, here, children = compared
     for setting in ("avx2", "avx512"):  # both lack VNNI: the AVX2 body
         got = children[setting]["outputs"][name]
         assert torch.equal(got, here[name]), f"{name} {setting}: {(got.float() - here[name].float()).abs().max()}"
+
+
+@pytest.mark.skipif(
+    "avx512_vbmi_gfni" not in native.isa(), reason="compares HQ3_R's GFNI step with its shift step: needs VBMI, GFNI"
+)
+@pytest.mark.parametrize("name", BLOCK_OUTPUTS)
+def test_every_block_gemv_gives_the_same_bits_without_gfni(compared, name):
+    """HQ3_R's VNNI step here: four blocks at a time, codes by VBMI / GFNI / BITALG, each int32 lane one sub-block's
+    dot (hq3r_body.h); without them one block at a time by shifts and masks, each lane 4 weights' dot, so the float32
+    sums differ in order and the bfloat16 outputs must still agree (the other types: the same code either way)."""
+    _, here, children = compared
+    got = children["avx512vnni"]["outputs"][name]
+    assert torch.equal(got, here[name]), f"{name}: {(got.float() - here[name].float()).abs().max()}"
 
 
 def test_the_w4a8_gemv_gives_the_same_bits_in_its_avx2_body(compared):

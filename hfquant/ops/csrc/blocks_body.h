@@ -639,72 +639,49 @@ BK_TARGET static float BK_NAME(row_hq3_nl_)(const uint8_t *w, const ActRow *a, i
 
 #if BK_MASKED
 /* HQ3_R (AVX-512): one 64-weight block per 512-bit step, int32 lane l holding weights 4l to 4l + 3, so lanes 4i to
- * 4i + 3 are sub-block i. The signed scales of four blocks (at w, w + 27, ...) times their activation scales, as 16
- * float lanes (lane 4j + i: block j's sub-block i): block j's 24 field bits broadcast to lanes 4j to 4j + 3, shifted
- * right by 6 i (the level table reads bits 0-4: e), bit 5 (s) shifted to bit 31 and xored on, times dxs. `count`
- * blocks (1 to 4) are read; the other lanes are zero. */
-BK_TARGET static inline __m512 BK_NAME(hq3_r_scales4_)(const uint8_t *w, const float *dxs, int count, __m512 levels_lo,
-                                                      __m512 levels_hi) {
-    __m512i f = _mm512_setzero_si512();
-    for (int j = 0; j < count; j++) { /* bytes 0-3: byte 3 (a code byte) lands in bits 24-31, which no field reads */
-        int32_t fields;
-        memcpy(&fields, w + 27 * j, 4);
-        f = _mm512_mask_set1_epi32(f, (__mmask16)(0xF << (4 * j)), fields);
-    }
-    const __m512i sub = _mm512_setr_epi32(0, 6, 12, 18, 0, 6, 12, 18, 0, 6, 12, 18, 0, 6, 12, 18);
+ * 4i + 3 are sub-block i. The signed scales of the blocks of a group of four (block j at w + 27 j) times their
+ * activation scales, as 16 float lanes in the order of dxs (lane 4i + j: block j's sub-block i, so one in-lane
+ * vpermilps gives block j's lanes): block j's 24 field bits broadcast to lanes j, 4 + j, 8 + j, 12 + j, shifted right
+ * by 6 i (the level table reads bits 0-4: e), bit 5 (s) shifted to bit 31 and xored on, times dxs (the group's 16
+ * floats). f: the fields (lane 4i + j: block j's bytes 0-3). */
+BK_TARGET static inline __m512 BK_NAME(hq3_r_scales_)(__m512i f, __m512 dxs, __m512 levels_lo, __m512 levels_hi) {
+    const __m512i sub = _mm512_setr_epi32(0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18);
     const __m512 level = _mm512_permutex2var_ps(levels_lo, _mm512_srlv_epi32(f, sub), levels_hi);
     const __m512i sign = _mm512_sllv_epi32(f, _mm512_sub_epi32(_mm512_set1_epi32(26), sub));
     /* level ^ (sign & 0x80000000): ternary-logic truth table 0x78 = a ^ (b & c) */
     const __m512 scale = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(level), sign,
                                                                        _mm512_set1_epi32(INT32_MIN), 0x78));
-    return _mm512_mul_ps(scale, _mm512_maskz_loadu_ps((__mmask16)((1u << (4 * count)) - 1), dxs));
+    return _mm512_mul_ps(scale, dxs);
 }
 
-/* acc + block w's dot (block b of the row) times lanes 4j to 4j + 3 of scales4 (hq3_r_scales4_), each to the four
- * int32 lanes of its sub-block. The 2-bit codes: qword m of the qs broadcasts (group m / 4) shifted right by
- * 2 (m % 4); the third bit (qh's 64 bits as a byte mask) picks the grid's upper half; the grid is HQ3_NL's plus 128
- * (unsigned, as row_iq4_xs_'s), so vpdpbusd starts from bias4's -128 times each 4 activations' sum. */
-BK_TARGET static inline __m512 BK_NAME(hq3_r_block_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
-                                                    __m512 scales4, int j, __m512i grid_lo, __m512i grid_hi) {
-    long long qs0, qs1;
-    uint32_t qh0, qh1;
-    memcpy(&qs0, w + 3, 8);
-    memcpy(&qs1, w + 15, 8);
-    memcpy(&qh0, w + 11, 4);
-    memcpy(&qh1, w + 23, 4);
-    const __m512i qs = _mm512_mask_set1_epi64(_mm512_set1_epi64(qs0), 0xF0, qs1);
-    const __m512i low = _mm512_and_si512(_mm512_srlv_epi64(qs, _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6)),
-                                         _mm512_set1_epi8(3));
-    const __m512i g = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(grid_lo, low),
-                                               (__mmask64)qh0 | (__mmask64)qh1 << 32, grid_hi, low);
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(a->bias4 + 16 * b)), g,
-                                          _mm512_loadu_si512((const void *)(a->q + 64 * b)));
-    const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * j),
-                                          _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, scales4), acc);
-}
-
-BK_TARGET static float BK_NAME(row_hq3_r_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)HQ3_NL_GRID)),
-                                            _mm512_set1_epi8((char)0x80));
-    const __m512i grid_hi = _mm512_bsrli_epi128(grid_u, 4); /* codes 4-7 at bytes 0-3 */
-    const __m512 lo = _mm512_loadu_ps(HQ3R_LEVELS), hi = _mm512_loadu_ps(HQ3R_LEVELS + 16);
-    const float d_row = BK_NAME(half_)(w);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    w += 2;
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4, w += 4 * 27) { /* four independent accumulators: an fmadd's latency per block else */
-        const __m512 scales4 = BK_NAME(hq3_r_scales4_)(w, a->dxs + 4 * b, 4, lo, hi);
-        acc0 = BK_NAME(hq3_r_block_)(w, a, b, acc0, scales4, 0, grid_u, grid_hi);
-        acc1 = BK_NAME(hq3_r_block_)(w + 27, a, b + 1, acc1, scales4, 1, grid_u, grid_hi);
-        acc2 = BK_NAME(hq3_r_block_)(w + 54, a, b + 2, acc2, scales4, 2, grid_u, grid_hi);
-        acc3 = BK_NAME(hq3_r_block_)(w + 81, a, b + 3, acc3, scales4, 3, grid_u, grid_hi);
+/* hq3_r_scales_ of blocks first to first + count - 1 of the group at w (fields by masked broadcasts) */
+BK_TARGET static inline __m512 BK_NAME(hq3_r_scales4_)(const uint8_t *w, const float *dxs, int first, int count,
+                                                      __m512 levels_lo, __m512 levels_hi) {
+    __m512i f = _mm512_setzero_si512();
+    for (int j = first; j < first + count; j++) { /* bytes 0-3: byte 3 (a code byte) lands in bits 24-31, unread */
+        int32_t fields;
+        memcpy(&fields, w + 27 * j, 4);
+        f = _mm512_mask_set1_epi32(f, (__mmask16)(0x1111 << j), fields);
     }
-    for (; b < nb; b++, w += 27)
-        acc0 = BK_NAME(hq3_r_block_)(w, a, b, acc0, BK_NAME(hq3_r_scales4_)(w, a->dxs + 4 * b, 1, lo, hi), 0, grid_u,
-                                     grid_hi);
-    return d_row * _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
+    const __mmask16 lanes = (__mmask16)(0x1111 * ((1u << count) - 1) << first);
+    return BK_NAME(hq3_r_scales_)(f, _mm512_maskz_loadu_ps(lanes, dxs), levels_lo, levels_hi);
 }
+
+/* the row_hq3_r_ of the VNNI body, and (BK_GFNI_TARGET) the same with GFNI's code extraction: hq3r_body.h */
+#define HQ3R_SUFFIX shift
+#define HQ3R_TARGET BK_TARGET
+#define HQ3R_GFNI 0
+#include "hq3r_body.h"
+#undef HQ3R_SUFFIX
+#undef HQ3R_TARGET
+#undef HQ3R_GFNI
+#define HQ3R_SUFFIX gfni
+#define HQ3R_TARGET BK_GFNI_TARGET
+#define HQ3R_GFNI 1
+#include "hq3r_body.h"
+#undef HQ3R_SUFFIX
+#undef HQ3R_TARGET
+#undef HQ3R_GFNI
 #else
 /* HQ3_R: a row is D (float16), then blocks of 64 weights: 3 bytes of four 6-bit sub-block scale fields, then two
  * groups of 32 codes in HQ3_0's packing. Per group: the codes looked up in HQ3_NL's grid (a byte shuffle), a signed
@@ -796,7 +773,12 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
         case GGML_IQ4_XS: return BK_NAME(row_iq4_xs_)(w, a, nb);
         case HQ3_0: return BK_NAME(row_hq3_0_)(w, a, nb);
         case HQ3_NL: return BK_NAME(row_hq3_nl_)(w, a, nb);
-        case HQ3_R: return BK_NAME(row_hq3_r_)(w, a, nb);
+#if BK_MASKED
+        case HQ3_R: return BK_NAME(row_hq3_r_shift)(w, a, nb);
+        case HQ3_R_GFNI: return BK_NAME(row_hq3_r_gfni)(w, a, nb);
+#else
+        case HQ3_R: case HQ3_R_GFNI: return BK_NAME(row_hq3_r_)(w, a, nb);
+#endif
         default: return 0.0f;
     }
 }

@@ -27,8 +27,10 @@
  * The quantized row lives on the caller's stack (one allocation only past ACT_STACK bytes). HQ3_R on AVX512-VNNI
  * takes one 64-weight block per 512-bit step on its grid plus 128 (unsigned), its dot started from -128 times the
  * activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation scales
- * per 16 inputs), both computed once per call with the quantized row; IQ4_NL takes the same start for its grid plus
- * 128 (no sign moved onto the activation: 1.27x as fast).
+ * per 16 inputs), both computed once per call with the quantized row; where the CPU has AVX512-VBMI, BITALG and GFNI
+ * it takes four blocks per step instead, each int32 lane one sub-block (hq3r_body.h; the row's activations also in
+ * that order: qt, bias16). IQ4_NL takes the same start for its grid plus 128 (no sign moved onto the activation: 1.27x
+ * as fast).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
@@ -55,6 +57,7 @@ enum {
     HQ3_0 = 1000, /* hfquant's own (hfquant.core.blocks.hq3), not a GGUF type */
     HQ3_NL = 1001, /* hfquant's own: HQ3_0's bytes, codes on the grid HQ3_NL_GRID */
     HQ3_R = 1002,  /* hfquant's own (hfquant.core.blocks.hq3r): a float16 row header, then 64-weight blocks */
+    HQ3_R_GFNI = -1002, /* HQ3_R's rows by the VNNI body's GFNI step (hq3r_body.h): a BlockPart type, no caller's */
 };
 
 /* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
@@ -127,7 +130,10 @@ typedef struct {
     int16_t *sums16; /* per = 256: sums as int16 (|sum| <= 16 * 127), for Q3_K / Q6_K's offsets by one vpmaddwd */
     int32_t *bias4;  /* per = 32 on AVX-512 (else NULL): -128 times the sum of q per 4 inputs, the start of the dots of
                       * codes + 128 (HQ3_R, IQ4_NL) */
-    float *dxs;      /* with bias4: d of each input's block, once per 16 inputs (HQ3_R: one per sub-block) */
+    float *dxs;      /* with bias4: d of each input's block, once per 16 inputs (HQ3_R: one per sub-block), in
+                      * dxs_lane's order */
+    int8_t *qt;      /* with bias4: q in hq3r_body.h's group order (qt_index), for HQ3_R's GFNI step */
+    int32_t *bias16; /* with bias4: -128 times the sum of q per 16 inputs, in dxs_lane's order */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -170,7 +176,41 @@ static inline void k3_scales(const uint8_t *s, int8_t *sc) {
     }
 }
 
+/* The byte indices of HQ3_R's GFNI step (hq3r_body.h), into a group of four blocks (block j at byte 27 j, after the
+ * row header; group g's code bytes qs at 3 + 12 g, its 32 high bits qh at 11 + 12 g). Vector t's qword m (sub-block
+ * s = m / 2, blocks j = 2 (m % 2) and j + 1, int32 lanes 4s + j and 4s + j + 1) holds the weights 4t to 4t + 3 of
+ * sub-block s: group s / 2's codes 8p + l, p = 2 (s % 2) + t / 2, l = 4 (t % 2) + r, r = 0..3. */
+typedef struct {
+    uint8_t codes[4][64]; /* vector t: byte 8m + 4h + r = qs byte l of block j + h, group s / 2 */
+    uint8_t high[4][64];  /* vector t: bit of the qh qword (hq3r.qh) for that code: 32 h + 8p + l */
+    int64_t pick[4][8];   /* vector t, qword m: vgf2p8affineqb's matrix taking bits 2p, 2p + 1 to bits 0, 1 */
+    uint8_t qh[64];       /* qword m: qh of blocks j, j + 1 (group s / 2), 4 bytes each */
+    uint8_t fields[64];   /* int32 lane 4s + j: bytes 0-3 of block j (its scale fields) */
+} Hq3rOrder;
+
+static Hq3rOrder HQ3R_ORDER;
+
+__attribute__((constructor)) static void hq3r_order_init(void) {
+    for (int m = 0; m < 8; m++) {
+        const int s = m / 2, j = 2 * (m % 2), g = s / 2;
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < 4; r++) {
+                for (int t = 0; t < 4; t++) {
+                    const int p = 2 * (s % 2) + t / 2, l = 4 * (t % 2) + r;
+                    HQ3R_ORDER.codes[t][8 * m + 4 * h + r] = (uint8_t)(27 * (j + h) + 3 + 12 * g + l);
+                    HQ3R_ORDER.high[t][8 * m + 4 * h + r] = (uint8_t)(32 * h + 8 * p + l);
+                    HQ3R_ORDER.pick[t][m] = (int64_t)((1ULL << (2 * p)) << 56 | (1ULL << (2 * p + 1)) << 48);
+                }
+                HQ3R_ORDER.qh[8 * m + 4 * h + r] = (uint8_t)(27 * (j + h) + 11 + 12 * g + r);
+            }
+    }
+    for (int lane = 0; lane < 16; lane++)
+        for (int r = 0; r < 4; r++) HQ3R_ORDER.fields[4 * lane + r] = (uint8_t)(27 * (lane % 4) + r);
+}
+
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define BK_GFNI_TARGET \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx512vbmi,avx512bitalg")))
 #define AVX2_ONLY_TARGET __attribute__((target("avx2,fma,f16c")))
 
 /* which body runs: hfquant_isa (isa_cpu.c) decides, so HFQUANT_ISA=avx2 picks the AVX2 body on a VNNI CPU */
@@ -182,6 +222,34 @@ static int cpu_vnni(void) {
 }
 
 static int cpu_avx2(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
+
+/* the type the rows of a `type` weight run as: HQ3_R_GFNI for HQ3_R where the VNNI body runs and the CPU has
+ * AVX512-VBMI, BITALG and GFNI (hq3r_body.h's GFNI step) */
+static int64_t row_type(int64_t type, int vnni) {
+    return type == HQ3_R && vnni && HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512_VBMI_GFNI) ? HQ3_R_GFNI : type;
+}
+
+/* where the scale of HQ3_R sub-block t (inputs 16 t to 16 t + 15) is in dxs: per group of four 64-input blocks, 16
+ * floats, lane 4i + j for block j's sub-block i (hq3_r_scales4_'s order) */
+static inline int64_t dxs_lane(int64_t t) { return 16 * (t / 16) + 4 * (t % 4) + (t % 16) / 4; }
+
+/* where input e is in qt, the activation row in the order of HQ3_R's GFNI step (hq3r_body.h): per 256 inputs (four
+ * blocks j of four sub-blocks s), vector t (64 bytes) holds inputs 4t to 4t + 3 of every sub-block, sub-block s of
+ * block j in its int32 lane 4s + j (dxs_lane's order), so four vpdpbusd leave each lane one sub-block's dot */
+static inline int64_t qt_index(int64_t e) {
+    const int64_t j = (e % 256) / 64, s = (e % 64) / 16, t = (e % 16) / 4;
+    return 256 * (e / 256) + 64 * t + 4 * (4 * s + j) + e % 4;
+}
+
+/* HQ3_R's GFNI step's entries of activation block b (32 inputs; q and bias4 already made): qt (4 bytes at a time)
+ * and bias16 */
+static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
+    for (int64_t i = 0; i < 32; i += 4) memcpy(a->qt + qt_index(32 * b + i), q + i, 4);
+    for (int64_t h = 0; h < 2; h++) {
+        const int32_t *b4 = a->bias4 + 8 * b + 4 * h;
+        a->bias16[dxs_lane(2 * b + h)] = b4[0] + b4[1] + b4[2] + b4[3];
+    }
+}
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
@@ -225,8 +293,9 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
     if (a->bias4 != NULL)
         for (int64_t s = 0; s < per / 4; s++) {
             a->bias4[b * (per / 4) + s] = -128 * (q[4 * s] + q[4 * s + 1] + q[4 * s + 2] + q[4 * s + 3]);
-            if (s % 4 == 0) a->dxs[b * (per / 16) + s / 4] = a->d[b];
+            if (s % 4 == 0) a->dxs[dxs_lane(b * (per / 16) + s / 4)] = a->d[b];
         }
+    if (a->qt != NULL) quantize_hq3_r_order(q, b, a);
 }
 
 /* One weight of a (possibly fused) block GEMV: n rows of `row_bytes` bytes (nb blocks) of GGUF type `type`, outputs
@@ -407,13 +476,15 @@ int hfquant_block_gemv_supported(int64_t type) {
  * inputs, 15000 with starts), else one allocation. */
 enum { ACT_STACK = 40960 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int64_t offsets[7]) {
-    const int64_t sizes[7] = {(k / block) * 4,      k,
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int64_t offsets[9]) {
+    const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
+    const int64_t sizes[9] = {(k / block) * 4,      k,
                               (k / sum_every) * 4,  (k / 32) * 4,
                               (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
-                              starts ? k / 4 : 0 /* dxs */};
+                              starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
+                              starts ? groups * 64 : 0 /* bias16 */};
     int64_t total = 0;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 9; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -433,7 +504,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         if (block && part_block != block) return 1; /* one activation row: one block size */
         block = part_block;
         parts[p].weight = weights[p];
-        parts[p].type = types[p];
+        parts[p].type = row_type(types[p], cpu_vnni());
         parts[p].n = ns[p];
         parts[p].nb = k / part_block;
         parts[p].row_bytes = row_header((int)types[p]) + parts[p].nb * bytes;
@@ -442,9 +513,11 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     }
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[7];
+    int64_t at[9];
     /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
     const int vnni = cpu_vnni(), starts = vnni && per == 32;
+    int transposed = 0; /* HQ3_R's GFNI step reads qt and bias16 */
+    for (int64_t p = 0; p < count; p++) transposed |= parts[p].type == HQ3_R_GFNI;
     const int64_t need = act_layout(k, per, sum_every, starts, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
@@ -457,6 +530,8 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.sums16 = (int16_t *)(scratch + at[4]);
     a.bias4 = starts ? (int32_t *)(scratch + at[5]) : NULL;
     a.dxs = starts ? (float *)(scratch + at[6]) : NULL;
+    a.qt = transposed ? (int8_t *)(scratch + at[7]) : NULL;
+    a.bias16 = transposed ? (int32_t *)(scratch + at[8]) : NULL;
     if (vnni)
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else

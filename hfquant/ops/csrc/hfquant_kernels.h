@@ -18,12 +18,13 @@ extern "C" {
 #endif
 
 /* isa_cpu.c: the instruction sets the kernels may use here, as bits: what the CPU has, lowered by the environment
- * variable HFQUANT_ISA (native / avx512 / avx2 / generic) when the library loads; HFQUANT_ISA_REFUSED alone for a
+ * variable HFQUANT_ISA (native / avx512vnni / avx512 / avx2 / generic) when the library loads; HFQUANT_ISA_REFUSED alone for a
  * value not understood. Every kernel with several bodies picks one by HFQUANT_ISA_HAS. */
 #define HFQUANT_ISA_AVX2 1         /* AVX2, FMA and F16C */
 #define HFQUANT_ISA_AVX512 2       /* AVX512-F, BW and VL */
 #define HFQUANT_ISA_AVX512_BF16 4  /* AVX512-BF16 */
 #define HFQUANT_ISA_AVX512_VNNI 8  /* AVX512-VNNI */
+#define HFQUANT_ISA_AVX512_VBMI_GFNI 16 /* AVX512-VBMI, AVX512-BITALG and GFNI (Ice Lake, Zen 4): HQ3_R's GFNI step */
 #define HFQUANT_ISA_REFUSED (1 << 30)
 #define HFQUANT_ISA_HAS(bits) ((hfquant_isa() & (bits)) == (bits))
 int hfquant_isa(void);

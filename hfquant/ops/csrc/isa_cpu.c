@@ -1,11 +1,13 @@
 /* The instruction sets hfquant's kernels may use in this process: the one place that decides which body of a kernel
- * with several runs (blocks_cpu.c's VNNI or AVX2 body, int8_cpu.c's W8A16 or float body, int4_intdot_cpu.c's AVX-512
- * or AVX2 W4A8 GEMV, sinq_cpu.c's AVX-512 or portable pass) and whether the AVX-512 kernels run at all
+ * with several runs (blocks_cpu.c's VNNI or AVX2 body and its HQ3_R's GFNI or shift step, int8_cpu.c's W8A16 or
+ * float body, int4_intdot_cpu.c's AVX-512 or AVX2 W4A8 GEMV, sinq_cpu.c's AVX-512 or portable pass) and whether the AVX-512 kernels run at all
  * (hfquant_int4_cpu_supported). Every such check asks hfquant_isa().
  *
  * hfquant_isa() returns the HFQUANT_ISA_* bits (hfquant_kernels.h) of what the CPU has (__builtin_cpu_supports),
  * lowered by the environment variable HFQUANT_ISA, read once when the library loads:
  *   unset, "" or "native": everything the CPU has;
+ *   "avx512vnni": AVX-512 F/BW/VL, BF16 and VNNI without VBMI, BITALG and GFNI, as on Cascade / Cooper Lake (the
+ *     block GEMVs' VNNI body with HQ3_R's shift step instead of its GFNI one);
  *   "avx512": AVX-512 F/BW/VL and BF16 without VNNI (the int8 GEMV's float body; the block GEMVs' AVX2 body);
  *   "avx2": AVX2, FMA and F16C only, as on a CPU without AVX-512 (Haswell to Zen 3): the AVX-512 kernels refuse,
  *     the block and W4A8 GEMVs take their AVX2 bodies;
@@ -38,6 +40,9 @@ static int cpu_bits(void) {
         bits |= HFQUANT_ISA_AVX512;
     if (__builtin_cpu_supports("avx512bf16")) bits |= HFQUANT_ISA_AVX512_BF16;
     if (__builtin_cpu_supports("avx512vnni")) bits |= HFQUANT_ISA_AVX512_VNNI;
+    if (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
+        __builtin_cpu_supports("gfni"))
+        bits |= HFQUANT_ISA_AVX512_VBMI_GFNI;
 #endif
     return bits;
 }
@@ -45,6 +50,8 @@ static int cpu_bits(void) {
 /* the bits HFQUANT_ISA allows (-1: all), HFQUANT_ISA_REFUSED for a value not understood */
 static int allowed_bits(const char *value) {
     if (value == NULL || !strcmp(value, "") || !strcmp(value, "native")) return -1;
+    if (!strcmp(value, "avx512vnni"))
+        return HFQUANT_ISA_AVX2 | HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_BF16 | HFQUANT_ISA_AVX512_VNNI;
     if (!strcmp(value, "avx512")) return HFQUANT_ISA_AVX2 | HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_BF16;
     if (!strcmp(value, "avx2")) return HFQUANT_ISA_AVX2;
     if (!strcmp(value, "generic")) return 0;
