@@ -127,6 +127,19 @@ def model_output(model, input_ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def decode_logits(model, length: int = 5, steps: int = 3) -> list[torch.Tensor]:
+    """Logits of a prefill of `length` random tokens, then of `steps` one-token steps over the cache (batch 1: the
+    one-row decode kernels' calls)."""
+    ids = torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        logits = [out.logits]
+        for step in range(steps):
+            out = model(input_ids=ids[:, step : step + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+    return logits
+
+
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     """Cosine of the angle between `a` and `b`, each flattened to one float64 vector (any shapes of equal size)."""
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()

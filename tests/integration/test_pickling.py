@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import torch
-from helpers import tiny_model
+from helpers import decode_logits, tiny_model
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -25,18 +25,6 @@ def _quantized(tmp_path):
     )
 
 
-def _decode(model) -> list[torch.Tensor]:
-    """Logits of a 5-token prefill, then of three one-token steps (the RMSNorm kernel's calls)."""
-    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        logits = [out.logits]
-        for step in range(3):
-            out = model(input_ids=ids[:, step : step + 1], past_key_values=out.past_key_values, use_cache=True)
-            logits.append(out.logits)
-    return logits
-
-
 def _norms(model) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, LlamaRMSNorm)]
 
@@ -45,7 +33,7 @@ def test_torch_save_and_load_give_the_same_outputs_and_counts(tmp_path):
     model = _quantized(tmp_path)
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert all(torch.equal(a, b) for a, b in zip(_decode(model), _decode(loaded), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(decode_logits(model), decode_logits(loaded), strict=True))
     assert loaded.num_parameters() == model.num_parameters() > sum(p.numel() for p in model.parameters())
     if torch_ops.loaded():  # the kernel's classes pickle as transformers' own: the copy runs the class's forward
         assert len(_norms(model)) == 5 and all(isinstance(norm, RowRMSNorm) for norm in _norms(model))

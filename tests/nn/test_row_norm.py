@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import graph_ops, tiny_model
+from helpers import decode_logits, graph_ops, tiny_model
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -85,26 +85,13 @@ def test_every_listed_class_computes_as_llama(name):
     assert inspect.getsource(cls.__init__).replace(name, "LlamaRMSNorm") == inspect.getsource(LlamaRMSNorm.__init__)
 
 
-def _one_token_outputs(model, length: int = 5) -> list[torch.Tensor]:
-    """Logits of a prefill of `length` tokens, then of three one-token steps over the cache."""
-    ids = torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(0))
-    outputs = []
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        outputs.append(out.logits)
-        for step in range(3):
-            out = model(input_ids=ids[:, step : step + 1], cache=out.past_key_values, use_cache=True)
-            outputs.append(out.logits)
-    return outputs
-
-
 def _norms(model) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, LlamaRMSNorm)]
 
 
 def test_install_and_remove_leave_outputs_and_state_dict_unchanged(monkeypatch):
     model = tiny_model("llama", dtype=torch.bfloat16)
-    before = _one_token_outputs(model)
+    before = decode_logits(model)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     weights = [norm.weight for norm in _norms(model)]
     assert use_row_rms_norms(model) == 5  # 2 per layer and the final norm
@@ -113,7 +100,7 @@ def test_install_and_remove_leave_outputs_and_state_dict_unchanged(monkeypatch):
     calls = []
     kernel = row_norm._RMS_NORM_ROW
     monkeypatch.setattr(row_norm, "_RMS_NORM_ROW", lambda *args: calls.append(args[0].shape) or kernel(*args))
-    after = _one_token_outputs(model)
+    after = decode_logits(model)
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, after, strict=True))
     assert calls == [(1, 1, 64)] * (3 * 5)  # the one-token steps only: the prefill kept the class's forward
     assert use_row_rms_norms(model) == 0  # installed once
