@@ -454,7 +454,8 @@ def quantize_to_buffers(
 
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; on the CPU, where hfquant's native library loads, min/max RTN of a
-    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first
+    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops), of the whole
+    weight at once when it is bfloat16 or float32 (no copy to bound: one call, not one per 4 MiB); `Method.SINQ` first
     computes the column scale c on a bfloat16 copy of the whole weight (`hfquant.core.sinq`) and quantizes w / c.
     `clipping` picks each group's range (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the
     stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
@@ -486,6 +487,8 @@ def quantize_to_buffers(
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
     in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
     step = max(1, _CHUNK_BYTES // (4 * k))
+    if in_c and weight.dtype in (torch.bfloat16, torch.float32):
+        step = n  # the C pass reads the weight as it is and writes the outputs in place: no transient memory to bound
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows]
