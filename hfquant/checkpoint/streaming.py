@@ -203,13 +203,16 @@ class PageReleaser:
         """`for_checkpoint` of the summed sizes of `files` (paths; missing ones count 0)."""
         return cls.for_checkpoint(sum(os.path.getsize(f) for f in files if os.path.isfile(f)), background)
 
-    def read(self, nbytes: int) -> int:
+    def read(self, nbytes: int, copied: bool = True) -> int:
         """Count `nbytes` read; release the pages when `every_bytes` have accumulated, else only return freed heap
-        memory (`trim_heap`, about 0.4 ms: the float copy of the weight just quantized must not stay resident).
-        Returns the bytes advised (0 when the release runs in the background)."""
+        memory (`trim_heap`, about 0.4 ms: the float copy of the weight just quantized must not stay resident) when
+        the tensor was `copied` (a tensor of its own, e.g. cast to the load's dtype); a view of the checkpoint's map
+        (or of a tensor still held elsewhere) freed no heap memory. Returns the bytes advised (0 when the release runs
+        in the background)."""
         self.pending += max(0, int(nbytes))
         if self.pending < self.every_bytes:
-            trim_heap()
+            if copied:
+                trim_heap()
             return 0
         if not self.background:
             return self.flush()

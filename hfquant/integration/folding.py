@@ -636,6 +636,16 @@ class FoldStream(Mapping):
             return default
         return transforms.get(name, Transform())
 
+    @property
+    def worker_busy(self) -> bool:
+        """Whether the worker thread has blocks queued or left to fold: it then keeps one core busy (at one OpenMP
+        thread), which the load's own C kernels leave to it (`HfQuantQuantize.convert`)."""
+        if self._closed or self._executor is None:
+            return False
+        with self._guard:
+            futures = list(self._futures.values())
+        return len(futures) < len(self._planner.blocks) or not all(future.done() for future in futures)
+
     def __getitem__(self, name: str) -> Transform:
         transform = self.get(name)
         if transform is None:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hfquant.checkpoint.streaming import PageReleaser
+from hfquant.integration.quantize_weights import GroupRows
 
 __all__ = ["LoadReport"]
 
@@ -27,12 +28,15 @@ class LoadReport:
         quantized_keys: model keys of the float tensors quantized on load (`x.weight`, `experts.gate_up_proj`).
         failed: checkpoint key -> why quantizing it failed (a `ValueError`'s message: NaN/Inf weights, ...).
         out_of_memory: checkpoint keys whose quantization raised `MemoryError`, in load order.
+        rows: the `GroupRows` the weight op writes decode groups' codes into (quantizing on load on the CPU), or None
+            (each weight a tensor of its own); cleared once the kernels are prepared.
     """
 
     pages: PageReleaser = field(default_factory=PageReleaser)
     quantized_keys: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
     out_of_memory: list[str] = field(default_factory=list)
+    rows: GroupRows | None = None
 
     def raise_failures(self) -> None:
         """Raise what the weight op recorded, out of memory first.

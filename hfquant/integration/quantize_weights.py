@@ -4,7 +4,8 @@
 A `QuantLinear` / `QuantEmbedding` weight becomes the layer's stored tensors (`quantize_to_buffers`: weight,
 weight_scale[, weight_zero_point][, weight_col_scale]), a fused `QuantExperts` projection its per-expert codes and
 scales, and a norm weight or a bias that a fold rescales (`fold_column_scales`) its rescaled copy; every other tensor
-passes unchanged.
+passes unchanged. The members of a decode group (q/k/v, gate/up: `hfquant.nn.fused`) get their codes written into
+consecutive rows of one tensor (`GroupRows`), which the group's kernels then use where it is.
 """
 
 from __future__ import annotations
@@ -22,29 +23,89 @@ from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, quantize_experts_tensor
 from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 
-__all__ = ["quantize_on_load", "quantize_layer_weight", "requantize_disk_offloaded"]
+__all__ = ["GroupRows", "quantize_on_load", "quantize_layer_weight", "requantize_disk_offloaded"]
+
+
+class GroupRows:
+    """The stored weights of a decode group's members (`QuantLinear._decode_group`: q/k/v, gate/up) as consecutive
+    row slices of one tensor per group, allocated (not touched) when its first member is quantized on load.
+
+    Their group then repacks them for its int4 GEMV in place (`DecodeGroup.prepare(in_place=True)`) and builds on that
+    tensor (`DecodeGroup.build` copies no rows already in one tensor), instead of writing every code byte into a
+    second tensor after the load: its page faults and the freeing of the first cost the 1.2B's load about 0.15 s of
+    its main thread (docs/performance.md, issue #32, ninth session). Only for members that all store one int4 or
+    block format with the same inputs (others keep tensors of their own), on the CPU.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[int, torch.Tensor] = {}
+
+    def weight_out(self, module: nn.Module, device: torch.device) -> torch.Tensor | None:
+        """`module`'s rows of its group's tensor for its stored weight (quantized on `device`), or None."""
+        group = getattr(module, "_decode_group", None)
+        if group is None or device.type != "cpu" or not _same_format(group.members):
+            return None
+        index = group.members.index(module)
+        fmt, in_features = module.format, module.in_features
+        dtype, shape = fmt.tensor_specs((module.out_features,), in_features)["weight"]
+        tensor = self._tensors.get(id(group))
+        if tensor is None:
+            tensor = self._tensors[id(group)] = torch.empty((sum(group.sizes), *shape[1:]), dtype=dtype)
+        start = sum(group.sizes[:index])
+        return tensor[start : start + group.sizes[index]]
+
+    def clear(self) -> None:
+        """Forget the tensors (after the load: the layers hold their rows)."""
+        self._tensors.clear()
+
+
+def _same_format(members: list[nn.Module]) -> bool:
+    """Whether every member is a `QuantLinear` of one int4 or block format and one in_features, its weight stored in
+    the (out, in) orientation."""
+    first = members[0]
+    if not all(isinstance(m, QuantLinear) and not getattr(m, "transposed_source", False) for m in members):
+        return False
+    fmt = first.format
+    if fmt is None or (fmt.block is None and fmt.bits != 4):
+        return False
+    return all(m.format == fmt and m.in_features == first.in_features for m in members)
 
 
 def quantize_layer_weight(
-    module: QuantLinear | QuantEmbedding, tensor: torch.Tensor, clipping: str, fold: Transform | None
+    module: QuantLinear | QuantEmbedding,
+    tensor: torch.Tensor,
+    clipping: str,
+    fold: Transform | None,
+    threads: int | None = None,
+    weight_out: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The stored tensors of `module` (by buffer name) from its float `weight` as the checkpoint holds it: (out, in)
     for a Linear or an embedding, (in, out) for GPT-2's Conv1D (`transposed_source`), transposed here. A `QuantLinear`
-    uses the config's `clipping`, an embedding always "minmax"; `fold` rescales the weight first.
+    uses the config's `clipping`, an embedding always "minmax"; `fold` rescales the weight first; `threads` are the C
+    RTN's (None: torch's count); `weight_out` the tensor to write the codes into (`quantize_to_buffers`).
 
     Raises:
         ValueError: the weight holds NaN or Inf (from `quantize_to_buffers`, naming the problem).
     """
     if getattr(module, "transposed_source", False):
         tensor = tensor.t()
-    return quantize_to_buffers(tensor, module.format, clipping if isinstance(module, QuantLinear) else "minmax", fold)
+    clipping = clipping if isinstance(module, QuantLinear) else "minmax"
+    return quantize_to_buffers(tensor, module.format, clipping, fold, threads, weight_out)
 
 
 def quantize_on_load(
-    module: nn.Module, key: str, tensor: torch.Tensor, fold: Transform | None, clipping: str
+    module: nn.Module,
+    key: str,
+    tensor: torch.Tensor,
+    fold: Transform | None,
+    clipping: str,
+    threads: int | None = None,
+    rows: GroupRows | None = None,
 ) -> tuple[dict[str, torch.Tensor], bool] | None:
     """What quantize-on-load stores for the float checkpoint tensor `key` (a model key, `x.weight`) of `module`:
-    (stored tensors by model key, True when `key` was quantized), or None when `tensor` passes unchanged.
+    (stored tensors by model key, True when `key` was quantized), or None when `tensor` passes unchanged. `threads`:
+    the C RTN's OpenMP threads for a layer weight (None: torch's count); `rows`: the load's `GroupRows` (None: every
+    weight a tensor of its own).
 
     Raises:
         ValueError: the tensor cannot be quantized (NaN/Inf weights); MemoryError.
@@ -52,7 +113,8 @@ def quantize_on_load(
     tensor_name = key.rpartition(".")[2]
     if isinstance(module, (QuantLinear, QuantEmbedding)) and tensor_name == "weight":
         prefix = key[: -len("weight")]
-        buffers = quantize_layer_weight(module, tensor, clipping, fold)
+        weight_out = None if rows is None else rows.weight_out(module, tensor.device)
+        buffers = quantize_layer_weight(module, tensor, clipping, fold, threads, weight_out)
         return {prefix + name: buffer for name, buffer in buffers.items()}, True
     if isinstance(module, QuantExperts) and tensor_name in module.shapes:
         buffers = quantize_experts_tensor(tensor, module.formats[tensor_name])

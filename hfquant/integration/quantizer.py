@@ -67,7 +67,7 @@ from hfquant.integration.load_plan import (
     record_stored_formats,
 )
 from hfquant.integration.load_report import LoadReport
-from hfquant.integration.quantize_weights import quantize_on_load, requantize_disk_offloaded
+from hfquant.integration.quantize_weights import GroupRows, quantize_on_load, requantize_disk_offloaded
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts
 from hfquant.nn.float_linear import use_float_linear
@@ -133,7 +133,9 @@ class HfQuantQuantize(ConversionOps):
             tensor = value[0] if isinstance(value, list) else value
             module, _ = get_module_from_name(model, key)
             try:
-                stored = quantize_on_load(module, key, tensor, folds.get(key.rpartition(".")[0]), clipping)
+                fold = folds.get(key.rpartition(".")[0])
+                threads = _rtn_threads(folds)
+                stored = quantize_on_load(module, key, tensor, fold, clipping, threads, report.rows)
                 if stored is None:
                     result[key] = tensor
                     continue
@@ -146,10 +148,21 @@ class HfQuantQuantize(ConversionOps):
                 report.failed[key] = str(error)
             except MemoryError:  # the same, raised as a MemoryError saying what to do
                 report.out_of_memory.append(key)
-            nbytes = tensor.numel() * tensor.element_size()
+            # a view (of the checkpoint's map, as transformers reads a tensor of the load's dtype) frees no heap memory
+            nbytes, copied = tensor.numel() * tensor.element_size(), tensor._base is None
             del tensor, value
-            report.pages.read(nbytes)
+            report.pages.read(nbytes, copied)
         return result
+
+
+def _rtn_threads(folds) -> int | None:
+    """The C RTN's threads for the next weight: one fewer than torch's while a fold worker folds beside the load
+    (`FoldStream.worker_busy`: it balances at one thread), else None (torch's count). At torch's two threads on two
+    cores, the RTN's second thread and the worker took turns on one core, and the main thread waited for (or OpenMP
+    spun on) that thread at every row chunk (docs/performance.md, issue #32, ninth session)."""
+    if not getattr(folds, "worker_busy", False):
+        return None
+    return max(1, torch.get_num_threads() - 1)
 
 
 class HfQuantQuantizer(HfQuantizer):
@@ -158,7 +171,8 @@ class HfQuantQuantizer(HfQuantizer):
     It works on a copy of the config it is given: a resolved `compute_dtype` is written into that copy (and so into
     `config.json`), never into the caller's object. Besides the config and `pre_quantized` (transformers'), it keeps
     two values: `plan`, the `LoadPlan` its pre-load hook builds (what is skipped, the layer formats, folds, ties and
-    dtype adapters), and `report`, the `LoadReport` its weight op fills (keys quantized, failures, out of memory).
+    dtype adapters), and `report`, the `LoadReport` its weight op fills (keys quantized, failures, out of memory, the
+    `GroupRows` it writes decode groups' codes into).
 
     Args:
         quantization_config: the `HfQuantConfig`.
@@ -222,7 +236,8 @@ class HfQuantQuantizer(HfQuantizer):
         elif files:
             checks.read_single_copies(files)  # headers only: a tensor stored twice is refused
         # quantizing on load, the releases run beside it (the second core is otherwise idle but for the folds)
-        self.report = LoadReport(PageReleaser.for_files([str(f) for f in files], background=not self.pre_quantized))
+        pages = PageReleaser.for_files([str(f) for f in files], background=not self.pre_quantized)
+        self.report = LoadReport(pages, rows=GroupRows() if not self.pre_quantized and _on_cpu(device_map) else None)
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
@@ -283,7 +298,9 @@ class HfQuantQuantizer(HfQuantizer):
         dtype = self.plan.compute_dtype or (model.dtype if model.dtype.is_floating_point else None)
         count_quantized_weights(model)  # num_parameters() counts the quantized weights, stored as buffers
         tie_buffers(model, self.plan.ties)
-        counts = _prepare_kernels(model, dtype)
+        counts = _prepare_kernels(model, dtype, self._own_weights())
+        if self.report.rows is not None:
+            self.report.rows.clear()
         share_tied_kernels(model, self.plan.ties)
         install_adapters(model, self.plan.adapters, dtype)
         keep_expert_scale_conversions(model)
@@ -303,6 +320,15 @@ class HfQuantQuantizer(HfQuantizer):
         for hook in self.loaded_model_hooks:
             hook(model)
         return model
+
+    def _own_weights(self) -> set[str]:
+        """The layers whose stored weight this load quantized and nothing else reads (not tied): their kernels may
+        repack it in place. None when reloading (the weights are views of the checkpoint's files)."""
+        if self.pre_quantized:
+            return set()
+        tied = {name for pair in self.plan.ties for name in pair}
+        quantized = {key[: -len(".weight")] for key in self.report.quantized_keys if key.endswith(".weight")}
+        return quantized - tied
 
     def get_state_dict_and_metadata(self, model):
         """transformers' `save_pretrained` hook: the model's own state dict, and shard metadata carrying the
@@ -329,13 +355,15 @@ class HfQuantQuantizer(HfQuantizer):
         return True
 
 
-def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None) -> dict[str, int]:
+def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None, own: set[str] = frozenset()) -> dict[str, int]:
     """After loading: each `QuantLinear` of `model` picks its kernel for `dtype` and repacks for it
     (`QuantLinear.prepare_kernel`), the members of a fused decode group together (`DecodeGroup.prepare`: repacked
-    straight into the group's tensor); returns the number of layers per kernel."""
+    straight into the group's tensor); the layers named in `own` (weights nothing else reads) are repacked in place.
+    Returns the number of layers per kernel."""
     counts: dict[str, int] = {}
     prepared: set[int] = set()
     maps = [(start, end) for start, end, _ in mapped_checkpoint_ranges()]
+    owned = {id(module) for name, module in model.named_modules() if name in own}
     for module in model.modules():
         if not isinstance(module, QuantLinear) or id(module) in prepared:
             continue
@@ -344,7 +372,11 @@ def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None) -> dict[str, i
         for layer in layers:
             restore_kernel_buffers(layer)
         sources = [(layer.weight.data_ptr(), layer.weight.nbytes) for layer in layers]
-        chosen = [module.prepare_kernel(dtype)] if group is None else group.prepare(dtype)
+        in_place = all(id(layer) in owned for layer in layers)
+        if group is None:
+            chosen = [module.prepare_kernel(dtype, out=module._buffers["weight"] if in_place else None)]
+        else:
+            chosen = group.prepare(dtype, in_place=in_place)
         for layer, kernel, source in zip(layers, chosen, sources, strict=True):
             prepared.add(id(layer))
             counts[kernel] = counts.get(kernel, 0) + 1
@@ -355,6 +387,14 @@ def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None) -> dict[str, i
     # after `del model` took 0.6-1.0 s against 0.3 s).
     trim_heap()
     return counts
+
+
+def _on_cpu(device_map) -> bool:
+    """Whether `device_map` (from_pretrained's, resolved) places every module on the CPU (None: no map)."""
+    if device_map is None:
+        return True
+    values = device_map.values() if isinstance(device_map, dict) else [device_map]
+    return all(str(value) == "cpu" for value in values)
 
 
 def _release_source(address: int, nbytes: int, maps: list[tuple[int, int]]) -> None:

@@ -163,17 +163,19 @@ class DecodeGroup:
         self.in_graphs = plan.row_call is RowCall.OPERATOR
         return True
 
-    def prepare(self, dtype: torch.dtype | None = None) -> list:
+    def prepare(self, dtype: torch.dtype | None = None, in_place: bool = False) -> list:
         """Prepare every member's kernel for the activation `dtype` (`QuantLinear.prepare_kernel`), then build the
         group; returns the members' kernels.
 
         When the members' plans (`QuantLinear.planned_row`) bind the same eager int4 GEMV and their weights are on
         the CPU, each member's runtime weight is repacked straight into its rows of one new (sum N_i, K / 2) uint8
-        tensor, which becomes the group's `weight`: each code byte is written once. Otherwise each member prepares
-        its own (block formats always: their runtime weight is the stored one), and `build` concatenates them if they
-        can share a GEMV after all."""
+        tensor, which becomes the group's `weight`: each code byte is written once. With `in_place`, stored weights
+        that already are the consecutive rows of one tensor (as quantize-on-load stores a group's members) are
+        repacked where they are instead, without a second tensor: only for weights nothing else reads (a load's own).
+        Otherwise each member prepares its own (block formats always: their runtime weight is the stored one), and
+        `build` concatenates them if they can share a GEMV after all (not copying rows already in one tensor)."""
         self.dissolve()
-        views = self._rows(dtype) or (None,) * len(self.members)
+        views = self._rows(dtype, in_place) or (None,) * len(self.members)
         self._preparing = True
         try:
             kernels = [
@@ -184,9 +186,10 @@ class DecodeGroup:
         self.build()
         return kernels
 
-    def _rows(self, dtype: torch.dtype | None) -> tuple | None:
+    def _rows(self, dtype: torch.dtype | None, in_place: bool = False) -> tuple | None:
         """The members' row views of a new (sum N_i, K / 2) uint8 tensor for `prepare` to repack them into, when
-        every member's weight is on the CPU and its plan binds the same int4 GEMV; else None."""
+        every member's weight is on the CPU and its plan binds the same int4 GEMV, or with `in_place` their own
+        weights when these are the consecutive rows of one tensor; else None."""
         keys = set()
         for member in self.members:
             planned = member.planned_row(dtype)
@@ -197,6 +200,9 @@ class DecodeGroup:
             keys.add(_plan_key(planned[0], torch.uint8))
         if len(keys) != 1:
             return None
+        weights = [member._buffers["weight"] for member in self.members]
+        if in_place and _rows_of_one_tensor(weights, self.sizes) is not None:
+            return tuple(weights)
         return torch.empty((sum(self.sizes), self.members[0].in_features // 2), dtype=torch.uint8).split(self.sizes)
 
     def dissolve(self) -> None:

@@ -289,7 +289,9 @@ class QuantLinear(StoredWeight):
         int4 scale/zero tensor is built in (default: the bias dtype, else bfloat16). `out`: a contiguous
         (out_features, in_features // 2) uint8 CPU tensor that a `Kernel.INT4PACK_MM_CPU` runtime weight is repacked
         straight into and that becomes `weight` (the layer's rows of its fused decode group's tensor,
-        `hfquant.nn.fused.DecodeGroup.prepare`); unused for the other kernels. RuntimeError when it is not as above.
+        `hfquant.nn.fused.DecodeGroup.prepare`), or the stored `weight` itself: repacked in place (only for a weight
+        nothing else reads, e.g. quantize-on-load's own); unused for the other kernels. RuntimeError when it is not as
+        above.
         """
         if self.weight.device.type == "meta":
             return self.kernel
@@ -440,25 +442,35 @@ class QuantLinear(StoredWeight):
 
 
 def quantize_to_buffers(
-    weight: torch.Tensor, fmt: StoredFormat, clipping: str = "minmax", fold: Transform | None = None
+    weight: torch.Tensor,
+    fmt: StoredFormat,
+    clipping: str = "minmax",
+    fold: Transform | None = None,
+    threads: int | None = None,
+    weight_out: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]
     [, "weight_col_scale"]} as `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
 
     RTN works on row chunks so that the transient memory (float32 copy and unpacked codes) stays under about
     `_CHUNK_BYTES` whatever the size of the weight; on the CPU, where hfquant's native library loads, min/max RTN of a
-    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops); `Method.SINQ` first
+    chunk runs in one C pass (`hfquant.ops.native.rtn_quantize`, the same bytes as the torch ops), of the whole
+    weight at once when it is bfloat16 or float32 (no copy to bound: one call, not one per 4 MiB); `Method.SINQ` first
     computes the column scale c on a bfloat16 copy of the whole weight (`hfquant.core.sinq`) and quantizes w / c.
     `clipping` picks each group's range (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the
     stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
     the rest (in the C pass itself where it runs): the quantized weight is `hfquant.core.folding.apply(weight, fold)`'s.
+    `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a
+    contiguous tensor of the stored weight's dtype and shape on `weight`'s device to write the codes into (returned as
+    "weight"; e.g. a layer's rows of its decode group's tensor, `quantize_weights.GroupRows`), None for a new one.
 
     Raises:
         ValueError: the weight holds NaN or Inf values.
+        RuntimeError: `weight_out` is not as above.
     """
     require_format(fmt)
     n, k = weight.shape
-    buffers = fmt.empty((n,), k, weight.device)
+    buffers = _stored_buffers(fmt, n, k, weight.device, weight_out)
     row_scale = None if fold is None or fold.row_scale is None else fold.row_scale.to(weight.device)
     col_scale = None if fold is None or fold.col_scale is None else fold.col_scale.to(weight.device)
     if fmt.method is Method.SINQ:
@@ -475,6 +487,8 @@ def quantize_to_buffers(
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
     in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
     step = max(1, _CHUNK_BYTES // (4 * k))
+    if in_c and weight.dtype in (torch.bfloat16, torch.float32):
+        step = n  # the C pass reads the weight as it is and writes the outputs in place: no transient memory to bound
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows]
@@ -494,6 +508,7 @@ def quantize_to_buffers(
                 out=(stored[rows], buffers["weight_scale"][rows], None if zero_point is None else zero_point[rows]),
                 row_scale=None if row_scale is None else row_scale[rows].float(),
                 col_scale=None if col_scale is None else col_scale.float(),
+                threads=threads,
             )
             continue
         if row_scale is not None:
@@ -506,6 +521,28 @@ def quantize_to_buffers(
         if q.zero_point is not None:
             buffers["weight_zero_point"][rows] = q.zero_point
     return buffers
+
+
+def _stored_buffers(
+    fmt: StoredFormat, n: int, k: int, device: torch.device, weight_out: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """`fmt.empty((n,), k, device)`, with `weight_out` as "weight" when given (RuntimeError unless it is a contiguous
+    tensor of that buffer's dtype and shape on `device`)."""
+    if weight_out is None:
+        return fmt.empty((n,), k, device)
+    specs = fmt.tensor_specs((n,), k)
+    dtype, shape = specs["weight"]
+    if weight_out.dtype != dtype or tuple(weight_out.shape) != shape or not weight_out.is_contiguous():
+        raise RuntimeError(
+            f"quantize_to_buffers: weight_out must be a contiguous {dtype} tensor of shape {shape}, got "
+            f"{weight_out.dtype} {tuple(weight_out.shape)}"
+        )
+    if weight_out.device != torch.device(device):
+        raise RuntimeError(f"quantize_to_buffers: weight_out is on {weight_out.device}, the weight on {device}")
+    return {
+        name: weight_out if name == "weight" else torch.empty(shape, dtype=dtype, device=device)
+        for name, (dtype, shape) in specs.items()
+    }
 
 
 def _quantize_blocks(

@@ -276,7 +276,8 @@ def prepare_packed_int4(
 
     `out` (`Kernel.INT4PACK_MM_CPU` only): a contiguous (N, K // 2) uint8 CPU tensor apart from `packed` that the
     runtime weight is written into and returned as, e.g. a layer's rows of a fused decode group's tensor
-    (`hfquant.nn.fused`): the native pass writes there directly, the other path copies its result there.
+    (`hfquant.nn.fused`): the native pass writes there directly, the other path copies its result there. `out` may
+    also be `packed` itself: repacked in place (`native.int4_repack`; the other path copies its result back).
 
     Raises:
         ValueError: `out` given for another kernel.

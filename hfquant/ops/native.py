@@ -86,7 +86,7 @@ _SIGNATURES = {
     "hfquant_int4_dequantize_t": [_POINTER] * 3 + [_INT64] * 5,
     "hfquant_int8_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
-    "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3,
+    "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3 + [_INT64],
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
     "hfquant_block_gemv_group": [_POINTER] * 5 + [_INT64] * 2,
@@ -104,7 +104,7 @@ _SIGNATURES = {
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
-    "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5,
+    "hfquant_rtn_quantize_scaled": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 5 + [_INT64],
     "hfquant_sinq_balance": [_POINTER] * 3 + [_INT64, _INT] + [_INT64] * 4 + [_POINTER],
     "hfquant_rms_norm_row": [_POINTER] * 3 + [_INT64, ctypes.c_float],  # called as torch.ops.hfquant_cpu.rms_norm_row
     "hfquant_attention_row": [_POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _POINTER]
@@ -360,15 +360,18 @@ def int4_repack(weight: torch.Tensor, to_cpu_layout: bool, out: torch.Tensor | N
         weight: (N, K // 2) contiguous uint8, N % 64 == 0.
         to_cpu_layout: True: stored -> kernel layout; False: kernel layout -> stored.
         out: a contiguous (N, K // 2) uint8 CPU tensor not overlapping `weight` to write into instead of a new one
-            (e.g. a layer's rows of a fused decode group's tensor, `hfquant.nn.fused`).
+            (e.g. a layer's rows of a fused decode group's tensor, `hfquant.nn.fused`); with `to_cpu_layout`, also
+            `weight` itself (the same bytes): repacked in place, a block of 64 rows at a time through a copy.
     Returns:
         A new (N, K // 2) uint8 tensor, or `out`.
     Raises:
         RuntimeError: the library is unavailable or refused the shape; `out` is not as above.
+        MemoryError: in place, a thread's block copy could not be allocated (the weight is unchanged then).
     """
     library = _loaded_library()
     n, k = weight.shape[0], weight.shape[1] * 2
     weight = weight.contiguous()
+    in_place = out is not None and to_cpu_layout and out.data_ptr() == weight.data_ptr() and out.shape == weight.shape
     if out is None:
         out = torch.empty_like(weight)
     elif (
@@ -376,14 +379,17 @@ def int4_repack(weight: torch.Tensor, to_cpu_layout: bool, out: torch.Tensor | N
         or out.dtype != torch.uint8
         or out.device.type != "cpu"
         or not out.is_contiguous()
-        or _overlap(out, weight)
+        or (_overlap(out, weight) and not in_place)
     ):
         raise RuntimeError(
-            f"int4_repack's out must be a contiguous {tuple(weight.shape)} uint8 CPU tensor apart from the weight, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            f"int4_repack's out must be a contiguous {tuple(weight.shape)} uint8 CPU tensor apart from the weight "
+            f"(or the weight itself, to the CPU layout), got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     function = library.hfquant_int4_to_cpu_layout if to_cpu_layout else library.hfquant_int4_from_cpu_layout
-    if function(weight.data_ptr(), out.data_ptr(), n, k):
+    status = function(weight.data_ptr(), out.data_ptr(), n, k)
+    if status == 2:
+        raise MemoryError(f"hfquant native int4 repacking in place: no {32 * k} bytes for a block's copy")
+    if status:
         raise RuntimeError(f"hfquant native int4 repacking refused N={n}, K={k} (needs N % 64 == 0)")
     return out
 
@@ -402,6 +408,7 @@ def rtn_quantize(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest quantization of a CPU weight in one C pass (`csrc/rtn_cpu.c`), bit for bit what
     `hfquant.core.rtn.quantize_weight(weight, bits, group_size, symmetric)` gives, packed at 4 bits as
@@ -417,15 +424,19 @@ def rtn_quantize(
             below; zero_point None when symmetric), e.g. row slices of a layer's buffers: no temporary, no copy.
         row_scale: None or (N,) float32 CPU factors of the rows.
         col_scale: None or (K,) float32 CPU divisors of the columns.
+        threads: OpenMP threads over the rows (>= 1), None for OpenMP's default (torch's count); the bytes do not
+            depend on it. A load whose fold worker keeps a core busy passes one fewer (`HfQuantQuantize.convert`).
     Returns:
         (codes, scale, zero_point): codes (N, K // 2) uint8 at 4 bits, (N, K) int8 at 8 bits symmetric, (N, K) uint8
         at 8 bits asymmetric; scale (N, K // group_size) bfloat16; zero_point (N, K // group_size) uint8, or None when
         symmetric. `out`'s tensors when given.
     Raises:
-        ValueError: the weight holds NaN or Inf values (the message of `hfquant.core.rtn`).
+        ValueError: the weight holds NaN or Inf values (the message of `hfquant.core.rtn`); `threads` < 1.
         RuntimeError: the library is unavailable, or it refused the arguments (`out` included: naming the tensor).
     """
     library = _loaded_library()
+    if threads is not None and threads < 1:
+        raise ValueError(f"rtn_quantize threads={threads}: give at least 1, or None for OpenMP's default")
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or weight.device.type != "cpu":
         raise RuntimeError(
             f"rtn_quantize needs a 2-D bfloat16 or float32 CPU weight, got {weight.dtype} "
@@ -444,10 +455,10 @@ def rtn_quantize(
     arguments = [weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k, group_size, bits, int(symmetric)]
     outputs = [codes.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr()]
     if all(vector is None for vector in factors):
-        status = library.hfquant_rtn_quantize(*arguments, *outputs)
+        status = library.hfquant_rtn_quantize(*arguments, *outputs, threads or 0)
     else:
         pointers = [None if vector is None else vector.data_ptr() for vector in factors]
-        status = library.hfquant_rtn_quantize_scaled(*arguments, *pointers, *outputs)
+        status = library.hfquant_rtn_quantize_scaled(*arguments, *pointers, *outputs, threads or 0)
     if status == 2:
         raise ValueError("cannot quantize a weight that contains NaN or Inf values")
     if status:

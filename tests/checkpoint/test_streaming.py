@@ -43,6 +43,13 @@ def test_releases_once_per_share_and_trims_the_heap_in_between(calls):
     assert releaser.flush() == 1 and calls["release"] == 3 and releaser.pending == 0
 
 
+def test_views_of_the_checkpoint_skip_the_heap_trim(calls):
+    releaser = PageReleaser(100)
+    advised = [releaser.read(30, copied=i % 2 == 0) for i in range(6)]  # released after the 4th tensor
+    assert advised == [0, 0, 0, 1, 0, 0] and calls["release"] == 1
+    assert calls["trim"] == 3  # the 1st, 3rd and 5th tensors were copies; the views freed no heap memory
+
+
 def test_one_tensor_larger_than_the_share_is_released_at_once(calls):
     releaser = PageReleaser(100)
     releaser.read(1000)

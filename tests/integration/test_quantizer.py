@@ -14,6 +14,7 @@ from hfquant import HfQuantConfig, QuantLinear
 from hfquant.core.format import Method, StoredFormat
 from hfquant.integration.load_plan import LoadPlan
 from hfquant.integration.load_report import LoadReport
+from hfquant.integration.quantize_weights import GroupRows
 from hfquant.integration.quantizer import HfQuantQuantizer
 from hfquant.nn import fused
 from hfquant.nn.embedding import QuantEmbedding
@@ -155,6 +156,47 @@ def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():
 
 
 @pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's int4 GEMV does not run here")
+def test_quantize_on_load_repacks_the_weights_it_wrote_in_place(float_checkpoint, monkeypatch):
+    """Quantizing on load, a decode group's codes are written into consecutive rows of one tensor (`GroupRows`) and
+    every weight the load quantized is repacked where it is (no second tensor): the same state dict and logits as a
+    load that gives each weight a tensor of its own and repacks into new ones."""
+    monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    source = float_checkpoint("llama", torch.bfloat16, **shape)
+    config = HfQuantConfig(bits=4, group_size=64, method="rtn", mixed_precision="none")
+    calls = []
+    repack = native.int4_repack
+
+    def recorded(weight, to_cpu_layout, out=None):
+        if to_cpu_layout:
+            calls.append((weight.data_ptr(), None if out is None else out.data_ptr()))
+        return repack(weight, to_cpu_layout, out)
+
+    monkeypatch.setattr(native, "int4_repack", recorded)
+    model = auto_class("llama").from_pretrained(source, quantization_config=config)
+    assert len(calls) == 14 and all(weight == out for weight, out in calls)  # 7 layers a block, each in place
+    for layer in model.model.layers:
+        for members in (
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            (layer.mlp.gate_proj, layer.mlp.up_proj),
+        ):
+            group = members[0]._fused
+            assert group is not None and group.weight.data_ptr() == members[0].weight.data_ptr()
+    assert model.hf_quantizer.report.rows is not None and not model.hf_quantizer.report.rows._tensors
+    calls.clear()
+    monkeypatch.setattr(GroupRows, "weight_out", lambda rows, module, device: None)
+    monkeypatch.setattr(HfQuantQuantizer, "_own_weights", lambda quantizer: set())
+    apart = auto_class("llama").from_pretrained(source, quantization_config=config)
+    assert len(calls) == 14 and all(weight != out for weight, out in calls)
+    saved, reference = model.state_dict(), apart.state_dict()
+    assert saved.keys() == reference.keys()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.items())
+    ids = torch.tensor([[1, 50, 90, 120]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, apart(ids).logits)
+
+
+@pytest.mark.skipif(not gemv.native_int4_works(), reason="hfquant's int4 GEMV does not run here")
 def test_a_reload_repacks_each_fused_groups_members_straight_into_its_tensor(float_checkpoint, tmp_path, monkeypatch):
     """#28: the q/k/v and gate/up members of a reloaded int4 model are repacked into their rows of the group's tensor
     (each code byte written once), with the logits and the state dict of members concatenated after their repack."""
@@ -183,7 +225,7 @@ def test_a_reload_repacks_each_fused_groups_members_straight_into_its_tensor(flo
             assert group is not None and group.members == list(members)
             assert all(member.weight.data_ptr() in repacked_into for member in members)
             assert group.weight.data_ptr() == members[0].weight.data_ptr()
-    monkeypatch.setattr(fused.DecodeGroup, "_rows", lambda group, dtype: None)  # each member its own, then a cat
+    monkeypatch.setattr(fused.DecodeGroup, "_rows", lambda group, dtype, in_place=False: None)  # each its own, a cat
     concatenated = auto_class("llama").from_pretrained(tmp_path / "int4")
     assert concatenated.model.layers[0].self_attn.q_proj._fused is not None
     saved, reference = model.state_dict(), concatenated.state_dict()

@@ -233,10 +233,12 @@ def test_forward_on_a_layer_without_bias_is_the_dequantized_product(device):
 
 
 @pytest.mark.parametrize("bits, symmetric", [(8, True), (8, False), (4, True), (4, False)])
-def test_quantize_to_buffers_chunking_does_not_change_results(monkeypatch, bits, symmetric):
+# float16 is chunked on every path (a float32 copy per chunk); float32 only on torch's (the C pass takes it whole)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_to_buffers_chunking_does_not_change_results(monkeypatch, bits, symmetric, dtype):
     import hfquant.nn.linear as linear_module
 
-    weight = torch.randn((45, 64), generator=torch.Generator().manual_seed(14))
+    weight = torch.randn((45, 64), generator=torch.Generator().manual_seed(14)).to(dtype)
     whole = quantize_to_buffers(weight, StoredFormat(bits, 32, symmetric))
     monkeypatch.setattr(linear_module, "_CHUNK_BYTES", 4 * 64 * 4)  # 4 rows per step, the last one short
     chunked = quantize_to_buffers(weight, StoredFormat(bits, 32, symmetric))

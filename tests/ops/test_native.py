@@ -224,6 +224,13 @@ def test_native_repacking_equals_the_torch_path_both_ways(n, k):
     assert torch.equal(native.int4_repack(runtime, to_cpu_layout=False), stored)
     with pytest.raises(RuntimeError, match="N % 64"):
         native.int4_repack(stored[:32], to_cpu_layout=True)
+    # in place (out is the weight): the same bytes in the same memory, rows of a larger tensor included
+    rows = torch.cat([stored, stored.flip(0)])
+    top = rows[:n]
+    assert native.int4_repack(top, to_cpu_layout=True, out=top) is top
+    assert torch.equal(top, runtime) and torch.equal(rows[n:], stored.flip(0))
+    with pytest.raises(RuntimeError, match="apart from the weight"):  # overlapping, not the same rows
+        native.int4_repack(rows[32 : n + 32], to_cpu_layout=True, out=rows[:n])
 
 
 @needs_native

@@ -98,10 +98,10 @@ int hfquant_attention_row(const uint16_t *q, int64_t q_head_stride, const uint16
 
 /* rtn_cpu.c: round-to-nearest quantization in one pass */
 int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
-                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point);
+                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point, int64_t threads);
 int hfquant_rtn_quantize_scaled(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits,
                                 int symmetric, const float *row_scale, const float *col_scale, uint8_t *codes,
-                                uint16_t *scale, uint8_t *zero_point);
+                                uint16_t *scale, uint8_t *zero_point, int64_t threads);
 
 /* sinq_cpu.c: SINQ's Sinkhorn balancing of stacked matrices, tile by tile in cache */
 int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const float *const *row_scales, int64_t count,

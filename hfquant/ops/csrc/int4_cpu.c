@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16_bits.h"
@@ -39,7 +40,9 @@ int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
  * (high nibble), and the CPU kernel layout (N/64, K, 32): byte [b, k, j] holds q[64b + j, k] (low) and
  * q[64b + 32 + j, k] (high). One pass each way instead of unpacking every code to a byte first (torch ops: about
  * 10x the time); to the kernel layout (every load repacks) 16 stored bytes of 64 rows at a time through 16 x 16 byte
- * transposes (5x the byte loop on one thread at 8192 x 2048). Require N % 64 == 0 and K even; return 0 on success. */
+ * transposes (5x the byte loop on one thread at 8192 x 2048); to the kernel layout also in place (out == stored: no
+ * second tensor, whose page faults cost a load as much as the pass). Require N % 64 == 0 and K even; return 0 on
+ * success. */
 #if defined(__x86_64__)
 #include <emmintrin.h> /* SSE2: every x86-64 CPU */
 
@@ -67,47 +70,77 @@ static inline void transpose16(const __m128i *in, __m128i *out) {
 }
 #endif
 
+/* One block of 64 stored rows (`rows`, 64 x k / 2 bytes) into its k x 32 bytes of the kernel layout at `dst`; `whole`:
+ * the stored bytes of a row done 16 at a time by the tile transposes (x86), the rest one at a time. */
+static void block_to_cpu_layout(const uint8_t *rows, uint8_t *dst, int64_t k, int64_t whole) {
+    const int64_t half = k / 2;
+#if defined(__x86_64__)
+    const __m128i low = _mm_set1_epi8(0x0F), high = _mm_set1_epi8((char)0xF0);
+    for (int64_t i0 = 0; i0 < whole; i0 += 16) {
+        __m128i in[16], t[4][16]; /* t[s][i]: byte i0 + i of the block's rows 16s..16s + 15 */
+        for (int s = 0; s < 4; s++) {
+            for (int j = 0; j < 16; j++) in[j] = _mm_loadu_si128((const __m128i *)(rows + (16 * s + j) * half + i0));
+            transpose16(in, t[s]);
+        }
+        for (int i = 0; i < 16; i++) { /* inputs 2(i0 + i) and 2(i0 + i) + 1: rows j (low nibble), 32 + j (high) */
+            uint8_t *even = dst + 2 * (i0 + i) * 32, *odd = even + 32;
+            for (int part = 0; part < 2; part++) {
+                const __m128i l = t[part][i], h = t[2 + part][i];
+                _mm_storeu_si128((__m128i *)(even + 16 * part),
+                                 _mm_or_si128(_mm_and_si128(l, low), _mm_and_si128(_mm_slli_epi16(h, 4), high)));
+                _mm_storeu_si128((__m128i *)(odd + 16 * part),
+                                 _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l, 4), low), _mm_and_si128(h, high)));
+            }
+        }
+    }
+#endif
+    for (int64_t j = 0; j < 32; j++) {
+        const uint8_t *lo = rows + j * half, *hi = rows + (32 + j) * half;
+        for (int64_t i = whole; i < half; i++) {
+            const uint8_t l = lo[i], h = hi[i];
+            dst[(2 * i) * 32 + j] = (uint8_t)((l & 0x0F) | (h << 4));
+            dst[(2 * i + 1) * 32 + j] = (uint8_t)((l >> 4) | (h & 0xF0));
+        }
+    }
+}
+
+/* out == stored repacks in place: a block's 64 stored rows and its kernel-layout bytes are the same k x 32 bytes, so
+ * each block is first copied to a buffer of the thread's (k x 32 bytes, in L2), then written back repacked. Returns
+ * 2 when that buffer cannot be allocated (nothing written then). */
 int hfquant_int4_to_cpu_layout(const uint8_t *stored, uint8_t *out, int64_t n, int64_t k) {
     if (n % 64 || k % 2 || n <= 0 || k <= 0) return 1;
     const int64_t half = k / 2, blocks = n / 64;
+    const int in_place = stored == out;
     int64_t whole = 0; /* stored bytes done 16 at a time, by transposing 16 x 16 byte tiles (x86) */
 #if defined(__x86_64__)
     whole = half / 16 * 16;
 #endif
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        uint8_t *dst = out + b * k * 32;
-        const uint8_t *rows = stored + 64 * b * half;
-#if defined(__x86_64__)
-        const __m128i low = _mm_set1_epi8(0x0F), high = _mm_set1_epi8((char)0xF0);
-        for (int64_t i0 = 0; i0 < whole; i0 += 16) {
-            __m128i in[16], t[4][16]; /* t[s][i]: byte i0 + i of the block's rows 16s..16s + 15 */
-            for (int s = 0; s < 4; s++) {
-                for (int j = 0; j < 16; j++) in[j] = _mm_loadu_si128((const __m128i *)(rows + (16 * s + j) * half + i0));
-                transpose16(in, t[s]);
-            }
-            for (int i = 0; i < 16; i++) { /* inputs 2(i0 + i) and 2(i0 + i) + 1: rows j (low nibble), 32 + j (high) */
-                uint8_t *even = dst + 2 * (i0 + i) * 32, *odd = even + 32;
-                for (int part = 0; part < 2; part++) {
-                    const __m128i l = t[part][i], h = t[2 + part][i];
-                    _mm_storeu_si128((__m128i *)(even + 16 * part),
-                                     _mm_or_si128(_mm_and_si128(l, low), _mm_and_si128(_mm_slli_epi16(h, 4), high)));
-                    _mm_storeu_si128((__m128i *)(odd + 16 * part),
-                                     _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l, 4), low), _mm_and_si128(h, high)));
+    int oom = 0;
+#pragma omp parallel
+    {
+        uint8_t *copy = in_place ? malloc((size_t)k * 32) : NULL;
+        if (in_place && copy == NULL) {
+#pragma omp atomic write
+            oom = 1;
+        }
+#pragma omp barrier
+        int stop; /* the same value in every thread after the barrier: all or none reach the loop */
+#pragma omp atomic read
+        stop = oom;
+        if (!stop) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *rows = stored + 64 * b * half;
+                if (in_place) {
+                    memcpy(copy, rows, (size_t)k * 32);
+                    rows = copy;
                 }
+                block_to_cpu_layout(rows, out + b * k * 32, k, whole);
             }
         }
-#endif
-        for (int64_t j = 0; j < 32; j++) {
-            const uint8_t *lo = rows + j * half, *hi = rows + (32 + j) * half;
-            for (int64_t i = whole; i < half; i++) {
-                const uint8_t l = lo[i], h = hi[i];
-                dst[(2 * i) * 32 + j] = (uint8_t)((l & 0x0F) | (h << 4));
-                dst[(2 * i + 1) * 32 + j] = (uint8_t)((l >> 4) | (h & 0xF0));
-            }
-        }
+        free(copy);
     }
-    return 0;
+    return oom ? 2 : 0;
 }
 
 int hfquant_int4_from_cpu_layout(const uint8_t *layout, uint8_t *stored, int64_t n, int64_t k) {

@@ -16,13 +16,15 @@
  * Outputs (contiguous): codes (N, K / 2) uint8 at 4 bits, even input in the low nibble; (N, K) int8 or uint8 at 8;
  *   scale (N, K / group) bfloat16; zero_point (N, K / group) uint8 when asymmetric (else not written, may be NULL).
  * Returns 0; 1 for bad arguments; 2 when w holds a NaN or an infinity (nothing meaningful to write: the caller
- * raises). Rows are split over OpenMP threads; every output depends on its own row only.
+ * raises). Rows are split over `threads` OpenMP threads (0: OpenMP's default); every output depends on its own row
+ * only, so the bytes do not depend on the count.
  */
 #if defined(__x86_64__) && defined(__GNUC__)
 /* the loops below vectorize to 16 floats per instruction; hfquant loads this library only on CPUs with AVX512-BF16 */
 #pragma GCC target("avx512f,avx512bw,avx512vl")
 #endif
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -208,13 +210,14 @@ static int rtn_row_avx512(const void *src, int is_bf16, float a, const float *c,
 
 static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
                         const float *row_scale, const float *col_scale, uint8_t *codes, uint16_t *scale,
-                        uint8_t *zero_point) {
+                        uint8_t *zero_point, int64_t threads) {
     if (n <= 0 || k <= 0 || group <= 0 || k % group || (bits != 4 && bits != 8) || (bits == 4 && k % 2) ||
-        group > 65536 || (!symmetric && zero_point == NULL))
+        group > 65536 || (!symmetric && zero_point == NULL) || threads < 0)
         return 1;
     const int64_t groups = k / group;
+    const int team = threads > 0 ? (int)threads : omp_get_max_threads();
     int bad = 0;
-#pragma omp parallel reduction(| : bad)
+#pragma omp parallel num_threads(team) reduction(| : bad)
     {
         float xf[group];
         uint8_t row_codes[bits == 4 ? k : 1];
@@ -268,8 +271,8 @@ static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int6
 }
 
 int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
-                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point) {
-    return rtn_quantize(w, w_is_bf16, n, k, group, bits, symmetric, NULL, NULL, codes, scale, zero_point);
+                         uint8_t *codes, uint16_t *scale, uint8_t *zero_point, int64_t threads) {
+    return rtn_quantize(w, w_is_bf16, n, k, group, bits, symmetric, NULL, NULL, codes, scale, zero_point, threads);
 }
 
 /* The same with a fold's factors (hfquant.core.folding.Transform) applied to each value first: x * row_scale[n] when
@@ -278,6 +281,7 @@ int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int
  * float32 chunk, without making it. */
 int hfquant_rtn_quantize_scaled(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits,
                                 int symmetric, const float *row_scale, const float *col_scale, uint8_t *codes,
-                                uint16_t *scale, uint8_t *zero_point) {
-    return rtn_quantize(w, w_is_bf16, n, k, group, bits, symmetric, row_scale, col_scale, codes, scale, zero_point);
+                                uint16_t *scale, uint8_t *zero_point, int64_t threads) {
+    return rtn_quantize(w, w_is_bf16, n, k, group, bits, symmetric, row_scale, col_scale, codes, scale, zero_point,
+                        threads);
 }
