@@ -13,6 +13,7 @@ from hfquant.core import blocks, packing, rtn, sinq
 from hfquant.core.blocks.importance import stored_scale_importance
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
+from hfquant.nn import row_attention
 from hfquant.ops import gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.gemv import RowKernel
@@ -220,6 +221,7 @@ class QuantLinear(StoredWeight):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._bind_row()
+        row_attention.register_attention()  # an unpickled model's config may name hfquant's one-row attention
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

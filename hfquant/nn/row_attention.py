@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AttentionMaskInterface
 
 from hfquant.ops import torch_ops
 
-__all__ = ["ATTENTION_NAME", "row_attention_forward", "use_row_attention", "restore_row_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "row_attention_forward",
+    "register_attention",
+    "use_row_attention",
+    "restore_row_attention",
+]
 
 ATTENTION_NAME = "hfquant_sdpa"
 """The `attn_implementation` name of `row_attention_forward` in transformers' interfaces."""
@@ -43,8 +48,9 @@ MAX_HEAD_SIZE = 256
 _ATTENTION_ROW = None
 """`torch.ops.hfquant_cpu.attention_row.default`, set by `use_row_attention` once the operators are loaded."""
 
-_SDPA = AttentionInterface()["sdpa"]
-"""transformers' "sdpa" attention function (`sdpa_attention_forward`), which every other call goes to."""
+_SDPA = None
+"""transformers' "sdpa" attention function (`sdpa_attention_forward`), which every other call goes to; set by
+`register_attention`."""
 
 
 def _one_row(
@@ -82,6 +88,8 @@ def row_attention_forward(
     """transformers' attention function signature: query (batch, heads, q_len, dim), key and value (batch,
     kv_heads, kv_len, dim); returns ((batch, q_len, heads, dim), None). One bfloat16 CPU query row without mask goes to
     the C kernel (scale `scaling`, or dim ** -0.5), anything else to transformers' "sdpa" function."""
+    if _SDPA is None:  # called before any registration (tests, a direct call)
+        register_attention()
     if _ATTENTION_ROW is None:
         _load_kernel()
     if _one_row(module, query, key, attention_mask, dropout, kwargs) and key.stride(3) == 1 and value.stride(3) == 1:
@@ -91,8 +99,16 @@ def row_attention_forward(
     return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _register() -> None:
+def register_attention() -> None:
+    """Register `row_attention_forward` (and "sdpa"'s mask function) under `ATTENTION_NAME` with transformers'
+    interfaces; idempotent. Called by `use_row_attention`, and by `QuantLinear.__setstate__`, so that a model pickled
+    with this attention (`torch.save(model)`) finds it when loaded in a fresh process. Not on import: the interfaces
+    live in transformers' modeling_utils, whose import (about 0.7 s) `import hfquant` should not pay."""
     global _SDPA
+    if _SDPA is not None:
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+
     _SDPA = AttentionInterface()["sdpa"]
     AttentionInterface.register(ATTENTION_NAME, row_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, AttentionMaskInterface()["sdpa"])
@@ -111,6 +127,7 @@ def use_row_attention(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not torch_ops.loaded():
         return False
+    register_attention()
     _load_kernel()
     config._attn_implementation = ATTENTION_NAME
     return True
@@ -123,8 +140,3 @@ def restore_row_attention(model: nn.Module) -> bool:
         return False
     config._attn_implementation = "sdpa"
     return True
-
-
-# registered on import, so that a model pickled with this attention (`torch.save(model)`) finds it when loaded in a
-# fresh process (its kernel is looked up on the first call)
-_register()
