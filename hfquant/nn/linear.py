@@ -571,8 +571,7 @@ def _quantize_blocks(
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = weight[rows].float()
-        low, high = (float(v) for v in torch.aminmax(chunk))  # NaN and Inf reach the min or max; no bool copy
-        if not (math.isfinite(low) and math.isfinite(high)):
+        if not rtn.value_range(chunk)[2]:
             raise ValueError("cannot quantize a weight that contains NaN or Inf values")
         if row_scale is not None:
             chunk = chunk * row_scale[rows, None]

@@ -27,13 +27,12 @@ import ctypes
 import dataclasses
 import functools
 import logging
-import math
 import os
 import subprocess
 
 import torch
 
-from hfquant.core import blocks
+from hfquant.core import blocks, rtn
 from hfquant.core.blocks import hq3, hq3r, iq4, legacy
 from hfquant.core.blocks.importance import default_importance
 from hfquant.ops import native_build
@@ -1005,15 +1004,6 @@ def iq4_quantize(
     return out
 
 
-def _value_range(x: torch.Tensor) -> tuple[float, float, bool]:
-    """(min, max, all finite) of a float tensor in one pass (`torch.aminmax`: NaN and inf reach the min or max),
-    about 30x cheaper than `torch.isfinite(x).all()`, which builds a bool tensor the size of x. Empty: (0, 0, True)."""
-    if x.numel() == 0:
-        return 0.0, 0.0, True
-    low, high = (float(v) for v in torch.aminmax(x))
-    return low, high, math.isfinite(low) and math.isfinite(high)
-
-
 def _block_search_inputs(
     name: str, fmt: blocks.BlockLayout, weight: torch.Tensor, importance: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1027,7 +1017,7 @@ def _block_search_inputs(
     if not weight.is_floating_point():
         raise ValueError(f"{name} quantizes a float weight; got {weight.dtype}")
     x = weight.detach().to(torch.float32).contiguous()
-    if not _value_range(x)[2]:
+    if not rtn.value_range(x)[2]:
         raise ValueError(f"{name} quantizes finite weights; the weight holds NaN or inf")
     rows, k = x.shape
     if importance is None:
@@ -1035,7 +1025,7 @@ def _block_search_inputs(
     if importance is None:
         return x, None
     w = importance.detach().to(torch.float32).contiguous()
-    low, _, finite = _value_range(w)
+    low, _, finite = rtn.value_range(w)
     if tuple(w.shape) not in ((k,), (rows, k)) or not finite or low < 0:
         raise ValueError(
             f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
