@@ -35,6 +35,7 @@ from torch import nn
 
 from hfquant.core.binding import bind
 from hfquant.core.optional import PEFT
+from hfquant.core.rtn import value_range
 from hfquant.integration.counting import count_quantized_weights_in_peft
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import output_embedding
@@ -114,7 +115,7 @@ class HfQuantLoraLinear(nn.Module, LoraLayer):
         weight = quantized.dequantize(torch.float32)
         for adapter in [*self.merged_adapters, *adapter_names]:
             weight = weight + self.get_delta_weight(adapter).to(weight.device)
-        if safe_merge and not torch.isfinite(weight).all():
+        if safe_merge and not value_range(weight)[2]:
             raise ValueError(f"NaN or Inf in the merged weights: adapter(s) {adapter_names} seem broken")
         layer = quantized.dequantize_to_float(quantized.compute_dtype or torch.float32)
         layer.weight.copy_(weight.t() if getattr(quantized, "transposed_source", False) else weight)

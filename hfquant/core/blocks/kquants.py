@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from hfquant.core.rtn import value_range
+
 __all__ = [
     "QK_K",
     "llama_reference",
@@ -259,7 +261,7 @@ def _signed_extreme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _super_blocks(weight: torch.Tensor) -> torch.Tensor:
-    if not torch.isfinite(weight).all():
+    if not value_range(weight)[2]:
         raise ValueError("k-quants quantize finite weights; the weight holds NaN or inf")
     return weight.detach().to(torch.float32).reshape(-1, QK_K)
 
@@ -268,7 +270,8 @@ def _importance_blocks(importance: torch.Tensor | None, weight: torch.Tensor) ->
     if importance is None:
         return torch.ones(weight.numel() // QK_K, QK_K)
     imp = importance.detach().to(torch.float32)
-    if imp.shape not in (weight.shape[1:], weight.shape) or (imp < 0).any() or not torch.isfinite(imp).all():
+    low, _, finite = value_range(imp)
+    if imp.shape not in (weight.shape[1:], weight.shape) or low < 0 or not finite:
         raise ValueError(
             f"importance must be finite, >= 0 and of shape {tuple(weight.shape[1:])} or {tuple(weight.shape)}; got "
             f"shape {tuple(imp.shape)}"

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from hfquant.core.rtn import value_range
+
 __all__ = [
     "QK",
     "Grid",
@@ -120,7 +122,8 @@ def importance_blocks(importance: torch.Tensor | None, weight: torch.Tensor, blo
     imp = importance.detach().to(torch.float32)
     if tuple(imp.shape) not in ((k,), (rows, k)):
         raise ValueError(f"importance must have shape ({k},) or ({rows}, {k}); got {tuple(imp.shape)}")
-    if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
+    low, _, finite = value_range(imp)
+    if not finite or low < 0:
         raise ValueError("importance must be finite and >= 0 everywhere")
     return imp.expand(rows, k).reshape(rows, k // block, block)
 
