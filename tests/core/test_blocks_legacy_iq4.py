@@ -122,6 +122,8 @@ def test_importance_of_the_wrong_shape_or_sign_is_refused():
         legacy.quantize_q4_0(w, torch.ones(32))
     with pytest.raises(ValueError, match=">= 0"):
         iq4.quantize_iq4_nl(w, -torch.ones(64))
+    with pytest.raises(ValueError, match="finite"):
+        legacy.quantize_q4_0(w, torch.full((64,), float("nan")))
 
 
 def test_iq4_xs_block_scale_packing_docstring_example():

@@ -147,6 +147,8 @@ def test_quantize_refuses_bad_inputs(name):
         blocks.quantize(name, torch.ones(2, 256), torch.ones(128))
     with pytest.raises(ValueError, match="importance must be"):
         blocks.quantize(name, torch.ones(2, 256), -torch.ones(256))
+    with pytest.raises(ValueError, match="importance must be"):
+        blocks.quantize(name, torch.ones(2, 256), torch.full((256,), float("inf")))
 
 
 def _ggml():
