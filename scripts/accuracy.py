@@ -10,6 +10,8 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
 - `-v8` configs keep every attention value projection in int8 (`module_overrides`); `-auto` and `int4-default`
   (`HfQuantConfig(bits=4)`: SINQ, group 128 asked, `mixed_precision="auto"`) use the data-free rule of
   `hfquant.core.allocation`; the other 4-bit configs store every layer alike (`mixed_precision="none"`);
+  `int4-default-head-q6_k` is the default with llama.cpp's Q6_K blocks in the lm_head instead of int8
+  (`lm_head="q6_k"`, issue #32);
 - `sinq-fold-*` and `int4-default` fold SINQ's column scales into SmolLM2's norms and projections
   (`fold_column_scales=True`, the default with SINQ: plain RTN layers, exportable); `sinq-*` without `fold` and
   `int4-default-stored` store them beside the layers (`fold_column_scales=False`);
@@ -120,6 +122,7 @@ CONFIGS = {
     "int4-default-stored": dict(bits=4, **STORED),
     "int4-default": dict(bits=4),
     "int4-default-mse": dict(bits=4, clipping="mse"),
+    "int4-default-head-q6_k": dict(bits=4, lm_head="q6_k"),
     **{f"int4-default-{name}": dict(bits=4, **extra) for name, extra in DEFAULT_VARIANTS.items()},
     **{name: dict(format=name) for name in BLOCK_FORMATS},
     **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},

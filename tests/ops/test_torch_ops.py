@@ -55,6 +55,31 @@ def test_int8_operator_gives_the_ctypes_bits(n, k):
 
 
 @needs_operators
+@pytest.mark.parametrize("n, k", [(97, 576), (3, 8256), (98, 8256), (99, 16384)])
+def test_int8_gemv_writes_every_row_at_one_and_two_threads(n, k):
+    """The 4-row loop (K > 8192) and the remaining rows share one OpenMP region (csrc/int8_cpu.c): every output is
+    written, with the same bits at one and two threads, within the output's bfloat16 rounding and the activations'
+    int16 rounding (at most max|x| / 65534 per element) of the float64 product."""
+    generator = torch.Generator().manual_seed(n)
+    q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 8, k, True)
+    codes, scale = q.q.contiguous(), q.scale.reshape(-1).to(torch.bfloat16).contiguous()
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outputs.append(torch.ops.hfquant_cpu.int8_gemv(x, codes, scale))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
+    reference = (x.double() @ codes.double().T) * scale.double()
+    activation_error = codes.double().abs().sum(1) * scale.double() * x.double().abs().max() / 65534
+    bound = reference.abs() * 2.0**-8 + activation_error
+    assert ((outputs[0].double() - reference).abs() <= bound).all()
+
+
+@needs_operators
 def test_operators_name_what_they_refuse():
     x, weight, scale_zero = _int4(128, 256, 64)
     with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16 CPU tensor, got Float"):

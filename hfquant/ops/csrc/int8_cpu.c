@@ -16,7 +16,8 @@
  * - otherwise: x is widened to float32 once; each step reads 16 codes, sign-extends them to int32, converts them to
  *   float32 (exact) and multiply-adds them with the 16 activations (vfmadd231ps).
  * Long rows (K > INT8_ROWS4_MIN_K) go 4 rows at a time, each activation block loaded once for the 4. OpenMP threads
- * split the rows; each output is summed by one thread in a fixed order (no dependence on the thread count).
+ * split the rows, in one parallel region per call (the 4-row loop and the rest); each output is summed by one thread
+ * in a fixed order (no dependence on the thread count).
  * Requires K % 16 == 0 (and K <= 2^20) and AVX512-F/BW/VL + BF16. Returns 0 on success, 1 for a refused shape or
  * CPU, 2 when memory runs out. */
 #include <stdint.h>
@@ -130,15 +131,18 @@ static int int8_gemv_w8a16(const uint16_t *x, const int8_t *weight, const uint16
         }
     }
     const int64_t quads = k > INT8_ROWS4_MIN_K ? n / 4 : 0;
-#pragma omp parallel for schedule(static)
-    for (int64_t q = 0; q < quads; q++) {
-        float dots[4];
-        int8_rows4_dot_w8a16(weight + 4 * q * k, k, xq, xs, dots);
-        for (int r = 0; r < 4; r++) y[4 * q + r] = float_to_bf16(bf16_to_float(scale[4 * q + r]) * dots[r]);
+#pragma omp parallel /* one team for both loops: a decode step calls this GEMV 16 times (SmolLM2), each fork counts */
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t q = 0; q < quads; q++) {
+            float dots[4];
+            int8_rows4_dot_w8a16(weight + 4 * q * k, k, xq, xs, dots);
+            for (int r = 0; r < 4; r++) y[4 * q + r] = float_to_bf16(bf16_to_float(scale[4 * q + r]) * dots[r]);
+        }
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 4 * quads; r < n; r++)
+            y[r] = float_to_bf16(bf16_to_float(scale[r]) * int8_row_dot_w8a16(weight + r * k, xq, xs, blocks));
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 4 * quads; r < n; r++)
-        y[r] = float_to_bf16(bf16_to_float(scale[r]) * int8_row_dot_w8a16(weight + r * k, xq, xs, blocks));
     _mm_free(xq);
     _mm_free(xs);
     return 0;
@@ -155,15 +159,18 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
     for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_float(x[i]);
 
     const int64_t quads = k >= INT8_ROWS4_MIN_K ? n / 4 : 0;
-#pragma omp parallel for schedule(static)
-    for (int64_t q = 0; q < quads; q++) {
-        float dots[4];
-        int8_rows4_dot(weight + 4 * q * k, xf, k, dots);
-        for (int r = 0; r < 4; r++) y[4 * q + r] = float_to_bf16(bf16_to_float(scale[4 * q + r]) * dots[r]);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t q = 0; q < quads; q++) {
+            float dots[4];
+            int8_rows4_dot(weight + 4 * q * k, xf, k, dots);
+            for (int r = 0; r < 4; r++) y[4 * q + r] = float_to_bf16(bf16_to_float(scale[4 * q + r]) * dots[r]);
+        }
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 4 * quads; r < n; r++)
+            y[r] = float_to_bf16(bf16_to_float(scale[r]) * int8_row_dot(weight + r * k, xf, k));
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 4 * quads; r < n; r++)
-        y[r] = float_to_bf16(bf16_to_float(scale[r]) * int8_row_dot(weight + r * k, xf, k));
     _mm_free(xf);
     return 0;
 }
