@@ -11,9 +11,10 @@ the first time a layer shape is planned, both kernels are timed on weights of th
 
 Timing (`measure_int4_row`, `measure_int8_row`): each kernel multiplies one bfloat16 row by enough distinct copies of a
 random weight of the shape to exceed the last-level cache (about 64 MiB in all, at most 256 copies; decode reads every
-weight once per token, so a weight that stays in cache would flatter the faster-computing kernel), best of 3 passes
-after a warm-up pass; hfquant's GEMV is kept only when it takes less time than aten's, so hfquant is never slower than
-the aten kernel on the shapes it measured.
+weight once per token, so a weight that stays in cache would flatter the faster-computing kernel), on one thread,
+best of 3 passes interleaved between the kernels after a warm-up pass (`_time_kernels` says why); hfquant's GEMV is
+kept only when it takes less time than aten's, so hfquant is never slower than the aten kernel on the shapes it
+measured (at one thread).
 
 Decisions are cached in memory, and on disk in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
 the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. The file is data only (a tampered
@@ -278,18 +279,28 @@ def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _time_kernels(kernels: dict, copies: list[torch.Tensor]) -> dict[str, float]:
-    seconds = {}
-    for name, run in kernels.items():
-        for w in copies:  # warm-up pass
-            run(w)
-        best = float("inf")
-        for _ in range(_PASSES):
-            start = time.perf_counter()
-            for w in copies:
+    """Best seconds per call of each kernel over `copies`, on one thread, the kernels' passes interleaved.
+
+    One thread: the choice is about the kernels' work on this CPU; at two threads a machine shared with other
+    processes makes an OpenMP kernel's team wait for a descheduled thread (15-30x slower small calls, against a
+    single-threaded aten call), and that moment's answer would be cached for good (docs/performance.md, issue #32,
+    tenth session). Interleaved: a change of the machine's speed during the measurement reaches both kernels."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for run in kernels.values():
+            for w in copies:  # warm-up pass
                 run(w)
-            best = min(best, (time.perf_counter() - start) / len(copies))
-        seconds[name] = best
-    return seconds
+        seconds = dict.fromkeys(kernels, float("inf"))
+        for _ in range(_PASSES):
+            for name, run in kernels.items():
+                start = time.perf_counter()
+                for w in copies:
+                    run(w)
+                seconds[name] = min(seconds[name], (time.perf_counter() - start) / len(copies))
+        return seconds
+    finally:
+        torch.set_num_threads(threads)
 
 
 def int4_row_uses_native(n: int, k: int, group_size: int) -> bool:

@@ -47,6 +47,25 @@ def test_measurement_times_both_kernels_on_the_shape(fresh):
     assert set(seconds) == {"native", "aten"} and all(0 < s < 0.1 for s in seconds.values()), seconds
 
 
+def test_kernels_are_timed_on_one_thread_interleaved_and_the_thread_count_is_restored():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    order = []
+
+    def kernel(name):
+        return lambda w: order.append((name, torch.get_num_threads()))
+
+    try:
+        seconds = choice._time_kernels({"native": kernel("native"), "aten": kernel("aten")}, [torch.zeros(1)] * 2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert set(seconds) == {"native", "aten"}
+    assert {threads for _, threads in order} == {1}
+    timed = [name for name, _ in order[4:]]  # after one warm-up pass of two copies per kernel
+    assert timed == ["native", "native", "aten", "aten"] * choice._PASSES
+
+
 @pytest.mark.parametrize("native_s, aten_s, expected", [(1e-5, 2e-5, True), (2e-5, 1e-5, False), (1e-5, 1e-5, False)])
 def test_the_faster_kernel_is_kept_and_a_tie_goes_to_aten(fresh, monkeypatch, native_s, aten_s, expected):
     calls = []
