@@ -98,8 +98,9 @@ _SIGNATURES = {
     + [_INT64] * 2
     + [_INT, _POINTER, _INT64, _POINTER, _INT64, _INT64]
     + [ctypes.c_float]
-    + [_INT64] * 3
-    + [_POINTER],
+    + [_INT64] * 2
+    + [ctypes.c_float] * 2
+    + [_INT64, _POINTER],
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
@@ -902,6 +903,8 @@ class Iq4Search:
         super_factors: IQ4_XS: super-block scale candidates peak / -32 / f and peak / 31 / f for each f.
         level_options: IQ4_XS: 6-bit levels tried per block around scale / d (1 or 3).
         rounds: least-squares refits (IQ4_XS: of d; IQ4_NL: of the block's float16 scale).
+        sweep: None, or (lo, hi) with 0 < lo < hi <= 2 lo: the block stage is the exact breakpoint sweep of the
+            scales peak / (-127 f) and peak / (113 f) over every f in [lo, hi] instead of the targets' scan.
     """
 
     targets: tuple[float, ...] = (-127.0, -119.0, 113.0, 121.0)
@@ -910,6 +913,7 @@ class Iq4Search:
     super_factors: tuple[float, ...] = (1.0,)
     level_options: int = 3
     rounds: int = 1
+    sweep: tuple[float, float] | None = None
 
 
 def _both_ends(factors) -> tuple[float, ...]:
@@ -921,13 +925,22 @@ IQ4_SEARCHES = {
     "thorough": Iq4Search(
         targets=_both_ends(iq4._FACTORS.tolist()), super_factors=tuple(iq4._SUPER_FACTORS.tolist()), rounds=3
     ),
+    "exact": Iq4Search(
+        targets=(iq4.KVALUES[0],),
+        super_factors=tuple(iq4._SUPER_FACTORS.tolist()),
+        rounds=3,
+        sweep=(float(iq4._FACTORS[0]), float(iq4._FACTORS[-1])),
+    ),
 }
 """`HFQUANT_IQ4_SEARCH`'s searches in `csrc/iq4_search_cpu.c`: "thorough" (the default: the exhaustive search's
 candidates, 42 scales per block over 0.8-1.2 at both ends of the grid, 10 super-block scales, 3 refits; its errors
 equal the exhaustive search's to 4 digits, SmolLM2 1.120x, MiniLM 0.9859) and "fast" (14 scales per block over the
 same range, one super-block scale at each end, one refit: 0.3-0.4% more squared error but SmolLM2 1.139x;
-docs/performance.md, "The IQ4 search at load speed"). "exhaustive" is the torch codec's search (`block_quantize`'s C
-port of `iq4.quantize_iq4_xs`, its bytes bit for bit)."""
+docs/performance.md, "The IQ4 search at load speed"). "exact": thorough's super-block stage after the exact
+breakpoint sweep of each block's scale over the same 0.8-1.2 (every segment of constant codes; 0.000-0.003% less
+squared error than thorough, about 0.8x its speed, SmolLM2 1.121x, MiniLM 0.9858; docs/performance.md, issues #30
+and #32, tenth session). "exhaustive" is the torch codec's search (`block_quantize`'s C port of
+`iq4.quantize_iq4_xs`, its bytes bit for bit)."""
 
 
 def iq4_search_mode() -> str:
@@ -994,6 +1007,8 @@ def iq4_quantize(
         search.refine_step,
         search.level_options,
         search.rounds,
+        search.sweep[0] if search.sweep else 0.0,
+        search.sweep[1] if search.sweep else 0.0,
         int(portable),
         out.data_ptr(),
     )
