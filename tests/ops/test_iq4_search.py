@@ -1,8 +1,8 @@
 """The fast IQ4_NL / IQ4_XS search (hfquant.ops.native.iq4_quantize, csrc/iq4_search_cpu.c): GGUF's bytes (gguf-py's
 dequantize reads them as hfquant's does), the AVX-512 and portable C bodies give the same bytes, its error stays
 within a stated bound of the exhaustive search's on random and real-model rows, its breakpoint sweep ("exact") finds
-what a dense scan finds, its "thorough" candidates are block_quantize's default and HFQUANT_IQ4_SEARCH selects the
-others."""
+what a dense scan finds, its "thorough" candidates are block_quantize's default and `iq4_search` (HfQuantConfig's
+field, down to quantize-on-load) selects the others."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hfquant.config import HfQuantConfig
 from hfquant.core import blocks
 from hfquant.ops import native
 
@@ -67,32 +68,29 @@ def test_vector_and_portable_bodies_agree(name, kind, importance_shape, search):
     assert torch.equal(vector, portable)
 
 
-# The fast search against the exhaustive one (HFQUANT_IQ4_SEARCH=exhaustive, the torch codec's bytes): relative
+# The fast search against the exhaustive one (iq4_search="exhaustive", the torch codec's bytes): relative
 # squared error at most this much higher. Measured: SmolLM2 / MiniLM layers +0.3-0.4% (fast), 0.00% (thorough);
 # docs/performance.md, "The IQ4 search at load speed".
 BOUND = {"fast": 1.04, "thorough": 1.005, "exact": 1.005}
 
 
-def _exhaustive(monkeypatch, name, weight):
-    monkeypatch.setenv("HFQUANT_IQ4_SEARCH", "exhaustive")
-    data = native.block_quantize(name, weight)
-    monkeypatch.delenv("HFQUANT_IQ4_SEARCH")
-    return data
+def _exhaustive(name, weight):
+    return native.block_quantize(name, weight, iq4_search="exhaustive")
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("search", ["fast", "thorough", "exact"])
-def test_error_within_bound_of_the_exhaustive_search_on_random_rows(monkeypatch, name, search):
+def test_error_within_bound_of_the_exhaustive_search_on_random_rows(name, search):
     weight = _rows("normal", rows=64, k=1024)
-    old = _relative_error(name, _exhaustive(monkeypatch, name, weight), weight)
+    old = _relative_error(name, _exhaustive(name, weight), weight)
     new = _relative_error(name, native.iq4_quantize(name, weight, search=native.IQ4_SEARCHES[search]), weight)
     assert new <= BOUND[search] * old, f"{name} {search}: {new:.6f} against the exhaustive search's {old:.6f}"
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("search", ["fast", "thorough"])
+@pytest.mark.parametrize("search", ["fast", "thorough", "exact"])
 @pytest.mark.slow  # builds the SmolLM2 fixture on first use
-def test_error_within_bound_of_the_exhaustive_search_on_real_rows(monkeypatch, name, search):
+def test_error_within_bound_of_the_exhaustive_search_on_real_rows(name, search):
     from safetensors import safe_open
 
     from benchmarks.example_model import build_example_model
@@ -102,7 +100,7 @@ def test_error_within_bound_of_the_exhaustive_search_on_real_rows(monkeypatch, n
     shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
     with safe_open(str(folder / shard), "pt") as handle:
         weight = handle.get_tensor(key)[:96].float()  # (96, 1536): 256 and 32 both divide it
-    old = _relative_error(name, _exhaustive(monkeypatch, name, weight), weight)
+    old = _relative_error(name, _exhaustive(name, weight), weight)
     new = _relative_error(name, native.iq4_quantize(name, weight, search=native.IQ4_SEARCHES[search]), weight)
     assert new <= BOUND[search] * old, f"{name} {search}: {new:.6f} against the exhaustive search's {old:.6f}"
 
@@ -123,19 +121,36 @@ def test_breakpoint_sweep_matches_a_dense_scan(kind, rounds):
     assert same >= 0.99, f"the sweep and the dense scan agree on {same:.3f} of the blocks"
 
 
-def test_block_quantize_takes_the_thorough_search_unless_told(monkeypatch):
+def test_block_quantize_takes_the_thorough_search_unless_told():
     weight = _rows("normal", rows=8)
-    monkeypatch.delenv("HFQUANT_IQ4_SEARCH", raising=False)
     thorough = native.iq4_quantize("iq4_xs", weight, search=native.IQ4_SEARCHES["thorough"])
     assert torch.equal(native.block_quantize("iq4_xs", weight), thorough)
-    monkeypatch.setenv("HFQUANT_IQ4_SEARCH", "fast")
     fast = native.iq4_quantize("iq4_xs", weight, search=native.IQ4_SEARCHES["fast"])
-    assert torch.equal(native.block_quantize("iq4_xs", weight), fast) and not torch.equal(fast, thorough)
-    monkeypatch.setenv("HFQUANT_IQ4_SEARCH", "exhaustive")
-    assert torch.equal(native.block_quantize("iq4_xs", weight), blocks.quantize("iq4_xs", weight))
-    monkeypatch.setenv("HFQUANT_IQ4_SEARCH", "quick")
-    with pytest.raises(ValueError, match="HFQUANT_IQ4_SEARCH"):
-        native.block_quantize("iq4_xs", weight)
+    assert torch.equal(native.block_quantize("iq4_xs", weight, iq4_search="fast"), fast)
+    assert not torch.equal(fast, thorough)
+    exhaustive = native.block_quantize("iq4_xs", weight, iq4_search=HfQuantConfig(iq4_search="exhaustive").iq4_search)
+    assert torch.equal(exhaustive, blocks.quantize("iq4_xs", weight))
+    with pytest.raises(ValueError, match="iq4_search='quick' is not allowed; use one of"):
+        native.block_quantize("iq4_xs", weight, iq4_search="quick")
+    with pytest.raises(ValueError, match="iq4_search='quick' is not allowed; use one of"):
+        HfQuantConfig(format="iq4_xs", iq4_search="quick")
+
+
+@pytest.mark.parametrize("search", ["fast", "exhaustive"])
+def test_the_config_field_reaches_quantize_on_load(search):
+    """`HfQuantConfig(iq4_search=...)` is saved in config.json and decides the bytes a load writes (through the
+    transformers quantizer's `quantize_on_load`)."""
+    from hfquant.core.format import StoredFormat
+    from hfquant.integration.quantize_weights import quantize_on_load
+    from hfquant.nn.linear import QuantLinear
+
+    config = HfQuantConfig.from_dict(HfQuantConfig(format="iq4_xs", iq4_search=search).to_dict())
+    assert config.iq4_search == search and config.to_dict()["iq4_search"] == search
+    weight = _rows("normal", rows=8)
+    layer = QuantLinear(512, 8, StoredFormat.of_block("iq4_xs"), False, torch.float32, "meta")
+    stored, _ = quantize_on_load(layer, "l.weight", weight, None, "minmax", iq4_search=config.iq4_search)
+    assert torch.equal(stored["l.weight"], native.block_quantize("iq4_xs", weight, iq4_search=search))
+    assert not torch.equal(stored["l.weight"], native.block_quantize("iq4_xs", weight))
 
 
 def test_refuses_bad_arguments():
