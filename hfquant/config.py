@@ -37,6 +37,7 @@ __all__ = [
     "LayerSettings",
     "MixedPrecision",
     "Clipping",
+    "Iq4SearchMode",
     "FloatDtype",
     "EmbeddingDtype",
     "LmHead",
@@ -140,6 +141,15 @@ class Clipping(Choice):
 
     MINMAX = "minmax"
     MSE = "mse"
+
+
+class Iq4SearchMode(Choice):
+    """`iq4_search`: the values of `hfquant.core.blocks.iq4.SEARCHES`."""
+
+    THOROUGH = "thorough"
+    FAST = "fast"
+    EXACT = "exact"
+    EXHAUSTIVE = "exhaustive"
 
 
 class FloatDtype(Choice):
@@ -538,6 +548,20 @@ FIELDS: tuple[ConfigField, ...] = (
         legacy=Clipping.MINMAX,
     ),
     ConfigField(
+        "iq4_search",
+        "how iq4_xs and iq4_nl blocks are searched when quantizing (not stored; the bytes differ, not the format): "
+        "'thorough' (the default: the exhaustive search's candidates in C, 42 scales per block of 32 and 10 "
+        "super-block scales; SmolLM2 perplexity 1.120x bf16), 'fast' (14 scales per block, one super-block scale "
+        "per grid end: about 2.6x faster, 1.004x the squared error, SmolLM2 1.139x), 'exact' (thorough's "
+        "super-block stage after an exact breakpoint sweep of each block's scale: at most 1.00003x less error, "
+        "slower) or 'exhaustive' (the torch codec's search, in C: the bytes hfquant writes without its native "
+        "library; about 9x slower than thorough); docs/performance.md",
+        Iq4SearchMode,
+        Iq4SearchMode(blocks.iq4.SEARCHES[0]),
+        _check_choice,
+        legacy=Iq4SearchMode(blocks.iq4.SEARCHES[0]),
+    ),
+    ConfigField(
         "fold_column_scales",
         "where SINQ's column scales live: True: in the decoder blocks of Llama, Mistral, Qwen2 and Qwen3, they "
         "are folded into the model (an exact identity of the float model; hfquant.core.folding): those of q/k/v "
@@ -792,6 +816,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         mixed_precision: str | MixedPrecision | None = _DEFAULT,
         fold_column_scales: bool | None = _DEFAULT,
         clipping: str | Clipping = _DEFAULT,
+        iq4_search: str | Iq4SearchMode = _DEFAULT,
         decode_activations: str | DecodeActivations = _DEFAULT,
         **unknown: Any,
     ):

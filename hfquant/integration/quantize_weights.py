@@ -18,6 +18,7 @@ from torch import nn
 from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages
 from hfquant.core import folding
+from hfquant.core.blocks import iq4
 from hfquant.core.folding import Transform
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, quantize_experts_tensor
@@ -78,11 +79,13 @@ def quantize_layer_weight(
     fold: Transform | None,
     threads: int | None = None,
     weight_out: torch.Tensor | None = None,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> dict[str, torch.Tensor]:
     """The stored tensors of `module` (by buffer name) from its float `weight` as the checkpoint holds it: (out, in)
     for a Linear or an embedding, (in, out) for GPT-2's Conv1D (`transposed_source`), transposed here. A `QuantLinear`
     uses the config's `clipping`, an embedding always "minmax"; `fold` rescales the weight first; `threads` are the C
-    RTN's (None: torch's count); `weight_out` the tensor to write the codes into (`quantize_to_buffers`).
+    RTN's (None: torch's count); `weight_out` the tensor to write the codes into (`quantize_to_buffers`);
+    `iq4_search` the config's (IQ4 block layers).
 
     Raises:
         ValueError: the weight holds NaN or Inf (from `quantize_to_buffers`, naming the problem).
@@ -90,7 +93,7 @@ def quantize_layer_weight(
     if getattr(module, "transposed_source", False):
         tensor = tensor.t()
     clipping = clipping if isinstance(module, QuantLinear) else "minmax"
-    return quantize_to_buffers(tensor, module.format, clipping, fold, threads, weight_out)
+    return quantize_to_buffers(tensor, module.format, clipping, fold, threads, weight_out, iq4_search)
 
 
 def quantize_on_load(
@@ -101,11 +104,12 @@ def quantize_on_load(
     clipping: str,
     threads: int | None = None,
     rows: GroupRows | None = None,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> tuple[dict[str, torch.Tensor], bool] | None:
     """What quantize-on-load stores for the float checkpoint tensor `key` (a model key, `x.weight`) of `module`:
     (stored tensors by model key, True when `key` was quantized), or None when `tensor` passes unchanged. `threads`:
     the C RTN's OpenMP threads for a layer weight (None: torch's count); `rows`: the load's `GroupRows` (None: every
-    weight a tensor of its own).
+    weight a tensor of its own); `iq4_search`: the config's.
 
     Raises:
         ValueError: the tensor cannot be quantized (NaN/Inf weights); MemoryError.
@@ -114,7 +118,7 @@ def quantize_on_load(
     if isinstance(module, (QuantLinear, QuantEmbedding)) and tensor_name == "weight":
         prefix = key[: -len("weight")]
         weight_out = None if rows is None else rows.weight_out(module, tensor.device)
-        buffers = quantize_layer_weight(module, tensor, clipping, fold, threads, weight_out)
+        buffers = quantize_layer_weight(module, tensor, clipping, fold, threads, weight_out, iq4_search)
         return {prefix + name: buffer for name, buffer in buffers.items()}, True
     if isinstance(module, QuantExperts) and tensor_name in module.shapes:
         buffers = quantize_experts_tensor(tensor, module.formats[tensor_name])
@@ -130,13 +134,14 @@ def requantize_disk_offloaded(
     clipping: str,
     dtype: torch.dtype | None,
     save: Callable[[torch.Tensor, str, str, dict], object],
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> None:
     """Write the quantized weight of every disk-offloaded `QuantLinear` / `QuantEmbedding` into the offload folder.
 
     transformers (5.x) points the disk offload index of a tensor that is only renamed on load at the checkpoint
     file itself and does not save what the quantization op returned for it: the offloaded layer would read the
     float weight back as int8. Each such weight is read again, one at a time, cast to `dtype` (float32 when None),
-    quantized as on load (its fold from `folds`) and written with `save(tensor, name, folder, index)` (transformers'
+    quantized as on load (its fold from `folds`, the config's `iq4_search`) and written with `save(tensor, name, folder, index)` (transformers'
     `offload_weight`); the index entry then names the quantized file (scales were saved on load).
     """
     for module in model.modules():
@@ -154,7 +159,7 @@ def requantize_disk_offloaded(
             if not SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()].is_floating_point:
                 continue  # already the quantized tensor
             tensor = read_tensor(handle, path, name).to(dtype or torch.float32)
-        buffers = quantize_layer_weight(module, tensor, clipping, folds.get(prefix[:-1]))
+        buffers = quantize_layer_weight(module, tensor, clipping, folds.get(prefix[:-1]), iq4_search=iq4_search)
         del tensor
         for buffer_name, buffer in buffers.items():
             save(buffer, prefix + buffer_name, loader.save_folder, index)

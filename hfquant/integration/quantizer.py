@@ -120,7 +120,7 @@ def _column_scale_bits(model, config: HfQuantConfig, layers: dict[str, tuple[int
 class HfQuantQuantize(ConversionOps):
     """Conversion op run by transformers on one float weight tensor as it streams in: float -> stored tensors
     (`quantize_weights.quantize_on_load`), recorded in the quantizer's `LoadReport`. It holds the quantizer, as
-    transformers' quantizers' ops do, to read its plan (the folds) and config (`clipping`)."""
+    transformers' quantizers' ops do, to read its plan (the folds) and config (`clipping`, `iq4_search`)."""
 
     def __init__(self, hf_quantizer: HfQuantQuantizer):
         self.hf_quantizer = hf_quantizer
@@ -128,6 +128,7 @@ class HfQuantQuantize(ConversionOps):
     def convert(self, input_dict: dict[str, Any], model=None, **kwargs) -> dict[str, torch.Tensor]:
         folds, report = self.hf_quantizer.plan.folds, self.hf_quantizer.report
         clipping = self.hf_quantizer.quantization_config.clipping
+        iq4_search = self.hf_quantizer.quantization_config.iq4_search
         result: dict[str, torch.Tensor] = {}
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, list) else value
@@ -135,7 +136,7 @@ class HfQuantQuantize(ConversionOps):
             try:
                 fold = folds.get(key.rpartition(".")[0])
                 threads = _rtn_threads(folds)
-                stored = quantize_on_load(module, key, tensor, fold, clipping, threads, report.rows)
+                stored = quantize_on_load(module, key, tensor, fold, clipping, threads, report.rows, iq4_search)
                 if stored is None:
                     result[key] = tensor
                     continue
@@ -312,8 +313,10 @@ class HfQuantQuantizer(HfQuantizer):
         # dequantize and restore_row_attention, never saved (transformers does not write the field)
         counts["attention_row"] = not self.attention_requested and use_row_attention(model)
         if not self.pre_quantized:
-            clipping = self.quantization_config.clipping
-            requantize_disk_offloaded(model, self.plan.folds, clipping, self.plan.compute_dtype, offload_weight)
+            config = self.quantization_config
+            requantize_disk_offloaded(
+                model, self.plan.folds, config.clipping, self.plan.compute_dtype, offload_weight, config.iq4_search
+            )
         checks.warn_offloaded_buffers(model)
         logger.info("hfquant kernels: %s", counts)
         self.report.pages.flush()

@@ -10,6 +10,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hfquant.core import blocks, packing, rtn, sinq
+from hfquant.core.blocks import iq4
 from hfquant.core.blocks.importance import stored_scale_importance
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
@@ -450,6 +451,7 @@ def quantize_to_buffers(
     fold: Transform | None = None,
     threads: int | None = None,
     weight_out: torch.Tensor | None = None,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> dict[str, torch.Tensor]:
     """Float weight (N, K) -> its stored tensors in `fmt`: {"weight", "weight_scale"[, "weight_zero_point"]
     [, "weight_col_scale"]} as `fmt.tensor_specs((N,), K)` names them (the buffers of a `QuantLinear`).
@@ -465,6 +467,8 @@ def quantize_to_buffers(
     `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a
     contiguous tensor of the stored weight's dtype and shape on `weight`'s device to write the codes into (returned as
     "weight"; e.g. a layer's rows of its decode group's tensor, `quantize_weights.GroupRows`), None for a new one.
+    `iq4_search`: the IQ4_NL / IQ4_XS blocks' search (`HfQuantConfig.iq4_search`, `iq4.SEARCHES`) where the native
+    library runs them; without it the torch codec's ("exhaustive").
 
     Raises:
         ValueError: the weight holds NaN or Inf values.
@@ -484,7 +488,8 @@ def quantize_to_buffers(
         buffers["weight_col_scale"].copy_(col_scale)
     stored = buffers["weight"]
     if fmt.block is not None:
-        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale, stored_scale=fmt.method is Method.SINQ)
+        stored_scale = fmt.method is Method.SINQ
+        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale, stored_scale, iq4_search)
         return buffers
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
     in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
@@ -554,11 +559,12 @@ def _quantize_blocks(
     row_scale: torch.Tensor | None,
     col_scale: torch.Tensor | None,
     stored_scale: bool = False,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> None:
     """Quantize the float weight (N, K), rows times `row_scale` and columns divided by `col_scale` when given, into
     `stored` (N, row bytes) uint8 blocks of type `block` (`blocks.quantize`), a chunk of rows at a time; `stored_scale`
     (SINQ's `col_scale` kept beside the layer, not a fold's) searches with the type's importance for such layers
-    (`blocks.importance.stored_scale_importance`).
+    (`blocks.importance.stored_scale_importance`); `iq4_search` is the C search's for IQ4 types (`iq4.SEARCHES`).
 
     Raises:
         ValueError: the weight is not float, or holds NaN or Inf values.
@@ -581,6 +587,6 @@ def _quantize_blocks(
         if stored_scale:
             importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales
         if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c)
-            stored[rows] = native.block_quantize(block, chunk, importance)
+            stored[rows] = native.block_quantize(block, chunk, importance, iq4_search)
         else:
             stored[rows] = blocks.quantize(block, chunk, importance)

@@ -98,8 +98,9 @@ _SIGNATURES = {
     + [_INT64] * 2
     + [_INT, _POINTER, _INT64, _POINTER, _INT64, _INT64]
     + [ctypes.c_float]
-    + [_INT64] * 3
-    + [_POINTER],
+    + [_INT64] * 2
+    + [ctypes.c_float] * 2
+    + [_INT64, _POINTER],
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
@@ -772,7 +773,8 @@ BLOCK_QUANTIZE_TYPES = {
 
 def block_codes(name: str, weight: torch.Tensor) -> torch.Tensor:
     """`block_quantize(name, weight)` where the C search covers `name` and the library builds, else the torch codec
-    (`hfquant.core.blocks.quantize`): the same bytes. (rows, K) float -> (rows, row bytes) uint8."""
+    (`hfquant.core.blocks.quantize`): the same bytes but for IQ4_NL / IQ4_XS (the default search against the torch
+    codec's exhaustive one). (rows, K) float -> (rows, row bytes) uint8."""
     if name in BLOCK_QUANTIZE_TYPES and built_library() is not None:
         return block_quantize(name, weight)
     return blocks.quantize(name, weight)
@@ -782,7 +784,9 @@ def _as_float_pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+def block_quantize(
+    name: str, weight: torch.Tensor, importance: torch.Tensor | None = None, iq4_search: str = iq4.SEARCHES[0]
+) -> torch.Tensor:
     """hfquant's block search in C (`csrc/blocks_quant_cpu.c`), blocks split over threads: the bytes
     `hfquant.core.blocks.quantize(name, weight, importance)` gives (the same float32 steps and sums accumulated in
     double, tests/ops/test_native_blocks.py; a near tie in one comparison could in principle go the other way).
@@ -793,16 +797,22 @@ def block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | N
         weight: (rows, K) finite float CPU tensor, K a multiple of the type's block size.
         importance: None (the torch codec's default, `blocks.importance.default_importance`: all 1 where it gives
             None), or (K,) or (rows, K) finite float weights >= 0 of each element's squared error.
+        iq4_search: IQ4_NL / IQ4_XS only: one of `iq4.SEARCHES` (`HfQuantConfig.iq4_search`): "exhaustive" is the
+            torch codec's search here, the others `iq4_quantize` with `IQ4_SEARCHES[iq4_search]`.
     Returns:
         (rows, K // block_size * type_size) uint8, GGUF's bytes.
     Raises:
-        ValueError: an unknown type, a badly shaped weight or importance, or non-finite / negative values.
+        ValueError: an unknown type or IQ4 search, a badly shaped weight or importance, or non-finite / negative
+            values.
         RuntimeError: the library is unavailable.
     """
     if name in KQUANT_TYPES:
         return kquant_quantize(name, weight, importance)
-    if name in ("iq4_nl", "iq4_xs") and iq4_search_mode() != "exhaustive":
-        return iq4_quantize(name, weight, importance)
+    iq4_search = str(iq4_search)  # a config's `Iq4SearchMode` member reads as its value
+    if iq4_search not in iq4.SEARCHES:
+        raise ValueError(f"iq4_search={iq4_search!r} is not allowed; use one of {list(iq4.SEARCHES)}")
+    if name in ("iq4_nl", "iq4_xs") and iq4_search != "exhaustive":
+        return iq4_quantize(name, weight, importance, IQ4_SEARCHES[iq4_search])
     if name not in BLOCK_QUANTIZE_TYPES:
         raise ValueError(f"block_quantize covers {list(BLOCK_QUANTIZE_TYPES)}; got {name!r}")
     library = _loaded_library(any_x86=True)
@@ -902,6 +912,8 @@ class Iq4Search:
         super_factors: IQ4_XS: super-block scale candidates peak / -32 / f and peak / 31 / f for each f.
         level_options: IQ4_XS: 6-bit levels tried per block around scale / d (1 or 3).
         rounds: least-squares refits (IQ4_XS: of d; IQ4_NL: of the block's float16 scale).
+        sweep: None, or (lo, hi) with 0 < lo < hi <= 2 lo: the block stage is the exact breakpoint sweep of the
+            scales peak / (-127 f) and peak / (113 f) over every f in [lo, hi] instead of the targets' scan.
     """
 
     targets: tuple[float, ...] = (-127.0, -119.0, 113.0, 121.0)
@@ -910,6 +922,7 @@ class Iq4Search:
     super_factors: tuple[float, ...] = (1.0,)
     level_options: int = 3
     rounds: int = 1
+    sweep: tuple[float, float] | None = None
 
 
 def _both_ends(factors) -> tuple[float, ...]:
@@ -921,25 +934,22 @@ IQ4_SEARCHES = {
     "thorough": Iq4Search(
         targets=_both_ends(iq4._FACTORS.tolist()), super_factors=tuple(iq4._SUPER_FACTORS.tolist()), rounds=3
     ),
+    "exact": Iq4Search(
+        targets=(iq4.KVALUES[0],),
+        super_factors=tuple(iq4._SUPER_FACTORS.tolist()),
+        rounds=3,
+        sweep=(float(iq4._FACTORS[0]), float(iq4._FACTORS[-1])),
+    ),
 }
-"""`HFQUANT_IQ4_SEARCH`'s searches in `csrc/iq4_search_cpu.c`: "thorough" (the default: the exhaustive search's
+"""`iq4.SEARCHES`' searches in `csrc/iq4_search_cpu.c` (`HfQuantConfig.iq4_search`): "thorough" (the default: the exhaustive search's
 candidates, 42 scales per block over 0.8-1.2 at both ends of the grid, 10 super-block scales, 3 refits; its errors
 equal the exhaustive search's to 4 digits, SmolLM2 1.120x, MiniLM 0.9859) and "fast" (14 scales per block over the
 same range, one super-block scale at each end, one refit: 0.3-0.4% more squared error but SmolLM2 1.139x;
-docs/performance.md, "The IQ4 search at load speed"). "exhaustive" is the torch codec's search (`block_quantize`'s C
-port of `iq4.quantize_iq4_xs`, its bytes bit for bit)."""
-
-
-def iq4_search_mode() -> str:
-    """`HFQUANT_IQ4_SEARCH` (unset: "thorough"): one of `IQ4_SEARCHES` or "exhaustive".
-
-    Raises:
-        ValueError: another value, naming the choices.
-    """
-    mode = os.environ.get("HFQUANT_IQ4_SEARCH", "thorough").strip().lower() or "thorough"
-    if mode not in (*IQ4_SEARCHES, "exhaustive"):
-        raise ValueError(f"HFQUANT_IQ4_SEARCH={mode!r}: use one of {[*IQ4_SEARCHES, 'exhaustive']}")
-    return mode
+docs/performance.md, "The IQ4 search at load speed"). "exact": thorough's super-block stage after the exact
+breakpoint sweep of each block's scale over the same 0.8-1.2 (every segment of constant codes; 0.000-0.003% less
+squared error than thorough, about 0.8x its speed, SmolLM2 1.121x, MiniLM 0.9858; docs/performance.md, issues #30
+and #32, tenth session). "exhaustive" is the torch codec's search (`block_quantize`'s C port of
+`iq4.quantize_iq4_xs`, its bytes bit for bit)."""
 
 
 def iq4_quantize(
@@ -958,7 +968,7 @@ def iq4_quantize(
         weight: (rows, K) finite float CPU tensor, K a multiple of 32 (iq4_nl) or 256 (iq4_xs).
         importance: None (all 1, the types' data-free default) or (K,) or (rows, K) float weights >= 0 of each
             element's squared error.
-        search: the candidates (`Iq4Search`; None: `IQ4_SEARCHES[iq4_search_mode()]`, "thorough" for "exhaustive").
+        search: the candidates (`Iq4Search`; None: `IQ4_SEARCHES[iq4.SEARCHES[0]]`, the default).
         portable: use the portable C body even where AVX-512 runs (the same bytes; for tests).
     Returns:
         (rows, K // block_size * type_size) uint8, GGUF's bytes.
@@ -971,7 +981,7 @@ def iq4_quantize(
     if name not in ("iq4_nl", "iq4_xs"):
         raise ValueError(f"iq4_quantize covers iq4_nl and iq4_xs; got {name!r}")
     if search is None:
-        search = IQ4_SEARCHES.get(iq4_search_mode(), IQ4_SEARCHES["thorough"])
+        search = IQ4_SEARCHES[iq4.SEARCHES[0]]
     library = _loaded_library(any_x86=True)
     fmt = blocks.layout(name)
     x, w = _block_search_inputs(name, fmt, weight, importance)
@@ -994,6 +1004,8 @@ def iq4_quantize(
         search.refine_step,
         search.level_options,
         search.rounds,
+        search.sweep[0] if search.sweep else 0.0,
+        search.sweep[1] if search.sweep else 0.0,
         int(portable),
         out.data_ptr(),
     )

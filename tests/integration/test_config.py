@@ -17,6 +17,7 @@ from hfquant.config import (
     EmbeddingDtype,
     FloatDtype,
     HfQuantConfig,
+    Iq4SearchMode,
     LmHead,
     Method,
     MixedPrecision,
@@ -41,6 +42,7 @@ FIELDS = {
     "mixed_precision",
     "fold_column_scales",
     "clipping",
+    "iq4_search",
     "decode_activations",
     "format",
 }
@@ -243,6 +245,7 @@ def test_fields_table_is_the_constructor_the_dict_and_the_docstring():
         "mixed_precision",
         "fold_column_scales",
         "clipping",
+        "iq4_search",
         "decode_activations",
     ]  # positional order of the public constructor
     assert list(HfQuantConfig().to_dict()) == list(FIELD_NAMES)
@@ -265,7 +268,7 @@ def test_to_json_string_is_unchanged():
     assert HfQuantConfig().to_json_string() == (
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
         '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "int",\n  "format_version": 1,\n'
-        '  "group_size": 128,\n'
+        '  "group_size": 128,\n  "iq4_search": "thorough",\n'
         '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
@@ -279,6 +282,7 @@ def test_to_json_string_is_unchanged():
         "format": "int",
         "format_version": 1,
         "group_size": None,
+        "iq4_search": "thorough",
         "lm_head": "keep",
         "method": "rtn",
         "mixed_precision": "none",
@@ -294,6 +298,7 @@ CHOICES = {
     "method": (Method, "sinq", Method.SINQ),
     "mixed_precision": (MixedPrecision, "none", MixedPrecision.NONE),
     "clipping": (Clipping, "mse", Clipping.MSE),
+    "iq4_search": (Iq4SearchMode, "fast", Iq4SearchMode.FAST),
     "embedding_dtype": (EmbeddingDtype, "int8", EmbeddingDtype.INT8),
     "norm_dtype": (FloatDtype, "float32", FloatDtype.FLOAT32),
     "lm_head": (LmHead, "int4", LmHead.INT4),
@@ -377,6 +382,7 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         "method": "rtn",
         "mixed_precision": "none",
         "clipping": "minmax",
+        "iq4_search": "thorough",
         "fold_column_scales": False,
         "format": "int",
         "lm_head": "keep",

@@ -14,11 +14,10 @@ from hfquant.ops import native
 pytestmark = pytest.mark.skipif(native.built_library() is None, reason="native library unavailable here")
 
 
-@pytest.fixture(autouse=True)
-def _exhaustive_iq4_search(monkeypatch):
-    """These tests hold the C port of the torch codecs' searches to their bytes: IQ4_NL / IQ4_XS take it under
-    HFQUANT_IQ4_SEARCH=exhaustive (the fast default search is tests/ops/test_iq4_search.py's)."""
-    monkeypatch.setenv("HFQUANT_IQ4_SEARCH", "exhaustive")
+def _c_search(name, weight, importance=None):
+    """`native.block_quantize` held to the torch codecs' bytes: IQ4_NL / IQ4_XS with iq4_search="exhaustive" (the C
+    port of the torch codec's search; the default search is tests/ops/test_iq4_search.py's)."""
+    return native.block_quantize(name, weight, importance, iq4_search="exhaustive")
 
 
 TYPES = list(native.KQUANT_TYPES)
@@ -140,7 +139,7 @@ def test_block_search_matches_the_torch_codec(name, kind, importance_shape):
         "per element": torch.rand(weight.shape, generator=generator) ** 2 + 0.01 * weight.abs(),
     }[importance_shape]
     want = blocks.quantize(name, weight, importance)
-    got = native.block_quantize(name, weight, importance)
+    got = _c_search(name, weight, importance)
     assert got.dtype == torch.uint8 and got.shape == want.shape
     differing = (got != want).any(1).nonzero().flatten().tolist()
     assert not differing, f"{name} {kind}: C bytes differ from the torch codec in rows {differing}"
@@ -150,7 +149,7 @@ def test_block_search_matches_the_torch_codec(name, kind, importance_shape):
 @pytest.mark.parametrize("edge", EDGES)
 def test_block_search_edge_rows_give_the_same_bytes(name, edge):
     weight = _edge_rows(edge, seed=23)
-    assert torch.equal(native.block_quantize(name, weight), blocks.quantize(name, weight)), f"{name} {edge}"
+    assert torch.equal(_c_search(name, weight), blocks.quantize(name, weight)), f"{name} {edge}"
 
 
 @pytest.mark.parametrize("name", BLOCK32_TYPES)
@@ -158,8 +157,8 @@ def test_block_search_importance_moves_the_error(name):
     weight = torch.randn(4, 256, generator=torch.Generator().manual_seed(29))
     favoured = torch.ones(256)
     favoured[::4] = 1000.0  # a quarter of every block: a block's own scale can favour them
-    plain = blocks.dequantize(name, native.block_quantize(name, weight, torch.ones(256)))
-    weighted = blocks.dequantize(name, native.block_quantize(name, weight, favoured))
+    plain = blocks.dequantize(name, _c_search(name, weight, torch.ones(256)))
+    weighted = blocks.dequantize(name, _c_search(name, weight, favoured))
     error = lambda data: ((data - weight)[:, ::4] ** 2).sum().item()  # noqa: E731
     assert error(weighted) < error(plain)
 
@@ -188,7 +187,7 @@ def test_quantize_on_load_takes_the_block_search_in_c(monkeypatch, name):
     original = native.block_quantize
     monkeypatch.setattr(native, "block_quantize", lambda *a: calls.append(a[0]) or original(*a))
     stored = torch.empty(6, blocks.layout(name).row_bytes(512), dtype=torch.uint8)
-    linear._quantize_blocks(weight, name, stored, None, None)
+    linear._quantize_blocks(weight, name, stored, None, None, iq4_search="exhaustive")
     assert calls == [name]
     assert torch.equal(stored, blocks.quantize(name, weight.float()))
 

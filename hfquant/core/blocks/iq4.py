@@ -26,7 +26,7 @@ Two quantizers per type, as in `legacy`:
 Where the native library builds, quantize-on-load and `hfquant.ops.native.block_quantize` take the C search of
 hfquant/ops/csrc/iq4_search_cpu.c instead (`native.IQ4_SEARCHES`, "thorough" by default): the same candidates as
 `quantize_<name>` but its bytes differ (float16 rounding and refit order; squared errors equal to 4 digits), unless
-`HFQUANT_IQ4_SEARCH=exhaustive` (this search, ported to C bit for bit).
+`HfQuantConfig(iq4_search="exhaustive")` (`SEARCHES`: this search, ported to C bit for bit).
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ __all__ = [
 
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 """The 16 values of a code (llama.cpp's `kvalues_iq4nl`)."""
+
+SEARCHES = ("thorough", "fast", "exact", "exhaustive")
+"""The IQ4_NL / IQ4_XS searches a quantization may use (`HfQuantConfig(iq4_search=...)`, `hfquant.ops.native`'s
+`block_quantize`): "exhaustive" is this module's (`quantize_iq4_nl` / `quantize_iq4_xs`, ported to C), the others
+are `hfquant.ops.native.IQ4_SEARCHES`' candidates in C. The first is the default."""
 
 QK_K = 256
 _GRID = Grid(list(KVALUES))

@@ -107,6 +107,206 @@ IS_TARGET static void IS_NAME(iq4_keep_gain_)(int first, const float *sqx, const
 #endif
 }
 
+/* The exact breakpoint sweep of a block's scale (the block stage of `iq4_block_scales_` when s->sweep_hi > 0). At one
+ * grid end e (-127 or 113) the candidate scales are peak / (e f) for f in [lo, hi]: u = a f with a = x e / peak, and
+ * a code changes only where u crosses a grid midpoint, at f = mid / a, outward (|u| grows with f): at most two
+ * crossings per weight when hi <= 1.55 lo (neighbouring midpoints are >= 1.235x apart, every other one >= 1.56x). The
+ * crossings, sorted, split [lo, hi] into segments of constant codes; the sums sqx = sum w x q, sqq = sum w q^2 move by
+ * each crossing's difference, and each segment's least-squares gain sqx^2 / sqq is what any candidate scale inside it
+ * reaches, so the best segment is at least as good as any scan of the same range. Keys: the crossing's position
+ * (f - lo) / (hi - lo) in 2^-25 units above its row (2 i + which), so all 16 lanes sort at once by a network of
+ * vertical min / max over rows and the rows' differences are gathered back in order. */
+
+/* one end's crossings of the 32 weights of every lane: keys[r * 16 + l], dx / dq (the sums' differences, 0 where
+ * no crossing), and the sums at f = lo in sqx / sqq */
+IS_TARGET static void IS_NAME(iq4_sweep_crossings_)(const float *xt, const float *wt, const float *ends, float lo,
+                                                    float hi, uint32_t *keys, float *dx, float *dq, float *sqx,
+                                                    float *sqq) {
+    const float fixed = IS_SWEEP_FIXED / (hi - lo);
+#if IS_AVX512
+    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi), vfixed = _mm512_set1_ps(fixed);
+    const __m512 zero = _mm512_setzero_ps(), vends = _mm512_loadu_ps(ends), kv = _mm512_loadu_ps(iq4_values);
+    const __m512 mids = _mm512_loadu_ps(iq4_mids), eighth = _mm512_set1_ps(0.125f), sixteen = _mm512_set1_ps(16.0f);
+    const __m512 top = _mm512_set1_ps(31.0f);
+    const __m512i base_lo = _mm512_loadu_si512(iq4_bucket_base), base_hi = _mm512_loadu_si512(iq4_bucket_base + 16);
+    const __m512 mid_lo = _mm512_loadu_ps(iq4_bucket_mid), mid_hi = _mm512_loadu_ps(iq4_bucket_mid + 16);
+    const __m512i one = _mm512_set1_epi32(1), fifteen = _mm512_set1_epi32(15), none = _mm512_set1_epi32(IS_SWEEP_NONE);
+    __m512 vx = zero, vq = zero;
+    for (int i = 0; i < 32; i++) {
+        const __m512 x = _mm512_loadu_ps(xt + i * IS_LANES), a = _mm512_mul_ps(x, vends);
+        const __m512 w = wt ? _mm512_loadu_ps(wt + i * IS_LANES) : _mm512_set1_ps(1.0f), u = _mm512_mul_ps(a, vlo);
+        const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(u, eighth, sixteen), zero), top);
+        const __m512i bucket = _mm512_cvttps_epi32(t);
+        const __m512i base = _mm512_permutex2var_epi32(base_lo, bucket, base_hi);
+        const __m512 mid = _mm512_permutex2var_ps(mid_lo, bucket, mid_hi);
+        __m512i code = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(u, mid, _CMP_GE_OQ), base, one);
+        __m512 q = _mm512_permutexvar_ps(code, kv);
+        const __m512 wq = _mm512_mul_ps(w, q);
+        vx = _mm512_add_ps(vx, _mm512_mul_ps(wq, x));
+        vq = _mm512_add_ps(vq, _mm512_mul_ps(wq, q));
+        const __mmask16 up = _mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), down = _mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ);
+        const __m512 inv_a = _mm512_maskz_div_ps(up | down, _mm512_set1_ps(1.0f), a);
+        __mmask16 valid = up | down;
+        for (int c = 0; c < 2; c++) {
+            valid &= _mm512_mask_cmp_epi32_mask(up, code, fifteen, _MM_CMPINT_LT) |
+                     _mm512_mask_cmp_epi32_mask(down, code, _mm512_setzero_si512(), _MM_CMPINT_GT);
+            const __m512i next = _mm512_mask_sub_epi32(_mm512_add_epi32(code, one), down, code, one);
+            const __m512i mid_index = _mm512_mask_mov_epi32(code, down, next);
+            const __m512 at = _mm512_mul_ps(_mm512_permutexvar_ps(mid_index, mids), inv_a);
+            valid &= _mm512_cmp_ps_mask(at, vhi, _CMP_LE_OQ);
+            const __m512 q2 = _mm512_permutexvar_ps(next, kv);
+            const __m512 ddx = _mm512_mul_ps(_mm512_mul_ps(w, _mm512_sub_ps(q2, q)), x);
+            const __m512 ddq = _mm512_mul_ps(w, _mm512_sub_ps(_mm512_mul_ps(q2, q2), _mm512_mul_ps(q, q)));
+            const __m512 offset = _mm512_max_ps(_mm512_sub_ps(at, vlo), zero);
+            const __m512i position =
+                _mm512_slli_epi32(_mm512_cvttps_epu32(_mm512_mul_ps(offset, vfixed)), IS_SWEEP_SHIFT);
+            const __m512i row = _mm512_set1_epi32(2 * i + c);
+            const __m512i key = _mm512_or_si512(_mm512_mask_mov_epi32(none, valid, position), row);
+            _mm512_storeu_si512(keys + (2 * i + c) * IS_LANES, key);
+            _mm512_storeu_ps(dx + (2 * i + c) * IS_LANES, _mm512_maskz_mov_ps(valid, ddx));
+            _mm512_storeu_ps(dq + (2 * i + c) * IS_LANES, _mm512_maskz_mov_ps(valid, ddq));
+            code = _mm512_mask_mov_epi32(code, valid, next);
+            q = _mm512_mask_mov_ps(q, valid, q2);
+        }
+    }
+    _mm512_storeu_ps(sqx, vx);
+    _mm512_storeu_ps(sqq, vq);
+#else
+    for (int l = 0; l < IS_LANES; l++) {
+        float vx = 0.0f, vq = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float x = xt[i * IS_LANES + l], a = x * ends[l], w = wt ? wt[i * IS_LANES + l] : 1.0f;
+            int code = iq4_code(a * lo);
+            float q = iq4_values[code];
+            const float wq = w * q;
+            vx = vx + wq * x;
+            vq = vq + wq * q;
+            int valid = a > 0.0f || a < 0.0f;
+            const float inv_a = valid ? 1.0f / a : 0.0f;
+            for (int c = 0; c < 2; c++) {
+                valid = valid && (a > 0.0f ? code < 15 : code > 0);
+                const int next = a > 0.0f ? code + 1 : code - 1;
+                const float at = valid ? iq4_mids[a > 0.0f ? code : next] * inv_a : 0.0f;
+                valid = valid && at <= hi;
+                const float q2 = valid ? iq4_values[next] : 0.0f;
+                const float offset = at - lo > 0.0f ? at - lo : 0.0f;
+                const int r = (2 * i + c) * IS_LANES + l;
+                const uint32_t position = valid ? (uint32_t)(offset * fixed) << IS_SWEEP_SHIFT : IS_SWEEP_NONE;
+                keys[r] = position | (uint32_t)(2 * i + c);
+                dx[r] = valid ? w * (q2 - q) * x : 0.0f;
+                dq[r] = valid ? w * (q2 * q2 - q * q) : 0.0f;
+                if (valid) {
+                    code = next;
+                    q = q2;
+                }
+            }
+        }
+        sqx[l] = vx;
+        sqq[l] = vq;
+    }
+#endif
+}
+
+/* each lane's 64 keys (rows of keys[r * 16 + l]) ascending: a bitonic network of vertical min / max */
+IS_TARGET static void IS_NAME(iq4_sweep_sort_)(uint32_t *keys) {
+    for (int k = 2; k <= IS_SWEEP_ROWS; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1)
+            for (int b = 0; b < IS_SWEEP_ROWS; b += 2 * j)
+                for (int i = b; i < b + j; i++) { /* rows i < i + j: ascending where i & k is 0 */
+                    uint32_t *lo_row = keys + ((i & k) ? i + j : i) * IS_LANES;
+                    uint32_t *hi_row = keys + ((i & k) ? i : i + j) * IS_LANES;
+#if IS_AVX512
+                    const __m512i a = _mm512_load_si512(lo_row), c = _mm512_load_si512(hi_row);
+                    _mm512_store_si512(lo_row, _mm512_min_epu32(a, c));
+                    _mm512_store_si512(hi_row, _mm512_max_epu32(a, c));
+#else
+                    for (int l = 0; l < IS_LANES; l++) {
+                        const uint32_t a = lo_row[l], c = hi_row[l];
+                        lo_row[l] = a < c ? a : c;
+                        hi_row[l] = a < c ? c : a;
+                    }
+#endif
+                }
+}
+
+/* the sweep of one end: from the sums at f = lo, each crossing's differences in key order, the gain sqx^2 / sqq
+ * compared after the last crossing of each position (and at the start) with the kept one (best_x, best_q;
+ * cross-multiplied, the kept one on ties; `first`: the start is kept) */
+IS_TARGET static void IS_NAME(iq4_sweep_gains_)(const uint32_t *keys, const float *dx, const float *dq, float *sqx,
+                                                float *sqq, int first, float *best_x, float *best_q) {
+#if IS_AVX512
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i row_mask = _mm512_set1_epi32((1 << IS_SWEEP_SHIFT) - 1);
+    __m512 x = _mm512_loadu_ps(sqx), q = _mm512_loadu_ps(sqq);
+    __m512 bx = _mm512_loadu_ps(best_x), bq = _mm512_loadu_ps(best_q);
+    __mmask16 better = first ? (__mmask16)0xffff
+                             : _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_mul_ps(x, x), bq),
+                                                  _mm512_mul_ps(_mm512_mul_ps(bx, bx), q), _CMP_GT_OQ);
+    bx = _mm512_mask_mov_ps(bx, better, x);
+    bq = _mm512_mask_mov_ps(bq, better, q);
+    __m512i key = _mm512_loadu_si512(keys);
+    for (int r = 0; r < IS_SWEEP_ROWS; r++) {
+        if (_mm512_cmpge_epu32_mask(key, _mm512_set1_epi32(IS_SWEEP_NONE)) == 0xffff) break; /* zeros from here */
+        const __m512i index = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(key, row_mask), 4), lanes);
+        x = _mm512_add_ps(x, _mm512_i32gather_ps(index, dx, 4));
+        q = _mm512_add_ps(q, _mm512_i32gather_ps(index, dq, 4));
+        __mmask16 last = 0xffff;
+        if (r + 1 < IS_SWEEP_ROWS) {
+            const __m512i next = _mm512_loadu_si512(keys + (r + 1) * IS_LANES);
+            last = _mm512_cmpneq_epi32_mask(_mm512_srli_epi32(next, IS_SWEEP_SHIFT),
+                                            _mm512_srli_epi32(key, IS_SWEEP_SHIFT));
+            key = next;
+        }
+        better = _mm512_mask_cmp_ps_mask(last, _mm512_mul_ps(_mm512_mul_ps(x, x), bq),
+                                         _mm512_mul_ps(_mm512_mul_ps(bx, bx), q), _CMP_GT_OQ);
+        bx = _mm512_mask_mov_ps(bx, better, x);
+        bq = _mm512_mask_mov_ps(bq, better, q);
+    }
+    _mm512_storeu_ps(best_x, bx);
+    _mm512_storeu_ps(best_q, bq);
+#else
+    for (int l = 0; l < IS_LANES; l++) {
+        float x = sqx[l], q = sqq[l], bx = best_x[l], bq = best_q[l];
+        if (first || x * x * bq > bx * bx * q) {
+            bx = x;
+            bq = q;
+        }
+        for (int r = 0; r < IS_SWEEP_ROWS; r++) {
+            const uint32_t key = keys[r * IS_LANES + l];
+            if (key >= IS_SWEEP_NONE) break; /* zeros from here: the last crossing's gain was compared */
+            const int row = (int)(key & ((1u << IS_SWEEP_SHIFT) - 1));
+            x = x + dx[row * IS_LANES + l];
+            q = q + dq[row * IS_LANES + l];
+            if (r + 1 < IS_SWEEP_ROWS && keys[(r + 1) * IS_LANES + l] >> IS_SWEEP_SHIFT == key >> IS_SWEEP_SHIFT)
+                continue;
+            if (x * x * bq > bx * bx * q) {
+                bx = x;
+                bq = q;
+            }
+        }
+        best_x[l] = bx;
+        best_q[l] = bq;
+    }
+#endif
+}
+
+/* each lane's block scale by the sweep at both grid ends (-127 first) over factors [lo, hi]: the least-squares scale
+ * sqx / sqq of the best segment, 0 for an all-zero block */
+IS_TARGET static void IS_NAME(iq4_sweep_scales_)(const float *xt, const float *wt, const float *peak, float lo,
+                                                 float hi, float *scale) {
+    uint32_t keys[IS_SWEEP_ROWS * IS_LANES] __attribute__((aligned(64)));
+    float dx[IS_SWEEP_ROWS * IS_LANES] __attribute__((aligned(64)));
+    float dq[IS_SWEEP_ROWS * IS_LANES] __attribute__((aligned(64)));
+    float ends[IS_LANES], sqx[IS_LANES], sqq[IS_LANES], best_x[IS_LANES], best_q[IS_LANES];
+    for (int e = 0; e < 2; e++) {
+        for (int l = 0; l < IS_LANES; l++) ends[l] = peak[l] != 0.0f ? iq4_values[e ? 15 : 0] / peak[l] : 0.0f;
+        IS_NAME(iq4_sweep_crossings_)(xt, wt, ends, lo, hi, keys, dx, dq, sqx, sqq);
+        IS_NAME(iq4_sweep_sort_)(keys);
+        IS_NAME(iq4_sweep_gains_)(keys, dx, dq, sqx, sqq, e == 0, best_x, best_q);
+    }
+    for (int l = 0; l < IS_LANES; l++) scale[l] = best_q[l] > 0.0f ? best_x[l] / best_q[l] : 0.0f;
+}
+
 /* each lane's block scale: the least-squares scale sqx / sqq of the candidate (peak / target) with the largest gain
  * sqx^2 / sqq (llama.cpp's `quantize_row_iq4_nl_impl` scan, with hfquant's targets at both ends of the grid; gains
  * compared cross-multiplied, the first kept on ties) */
@@ -115,6 +315,10 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
     float peak[IS_LANES], inv[IS_LANES], sqx[IS_LANES], sqq[IS_LANES], best_x[IS_LANES], best_q[IS_LANES];
     float target[IS_LANES], centre[IS_LANES], tried[IS_LANES];
     IS_NAME(iq4_lane_peaks_)(xt, 32, peak);
+    if (s->sweep_hi > 0.0f) {
+        IS_NAME(iq4_sweep_scales_)(xt, wt, peak, s->sweep_lo, s->sweep_hi, scale);
+        return;
+    }
     for (int l = 0; l < IS_LANES; l++) peak[l] = peak[l] != 0.0f ? 1.0f / peak[l] : 0.0f; /* now 1 / peak */
     float step = s->refine_step;
     for (int c = 0; c < s->ntargets + 2 * s->refine; c++) {

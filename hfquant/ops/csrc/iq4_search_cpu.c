@@ -13,6 +13,8 @@
  *   the bucket's count of midpoints below it plus (u >= its midpoint): two table lookups and a compare (vpermt2d /
  *   vpermt2ps), ties to the larger value as `Grid.index`;
  * - errors from the sums (d^2 sqq - 2 d sqx = error - sum w x^2), no second pass over the weights.
+ * With a sweep range the block stage is instead the exact breakpoint sweep of the block's scale over that range of
+ * factors (iq4_search_body.h, `iq4_sweep_scales_`): every segment of constant codes, not a scan of candidates.
  * iq4_search_body.h holds the search, compiled for AVX-512 (when the CPU has AVX512F/BW/DQ/VL) and in portable C;
  * both give the same bytes (tests/ops/test_iq4_search.py).
  */
@@ -31,6 +33,7 @@ static const float iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1
  * inside it (+inf: none). Midpoints: -115.5 -93.5 -74 -57 -42 -28.5 -16 -4.5 7 19 31.5 45.5 61 79 101. */
 static int32_t iq4_bucket_base[32];
 static float iq4_bucket_mid[32];
+static float iq4_mids[16]; /* the midpoint between grid values i and i + 1 (i < 15; [15] unused) */
 
 static void iq4_tables(void) {
     static int ready = 0;
@@ -47,6 +50,8 @@ static void iq4_tables(void) {
         iq4_bucket_base[b] = below;
         iq4_bucket_mid[b] = inside;
     }
+    for (int i = 0; i < 15; i++) iq4_mids[i] = (iq4_values[i] + iq4_values[i + 1]) / 2.0f;
+    iq4_mids[15] = INFINITY;
     __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
 }
 
@@ -69,6 +74,14 @@ static inline float iq4_clamp(float value, float lo, float hi) { return value < 
 /* the float16 value nearest to `value`, clamped to +-65504 */
 static inline float iq4_half(float value) { return (float)(_Float16)iq4_clamp(value, -65504.0f, 65504.0f); }
 
+/* the breakpoint sweep (iq4_search_body.h): two crossings per weight and grid end in a factor range <= 1.55; a key
+ * is the crossing's position (f - lo) / (hi - lo) in units of 2^-25, shifted above its row (2 i + which); a row
+ * with no crossing holds IS_SWEEP_NONE (after every real key) and zero differences */
+#define IS_SWEEP_ROWS 64
+#define IS_SWEEP_SHIFT 6
+#define IS_SWEEP_FIXED 33554432.0f
+#define IS_SWEEP_NONE (0x3ffffffu << IS_SWEEP_SHIFT)
+
 typedef struct {
     const float *targets; /* block stage: the largest weight of a block lands on each of these grid values */
     int ntargets;
@@ -78,6 +91,7 @@ typedef struct {
     int nsuper;
     int level_options; /* IQ4_XS: 6-bit levels tried per block around scale / d: 1 or 3 */
     int rounds;        /* least-squares refits of d (IQ4_XS) or of the block scale (IQ4_NL) */
+    float sweep_lo, sweep_hi; /* sweep_hi > 0: the block stage is the breakpoint sweep over these factors */
 } iq4_search_t;
 
 #define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
@@ -140,19 +154,21 @@ static int avx512_available(void) {
  * for all 1; `w_period` > 0: w repeats every w_period (super-)blocks (a (K,) importance). `targets` (ntargets):
  * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
- * 1 or 3; `rounds` the refits; `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when
- * a thread's 32 KiB work buffer could not be allocated.
+ * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
+ * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `portable` != 0 forces the portable
+ * C body. Returns 0, 1 for bad arguments, 2 when a thread's 32 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
-                         int64_t refine, float refine_step, int64_t level_options, int64_t rounds, int64_t portable,
-                         uint8_t *out) {
+                         int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
+                         float sweep_hi, int64_t portable, uint8_t *out) {
     if ((type != 20 && type != 23) || ntargets < 1 || refine < 0 || (type == 23 && nsuper < 1) || rounds < 0 ||
-        (level_options != 1 && level_options != 3))
+        (level_options != 1 && level_options != 3) ||
+        (sweep_hi > 0.0f && !(sweep_lo > 0.0f && sweep_hi <= 1.55f * sweep_lo)))
         return 1;
     iq4_tables();
-    const iq4_search_t s = {targets, (int)ntargets, (int)refine, refine_step,
-                            super_factors, (int)nsuper, (int)level_options, (int)rounds};
+    const iq4_search_t s = {targets,        (int)ntargets,      (int)refine, refine_step, super_factors,
+                            (int)nsuper,    (int)level_options, (int)rounds, sweep_lo,    sweep_hi};
     const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
     const int vector = !portable && avx512_available();
     const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
