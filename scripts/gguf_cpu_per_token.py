@@ -115,7 +115,9 @@ def measure(path: Path, rounds: int, tokens: int, python: Path, baseline: tuple[
     from benchmarks.methods import worker_env
 
     args = json.dumps({"model": str(path), "prompt": PROMPT_IDS, "tokens": tokens})
-    one = {"OMP_NUM_THREADS": "1"}
+    # PYTHONSAFEPATH: `python -c` would put the working directory before PYTHONPATH, so a baseline tree's worker
+    # imported this tree's hfquant
+    one = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
     engines = {
         "hfquant": ([sys.executable, "-c", HFQUANT_WORKER, args], dict(worker_env(), **one)),
     }
