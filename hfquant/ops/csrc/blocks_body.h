@@ -113,14 +113,12 @@ BK_TARGET BK_INLINE __m256i BK_NAME(k4_dots_)(const uint8_t *w, const int8_t *x,
         const __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * h));
         __m512i u[2] = {_mm512_and_si512(q, low), _mm512_and_si512(_mm512_srli_epi16(q, 4), low)};
         for (int i = 0; i < 2; i++) {
-            const int s0 = 4 * h + i, s1 = s0 + 2; /* the sub-blocks of the lower / upper half */
+            /* sub-blocks s0 = 4h + i and s0 + 2 in the lower / upper half (K4_PICK, K4_BITS) */
             if (five) {
-                const __m512i bits =
-                    _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s0)), _mm256_set1_epi8((char)(1 << s1)), 1);
+                const __m512i bits = _mm512_loadu_si512((const void *)K4_BITS[2 * h + i]);
                 u[i] = _mm512_mask_add_epi8(u[i], _mm512_test_epi8_mask(qh2, bits), u[i], sixteen);
             }
-            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16((short)(s0 + 4 * (s0 >= 4))),
-                                                    _mm256_set1_epi16((short)(s1 + 4 * (s1 >= 4))), 1);
+            const __m512i pick = _mm512_loadu_si512((const void *)K4_PICK[2 * h + i]); /* s0's, s1's words */
             const __m512i p = _mm512_maddubs_epi16(u[i], _mm512_loadu_si512((const void *)(x + 128 * h + 64 * i)));
             sums[i] = _mm512_dpwssd_epi32(sums[i], p, _mm512_permutexvar_epi16(pick, scales));
         }

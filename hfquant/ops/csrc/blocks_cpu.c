@@ -212,6 +212,21 @@ __attribute__((constructor)) static void hq3r_order_init(void) {
         for (int r = 0; r < 4; r++) HQ3R_ORDER.fields[4 * lane + r] = (uint8_t)(27 * (lane % 4) + r);
 }
 
+/* Q4_K / Q5_K's AVX-512 step g = 2h + i (blocks_body.h's k4_dots_: sub-blocks s0 = 4h + i and s1 = s0 + 2 in the
+ * 256-bit halves), loaded rather than built from immediates in every row: K4_PICK, the 32 int16 indices of s0's and
+ * s1's scales among k4_unpack_'s words (scale s at word s + 4 (s >= 4)); K4_BITS, Q5_K's qh bit of s0 / s1 in every
+ * byte of the half */
+static int16_t K4_PICK[4][32];
+static uint8_t K4_BITS[4][64];
+
+__attribute__((constructor)) static void k4_tables_init(void) {
+    for (int g = 0; g < 4; g++) {
+        const int s0 = 4 * (g / 2) + g % 2, s1 = s0 + 2;
+        for (int e = 0; e < 32; e++) K4_PICK[g][e] = (int16_t)(e < 16 ? s0 + 4 * (s0 >= 4) : s1 + 4 * (s1 >= 4));
+        for (int e = 0; e < 64; e++) K4_BITS[g][e] = (uint8_t)(e < 32 ? 1u << s0 : 1u << s1);
+    }
+}
+
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define BK_GFNI_TARGET \
     __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx512vbmi,avx512bitalg")))
