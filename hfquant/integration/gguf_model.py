@@ -27,6 +27,7 @@ checkpoint reloads (docs/architecture.md, "Reload"):
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -262,7 +263,9 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.bfloat16, **from_pret
     del metadata
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
-        skeleton = model_class(config)
+        # a copy: building a model writes its attention ("sdpa") into the config, which the quantizer would then take
+        # for an `attn_implementation` asked by name and keep PyTorch's attention instead of the one-row kernel
+        skeleton = model_class(copy.deepcopy(config))
     names = _name_map(skeleton, config.model_type)
     plan = gguf_layer_plan(skeleton, tensors, names)
     tables = gguf_table_plan(skeleton, tensors, names)

@@ -40,16 +40,18 @@ BK_TARGET static inline __m256i BK_NAME(high_bits32_)(const uint8_t *qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-/* Q4_K / Q5_K's 12 packed bytes of 6-bit scales and minimums -> packed[0..3] as 16 bytes: the eight scales, then the
- * eight minimums (k4_scales' values, by 32-bit masks and shifts) */
-BK_TARGET static inline void BK_NAME(k4_unpack_)(const uint8_t *s, uint32_t *packed) {
-    uint32_t v[3];
-    memcpy(v, s, 12);
-    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
-    packed[0] = v[0] & six;
-    packed[1] = (v[2] & four) | (((v[0] >> 6) & two) << 4);
-    packed[2] = v[1] & six;
-    packed[3] = ((v[2] >> 4) & four) | (((v[1] >> 6) & two) << 4);
+/* Q4_K / Q5_K's 12 packed bytes of 6-bit scales and minimums (k4_scales' values) -> 16 bytes: scales 0-3, minimums
+ * 0-3, scales 4-7, minimums 4-7. In 64-bit general registers (the vector ports are the GEMV's bottleneck): bytes 0-7
+ * masked to 6 bits give scales and minimums 0-3; 4-7 are the nibbles of bytes 8-11 (low: scales, high: minimums)
+ * with bits 6-7 of bytes 0-7 as bits 4-5. */
+BK_TARGET static inline __m128i BK_NAME(k4_unpack_)(const uint8_t *s) {
+    uint64_t lo;
+    uint32_t hi;
+    memcpy(&lo, s, 8);
+    memcpy(&hi, s + 8, 4);
+    const uint64_t first = lo & 0x3f3f3f3f3f3f3f3fULL;
+    const uint64_t nibbles = ((uint64_t)hi | (uint64_t)(hi >> 4) << 32) & 0x0f0f0f0f0f0f0f0fULL;
+    return _mm_set_epi64x((long long)(nibbles | ((lo >> 2) & 0x3030303030303030ULL)), (long long)first);
 }
 
 /* u + value (4 or 16) in every byte e whose bit e of the 32 bits at qh is set: one masked byte add where AVX512BW is
@@ -72,93 +74,130 @@ BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
 
 /* ---- 256-weight super-blocks, activations in Q8Row256 (one float scale per 256, 16-input sums) ---- */
 
-/* Q4_K / Q5_K, one super-block's 6-bit scales and minimums (k4_unpack_): the minimums' term (each times its 32 inputs'
- * activation sum, times dmin and the activation scale) added to *mins; returns the 8 scales as int32 lanes */
-BK_TARGET static inline __m256i BK_NAME(k4_scales_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 *mins) {
-    uint32_t packed[4];
-    BK_NAME(k4_unpack_)(w + 4, packed);
-    const uint8_t *sc = (const uint8_t *)packed; /* bytes 0-7 the scales, 8-15 the minimums */
-    const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-    const __m256i msum = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8)));
-    *mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(BK_NAME(half_)(w + 2) * a->d[b]), *mins);
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+/* ---- Q4_K / Q5_K: eight 32-weight sub-blocks per super-block, a 6-bit scale and minimum each (w = d * scale * u -
+ * dmin * minimum). Each sub-block's dot is vpmaddubsw's int16 pair sums (u <= 31, |x| <= 127: at most 2 * 31 * 127 =
+ * 7874, no saturation) times its scale as int16, summed in pairs into int32 lanes (vpdpwssd on AVX512-VNNI, vpmaddwd
+ * + add on AVX2): no 32-bit multiply per step. Either body leaves the same 8 int32 lanes (lane l: weights 4l..4l + 3
+ * of every sub-block, each times its scale), so the same floats. The minimums' term comes off once per super-block
+ * by one vpmaddwd against the activation's 16-input sums (k4_head_). ---- */
+
+/* a super-block's header: returns its scales and minimums as 16 int16 (k4_unpack_'s order: words 0-3 and 8-11 the
+ * scales, 4-7 and 12-15 the minimums); *msum: the minimums' integer term (lane j: minimum j times its 32 inputs'
+ * activation sum, one vpmaddwd of each minimum taken twice against the 16-input sums sums16); *dd: d and dmin times
+ * the activation scale in lanes 0 and 1 (both fp16 fields by one conversion) */
+BK_TARGET BK_INLINE __m256i BK_NAME(k4_head_)(const uint8_t *w, const ActRow *a, int64_t b, __m256i *msum,
+                                               __m128 *dd) {
+    const __m256i words = _mm256_cvtepu8_epi16(BK_NAME(k4_unpack_)(w + 4));
+    const __m256i twice = _mm256_unpackhi_epi16(words, words); /* minimums 0-7, each twice */
+    *msum = _mm256_madd_epi16(twice, _mm256_loadu_si256((const __m256i *)(a->sums16 + b * 16)));
+    int32_t fields;
+    memcpy(&fields, w, 4);
+    *dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(fields)), _mm_set1_ps(a->d[b]));
+    return words;
 }
 
-/* Q4_K / Q5_K, blocks 2j and 2j + 1 of a super-block (unsigned codes u0, u1) against their activations x + 64 j, each
- * dot times its scale (lanes 2j, 2j + 1 of scales), added to sum: one 512-bit dot for both where AVX-512 is (BK_KSUM
- * then holds 16 lanes, k_sum_ folds them to the 8 of the 256-bit steps: the same integers) */
 #if BK_MASKED
-#define BK_KSUM __m512i
-#define BK_KSUM_ZERO _mm512_setzero_si512()
-#else
-#define BK_KSUM __m256i
-#define BK_KSUM_ZERO _mm256_setzero_si256()
-#endif
-BK_TARGET static inline BK_KSUM BK_NAME(k_pair_)(BK_KSUM sum, __m256i u0, __m256i u1, const int8_t *x, int j,
-                                                 __m256i scales) {
-#if BK_MASKED
-    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)(x + 64 * j)));
-    const __m512i pick =
-        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
-    const __m512i scale = _mm512_permutexvar_epi32(pick, _mm512_castsi256_si512(scales));
-    return _mm512_add_epi32(sum, _mm512_mullo_epi32(p, scale));
-#else
-    const __m256i p0 = BK_DOT(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i *)(x + 64 * j)));
-    const __m256i p1 = BK_DOT(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32)));
-    sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(p0, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j))));
-    return _mm256_add_epi32(sum,
-                            _mm256_mullo_epi32(p1, _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(2 * j + 1))));
-#endif
-}
-
-BK_TARGET static inline __m256i BK_NAME(k_sum_)(BK_KSUM sum) {
-#if BK_MASKED
+/* one super-block's 8 integer lanes (lane l: weights 4l..4l + 3 of every sub-block, times its scale); five: Q5_K.
+ * Per 128 weights h: its 64 code bytes in one load, low nibbles (sub-blocks 4h, 4h + 2 in the 256-bit halves) and
+ * high (4h + 1, 4h + 3), so x is the activation in ActRow.qk's order (the middle 32-input quarters of every 128
+ * swapped); Q5_K adds 16 where bit s of qh byte l is set (sub-block s, weight l; vptestmb, masked byte add).
+ * vpmaddubsw with the 64 activations, the pair sums times each half's scale (vpdpwssd, scales picked by vpermw);
+ * halves folded at the end. */
+BK_TARGET BK_INLINE __m256i BK_NAME(k4_dots_)(const uint8_t *w, const int8_t *x, __m256i words, int five) {
+    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    const __m512i scales = _mm512_castsi256_si512(words);
+    const uint8_t *qs = w + (five ? 48 : 16);
+    const __m512i qh2 = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16))) : low;
+    __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * h));
+        __m512i u[2] = {_mm512_and_si512(q, low), _mm512_and_si512(_mm512_srli_epi16(q, 4), low)};
+        for (int i = 0; i < 2; i++) {
+            /* sub-blocks s0 = 4h + i and s0 + 2 in the lower / upper half (K4_PICK, K4_BITS) */
+            if (five) {
+                const __m512i bits = _mm512_loadu_si512((const void *)K4_BITS[2 * h + i]);
+                u[i] = _mm512_mask_add_epi8(u[i], _mm512_test_epi8_mask(qh2, bits), u[i], sixteen);
+            }
+            const __m512i pick = _mm512_loadu_si512((const void *)K4_PICK[2 * h + i]); /* s0's, s1's words */
+            const __m512i p = _mm512_maddubs_epi16(u[i], _mm512_loadu_si512((const void *)(x + 128 * h + 64 * i)));
+            sums[i] = _mm512_dpwssd_epi32(sums[i], p, _mm512_permutexvar_epi16(pick, scales));
+        }
+    }
+    const __m512i sum = _mm512_add_epi32(sums[0], sums[1]);
     return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+}
 #else
-    return sum;
+/* sub-blocks 2j, 2j + 1 (codes u0, u1) against their activations at x + 64j: vpmaddubsw's pair sums times the scale
+ * (twice: each scale as int16 twice in an int32 lane, vpmaddwd), added to sums[0] / sums[1] */
+BK_TARGET static inline void BK_NAME(k4_pair_)(__m256i *sums, __m256i u0, __m256i u1, const int8_t *x, __m256i twice,
+                                               int j) {
+    const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)(x + 64 * j)));
+    const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32)));
+    const __m256i s0 = _mm256_permutevar8x32_epi32(twice, _mm256_set1_epi32(2 * j));
+    const __m256i s1 = _mm256_permutevar8x32_epi32(twice, _mm256_set1_epi32(2 * j + 1));
+    sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(p0, s0));
+    sums[1] = _mm256_add_epi32(sums[1], _mm256_madd_epi16(p1, s1));
+}
+
+/* k4_dots_ of the AVX2 body: x in the activation's own order (ActRow.q) */
+BK_TARGET BK_INLINE __m256i BK_NAME(k4_dots_)(const uint8_t *w, const int8_t *x, __m256i words, int five) {
+    /* code byte l of pair j: low nibble sub-block 2j, high 2j + 1; Q5_K: bit 2j / 2j + 1 of qh byte l their 5th */
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i twice = _mm256_unpacklo_epi16(words, words); /* scales 0-7, each twice */
+    const uint8_t *qs = w + (five ? 48 : 16);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : low;
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int j = 0; j < 4; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i u0 = _mm256_and_si256(q, low), u1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        if (five) {
+            u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+            u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+            qh = _mm256_srli_epi16(qh, 2);
+        }
+        BK_NAME(k4_pair_)(sums, u0, u1, x, twice, j);
+    }
+    return _mm256_add_epi32(sums[0], sums[1]);
+}
+#endif
+
+/* Q4_K (five 0, 144-byte blocks) / Q5_K (five 1, 176): per super-block the integer lanes times d and the activation
+ * scale, the minimums' term times dmin and the activation scale apart (AVX-512: lanes 8-15 of one 512-bit
+ * accumulator, the same float operations lane by lane), one subtraction at the end */
+BK_TARGET BK_INLINE float BK_NAME(k4_row_)(const uint8_t *w, const ActRow *a, int64_t nb, int five) {
+#if BK_MASKED
+    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += five ? 176 : 144) {
+        __m256i msum;
+        __m128 dd;
+        const __m256i words = BK_NAME(k4_head_)(w, a, b, &msum, &dd);
+        const __m256i sumi = BK_NAME(k4_dots_)(w, a->qk + b * 256, words, five);
+        const __m512 both = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(sumi), msum, 1));
+        acc = _mm512_fmadd_ps(both, _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd)), acc);
+    }
+    const __m256 mins = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+    return BK_NAME(hsum_)(_mm256_sub_ps(_mm512_castps512_ps256(acc), mins));
+#else
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += five ? 176 : 144) {
+        __m256i msum;
+        __m128 dd;
+        const __m256i words = BK_NAME(k4_head_)(w, a, b, &msum, &dd);
+        const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k4_dots_)(w, a->q + b * 256, words, five)), d, acc);
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), dmin, mins);
+    }
+    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 #endif
 }
 
 BK_TARGET static float BK_NAME(row_q4_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 144) {
-        const int8_t *xq = a->q + b * 256;
-        const __m256i scales = BK_NAME(k4_scales_)(w, a, b, &mins);
-        BK_KSUM sum = BK_KSUM_ZERO;
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            sum = BK_NAME(k_pair_)(sum, _mm256_and_si256(q, low), _mm256_and_si256(_mm256_srli_epi16(q, 4), low), xq,
-                                   j, scales);
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k_sum_)(sum)), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]),
-                              acc);
-    }
-    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
+    return BK_NAME(k4_row_)(w, a, nb, 0);
 }
 
 BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    /* Q4_K's loop plus bit 2j / 2j + 1 of qh's bytes as the fifth bit of block 2j / 2j + 1 */
-    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 176) {
-        const int8_t *xq = a->q + b * 256;
-        const __m256i scales = BK_NAME(k4_scales_)(w, a, b, &mins);
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-        BK_KSUM sum = BK_KSUM_ZERO;
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
-            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
-            qh = _mm256_srli_epi16(qh, 2);
-            sum = BK_NAME(k_pair_)(sum, _mm256_or_si256(_mm256_and_si256(q, low), h0),
-                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h1), xq, j, scales);
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k_sum_)(sum)), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]),
-                              acc);
-    }
-    return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
+    return BK_NAME(k4_row_)(w, a, nb, 1);
 }
 
 /* ---- Q3_K / Q6_K: sixteen 16-weight sub-blocks per super-block, an int8 scale each, unsigned codes u with a
@@ -807,10 +846,8 @@ BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *a, i
     }
 }
 
-#undef BK_KSUM
 #undef BK_K16
 #undef BK_K16_ZERO
-#undef BK_KSUM_ZERO
 #undef BK_ROW32
 #undef BK_ROW32_PAIRS
 #undef BK_ROW32_FAST

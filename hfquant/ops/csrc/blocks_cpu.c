@@ -14,15 +14,16 @@
  * How, per block: the codes are widened to one unsigned byte per weight in 32-byte registers (masks, shifts and ors
  * of the packed bits; IQ4 grid values by a byte shuffle, signed codes of Q8_0 / IQ4 by their magnitude with the sign
  * moved onto the activation), multiplied with the int8 activations four products per 32-bit lane (vpdpbusd on
- * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale (Q3_K
- * and Q6_K: vpmaddubsw's int16 pair sums times the int16 scales by vpdpwssd / vpmaddwd), and one float multiply per
- * super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32, Q3_K's -4, Q4_0's -8,
- * Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of every weight.
- * On AVX512-VNNI CPUs the 32-weight types and Q4_K's inner loop take two blocks per 512-bit step (blocks_body.h's
- * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_): the same integers, products and float additions in
- * the same order, so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.9x:
- * docs/performance.md). One OpenMP region per call: the threads split the activation blocks to quantize, then the
- * rows. hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
+ * AVX512-VNNI CPUs, vpmaddubsw + vpmaddwd on AVX2 ones), each sub-block's integer sums times its integer scale (Q3_K,
+ * Q4_K, Q5_K and Q6_K: vpmaddubsw's int16 pair sums times the int16 scales by vpdpwssd / vpmaddwd), and one float
+ * multiply per super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32, Q3_K's -4,
+ * Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of
+ * every weight. On AVX512-VNNI CPUs the 32-weight types take two blocks per 512-bit step (blocks_body.h's
+ * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the
+ * activation in their nibbles' order, ActRow.qk): the same integers, products and float additions in the same order,
+ * so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.7x: docs/performance.md).
+ * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
+ * hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
  * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
  * The quantized row lives on the caller's stack (one allocation only past ACT_STACK bytes). HQ3_R on AVX512-VNNI
  * takes one 64-weight block per 512-bit step on its grid plus 128 (unsigned), its dot started from -128 times the
@@ -134,6 +135,9 @@ typedef struct {
                       * dxs_lane's order */
     int8_t *qt;      /* with bias4: q in hq3r_body.h's group order (qt_index), for HQ3_R's GFNI step */
     int32_t *bias16; /* with bias4: -128 times the sum of q per 16 inputs, in dxs_lane's order */
+    int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
+                      * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
+                      * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -208,10 +212,28 @@ __attribute__((constructor)) static void hq3r_order_init(void) {
         for (int r = 0; r < 4; r++) HQ3R_ORDER.fields[4 * lane + r] = (uint8_t)(27 * (lane % 4) + r);
 }
 
+/* Q4_K / Q5_K's AVX-512 step g = 2h + i (blocks_body.h's k4_dots_: sub-blocks s0 = 4h + i and s1 = s0 + 2 in the
+ * 256-bit halves), loaded rather than built from immediates in every row: K4_PICK, the 32 int16 indices of s0's and
+ * s1's scales among k4_unpack_'s words (scale s at word s + 4 (s >= 4)); K4_BITS, Q5_K's qh bit of s0 / s1 in every
+ * byte of the half */
+static int16_t K4_PICK[4][32];
+static uint8_t K4_BITS[4][64];
+
+__attribute__((constructor)) static void k4_tables_init(void) {
+    for (int g = 0; g < 4; g++) {
+        const int s0 = 4 * (g / 2) + g % 2, s1 = s0 + 2;
+        for (int e = 0; e < 32; e++) K4_PICK[g][e] = (int16_t)(e < 16 ? s0 + 4 * (s0 >= 4) : s1 + 4 * (s1 >= 4));
+        for (int e = 0; e < 64; e++) K4_BITS[g][e] = (uint8_t)(e < 32 ? 1u << s0 : 1u << s1);
+    }
+}
+
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define BK_GFNI_TARGET \
     __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx512vbmi,avx512bitalg")))
 #define AVX2_ONLY_TARGET __attribute__((target("avx2,fma,f16c")))
+/* inlined whatever GCC's size heuristics say: a row loop's helpers taking a constant (Q4_K / Q5_K's `five`) must be
+ * specialized, else the loop tests it and rebuilds its constants every super-block (1.3x the time) */
+#define BK_INLINE static inline __attribute__((always_inline))
 
 /* which body runs: hfquant_isa (isa_cpu.c) decides, so HFQUANT_ISA=avx2 picks the AVX2 body on a VNNI CPU */
 static int cpu_vnni(void) {
@@ -253,9 +275,9 @@ static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
- * per-16 sums again as int16 (sums16). Each block's values depend on that block alone, so the threads of a GEMV
- * quantize the blocks in any split and the row is the same bytes. AVX2 (the values do not depend on the instruction
- * set: IEEE multiply, round to nearest even). */
+ * per-16 sums again as int16 (sums16); with a->qk, q again in qk's order. Each block's values depend on that block
+ * alone, so the threads of a GEMV quantize the blocks in any split and the row is the same bytes. AVX2 (the values do
+ * not depend on the instruction set: IEEE multiply, round to nearest even). */
 AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_t per, int64_t sum_every,
                                             const ActRow *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -296,6 +318,11 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
             if (s % 4 == 0) a->dxs[dxs_lane(b * (per / 16) + s / 4)] = a->d[b];
         }
     if (a->qt != NULL) quantize_hq3_r_order(q, b, a);
+    if (a->qk != NULL)
+        for (int64_t i = 0; i < per; i += 32) {
+            const int64_t quarter = i % 128 / 32; /* 0 1 2 3 -> 0 2 1 3 */
+            memcpy(a->qk + b * per + i - 32 * quarter + 32 * ((quarter & 1) * 2 + (quarter >> 1)), q + i, 32);
+        }
 }
 
 /* One weight of a (possibly fused) block GEMV: n rows of `row_bytes` bytes (nb blocks) of GGUF type `type`, outputs
@@ -471,20 +498,20 @@ int hfquant_block_gemv_supported(int64_t type) {
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
-/* The activation row's scratch: d, q, sums, sums32, sums16 and (activation blocks of 32 on AVX-512: starts) bias4
- * and dxs in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 27000
- * inputs, 15000 with starts), else one allocation. */
+/* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
+ * qt, bias16 and (Q4_K / Q5_K on AVX-512: k4) qk in one buffer, each part 64-byte aligned; on the caller's stack up to
+ * ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts or k4), else one allocation. */
 enum { ACT_STACK = 40960 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int64_t offsets[9]) {
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int64_t offsets[10]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
-    const int64_t sizes[9] = {(k / block) * 4,      k,
-                              (k / sum_every) * 4,  (k / 32) * 4,
-                              (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
-                              starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
-                              starts ? groups * 64 : 0 /* bias16 */};
+    const int64_t sizes[10] = {(k / block) * 4,      k,
+                               (k / sum_every) * 4,  (k / 32) * 4,
+                               (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
+                               starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
+                               starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */};
     int64_t total = 0;
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 10; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -513,12 +540,15 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     }
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[9];
-    /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
+    int64_t at[10];
+    /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs), Q4_K and Q5_K's qk */
     const int vnni = cpu_vnni(), starts = vnni && per == 32;
-    int transposed = 0; /* HQ3_R's GFNI step reads qt and bias16 */
-    for (int64_t p = 0; p < count; p++) transposed |= parts[p].type == HQ3_R_GFNI;
-    const int64_t need = act_layout(k, per, sum_every, starts, at);
+    int transposed = 0, k4 = 0; /* HQ3_R's GFNI step reads qt and bias16 */
+    for (int64_t p = 0; p < count; p++) {
+        transposed |= parts[p].type == HQ3_R_GFNI;
+        k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
+    }
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
     if (scratch == NULL) return 2;
@@ -532,6 +562,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.dxs = starts ? (float *)(scratch + at[6]) : NULL;
     a.qt = transposed ? (int8_t *)(scratch + at[7]) : NULL;
     a.bias16 = transposed ? (int32_t *)(scratch + at[8]) : NULL;
+    a.qk = k4 ? (int8_t *)(scratch + at[9]) : NULL;
     if (vnni)
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else

@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""One thread's CPU time per decode token of hfquant (`from_gguf`, eager) and of llama.cpp on the same GGUF file.
+
+Why: wall-clock tokens/s on a machine shared with other jobs moves with their load (issue #30's comparisons want a
+quiet machine); the CPU time one thread spends on a decode step moves much less. Each engine runs in its own process
+with one thread (hfquant: `OMP_NUM_THREADS=1` and `torch.set_num_threads(1)`; llama.cpp: llama-cpp-python's
+`n_threads=1`, in the engines venv), loads the file once, and per measurement: the prefill of the same prompt token ids
+(not timed), then `--tokens` one-token decode steps, each fed the previous step's greedy token, timed by
+`time.process_time` (the process's CPU seconds, every thread). The rounds are paired (`benchmarks.paired.run_rounds`:
+one measurement of each engine per round, the order rotating); the table gives the medians of milliseconds of CPU per
+token and of the per-round ratio llama.cpp's / hfquant's (above 1: hfquant spends less CPU per token).
+
+    python scripts/gguf_cpu_per_token.py FILE.gguf [FILE.gguf ...] --rounds 7 --tokens 32
+    python scripts/gguf_cpu_per_token.py FILE.gguf --baseline TREE --baseline-cache DIR   # + another hfquant tree
+
+`--baseline TREE` adds a third engine in the same rounds: hfquant from another source tree (for example `git archive`
+of the commit before a kernel change, unpacked), with its own `HFQUANT_CACHE` (`--baseline-cache`) so that the two
+trees' native libraries do not replace each other.
+
+Not part of the test suite (needs the engines venv, `scripts/engines.py --engines llama.cpp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT_IDS = list(range(100, 116))
+"""The prompt's token ids (any ids of the vocabulary: the weights' speed does not depend on them)."""
+
+_PROTOCOL = r"""
+def serve(decode, tokens):
+    decode(4)  # warm-up: first-call work (kernel preparation, allocations) is not a decode step's
+    print("READY", flush=True)
+    for _ in sys.stdin:
+        print("TOK_S " + repr(decode(tokens)), flush=True)
+"""
+
+HFQUANT_WORKER = (
+    r"""
+import json, sys, time
+import torch
+"""
+    + _PROTOCOL
+    + r"""
+args = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+try:
+    import hfquant
+    model = hfquant.from_gguf(args["model"]).eval()
+    prompt = torch.tensor([args["prompt"]])
+
+    def decode(n):
+        with torch.inference_mode():
+            out = model(prompt, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            start = time.process_time()
+            for _ in range(n):
+                out = model(token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            return n / (time.process_time() - start)
+
+    serve(decode, args["tokens"])
+except BaseException as error:
+    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
+    raise
+"""
+)
+"""The hfquant worker (`benchmarks.paired`'s protocol, TOK_S: decode tokens per CPU second)."""
+
+LLAMA_WORKER = (
+    r"""
+import json, sys, time
+import numpy as np
+"""
+    + _PROTOCOL
+    + r"""
+args = json.loads(sys.argv[1])
+try:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=args["model"], n_threads=1, n_threads_batch=1, verbose=False,
+                          n_ctx=len(args["prompt"]) + args["tokens"] + 8)
+
+    def decode(n):
+        llm.reset()
+        llm.eval(args["prompt"])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        start = time.process_time()
+        for _ in range(n):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return n / (time.process_time() - start)
+
+    serve(decode, args["tokens"])
+except BaseException as error:
+    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
+    raise
+"""
+)
+"""The llama.cpp worker (llama-cpp-python in the engines venv; the same protocol)."""
+
+
+def measure(path: Path, rounds: int, tokens: int, python: Path, baseline: tuple[Path, Path] | None = None) -> dict:
+    """Paired rounds of the engines' one-thread decode on `path` (hfquant, `baseline`'s hfquant: (tree, cache) when
+    given, llama.cpp): the rounds, the medians of CPU milliseconds per token and of each hfquant's per-round ratio
+    llama.cpp / hfquant, the load averages before and after."""
+    from benchmarks import llama_cpp, paired
+    from benchmarks.methods import worker_env
+
+    args = json.dumps({"model": str(path), "prompt": PROMPT_IDS, "tokens": tokens})
+    # PYTHONSAFEPATH: `python -c` would put the working directory before PYTHONPATH, so a baseline tree's worker
+    # imported this tree's hfquant
+    one = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
+    engines = {
+        "hfquant": ([sys.executable, "-c", HFQUANT_WORKER, args], dict(worker_env(), **one)),
+    }
+    if baseline is not None:
+        env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
+        engines["hfquant baseline"] = ([sys.executable, "-c", HFQUANT_WORKER, args], env)
+    engines["llama.cpp"] = ([str(python), "-c", LLAMA_WORKER, args], dict(llama_cpp.engine_env(), **one))
+    before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as logs:
+        group = paired.run_rounds(engines, rounds, 1800, Path(logs))
+        if group["error"]:
+            for log in Path(logs).iterdir():
+                print(f"{log.name}: {log.read_text()[-2000:]}", file=sys.stderr)
+    per_token = {
+        name: statistics.median(1000 / r["tok_s"][name] for r in group["rounds"]) for name in group["engines"]
+    }
+    ratios = {
+        name: [r["tok_s"][name] / r["tok_s"]["llama.cpp"] for r in group["rounds"]]
+        for name in group["engines"]
+        if name != "llama.cpp"
+    }
+    return {
+        "file": path.name,
+        "rounds": group["rounds"],
+        "error": group["error"],
+        "cpu_ms_per_token": per_token,
+        "ratios": {name: (statistics.median(r), min(r), max(r)) for name, r in ratios.items() if r},
+        "load_average": (before, os.getloadavg()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import llama_cpp
+    from benchmarks.machine import describe
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("gguf", nargs="+", type=Path, help="GGUF files (each measured on both engines)")
+    parser.add_argument("--rounds", type=int, default=7, help="paired rounds per file")
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--llama-python", type=Path, default=llama_cpp.default_python(), help="the venv's python")
+    parser.add_argument("--baseline", type=Path, default=None, help="another hfquant source tree to time too")
+    parser.add_argument("--baseline-cache", type=Path, default=None, help="its HFQUANT_CACHE")
+    parser.add_argument("--json", type=Path, default=None, help="write every result here")
+    args = parser.parse_args(argv)
+    if (args.baseline is None) != (args.baseline_cache is None):
+        parser.error("--baseline and --baseline-cache go together")
+    baseline = (args.baseline, args.baseline_cache) if args.baseline is not None else None
+    print(describe())
+    print(
+        "\n| file | engine | rounds | CPU ms / token (median) | llama.cpp / it, median (min-max) "
+        "| load average before / after |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    results = []
+    for path in args.gguf:
+        result = measure(path, args.rounds, args.tokens, args.llama_python, baseline)
+        results.append(result)
+        loads = " / ".join(f"{a[0]:.2f} {a[1]:.2f} {a[2]:.2f}" for a in result["load_average"])
+        for name, ms in result["cpu_ms_per_token"].items():
+            median, low, high = result["ratios"].get(name, (1.0, 1.0, 1.0))
+            print(
+                f"| {path.name} | {name} | {len(result['rounds'])} | {ms:.1f} | {median:.2f}x ({low:.2f}-{high:.2f}) "
+                f"| {loads} |",
+                flush=True,
+            )
+        if result["error"]:
+            print(f"  stopped: {result['error']}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
