@@ -4,8 +4,8 @@
 
 Two cases per layer shape:
 - "cached": the same weight every call (it stays in the CPU's caches: the kernels' instruction cost);
-- "streamed": distinct weights, about 256 MiB in all, called in turn (they come from memory, as in a decode step of a
-  model larger than the last-level cache).
+- "streamed": distinct weights, about 256 MiB in all (`--streamed-mib`), called in turn (they come from memory, as in
+  a decode step of a model larger than the last-level cache).
 Each figure is the best of 5 passes, in microseconds per call; GB/s counts the codes and (scale, zero) pairs read.
 The CPU model and ISA flags head the table; a kernel that does not run here is a "-". `ATEN_CPU_CAPABILITY=avx2`
 measures what an AVX2 CPU runs (PyTorch's AVX2 kernels and int4 layout; hfquant's AVX2 W4A8 GEMV). Run from a
@@ -40,7 +40,7 @@ from hfquant.ops import gemv, kernels, torch_ops  # noqa: E402
 
 SHAPES = ("2048x2048", "512x2048", "8192x2048", "2048x8192", "576x576", "1536x576", "576x1536")
 """N x K (out_features x in_features): the 1.2B benchmark Llama's and SmolLM2-135M's projections."""
-_STREAMED_BYTES = 256 * 2**20
+_STREAMED_MIB = 256
 _PASSES = 5
 
 
@@ -77,9 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"comma-separated block formats to measure instead of int4 ({list(blocks.LAYOUTS)})",
     )
+    parser.add_argument(
+        "--streamed-mib",
+        type=int,
+        default=_STREAMED_MIB,
+        help="MiB of distinct weights the streamed case cycles through (default: %(default)s; the tests use 1)",
+    )
     args = parser.parse_args(argv)
+    streamed_bytes = args.streamed_mib * 2**20
     if args.formats:
-        return _block_table([blocks.layout(name) for name in args.formats.split(",")], args.shapes.split(","))
+        return _block_table(
+            [blocks.layout(name) for name in args.formats.split(",")], args.shapes.split(","), streamed_bytes
+        )
     layout = packing.cpu_int4_layout()
     if layout is None:
         print("this PyTorch build has no CPU int4 kernel layout", file=sys.stderr)
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         n, k = (int(v) for v in text.lower().split("x"))
         group = args.group_size or (128 if k % 128 == 0 else 64)
         layer_bytes = n * k // 2 + (k // group) * n * 4
-        for case, copies in (("cached", 1), ("streamed", max(1, _STREAMED_BYTES // layer_bytes))):
+        for case, copies in (("cached", 1), ("streamed", max(1, streamed_bytes // layer_bytes))):
             weights = _weights(n, k, group, copies)
             x = torch.randn((1, k), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
             aten = _best_us(
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _block_table(formats: list[blocks.BlockLayout], shapes: list[str]) -> int:
+def _block_table(formats: list[blocks.BlockLayout], shapes: list[str], streamed_bytes: int) -> int:
     """The block-format table (see the module docstring)."""
     torch_ops.loaded()
     print(f"{describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -142,7 +151,7 @@ def _block_table(formats: list[blocks.BlockLayout], shapes: list[str]) -> int:
             cells = [f"{torch_us:.0f}", "-", "-", "-", "-"]
             if works:
                 copies = [(weight, None)] + [
-                    (weight.clone(), None) for _ in range(max(1, _STREAMED_BYTES // weight.nbytes) - 1)
+                    (weight.clone(), None) for _ in range(max(1, streamed_bytes // weight.nbytes) - 1)
                 ]
 
                 def call(w, _, x=x, k=k, t=fmt.ggml_type):

@@ -307,17 +307,16 @@ def test_a_tokenizer_link_leaving_the_folder_is_refused(source, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_gguf_exports_decode_hfquants_greedy_tokens(tmp_path):
-    """The real SmolLM2 (tied embeddings, 9 query / 3 key-value heads) at int8, int4 g64 symmetric and asymmetric:
-    transformers' GGUF load gives the first 12 greedy tokens of the hfquant model (both in float32), and the GGUF
-    tokenizer the same ids for the chat prompt."""
+    """The real SmolLM2 (tied embeddings, 9 query / 3 key-value heads) at int4 g64 asymmetric (Q4_1): transformers'
+    GGUF load gives the first 12 greedy tokens of the hfquant model (both in float32), and the GGUF tokenizer the same
+    ids for the chat prompt. One format is enough here: what this real model adds (its head counts' permutation, the
+    tied embedding, its tokenizer) does not depend on the block type, and every type's tensors are compared with the
+    GGUF reader's in test_gguf_reader_and_transformers_read_back_hfquant_weights. Q4_1 is the type whose offsets are
+    rounded to fp16 (not bit-exact), the one where greedy tokens could drift."""
     from benchmarks.example_model import build_example_model
 
     src = build_example_model()
-    for name, settings in (
-        ("int8", dict(bits=8)),
-        ("int4-sym", dict(CONFIGS["int4-sym"], group_size=64)),
-        ("int4-asym", CONFIGS["int4-asym"]),
-    ):
+    for name, settings in (("int4-asym", CONFIGS["int4-asym"]),):
         folder = tmp_path / name
         convert(src, folder, HfQuantConfig(**settings), progress=False)
         export_checkpoint(folder, folder / "model.gguf", format="gguf")

@@ -48,12 +48,12 @@ int hfquant_int4_cpu_supported(void) { return 1; }
 """
 
 
-def _plant(tmp_path, cache, mode: int, record: bool):
-    """A library with a constructor at the cache path the kernel would be loaded from; returns its sentinel file."""
+def _plant(tmp_path, cache, mode: int, record: bool, compiler: str):
+    """A library with a constructor at the cache path `compiler`'s kernel would be loaded from; returns its sentinel
+    file."""
     sentinel = tmp_path / "SENTINEL"
     source = tmp_path / "planted.c"
     source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
-    compiler = shutil.which("cc")
     env = {**os.environ, "HFQUANT_CACHE": str(cache)}
     folder = Path(
         subprocess.run(
@@ -77,16 +77,44 @@ def _plant(tmp_path, cache, mode: int, record: bool):
     return sentinel
 
 
+FAKE_COMPILER = """#!/bin/sh
+# answers --version (the cache folder's name hashes it); any build command is recorded, then fails
+if [ "$1" = "--version" ]; then echo "fake-compiler 1"; exit 0; fi
+echo "$@" >> "MARKER"
+exit 1
+"""
+
+
 @needs_native
-@pytest.mark.parametrize("mode,record", [(0o777, True), (0o700, False)], ids=["writable-by-others", "no-hash-record"])
-def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path, mode, record):
+def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path):
+    """A planted int4_cpu.so in a folder others may write (0777, with a matching hash record) is not loaded: the
+    library is built again (into a private temporary folder) and works."""
     cache = tmp_path / "cache"
-    sentinel = _plant(tmp_path, cache, mode, record)
+    sentinel = _plant(tmp_path, cache, 0o777, True, shutil.which("cc"))
     code = "from hfquant.ops import native; assert native.int4_cpu_library() is not None; print('native ok')"
     result = run_python(code, HFQUANT_CACHE=str(cache), CC="cc")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "native ok" in result.stdout
     assert not sentinel.exists(), "the planted library's constructor ran"
+
+
+def test_a_library_without_its_hash_record_is_built_again_not_loaded(tmp_path):
+    """A planted int4_cpu.so in a private folder (0700) but without a hash record is not loaded: its build starts in
+    its place. The compiler is a stand-in that records the command and fails (the test above runs a real rebuild;
+    compiling the library again here took 24 s), so no library is had and the kernels fall back to aten."""
+    cache, marker = tmp_path / "cache", tmp_path / "MARKER"
+    fake = tmp_path / "fake-cc"
+    fake.write_text(FAKE_COMPILER.replace("MARKER", str(marker)))
+    fake.chmod(0o755)
+    sentinel = _plant(tmp_path, cache, 0o700, False, str(fake))
+    code = "from hfquant.ops import native; print('library', native.built_library())"
+    result = run_python(code, HFQUANT_CACHE=str(cache), CC=str(fake))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "library None" in result.stdout
+    assert not sentinel.exists(), "the planted library's constructor ran"
+    commands = marker.read_text().splitlines() if marker.is_file() else []
+    # the build that replaces it started: the shared library, into the (private) cache folder
+    assert len(commands) == 1 and "-shared" in commands[0] and f" -o {cache / 'native'}/" in commands[0], commands
 
 
 def test_every_file_in_csrc_is_compiled_or_hashed():

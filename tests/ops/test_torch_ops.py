@@ -17,7 +17,7 @@ from helpers import run_python
 from hfquant import QuantLinear
 from hfquant.core import packing, rtn
 from hfquant.core.format import StoredFormat
-from hfquant.ops import gemv, native, torch_ops
+from hfquant.ops import gemv, native, native_build, torch_ops
 from hfquant.ops.gemv import RowCall, RowKernel
 
 needs_operators = pytest.mark.skipif(
@@ -133,7 +133,7 @@ def test_a_compiled_graph_calls_the_operator_without_a_graph_break(bits):
 def test_without_a_cpp_compiler_the_gemv_goes_through_ctypes_and_the_python_custom_op():
     code = """
     import torch
-    from hfquant.ops import gemv, native, torch_ops
+    from hfquant.ops import gemv, native, native_build, torch_ops
     assert gemv.native_int4_works() and not torch_ops.loaded()
     x = torch.randn((1, 64)).to(torch.bfloat16)
     weight = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
@@ -167,29 +167,58 @@ __attribute__((constructor)) static void planted(void) { FILE *f = fopen(SENTINE
 """
 
 
+FAKE_COMPILER = """#!/bin/sh
+# answers --version (the cache folders' names hash it); any build command is recorded, then fails
+if [ "$1" = "--version" ]; then echo "fake-compiler 1"; exit 0; fi
+echo "$@" >> "MARKER"
+exit 1
+"""
+
+
 @needs_operators
 def test_a_library_planted_in_the_cache_is_never_loaded(tmp_path):
     """A torch_ops.so that others may write over (folder mode 0777), even with a matching hash record, is built
-    again instead of loaded: its constructor never runs."""
-    cache = tmp_path / "cache"
+    again instead of loaded: its constructor never runs.
+
+    The compilers are stand-ins that record the build command and fail: what is checked is that the planted file is
+    not loaded and that a build of torch_ops.so starts in its place (the real build, into a fresh cache, is the
+    first use of every clean CI run; compiling the C++ operators here again took 45 s). The trusted C library
+    `torch_ops.loaded()` needs first is this process's, copied into the fresh cache with its hash record."""
+    cache, marker = tmp_path / "cache", tmp_path / "MARKER"
     sentinel = tmp_path / "SENTINEL"
     source = tmp_path / "planted.c"
     source.write_text(PLANTED.replace("SENTINEL", f'"{sentinel}"'))
-    env = {"HFQUANT_CACHE": str(cache), "CC": "cc", "CXX": "c++"}
+    fake = tmp_path / "fake-cc"
+    fake.write_text(FAKE_COMPILER.replace("MARKER", str(marker)))
+    fake.chmod(0o755)
+    env = {"HFQUANT_CACHE": str(cache), "CC": str(fake), "CXX": str(fake)}
     where = (
-        f"from hfquant.ops import native_build; print(native_build.torch_ops_folder({shutil.which('cc')!r}, "
-        f"{shutil.which('c++')!r}))"
+        "from hfquant.ops import native_build; "
+        f"print(native_build.c_library_folder({str(fake)!r})); "
+        f"print(native_build.torch_ops_folder({str(fake)!r}, {str(fake)!r}))"
     )
-    folder = Path(run_python(where, **env).stdout.strip().splitlines()[-1])
+    c_folder, folder = (Path(line) for line in run_python(where, **env).stdout.strip().splitlines()[-2:])
+    c_library = native_build.build_c_library(native_build.c_compiler())  # this process's, trusted
+    c_folder.mkdir(parents=True)
+    for name in (c_library.name, c_library.name + ".sha256"):
+        shutil.copy2(c_library.with_name(name), c_folder / name)
     folder.mkdir(parents=True)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "torch_ops.so"), str(source)], check=True)
     (folder / "torch_ops.so.sha256").write_text(hashlib.sha256((folder / "torch_ops.so").read_bytes()).hexdigest())
-    for path in (folder.parent, folder):
-        path.chmod(0o777)
-    result = run_python("from hfquant.ops import torch_ops; assert torch_ops.loaded(); print('operators ok')", **env)
+    folder.chmod(0o777)
+    code = """
+    from hfquant.ops import native, torch_ops
+    assert native.built_library() is not None  # the copied C library, trusted: no build
+    print("loaded", torch_ops.loaded())
+    """
+    result = run_python(code, **env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "operators ok" in result.stdout
+    assert "loaded False" in result.stdout  # the stand-in compiler failed the build that replaced the planted file
     assert not sentinel.exists(), "the planted library's constructor ran"
+    # the build that started is torch_ops.so's (its C objects first, `-c`), not the C library's (taken from the cache)
+    commands = marker.read_text().splitlines() if marker.is_file() else []
+    assert commands and " -c " in f" {commands[0]} ", commands
+    assert not any("int4_cpu.so" in command for command in commands), commands
 
 
 @needs_operators

@@ -289,7 +289,7 @@ def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, t
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=2,  # 4 lowered it more (3.290 -> 3.149) in 1.75x the time; 2 is enough
         max_steps=6,
         learning_rate=1e-3,
         report_to=[],
@@ -299,7 +299,7 @@ def test_lora_over_int4_smollm2_lowers_held_out_loss(example_model, tokenizer, t
     )
     Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in train]).train()
     after = held_out_loss()
-    assert after < before - 0.05, (before, after)  # measured 3.286 -> 3.151
+    assert after < before - 0.05, (before, after)  # measured 3.290 -> 3.176
 
 
 def test_lora_adapter_survives_save_reload_and_merge_on_int4_smollm2(example_model, tmp_path):
