@@ -491,6 +491,15 @@ def quantize_to_buffers(
         stored_scale = fmt.method is Method.SINQ
         _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale, stored_scale, iq4_search)
         return buffers
+    _quantize_rtn(weight, fmt, buffers, clipping, row_scale, col_scale, threads)
+    return buffers
+
+
+def _quantize_rtn(weight, fmt: StoredFormat, buffers: dict, clipping: str, row_scale, col_scale, threads) -> None:
+    """`quantize_to_buffers`' RTN of the "int" format into `buffers`: in C where it runs, else by torch's ops on row
+    chunks of about `_CHUNK_BYTES`."""
+    n, k = weight.shape
+    stored = buffers["weight"]
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
     in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
     step = max(1, _CHUNK_BYTES // (4 * k))
@@ -527,7 +536,6 @@ def quantize_to_buffers(
         buffers["weight_scale"][rows] = q.scale
         if q.zero_point is not None:
             buffers["weight_zero_point"][rows] = q.zero_point
-    return buffers
 
 
 def _stored_buffers(
