@@ -100,6 +100,7 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
         "clipping",
         "decode_activations",
         "format",
+        "iq4_search",
     }
     assert legacy.format == "int"
     assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
