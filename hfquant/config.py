@@ -143,13 +143,8 @@ class Clipping(Choice):
     MSE = "mse"
 
 
-class Iq4SearchMode(Choice):
-    """`iq4_search`: the values of `hfquant.core.blocks.iq4.SEARCHES`."""
-
-    THOROUGH = "thorough"
-    FAST = "fast"
-    EXACT = "exact"
-    EXHAUSTIVE = "exhaustive"
+Iq4SearchMode = Choice("Iq4SearchMode", [(name.upper(), name) for name in blocks.iq4.SEARCHES])
+Iq4SearchMode.__doc__ = """`iq4_search`: the values of `hfquant.core.blocks.iq4.SEARCHES` (decided there)."""
 
 
 class FloatDtype(Choice):
