@@ -12,8 +12,9 @@ of the medians, with the CPU named. The load is also given in CPU seconds of the
 thread: on a shared machine they move far less than the wall time) and its peak RSS.
 
 `--load-only` times `from_pretrained` alone (`import hfquant` and transformers' model code imported first and timed
-apart: a fresh process pays them once, on its first load; both figures are in the table); `--shape 8b` loads a random Llama with Llama-3-8B's layers instead
-(14.8 GB of bfloat16, built once into the cache, about 10 minutes on 2 cores), `--model` any float checkpoint:
+apart: a fresh process pays them once, on its first load; both figures are in the table); `--shape 8b` loads a random
+Llama with Llama-3-8B's layers instead (14.8 GB of bfloat16, built once into the cache, about 10 minutes on 2 cores),
+`--model` any float checkpoint:
 
     python scripts/compare_trees.py /tmp/before . --methods int4-default,int8 --load-only --shape 8b --runs 2
 

@@ -141,8 +141,9 @@ def requantize_disk_offloaded(
     transformers (5.x) points the disk offload index of a tensor that is only renamed on load at the checkpoint
     file itself and does not save what the quantization op returned for it: the offloaded layer would read the
     float weight back as int8. Each such weight is read again, one at a time, cast to `dtype` (float32 when None),
-    quantized as on load (its fold from `folds`, the config's `iq4_search`) and written with `save(tensor, name, folder, index)` (transformers'
-    `offload_weight`); the index entry then names the quantized file (scales were saved on load).
+    quantized as on load (its fold from `folds`, the config's `iq4_search`) and written with
+    `save(tensor, name, folder, index)` (transformers' `offload_weight`); the index entry then names the quantized
+    file (scales were saved on load).
     """
     for module in model.modules():
         hook = getattr(module, "_hf_hook", None)

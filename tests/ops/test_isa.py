@@ -121,8 +121,8 @@ _CHILD = """
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2, avx512, avx512vnni and generic: the
-    children run while this process computes."""
+    """(inputs, this process's outputs, {setting: the child's result}) for HFQUANT_ISA avx2, avx512, avx512vnni and
+    generic: the children run while this process computes."""
     folder = tmp_path_factory.mktemp("isa")
     data = _inputs()
     torch.save(data, folder / "inputs.pt")
