@@ -952,6 +952,21 @@ squared error than thorough, about 0.8x its speed, SmolLM2 1.121x, MiniLM 0.9858
 bytes bit for bit)."""
 
 
+IQ4_BODIES = ("portable", "avx2", "avx512")
+"""The bodies of `iq4_quantize`'s C search, by `csrc/iq4_search_cpu.c`'s number: all give the same bytes."""
+
+
+def iq4_search_body() -> str:
+    """The body of `iq4_quantize`'s C search this process runs (`IQ4_BODIES`): "avx512" with AVX512-F/BW/VL, "avx2"
+    with AVX2, FMA and F16C but not those (a CPU without AVX-512, or `HFQUANT_ISA=avx2`: `isa`), else "portable".
+
+    Raises:
+        RuntimeError: the library is unavailable.
+        ValueError: as `built_library` (an `HFQUANT_ISA` value not understood).
+    """
+    return IQ4_BODIES[_loaded_library(any_x86=True).hfquant_iq4_search_body()]
+
+
 def iq4_quantize(
     name: str,
     weight: torch.Tensor,
@@ -960,8 +975,8 @@ def iq4_quantize(
     portable: bool = False,
 ) -> torch.Tensor:
     """IQ4_NL / IQ4_XS blocks of `weight` by the fast search in C (`csrc/iq4_search_cpu.c`: llama.cpp's
-    `quantize_row_iq4_nl_impl` scan with hfquant's candidates, 16 blocks per AVX-512 vector), blocks split over
-    threads.
+    `quantize_row_iq4_nl_impl` scan with hfquant's candidates, 16 blocks per AVX-512 vector or two AVX2 ones: the
+    body `iq4_search_body` names), blocks split over threads.
 
     Args:
         name: "iq4_nl" or "iq4_xs".
@@ -969,7 +984,8 @@ def iq4_quantize(
         importance: None (all 1, the types' data-free default) or (K,) or (rows, K) float weights >= 0 of each
             element's squared error.
         search: the candidates (`Iq4Search`; None: `IQ4_SEARCHES[iq4.SEARCHES[0]]`, the default).
-        portable: use the portable C body even where AVX-512 runs (the same bytes; for tests).
+        portable: use the portable C body even where the AVX-512 or AVX2 one runs (`iq4_search_body`; the same
+            bytes; for tests).
     Returns:
         (rows, K // block_size * type_size) uint8, GGUF's bytes.
     Raises:

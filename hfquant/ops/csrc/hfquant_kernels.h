@@ -70,6 +70,8 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
                          float sweep_hi, int64_t portable, uint8_t *out);
+/* iq4_search_cpu.c: the body hfquant_iq4_quantize runs (hfquant_isa decides): 0 portable C, 1 AVX2, 2 AVX-512 */
+int hfquant_iq4_search_body(void);
 
 /* blocks_quant_cpu.c: hfquant's search for its own HQ3_0 (3-bit codes, 32-weight blocks), hq3.py's bytes out */
 int hfquant_hq3_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, const float *targets,

@@ -1,7 +1,8 @@
-/* The fast IQ4_NL / IQ4_XS search of iq4_search_cpu.c, written once and compiled twice: iq4_search_cpu.c includes this
- * file with IS_TARGET (the function attribute), IS_SUFFIX (appended to each name) and IS_AVX512 (1: the AVX-512
- * intrinsics of the two inner loops; 0: their portable C form) defined. Both forms take the same float32 steps in the
- * same order (products, fused multiply-adds, two partial sums per lane added last), so they give the same bytes.
+/* The fast IQ4_NL / IQ4_XS search of iq4_search_cpu.c, written once and compiled three times: iq4_search_cpu.c includes
+ * this file with IS_TARGET (the function attribute), IS_SUFFIX (appended to each name), IS_AVX512 and IS_AVX2 (1: the
+ * AVX-512 or AVX2 intrinsics of the inner loops; both 0: their portable C form) defined. All forms take the same
+ * float32 steps in the same order (products, fused multiply-adds, two partial sums per lane added last), so they give
+ * the same bytes; the AVX2 form runs the rest (the loops over 16 lanes) as C compiled for AVX2.
  *
  * Layout: a group of IS_LANES (16) blocks (IQ4_NL) or super-blocks (IQ4_XS), transposed so that element k of every
  * lane is one row of 16 floats (`xt[k * 16 + lane]`): each lane runs its own search, a vector lane per block. */
@@ -9,6 +10,81 @@
 #define IS_CAT2(a, b) a##b
 #define IS_CAT(a, b) IS_CAT2(a, b)
 #define IS_NAME(name) IS_CAT(name, IS_SUFFIX)
+
+#if IS_AVX2
+/* The AVX2 body: each group's 16 lanes as two vectors of 8 (lanes 0-7, 8-15), the same float32 operations as the other
+ * bodies. Without AVX-512's two-register permutes (a 32-entry table would take four permutes and three blends per
+ * lookup) the nearest code is a branch-free binary search over the 15 grid midpoints instead of the bucket rule: four
+ * compares u >= midpoint, each choosing the next midpoint (a blend, then two in-register permutes of 4 and 8 entries),
+ * which counts the midpoints <= u, the code the bucket rule gives for every finite u (the bucket's base counts the
+ * midpoints below it, the compare the one inside it; iq4_code's rounding of u / 8 + 16 can move u into a bucket
+ * only across a multiple of 8, and no midpoint lies within 2^-16 below one). */
+typedef struct {
+    __m256 mid7, mid3, mid11;   /* the first two levels' midpoints */
+    __m256 mids4, mids8;        /* iq4_mids[4 p + 1] (p < 4), iq4_mids[2 p] (p < 8) */
+    __m256 even, odd;           /* iq4_values[2 p], iq4_values[2 p + 1] */
+} iq4_tables_avx2_t;
+
+IS_TARGET static inline iq4_tables_avx2_t iq4_load_tables_avx2(void) {
+    const float *m = iq4_mids, *v = iq4_values;
+    iq4_tables_avx2_t t;
+    t.mid7 = _mm256_set1_ps(m[7]);
+    t.mid3 = _mm256_set1_ps(m[3]);
+    t.mid11 = _mm256_set1_ps(m[11]);
+    t.mids4 = _mm256_setr_ps(m[1], m[5], m[9], m[13], 0.0f, 0.0f, 0.0f, 0.0f);
+    t.mids8 = _mm256_setr_ps(m[0], m[2], m[4], m[6], m[8], m[10], m[12], m[14]);
+    t.even = _mm256_setr_ps(v[0], v[2], v[4], v[6], v[8], v[10], v[12], v[14]);
+    t.odd = _mm256_setr_ps(v[1], v[3], v[5], v[7], v[9], v[11], v[13], v[15]);
+    return t;
+}
+
+/* the nearest grid index of each u is 2 pair + (odd's bits set): pair = code / 2 by three compares, odd the fourth */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_search_avx2(const iq4_tables_avx2_t *t, __m256 u,
+                                                                           __m256i *pair, __m256 *odd) {
+    const __m256 ge8 = _mm256_cmp_ps(u, t->mid7, _CMP_GE_OQ);
+    __m256i p = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_castps_si256(ge8));
+    const __m256 ge4 = _mm256_cmp_ps(u, _mm256_blendv_ps(t->mid3, t->mid11, ge8), _CMP_GE_OQ);
+    p = _mm256_sub_epi32(_mm256_add_epi32(p, p), _mm256_castps_si256(ge4));
+    const __m256 ge2 = _mm256_cmp_ps(u, _mm256_permutevar8x32_ps(t->mids4, p), _CMP_GE_OQ);
+    p = _mm256_sub_epi32(_mm256_add_epi32(p, p), _mm256_castps_si256(ge2));
+    *odd = _mm256_cmp_ps(u, _mm256_permutevar8x32_ps(t->mids8, p), _CMP_GE_OQ);
+    *pair = p;
+}
+
+/* the nearest grid index of each u (ties to the larger value, as `iq4_code`) */
+IS_TARGET static inline __attribute__((always_inline)) __m256i iq4_code_avx2(const iq4_tables_avx2_t *t, __m256 u) {
+    __m256i pair;
+    __m256 odd;
+    iq4_search_avx2(t, u, &pair, &odd);
+    return _mm256_sub_epi32(_mm256_add_epi32(pair, pair), _mm256_castps_si256(odd));
+}
+
+/* the grid value nearest to each u (iq4_values[iq4_code(u)]) */
+IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_value_avx2(const iq4_tables_avx2_t *t, __m256 u) {
+    __m256i pair;
+    __m256 odd;
+    iq4_search_avx2(t, u, &pair, &odd);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t->even, pair), _mm256_permutevar8x32_ps(t->odd, pair), odd);
+}
+
+/* iq4_values[code] of each code in [0, 15] */
+IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_grid_avx2(const iq4_tables_avx2_t *t, __m256i code) {
+    const __m256i pair = _mm256_srli_epi32(code, 1);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t->even, pair), _mm256_permutevar8x32_ps(t->odd, pair),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(code, 31)));
+}
+#endif
+
+/* iq4_half: the float16 value nearest to `value`, clamped to +-65504; in the vector bodies by F16C's conversion (the
+ * same rounding to nearest even, without libgcc's software conversion) */
+IS_TARGET static inline float IS_NAME(iq4_half_)(float value) {
+#if IS_AVX512 || IS_AVX2
+    const __m128 v = _mm_set_ss(iq4_clamp(value, -65504.0f, 65504.0f));
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)));
+#else
+    return iq4_half(value);
+#endif
+}
 
 /* sqx[l] = sum_k w q x and sqq[l] = sum_k w q q over rows k < n (even) of lane l, q = KVALUES[code], code the nearest
  * grid index of x * inv[l] (`iq4_code`); w = 1 when wt is NULL */
@@ -37,6 +113,23 @@ IS_TARGET static void IS_NAME(iq4_sums_)(const float *xt, const float *wt, int n
     }
     _mm512_storeu_ps(sqx, _mm512_add_ps(acc_x[0], acc_x[1]));
     _mm512_storeu_ps(sqq, _mm512_add_ps(acc_q[0], acc_q[1]));
+#elif IS_AVX2
+    const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+    for (int half = 0; half < IS_LANES; half += 8) {
+        const __m256 vinv = _mm256_loadu_ps(inv + half), zero = _mm256_setzero_ps();
+        __m256 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
+        for (int k = 0; k < n; k += 2) {
+            for (int h = 0; h < 2; h++) {
+                const __m256 x = _mm256_loadu_ps(xt + (k + h) * IS_LANES + half);
+                const __m256 q = iq4_value_avx2(&t, _mm256_mul_ps(x, vinv));
+                const __m256 wq = wt ? _mm256_mul_ps(_mm256_loadu_ps(wt + (k + h) * IS_LANES + half), q) : q;
+                acc_x[h] = _mm256_fmadd_ps(wq, x, acc_x[h]);
+                acc_q[h] = _mm256_fmadd_ps(wq, q, acc_q[h]);
+            }
+        }
+        _mm256_storeu_ps(sqx + half, _mm256_add_ps(acc_x[0], acc_x[1]));
+        _mm256_storeu_ps(sqq + half, _mm256_add_ps(acc_q[0], acc_q[1]));
+    }
 #else
     for (int l = 0; l < IS_LANES; l++) {
         float acc_x[2] = {0.0f, 0.0f}, acc_q[2] = {0.0f, 0.0f};
@@ -68,6 +161,16 @@ IS_TARGET static void IS_NAME(iq4_codes_)(const float *xt, int n, const float *i
         const __m512 mid = _mm512_permutex2var_ps(mid_lo, bucket, mid_hi);
         const __m512i code = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(u, mid, _CMP_GE_OQ), base, one);
         _mm_storeu_si128((__m128i *)(codes + k * IS_LANES), _mm512_cvtepi32_epi8(code));
+    }
+#elif IS_AVX2
+    const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+    const __m256 inv_lo = _mm256_loadu_ps(inv), inv_hi = _mm256_loadu_ps(inv + 8);
+    for (int k = 0; k < n; k++) {
+        const __m256i lo = iq4_code_avx2(&t, _mm256_mul_ps(_mm256_loadu_ps(xt + k * IS_LANES), inv_lo));
+        const __m256i hi = iq4_code_avx2(&t, _mm256_mul_ps(_mm256_loadu_ps(xt + k * IS_LANES + 8), inv_hi));
+        const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+        const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+        _mm_storeu_si128((__m128i *)(codes + k * IS_LANES), _mm_packus_epi16(lo16, hi16));
     }
 #else
     for (int k = 0; k < n; k++)
@@ -171,6 +274,59 @@ IS_TARGET static void IS_NAME(iq4_sweep_crossings_)(const float *xt, const float
     }
     _mm512_storeu_ps(sqx, vx);
     _mm512_storeu_ps(sqq, vq);
+#elif IS_AVX2
+    const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vfixed = _mm256_set1_ps(fixed);
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 mids_lo = _mm256_loadu_ps(iq4_mids), mids_hi = _mm256_loadu_ps(iq4_mids + 8);
+    const __m256i onei = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15), zeroi = _mm256_setzero_si256();
+    const __m256i none = _mm256_set1_epi32(IS_SWEEP_NONE);
+    for (int half = 0; half < IS_LANES; half += 8) {
+        const __m256 vends = _mm256_loadu_ps(ends + half);
+        __m256 vx = zero, vq = zero;
+        for (int i = 0; i < 32; i++) {
+            const __m256 x = _mm256_loadu_ps(xt + i * IS_LANES + half), a = _mm256_mul_ps(x, vends);
+            const __m256 w = wt ? _mm256_loadu_ps(wt + i * IS_LANES + half) : one;
+            __m256i code = iq4_code_avx2(&t, _mm256_mul_ps(a, vlo));
+            __m256 q = iq4_grid_avx2(&t, code);
+            const __m256 wq = _mm256_mul_ps(w, q);
+            vx = _mm256_add_ps(vx, _mm256_mul_ps(wq, x));
+            vq = _mm256_add_ps(vq, _mm256_mul_ps(wq, q));
+            const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(a, zero, _CMP_GT_OQ));
+            const __m256i down = _mm256_castps_si256(_mm256_cmp_ps(a, zero, _CMP_LT_OQ));
+            __m256i valid = _mm256_or_si256(up, down);
+            const __m256 inv_a = _mm256_and_ps(_mm256_div_ps(one, a), _mm256_castsi256_ps(valid));
+            for (int c = 0; c < 2; c++) {
+                const __m256i inward = _mm256_or_si256(_mm256_and_si256(up, _mm256_cmpgt_epi32(fifteen, code)),
+                                                       _mm256_and_si256(down, _mm256_cmpgt_epi32(code, zeroi)));
+                valid = _mm256_and_si256(valid, inward);
+                const __m256i next =
+                    _mm256_blendv_epi8(_mm256_add_epi32(code, onei), _mm256_sub_epi32(code, onei), down);
+                const __m256i mid_index = _mm256_blendv_epi8(code, next, down);
+                const __m256 mid = _mm256_blendv_ps(_mm256_permutevar8x32_ps(mids_lo, mid_index),
+                                                    _mm256_permutevar8x32_ps(mids_hi, mid_index),
+                                                    _mm256_castsi256_ps(_mm256_slli_epi32(mid_index, 28)));
+                const __m256 at = _mm256_mul_ps(mid, inv_a);
+                valid = _mm256_and_si256(valid, _mm256_castps_si256(_mm256_cmp_ps(at, vhi, _CMP_LE_OQ)));
+                const __m256 q2 = iq4_grid_avx2(&t, next), mask = _mm256_castsi256_ps(valid);
+                const __m256 ddx = _mm256_mul_ps(_mm256_mul_ps(w, _mm256_sub_ps(q2, q)), x);
+                const __m256 ddq = _mm256_mul_ps(w, _mm256_sub_ps(_mm256_mul_ps(q2, q2), _mm256_mul_ps(q, q)));
+                const __m256 offset = _mm256_max_ps(_mm256_sub_ps(at, vlo), zero);
+                const __m256i position =
+                    _mm256_slli_epi32(_mm256_cvttps_epi32(_mm256_mul_ps(offset, vfixed)), IS_SWEEP_SHIFT);
+                const __m256i key = _mm256_or_si256(_mm256_blendv_epi8(none, position, valid),
+                                                    _mm256_set1_epi32(2 * i + c));
+                const int r = (2 * i + c) * IS_LANES + half;
+                _mm256_storeu_si256((__m256i *)(keys + r), key);
+                _mm256_storeu_ps(dx + r, _mm256_and_ps(mask, ddx));
+                _mm256_storeu_ps(dq + r, _mm256_and_ps(mask, ddq));
+                code = _mm256_blendv_epi8(code, next, valid);
+                q = _mm256_blendv_ps(q, q2, mask);
+            }
+        }
+        _mm256_storeu_ps(sqx + half, vx);
+        _mm256_storeu_ps(sqq + half, vq);
+    }
 #else
     for (int l = 0; l < IS_LANES; l++) {
         float vx = 0.0f, vq = 0.0f;
@@ -219,6 +375,13 @@ IS_TARGET static void IS_NAME(iq4_sweep_sort_)(uint32_t *keys) {
                     const __m512i a = _mm512_load_si512(lo_row), c = _mm512_load_si512(hi_row);
                     _mm512_store_si512(lo_row, _mm512_min_epu32(a, c));
                     _mm512_store_si512(hi_row, _mm512_max_epu32(a, c));
+#elif IS_AVX2
+                    for (int h = 0; h < IS_LANES; h += 8) {
+                        const __m256i a = _mm256_load_si256((const __m256i *)(lo_row + h));
+                        const __m256i c = _mm256_load_si256((const __m256i *)(hi_row + h));
+                        _mm256_store_si256((__m256i *)(lo_row + h), _mm256_min_epu32(a, c));
+                        _mm256_store_si256((__m256i *)(hi_row + h), _mm256_max_epu32(a, c));
+                    }
 #else
                     for (int l = 0; l < IS_LANES; l++) {
                         const uint32_t a = lo_row[l], c = hi_row[l];
@@ -264,6 +427,39 @@ IS_TARGET static void IS_NAME(iq4_sweep_gains_)(const uint32_t *keys, const floa
     }
     _mm512_storeu_ps(best_x, bx);
     _mm512_storeu_ps(best_q, bq);
+#elif IS_AVX2 /* as the AVX-512 form, 8 lanes at a time: the gathered differences of lanes past their last key are 0 */
+    const __m256i row_mask = _mm256_set1_epi32((1 << IS_SWEEP_SHIFT) - 1), none = _mm256_set1_epi32(IS_SWEEP_NONE);
+    for (int half = 0; half < IS_LANES; half += 8) {
+        const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32(half), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 x = _mm256_loadu_ps(sqx + half), q = _mm256_loadu_ps(sqq + half);
+        __m256 bx = _mm256_loadu_ps(best_x + half), bq = _mm256_loadu_ps(best_q + half);
+        __m256 better = first ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                              : _mm256_cmp_ps(_mm256_mul_ps(_mm256_mul_ps(x, x), bq),
+                                              _mm256_mul_ps(_mm256_mul_ps(bx, bx), q), _CMP_GT_OQ);
+        bx = _mm256_blendv_ps(bx, x, better);
+        bq = _mm256_blendv_ps(bq, q, better);
+        __m256i key = _mm256_loadu_si256((const __m256i *)(keys + half));
+        for (int r = 0; r < IS_SWEEP_ROWS; r++) {
+            if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(key, none), key)) == -1) break;
+            const __m256i index = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(key, row_mask), 4), lanes);
+            x = _mm256_add_ps(x, _mm256_i32gather_ps(dx, index, 4));
+            q = _mm256_add_ps(q, _mm256_i32gather_ps(dq, index, 4));
+            __m256 last = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            if (r + 1 < IS_SWEEP_ROWS) {
+                const __m256i next = _mm256_loadu_si256((const __m256i *)(keys + (r + 1) * IS_LANES + half));
+                const __m256i same = _mm256_cmpeq_epi32(_mm256_srli_epi32(next, IS_SWEEP_SHIFT),
+                                                        _mm256_srli_epi32(key, IS_SWEEP_SHIFT));
+                last = _mm256_xor_ps(last, _mm256_castsi256_ps(same)); /* the last key of its position */
+                key = next;
+            }
+            better = _mm256_and_ps(last, _mm256_cmp_ps(_mm256_mul_ps(_mm256_mul_ps(x, x), bq),
+                                                       _mm256_mul_ps(_mm256_mul_ps(bx, bx), q), _CMP_GT_OQ));
+            bx = _mm256_blendv_ps(bx, x, better);
+            bq = _mm256_blendv_ps(bq, q, better);
+        }
+        _mm256_storeu_ps(best_x + half, bx);
+        _mm256_storeu_ps(best_q + half, bq);
+    }
 #else
     for (int l = 0; l < IS_LANES; l++) {
         float x = sqx[l], q = sqq[l], bx = best_x[l], bq = best_q[l];
@@ -414,7 +610,7 @@ IS_TARGET static void IS_NAME(iq4_xs_candidate_)(const iq4_search_t *s, int c, c
                                                  const float *sx, const float *sq, const float *d_kept, float *d) {
     if (c < 2 * s->nsuper) {
         const float end = c < s->nsuper ? -32.0f : 31.0f, f = s->super_factors[c % s->nsuper];
-        for (int l = 0; l < IS_LANES; l++) d[l] = iq4_half(peak[l] / end / f);
+        for (int l = 0; l < IS_LANES; l++) d[l] = IS_NAME(iq4_half_)(peak[l] / end / f);
         return;
     }
     for (int l = 0; l < IS_LANES; l++) {
@@ -424,7 +620,7 @@ IS_TARGET static void IS_NAME(iq4_xs_candidate_)(const iq4_search_t *s, int c, c
             num += level * sx[j * IS_LANES + l];
             den += level * level * sq[j * IS_LANES + l];
         }
-        d[l] = den > 0.0f ? iq4_half(num / den) : d_kept[l];
+        d[l] = den > 0.0f ? IS_NAME(iq4_half_)(num / den) : d_kept[l];
     }
 }
 
@@ -482,7 +678,7 @@ IS_TARGET static void IS_NAME(iq4_nl_group_)(const float *xt, const float *wt, c
     for (int c = -1; c <= s->rounds; c++) {
         float d[IS_LANES];
         for (int l = 0; l < IS_LANES; l++) {
-            d[l] = iq4_half(c < 0 ? peak[l] / -127.0f : scale[l]);
+            d[l] = IS_NAME(iq4_half_)(c < 0 ? peak[l] / -127.0f : scale[l]);
             inv[l] = d[l] != 0.0f ? 1.0f / d[l] : 0.0f;
         }
         IS_NAME(iq4_sums_)(xt, wt, 32, inv, sqx, sqq);
@@ -529,6 +725,25 @@ IS_TARGET static void IS_NAME(iq4_transpose_in_)(const float *src, int size, flo
                 _mm512_storeu_ps(xt + (k0 + 8 + 4 * h + i) * IS_LANES, _mm512_shuffle_f32x4(a, b, 0xdd));
             }
     }
+#elif IS_AVX2 /* 8 x 8 tiles: unpacks of 32-bit pairs, shuffles of 64-bit pairs, then the 128-bit halves */
+    for (int k0 = 0; k0 < size; k0 += 8)
+        for (int l0 = 0; l0 < IS_LANES; l0 += 8) {
+            __m256 r[8], t[8];
+            for (int l = 0; l < 8; l++) r[l] = _mm256_loadu_ps(src + (int64_t)(l0 + l) * size + k0);
+            for (int l = 0; l < 8; l += 2) {
+                t[l] = _mm256_unpacklo_ps(r[l], r[l + 1]); /* per half: rows l, l + 1 at columns 0, 1 (4, 5) */
+                t[l + 1] = _mm256_unpackhi_ps(r[l], r[l + 1]); /* columns 2, 3 (6, 7) */
+            }
+            for (int g = 0; g < 8; g += 4) /* r[g + c]: rows g .. g + 3 at column c (low half), c + 4 (high) */
+                for (int h = 0; h < 2; h++) {
+                    r[g + 2 * h] = _mm256_shuffle_ps(t[g + h], t[g + 2 + h], 0x44);
+                    r[g + 2 * h + 1] = _mm256_shuffle_ps(t[g + h], t[g + 2 + h], 0xee);
+                }
+            for (int c = 0; c < 4; c++) {
+                _mm256_storeu_ps(xt + (k0 + c) * IS_LANES + l0, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+                _mm256_storeu_ps(xt + (k0 + 4 + c) * IS_LANES + l0, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+            }
+        }
 #else
     for (int l = 0; l < IS_LANES; l++)
         for (int k = 0; k < size; k++) xt[k * IS_LANES + l] = src[l * size + k];

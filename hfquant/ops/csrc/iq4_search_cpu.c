@@ -15,8 +15,11 @@
  * - errors from the sums (d^2 sqq - 2 d sqx = error - sum w x^2), no second pass over the weights.
  * With a sweep range the block stage is instead the exact breakpoint sweep of the block's scale over that range of
  * factors (iq4_search_body.h, `iq4_sweep_scales_`): every segment of constant codes, not a scan of candidates.
- * iq4_search_body.h holds the search, compiled for AVX-512 (when the CPU has AVX512F/BW/DQ/VL) and in portable C;
- * both give the same bytes (tests/ops/test_iq4_search.py).
+ * iq4_search_body.h holds the search, compiled for AVX-512 (AVX512F/BW/VL), for AVX2 (AVX2, FMA, F16C: two 8-lane
+ * vectors per group, the nearest code by a binary search over the midpoints) and in portable C; hfquant_isa
+ * (isa_cpu.c, so HFQUANT_ISA=avx2 runs the AVX2 body on an AVX-512 CPU) picks one; all give the same bytes
+ * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~110 M weights/s,
+ * AVX2 ~40, portable 3 (docs/performance.md, issue #30, eleventh session).
  */
 #pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
 #include <immintrin.h>
@@ -94,17 +97,30 @@ typedef struct {
     float sweep_lo, sweep_hi; /* sweep_hi > 0: the block stage is the breakpoint sweep over these factors */
 } iq4_search_t;
 
-#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 #define IS_SUFFIX _avx512
 #define IS_AVX512 1
+#define IS_AVX2 0
 #include "iq4_search_body.h"
 #undef IS_TARGET
 #undef IS_SUFFIX
 #undef IS_AVX512
+#undef IS_AVX2
+
+#define IS_TARGET __attribute__((target("avx2,fma,f16c")))
+#define IS_SUFFIX _avx2
+#define IS_AVX512 0
+#define IS_AVX2 1
+#include "iq4_search_body.h"
+#undef IS_TARGET
+#undef IS_SUFFIX
+#undef IS_AVX512
+#undef IS_AVX2
 
 #define IS_TARGET
 #define IS_SUFFIX _portable
 #define IS_AVX512 0
+#define IS_AVX2 0
 #include "iq4_search_body.h"
 
 static void put_half16(uint8_t *out, float value) {
@@ -137,16 +153,29 @@ static void transpose_in(const float *src, int64_t stride, int count, int size, 
         for (int k = 0; k < size; k++) xt[k * IS_LANES + l] = l < count ? src[l * stride + k] : 0.0f;
 }
 
-static int avx512_available(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                __builtin_cpu_supports("fma");
-    }
-    return known;
+/* one body's functions (iq4_search_body.h) */
+typedef struct {
+    void (*transpose_in)(const float *src, int size, float *xt);
+    void (*xs_group)(const float *xt, const float *wt, const iq4_search_t *s, float *d_out, float *levels_out,
+                     uint8_t *codes);
+    void (*xs_put_codes)(const uint8_t *codes, int count, uint8_t *out);
+    void (*nl_group)(const float *xt, const float *wt, const iq4_search_t *s, float *d_out, uint8_t *codes);
+} iq4_body_t;
+
+#define IS_BODY(suffix)                                                                                              \
+    {IS_CAT(iq4_transpose_in_, suffix), IS_CAT(iq4_xs_group_, suffix), IS_CAT(iq4_xs_put_codes_, suffix),            \
+     IS_CAT(iq4_nl_group_, suffix)}
+static const iq4_body_t iq4_bodies[3] = {IS_BODY(_portable), IS_BODY(_avx2), IS_BODY(_avx512)};
+
+/* the body to run: hfquant_isa (isa_cpu.c, lowered by HFQUANT_ISA) decides; `portable` forces the portable one */
+static const iq4_body_t *iq4_body(int64_t portable) {
+    if (portable) return &iq4_bodies[0];
+    if (HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX2)) return &iq4_bodies[2]; /* AVX2: its F16C */
+    return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2) ? &iq4_bodies[1] : &iq4_bodies[0];
 }
+
+/* the body `hfquant_iq4_quantize` runs without `portable`: 0 portable C, 1 AVX2, 2 AVX-512 */
+int hfquant_iq4_search_body(void) { return (int)(iq4_body(0) - iq4_bodies); }
 
 /*
  * Quantize `nblocks` blocks (type 20, IQ4_NL: 32 weights) or super-blocks (type 23, IQ4_XS: 256) of float32 weights
@@ -170,7 +199,7 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
     const iq4_search_t s = {targets,        (int)ntargets,      (int)refine, refine_step, super_factors,
                             (int)nsuper,    (int)level_options, (int)rounds, sweep_lo,    sweep_hi};
     const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
-    const int vector = !portable && avx512_available();
+    const iq4_body_t *body = iq4_body(portable);
     const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
     int failed = 0;
 #pragma omp parallel
@@ -190,10 +219,8 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
             const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
             if (count < IS_LANES)
                 transpose_in(x + first * size, size, count, size, xt);
-            else if (vector)
-                iq4_transpose_in__avx512(x + first * size, size, xt);
             else
-                iq4_transpose_in__portable(x + first * size, size, xt);
+                body->transpose_in(x + first * size, size, xt);
             const float *wg = NULL;
             if (w != NULL) { /* a period divides the group only by chance: gather lane by lane */
                 for (int l = 0; l < IS_LANES; l++) {
@@ -204,20 +231,11 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
                 wg = wt;
             }
             if (type == 23) {
-                if (vector)
-                    iq4_xs_group__avx512(xt, wg, &s, d, levels, codes);
-                else
-                    iq4_xs_group__portable(xt, wg, &s, d, levels, codes);
+                body->xs_group(xt, wg, &s, d, levels, codes);
                 for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + (first + l) * type_size);
-                if (vector)
-                    iq4_xs_put_codes__avx512(codes, count, out + first * type_size);
-                else
-                    iq4_xs_put_codes__portable(codes, count, out + first * type_size);
+                body->xs_put_codes(codes, count, out + first * type_size);
             } else {
-                if (vector)
-                    iq4_nl_group__avx512(xt, wg, &s, d, codes);
-                else
-                    iq4_nl_group__portable(xt, wg, &s, d, codes);
+                body->nl_group(xt, wg, &s, d, codes);
                 for (int l = 0; l < count; l++) write_nl(d, codes, l, out + (first + l) * type_size);
             }
         }
