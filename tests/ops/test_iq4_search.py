@@ -1,12 +1,17 @@
 """The fast IQ4_NL / IQ4_XS search (hfquant.ops.native.iq4_quantize, csrc/iq4_search_cpu.c): GGUF's bytes (gguf-py's
-dequantize reads them as hfquant's does), the AVX-512 and portable C bodies give the same bytes, its error stays
-within a stated bound of the exhaustive search's on random and real-model rows, its breakpoint sweep ("exact") finds
-what a dense scan finds, its "thorough" candidates are block_quantize's default and `iq4_search` (HfQuantConfig's
-field, down to quantize-on-load) selects the others."""
+dequantize reads them as hfquant's does), the AVX-512, AVX2 (a child with `HFQUANT_ISA=avx2`) and portable C bodies
+give the same bytes, its error stays within a stated bound of the exhaustive search's on random and real-model rows, its
+breakpoint sweep ("exact") finds what a dense scan finds, its "thorough" candidates are block_quantize's default and
+`iq4_search` (HfQuantConfig's field, down to quantize-on-load) selects the others."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ import torch
 
 from hfquant.config import HfQuantConfig
 from hfquant.core import blocks
+from hfquant.core.blocks import iq4
 from hfquant.ops import native
 
 pytestmark = pytest.mark.skipif(native.built_library() is None, reason="native library unavailable here")
@@ -22,13 +28,25 @@ NAMES = ["iq4_nl", "iq4_xs"]
 GGML_TYPES = {"iq4_nl": 20, "iq4_xs": 23}
 
 
+KINDS = ["normal", "heavy-tailed", "ties", "tiny"]
+
+
 def _rows(kind: str, rows: int = 37, k: int = 512) -> torch.Tensor:
     """`rows` rows (not a multiple of 16 blocks: a partial lane group) of normal or heavy-tailed weights, one block all
-    of one sign, one zero row."""
+    of one sign, one zero row. "ties": grid values and midpoints between them over 64, each block's first weight
+    -127 / 64, so IQ4_NL's first scale is 1 / 64 and x / d lands on midpoints (ties to the larger value) and values;
+    "tiny": normal weights of standard deviation 3e-5, so the float16 scales are subnormal."""
     generator = torch.Generator().manual_seed(41)
     weight = torch.randn(rows, k, generator=generator) * 0.02
     if kind == "heavy-tailed":
         weight = weight * torch.exp(1.5 * torch.randn(rows, k, generator=generator))
+    if kind == "tiny":
+        weight = weight * 1.5e-3
+    if kind == "ties":
+        grid = torch.tensor(iq4.KVALUES, dtype=torch.float32)
+        points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+        weight = points[torch.randint(len(points), (rows, k), generator=generator)] / 64
+        weight[:, ::32] = -127 / 64
     weight[0, :32] = weight[0, :32].abs() + 0.1
     weight[1] = 0.0
     return weight
@@ -50,22 +68,86 @@ def test_bytes_decode_with_gguf_py(name):
     assert _relative_error(name, data, weight) < 0.01  # 4-bit codes: about 0.5% of the energy on these rows
 
 
+IMPORTANCE_SHAPES = [None, "per column", "per element"]
+
+
+def _importance(weight: torch.Tensor, shape: str | None) -> torch.Tensor | None:
+    generator = torch.Generator().manual_seed(43)
+    if shape is None:
+        return None
+    return torch.rand(weight.shape[1] if shape == "per column" else weight.shape, generator=generator) ** 2
+
+
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("kind", ["normal", "heavy-tailed"])
-@pytest.mark.parametrize("importance_shape", [None, "per column", "per element"])
-@pytest.mark.parametrize("search", ["fast", "thorough", "exact"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("importance_shape", IMPORTANCE_SHAPES)
+@pytest.mark.parametrize("search", list(native.IQ4_SEARCHES))
 def test_vector_and_portable_bodies_agree(name, kind, importance_shape, search):
     weight = _rows(kind)
-    generator = torch.Generator().manual_seed(43)
-    importance = {
-        None: None,
-        "per column": torch.rand(weight.shape[1], generator=generator) ** 2,
-        "per element": torch.rand(weight.shape, generator=generator) ** 2,
-    }[importance_shape]
+    importance = _importance(weight, importance_shape)
     settings = native.IQ4_SEARCHES[search]
     vector = native.iq4_quantize(name, weight, importance, settings)
     portable = native.iq4_quantize(name, weight, importance, settings, portable=True)
     assert torch.equal(vector, portable)
+
+
+def _every_case() -> dict:
+    """{case: bytes} of every type, kind of rows, importance and search, by the body this process runs."""
+    return {
+        f"{name} {kind} {shape} {search}": native.iq4_quantize(
+            name, _rows(kind), _importance(_rows(kind), shape), native.IQ4_SEARCHES[search]
+        )
+        for name in NAMES
+        for kind in KINDS
+        for shape in IMPORTANCE_SHAPES
+        for search in native.IQ4_SEARCHES
+    }
+
+
+_CHILD = """
+    import sys, torch
+    import test_iq4_search
+    from hfquant.ops import native
+    torch.save({"body": native.iq4_search_body(), "bytes": test_iq4_search._every_case()}, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def bodies_by_isa(tmp_path_factory):
+    """{HFQUANT_ISA setting: {"body": the child's body, "bytes": its `_every_case()`}} for "avx2" (the AVX2 body)
+    and "generic" (the portable one), children of this process (csrc/isa_cpu.c reads the setting at load)."""
+    folder = tmp_path_factory.mktemp("iq4_isa")
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here.parent.parent), str(here), os.environ.get("PYTHONPATH", "")])
+    children = {
+        setting: subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_CHILD), str(folder / f"{setting}.pt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
+        )
+        for setting in ("avx2", "generic")
+    }
+    results = {}
+    for setting, child in children.items():
+        _, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err[-3000:]
+        results[setting] = torch.load(folder / f"{setting}.pt")
+    return results
+
+
+@pytest.mark.skipif("avx2" not in native.isa(), reason="runs the AVX2 body: needs AVX2, FMA and F16C")
+@pytest.mark.parametrize("setting, body", [("avx2", "avx2"), ("generic", "portable")])
+def test_every_body_gives_the_same_bytes(bodies_by_isa, setting, body):
+    """The body `HFQUANT_ISA` picks (AVX2 as on a CPU without AVX-512; portable C with no vector instructions) gives
+    this process's bytes (its AVX-512 body here where the CPU has it) on every case."""
+    assert bodies_by_isa[setting]["body"] == body
+    here = _every_case()
+    got = bodies_by_isa[setting]["bytes"]
+    assert got.keys() == here.keys()
+    differ = [case for case in here if not torch.equal(got[case], here[case])]
+    assert not differ, f"{setting}: {len(differ)} of {len(here)} cases differ, e.g. {differ[:4]}"
 
 
 # The fast search against the exhaustive one (iq4_search="exhaustive", the torch codec's bytes): relative
