@@ -13,6 +13,8 @@ and its outputs are compared with this process's (every instruction set):
   source states (int16 rounding of each activation, then two bfloat16 roundings);
 - the one-query-row attention (attention_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
   portable body (`HFQUANT_ISA=generic`), bit for bit (the same float32 operations in the same order).
+- the IQ4_NL / IQ4_XS search (iq4_search_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
+  portable body (`HFQUANT_ISA=generic`), the same bytes (test_iq4_search.py compares them on many more rows).
 The children also show that the settings hold: with avx2 the AVX-512 kernels refuse, with generic every kernel refuses,
 and an unknown value is named."""
 
@@ -67,6 +69,7 @@ def _inputs() -> dict:
         "int4_codes": q.q,
         "scale_zero": packing.scale_zero_for_int4(q.scale, q.zero_point, torch.bfloat16),
         "int8": codes8,
+        "iq4_weight": torch.randn(N, K, generator=generator) * torch.exp(torch.randn(N, K, generator=generator)),
         "int8_scale": (torch.rand(N, generator=generator) * 0.01 + 1e-3).to(torch.bfloat16),
         "attention": {
             name: [
@@ -104,6 +107,10 @@ def _outputs(data: dict) -> dict:
     if native.int4_cpu_library() is not None:
         out["int4_bf16"] = native.int4_gemv(x, data["int4"][64], data["scale_zero"], GROUP)
         out["int8"] = native.int8_gemv(x, data["int8"], data["int8_scale"])
+    out["iq4_body"] = native.iq4_search_body()
+    for name in ("iq4_nl", "iq4_xs"):
+        for search in ("thorough", "exact"):
+            out[f"{name}_{search}"] = native.iq4_quantize(name, data["iq4_weight"], None, native.IQ4_SEARCHES[search])
     if torch_ops.loaded():
         for name, (q, k, v) in data["attention"].items():
             out[f"attention{name}"] = torch.ops.hfquant_cpu.attention_row(q, k, v, q.shape[-1] ** -0.5)
@@ -245,3 +252,13 @@ def test_generic_refuses_every_kernel_and_a_bad_value_is_named(monkeypatch):
     refused = types.SimpleNamespace(hfquant_isa=lambda: native._ISA_REFUSED)
     with pytest.raises(ValueError, match="HFQUANT_ISA='avx3' is not understood; use one of"):
         native._check_isa(refused)
+
+
+def test_the_iq4_search_gives_the_same_bytes_in_its_avx2_and_portable_bodies(compared):
+    _, here, children = compared
+    bodies = {setting: children[setting]["outputs"]["iq4_body"] for setting in children}
+    assert here["iq4_body"] == "avx512"
+    assert bodies == {"avx2": "avx2", "avx512": "avx512", "avx512vnni": "avx512", "generic": "portable"}
+    for setting in ("avx2", "generic"):
+        for key in ("iq4_nl_thorough", "iq4_nl_exact", "iq4_xs_thorough", "iq4_xs_exact"):
+            assert torch.equal(children[setting]["outputs"][key], here[key]), f"{key} {setting}"
