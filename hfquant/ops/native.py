@@ -160,10 +160,10 @@ def _check_isa(library: ctypes.CDLL) -> None:
 def isa() -> tuple[str, ...]:
     """The instruction sets hfquant's kernels may use in this process (`ISA_NAMES`, e.g. ("avx2", "avx512",
     "avx512_bf16", "avx512_vnni", "avx512_vbmi_gfni") on a Zen 4 or 5): what the CPU has, lowered by the environment
-    variable `HFQUANT_ISA` when the library loads ("avx2": as on a CPU without AVX-512, the block and W4A8 GEMVs take
-    their AVX2 bodies and `int4_cpu_library()` is None; "avx512": without VNNI; "avx512vnni": without VBMI and GFNI,
-    as Cascade Lake; "generic": none), so tests run every body of a kernel on one machine (`csrc/isa_cpu.c`). Empty
-    where the library is unavailable.
+    variable `HFQUANT_ISA` when the library loads ("avx2": as on a CPU without AVX-512, the block and W4A8 GEMVs and
+    the IQ4 search take their AVX2 bodies and `int4_cpu_library()` is None; "avx512": without VNNI; "avx512vnni":
+    without VBMI and GFNI, as Cascade Lake; "generic": none), so tests run every body of a kernel on one machine
+    (`csrc/isa_cpu.c`). Empty where the library is unavailable.
 
     Raises:
         ValueError: as `built_library` (an `HFQUANT_ISA` value not understood).
