@@ -12,6 +12,7 @@ token and of the per-round ratio llama.cpp's / hfquant's (above 1: hfquant spend
 
     python scripts/gguf_cpu_per_token.py FILE.gguf [FILE.gguf ...] --rounds 7 --tokens 32
     python scripts/gguf_cpu_per_token.py FILE.gguf --baseline TREE --baseline-cache DIR   # + another hfquant tree
+    python scripts/gguf_cpu_per_token.py FILE.gguf --compile   # + hfquant's generate, eager and compiled
 
 `--baseline TREE` adds a third engine in the same rounds: hfquant from another source tree (for example `git archive`
 of the commit before a kernel change, unpacked), with its own `HFQUANT_CACHE` (`--baseline-cache`) so that the two
@@ -75,6 +76,43 @@ except BaseException as error:
 )
 """The hfquant worker (`benchmarks.paired`'s protocol, TOK_S: decode tokens per CPU second)."""
 
+GENERATE_WORKER = (
+    r"""
+import json, sys, time
+import torch
+"""
+    + _PROTOCOL
+    + r"""
+args = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+try:
+    import hfquant
+    model = hfquant.from_gguf(args["model"]).eval()
+    prompt = torch.tensor([args["prompt"]])
+    if args.get("compile"):
+        hfquant.compile_decoding(model, max_cache_len=len(args["prompt"]) + args["tokens"] + 8)
+
+    def generate(n):
+        start = time.process_time()
+        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.process_time() - start
+
+    def decode(n):
+        first = generate(1)  # the prefill and its token
+        return n / (generate(n + 1) - first)
+
+    decode(args["tokens"])  # compiles the decode step (the protocol's warm-up then runs one more)
+    serve(decode, args["tokens"])
+except BaseException as error:
+    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
+    raise
+"""
+)
+"""The worker of hfquant's decode through `generate` (eager, or with `"compile"` in its arguments compiled:
+`hfquant.compile_decoding`, a static cache and `torch.compile(fullgraph=True)` of the decode step): `generate` of n + 1
+tokens less `generate` of 1 (the prefill and its token), in CPU seconds, so `generate`'s own per-token work (logits
+processors, stopping criteria) is in the time, as it is in `scripts/llamacpp_gguf.py`'s bench."""
+
 LLAMA_WORKER = (
     r"""
 import json, sys, time
@@ -107,10 +145,18 @@ except BaseException as error:
 """The llama.cpp worker (llama-cpp-python in the engines venv; the same protocol)."""
 
 
-def measure(path: Path, rounds: int, tokens: int, python: Path, baseline: tuple[Path, Path] | None = None) -> dict:
-    """Paired rounds of the engines' one-thread decode on `path` (hfquant, `baseline`'s hfquant: (tree, cache) when
-    given, llama.cpp): the rounds, the medians of CPU milliseconds per token and of each hfquant's per-round ratio
-    llama.cpp / hfquant, the load averages before and after."""
+def measure(
+    path: Path,
+    rounds: int,
+    tokens: int,
+    python: Path,
+    baseline: tuple[Path, Path] | None = None,
+    compiled: bool = False,
+) -> dict:
+    """Paired rounds of the engines' one-thread decode on `path` (hfquant eager; with `compiled` hfquant's `generate`,
+    eager and compiled; `baseline`'s hfquant: (tree, cache) when given; llama.cpp): the rounds, the medians of CPU
+    milliseconds per token and of each hfquant's per-round ratio llama.cpp / hfquant, the load averages before and
+    after."""
     from benchmarks import llama_cpp, paired
     from benchmarks.methods import worker_env
 
@@ -121,6 +167,10 @@ def measure(path: Path, rounds: int, tokens: int, python: Path, baseline: tuple[
     engines = {
         "hfquant": ([sys.executable, "-c", HFQUANT_WORKER, args], dict(worker_env(), **one)),
     }
+    if compiled:
+        for name, compile_ in (("hfquant generate", False), ("hfquant generate +compile", True)):
+            worker_args = json.dumps(dict(json.loads(args), compile=compile_))
+            engines[name] = ([sys.executable, "-c", GENERATE_WORKER, worker_args], dict(worker_env(), **one))
     if baseline is not None:
         env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
         engines["hfquant baseline"] = ([sys.executable, "-c", HFQUANT_WORKER, args], env)
@@ -160,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-python", type=Path, default=llama_cpp.default_python(), help="the venv's python")
     parser.add_argument("--baseline", type=Path, default=None, help="another hfquant source tree to time too")
     parser.add_argument("--baseline-cache", type=Path, default=None, help="its HFQUANT_CACHE")
+    parser.add_argument("--compile", action="store_true", help="time hfquant's generate, eager and compiled, too")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     args = parser.parse_args(argv)
     if (args.baseline is None) != (args.baseline_cache is None):
@@ -173,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | ---: | ---: | ---: | --- |")
     results = []
     for path in args.gguf:
-        result = measure(path, args.rounds, args.tokens, args.llama_python, baseline)
+        result = measure(path, args.rounds, args.tokens, args.llama_python, baseline, args.compile)
         results.append(result)
         loads = " / ".join(f"{a[0]:.2f} {a[1]:.2f} {a[2]:.2f}" for a in result["load_average"])
         for name, ms in result["cpu_ms_per_token"].items():

@@ -16,6 +16,7 @@ from torch import nn
 from hfquant.core import blocks, packing, rtn
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.nn.linear import QuantLinear, StoredWeight, quantize_to_buffers
+from hfquant.ops import native
 from hfquant.ops.kernels import INT4_KERNELS, Kernel
 
 __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
@@ -182,9 +183,27 @@ class QuantEmbedding(StoredWeight):
     def _block_rows(self, rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """(R, embedding_dim) rows `rows` (all when None) of a block-format table in `dtype`: only the gathered rows'
         blocks are decoded (`blocks.dequantize`, float32 values as llama.cpp's and gguf-py's decoders give them, then
-        rounded once to `dtype`)."""
+        rounded once to `dtype`). One bfloat16 row in eager on the CPU (a decode step's token) is decoded by the C
+        library instead (`native.block_dequantize_t`, the same bytes): the Python decoder's tensor operations took
+        0.2 ms of a 1.2B Q4_K_M decode step at one thread (docs/performance.md, issue #30, eleventh session)."""
+        if rows is not None and rows.numel() == 1 and dtype == torch.bfloat16 and self.weight.device.type == "cpu":
+            row = self._native_row(int(rows.reshape(())))
+            if row is not None:
+                return row
         data = self.weight if rows is None else self.weight.index_select(0, rows)
         return blocks.dequantize(self.format.block, data).to(dtype)
+
+    def _native_row(self, row: int) -> torch.Tensor | None:
+        """(1, embedding_dim) bfloat16 row `row` of a block-format table decoded by the C library, or None where it
+        does not apply (a compiled graph, no library, a row out of range: the caller's path raises as usual)."""
+        weight = self.weight
+        if torch.compiler.is_compiling() or not weight.is_contiguous() or not 0 <= row < self.num_embeddings:
+            return None
+        if native.built_library() is None:
+            return None
+        out = torch.empty((self.embedding_dim, 1), dtype=torch.bfloat16)
+        ggml_type = blocks.layout(self.format.block).ggml_type
+        return native.block_dequantize_t(weight, self.embedding_dim, ggml_type, row, row + 1, out).view(1, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float table (num_embeddings, embedding_dim) in `dtype` (without `embed_scale`)."""

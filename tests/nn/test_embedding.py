@@ -18,6 +18,7 @@ from hfquant import HfQuantConfig, QuantLinear
 from hfquant.core import blocks, packing, rtn
 from hfquant.core.format import StoredFormat
 from hfquant.nn.embedding import QuantEmbedding, gather_cpu_int4_rows
+from hfquant.ops import native
 
 FORMATS = [(8, 64, True), (8, 32, False), (4, 32, False), (4, 64, True)]
 FORMAT_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in FORMATS]
@@ -141,6 +142,28 @@ def test_block_format_table_decodes_only_the_gathered_rows_as_the_codec(monkeypa
     module.compute_dtype = torch.bfloat16  # rounded once from the decoded float32, as a bf16 table would hold it
     assert torch.equal(module(ids), expected.to(torch.bfloat16))
     assert torch.equal(module.dequantize(), original(block, module.weight))
+
+
+@pytest.mark.parametrize("block", ["q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl"])
+def test_block_format_table_one_bfloat16_row_is_the_codecs_row(monkeypatch, block):
+    # a decode step's token: the C decoder's row (when the library loads) is the Python codec's, rounded once
+    if native.built_library() is None:
+        pytest.skip("hfquant's C library is not available here")
+    table = torch.randn(40, 512, generator=torch.Generator().manual_seed(5))
+    module = QuantEmbedding.from_float(table, StoredFormat.of_block(block))
+    module.compute_dtype = torch.bfloat16
+    expected = blocks.dequantize(block, module.weight).to(torch.bfloat16)
+    decoded = []
+    original = blocks.dequantize
+    monkeypatch.setattr(blocks, "dequantize", lambda name, data: decoded.append(data.shape[0]) or original(name, data))
+    for row in (0, 17, 39):
+        out = module(torch.tensor([[row]]))
+        assert out.shape == (1, 1, 512) and out.dtype == torch.bfloat16
+        assert torch.equal(out[0, 0], expected[row])
+    assert decoded == []  # one row each: the C decoder, not the Python codec
+    assert torch.equal(module(torch.tensor([[3, 5]]))[0], expected[[3, 5]]) and decoded == [2]  # two: the codec
+    with pytest.raises(IndexError):  # out of range: the index_select path's error, as before
+        module(torch.tensor([[40]]))
 
 
 def test_block_format_table_refuses_rows_of_partial_blocks_and_sinq():

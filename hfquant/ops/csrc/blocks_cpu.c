@@ -474,7 +474,8 @@ int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, 
     /* A tile of DEQ_TILE rows at a time, block by block: each output row (one input feature) then gets DEQ_TILE
      * adjacent values per write instead of one value per cache line (the transposed writes cost most of the time). */
     enum { DEQ_TILE = 16 };
-#pragma omp parallel for schedule(static)
+    /* one tile (a decode step's embedding row) runs on the calling thread: no team to wake for a few microseconds */
+#pragma omp parallel for schedule(static) if (cols > DEQ_TILE)
     for (int64_t r0 = start; r0 < stop; r0 += DEQ_TILE) {
         float values[DEQ_TILE][256];
         const int64_t rows = stop - r0 < DEQ_TILE ? stop - r0 : DEQ_TILE;
