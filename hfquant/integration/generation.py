@@ -17,10 +17,10 @@ __all__ = ["compile_decoding"]
 
 logger = logging.getLogger(__name__)
 
-_ATTENTIONS = ("eager", "sdpa")
+_ATTENTIONS = ("auto", "eager", "sdpa")
 
 
-def compile_decoding(model: nn.Module, max_cache_len: int | None = None, attention: str | None = "eager") -> nn.Module:
+def compile_decoding(model: nn.Module, max_cache_len: int | None = None, attention: str | None = "auto") -> nn.Module:
     """Make `model.generate` decode through `torch.compile`: `model.generation_config` gets
     `cache_implementation="static"` and `CompileConfig(fullgraph=True, mode="default")` with compiling on every
     device (CPU included); the prefill still runs eagerly.
@@ -29,13 +29,16 @@ def compile_decoding(model: nn.Module, max_cache_len: int | None = None, attenti
         model: a transformers generative model (has `generation_config`), quantized by hfquant or not.
         max_cache_len: the static cache's length for every call (prompt plus new tokens up to it reuse one compiled
             graph); None sizes it per call, and a call needing a longer cache than any before compiles again.
-        attention: the attention implementation to switch the model to ("eager": inductor fuses it into the decode
-            step, faster than PyTorch's CPU SDPA kernel at one query row; "sdpa"), or None to keep the model's.
+        attention: the attention implementation to switch the model to: "auto" (hfquant's one-row kernel,
+            `hfquant.nn.row_attention`, where hfquant's operators load: in the graph it reads only the cache positions
+            written so far, where inductor's code for "eager" attention reads the whole static cache every step;
+            otherwise "eager"), "eager" (inductor fuses it into the decode step, faster than PyTorch's CPU SDPA kernel
+            at one query row), "sdpa", or None to keep the model's.
     Returns:
         `model`, changed in place.
     Raises:
         TypeError: `model` has no `generation_config` (not a generative transformers model).
-        ValueError: `max_cache_len` is not a positive int, or `attention` is not None, "eager" or "sdpa".
+        ValueError: `max_cache_len` is not a positive int, or `attention` is not None, "auto", "eager" or "sdpa".
     """
     from transformers import CompileConfig
 
@@ -48,6 +51,10 @@ def compile_decoding(model: nn.Module, max_cache_len: int | None = None, attenti
         raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
     if attention is not None and attention not in _ATTENTIONS:
         raise ValueError(f"attention must be None or one of {list(_ATTENTIONS)}, got {attention!r}")
+    if attention == "auto":
+        from hfquant.nn.row_attention import available_attention
+
+        attention = available_attention() or "eager"
     if attention is not None and getattr(model.config, "_attn_implementation", None) != attention:
         model.set_attn_implementation(attention)
     compile_config = CompileConfig(fullgraph=True, mode="default")

@@ -153,6 +153,10 @@ def _register_fakes() -> None:
     def _(query, key, value, scale):
         return query.new_empty((1, 1, query.shape[1], query.shape[3]))
 
+    @torch.library.register_fake("hfquant_cpu::attention_row_masked")
+    def _(query, key, value, scale, mask):
+        return query.new_empty((1, 1, query.shape[1], query.shape[3]))
+
     @torch.library.register_fake("hfquant_cpu::int8_gemv")
     def _(x, weight, scale):
         return x.new_empty((1, weight.shape[0]))

@@ -1,6 +1,7 @@
 """One-query-row attention (`hfquant.nn.row_attention`, `csrc/attention_cpu.c`): within float32 summation error and
 the bfloat16 roundings of the probabilities and the output of a float64 reference, only for one bfloat16 query row
-without mask, and switched on and off through the config's `_attn_implementation`."""
+without mask or with a static cache's prefix mask, and switched on and off through the config's
+`_attn_implementation`."""
 
 from __future__ import annotations
 
@@ -56,13 +57,47 @@ class _Attention(torch.nn.Module):
     is_causal = True
 
 
-@pytest.mark.parametrize("case", ["mask", "two rows", "float32", "batch"])
-def test_everything_but_one_unmasked_row_is_transformers_sdpa(case, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 7, 80, 700])
+@pytest.mark.parametrize("kept", ["prefix", "all"])
+def test_the_masked_operator_reads_only_the_prefix_the_mask_allows(tokens, kept):
+    """A static cache's decode-step mask (the first positions True, the rest False): the kernel's bytes over that
+    prefix alone, whatever the cache holds after it."""
+    q, k, v = _qkv(16, 4, 1024, 64, seed=tokens)
+    mask = torch.zeros(1, 1, 1, 1024, dtype=torch.bool)
+    mask[..., :tokens] = True
+    if kept == "all":
+        k, v, mask = k[:, :, :tokens], v[:, :, :tokens], mask[..., :tokens]
+    expected = torch.ops.hfquant_cpu.attention_row(q, k[:, :, :tokens], v[:, :, :tokens], 0.125)
+    assert torch.equal(torch.ops.hfquant_cpu.attention_row_masked(q, k, v, 0.125, mask), expected)
+    assert torch.equal(torch.ops.hfquant_cpu.attention_row_masked(q, k, v, 0.125, mask.expand(1, 1, 1, -1)), expected)
+
+
+@pytest.mark.parametrize("case", ["padding", "gaps", "none"])
+def test_the_masked_operator_gives_any_other_mask_to_pytorch(case):
+    """Masks that are not a prefix (left padding, gaps, nothing before a True) go to PyTorch's SDPA with the mask."""
+    q, k, v = _qkv(9, 3, 40, 64)
+    mask = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
+    mask[..., {"padding": slice(3, 30), "gaps": slice(0, 30, 2), "none": slice(39, 40)}[case]] = True
+    got = torch.ops.hfquant_cpu.attention_row_masked(q, k, v, 0.125, mask)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    assert torch.equal(got, expected)
+
+
+def test_the_masked_operator_refuses_other_masks():
+    q, k, v = _qkv(9, 3, 8, 64)
+    for mask in (torch.ones(1, 1, 1, 7, dtype=torch.bool), torch.zeros(1, 1, 1, 8), torch.ones(1, 1, 2, 8).bool()):
+        with pytest.raises(RuntimeError, match="mask"):
+            torch.ops.hfquant_cpu.attention_row_masked(q, k, v, 0.125, mask)
+
+
+@pytest.mark.parametrize("case", ["float mask", "two rows", "float32", "batch"])
+def test_everything_but_one_row_unmasked_or_prefix_masked_is_transformers_sdpa(case, monkeypatch):
     monkeypatch.setattr(row_attention, "_ATTENTION_ROW", torch.ops.hfquant_cpu.attention_row.default)
+    monkeypatch.setattr(row_attention, "_ATTENTION_ROW_MASKED", torch.ops.hfquant_cpu.attention_row_masked.default)
     q, k, v = _qkv(9, 3, 6, 64)
     mask = None
-    if case == "mask":
-        mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    if case == "float mask":  # eager attention's additive kind
+        mask = torch.zeros(1, 1, 1, 6, dtype=torch.bfloat16)
     elif case == "two rows":
         q = torch.cat([q, q], dim=2)
     elif case == "float32":
@@ -72,6 +107,16 @@ def test_everything_but_one_unmasked_row_is_transformers_sdpa(case, monkeypatch)
     expected, _ = sdpa_attention_forward(_Attention(), q, k, v, mask, scaling=0.125)
     got, _ = row_attention_forward(_Attention(), q, k, v, mask, scaling=0.125)
     assert torch.equal(got, expected)
+
+
+def test_a_prefix_mask_goes_to_the_masked_kernel(monkeypatch):
+    monkeypatch.setattr(row_attention, "_ATTENTION_ROW", torch.ops.hfquant_cpu.attention_row.default)
+    monkeypatch.setattr(row_attention, "_ATTENTION_ROW_MASKED", torch.ops.hfquant_cpu.attention_row_masked.default)
+    q, k, v = _qkv(9, 3, 32, 64)
+    mask = torch.zeros(1, 1, 1, 32, dtype=torch.bool)
+    mask[..., :11] = True
+    got, _ = row_attention_forward(_Attention(), q, k, v, mask, scaling=0.125)
+    assert torch.equal(got, torch.ops.hfquant_cpu.attention_row(q, k[:, :, :11], v[:, :, :11], 0.125))
 
 
 def test_the_switch_changes_only_the_config_and_decode_steps():

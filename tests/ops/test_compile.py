@@ -9,6 +9,7 @@ from hfquant.config import HfQuantConfig
 from hfquant.core.format import StoredFormat
 from hfquant.integration.quantizer import HfQuantQuantizer
 from hfquant.nn.linear import QuantLinear
+from hfquant.nn.row_attention import ATTENTION_NAME
 from hfquant.ops import kernels
 from hfquant.ops.kernels import Kernel
 
@@ -94,13 +95,16 @@ def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float
     )
     torch._dynamo.reset()
     assert compile_decoding(model, max_cache_len=32) is model
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == ATTENTION_NAME  # hfquant's one-row kernel in the graph
     assert model.generation_config.cache_implementation == "static"
     compiled = model.generate(ids, **settings)
     assert getattr(model, "_compiled_call", None) is not None  # generate did compile the forward
     assert torch.equal(compiled, eager)
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.profiler.profile() as profile:
         assert torch.equal(model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False), eager_longer)
+    # every layer's attention of the 8 compiled decode steps is the masked one-row kernel (over the written prefix)
+    calls = [e.count for e in profile.key_averages() if e.key == "hfquant_cpu::attention_row_masked"]
+    assert calls == [8 * model.config.num_hidden_layers]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +112,7 @@ def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float
     [
         (dict(max_cache_len=0), "max_cache_len must be a positive int or None, got 0"),
         (dict(max_cache_len=True), "max_cache_len must be a positive int or None, got True"),
-        (dict(attention="flash"), "attention must be None or one of \\['eager', 'sdpa'\\], got 'flash'"),
+        (dict(attention="flash"), "attention must be None or one of \\['auto', 'eager', 'sdpa'\\], got 'flash'"),
     ],
 )
 def test_compile_decoding_refuses_bad_arguments(kwargs, error):

@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -186,6 +187,36 @@ at::Tensor attention_row(const at::Tensor &query, const at::Tensor &key, const a
   return out;
 }
 
+// the number of leading true entries of a (1, 1, 1, tokens) bool mask when every later entry is false (the mask of a
+// batch-1 decode step over a static cache: the positions written so far); -1 for any other pattern
+int64_t prefix_length(const at::Tensor &mask) {
+  const bool *m = mask.const_data_ptr<bool>();
+  const int64_t tokens = mask.size(3), stride = mask.stride(3);
+  int64_t n = 0;
+  while (n < tokens && m[n * stride]) n++;
+  for (int64_t t = n; t < tokens; t++)
+    if (m[t * stride]) return -1;
+  return n;
+}
+
+// attention_row over the keys a bool mask (1, 1, 1, tokens) allows: where they are a prefix (a static cache's
+// written positions), the kernel reads only that prefix, so a step costs the tokens so far, not the cache's length;
+// any other mask (padding, none allowed) goes to PyTorch's scaled_dot_product_attention with the mask
+at::Tensor attention_row_masked(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
+                                const at::Tensor &mask) {
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kBool && mask.device().is_cpu() && mask.size(0) == 1 &&
+                  mask.size(1) == 1 && mask.size(2) == 1 && key.dim() == 4 && mask.size(3) == key.size(2),
+              "hfquant attention: needs a bool CPU mask (1, 1, 1, tokens) for key ", key.sizes(), ", got ",
+              mask.scalar_type(), " ", mask.sizes());
+  const int64_t n = prefix_length(mask);
+  if (n > 0) {
+    return attention_row(query, key.narrow(2, 0, n), value.narrow(2, 0, n), scale);
+  }
+  at::Tensor out = at::scaled_dot_product_attention(query, key, value, mask, 0.0, false, scale,
+                                                    query.size(1) != key.size(1));
+  return out.transpose(1, 2).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -197,6 +228,7 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("block_gemv_group(Tensor x, Tensor[] weights, int in_features, int[] ggml_types) -> Tensor");
   m.def("rms_norm_row(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention_row(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
+  m.def("attention_row_masked(Tensor query, Tensor key, Tensor value, float scale, Tensor mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -208,4 +240,5 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("block_gemv_group", &block_gemv_group);
   m.impl("rms_norm_row", &rms_norm_row);
   m.impl("attention_row", &attention_row);
+  m.impl("attention_row_masked", &attention_row_masked);
 }
