@@ -188,6 +188,11 @@ def plan_folds(
     return transforms
 
 
+IMPORTANCE_FLOOR = 1e-12
+"""Least squared BOS input of a column in `_Planner.weigh` (before the fold's scale and the mean): SmolLM2's has exact
+zeros, and a block whose columns all weighed nothing would leave its search nothing to minimise."""
+
+
 class _Planner:
     """What `plan_folds` and `FoldStream` share: the foldable blocks of a model, and the folds of one block
     (`fold`). Everything read from the model is read here, at construction: the blocks are then folded without
@@ -279,7 +284,7 @@ class _Planner:
     def weigh(self, block: Block, transforms: dict[str, Transform]) -> dict[str, Transform]:
         """`transforms` with the BOS importance (`BosForward`) of q/k/v and gate/up where they are stored in a
         block format: each column's squared input of the layer as stored (x * col_scale where the fold divides its
-        columns), divided by its mean. Unchanged without `importance="bos_activations"`; a missing tensor or a
+        columns; x^2 at least `IMPORTANCE_FLOOR`), divided by its mean. Unchanged without `importance="bos_activations"`; a missing tensor or a
         non-finite input stops it for the rest of the model (a warning says why)."""
         if self.bos is None:
             return transforms
@@ -299,8 +304,10 @@ class _Planner:
                 if fmt is None or fmt.block is None or name not in transforms:
                     continue
                 col_scale = transforms[name].col_scale
-                weight = (x if col_scale is None else x * col_scale.float()).square()
-                weight /= weight.mean().clamp_min(torch.finfo(torch.float32).tiny)
+                weight = x.square().clamp_min(IMPORTANCE_FLOOR)  # a zero column: no block may weigh nothing
+                if col_scale is not None:
+                    weight *= col_scale.float().square()
+                weight /= weight.mean()
                 transforms[name] = transforms[name]._replace(importance=weight)
         return transforms
 
