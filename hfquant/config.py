@@ -595,7 +595,7 @@ FIELDS: tuple[ConfigField, ...] = (
         "'weights' (the default: each type's data-free rule from the weights alone) or 'bos_activations' (the "
         "float model run on its BOS token alone, a length-1 sequence, in the fold pre-pass: the squared input of "
         "q/k/v and gate/up, in the folded space, normalised by its mean, weighs their columns; no text, a few "
-        "vectors of memory; hfquant.integration.bos_importance; SmolLM2 iq4_xs 1.120x -> 1.105x bf16, "
+        "vectors of memory; hfquant.integration.bos_importance; SmolLM2 iq4_xs 1.120x -> 1.102x bf16, "
         "docs/performance.md). 'bos_activations' needs a block format and fold_column_scales (Llama, Mistral, "
         "Qwen2, Qwen3 blocks; other models keep 'weights', a warning says so)",
         Importance,
