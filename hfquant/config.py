@@ -38,6 +38,8 @@ __all__ = [
     "MixedPrecision",
     "Clipping",
     "Iq4SearchMode",
+    "Importance",
+    "check_importance",
     "FloatDtype",
     "EmbeddingDtype",
     "LmHead",
@@ -141,6 +143,13 @@ class Clipping(Choice):
 
     MINMAX = "minmax"
     MSE = "mse"
+
+
+class Importance(Choice):
+    """`importance`: each input column's weight in the block formats' search of folded Llama-family layers."""
+
+    WEIGHTS = "weights"
+    BOS_ACTIVATIONS = "bos_activations"
 
 
 Iq4SearchMode = Choice("Iq4SearchMode", [(name.upper(), name) for name in blocks.iq4.SEARCHES])
@@ -410,6 +419,30 @@ def check_format_bits(values: Mapping[str, Any]) -> None:
         )
 
 
+def check_importance(values: Mapping[str, Any]) -> None:
+    """Refuse `importance="bos_activations"` where no block search would use it (checked on the fields given): the
+    format "int" (round-to-nearest takes no importance; "auto" at 4 or 8 bits is "int") or `fold_column_scales=False`
+    (the BOS forward runs in the fold pre-pass).
+
+    Raises:
+        ValueError: naming the value and why.
+    """
+    if str(values.get("importance", Importance.WEIGHTS)) != Importance.BOS_ACTIVATIONS:
+        return
+    if "format" in values and isinstance(values.get("bits", 4), int):
+        fmt = resolve_format(str(values["format"]), values.get("bits", 4))
+        if fmt == QuantFormat.INT:
+            raise ValueError(
+                f"importance='bos_activations' weighs a block format's search; format={fmt!r} is round-to-nearest, "
+                "which takes no importance: use a block format (e.g. format='iq4_xs') or importance='weights'"
+            )
+    if values.get("fold_column_scales") is False:
+        raise ValueError(
+            "importance='bos_activations' runs in the fold pre-pass; use fold_column_scales=True (or None) or "
+            "importance='weights'"
+        )
+
+
 # -- the table -----------------------------------------------------------------------------------------------------
 
 
@@ -555,6 +588,20 @@ FIELDS: tuple[ConfigField, ...] = (
         Iq4SearchMode(blocks.iq4.SEARCHES[0]),
         _check_choice,
         legacy=Iq4SearchMode(blocks.iq4.SEARCHES[0]),
+    ),
+    ConfigField(
+        "importance",
+        "each input column's weight in the block formats' search (not stored; the bytes differ, not the format): "
+        "'weights' (the default: each type's data-free rule from the weights alone) or 'bos_activations' (the "
+        "float model run on its BOS token alone, a length-1 sequence, in the fold pre-pass: the squared input of "
+        "q/k/v and gate/up, in the folded space, normalised by its mean, weighs their columns; no text, a few "
+        "vectors of memory; hfquant.integration.bos_importance; SmolLM2 iq4_xs 1.120x -> 1.102x bf16, "
+        "docs/performance.md). 'bos_activations' needs a block format and fold_column_scales (Llama, Mistral, "
+        "Qwen2, Qwen3 blocks; other models keep 'weights', a warning says so)",
+        Importance,
+        Importance.WEIGHTS,
+        _check_choice,
+        legacy=Importance.WEIGHTS,
     ),
     ConfigField(
         "fold_column_scales",
@@ -706,6 +753,7 @@ def validate_fields(values: Mapping[str, Any]) -> None:
         if field.name in values:
             field.check(field, values[field.name])
     check_format_bits(values)
+    check_importance(values)
 
 
 def validate_config_values(
@@ -812,6 +860,7 @@ class HfQuantConfig(QuantizationConfigMixin):
         fold_column_scales: bool | None = _DEFAULT,
         clipping: str | Clipping = _DEFAULT,
         iq4_search: str | Iq4SearchMode = _DEFAULT,
+        importance: str | Importance = _DEFAULT,
         decode_activations: str | DecodeActivations = _DEFAULT,
         **unknown: Any,
     ):

@@ -128,6 +128,7 @@ CONFIGS = {
     **{name: dict(format=name) for name in BLOCK_FORMATS},
     **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},
     **{f"{name}-rtn": dict(format=name, method="rtn") for name in BLOCK_FORMATS},
+    **{f"{name}-bos": dict(format=name, importance="bos_activations") for name in ("iq4_xs", "iq4_nl", "q4_k")},
     **{f"{name}-auto-rtn": dict(format=name, mixed_precision="auto", method="rtn") for name in BLOCK_RULE_ROWS},
     "hq3_0": dict(format="hq3_0"),
     "hq3_0-auto": dict(format="hq3_0", mixed_precision="auto"),

@@ -40,16 +40,21 @@ class Transform(NamedTuple):
     row_scale: (N,) or None: row n of the weight, and bias[n], are multiplied by row_scale[n]; for a norm, its weight
         (and bias) of shape (N,) are multiplied elementwise.
     col_scale: (K,) or None: column k of the weight is divided by col_scale[k] (the bias is untouched).
+    importance: (K,) float32 >= 0 or None: not a change of the tensors but the weight of each column of the folded
+        weight in a block format's search (`HfQuantConfig.importance`, `hfquant.integration.bos_importance`); None:
+        the type's data-free rule.
     """
 
     row_scale: torch.Tensor | None = None
     col_scale: torch.Tensor | None = None
+    importance: torch.Tensor | None = None
 
     def merged(self, other: Transform) -> Transform:
         """This transform with the vectors `other` sets (a module gets its row and column scales from two folds)."""
         return Transform(
             other.row_scale if other.row_scale is not None else self.row_scale,
             other.col_scale if other.col_scale is not None else self.col_scale,
+            other.importance if other.importance is not None else self.importance,
         )
 
 

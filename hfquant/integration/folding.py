@@ -58,6 +58,7 @@ from hfquant.core.blocks import dequantize as block_dequantize
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat
 from hfquant.core.scratch import Scratch
+from hfquant.integration.bos_importance import BosForward
 from hfquant.integration.conversions import model_key_map
 from hfquant.nn.linear import quantize_to_buffers
 from hfquant.ops import balance
@@ -144,6 +145,7 @@ def plan_folds(
     progress: bool | None = None,
     clipping: str = "minmax",
     select: bool = True,
+    importance: str = "weights",
 ) -> dict[str, Transform]:
     """The fold of every foldable block of `model`, computed from its float weights.
 
@@ -158,6 +160,8 @@ def plan_folds(
         select: refuse a fold group where its consumers already round-trip unfolded and the fold raises that error
             (`_fold_lowers_error`);
             False folds every group (the float-model identity tests).
+        importance: the config's `importance`: "bos_activations" gives q/k/v and gate/up of block formats the BOS
+            token's squared inputs as `Transform.importance` (`_Planner.weigh`), "weights" none.
     Returns:
         {module name: `Transform`} for the norms and Linear layers the folds change, and an empty `Transform` for the
         Linear layers of a group the error test left unfolded (empty when no block folds).
@@ -167,7 +171,7 @@ def plan_folds(
     Raises:
         ValueError: the head counts do not fit the projections (naming the module).
     """
-    planner = _Planner(model, plans, read, clipping if select else None)
+    planner = _Planner(model, plans, read, clipping if select else None, importance=importance)
     if not planner.blocks:
         return {}
     transforms: dict[str, Transform] = {}
@@ -184,6 +188,11 @@ def plan_folds(
     return transforms
 
 
+IMPORTANCE_FLOOR = 1e-12
+"""Least squared BOS input of a column in `_Planner.weigh` (before the fold's scale and the mean): SmolLM2's has exact
+zeros, and a block whose columns all weighed nothing would leave its search nothing to minimise."""
+
+
 class _Planner:
     """What `plan_folds` and `FoldStream` share: the foldable blocks of a model, and the folds of one block
     (`fold`). Everything read from the model is read here, at construction: the blocks are then folded without
@@ -196,11 +205,20 @@ class _Planner:
         read: Callable[[str], torch.Tensor],
         clipping: str | None,
         release: Callable[[], object] | None = None,
+        importance: str = "weights",
     ):
         # after each block: its pages out of this process, kept in the page cache for the streaming load
         self.release = release or functools.partial(release_checkpoint_pages, keep_cached=True)
         self.blocks = find_blocks(model)
+        self.bos: BosForward | None = None
         if not self.blocks:
+            if importance == "bos_activations":
+                logger.warning(
+                    "hfquant: importance='bos_activations' acts in the fold pre-pass of %s blocks; %s has none: its "
+                    "layers are searched with importance='weights'",
+                    ", ".join(FOLDABLE_MODEL_TYPES),
+                    type(model).__name__,
+                )
             logger.info(
                 "hfquant: no foldable decoder block in %s (fold_column_scales acts on %s): nothing folded",
                 type(model).__name__,
@@ -219,6 +237,9 @@ class _Planner:
         }
         self.read, self.clipping = read, clipping
         self.scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
+        if importance == "bos_activations":
+            self.bos = BosForward(model, self.blocks, read)
+        self.index = {block: i for i, block in enumerate(self.blocks)}
 
     def tile(self, *names: str) -> int:
         return folding.tile_size(self.widths[names[0]], [self.formats[n].group_size for n in names])
@@ -238,7 +259,7 @@ class _Planner:
             ValueError: the head counts do not fit the projections (naming the module).
         """
         try:
-            return _fold_block(
+            transforms = _fold_block(
                 block,
                 self.read,
                 self.tile,
@@ -255,8 +276,40 @@ class _Planner:
                 "hfquant: the column scales of %s are not folded: %s", block.attention_norm.rpartition(".")[0], reason
             )
             return None
+        else:
+            return self.weigh(block, transforms)
         finally:
             self.release()
+
+    def weigh(self, block: Block, transforms: dict[str, Transform]) -> dict[str, Transform]:
+        """`transforms` with the BOS importance (`BosForward`) of q/k/v and gate/up where they are stored in a
+        block format: each column's squared input of the layer as stored (x * col_scale where the fold divides its
+        columns; x^2 at least `IMPORTANCE_FLOOR`), divided by its mean. Unchanged without `importance="bos_activations"`; a missing tensor or a
+        non-finite input stops it for the rest of the model (a warning says why)."""
+        if self.bos is None:
+            return transforms
+        try:
+            x1, x2 = self.bos.inputs(self.index[block])
+        except KeyError as error:
+            logger.warning("hfquant: importance='bos_activations' stops (the rest: 'weights'): %s", error.args[0])
+            self.bos = None
+            return transforms
+        if not (x1.isfinite().all() and x2.isfinite().all()):
+            logger.warning("hfquant: importance='bos_activations' stops at %s: a non-finite activation", block.q)
+            self.bos = None
+            return transforms
+        for x, names in ((x1, (block.q, block.k, block.v)), (x2, (block.gate, block.up))):
+            for name in names:
+                fmt = self.formats.get(name)
+                if fmt is None or fmt.block is None or name not in transforms:
+                    continue
+                col_scale = transforms[name].col_scale
+                weight = x.square().clamp_min(IMPORTANCE_FLOOR)  # a zero column: no block may weigh nothing
+                if col_scale is not None:
+                    weight *= col_scale.float().square()
+                weight /= weight.mean()
+                transforms[name] = transforms[name]._replace(importance=weight)
+        return transforms
 
 
 def _log_folds(blocks: int, transforms: dict[str, Transform]) -> None:
@@ -582,7 +635,7 @@ class FoldStream(Mapping):
     pre-load hook runs under the load dtype): elsewhere the caller's thread folds, under float32.
 
     Args:
-        model, plans, clipping, select: as `plan_folds`.
+        model, plans, clipping, select, importance: as `plan_folds`.
         files: the checkpoint's safetensors files (`checkpoint_reader`), open until `close`.
 
     Raises:
@@ -596,13 +649,16 @@ class FoldStream(Mapping):
         files: Iterable[str | os.PathLike],
         clipping: str = "minmax",
         select: bool = True,
+        importance: str = "weights",
     ):
         self._stack = ExitStack()
         self._read = self._stack.enter_context(checkpoint_reader(model, files))
         self._spared: list[tuple[int, int]] = []
         self._pages: list[tuple[int, int, tuple[int, int]]] = []  # (address, bytes, map) read since the last release
         self._stack.callback(self._unspare)
-        self._planner = _Planner(model, list(plans), self._read_spared, clipping if select else None, self._release)
+        self._planner = _Planner(
+            model, list(plans), self._read_spared, clipping if select else None, self._release, importance
+        )
         self._owner = {
             name: i for i, block in enumerate(self._planner.blocks) for name in self._planner.planned(block)
         }

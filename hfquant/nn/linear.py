@@ -489,7 +489,8 @@ def quantize_to_buffers(
     stored = buffers["weight"]
     if fmt.block is not None:
         stored_scale = fmt.method is Method.SINQ
-        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale, stored_scale, iq4_search)
+        importance = None if fold is None else fold.importance
+        _quantize_blocks(weight, fmt.block, stored, row_scale, col_scale, stored_scale, iq4_search, importance)
         return buffers
     _quantize_rtn(weight, fmt, buffers, clipping, row_scale, col_scale, threads)
     return buffers
@@ -568,11 +569,14 @@ def _quantize_blocks(
     col_scale: torch.Tensor | None,
     stored_scale: bool = False,
     iq4_search: str = iq4.SEARCHES[0],
+    importance: torch.Tensor | None = None,
 ) -> None:
     """Quantize the float weight (N, K), rows times `row_scale` and columns divided by `col_scale` when given, into
     `stored` (N, row bytes) uint8 blocks of type `block` (`blocks.quantize`), a chunk of rows at a time; `stored_scale`
     (SINQ's `col_scale` kept beside the layer, not a fold's) searches with the type's importance for such layers
-    (`blocks.importance.stored_scale_importance`); `iq4_search` is the C search's for IQ4 types (`iq4.SEARCHES`).
+    (`blocks.importance.stored_scale_importance`); `iq4_search` is the C search's for IQ4 types (`iq4.SEARCHES`);
+    `importance` (K,) float32 >= 0, each column's weight in the search of the rescaled weight (a fold's
+    `Transform.importance`), replaces the type's rule when given.
 
     Raises:
         ValueError: the weight is not float, or holds NaN or Inf values.
@@ -589,12 +593,12 @@ def _quantize_blocks(
             raise ValueError("cannot quantize a weight that contains NaN or Inf values")
         if row_scale is not None:
             chunk = chunk * row_scale[rows, None]
-        importance = None  # the type's data-free default
+        chunk_importance = importance  # None: the type's data-free default
         if col_scale is not None:
             chunk = chunk / col_scale
-        if stored_scale:
-            importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales
+        if stored_scale and importance is None:
+            chunk_importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales
         if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c)
-            stored[rows] = native.block_quantize(block, chunk, importance, iq4_search)
+            stored[rows] = native.block_quantize(block, chunk, chunk_importance, iq4_search)
         else:
-            stored[rows] = blocks.quantize(block, chunk, importance)
+            stored[rows] = blocks.quantize(block, chunk, chunk_importance)

@@ -17,6 +17,7 @@ from hfquant.config import (
     EmbeddingDtype,
     FloatDtype,
     HfQuantConfig,
+    Importance,
     Iq4SearchMode,
     LmHead,
     Method,
@@ -43,6 +44,7 @@ FIELDS = {
     "fold_column_scales",
     "clipping",
     "iq4_search",
+    "importance",
     "decode_activations",
     "format",
 }
@@ -246,6 +248,7 @@ def test_fields_table_is_the_constructor_the_dict_and_the_docstring():
         "fold_column_scales",
         "clipping",
         "iq4_search",
+        "importance",
         "decode_activations",
     ]  # positional order of the public constructor
     assert list(HfQuantConfig().to_dict()) == list(FIELD_NAMES)
@@ -268,7 +271,7 @@ def test_to_json_string_is_unchanged():
     assert HfQuantConfig().to_json_string() == (
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
         '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "int",\n  "format_version": 1,\n'
-        '  "group_size": 128,\n  "iq4_search": "thorough",\n'
+        '  "group_size": 128,\n  "importance": "weights",\n  "iq4_search": "thorough",\n'
         '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
@@ -282,6 +285,7 @@ def test_to_json_string_is_unchanged():
         "format": "int",
         "format_version": 1,
         "group_size": None,
+        "importance": "weights",
         "iq4_search": "thorough",
         "lm_head": "keep",
         "method": "rtn",
@@ -299,6 +303,7 @@ CHOICES = {
     "mixed_precision": (MixedPrecision, "none", MixedPrecision.NONE),
     "clipping": (Clipping, "mse", Clipping.MSE),
     "iq4_search": (Iq4SearchMode, "fast", Iq4SearchMode.FAST),
+    "importance": (Importance, "bos_activations", Importance.BOS_ACTIVATIONS),
     "embedding_dtype": (EmbeddingDtype, "int8", EmbeddingDtype.INT8),
     "norm_dtype": (FloatDtype, "float32", FloatDtype.FLOAT32),
     "lm_head": (LmHead, "int4", LmHead.INT4),
@@ -308,12 +313,16 @@ CHOICES = {
 }
 
 
+CHOICE_NEEDS = {"importance": {"format": "iq4_xs"}}
+"""Other fields a choice of `CHOICES` needs (the BOS importance weighs a block format's search)."""
+
+
 @pytest.mark.parametrize("field", list(CHOICES))
 def test_closed_choices_are_str_enums_stored_as_members_and_written_as_strings(field):
     enum_class, text, member = CHOICES[field]
     assert issubclass(enum_class, str)
     for given in (text, member):
-        config = HfQuantConfig(**{field: given})
+        config = HfQuantConfig(**{field: given}, **CHOICE_NEEDS.get(field, {}))
         assert getattr(config, field) is member and getattr(config, field) == text
         value = config.to_dict()[field]
         assert type(value) is str and value == text
@@ -383,6 +392,7 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
         "mixed_precision": "none",
         "clipping": "minmax",
         "iq4_search": "thorough",
+        "importance": "weights",
         "fold_column_scales": False,
         "format": "int",
         "lm_head": "keep",

@@ -101,6 +101,7 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
         "decode_activations",
         "format",
         "iq4_search",
+        "importance",
     }
     assert legacy.format == "int"
     assert (legacy.method, legacy.mixed_precision, legacy.module_overrides) == ("rtn", "none", {})
