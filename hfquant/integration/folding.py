@@ -284,8 +284,9 @@ class _Planner:
     def weigh(self, block: Block, transforms: dict[str, Transform]) -> dict[str, Transform]:
         """`transforms` with the BOS importance (`BosForward`) of q/k/v and gate/up where they are stored in a
         block format: each column's squared input of the layer as stored (x * col_scale where the fold divides its
-        columns; x^2 at least `IMPORTANCE_FLOOR`), divided by its mean. Unchanged without `importance="bos_activations"`; a missing tensor or a
-        non-finite input stops it for the rest of the model (a warning says why)."""
+        columns; x^2 at least `IMPORTANCE_FLOOR`), divided by its mean. Unchanged without
+        `importance="bos_activations"`; a missing tensor or a non-finite input stops it for the rest of the model (a
+        warning says why)."""
         if self.bos is None:
             return transforms
         try:
