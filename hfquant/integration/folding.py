@@ -300,16 +300,14 @@ class _Planner:
             self.bos = None
             return transforms
         for x, names in ((x1, (block.q, block.k, block.v)), (x2, (block.gate, block.up))):
+            squared = x.square().clamp_min_(IMPORTANCE_FLOOR)  # a zero column: no block may weigh nothing
             for name in names:
                 fmt = self.formats.get(name)
                 if fmt is None or fmt.block is None or name not in transforms:
                     continue
                 col_scale = transforms[name].col_scale
-                weight = x.square().clamp_min(IMPORTANCE_FLOOR)  # a zero column: no block may weigh nothing
-                if col_scale is not None:
-                    weight *= col_scale.float().square()
-                weight /= weight.mean()
-                transforms[name] = transforms[name]._replace(importance=weight)
+                weight = squared if col_scale is None else squared * col_scale.float().square()
+                transforms[name] = transforms[name]._replace(importance=weight / weight.mean())
         return transforms
 
 
