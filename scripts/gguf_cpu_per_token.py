@@ -44,7 +44,13 @@ def serve(decode, tokens):
         print("TOK_S " + repr(decode(tokens)), flush=True)
 """
 
-HFQUANT_WORKER = (
+_REPORT_ERROR = r"""except BaseException as error:
+    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
+    raise
+"""
+"""The workers' last lines: an exception's one-line ERROR for the driver, then the traceback."""
+
+_FROM_GGUF = (
     r"""
 import json, sys, time
 import torch
@@ -57,7 +63,13 @@ try:
     import hfquant
     model = hfquant.from_gguf(args["model"]).eval()
     prompt = torch.tensor([args["prompt"]])
+"""
+)
+"""The hfquant workers' first lines: one thread, the GGUF file imported by `hfquant.from_gguf`, the prompt."""
 
+HFQUANT_WORKER = (
+    _FROM_GGUF
+    + r"""
     def decode(n):
         with torch.inference_mode():
             out = model(prompt, use_cache=True)
@@ -69,27 +81,14 @@ try:
             return n / (time.process_time() - start)
 
     serve(decode, args["tokens"])
-except BaseException as error:
-    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
-    raise
 """
+    + _REPORT_ERROR
 )
 """The hfquant worker (`benchmarks.paired`'s protocol, TOK_S: decode tokens per CPU second)."""
 
 GENERATE_WORKER = (
-    r"""
-import json, sys, time
-import torch
-"""
-    + _PROTOCOL
-    + r"""
-args = json.loads(sys.argv[1])
-torch.set_num_threads(1)
-try:
-    import hfquant
-    model = hfquant.from_gguf(args["model"]).eval()
-    prompt = torch.tensor([args["prompt"]])
-    if args.get("compile"):
+    _FROM_GGUF
+    + r"""    if args.get("compile"):
         hfquant.compile_decoding(model, max_cache_len=len(args["prompt"]) + args["tokens"] + 8)
 
     def generate(n):
@@ -103,10 +102,8 @@ try:
 
     decode(args["tokens"])  # compiles the decode step (the protocol's warm-up then runs one more)
     serve(decode, args["tokens"])
-except BaseException as error:
-    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
-    raise
 """
+    + _REPORT_ERROR
 )
 """The worker of hfquant's decode through `generate` (eager, or with `"compile"` in its arguments compiled:
 `hfquant.compile_decoding`, a static cache and `torch.compile(fullgraph=True)` of the decode step): `generate` of n + 1
@@ -137,10 +134,8 @@ try:
         return n / (time.process_time() - start)
 
     serve(decode, args["tokens"])
-except BaseException as error:
-    print("ERROR " + f"{type(error).__name__}: {error}".replace("\n", " ")[:300], flush=True)
-    raise
 """
+    + _REPORT_ERROR
 )
 """The llama.cpp worker (llama-cpp-python in the engines venv; the same protocol)."""
 
