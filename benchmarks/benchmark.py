@@ -623,6 +623,7 @@ LLAMA_CPP_PEERS = {
     4: (
         ("hfquant-int4-rtn", "llamacpp-q4_1"),
         ("hfquant-int4", "llamacpp-int4"),
+        ("hfquant-4bit", "llamacpp-4bit"),
         ("hfquant-int4-sym", "llamacpp-q4_0"),
         ("hfquant-int4-a8", "llamacpp-int4"),
         ("hfquant-int4-sym-a8", "llamacpp-q4_0"),
@@ -691,9 +692,10 @@ def check_targets(rows: list[dict], speed: bool = True) -> list[dict]:
 
 def load_targets(rows: list[dict]) -> list[dict]:
     """Whole `from_pretrained` >= 1.0 GB/s of source bytes for the RTN methods (hfquant-int8, hfquant-int4-rtn) and,
-    issue #32, the 4-bit default (hfquant-int4), on the random workloads (1.2B and the 8B shape)."""
+    issue #32, the 4-bit default (hfquant-4bit) and the int format's (hfquant-int4), on the random workloads (1.2B and
+    the 8B shape)."""
     checks = []
-    for method in ("hfquant-int8", "hfquant-int4-rtn", "hfquant-int4"):
+    for method in ("hfquant-int8", "hfquant-int4-rtn", "hfquant-int4", "hfquant-4bit"):
         row = _get(rows, method)
         if row and row.get("load_gbs"):
             checks.append(

@@ -42,17 +42,18 @@ TWINS = {
     "llamacpp-q4_0": "hfquant-int4-sym",
     "llamacpp-q4_1": "hfquant-int4-rtn",
     "llamacpp-int4": "hfquant-int4",
+    "llamacpp-4bit": "hfquant-4bit",
     **BLOCK_TWINS,
 }
-"""llama.cpp method -> the hfquant method whose weights it runs (the 4-bit default becomes Q4_1 plus Q8_0 layers; a
-block format's blocks are copied)."""
+"""llama.cpp method -> the hfquant method whose weights it runs (the int format's 4-bit default becomes Q4_1 plus Q8_0
+layers; a block format's blocks are copied, the 4-bit default's int8 lm_head becomes Q8_0)."""
 
 FASTEST_4BIT = "llamacpp-q4_0"
 """llama.cpp's fastest 4-bit type, which a user comparing engines runs (issue #32): the paired rounds of every other
 4-bit group (`FOUR_BIT`) also decode it, so each hfquant 4-bit method is measured beside it as well as beside the
 GGUF of its own weights."""
 
-FOUR_BIT = ("llamacpp-q4_1", "llamacpp-int4")
+FOUR_BIT = ("llamacpp-q4_1", "llamacpp-int4", "llamacpp-4bit")
 """The llama.cpp methods, other than `FASTEST_4BIT`, whose twins are hfquant's int4 methods."""
 
 _LOAD = r"""

@@ -26,9 +26,14 @@ __all__ = [
 METHODS: dict[str, tuple[str | None, str]] = {
     "bf16": (None, "no quantization"),
     "hfquant-int8": (None, "HfQuantConfig(bits=8): per-channel symmetric int8"),
+    "hfquant-4bit": (
+        None,
+        "HfQuantConfig(bits=4): the 4-bit default (IQ4_XS blocks after the SINQ fold, BOS importance, int8 lm_head)",
+    ),
     "hfquant-int4": (
         None,
-        "HfQuantConfig(bits=4, group_size=128): the 4-bit defaults (SINQ, asymmetric, data-free mixed precision)",
+        "HfQuantConfig(bits=4, group_size=128): the int format's 4-bit defaults (SINQ, asymmetric, data-free mixed "
+        "precision, int8 lm_head; the 4-bit default before IQ4_XS)",
     ),
     "hfquant-int4-rtn": (
         None,
@@ -72,6 +77,11 @@ METHODS: dict[str, tuple[str | None, str]] = {
     "llamacpp-q4_0": ("llama.cpp", "llama-cpp-python on hfquant-int4-sym's weights as GGUF Q4_0"),
     "llamacpp-q4_1": ("llama.cpp", "llama-cpp-python on hfquant-int4-rtn's weights as GGUF Q4_1"),
     "llamacpp-int4": ("llama.cpp", "llama-cpp-python on hfquant-int4's weights (Q4_1, its int8 layers Q8_0)"),
+    "llamacpp-4bit": (
+        "llama.cpp",
+        "llama-cpp-python on hfquant-4bit's weights (IQ4_XS blocks copied, IQ4_NL where 256 does not divide a row, "
+        "the int8 lm_head as Q8_0)",
+    ),
 }
 BLOCK_FORMATS = (
     "q4_0",
@@ -174,6 +184,8 @@ def quantization_config(method: str):
             return hfquant.HfQuantConfig(format=method.removeprefix("hfquant-"))
         if method == "hfquant-int8":
             return hfquant.HfQuantConfig(bits=8)
+        if method == "hfquant-4bit":
+            return hfquant.HfQuantConfig(bits=4)
         if method == "hfquant-3.5bit":
             return hfquant.HfQuantConfig(bits=3.5)
         if method == "hfquant-int4-rtn":

@@ -206,12 +206,12 @@ def paired_targets(groups: list[dict], speed: bool) -> list[dict]:
 def _wants(pair: dict, speed: bool) -> list[tuple[float, str]]:
     """(limit, what is compared) for one pair. Issue #13, the same weights: on the speed workload every hfquant
     engine >= 1.2x; on the small model the "+compile" engines >= 0.8x. Issue #32, the 4-bit default
-    (`hfquant-int4`): on the speed workload against llama.cpp's fastest 4-bit type (another model's weights) eager
+    (`hfquant-4bit`): on the speed workload against llama.cpp's fastest 4-bit type (another model's weights) eager
     >= 1.0x, "+compile" >= 1.2x; on the small model against its own GGUF eager >= 0.8x, "+compile" >= 1.0x."""
     from benchmarks.llama_cpp import FASTEST_4BIT, TWINS
 
     method, compiled = pair["mine"].split()[0], pair["mine"].endswith("+compile")
-    default = method == "hfquant-int4"
+    default = method == "hfquant-4bit"
     if pair["theirs"] == FASTEST_4BIT and method != TWINS[FASTEST_4BIT]:
         return [(1.2 if compiled else 1.0, "llama.cpp's fastest 4-bit type")] if speed and default else []
     if speed:

@@ -89,7 +89,11 @@ ALL_BITS = (8, 6, 5, 4, 3, 2)
 """Bit widths a config may ask for: 4 and 8 in the uniform integer format or a block format, 2, 3, 5 and 6 in block
 formats only."""
 
-_DEFAULT_BLOCK = {2: "q2_k", 3: "q3_k", 5: "q5_k", 6: "q6_k"}
+_DEFAULT_BLOCK = {2: "q2_k", 3: "q3_k", 4: "iq4_xs", 5: "q5_k", 6: "q6_k"}
+
+INT_ONLY_FIELDS = ("group_size", "symmetric", "clipping", "decode_activations")
+"""Fields only the uniform integer format has: a config or `module_overrides` entry that gives one with format "auto"
+asks for "int" at 4 and 8 bits (`default_format`)."""
 
 BUDGET_BITS = {3.5: "hq3_r"}
 """Non-integer `bits` a config accepts: a bits budget in bits per weight over the quantized layers, with the budget
@@ -148,6 +152,7 @@ class Clipping(Choice):
 class Importance(Choice):
     """`importance`: each input column's weight in the block formats' search of folded Llama-family layers."""
 
+    AUTO = "auto"
     WEIGHTS = "weights"
     BOS_ACTIVATIONS = "bos_activations"
 
@@ -223,15 +228,34 @@ MIXED_PRECISION = _values(MixedPrecision)
 # -- defaults that depend on the bit width -------------------------------------------------------------------------
 
 
-def default_format(bits: int) -> str:
-    """The stored format `format="auto"` means at `bits`: "int" at 4 and 8 bits, llama.cpp's k-quant of that width at 2,
-    3, 5 and 6 bits ("q2_k", "q3_k", "q5_k", "q6_k")."""
+def default_format(bits: int, uniform: bool = False) -> str:
+    """The stored format `format="auto"` means at `bits` (the one place that decides it): "int" at 8 bits, and at 4
+    bits when `uniform` (a field of `INT_ONLY_FIELDS` was given: it describes the integer format); else llama.cpp's
+    block type of that width: "iq4_xs" at 4 bits, the k-quants "q2_k", "q3_k", "q5_k", "q6_k" at 2, 3, 5 and 6.
+
+    Why iq4_xs at 4 bits: at 4.25 bits per weight (4.44 on SmolLM2, whose 576-wide rows take IQ4_NL) it is the most
+    accurate 4-bit type per byte without calibration data here: SmolLM2 perplexity 1.106x bf16's with the default
+    `importance` and `iq4_search` against the int format's 1.148x (4.43 bits), MiniLM cosine 0.9859 against 0.9773
+    (issue #30's 1.12x / 0.983); it decodes at least as fast (docs/performance.md, "The 4-bit default becomes
+    IQ4_XS"). "int" stays what compressed-tensors and vLLM read: `format="int"` or `group_size=` asks for it."""
+    if uniform and bits in SUPPORTED_BITS:
+        return QuantFormat.INT
     return _DEFAULT_BLOCK.get(bits, "int")
 
 
-def resolve_format(format: str, bits: int) -> str:
-    """`format` with "auto" replaced by `default_format(bits)`."""
-    return default_format(bits) if format == QuantFormat.AUTO else str(format)
+def resolve_format(format: str, bits: int, uniform: bool = False) -> str:
+    """`format` with "auto" replaced by `default_format(bits, uniform)`."""
+    return default_format(bits, uniform) if format == QuantFormat.AUTO else str(format)
+
+
+def asks_uniform(given: Mapping[str, Any]) -> bool:
+    """Whether `given` (a config's keywords or a `module_overrides` entry) gives a field of `INT_ONLY_FIELDS`
+    (`symmetric=None` means its default, so it does not count)."""
+    for name in INT_ONLY_FIELDS:
+        value = given.get(name, _DEFAULT)
+        if value is not _DEFAULT and (value is not None or name == "group_size"):  # group_size=None: per-channel
+            return True
+    return False
 
 
 def _int_format(resolved: Mapping[str, Any]) -> bool:
@@ -269,7 +293,8 @@ def default_mixed_precision(bits: int) -> MixedPrecision:
 
 def default_lm_head(bits: Any, format: Any, embedding_dtype: Any = EmbeddingDtype.AUTO) -> LmHead:
     """The `lm_head` used when none is given (the one place that decides it), when `embedding_dtype` is "auto": "int8"
-    (per-channel, `QuantLinear`) with the 4-bit int format, "q6_k" (llama.cpp's Q6_K blocks, 6.5625 bits per weight;
+    (per-channel, `QuantLinear`) with the 4-bit default (format "auto" at 4 bits: iq4_xs) and the 4-bit int format,
+    "q6_k" (llama.cpp's Q6_K blocks, 6.5625 bits per weight;
     q8_0 where 256 does not divide the rows) with hfquant's 3-bit budget formats (`BUDGET_FORMATS`: `bits=3.5`'s
     hq3_r, hq3_nl, hq3_0); else "keep".
 
@@ -299,7 +324,8 @@ def default_lm_head(bits: Any, format: Any, embedding_dtype: Any = EmbeddingDtyp
     resolved = resolve_format(format, bits)
     if resolved in BUDGET_FORMATS:
         return LmHead.Q6_K
-    return LmHead.INT8 if bits == 4 and resolved == QuantFormat.INT else LmHead.KEEP
+    four_bit_default = format == QuantFormat.AUTO or resolved == QuantFormat.INT
+    return LmHead.INT8 if bits == 4 and four_bit_default else LmHead.KEEP
 
 
 def default_symmetric(bits: int) -> bool:
@@ -508,8 +534,9 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "format",
-        "how codes and scales are laid out: 'auto' (the default: 'int' at 4 and 8 bits, llama.cpp's k-quant of "
-        "that width at 2, 3, 5 and 6 bits; the config stores the format it picked), 'int' (uniform integer codes with a bfloat16 scale per group and an "
+        "how codes and scales are laid out: 'auto' (the default: 'iq4_xs' at 4 bits, 'int' when group_size, "
+        "symmetric, clipping or decode_activations is given, 'int' at 8 bits, llama.cpp's k-quant of that width at 2, "
+        "3, 5 and 6 bits; the config stores the format it picked), 'int' (uniform integer codes with a bfloat16 scale per group and an "
         "optional zero point: what compressed-tensors and vLLM read) or one of llama.cpp's block types, stored "
         "byte for byte as GGUF stores them (docs/format.md): " + ", ".join(repr(n) for n in blocks.LAYOUTS) + ". "
         "A block type's rows must be whole blocks (32 weights, 256 for q2_k-q6_k and iq4_xs); other layers take "
@@ -578,28 +605,30 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "iq4_search",
         "how iq4_xs and iq4_nl blocks are searched when quantizing (not stored; the bytes differ, not the format): "
-        "'thorough' (the default: the exhaustive search's candidates in C, 42 scales per block of 32 and 10 "
-        "super-block scales; SmolLM2 perplexity 1.120x bf16), 'fast' (14 scales per block, one super-block scale "
-        "per grid end: about 2.6x faster, 1.004x the squared error, SmolLM2 1.139x), 'exact' (thorough's "
+        "'fast' (the default: 14 scales per block, one super-block scale per grid end; SmolLM2 iq4_xs perplexity "
+        "1.106x bf16 with the default importance, 1.139x with 'weights'), 'thorough' (the exhaustive search's "
+        "candidates in C, 42 scales per block of 32 and 10 super-block scales: about 2.6x slower, 0.996x the squared "
+        "error, SmolLM2 1.102x / 1.120x), 'exact' (thorough's "
         "super-block stage after an exact breakpoint sweep of each block's scale: at most 1.00003x less error, "
         "slower) or 'exhaustive' (the torch codec's search, in C: the bytes hfquant writes without its native "
         "library; about 9x slower than thorough); docs/performance.md",
         Iq4SearchMode,
-        Iq4SearchMode(blocks.iq4.SEARCHES[0]),
+        Iq4SearchMode.FAST,
         _check_choice,
-        legacy=Iq4SearchMode(blocks.iq4.SEARCHES[0]),
+        legacy=Iq4SearchMode.THOROUGH,
     ),
     ConfigField(
         "importance",
         "each input column's weight in the block formats' search (not stored; the bytes differ, not the format): "
-        "'weights' (the default: each type's data-free rule from the weights alone) or 'bos_activations' (the "
+        "'weights' (each type's data-free rule from the weights alone), 'bos_activations' (the "
         "float model run on its BOS token alone, a length-1 sequence, in the fold pre-pass: the squared input of "
         "q/k/v and gate/up, in the folded space, normalised by its mean, weighs their columns; no text, a few "
         "vectors of memory; hfquant.integration.bos_importance; SmolLM2 iq4_xs 1.120x -> 1.102x bf16, "
-        "docs/performance.md). 'bos_activations' needs a block format and fold_column_scales (Llama, Mistral, "
-        "Qwen2, Qwen3 blocks; other models keep 'weights', a warning says so)",
+        "docs/performance.md; needs a block format and fold_column_scales: Llama, Mistral, Qwen2, Qwen3 blocks, "
+        "other models keep 'weights', a warning says so) or 'auto' (the default: 'bos_activations' where a block "
+        "format's layers are folded and the model has a bos_token_id, else 'weights', silently)",
         Importance,
-        Importance.WEIGHTS,
+        Importance.AUTO,
         _check_choice,
         legacy=Importance.WEIGHTS,
     ),
@@ -779,8 +808,12 @@ def validate_config_values(
 def resolve_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
     """Every field's value, in `FIELDS` order: the given one, or the field's default when it is left out (or None
     for a `none_is_default` field); `format` "auto" becomes the format it picks (`resolve_format`). A tuple given for a list field (`modules_to_not_convert`) becomes a list. Nothing
-    is checked: a default computed from an invalid `bits` is never used, `validate_fields` refuses the `bits` first."""
+    is checked: a default computed from an invalid `bits` is never used, `validate_fields` refuses the `bits` first.
+    A `format` left "auto" with a field of `INT_ONLY_FIELDS` given (`asks_uniform`) means "int" at 4 and 8 bits."""
     resolved: dict[str, Any] = {}
+    if given.get("format", _DEFAULT) in (_DEFAULT, None, QuantFormat.AUTO) and asks_uniform(given):
+        bits = given.get("bits", _DEFAULT)
+        given = {**given, "format": default_format(bits if isinstance(bits, int) else 4, uniform=True)}
     for field in FIELDS:
         value = given.get(field.name, _DEFAULT)
         if value is _DEFAULT or (value is None and field.none_is_default):
@@ -939,7 +972,7 @@ class HfQuantConfig(QuantizationConfigMixin):
                 fmt = settings.get("format")
                 bits = settings.get("bits", default_bits(fmt) if fmt not in (None, QuantFormat.AUTO) else self.bits)
                 same = bits == self.bits
-                fmt = fmt if fmt is not None else (self.format if same else QuantFormat.AUTO)
+                fmt = fmt if fmt is not None else (self.format if same else self._format_at(bits, settings))
                 group_size = settings.get("group_size", self.group_size if same else default_group_size(bits))
                 symmetric = settings.get("symmetric", self.symmetric if same else default_symmetric(bits))
                 method = Method(settings.get("method", self.method))
@@ -947,6 +980,15 @@ class HfQuantConfig(QuantizationConfigMixin):
         return LayerSettings(
             self.bits, self.group_size, self.symmetric, Method(self.method), resolve_format(self.format, self.bits)
         )
+
+    def _format_at(self, bits: int, settings: Mapping[str, Any]) -> str:
+        """The format of a `module_overrides` entry that names another bit width and no format: the integer format
+        stays "int" where it stores that width (an int8 config's {"bits": 4} entry is int4, as before iq4_xs became
+        the 4-bit default), else "auto" at that width (`default_format`, "int" when the entry gives a field of
+        `INT_ONLY_FIELDS`)."""
+        if self.format == QuantFormat.INT and bits in SUPPORTED_BITS:
+            return QuantFormat.INT
+        return default_format(bits, asks_uniform(settings))
 
     def validate(self) -> None:
         """Re-check the fields (after a user changed attributes in place); raises like the constructor."""

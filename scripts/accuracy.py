@@ -104,7 +104,7 @@ DEFAULT_VARIANTS = {
     "sym-g32": dict(group_size=32, symmetric=True, mixed_precision="none"),
 }
 """Candidates for the 4-bit default within the int4 format (issue #30, docs/performance.md "The 4-bit default against
-#30's goal"): `int4-default-<name>` is `HfQuantConfig(bits=4, **DEFAULT_VARIANTS[name])`. `module_overrides` entries
+#30's goal"): `int4-default-<name>` is `HfQuantConfig(bits=4, format="int", **DEFAULT_VARIANTS[name])`. `module_overrides` entries
 win over the data-free rule, which still sets the other layers; the patterns name both SmolLM2's and MiniLM's layers."""
 CONFIGS = {
     "bf16": None,
@@ -120,15 +120,19 @@ CONFIGS = {
     "sinq-g64-v8": dict(bits=4, group_size=64, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM, **STORED),
     "sinq-g128-v8": dict(bits=4, group_size=128, method="sinq", module_overrides=VALUES_IN_INT8, **UNIFORM, **STORED),
     "rtn-g128-auto": dict(bits=4, group_size=128, method="rtn", mixed_precision="auto"),
-    "int4-default-stored": dict(bits=4, **STORED),
-    "int4-default": dict(bits=4),
-    "int4-default-mse": dict(bits=4, clipping="mse"),
-    "int4-default-head-q6_k": dict(bits=4, lm_head="q6_k"),
-    **{f"int4-default-{name}": dict(bits=4, **extra) for name, extra in DEFAULT_VARIANTS.items()},
+    "default": {},
+    "int4-default-stored": dict(bits=4, format="int", **STORED),
+    "int4-default": dict(bits=4, format="int"),
+    "int4-default-mse": dict(bits=4, format="int", clipping="mse"),
+    "int4-default-head-q6_k": dict(bits=4, format="int", lm_head="q6_k"),
+    **{f"int4-default-{name}": dict(bits=4, format="int", **extra) for name, extra in DEFAULT_VARIANTS.items()},
     **{name: dict(format=name) for name in BLOCK_FORMATS},
     **{f"{name}-auto": dict(format=name, mixed_precision="auto") for name in BLOCK_RULE_ROWS},
     **{f"{name}-rtn": dict(format=name, method="rtn") for name in BLOCK_FORMATS},
     **{f"{name}-bos": dict(format=name, importance="bos_activations") for name in ("iq4_xs", "iq4_nl", "q4_k")},
+    **{f"{name}-weights": dict(format=name, importance="weights") for name in (*BLOCK_FORMATS, "hq3_r")},
+    **{f"{name}-thorough": dict(format=name, iq4_search="thorough") for name in ("iq4_xs", "iq4_nl")},
+    "hq3_r-auto-weights": dict(format="hq3_r", mixed_precision="auto", importance="weights"),
     **{f"{name}-auto-rtn": dict(format=name, mixed_precision="auto", method="rtn") for name in BLOCK_RULE_ROWS},
     "hq3_0": dict(format="hq3_0"),
     "hq3_0-auto": dict(format="hq3_0", mixed_precision="auto"),

@@ -63,7 +63,7 @@ EXPORTS = {
     "int4-g64-sym": dict(bits=4, group_size=64, symmetric=True, method="rtn", mixed_precision="none"),
     "int4-g64-asym": dict(bits=4, group_size=64, symmetric=False, method="rtn", mixed_precision="none"),
     "int8": dict(bits=8, method="rtn", mixed_precision="none"),
-    "int4-default": dict(bits=4),  # SINQ folded into RTN codes, late v_proj in int8: those q/k/v sets in float
+    "int4-default": dict(bits=4, format="int"),  # SINQ folded into RTN codes, late v_proj in int8: q/k/v in float
 }
 """hfquant configs exported to compressed-tensors. Only `method="rtn"` exports (SINQ's column scales have no
 compressed-tensors tensor); one group size everywhere (SmolLM2's widths are all divisible by 64)."""

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Quantize a checkpoint with hfquant (int8, int4) and compare it with bf16, end to end.
+"""Quantize a checkpoint with hfquant (int8, the 4-bit default) and compare it with bf16, end to end.
 
-For each method (bf16 / int8 / int4) two fresh Python processes run one after the other:
+Methods: bf16, int8 (`HfQuantConfig(bits=8)`), 4bit (`HfQuantConfig(bits=4)`: the 4-bit default, IQ4_XS blocks) and,
+when asked, int4 (`HfQuantConfig(bits=4, format="int", group_size=...)`: uniform int4, what vLLM reads). For each
+method two fresh Python processes run one after the other:
 
 1. *load*: ``from_pretrained(model, dtype=bfloat16, device_map="cpu"[, quantization_config=...])``,
    timing the call and measuring peak RSS growth (VmHWM minus RSS just before the call),
@@ -22,7 +24,7 @@ Exit status: 0 when every method succeeded, 1 otherwise.
 
 Examples:
     python scripts/run_example.py
-    python scripts/run_example.py --methods bf16,int4 --group-size 64 --json results.json
+    python scripts/run_example.py --methods bf16,4bit,int4 --group-size 64 --json results.json
     python scripts/run_example.py --model /path/to/my/llama --out /tmp/hfquant-run --no-progress
 """
 
@@ -42,7 +44,8 @@ from pathlib import Path
 # The repository root: benchmarks/ (the memory helpers) is never installed; hfquant is found there too when it is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-METHODS = ("bf16", "int8", "int4")
+METHODS = ("bf16", "int8", "4bit", "int4")
+DEFAULT_METHODS = ("bf16", "int8", "4bit")
 QUESTION = "What is the capital of France?"
 DECODE_PROMPT = "The history of the Roman Empire begins"
 DECODE_TOKENS = 64
@@ -95,8 +98,10 @@ def _quant_config(method: str, group_size: int | None):
 
     if method == "int8":
         return hfquant.HfQuantConfig(bits=8)
+    if method == "4bit":
+        return hfquant.HfQuantConfig(bits=4)
     if method == "int4":
-        return hfquant.HfQuantConfig(bits=4, group_size=group_size)
+        return hfquant.HfQuantConfig(bits=4, format="int", group_size=group_size)
     raise ValueError(f"Unknown method {method!r}")
 
 
@@ -358,17 +363,22 @@ def render_table(results: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Quantize a checkpoint with hfquant and compare bf16 / int8 / int4 (size, load, memory, "
+        description="Quantize a checkpoint with hfquant and compare bf16 / int8 / 4bit / int4 (size, load, memory, "
         "perplexity, decode speed, reload exactness)."
     )
     parser.add_argument(
         "--model", default=None, help="local checkpoint folder (default: build/use the SmolLM2-135M example)"
     )
     parser.add_argument(
-        "--methods", default=",".join(METHODS), help="comma-separated subset of bf16,int8,int4 (default: all)"
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
     )
     parser.add_argument(
-        "--group-size", type=int, default=128, help="int4 group size in input columns (default: 128; 0 = per-channel)"
+        "--group-size",
+        type=int,
+        default=128,
+        help="the int4 method's group size in input columns (default: 128; 0 = per-channel)",
     )
     parser.add_argument(
         "--out",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-__all__ = ["BosForward"]
+__all__ = ["BosForward", "bos_token_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,17 @@ def _rmsnorm(read, name: str, h: torch.Tensor, eps: float) -> torch.Tensor:
     return h * torch.rsqrt(h.square().mean() + eps) * read(name + ".weight").float()
 
 
+def bos_token_id(model: nn.Module) -> int | None:
+    """The model's BOS token id: its text config's `bos_token_id`, else its config's (the first of a list), or None."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    bos = getattr(config, "bos_token_id", None)
+    if bos is None:
+        bos = getattr(model.config, "bos_token_id", None)
+    if isinstance(bos, (list, tuple)):
+        bos = bos[0] if bos else None
+    return None if bos is None else int(bos)
+
+
 class BosForward:
     """The BOS token's forward through the foldable decoder blocks of `model`, one block at a time and on demand.
 
@@ -67,12 +78,8 @@ class BosForward:
 
     def __init__(self, model: nn.Module, blocks: list, read: Callable[[str], torch.Tensor]):
         config = getattr(model.config, "get_text_config", lambda: model.config)()
-        bos = getattr(config, "bos_token_id", None)
-        if bos is None:
-            bos = getattr(model.config, "bos_token_id", None)
+        bos = bos_token_id(model)
         name = getattr(model.config, "name_or_path", None) or type(model).__name__
-        if isinstance(bos, (list, tuple)):
-            bos = bos[0] if bos else None
         if bos is None:
             raise ValueError(
                 f"importance='bos_activations' runs the model on its BOS token, and {name}'s config has no "

@@ -26,8 +26,9 @@ from hfquant.config import HfQuantConfig, matches_module
 from hfquant.core.dtypes import torch_dtype
 from hfquant.core.folding import Transform
 from hfquant.core.format import StoredFormat
+from hfquant.integration.bos_importance import bos_token_id
 from hfquant.integration.embeddings import EmbeddingPlan, plan_embeddings, replace_embeddings
-from hfquant.integration.folding import FoldStream, fold_overrides
+from hfquant.integration.folding import FoldStream, find_blocks, fold_overrides
 from hfquant.nn.norms import find_norms, install_dtype_adapter
 from hfquant.nn.replace import (
     ExpertsPlan,
@@ -114,12 +115,23 @@ def plan_checkpoint_folds(
             "fold_column_scales does not support disk offload (device_map places modules on 'disk'): quantize with "
             "a device_map without 'disk' and save, or use fold_column_scales=False"
         )
-    folds = FoldStream(model, layers, files, clipping=config.clipping, importance=str(config.importance))
+    folds = FoldStream(model, layers, files, clipping=config.clipping, importance=_importance(model, config, layers))
     added = fold_overrides(config, layers, folds)
     if added:
         config.prepend_overrides(added)
         layers = plan_layers(model, config, skip)
     return folds, layers
+
+
+def _importance(model: nn.Module, config: HfQuantConfig, layers: list[LayerPlan]) -> str:
+    """The config's `importance` for this load: "auto" is "bos_activations" where a layer is stored in a block format
+    (whose search takes an importance) and the model has foldable blocks and a BOS token (`bos_token_id`), else
+    "weights"; the other values as given (FoldStream warns where "bos_activations" cannot act)."""
+    importance = str(config.importance)
+    if importance != "auto":
+        return importance
+    blocks = any(plan.format is not None and plan.format.block is not None for plan in layers)
+    return "bos_activations" if blocks and find_blocks(model) and bos_token_id(model) is not None else "weights"
 
 
 def stored_entry(config: HfQuantConfig, plan: LayerPlan) -> dict | None:

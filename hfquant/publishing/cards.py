@@ -336,12 +336,20 @@ def _shown_evaluation(evaluation: dict | None) -> dict | None:
     return shown
 
 
+def _defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """What `HfQuantConfig` resolves every field to at `settings`' bit width and format (the defaults of the int
+    format differ from the 4-bit default's), with the format `bits` alone picks: a format is asked when it differs."""
+    picked = HfQuantConfig(bits=settings["bits"]).to_dict()
+    fmt = settings.get("format", picked["format"])
+    return {**HfQuantConfig(bits=settings["bits"], format=fmt).to_dict(), "format": picked["format"]}
+
+
 def asked_settings(qconfig: dict[str, Any], recorded: bool = False) -> dict[str, Any]:
     """The fields of `qconfig` (an `HfQuantConfig.to_dict()`) that differ from the defaults at its bit width, `bits`
     always: what a user gives to make the same checkpoint. With `recorded` (the config of a quantized checkpoint), the
     `module_overrides` entries naming one layer are left out: the quantizer wrote them to record each layer's
     stored format (group fallbacks, the data-free rule, the folds), and makes them again from the other fields."""
-    defaults = HfQuantConfig(bits=qconfig["bits"]).to_dict()
+    defaults = _defaults(qconfig)
     settings = {"bits": qconfig["bits"]}
     for key, value in qconfig.items():
         if key == "module_overrides" and recorded:
@@ -356,7 +364,7 @@ def convert_command(src: str, dst: str, settings: dict[str, Any], dtype: str = "
     `HfQuantConfig.to_dict()`), shell-quoted (`shlex.join`): pasted into a POSIX shell, it runs as is. `dtype`: the
     `--dtype` option, left out when "auto"."""
     parts = ["hfquant", "convert", src, dst]
-    defaults = HfQuantConfig(bits=settings["bits"]).to_dict()
+    defaults = _defaults(settings)
     for key, value in settings.items():
         if key in ("quant_method", "format_version") or (key != "bits" and defaults.get(key) == value):
             continue

@@ -156,10 +156,11 @@ def test_card_command_reproduces_the_tensors(float_checkpoint, tmp_path, monkeyp
 
 
 def test_card_summarizes_layers_names_the_method_and_says_how_to_install(float_checkpoint, tmp_path):
-    """The default 4-bit config records every layer's format in module_overrides: the card counts the layers per
+    """The int format's 4-bit defaults record every layer's format in module_overrides: the card counts the layers per
     format instead of dumping the dict, names the method as its tables do, and installs from source."""
     out = tmp_path / "default"
-    convert(float_checkpoint("llama", torch.bfloat16, hidden_size=96), out, HfQuantConfig(), progress=False)
+    config = HfQuantConfig(format="int")
+    convert(float_checkpoint("llama", torch.bfloat16, hidden_size=96), out, config, progress=False)
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     assert len(qconfig["module_overrides"]) == 14
     card = build_card(out, base_model=BASE).content
@@ -170,4 +171,8 @@ def test_card_summarizes_layers_names_the_method_and_says_how_to_install(float_c
     assert "round-to-nearest (RTN)" not in card and "`sinq (folded)`: SINQ with its column scales folded" in card
     assert "pip install hfquant\n" not in card and "not published on PyPI" in card
     assert not (out / "README.md").exists()  # the library's convert writes no card: the command is made from config
-    assert build_card(out).content.split("```bash\n")[-1].startswith(f"hfquant convert SRC {out.name} --bits 4\n")
+    assert (
+        build_card(out)
+        .content.split("```bash\n")[-1]
+        .startswith(f"hfquant convert SRC {out.name} --bits 4 --format int\n")
+    )

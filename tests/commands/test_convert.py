@@ -21,7 +21,13 @@ SHARD_SIZE = "40KB"  # the tiny models are 100-300 KB: several shards, and a lay
 CASES = {
     "llama-int4-g32-fp32": ("llama", torch.float32, None, dict(bits=4, group_size=32)),
     "llama_tied-int8-bf16": ("llama_tied", torch.bfloat16, None, dict(bits=8)),
-    "llama-int4-default-group-skip": ("llama", torch.bfloat16, None, dict(bits=4, modules_to_not_convert=["o_proj"])),
+    "llama-int4-default-group-skip": (
+        "llama",
+        torch.bfloat16,
+        None,
+        dict(bits=4, format="int", modules_to_not_convert=["o_proj"]),
+    ),
+    "llama-4bit-default-skip": ("llama", torch.bfloat16, None, dict(bits=4, modules_to_not_convert=["o_proj"])),
     "gpt2-conv1d-int4-g64-sym-fp32-as-bf16": (
         "gpt2",
         torch.float32,
@@ -75,7 +81,12 @@ def test_identical_to_quantize_on_load_then_save(float_checkpoint, tmp_path, cas
     )
     assert_same_checkpoint(expected, tmp_path / "converted")
     assert len(result.shards) > 1
-    assert result.quantized_layers == sum(1 for name in read_tensors(expected) if name.endswith(".weight_scale"))
+    tensors = read_tensors(expected)  # a quantized layer stores a scale beside its codes, or block bytes (uint8)
+    quantized = {name.removesuffix(".weight_scale") for name in tensors if name.endswith(".weight_scale")}
+    quantized |= {
+        n.removesuffix(".weight") for n, t in tensors.items() if n.endswith(".weight") and t.dtype == torch.uint8
+    }
+    assert result.quantized_layers == len(quantized)
 
 
 @pytest.mark.parametrize(

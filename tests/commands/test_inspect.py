@@ -50,7 +50,7 @@ def test_layer_kind_replaces_indices_only():
 def test_int4_kinds_bits_groups_and_bytes(converted, head):
     """Group 128 asked: the 64-wide layers fall back to 64, down_proj (128 wide) keeps 128; bytes are exact. The
     4-bit default's lm_head is int8 per channel; with lm_head "keep" it is a float layer."""
-    report = inspect_checkpoint(converted("llama", bits=4, method="rtn", mixed_precision="none", **head))
+    report = inspect_checkpoint(converted("llama", bits=4, format="int", method="rtn", mixed_precision="none", **head))
     rows = {row["kind"]: row for row in report["quantized"]}
     if not head:
         lm_head = rows.pop("lm_head")
@@ -112,24 +112,25 @@ def test_conv1d_shapes(converted):
 
 
 def test_methods_as_stored_sinq_folded_sinq_and_rtn(converted):
-    """Issue #27 item 3: the default 4-bit Llama checkpoint folds SINQ (plain codes, no column scale) and is reported
+    """Issue #27 item 3: the int format's default 4-bit Llama checkpoint folds SINQ (plain codes, no column scale) and is reported
     as folded SINQ, not as RTN; unfolded SINQ (GPT-2's Conv1D, or fold_column_scales off) stores column scales and
     is "sinq"; method rtn is "rtn". The v_proj the data-free rule stores in int8 is per-channel."""
-    folded = {row["kind"]: row for row in inspect_checkpoint(converted("llama"))["quantized"]}
+    folded = {row["kind"]: row for row in inspect_checkpoint(converted("llama", format="int"))["quantized"]}
     assert folded.pop("lm_head")["method"] == "rtn"  # the 4-bit default's int8 lm_head: RTN, as embeddings
     assert {row["method"] for row in folded.values()} == {FOLDED_SINQ}
     int8 = [row for row in folded.values() if row["bits"] == 8]
     assert [(row["kind"], row["count"], row["per_channel"]) for row in int8] == [
         ("model.layers.*.self_attn.v_proj", 1, True)
     ]
-    gpt2 = inspect_checkpoint(converted("gpt2", lm_head="keep"))["quantized"]
+    gpt2 = inspect_checkpoint(converted("gpt2", format="int", lm_head="keep"))["quantized"]
     assert {row["method"] for row in gpt2} == {"sinq"}
-    unfolded = inspect_checkpoint(converted("llama", fold_column_scales=False))["quantized"]
+    unfolded = inspect_checkpoint(converted("llama", format="int", fold_column_scales=False))["quantized"]
     assert {row["method"] for row in unfolded if row["kind"] != "lm_head"} == {"sinq"}
-    plain = inspect_checkpoint(converted("llama", method="rtn", mixed_precision="none"))["quantized"]
+    plain = inspect_checkpoint(converted("llama", format="int", method="rtn", mixed_precision="none"))["quantized"]
     assert {row["method"] for row in plain} == {"rtn"}
     # a layer asked in RTN by a pattern in a folded checkpoint is RTN
-    mixed = inspect_checkpoint(converted("llama", module_overrides={"o_proj": {"method": "rtn"}}))["quantized"]
+    overrides = {"o_proj": {"method": "rtn"}}
+    mixed = inspect_checkpoint(converted("llama", format="int", module_overrides=overrides))["quantized"]
     assert {row["kind"]: row["method"] for row in mixed}["model.layers.*.self_attn.o_proj"] == "rtn"
     assert {row["kind"]: row["method"] for row in mixed}["model.layers.*.self_attn.q_proj"] == FOLDED_SINQ
 

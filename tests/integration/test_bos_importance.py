@@ -100,12 +100,25 @@ def _stored(folder, **settings) -> dict[str, torch.Tensor]:
 def test_the_importance_reaches_the_search_of_the_normed_layers_only(tmp_path):
     model = _model(layers=2)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    weights = _stored(tmp_path)
+    weights = _stored(tmp_path, importance="weights")
     bos = _stored(tmp_path, importance="bos_activations")
     changed = {name for name in weights if not torch.equal(weights[name], bos[name])}
     normed = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     assert changed and all(name.split(".")[-2] in normed for name in changed)
     assert any("q_proj" in name for name in changed) and any("up_proj" in name for name in changed)
+    auto = _stored(tmp_path)  # the default, "auto": the BOS importance on a folded Llama with a BOS token
+    assert all(torch.equal(auto[name], bos[name]) for name in bos)
+
+
+def test_auto_importance_is_weights_without_a_bos_token(tmp_path):
+    model = _model(layers=2)
+    model.config.bos_token_id = None
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    weights = _stored(tmp_path, importance="weights")
+    auto = _stored(tmp_path)
+    assert all(torch.equal(auto[name], weights[name]) for name in weights)
+    with pytest.raises(ValueError, match="has no bos_token_id"):
+        _stored(tmp_path, importance="bos_activations")
 
 
 @pytest.mark.parametrize(
@@ -113,9 +126,10 @@ def test_the_importance_reaches_the_search_of_the_normed_layers_only(tmp_path):
     [
         (
             dict(importance="tokens"),
-            r"importance='tokens' is not allowed; use one of \['weights', 'bos_activations'\]",
+            r"importance='tokens' is not allowed; use one of \['auto', 'weights', 'bos_activations'\]",
         ),
-        (dict(importance="bos_activations"), r"format='int' is round-to-nearest"),
+        (dict(format="int", importance="bos_activations"), r"format='int' is round-to-nearest"),
+        (dict(group_size=64, importance="bos_activations"), r"format='int' is round-to-nearest"),
         (dict(format="q4_k", method="rtn", importance="bos_activations"), "runs in the fold pre-pass"),
     ],
 )

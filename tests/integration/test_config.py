@@ -270,9 +270,9 @@ def test_to_json_string_is_unchanged():
     # The exact text of config.json's quantization_config: a saved checkpoint must stay byte-identical.
     assert HfQuantConfig().to_json_string() == (
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
-        '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "int",\n  "format_version": 1,\n'
-        '  "group_size": 128,\n  "importance": "weights",\n  "iq4_search": "thorough",\n'
-        '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "auto",\n  "module_overrides": {},\n'
+        '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "iq4_xs",\n  "format_version": 1,\n'
+        '  "group_size": 128,\n  "importance": "auto",\n  "iq4_search": "fast",\n'
+        '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "none",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
     assert json.loads(HfQuantConfig(bits=8).to_json_string()) == {
@@ -285,8 +285,8 @@ def test_to_json_string_is_unchanged():
         "format": "int",
         "format_version": 1,
         "group_size": None,
-        "importance": "weights",
-        "iq4_search": "thorough",
+        "importance": "auto",
+        "iq4_search": "fast",
         "lm_head": "keep",
         "method": "rtn",
         "mixed_precision": "none",
@@ -350,7 +350,8 @@ def test_enums_match_the_values_the_core_modules_accept():
     assert tuple(m.value for m in Clipping) == rtn.CLIPPING
     assert {m.value for m in FloatDtype} - {"auto"} == set(dtypes.FLOAT_DTYPES)
     assert {m.value for m in EmbeddingDtype} == {m.value for m in FloatDtype} | {"int8", "int4"}
-    assert HfQuantConfig().layer_settings("x") == (4, 128, False, Method.SINQ, "int")
+    assert HfQuantConfig().layer_settings("x") == (4, 128, False, Method.SINQ, "iq4_xs")
+    assert HfQuantConfig(format="int").layer_settings("x") == (4, 128, False, Method.SINQ, "int")
     assert {m.value for m in QuantFormat} == {"auto", "int"} | set(blocks.LAYOUTS)
 
 
@@ -404,7 +405,9 @@ def test_config_json_of_earlier_versions_loads_with_what_it_stored():
 @pytest.mark.parametrize(
     "given, lm_head",
     [
-        ({}, "int8"),  # the 4-bit int default
+        ({}, "int8"),  # the 4-bit default (iq4_xs)
+        (dict(group_size=64), "int8"),  # the 4-bit int format
+        (dict(format="iq4_xs"), "keep"),  # a block format asked by name: a GGUF export's own output type
         (dict(bits=4, format="int", group_size=32, symmetric=True, method="rtn"), "int8"),
         (dict(embedding_dtype="auto"), "int8"),
         (dict(bits=8), "keep"),
@@ -427,8 +430,10 @@ def test_the_lm_head_default_is_int8_for_the_4_bit_int_format_and_q6_k_for_the_3
     config = HfQuantConfig(**given)
     assert config.lm_head == lm_head and isinstance(config.lm_head, LmHead)
     assert HfQuantConfig.from_dict(config.to_dict()).lm_head == lm_head  # saved, it reloads as written
-    if "lm_head" not in given:
-        assert config_module.default_lm_head(config.bits, config.format, config.embedding_dtype) == lm_head
+    if "lm_head" not in given:  # the format as the constructor saw it: "auto" when it was left to pick
+        picked = "format" not in given and config.format == config_module.default_format(config.bits)
+        fmt = "auto" if picked else config.format
+        assert config_module.default_lm_head(config.bits, fmt, config.embedding_dtype) == lm_head
 
 
 def test_an_entry_naming_a_layer_exactly_wins_over_a_pattern_listed_before_it():

@@ -13,13 +13,49 @@ from hfquant.nn.linear import QuantLinear
 
 
 @pytest.mark.parametrize(
-    ("bits", "expected"), [(2, "q2_k"), (3, "q3_k"), (4, "int"), (5, "q5_k"), (6, "q6_k"), (8, "int")]
+    ("bits", "expected"), [(2, "q2_k"), (3, "q3_k"), (4, "iq4_xs"), (5, "q5_k"), (6, "q6_k"), (8, "int")]
 )
 def test_auto_format_follows_the_bit_width(bits, expected):
     config = HfQuantConfig(bits=bits)
     assert config.format == expected  # "auto" is stored as what it picked
     assert default_format(bits) == expected
     assert config.layer_settings("model.layers.0.mlp.down_proj").format == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (dict(group_size=64), "int"),  # a field only "int" has asks for it
+        (dict(group_size=None), "int"),  # per-channel int4
+        (dict(symmetric=True), "int"),
+        (dict(symmetric=False), "int"),
+        (dict(clipping="mse"), "int"),
+        (dict(decode_activations="int8"), "int"),
+        (dict(symmetric=None), "iq4_xs"),  # None: the default, nothing asked
+        (dict(format="iq4_xs", group_size=64), "iq4_xs"),  # an explicit format wins (group_size unused)
+        (dict(bits=2, group_size=64), "q2_k"),  # "int" has no 2-bit codes
+        (dict(bits=8, group_size=64), "int"),
+    ],
+)
+def test_int_only_fields_ask_for_the_int_format(given, expected):
+    config = HfQuantConfig(**given)
+    assert config.format == expected
+    assert HfQuantConfig.from_dict(config.to_dict()).format == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "entry", "expected"),
+    [
+        (dict(bits=8), {"bits": 4}, "int"),  # an int8 config's int4 layers, as before iq4_xs became the default
+        (dict(format="q6_k"), {"bits": 4}, "iq4_xs"),  # a block config's: the 4-bit default
+        (dict(format="q6_k"), {"bits": 4, "group_size": 64}, "int"),  # the entry asks for "int"
+        (dict(), {"bits": 8}, "int"),
+        (dict(), {"bits": 2}, "q2_k"),
+    ],
+)
+def test_an_entry_at_another_width_keeps_the_int_family_or_picks_that_width(config, entry, expected):
+    settings = HfQuantConfig(**config, module_overrides={"down_proj": entry}).layer_settings("m.down_proj")
+    assert (settings.bits, settings.format) == (entry["bits"], expected)
 
 
 def test_a_block_format_gives_its_own_bit_width_and_llama_cpps_recipe():
@@ -70,6 +106,30 @@ def test_a_config_json_without_format_is_the_integer_format():
     legacy = {key: value for key, value in HfQuantConfig(bits=4).to_dict().items() if key != "format"}
     assert HfQuantConfig.from_dict(legacy).format == "int"
     assert HfQuantConfig.from_dict(HfQuantConfig(bits=2).to_dict()) == HfQuantConfig(bits=2)
+
+
+def test_the_4_bit_default_stores_iq4_xs_blocks_an_int8_lm_head_and_reloads_bit_exactly(tmp_path):
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    tiny_model("llama", tie_word_embeddings=False, **shape).save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=HfQuantConfig(bits=4))
+    formats = {n: m.format for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    head = formats.pop("lm_head")
+    assert (head.bits, head.block, head.group_size, head.symmetric) == (8, None, 256, True)  # per channel
+    assert {f.block for f in formats.values()} == {"iq4_xs"} and len(formats) == 14  # 2 blocks x 7 Linear layers
+    model.save_pretrained(tmp_path / "q")
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert (saved["format"], saved["lm_head"], saved["importance"], saved["iq4_search"]) == (
+        "iq4_xs",
+        "int8",
+        "auto",
+        "fast",
+    )
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    buffers = dict(again.named_buffers())
+    assert all(torch.equal(buffers[name], value) for name, value in model.named_buffers())
 
 
 @pytest.mark.parametrize(

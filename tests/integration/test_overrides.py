@@ -87,7 +87,7 @@ def _recorded_formats(folder, in_features: dict[str, int]) -> dict[str, tuple]:
     formats = {}
     for layer, k in in_features.items():
         bits, group, symmetric, method = config.layer_settings(layer)[:4]
-        if layer == "lm_head":  # the `lm_head` field: int8 per channel, symmetric, RTN (the 4-bit default)
+        if layer == "lm_head":  # the `lm_head` field: int8 per channel, symmetric, RTN (the 4-bit defaults)
             assert config.lm_head == "int8"
             bits, group, symmetric, method = 8, None, True, Method.RTN
         formats[layer] = (bits, k if group is None else group, symmetric, method.value)
@@ -97,14 +97,14 @@ def _recorded_formats(folder, in_features: dict[str, int]) -> dict[str, tuple]:
 @pytest.mark.parametrize(
     "arch, settings, shape",
     [
-        # the 4-bit default on Llama blocks: folded (RTN), v_proj of layer 1 in int8, 96 inputs at group 32
-        ("llama", {}, dict(hidden_size=96, intermediate_size=192)),
+        # the int format's 4-bit defaults on Llama blocks: folded (RTN), v_proj of layer 1 in int8, 96 inputs at 32
+        ("llama", dict(format="int"), dict(hidden_size=96, intermediate_size=192)),
         # GPT-2 Conv1D layers are not folded: SINQ column scales stored; c_fc's 96 inputs fall back to 32
         ("gpt2", dict(bits=4, method="sinq", group_size=128), dict(n_embd=96)),
         # int8 per-channel with a 4-bit override at group 128 where 96 inputs take 32
         ("llama", dict(bits=8, module_overrides={"o_proj": {"bits": 4}}), dict(hidden_size=96)),
     ],
-    ids=["llama-default", "gpt2-sinq", "int8-override"],
+    ids=["llama-int4-default", "gpt2-sinq", "int8-override"],
 )
 def test_config_records_the_format_each_layer_is_stored_in(float_checkpoint, tmp_path, arch, settings, shape):
     """Issue #27 item 3: config.json read literally (no group fallback) gives every layer the bits, group size,
@@ -131,7 +131,7 @@ def test_checkpoint_without_the_entries_still_loads(float_checkpoint, tmp_path):
     entry) loads the same layers: the group is read back as before, from the fallback rule."""
     src = float_checkpoint("llama", hidden_size=96)
     # lm_head "keep": such a checkpoint was written before the 4-bit default's int8 lm_head, with a float one
-    config = HfQuantConfig(bits=4, method="rtn", mixed_precision="none", lm_head="keep")
+    config = HfQuantConfig(bits=4, format="int", method="rtn", mixed_precision="none", lm_head="keep")
     model = auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu")
     model.save_pretrained(tmp_path)
     path = tmp_path / "config.json"

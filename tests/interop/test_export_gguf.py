@@ -35,9 +35,16 @@ CONFIGS = {
     "int8": dict(bits=8),
     "int4-sym": dict(bits=4, group_size=32, symmetric=True, method="rtn", mixed_precision="none"),
     "int4-asym": dict(bits=4, group_size=64, method="rtn", mixed_precision="none"),
-    "int4-default": dict(bits=4),  # SINQ folded into plain RTN codes in Llama blocks, late v_proj in int8
+    "int4-default": dict(bits=4, format="int"),  # SINQ folded into plain RTN codes in Llama blocks, late v_proj int8
+    "4bit-default": dict(bits=4),  # IQ4_XS blocks copied (IQ4_NL: the tiny model's rows of 64), the lm_head Q8_0
 }
-TYPES = {"int8": {"Q8_0"}, "int4-sym": {"Q4_0"}, "int4-asym": {"Q4_1"}, "int4-default": {"Q4_1", "Q8_0"}}
+TYPES = {
+    "int8": {"Q8_0"},
+    "int4-sym": {"Q4_0"},
+    "int4-asym": {"Q4_1"},
+    "int4-default": {"Q4_1", "Q8_0"},
+    "4bit-default": {"IQ4_NL"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +76,9 @@ def test_gguf_reader_and_transformers_read_back_hfquant_weights(source, tmp_path
     # the general keys llama.cpp's converter writes: the name, the main quantized type, the block layouts' version
     fields = reader.fields
     assert bytes(fields["general.name"].parts[-1]).decode() == folder.name
-    main = {"int8": "Q8_0", "int4-sym": "Q4_0", "int4-asym": "Q4_1", "int4-default": "Q4_1"}[name]
+    main = {"int8": "Q8_0", "int4-sym": "Q4_0", "int4-asym": "Q4_1", "int4-default": "Q4_1", "4bit-default": "IQ4_NL"}[
+        name
+    ]
     assert int(fields["general.file_type"].parts[-1][0]) == gguf.LlamaFileType["MOSTLY_" + main]
     assert int(fields["general.quantization_version"].parts[-1][0]) == gguf.GGML_QUANT_VERSION
 

@@ -58,7 +58,8 @@ def test_nothing_at_8_bits_at_group_64_or_without_layer_indices():
 
 
 def test_user_overrides_win_and_none_turns_it_off():
-    config = HfQuantConfig(bits=4, module_overrides={"model.layers.3.self_attn.v_proj": {"bits": 4, "group_size": 32}})
+    entry = {"bits": 4, "group_size": 32}
+    config = HfQuantConfig(bits=4, format="int", module_overrides={"model.layers.3.self_attn.v_proj": entry})
     added = config.apply_mixed_precision(LLAMA)
     assert "model.layers.3.self_attn.v_proj" not in added and added["model.layers.2.self_attn.v_proj"] == {"bits": 8}
     assert list(config.module_overrides)[0] == "model.layers.3.self_attn.v_proj"  # the user's entry stays first
@@ -68,11 +69,11 @@ def test_user_overrides_win_and_none_turns_it_off():
     assert off.apply_mixed_precision(LLAMA) == {} and off.module_overrides == {}
 
 
-def test_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpoint, tmp_path):
-    """Quantize-on-load with the defaults, save, reload: config.json names each layer the rule changed, the reload
-    builds the same formats from it (the rule does not run again) and gives the same logits and tensors."""
+def test_int_default_checkpoint_lists_the_rule_and_reloads_bit_exactly(float_checkpoint, tmp_path):
+    """Quantize-on-load with the int format's 4-bit defaults, save, reload: config.json names each layer the rule
+    changed, the reload builds the same formats from it (the rule does not run again), same logits and tensors."""
     src = float_checkpoint("llama", torch.bfloat16, num_hidden_layers=4)
-    config = HfQuantConfig()
+    config = HfQuantConfig(format="int")
     model = auto_class("llama").from_pretrained(src, quantization_config=config, device_map="cpu")
     assert config.module_overrides == {}  # the caller's config is not changed
     formats = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantLinear)}

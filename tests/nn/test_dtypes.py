@@ -74,7 +74,7 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     assert (config.embedding_dtype, config.norm_dtype, config.lm_head, config.compute_dtype) == (
         "auto",
         "auto",
-        "int8",  # the 4-bit int default's per-channel int8 lm_head (config.default_lm_head)
+        "int8",  # the 4-bit default's per-channel int8 lm_head (config.default_lm_head)
         "auto",
     )
     assert HfQuantConfig(bits=8).lm_head == "keep" and HfQuantConfig(embedding_dtype="int4").lm_head == "keep"
@@ -90,7 +90,14 @@ def test_defaults_are_todays_behaviour_and_old_config_json_loads():
     # defaults are
     legacy = HfQuantConfig.from_dict(old)
     assert legacy == HfQuantConfig(
-        bits=4, group_size=128, symmetric=False, method="rtn", mixed_precision="none", lm_head="keep"
+        bits=4,
+        group_size=128,
+        symmetric=False,
+        method="rtn",
+        mixed_precision="none",
+        lm_head="keep",
+        iq4_search="thorough",  # what hfquant searched with before "fast" became the default
+        importance="weights",
     )
     assert set(config.to_dict()) == set(old) | set(NEW_FIELDS) | {
         "method",
@@ -298,7 +305,7 @@ def test_gpt2_small_footprint_below_bitsandbytes(gpt2_small):
     results = {"fp32": 2 * fp16, "fp16": fp16}
     for name, dtype, kwargs in [
         ("int8, fp16 embeddings and norms", torch.float16, dict(bits=8)),
-        ("int8 embeddings + int4 layers", torch.float16, dict(bits=4, embedding_dtype="int8")),
+        ("int8 embeddings + int4 layers", torch.float16, dict(bits=4, format="int", embedding_dtype="int8")),
     ]:
         model = AutoModelForCausalLM.from_pretrained(
             path, quantization_config=HfQuantConfig(**kwargs), dtype=dtype, device_map="cpu"

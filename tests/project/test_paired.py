@@ -210,25 +210,26 @@ def _pair(mine: str, theirs: str, median: float) -> dict:
 
 def test_the_default_against_q4_0_has_issue_32s_limits():
     pairs = [
-        _pair("hfquant-int4", "llamacpp-int4", 1.3),
-        _pair("hfquant-int4 +compile", "llamacpp-int4", 1.3),
-        _pair("hfquant-int4", "llamacpp-q4_0", 1.05),
-        _pair("hfquant-int4 +compile", "llamacpp-q4_0", 1.1),
+        _pair("hfquant-4bit", "llamacpp-4bit", 1.3),
+        _pair("hfquant-4bit +compile", "llamacpp-4bit", 1.3),
+        _pair("hfquant-4bit", "llamacpp-q4_0", 1.05),
+        _pair("hfquant-4bit +compile", "llamacpp-q4_0", 1.1),
         _pair("hfquant-int4-rtn", "llamacpp-q4_0", 0.9),  # no limit: only the default has one against Q4_0
+        _pair("hfquant-int4", "llamacpp-q4_0", 0.9),  # the int format's 4-bit defaults: no longer the default
     ]
     speed = {c["target"]: (c["limit"], c["met"]) for c in paired.paired_targets([{"pairs": pairs}], speed=True)}
     assert speed == {
-        "hfquant-int4 decode >= 1.2x llamacpp-int4 (same weights, paired median of 3 rounds)": (1.2, True),
-        "hfquant-int4 +compile decode >= 1.2x llamacpp-int4 (same weights, paired median of 3 rounds)": (1.2, True),
-        "hfquant-int4 decode >= 1.0x llamacpp-q4_0 (llama.cpp's fastest 4-bit type, paired median of 3 rounds)": (
+        "hfquant-4bit decode >= 1.2x llamacpp-4bit (same weights, paired median of 3 rounds)": (1.2, True),
+        "hfquant-4bit +compile decode >= 1.2x llamacpp-4bit (same weights, paired median of 3 rounds)": (1.2, True),
+        "hfquant-4bit decode >= 1.0x llamacpp-q4_0 (llama.cpp's fastest 4-bit type, paired median of 3 rounds)": (
             1.0,
             True,
         ),
-        "hfquant-int4 +compile decode >= 1.2x llamacpp-q4_0 (llama.cpp's fastest 4-bit type, paired median of 3 "
+        "hfquant-4bit +compile decode >= 1.2x llamacpp-q4_0 (llama.cpp's fastest 4-bit type, paired median of 3 "
         "rounds)": (1.2, False),
     }
     small = {c["target"]: c["limit"] for c in paired.paired_targets([{"pairs": pairs[:2]}], speed=False)}
     assert small == {
-        "hfquant-int4 decode >= 0.8x llamacpp-int4 (same weights, paired median of 3 rounds)": 0.8,
-        "hfquant-int4 +compile decode >= 1.0x llamacpp-int4 (same weights, paired median of 3 rounds)": 1.0,
+        "hfquant-4bit decode >= 0.8x llamacpp-4bit (same weights, paired median of 3 rounds)": 0.8,
+        "hfquant-4bit +compile decode >= 1.0x llamacpp-4bit (same weights, paired median of 3 rounds)": 1.0,
     }
