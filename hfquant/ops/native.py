@@ -61,6 +61,7 @@ __all__ = [
     "kquant_quantize",
     "BLOCK_QUANTIZE_TYPES",
     "block_quantize",
+    "bf16_f32_gemv",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ _SIGNATURES = {
     "hfquant_int4_dequantize_t": [_POINTER] * 3 + [_INT64] * 5,
     "hfquant_int8_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
+    "hfquant_bf16_f32_gemv": [_POINTER] * 3 + [_INT64] * 2,
     "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3 + [_INT64],
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
@@ -597,6 +599,41 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     )
     if status:
         raise RuntimeError(f"hfquant native bf16 GEMV refused N={out_features}, K={in_features} (needs K % 32 == 0)")
+    return y
+
+
+def bf16_f32_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y = weight @ x in float32 for a bfloat16 weight, read once as stored (`csrc/bf16_cpu.c`; the fold pre-pass's
+    BOS forward, `hfquant.integration.bos_importance`): each product float32(w) * x exact, summed by fused
+    multiply-adds into 16 partial sums per row (element k into sum k % 16) added in a fixed tree, one thread; the same
+    float32 results from the AVX-512 and the C body.
+
+    Args:
+        weight: (N, K) contiguous bfloat16 (CPU), K >= 1.
+        x: (K,) contiguous float32.
+    Returns:
+        (N,) float32.
+    Raises:
+        ValueError: the dtypes, shapes or layout are not as above.
+        RuntimeError: the library is unavailable.
+    """
+    if (
+        weight.dtype != torch.bfloat16
+        or x.dtype != torch.float32
+        or weight.dim() != 2
+        or x.shape != (weight.shape[1],)
+        or weight.shape[1] < 1
+        or not (weight.is_contiguous() and x.is_contiguous())
+        or weight.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"bf16_f32_gemv needs a contiguous bfloat16 (N, K) CPU weight and a float32 (K,) x; got {weight.dtype} "
+            f"{tuple(weight.shape)} and {x.dtype} {tuple(x.shape)}"
+        )
+    library = _loaded_library(any_x86=True)
+    y = torch.empty(weight.shape[0], dtype=torch.float32)
+    if library.hfquant_bf16_f32_gemv(weight.data_ptr(), x.data_ptr(), y.data_ptr(), *weight.shape):
+        raise RuntimeError(f"hfquant native bf16 x float32 GEMV refused {tuple(weight.shape)}")
     return y
 
 

@@ -89,6 +89,8 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
 
 /* bf16_cpu.c: bfloat16 weights (the float layers hfquant keeps) */
 int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k);
+/* y = w @ x in float32 for bfloat16 w (N, K) and float32 x (K,), one thread (the fold pre-pass's BOS forward) */
+int hfquant_bf16_f32_gemv(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k);
 
 /* norm_cpu.c: RMSNorm of one bfloat16 row, transformers' LlamaRMSNorm arithmetic bit for bit */
 int hfquant_rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);
