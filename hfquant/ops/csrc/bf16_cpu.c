@@ -28,7 +28,8 @@ static inline float bf16_f32_tree(float *acc) {
 
 static void bf16_f32_row_c(const uint16_t *row, const float *x, int64_t k, float *y) {
     float acc[BF16_F32_LANES] = {0};
-    for (int64_t i = 0; i < k; i++) acc[i % BF16_F32_LANES] = fmaf(bf16_to_float(row[i]), x[i], acc[i % BF16_F32_LANES]);
+    for (int64_t i = 0; i < k; i++)
+        acc[i % BF16_F32_LANES] = fmaf(bf16_to_float(row[i]), x[i], acc[i % BF16_F32_LANES]);
     *y = bf16_f32_tree(acc);
 }
 

@@ -97,7 +97,7 @@ typedef struct {
     float sweep_lo, sweep_hi; /* sweep_hi > 0: the block stage is the breakpoint sweep over these factors */
 } iq4_search_t;
 
-#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define IS_SUFFIX _avx512
 #define IS_AVX512 1
 #define IS_AVX2 0
@@ -170,7 +170,9 @@ static const iq4_body_t iq4_bodies[3] = {IS_BODY(_portable), IS_BODY(_avx2), IS_
 /* the body to run: hfquant_isa (isa_cpu.c, lowered by HFQUANT_ISA) decides; `portable` forces the portable one */
 static const iq4_body_t *iq4_body(int64_t portable) {
     if (portable) return &iq4_bodies[0];
-    if (HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX2)) return &iq4_bodies[2]; /* AVX2: its F16C */
+    /* AVX2: its F16C; AVX512-DQ: vrangeps (every CPU with AVX512-BW has it) */
+    if (HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX2) && __builtin_cpu_supports("avx512dq"))
+        return &iq4_bodies[2];
     return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2) ? &iq4_bodies[1] : &iq4_bodies[0];
 }
 
@@ -210,6 +212,7 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t wt_phase = -1; /* first % w_period of the rows in wt, -1: none (or not a full group's) */
         uint8_t codes[256 * IS_LANES];
         float d[IS_LANES], levels[8 * IS_LANES];
 #pragma omp for schedule(dynamic, 4)
@@ -222,11 +225,18 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
             else
                 body->transpose_in(x + first * size, size, xt);
             const float *wg = NULL;
-            if (w != NULL) { /* a period divides the group only by chance: gather lane by lane */
-                for (int l = 0; l < IS_LANES; l++) {
-                    const int64_t b = first + (l < count ? l : 0);
-                    const float *src = w + (w_period > 0 ? b % w_period : b) * size;
-                    for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
+            if (w != NULL) {
+                /* lane l reads (super-)block first + l of the importance, or with a period that one modulo it: the
+                 * same transposed rows again whenever first % w_period repeats (every group for a 2048-wide
+                 * weight's period of 8), so they are gathered again only when it changes */
+                const int64_t phase = w_period > 0 ? first % w_period : -1;
+                if (phase < 0 || phase != wt_phase || count < IS_LANES) {
+                    for (int l = 0; l < IS_LANES; l++) {
+                        const int64_t b = first + (l < count ? l : 0);
+                        const float *src = w + (w_period > 0 ? b % w_period : b) * size;
+                        for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
+                    }
+                    wt_phase = count < IS_LANES ? -1 : phase;
                 }
                 wg = wt;
             }
