@@ -69,7 +69,7 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
-                         float sweep_hi, int64_t portable, uint8_t *out);
+                         float sweep_hi, int64_t threads, int64_t portable, uint8_t *out);
 /* iq4_search_cpu.c: the body hfquant_iq4_quantize runs (hfquant_isa decides): 0 portable C, 1 AVX2, 2 AVX-512 */
 int hfquant_iq4_search_body(void);
 

@@ -24,6 +24,7 @@
 #pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,13 +187,13 @@ int hfquant_iq4_search_body(void) { return (int)(iq4_body(0) - iq4_bodies); }
  * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
  * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
- * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `portable` != 0 forces the portable
- * C body. Returns 0, 1 for bad arguments, 2 when a thread's 32 KiB work buffer could not be allocated.
+ * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 OpenMP threads (else
+ * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's 32 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
-                         float sweep_hi, int64_t portable, uint8_t *out) {
+                         float sweep_hi, int64_t threads, int64_t portable, uint8_t *out) {
     if ((type != 20 && type != 23) || ntargets < 1 || refine < 0 || (type == 23 && nsuper < 1) || rounds < 0 ||
         (level_options != 1 && level_options != 3) ||
         (sweep_hi > 0.0f && !(sweep_lo > 0.0f && sweep_hi <= 1.55f * sweep_lo)))
@@ -204,7 +205,7 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
     const iq4_body_t *body = iq4_body(portable);
     const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads > 0 ? (int)threads : omp_get_max_threads())
     {
         float *xt = aligned_alloc(64, 2 * 256 * IS_LANES * sizeof(float));
         float *wt = xt ? xt + 256 * IS_LANES : NULL;
