@@ -582,9 +582,9 @@ def _quantize_blocks(
     the same CPU seconds, within noise, and the idle core used; docs/performance.md, issue #32, twelfth session).
 
     Each chunk is converted into one float32 buffer reused for every chunk and rescaled in place (the same float32
-    operations as new tensors per step, without their allocations and page faults), checked for NaN / Inf once after
-    the scales, and the C search writes its rows of `stored` directly (docs/performance.md, issue #32, twelfth
-    session).
+    operations as new tensors per step, without their allocations and page faults; with the C library in one pass,
+    `native.fold_chunk`), checked for NaN / Inf once after the scales, and the C search writes its rows of `stored`
+    directly (docs/performance.md, issue #32, twelfth session).
 
     Raises:
         ValueError: the weight is not float, or holds NaN or Inf values.
@@ -595,16 +595,24 @@ def _quantize_blocks(
     step = max(1, _CHUNK_BYTES // (4 * k))
     in_c = block in native.BLOCK_QUANTIZE_TYPES and weight.device.type == "cpu" and native.built_library() is not None
     buffer = torch.empty((min(step, n), k), dtype=torch.float32, device=weight.device)
+    in_one_pass = in_c and weight.dtype in (torch.bfloat16, torch.float32) and weight.is_contiguous()
+    if in_one_pass:
+        row_scale = None if row_scale is None else row_scale.float().contiguous()
+        col_scale = None if col_scale is None else col_scale.float().contiguous()
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         chunk = buffer[: rows.stop - start]
-        chunk.copy_(weight[rows])
-        if row_scale is not None:
-            chunk.mul_(row_scale[rows, None])
         chunk_importance = importance  # None: the type's data-free default
-        if col_scale is not None:
-            chunk.div_(col_scale)
-        if not rtn.value_range(chunk)[2]:  # NaN / Inf pass through the finite scales (or overflow from them)
+        if in_one_pass:  # the copy, the scales and the check below in one C pass (`native.fold_chunk`)
+            finite = native.fold_chunk(weight[rows], None if row_scale is None else row_scale[rows], col_scale, chunk)
+        else:
+            chunk.copy_(weight[rows])
+            if row_scale is not None:
+                chunk.mul_(row_scale[rows, None])
+            if col_scale is not None:
+                chunk.div_(col_scale)
+            finite = rtn.value_range(chunk)[2]
+        if not finite:  # NaN / Inf pass through the finite scales (or overflow from them)
             raise ValueError("cannot quantize a weight that contains NaN or Inf values")
         if stored_scale and importance is None:
             chunk_importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales

@@ -62,6 +62,7 @@ __all__ = [
     "BLOCK_QUANTIZE_TYPES",
     "block_quantize",
     "bf16_f32_gemv",
+    "fold_chunk",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ _SIGNATURES = {
     "hfquant_int8_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_bf16_f32_gemv": [_POINTER] * 3 + [_INT64] * 2,
+    "hfquant_fold_chunk": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER],
     "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3 + [_INT64],
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
@@ -635,6 +637,54 @@ def bf16_f32_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if library.hfquant_bf16_f32_gemv(weight.data_ptr(), x.data_ptr(), y.data_ptr(), *weight.shape):
         raise RuntimeError(f"hfquant native bf16 x float32 GEMV refused {tuple(weight.shape)}")
     return y
+
+
+def fold_chunk(
+    weight: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> bool:
+    """out = float32(weight) * row_scale[:, None] / col_scale in one C pass (`csrc/fold_chunk_cpu.c`): the same float32
+    values as torch's copy, product and quotient (no fused multiply-add), for the block searches on load.
+
+    Args:
+        weight: (rows, K) contiguous bfloat16 or float32 CPU tensor.
+        row_scale, col_scale: None or contiguous float32 (rows,) / (K,).
+        out: (rows, K) contiguous float32 CPU tensor (written).
+    Returns:
+        Whether every value of `out` is finite (False: NaN or Inf in the weight, or from the scales).
+    Raises:
+        ValueError: the dtypes, shapes or layouts are not as above.
+        RuntimeError: the library is unavailable.
+    """
+    rows, k = weight.shape
+    tensors = [t for t in (weight, row_scale, col_scale, out) if t is not None]
+    if (
+        weight.dtype not in (torch.bfloat16, torch.float32)
+        or out.dtype != torch.float32
+        or out.shape != weight.shape
+        or (row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.shape != (rows,)))
+        or (col_scale is not None and (col_scale.dtype != torch.float32 or col_scale.shape != (k,)))
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    ):
+        raise ValueError(
+            f"fold_chunk needs contiguous CPU tensors: a bfloat16/float32 (rows, K) weight, float32 (rows,) / (K,) "
+            f"scales and a float32 out of the weight's shape; got {weight.dtype} {tuple(weight.shape)}, out "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    status = _loaded_library(any_x86=True).hfquant_fold_chunk(
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        rows,
+        k,
+        _as_float_pointer(row_scale),
+        _as_float_pointer(col_scale),
+        out.data_ptr(),
+    )
+    if status not in (0, 3):
+        raise RuntimeError(f"hfquant native fold_chunk refused {tuple(weight.shape)}")
+    return status == 0
 
 
 def block_gemv_supported(ggml_type: int) -> bool:

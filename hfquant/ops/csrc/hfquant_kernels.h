@@ -89,6 +89,9 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
 
 /* bf16_cpu.c: bfloat16 weights (the float layers hfquant keeps) */
 int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k);
+/* fold_chunk_cpu.c: out = float32(w) * row_scale[:, None] / col_scale in one pass; 3 when a result is not finite */
+int hfquant_fold_chunk(const void *w, int64_t bf16, int64_t rows, int64_t k, const float *row_scale,
+                       const float *col_scale, float *out);
 /* y = w @ x in float32 for bfloat16 w (N, K) and float32 x (K,), one thread (the fold pre-pass's BOS forward) */
 int hfquant_bf16_f32_gemv(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k);
 
