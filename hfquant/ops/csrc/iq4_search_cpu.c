@@ -18,8 +18,9 @@
  * iq4_search_body.h holds the search, compiled for AVX-512 (AVX512F/BW/VL), for AVX2 (AVX2, FMA, F16C: two 8-lane
  * vectors per group, the nearest code by a binary search over the midpoints) and in portable C; hfquant_isa
  * (isa_cpu.c, so HFQUANT_ISA=avx2 runs the AVX2 body on an AVX-512 CPU) picks one; all give the same bytes
- * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~110 M weights/s,
- * AVX2 ~40, portable 3 (docs/performance.md, issue #30, eleventh session).
+ * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~170 M weights/s,
+ * AVX2 ~40, portable 3; "fast" AVX-512 ~450, AVX2 ~125 (docs/performance.md, issue #30, eleventh session, and issue
+ * #32, twelfth session).
  */
 #pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
 #include <immintrin.h>
