@@ -24,22 +24,31 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from hfquant.ops import native
+
 __all__ = ["BosForward", "bos_token_id"]
 
 logger = logging.getLogger(__name__)
 
 _CHUNK_ELEMENTS = 1 << 20
-"""Weight elements converted to float32 at a time by `_linear` (4 MiB): a 2048 x 8192 bfloat16 matrix is not copied
-whole."""
+"""Weight elements converted to float32 at a time by `_linear`'s torch path (4 MiB): a 2048 x 8192 bfloat16 matrix
+is not copied whole."""
 
 
 def _linear(read, name: str, x: torch.Tensor, bias: bool) -> torch.Tensor:
     """(N,) float32: the Linear layer `name`'s weight (N, K) read from the checkpoint, times x (K,) float32, plus its
-    bias when `bias`; row chunks of about `_CHUNK_ELEMENTS` are converted to float32 at a time."""
+    bias when `bias`. A contiguous bfloat16 CPU weight (a checkpoint's, as the load maps it) goes through
+    `native.bf16_f32_gemv` where the library runs: read once as stored, no float32 copy (the conversion and a second
+    read of the copy cost the 1.2B's load about 0.4 CPU s, docs/performance.md, issue #32, twelfth session); else row
+    chunks of about `_CHUNK_ELEMENTS` are converted to float32 at a time. Both are float32 products of the same
+    values, summed in another order (within float32 rounding of each other)."""
     weight = read(name + ".weight")
     n, k = weight.shape
-    step = max(1, _CHUNK_ELEMENTS // max(1, k))
-    out = torch.cat([weight[s : s + step].float() @ x for s in range(0, n, step)])
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and native.built_library() is not None:
+        out = native.bf16_f32_gemv(weight.contiguous(), x.contiguous())
+    else:
+        step = max(1, _CHUNK_ELEMENTS // max(1, k))
+        out = torch.cat([weight[s : s + step].float() @ x for s in range(0, n, step)])
     if bias:
         out += read(name + ".bias").float()
     return out

@@ -55,6 +55,7 @@ from hfquant.checkpoint.streaming import (
 )
 from hfquant.core import folding, packing, rtn, sinq
 from hfquant.core.blocks import dequantize as block_dequantize
+from hfquant.core.blocks import iq4
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat
 from hfquant.core.scratch import Scratch
@@ -146,6 +147,7 @@ def plan_folds(
     clipping: str = "minmax",
     select: bool = True,
     importance: str = "weights",
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> dict[str, Transform]:
     """The fold of every foldable block of `model`, computed from its float weights.
 
@@ -162,6 +164,7 @@ def plan_folds(
             False folds every group (the float-model identity tests).
         importance: the config's `importance`: "bos_activations" gives q/k/v and gate/up of block formats the BOS
             token's squared inputs as `Transform.importance` (`_Planner.weigh`), "weights" none.
+        iq4_search: the config's `iq4_search`, with which the error test quantizes IQ4 layers (as the load does).
     Returns:
         {module name: `Transform`} for the norms and Linear layers the folds change, and an empty `Transform` for the
         Linear layers of a group the error test left unfolded (empty when no block folds).
@@ -171,7 +174,7 @@ def plan_folds(
     Raises:
         ValueError: the head counts do not fit the projections (naming the module).
     """
-    planner = _Planner(model, plans, read, clipping if select else None, importance=importance)
+    planner = _Planner(model, plans, read, clipping if select else None, importance=importance, iq4_search=iq4_search)
     if not planner.blocks:
         return {}
     transforms: dict[str, Transform] = {}
@@ -206,6 +209,7 @@ class _Planner:
         clipping: str | None,
         release: Callable[[], object] | None = None,
         importance: str = "weights",
+        iq4_search: str = iq4.SEARCHES[0],
     ):
         # after each block: its pages out of this process, kept in the page cache for the streaming load
         self.release = release or functools.partial(release_checkpoint_pages, keep_cached=True)
@@ -235,7 +239,7 @@ class _Planner:
             for name in block
             if self.formats.get(name) is not None
         }
-        self.read, self.clipping = read, clipping
+        self.read, self.clipping, self.iq4_search = read, clipping, iq4_search
         self.scratch = Scratch()  # one set of weight-sized temporaries for the whole pass (`hfquant.core.scratch`)
         if importance == "bos_activations":
             self.bos = BosForward(model, self.blocks, read)
@@ -269,6 +273,7 @@ class _Planner:
                 self.scratch,
                 self.clipping,
                 threads,
+                self.iq4_search,
             )
         except (KeyError, sinq.NonFiniteWeightError) as error:
             reason = error.args[0] if error.args else error
@@ -283,8 +288,12 @@ class _Planner:
 
     def weigh(self, block: Block, transforms: dict[str, Transform]) -> dict[str, Transform]:
         """`transforms` with the BOS importance (`BosForward`) of q/k/v and gate/up where they are stored in a
-        block format: each column's squared input of the layer as stored (x * col_scale where the fold divides its
-        columns; x^2 at least `IMPORTANCE_FLOOR`), divided by its mean. Unchanged without
+        block format and their norm's fold is kept: each column's squared input of the layer as stored
+        (x * col_scale, the fold dividing its columns; x^2 at least `IMPORTANCE_FLOOR`), divided by its mean. A group
+        the error test refused (`_fold_lowers_error`: its weights already round-trip, as a model dequantized from a
+        GGUF file of the format) keeps the format's own importance, the search the error test measured as giving
+        its grid back (a BOS importance was not measured there; on a tiny IQ4_NL grid model both give it back,
+        tests/integration/test_bos_importance.py). Unchanged without
         `importance="bos_activations"`; a missing tensor or a non-finite input stops it for the rest of the model (a
         warning says why)."""
         if self.bos is None:
@@ -306,7 +315,9 @@ class _Planner:
                 if fmt is None or fmt.block is None or name not in transforms:
                     continue
                 col_scale = transforms[name].col_scale
-                weight = squared if col_scale is None else squared * col_scale.float().square()
+                if col_scale is None:  # its group refused by the error test: stored as it was (see `weigh`)
+                    continue
+                weight = squared * col_scale.float().square()
                 transforms[name] = transforms[name]._replace(importance=weight / weight.mean())
         return transforms
 
@@ -348,18 +359,19 @@ def _fold_block(
     scratch: Scratch | None = None,
     clipping: str | None = "minmax",
     threads: int | None = None,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> dict[str, Transform]:
     """The folds of one block (see `plan_folds`): {module name: Transform}, merged where two folds change one module.
     `clipping` None folds every group; else each group is kept only where `_fold_lowers_error` (quantizing with that
-    clipping), the Linear layers of the others getting an empty `Transform`. `threads`: the C balancing's OpenMP
-    threads (None: OpenMP's default; the result does not depend on it).
+    clipping and `iq4_search`), the Linear layers of the others getting an empty `Transform`. `threads`: the C
+    balancing's OpenMP threads (None: OpenMP's default; the result does not depend on it).
 
     Raises:
         KeyError: the checkpoint lacks a tensor the block's folds read.
         sinq.NonFiniteWeightError: a weight the folds read holds NaN or Inf.
         ValueError: the head counts do not fit the projections.
     """
-    folds = _BlockFolds(read, tile, formats, scratch, clipping, threads)
+    folds = _BlockFolds(read, tile, formats, scratch, clipping, threads, iq4_search)
     v_o, qkv, up_down, gate_up = _foldable(block, formats)
     v_rows = up_rows = None
     if v_o:
@@ -405,8 +417,18 @@ class _BlockFolds:
     column scale into its producer's rows: v -> o_proj, up -> down_proj) and `into_norm` (the consumers' shared column
     scale into the norm before them). `clipping` None keeps every group, else `_fold_lowers_error` decides."""
 
-    def __init__(self, read, tile, formats, scratch: Scratch | None, clipping: str | None, threads: int | None = None):
+    def __init__(
+        self,
+        read,
+        tile,
+        formats,
+        scratch: Scratch | None,
+        clipping: str | None,
+        threads: int | None = None,
+        iq4_search: str = iq4.SEARCHES[0],
+    ):
         self.read, self.tile, self.formats, self.scratch, self.clipping = read, tile, formats, scratch, clipping
+        self.iq4_search = iq4_search
         self.threads = threads  # the C balancing's (`hfquant.ops.balance.column_scale`)
         self.transforms: dict[str, Transform] = {}
 
@@ -424,7 +446,11 @@ class _BlockFolds:
         by `col_scale` is kept (`_fold_lowers_error`); its consumers are recorded unfolded (an empty Transform) when
         it is not."""
         if self.clipping is None or _fold_lowers_error(
-            [(w, self.formats[n], rows) for n, w, rows in consumers], col_scale, self.clipping, input_scale
+            [(w, self.formats[n], rows) for n, w, rows in consumers],
+            col_scale,
+            self.clipping,
+            input_scale,
+            self.iq4_search,
         ):
             return True
         for name, _, _ in consumers:
@@ -476,13 +502,20 @@ def _sampled_rows(weight: torch.Tensor, rows: torch.Tensor | None) -> tuple[torc
 
 
 def _reconstruction_error(
-    weight: torch.Tensor, fmt: StoredFormat, fold: Transform, clipping: str, input_scale: torch.Tensor | None
+    weight: torch.Tensor,
+    fmt: StoredFormat,
+    fold: Transform,
+    clipping: str,
+    input_scale: torch.Tensor | None,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> float:
     """sum over (n, k) of ((W_hat - W)[n, k] * input_scale[k])^2 (input_scale None: 1) over the weight (N, K), where
     W_hat is what the layer stored in `fmt` with method RTN after `fold` multiplies it by: its dequantized rows divided
-    by `fold.row_scale`, columns times `fold.col_scale` (the original weight space)."""
+    by `fold.row_scale`, columns times `fold.col_scale` (the original weight space); IQ4 blocks by `iq4_search`, the
+    load's. No importance: a layer whose group is refused is stored without one (`_Planner.weigh`), and a kept fold
+    is kept untested unless its layers already round-trip (`_fold_lowers_error`)."""
     fmt = dataclasses.replace(fmt, method=Method.RTN)
-    buffers = quantize_to_buffers(weight, fmt, clipping, fold)
+    buffers = quantize_to_buffers(weight, fmt, clipping, fold, iq4_search=iq4_search)
     if fmt.block is not None:
         restored = block_dequantize(fmt.block, buffers["weight"])
     else:
@@ -520,6 +553,7 @@ def _fold_lowers_error(
     col_scale: torch.Tensor,
     clipping: str,
     input_scale: torch.Tensor | None = None,
+    iq4_search: str = iq4.SEARCHES[0],
 ) -> bool:
     """Whether the fold that divides the columns of the consumers (weight (N_i, K), its stored format, the row scale
     an earlier fold gives it or None) by `col_scale` (K,) is kept.
@@ -531,7 +565,8 @@ def _fold_lowers_error(
     against 1.147x folding everything (docs/performance.md): the weight error does not rank folds by accuracy.
 
     `input_scale` (K,), the typical size of each input column (a norm's weight: the consumers read normalize(x) * g),
-    weighs each column's error as the layer's output feels it; None: columns alike."""
+    weighs each column's error as the layer's output feels it; None: columns alike. `iq4_search`: the config's, with
+    which IQ4 layers are quantized here as on load."""
     sampled = [(*_sampled_rows(weight, rows), fmt) for weight, fmt, rows in consumers]
     scale = None if input_scale is None else input_scale.double().square()
     energy = 0.0
@@ -542,18 +577,22 @@ def _fold_lowers_error(
     # of them (non-negative terms). Far enough above the bound (twice it: float64 rounding cannot close that) it decides
     # as the whole sum would, at an eighth of its cost; weights near their grid go on to the whole sum.
     few = sum(
-        _reconstruction_error(w[:_FIRST_ROWS], fmt, Transform(_first_rows(rows), None), clipping, input_scale)
+        _reconstruction_error(
+            w[:_FIRST_ROWS], fmt, Transform(_first_rows(rows), None), clipping, input_scale, iq4_search
+        )
         for w, rows, fmt in sampled
     )
     if few > 2 * EXACT_ENOUGH * energy:
         return True
     unfolded = sum(
-        _reconstruction_error(w, fmt, Transform(rows, None), clipping, input_scale) for w, rows, fmt in sampled
+        _reconstruction_error(w, fmt, Transform(rows, None), clipping, input_scale, iq4_search)
+        for w, rows, fmt in sampled
     )
     if unfolded > EXACT_ENOUGH * energy:
         return True
     folded = sum(
-        _reconstruction_error(w, fmt, Transform(rows, col_scale), clipping, input_scale) for w, rows, fmt in sampled
+        _reconstruction_error(w, fmt, Transform(rows, col_scale), clipping, input_scale, iq4_search)
+        for w, rows, fmt in sampled
     )
     return folded < unfolded
 
@@ -634,7 +673,7 @@ class FoldStream(Mapping):
     pre-load hook runs under the load dtype): elsewhere the caller's thread folds, under float32.
 
     Args:
-        model, plans, clipping, select, importance: as `plan_folds`.
+        model, plans, clipping, select, importance, iq4_search: as `plan_folds`.
         files: the checkpoint's safetensors files (`checkpoint_reader`), open until `close`.
 
     Raises:
@@ -649,6 +688,7 @@ class FoldStream(Mapping):
         clipping: str = "minmax",
         select: bool = True,
         importance: str = "weights",
+        iq4_search: str = iq4.SEARCHES[0],
     ):
         self._stack = ExitStack()
         self._read = self._stack.enter_context(checkpoint_reader(model, files))
@@ -656,7 +696,7 @@ class FoldStream(Mapping):
         self._pages: list[tuple[int, int, tuple[int, int]]] = []  # (address, bytes, map) read since the last release
         self._stack.callback(self._unspare)
         self._planner = _Planner(
-            model, list(plans), self._read_spared, clipping if select else None, self._release, importance
+            model, list(plans), self._read_spared, clipping if select else None, self._release, importance, iq4_search
         )
         self._owner = {
             name: i for i, block in enumerate(self._planner.blocks) for name in self._planner.planned(block)

@@ -115,7 +115,14 @@ def plan_checkpoint_folds(
             "fold_column_scales does not support disk offload (device_map places modules on 'disk'): quantize with "
             "a device_map without 'disk' and save, or use fold_column_scales=False"
         )
-    folds = FoldStream(model, layers, files, clipping=config.clipping, importance=_importance(model, config, layers))
+    folds = FoldStream(
+        model,
+        layers,
+        files,
+        clipping=config.clipping,
+        importance=_importance(model, config, layers),
+        iq4_search=str(config.iq4_search),
+    )
     added = fold_overrides(config, layers, folds)
     if added:
         config.prepend_overrides(added)

@@ -464,9 +464,9 @@ def quantize_to_buffers(
     `clipping` picks each group's range (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the
     stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
     the rest (in the C pass itself where it runs): the quantized weight is `hfquant.core.folding.apply(weight, fold)`'s.
-    `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a
-    contiguous tensor of the stored weight's dtype and shape on `weight`'s device to write the codes into (returned as
-    "weight"; e.g. a layer's rows of its decode group's tensor, `quantize_weights.GroupRows`), None for a new one.
+    `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a contiguous tensor of the stored weight's dtype and shape on
+    `weight`'s device to write the codes into (returned as "weight"; e.g. a layer's rows of its decode group's tensor,
+    `quantize_weights.GroupRows`), None for a new one.
     `iq4_search`: the IQ4_NL / IQ4_XS blocks' search (`HfQuantConfig.iq4_search`, `iq4.SEARCHES`) where the native
     library runs them; without it the torch codec's ("exhaustive").
 
@@ -576,7 +576,15 @@ def _quantize_blocks(
     (SINQ's `col_scale` kept beside the layer, not a fold's) searches with the type's importance for such layers
     (`blocks.importance.stored_scale_importance`); `iq4_search` is the C search's for IQ4 types (`iq4.SEARCHES`);
     `importance` (K,) float32 >= 0, each column's weight in the search of the rescaled weight (a fold's
-    `Transform.importance`), replaces the type's rule when given.
+    `Transform.importance`), replaces the type's rule when given. The C search takes OpenMP's default threads even
+    while a fold worker folds beside the load (where the RTN takes one fewer, `quantizer._rtn_threads`): it is the
+    load's longest stage and the worker, two blocks ahead, waits for it most of the time (measured on the 1.2B:
+    the same CPU seconds, within noise, and the idle core used; docs/performance.md, issue #32, twelfth session).
+
+    Each chunk is converted into one float32 buffer reused for every chunk and rescaled in place (the same float32
+    operations as new tensors per step, without their allocations and page faults; with the C library in one pass,
+    `native.fold_chunk`), checked for NaN / Inf once after the scales, and the C search writes its rows of `stored`
+    directly (docs/performance.md, issue #32, twelfth session).
 
     Raises:
         ValueError: the weight is not float, or holds NaN or Inf values.
@@ -586,19 +594,32 @@ def _quantize_blocks(
         raise ValueError(f"expected a float weight, got {weight.dtype}")
     step = max(1, _CHUNK_BYTES // (4 * k))
     in_c = block in native.BLOCK_QUANTIZE_TYPES and weight.device.type == "cpu" and native.built_library() is not None
+    buffer = torch.empty((min(step, n), k), dtype=torch.float32, device=weight.device)
+    in_one_pass = in_c and weight.dtype in (torch.bfloat16, torch.float32) and weight.is_contiguous()
+    if in_one_pass:
+        row_scale = None if row_scale is None else row_scale.float().contiguous()
+        col_scale = None if col_scale is None else col_scale.float().contiguous()
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        chunk = weight[rows].float()
-        if not rtn.value_range(chunk)[2]:
-            raise ValueError("cannot quantize a weight that contains NaN or Inf values")
-        if row_scale is not None:
-            chunk = chunk * row_scale[rows, None]
+        chunk = buffer[: rows.stop - start]
         chunk_importance = importance  # None: the type's data-free default
-        if col_scale is not None:
-            chunk = chunk / col_scale
+        if in_one_pass:  # the copy, the scales and the check below in one C pass (`native.fold_chunk`)
+            finite = native.fold_chunk(weight[rows], None if row_scale is None else row_scale[rows], col_scale, chunk)
+        else:
+            chunk.copy_(weight[rows])
+            if row_scale is not None:
+                chunk.mul_(row_scale[rows, None])
+            if col_scale is not None:
+                chunk.div_(col_scale)
+            finite = rtn.value_range(chunk)[2]
+        if not finite:  # NaN / Inf pass through the finite scales (or overflow from them)
+            raise ValueError("cannot quantize a weight that contains NaN or Inf values")
         if stored_scale and importance is None:
             chunk_importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales
-        if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c)
-            stored[rows] = native.block_quantize(block, chunk, chunk_importance, iq4_search)
+        if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c, csrc/iq4_search_cpu.c)
+            out = stored[rows] if stored[rows].is_contiguous() else None
+            codes = native.block_quantize(block, chunk, chunk_importance, iq4_search, out=out, finite=True)
+            if out is None:
+                stored[rows] = codes
         else:
             stored[rows] = blocks.quantize(block, chunk, chunk_importance)

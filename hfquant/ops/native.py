@@ -61,11 +61,13 @@ __all__ = [
     "kquant_quantize",
     "BLOCK_QUANTIZE_TYPES",
     "block_quantize",
+    "bf16_f32_gemv",
+    "fold_chunk",
 ]
 
 logger = logging.getLogger(__name__)
 
-_ABI = 6
+_ABI = 7
 """`HFQUANT_INT4_CPU_ABI` of `csrc/int4_cpu.c`: a library built from other signatures is not called."""
 
 ISA_NAMES = {1: "avx2", 2: "avx512", 4: "avx512_bf16", 8: "avx512_vnni", 16: "avx512_vbmi_gfni"}
@@ -85,6 +87,8 @@ _SIGNATURES = {
     "hfquant_int4_dequantize_t": [_POINTER] * 3 + [_INT64] * 5,
     "hfquant_int8_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
+    "hfquant_bf16_f32_gemv": [_POINTER] * 3 + [_INT64] * 2,
+    "hfquant_fold_chunk": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER],
     "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3 + [_INT64],
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
@@ -100,7 +104,7 @@ _SIGNATURES = {
     + [ctypes.c_float]
     + [_INT64] * 2
     + [ctypes.c_float] * 2
-    + [_INT64, _POINTER],
+    + [_INT64, _INT64, _POINTER],
     "hfquant_hq3_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_nl_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_POINTER, _INT64, _POINTER],
     "hfquant_hq3_r_quantize": [_POINTER] * 2 + [_INT64] * 3 + [_POINTER, _INT64, _POINTER, _POINTER],
@@ -600,6 +604,89 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return y
 
 
+def bf16_f32_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y = weight @ x in float32 for a bfloat16 weight, read once as stored (`csrc/bf16_cpu.c`; the fold pre-pass's
+    BOS forward, `hfquant.integration.bos_importance`): each product float32(w) * x exact, summed by fused
+    multiply-adds into 16 partial sums per row (element k into sum k % 16) added in a fixed tree, one thread; the same
+    float32 results from the AVX-512 and the C body.
+
+    Args:
+        weight: (N, K) contiguous bfloat16 (CPU), K >= 1.
+        x: (K,) contiguous float32.
+    Returns:
+        (N,) float32.
+    Raises:
+        ValueError: the dtypes, shapes or layout are not as above.
+        RuntimeError: the library is unavailable.
+    """
+    if (
+        weight.dtype != torch.bfloat16
+        or x.dtype != torch.float32
+        or weight.dim() != 2
+        or x.shape != (weight.shape[1],)
+        or weight.shape[1] < 1
+        or not (weight.is_contiguous() and x.is_contiguous())
+        or weight.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"bf16_f32_gemv needs a contiguous bfloat16 (N, K) CPU weight and a float32 (K,) x; got {weight.dtype} "
+            f"{tuple(weight.shape)} and {x.dtype} {tuple(x.shape)}"
+        )
+    library = _loaded_library(any_x86=True)
+    y = torch.empty(weight.shape[0], dtype=torch.float32)
+    if library.hfquant_bf16_f32_gemv(weight.data_ptr(), x.data_ptr(), y.data_ptr(), *weight.shape):
+        raise RuntimeError(f"hfquant native bf16 x float32 GEMV refused {tuple(weight.shape)}")
+    return y
+
+
+def fold_chunk(
+    weight: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> bool:
+    """out = float32(weight) * row_scale[:, None] / col_scale in one C pass (`csrc/fold_chunk_cpu.c`): the same float32
+    values as torch's copy, product and quotient (no fused multiply-add), for the block searches on load.
+
+    Args:
+        weight: (rows, K) contiguous bfloat16 or float32 CPU tensor.
+        row_scale, col_scale: None or contiguous float32 (rows,) / (K,).
+        out: (rows, K) contiguous float32 CPU tensor (written).
+    Returns:
+        Whether every value of `out` is finite (False: NaN or Inf in the weight, or from the scales).
+    Raises:
+        ValueError: the dtypes, shapes or layouts are not as above.
+        RuntimeError: the library is unavailable.
+    """
+    rows, k = weight.shape
+    tensors = [t for t in (weight, row_scale, col_scale, out) if t is not None]
+    if (
+        weight.dtype not in (torch.bfloat16, torch.float32)
+        or out.dtype != torch.float32
+        or out.shape != weight.shape
+        or (row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.shape != (rows,)))
+        or (col_scale is not None and (col_scale.dtype != torch.float32 or col_scale.shape != (k,)))
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    ):
+        raise ValueError(
+            f"fold_chunk needs contiguous CPU tensors: a bfloat16/float32 (rows, K) weight, float32 (rows,) / (K,) "
+            f"scales and a float32 out of the weight's shape; got {weight.dtype} {tuple(weight.shape)}, out "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    status = _loaded_library(any_x86=True).hfquant_fold_chunk(
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        rows,
+        k,
+        _as_float_pointer(row_scale),
+        _as_float_pointer(col_scale),
+        out.data_ptr(),
+    )
+    if status not in (0, 3):
+        raise RuntimeError(f"hfquant native fold_chunk refused {tuple(weight.shape)}")
+    return status == 0
+
+
 def block_gemv_supported(ggml_type: int) -> bool:
     """Whether `block_gemv` runs here for the GGUF type numbered `ggml_type` (`hfquant.core.blocks.LAYOUTS`): one of
     hfquant's block types, on an x86-64 CPU with AVX512-VNNI or with AVX2 + FMA + F16C."""
@@ -785,7 +872,14 @@ def _as_float_pointer(tensor: torch.Tensor | None) -> int | None:
 
 
 def block_quantize(
-    name: str, weight: torch.Tensor, importance: torch.Tensor | None = None, iq4_search: str = iq4.SEARCHES[0]
+    name: str,
+    weight: torch.Tensor,
+    importance: torch.Tensor | None = None,
+    iq4_search: str = iq4.SEARCHES[0],
+    *,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+    finite: bool = False,
 ) -> torch.Tensor:
     """hfquant's block search in C (`csrc/blocks_quant_cpu.c`), blocks split over threads: the bytes
     `hfquant.core.blocks.quantize(name, weight, importance)` gives (the same float32 steps and sums accumulated in
@@ -799,20 +893,29 @@ def block_quantize(
             None), or (K,) or (rows, K) finite float weights >= 0 of each element's squared error.
         iq4_search: IQ4_NL / IQ4_XS only: one of `iq4.SEARCHES` (`HfQuantConfig.iq4_search`): "exhaustive" is the
             torch codec's search here, the others `iq4_quantize` with `IQ4_SEARCHES[iq4_search]`.
+        out, threads, finite: `iq4_quantize`'s, for its searches (another type's bytes are copied into `out`; its
+            threads are OpenMP's default and its weight is always checked).
     Returns:
-        (rows, K // block_size * type_size) uint8, GGUF's bytes.
+        (rows, K // block_size * type_size) uint8, GGUF's bytes (`out` when given).
     Raises:
         ValueError: an unknown type or IQ4 search, a badly shaped weight or importance, or non-finite / negative
             values.
         RuntimeError: the library is unavailable.
     """
-    if name in KQUANT_TYPES:
-        return kquant_quantize(name, weight, importance)
     iq4_search = str(iq4_search)  # a config's `Iq4SearchMode` member reads as its value
     if iq4_search not in iq4.SEARCHES:
         raise ValueError(f"iq4_search={iq4_search!r} is not allowed; use one of {list(iq4.SEARCHES)}")
     if name in ("iq4_nl", "iq4_xs") and iq4_search != "exhaustive":
-        return iq4_quantize(name, weight, importance, IQ4_SEARCHES[iq4_search])
+        search = IQ4_SEARCHES[iq4_search]
+        return iq4_quantize(name, weight, importance, search, out=out, threads=threads, finite=finite)
+    codes = _block_quantize(name, weight, importance)
+    return codes if out is None else out.copy_(codes)
+
+
+def _block_quantize(name: str, weight: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """`block_quantize` of the types other than the fast IQ4 searches, into a new tensor."""
+    if name in KQUANT_TYPES:
+        return kquant_quantize(name, weight, importance)
     if name not in BLOCK_QUANTIZE_TYPES:
         raise ValueError(f"block_quantize covers {list(BLOCK_QUANTIZE_TYPES)}; got {name!r}")
     library = _loaded_library(any_x86=True)
@@ -973,6 +1076,10 @@ def iq4_quantize(
     importance: torch.Tensor | None = None,
     search: Iq4Search | None = None,
     portable: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+    finite: bool = False,
 ) -> torch.Tensor:
     """IQ4_NL / IQ4_XS blocks of `weight` by the fast search in C (`csrc/iq4_search_cpu.c`: llama.cpp's
     `quantize_row_iq4_nl_impl` scan with hfquant's candidates, 16 blocks per AVX-512 vector or two AVX2 ones: the
@@ -986,8 +1093,14 @@ def iq4_quantize(
         search: the candidates (`Iq4Search`; None: `IQ4_SEARCHES[iq4.SEARCHES[0]]`, the default).
         portable: use the portable C body even where the AVX-512 or AVX2 one runs (`iq4_search_body`; the same
             bytes; for tests).
+        out: a contiguous (rows, K // block_size * type_size) uint8 CPU tensor to write the blocks into (a layer's
+            stored rows: no new tensor and copy per call), None for a new one.
+        threads: OpenMP threads (>= 1), None for OpenMP's default; the bytes do not depend on it.
+        finite: the caller has checked that `weight` is finite (quantize-on-load checks each chunk once, after its
+            fold's scales): skips this function's own pass over it. A non-finite weight then gives unspecified
+            bytes, never an error or a crash.
     Returns:
-        (rows, K // block_size * type_size) uint8, GGUF's bytes.
+        (rows, K // block_size * type_size) uint8, GGUF's bytes (`out` when given).
     Raises:
         ValueError: another type, a badly shaped weight or importance, non-finite or negative values, or a search
             with no targets, no super factors or level_options other than 1 or 3.
@@ -998,12 +1111,20 @@ def iq4_quantize(
         raise ValueError(f"iq4_quantize covers iq4_nl and iq4_xs; got {name!r}")
     if search is None:
         search = IQ4_SEARCHES[iq4.SEARCHES[0]]
+    if threads is not None and threads < 1:
+        raise ValueError(f"iq4_quantize threads={threads}: give at least 1, or None for OpenMP's default")
     library = _loaded_library(any_x86=True)
     fmt = blocks.layout(name)
-    x, w = _block_search_inputs(name, fmt, weight, importance)
+    x, w = _block_search_inputs(name, fmt, weight, importance, finite)
     rows, k = x.shape
     period = _importance_period(w, k, fmt.block_size)
-    out = torch.empty(rows, fmt.row_bytes(k), dtype=torch.uint8)
+    shape = (rows, fmt.row_bytes(k))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif out.shape != shape or out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(
+            f"iq4_quantize out must be a contiguous {shape} uint8 CPU tensor; got {out.dtype} {out.shape}"
+        )
     targets = torch.tensor(search.targets, dtype=torch.float32)
     factors = torch.tensor(search.super_factors, dtype=torch.float32)
     status = library.hfquant_iq4_quantize(
@@ -1022,6 +1143,7 @@ def iq4_quantize(
         search.rounds,
         search.sweep[0] if search.sweep else 0.0,
         search.sweep[1] if search.sweep else 0.0,
+        threads or 0,
         int(portable),
         out.data_ptr(),
     )
@@ -1033,10 +1155,11 @@ def iq4_quantize(
 
 
 def _block_search_inputs(
-    name: str, fmt: blocks.BlockLayout, weight: torch.Tensor, importance: torch.Tensor | None
+    name: str, fmt: blocks.BlockLayout, weight: torch.Tensor, importance: torch.Tensor | None, finite: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`block_quantize`'s checked inputs: the weight as contiguous float32 (rows, K), and the importance as contiguous
-    float32 (K,) or (rows, K), or None (all 1); the errors of `block_quantize`."""
+    float32 (K,) or (rows, K), or None (all 1); the errors of `block_quantize`. `finite`: the weight's values are not
+    checked (the caller did)."""
     if weight.dim() != 2 or not fmt.divides(weight.shape[1]) or weight.device.type != "cpu":
         raise ValueError(
             f"{name} quantizes a 2-D float CPU weight (rows, K) with K a multiple of {fmt.block_size}; got "
@@ -1045,7 +1168,7 @@ def _block_search_inputs(
     if not weight.is_floating_point():
         raise ValueError(f"{name} quantizes a float weight; got {weight.dtype}")
     x = weight.detach().to(torch.float32).contiguous()
-    if not rtn.value_range(x)[2]:
+    if not finite and not rtn.value_range(x)[2]:
         raise ValueError(f"{name} quantizes finite weights; the weight holds NaN or inf")
     rows, k = x.shape
     if importance is None:

@@ -65,6 +65,7 @@ SOURCES = tuple(
         "blocks_cpu.c",
         "blocks_quant_cpu.c",
         "iq4_search_cpu.c",
+        "fold_chunk_cpu.c",
         "sinq_cpu.c",
         "isa_cpu.c",
         "norm_cpu.c",

@@ -145,3 +145,37 @@ def test_the_importance_round_trips_through_config_json():
     assert HfQuantConfig.from_dict(saved) == config
     legacy = {k: v for k, v in HfQuantConfig(format="iq4_xs").to_dict().items() if k != "importance"}
     assert HfQuantConfig.from_dict(legacy).importance == "weights"
+
+
+def _on_iq4_nl_grid(model):
+    """`model` with every projection moved onto an IQ4_NL grid (its reference quantization, dequantized, of the
+    weight with a few heavy columns): a model dequantized from an IQ4_NL GGUF file."""
+    from hfquant.core import blocks
+    from hfquant.core.blocks import iq4
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                weight = param.float().clone()
+                weight[:, ::16] *= 12
+                param.copy_(blocks.dequantize("iq4_nl", iq4.reference_iq4_nl(weight)))
+    return model
+
+
+def test_a_refused_fold_keeps_the_formats_search_and_its_grid(tmp_path):
+    """Weights already on the format's grid refuse their folds (`folding._fold_lowers_error`); their layers then get no
+    BOS importance (the search the error test measured) and the load gives the grid back. (Here the BOS importance
+    would give it back too: the plan's assertion is the one that fails when a refused layer gets x^2.)"""
+    model = _on_iq4_nl_grid(_model(layers=2))
+    state = model.state_dict()
+    plans = plan_layers(model, HfQuantConfig(format="iq4_nl"), ["lm_head"])
+    folds = plan_folds(model, plans, state.__getitem__, progress=False, importance="bos_activations")
+    normed = [n for b in find_blocks(model) for n in (b.q, b.k, b.v, b.gate, b.up)]
+    assert all(folds[n].col_scale is None and folds[n].importance is None for n in normed)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=HfQuantConfig(format="iq4_nl", importance="bos_activations"), device_map="cpu"
+    )
+    for name in normed:
+        restored, original = loaded.get_submodule(name).dequantize(), state[name + ".weight"]
+        assert float((restored - original).norm() / original.norm()) < 1e-6, name

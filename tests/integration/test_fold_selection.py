@@ -182,3 +182,20 @@ def test_load_of_grid_weights_gives_the_grid_back(tmp_path):
         assert error < 1e-6, (name, float(error))
     norm = "model.layers.0.input_layernorm.weight"
     assert torch.equal(quantized.state_dict()[norm], source[norm])  # nothing moved into the norms
+
+
+def test_the_error_test_quantizes_iq4_layers_with_the_configs_search(monkeypatch):
+    """The error test quantizes as the load will (`iq4_search`), not with the default search."""
+    model = _grid_model()
+    plans = plan_layers(model, HfQuantConfig(format="iq4_nl"), ["lm_head"])
+    searches = []
+    original = integration_folding.quantize_to_buffers
+
+    def recording(*args, **kwargs):
+        searches.append(kwargs.get("iq4_search"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration_folding, "quantize_to_buffers", recording)
+    state = model.state_dict()
+    plan_folds(model, plans, state.__getitem__, progress=False, iq4_search="fast")
+    assert searches and set(searches) == {"fast"}

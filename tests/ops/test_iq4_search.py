@@ -255,3 +255,19 @@ def test_refuses_bad_arguments():
             native.iq4_quantize("iq4_xs", torch.zeros(2, 256), importance)
     with pytest.raises(ValueError, match="importance must be"):
         native.iq4_quantize("iq4_xs", torch.zeros(2, 256), -torch.ones(256))
+
+
+def test_out_threads_and_a_checked_weight_give_the_same_bytes():
+    """`out=` (a layer's rows), `threads=` and `finite=True` (quantize-on-load checked the chunk) change where and how
+    the search runs, never its bytes; a badly shaped `out` is refused naming the shape."""
+    weight = torch.randn(70, 512, generator=torch.Generator().manual_seed(5)) * 0.02
+    importance = torch.rand(512, generator=torch.Generator().manual_seed(6)) + 0.01
+    for name in NAMES:
+        expected = native.iq4_quantize(name, weight, importance)
+        stored = torch.zeros(80, expected.shape[1], dtype=torch.uint8)
+        got = native.block_quantize(name, weight, importance, "thorough", out=stored[5:75], threads=1, finite=True)
+        assert got.data_ptr() == stored[5:75].data_ptr() and torch.equal(stored[5:75], expected)
+        assert not stored[:5].any() and not stored[75:].any()
+        assert torch.equal(native.iq4_quantize(name, weight, importance, threads=2), expected)
+        with pytest.raises(ValueError, match=r"\(70, "):
+            native.iq4_quantize(name, weight, out=stored[:69])

@@ -185,7 +185,7 @@ def test_quantize_on_load_takes_the_block_search_in_c(monkeypatch, name):
     weight = torch.randn(6, 512, generator=torch.Generator().manual_seed(31)).to(torch.bfloat16)
     calls = []
     original = native.block_quantize
-    monkeypatch.setattr(native, "block_quantize", lambda *a: calls.append(a[0]) or original(*a))
+    monkeypatch.setattr(native, "block_quantize", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     stored = torch.empty(6, blocks.layout(name).row_bytes(512), dtype=torch.uint8)
     linear._quantize_blocks(weight, name, stored, None, None, iq4_search="exhaustive")
     assert calls == [name]

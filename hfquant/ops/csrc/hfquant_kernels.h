@@ -69,7 +69,7 @@ int hfquant_block_quantize(const float *x, const float *w, int64_t w_period, int
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
-                         float sweep_hi, int64_t portable, uint8_t *out);
+                         float sweep_hi, int64_t threads, int64_t portable, uint8_t *out);
 /* iq4_search_cpu.c: the body hfquant_iq4_quantize runs (hfquant_isa decides): 0 portable C, 1 AVX2, 2 AVX-512 */
 int hfquant_iq4_search_body(void);
 
@@ -89,6 +89,11 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
 
 /* bf16_cpu.c: bfloat16 weights (the float layers hfquant keeps) */
 int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k);
+/* fold_chunk_cpu.c: out = float32(w) * row_scale[:, None] / col_scale in one pass; 3 when a result is not finite */
+int hfquant_fold_chunk(const void *w, int64_t bf16, int64_t rows, int64_t k, const float *row_scale,
+                       const float *col_scale, float *out);
+/* y = w @ x in float32 for bfloat16 w (N, K) and float32 x (K,), one thread (the fold pre-pass's BOS forward) */
+int hfquant_bf16_f32_gemv(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k);
 
 /* norm_cpu.c: RMSNorm of one bfloat16 row, transformers' LlamaRMSNorm arithmetic bit for bit */
 int hfquant_rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);

@@ -32,7 +32,7 @@
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
-#define HFQUANT_INT4_CPU_ABI 6
+#define HFQUANT_INT4_CPU_ABI 7
 
 int hfquant_int4_cpu_abi(void) { return HFQUANT_INT4_CPU_ABI; }
 

@@ -88,31 +88,69 @@ IS_TARGET static inline float IS_NAME(iq4_half_)(float value) {
 
 /* sqx[l] = sum_k w q x and sqq[l] = sum_k w q q over rows k < n (even) of lane l, q = KVALUES[code], code the nearest
  * grid index of x * inv[l] (`iq4_code`); w = 1 when wt is NULL */
-IS_TARGET static void IS_NAME(iq4_sums_)(const float *xt, const float *wt, int n, const float *inv, float *sqx,
-                                         float *sqq) {
 #if IS_AVX512
-    const __m512 vinv = _mm512_loadu_ps(inv), eighth = _mm512_set1_ps(0.125f), sixteen = _mm512_set1_ps(16.0f);
-    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(31.0f), kv = _mm512_loadu_ps(iq4_values);
-    const __m512i base_lo = _mm512_loadu_si512(iq4_bucket_base), base_hi = _mm512_loadu_si512(iq4_bucket_base + 16);
-    const __m512 mid_lo = _mm512_loadu_ps(iq4_bucket_mid), mid_hi = _mm512_loadu_ps(iq4_bucket_mid + 16);
-    const __m512i one = _mm512_set1_epi32(1);
+/* The AVX-512 nearest code of u = x / scale in three operations fewer than the bucket rule's float form (iq4_code:
+ * u / 8 + 16 clamped to [0, 31] and truncated): u8 = x * (inv / 8) (the same value as u / 8: scaling by a power of
+ * two is exact), its magnitude clamped below 16 by one vrangeps, and floor(u8) in [-16, 15] converted with the
+ * rounding in the instruction. Its low five bits index the 32-entry tables with their halves swapped (bucket
+ * floor(u8) + 16), and u8 is compared with the bucket's midpoint / 8 (`iq4_lookup_avx512_t`). The bucket is the
+ * exact floor(u / 8) + 16 (the float form's rounding of u / 8 + 16 may move u into the next bucket, across a
+ * multiple of 8 that no midpoint is near) or, past +-128, the end bucket the clamp gives: the same code. */
+typedef struct {
+    __m512i base_lo, base_hi; /* iq4_bucket_base[16 .. 31], [0 .. 15]: indexed by floor(u8) mod 32 */
+    __m512 mid_lo, mid_hi;    /* iq4_bucket_mid / 8, likewise */
+    __m512 kv, below16;       /* iq4_values; the largest float below 16 */
+} iq4_lookup_avx512_t;
+
+IS_TARGET static inline __attribute__((always_inline)) iq4_lookup_avx512_t iq4_lookup_avx512(void) {
+    iq4_lookup_avx512_t t;
+    const __m512 eighth = _mm512_set1_ps(0.125f);
+    t.base_lo = _mm512_loadu_si512(iq4_bucket_base + 16);
+    t.base_hi = _mm512_loadu_si512(iq4_bucket_base);
+    t.mid_lo = _mm512_mul_ps(_mm512_loadu_ps(iq4_bucket_mid + 16), eighth);
+    t.mid_hi = _mm512_mul_ps(_mm512_loadu_ps(iq4_bucket_mid), eighth);
+    t.kv = _mm512_loadu_ps(iq4_values);
+    t.below16 = _mm512_set1_ps(0x1.fffffep+3f);
+    return t;
+}
+
+/* the grid index nearest to u = u8 * 8 (ties to the larger value, as `iq4_code`) */
+IS_TARGET static inline __attribute__((always_inline)) __m512i iq4_code8_avx512(const iq4_lookup_avx512_t *t,
+                                                                               __m512 u8) {
+    const __m512 clamped = _mm512_range_ps(u8, t->below16, 0x02); /* sign of u8, min(|u8|, |below16|) */
+    const __m512i bucket = _mm512_cvt_roundps_epi32(clamped, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512i base = _mm512_permutex2var_epi32(t->base_lo, bucket, t->base_hi);
+    const __m512 mid = _mm512_permutex2var_ps(t->mid_lo, bucket, t->mid_hi);
+    return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(u8, mid, _CMP_GE_OQ), base, _mm512_set1_epi32(1));
+}
+
+/* `iq4_sums_`'s AVX-512 form for the scales 1 / vinv, its sums returned in registers (*vx, *vq) */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_avx512(const float *xt, const float *wt, int n,
+                                                                           __m512 vinv, __m512 *vx, __m512 *vq) {
+    const iq4_lookup_avx512_t t = iq4_lookup_avx512();
+    const __m512 zero = _mm512_setzero_ps(), inv8 = _mm512_mul_ps(vinv, _mm512_set1_ps(0.125f));
     __m512 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
     for (int k = 0; k < n; k += 2) {
         for (int h = 0; h < 2; h++) {
-            const __m512 x = _mm512_loadu_ps(xt + (k + h) * IS_LANES), u = _mm512_mul_ps(x, vinv);
-            __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(u, eighth, sixteen), zero), top);
-            const __m512i bucket = _mm512_cvttps_epi32(t);
-            const __m512i base = _mm512_permutex2var_epi32(base_lo, bucket, base_hi);
-            const __m512 mid = _mm512_permutex2var_ps(mid_lo, bucket, mid_hi);
-            const __m512i code = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(u, mid, _CMP_GE_OQ), base, one);
-            const __m512 q = _mm512_permutexvar_ps(code, kv);
+            const __m512 x = _mm512_loadu_ps(xt + (k + h) * IS_LANES);
+            const __m512 q = _mm512_permutexvar_ps(iq4_code8_avx512(&t, _mm512_mul_ps(x, inv8)), t.kv);
             const __m512 wq = wt ? _mm512_mul_ps(_mm512_loadu_ps(wt + (k + h) * IS_LANES), q) : q;
             acc_x[h] = _mm512_fmadd_ps(wq, x, acc_x[h]);
             acc_q[h] = _mm512_fmadd_ps(wq, q, acc_q[h]);
         }
     }
-    _mm512_storeu_ps(sqx, _mm512_add_ps(acc_x[0], acc_x[1]));
-    _mm512_storeu_ps(sqq, _mm512_add_ps(acc_q[0], acc_q[1]));
+    *vx = _mm512_add_ps(acc_x[0], acc_x[1]);
+    *vq = _mm512_add_ps(acc_q[0], acc_q[1]);
+}
+#endif
+
+IS_TARGET static void IS_NAME(iq4_sums_)(const float *xt, const float *wt, int n, const float *inv, float *sqx,
+                                         float *sqq) {
+#if IS_AVX512
+    __m512 vx, vq;
+    iq4_sums_avx512(xt, wt, n, _mm512_loadu_ps(inv), &vx, &vq);
+    _mm512_storeu_ps(sqx, vx);
+    _mm512_storeu_ps(sqq, vq);
 #elif IS_AVX2
     const iq4_tables_avx2_t t = iq4_load_tables_avx2();
     for (int half = 0; half < IS_LANES; half += 8) {
@@ -148,18 +186,10 @@ IS_TARGET static void IS_NAME(iq4_sums_)(const float *xt, const float *wt, int n
 /* codes[k * 16 + l] = the nearest grid index of xt[k * 16 + l] * inv[l], rows k < n */
 IS_TARGET static void IS_NAME(iq4_codes_)(const float *xt, int n, const float *inv, uint8_t *codes) {
 #if IS_AVX512
-    const __m512 vinv = _mm512_loadu_ps(inv), eighth = _mm512_set1_ps(0.125f), sixteen = _mm512_set1_ps(16.0f);
-    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(31.0f);
-    const __m512i base_lo = _mm512_loadu_si512(iq4_bucket_base), base_hi = _mm512_loadu_si512(iq4_bucket_base + 16);
-    const __m512 mid_lo = _mm512_loadu_ps(iq4_bucket_mid), mid_hi = _mm512_loadu_ps(iq4_bucket_mid + 16);
-    const __m512i one = _mm512_set1_epi32(1);
+    const iq4_lookup_avx512_t t = iq4_lookup_avx512();
+    const __m512 inv8 = _mm512_mul_ps(_mm512_loadu_ps(inv), _mm512_set1_ps(0.125f));
     for (int k = 0; k < n; k++) {
-        const __m512 u = _mm512_mul_ps(_mm512_loadu_ps(xt + k * IS_LANES), vinv);
-        __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(u, eighth, sixteen), zero), top);
-        const __m512i bucket = _mm512_cvttps_epi32(t);
-        const __m512i base = _mm512_permutex2var_epi32(base_lo, bucket, base_hi);
-        const __m512 mid = _mm512_permutex2var_ps(mid_lo, bucket, mid_hi);
-        const __m512i code = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(u, mid, _CMP_GE_OQ), base, one);
+        const __m512i code = iq4_code8_avx512(&t, _mm512_mul_ps(_mm512_loadu_ps(xt + k * IS_LANES), inv8));
         _mm_storeu_si128((__m128i *)(codes + k * IS_LANES), _mm512_cvtepi32_epi8(code));
     }
 #elif IS_AVX2
@@ -180,6 +210,15 @@ IS_TARGET static void IS_NAME(iq4_codes_)(const float *xt, int n, const float *i
 
 /* per lane the element of largest magnitude among rows k < n (the first on ties), with its sign */
 IS_TARGET static void IS_NAME(iq4_lane_peaks_)(const float *xt, int n, float *peak) {
+#if IS_AVX512
+    __m512 p = _mm512_loadu_ps(xt);
+    for (int k = 1; k < n; k++) {
+        const __m512 v = _mm512_loadu_ps(xt + k * IS_LANES);
+        p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_abs_ps(p), _CMP_GT_OQ), v);
+    }
+    _mm512_storeu_ps(peak, p);
+    return;
+#endif
     for (int l = 0; l < IS_LANES; l++) peak[l] = xt[l];
     for (int k = 1; k < n; k++)
         for (int l = 0; l < IS_LANES; l++)
@@ -515,6 +554,26 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
         IS_NAME(iq4_sweep_scales_)(xt, wt, peak, s->sweep_lo, s->sweep_hi, scale);
         return;
     }
+#if IS_AVX512
+    if (s->refine == 0) { /* the scan alone, in registers: the same float32 steps as below */
+        const __m512 vpeak = _mm512_loadu_ps(peak), zero = _mm512_setzero_ps();
+        const __m512 inv_peak =
+            _mm512_maskz_div_ps(_mm512_cmp_ps_mask(vpeak, zero, _CMP_NEQ_OQ), _mm512_set1_ps(1.0f), vpeak);
+        __m512 bx = zero, bq = zero;
+        for (int c = 0; c < s->ntargets; c++) {
+            __m512 x, q;
+            iq4_sums_avx512(xt, wt, 32, _mm512_mul_ps(_mm512_set1_ps(s->targets[c]), inv_peak), &x, &q);
+            const __mmask16 better =
+                c == 0 ? (__mmask16)0xffff
+                       : _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_mul_ps(x, x), bq),
+                                            _mm512_mul_ps(_mm512_mul_ps(bx, bx), q), _CMP_GT_OQ);
+            bx = _mm512_mask_mov_ps(bx, better, x);
+            bq = _mm512_mask_mov_ps(bq, better, q);
+        }
+        _mm512_storeu_ps(scale, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(bq, zero, _CMP_GT_OQ), bx, bq));
+        return;
+    }
+#endif
     for (int l = 0; l < IS_LANES; l++) peak[l] = peak[l] != 0.0f ? 1.0f / peak[l] : 0.0f; /* now 1 / peak */
     float step = s->refine_step;
     for (int c = 0; c < s->ntargets + 2 * s->refine; c++) {
@@ -583,6 +642,41 @@ IS_TARGET static void IS_NAME(iq4_xs_level_option_)(const float *xb, const float
 #endif
 }
 
+#if IS_AVX512
+/* `iq4_xs_level_option_` for o = -1, 0, 1 in that order (the first kept outright), in registers: the same float32
+ * steps, so the same choices, without a store and reload of every option's sums and choice */
+IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *d,
+                                                      const float *base, float *best, float *level, float *sx,
+                                                      float *sq) {
+    const __m512 zero = _mm512_setzero_ps(), vd = _mm512_loadu_ps(d), vbase = _mm512_loadu_ps(base);
+    __m512 vl[3], vdl[3], vinv[3];
+    for (int o = 0; o < 3; o++) {
+        vl[o] = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(vbase, _mm512_set1_ps((float)(o - 1))),
+                                            _mm512_set1_ps(-32.0f)),
+                              _mm512_set1_ps(31.0f));
+        vdl[o] = _mm512_mul_ps(vd, vl[o]);
+        const __mmask16 nonzero = _mm512_cmp_ps_mask(vdl[o], zero, _CMP_NEQ_OQ);
+        vinv[o] = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), vdl[o]);
+    }
+    __m512 vbest = zero, vlevel = zero, vsx = zero, vsq = zero;
+    for (int o = 0; o < 3; o++) {
+        __m512 x, q;
+        iq4_sums_avx512(xb, wb, 32, vinv[o], &x, &q);
+        const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vdl[o], vdl[o]), q),
+                                       _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), vdl[o]), x));
+        const __mmask16 keep = o == 0 ? (__mmask16)0xffff : _mm512_cmp_ps_mask(e, vbest, _CMP_LT_OQ);
+        vbest = _mm512_mask_mov_ps(vbest, keep, e);
+        vlevel = _mm512_mask_mov_ps(vlevel, keep, vl[o]);
+        vsx = _mm512_mask_mov_ps(vsx, keep, x);
+        vsq = _mm512_mask_mov_ps(vsq, keep, q);
+    }
+    _mm512_storeu_ps(best, vbest);
+    _mm512_storeu_ps(level, vlevel);
+    _mm512_storeu_ps(sx, vsx);
+    _mm512_storeu_ps(sq, vsq);
+}
+#endif
+
 /* for super-block scales d (per lane), each block's best of the `s->level_options` 6-bit levels nearest to
  * scale / d: levels, sums (sqx, sqq of the chosen codes) and the super-block's error less sum w x^2 (err) */
 IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, const iq4_search_t *s,
@@ -590,11 +684,28 @@ IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, 
                                               float *lsq, float *err) {
     float base[8][IS_LANES], best[8][IS_LANES];
     for (int l = 0; l < IS_LANES; l++) err[l] = 0.0f;
+#if IS_AVX512 /* iq4_round's steps on 16 lanes */
+    const __m512 vd = _mm512_loadu_ps(d), magic = _mm512_set1_ps(12582912.0f);
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(vd, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    for (int j = 0; j < 8; j++) {
+        const __m512 v = _mm512_maskz_div_ps(nonzero, _mm512_loadu_ps(scales + j * IS_LANES), vd);
+        const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(4194304.0f), _CMP_LT_OQ);
+        _mm512_storeu_ps(base[j], _mm512_mask_mov_ps(v, small, _mm512_sub_ps(_mm512_add_ps(v, magic), magic)));
+    }
+#else
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < IS_LANES; l++) base[j][l] = d[l] != 0.0f ? iq4_round(scales[j * IS_LANES + l] / d[l]) : 0;
+#endif
     const int first = -(s->level_options / 2), last = s->level_options / 2;
     for (int j = 0; j < 8; j++) {
         const float *xb = xt + j * 32 * IS_LANES, *wb = wt ? wt + j * 32 * IS_LANES : NULL;
+#if IS_AVX512
+        if (s->level_options == 3) {
+            IS_NAME(iq4_xs_level_options3_)(xb, wb, d, base[j], best[j], levels + j * IS_LANES, lsx + j * IS_LANES,
+                                            lsq + j * IS_LANES);
+            continue;
+        }
+#endif
         for (int o = first; o <= last; o++)
             IS_NAME(iq4_xs_level_option_)(xb, wb, d, base[j], (float)o, o == first, best[j], levels + j * IS_LANES,
                                           lsx + j * IS_LANES, lsq + j * IS_LANES);
@@ -608,6 +719,28 @@ IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, 
  * kept so far (d_kept where that is 0 / 0) */
 IS_TARGET static void IS_NAME(iq4_xs_candidate_)(const iq4_search_t *s, int c, const float *peak, const float *levels,
                                                  const float *sx, const float *sq, const float *d_kept, float *d) {
+#if IS_AVX512 /* iq4_half_'s and the refit's float32 steps on 16 lanes */
+    const __m512 lo = _mm512_set1_ps(-65504.0f), hi = _mm512_set1_ps(65504.0f);
+    __m512 v;
+    __mmask16 fit = 0xffff;
+    if (c < 2 * s->nsuper) {
+        const float end = c < s->nsuper ? -32.0f : 31.0f, f = s->super_factors[c % s->nsuper];
+        v = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(peak), _mm512_set1_ps(end)), _mm512_set1_ps(f));
+    } else {
+        __m512 num = _mm512_setzero_ps(), den = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            const __m512 level = _mm512_loadu_ps(levels + j * IS_LANES);
+            num = _mm512_add_ps(num, _mm512_mul_ps(level, _mm512_loadu_ps(sx + j * IS_LANES)));
+            den = _mm512_add_ps(den, _mm512_mul_ps(_mm512_mul_ps(level, level), _mm512_loadu_ps(sq + j * IS_LANES)));
+        }
+        fit = _mm512_cmp_ps_mask(den, _mm512_setzero_ps(), _CMP_GT_OQ);
+        v = _mm512_div_ps(num, den);
+    }
+    const __m512 half =
+        _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_min_ps(_mm512_max_ps(v, lo), hi), _MM_FROUND_TO_NEAREST_INT));
+    _mm512_storeu_ps(d, fit == 0xffff ? half : _mm512_mask_mov_ps(_mm512_loadu_ps(d_kept), fit, half));
+    return;
+#endif
     if (c < 2 * s->nsuper) {
         const float end = c < s->nsuper ? -32.0f : 31.0f, f = s->super_factors[c % s->nsuper];
         for (int l = 0; l < IS_LANES; l++) d[l] = IS_NAME(iq4_half_)(peak[l] / end / f);
@@ -628,6 +761,19 @@ IS_TARGET static void IS_NAME(iq4_xs_candidate_)(const iq4_search_t *s, int c, c
 IS_TARGET static void IS_NAME(iq4_xs_keep_)(int first, const float *d, const float *err, const float *levels,
                                             const float *lsx, const float *lsq, float *best, float *d_out,
                                             float *levels_out, float *best_sx, float *best_sq) {
+#if IS_AVX512
+    const __m512 e = _mm512_loadu_ps(err); /* best is read only after the first candidate wrote it */
+    const __mmask16 keep = first ? (__mmask16)0xffff : _mm512_cmp_ps_mask(e, _mm512_loadu_ps(best), _CMP_LT_OQ);
+    _mm512_mask_storeu_ps(best, keep, e);
+    _mm512_mask_storeu_ps(d_out, keep, _mm512_loadu_ps(d));
+    for (int j = 0; j < 8; j++) {
+        const int r = j * IS_LANES;
+        _mm512_mask_storeu_ps(levels_out + r, keep, _mm512_loadu_ps(levels + r));
+        _mm512_mask_storeu_ps(best_sx + r, keep, _mm512_loadu_ps(lsx + r));
+        _mm512_mask_storeu_ps(best_sq + r, keep, _mm512_loadu_ps(lsq + r));
+    }
+    return;
+#endif
     for (int l = 0; l < IS_LANES; l++) {
         if (!first && !(err[l] < best[l])) continue;
         best[l] = err[l];

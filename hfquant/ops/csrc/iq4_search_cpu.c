@@ -18,12 +18,14 @@
  * iq4_search_body.h holds the search, compiled for AVX-512 (AVX512F/BW/VL), for AVX2 (AVX2, FMA, F16C: two 8-lane
  * vectors per group, the nearest code by a binary search over the midpoints) and in portable C; hfquant_isa
  * (isa_cpu.c, so HFQUANT_ISA=avx2 runs the AVX2 body on an AVX-512 CPU) picks one; all give the same bytes
- * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~110 M weights/s,
- * AVX2 ~40, portable 3 (docs/performance.md, issue #30, eleventh session).
+ * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~170 M weights/s,
+ * AVX2 ~40, portable 3; "fast" AVX-512 ~450, AVX2 ~125 (docs/performance.md, issue #30, eleventh session, and issue
+ * #32, twelfth session).
  */
 #pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,7 +99,7 @@ typedef struct {
     float sweep_lo, sweep_hi; /* sweep_hi > 0: the block stage is the breakpoint sweep over these factors */
 } iq4_search_t;
 
-#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+#define IS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define IS_SUFFIX _avx512
 #define IS_AVX512 1
 #define IS_AVX2 0
@@ -170,7 +172,9 @@ static const iq4_body_t iq4_bodies[3] = {IS_BODY(_portable), IS_BODY(_avx2), IS_
 /* the body to run: hfquant_isa (isa_cpu.c, lowered by HFQUANT_ISA) decides; `portable` forces the portable one */
 static const iq4_body_t *iq4_body(int64_t portable) {
     if (portable) return &iq4_bodies[0];
-    if (HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX2)) return &iq4_bodies[2]; /* AVX2: its F16C */
+    /* AVX2: its F16C; AVX512-DQ: vrangeps (every CPU with AVX512-BW has it) */
+    if (HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX2) && __builtin_cpu_supports("avx512dq"))
+        return &iq4_bodies[2];
     return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2) ? &iq4_bodies[1] : &iq4_bodies[0];
 }
 
@@ -184,13 +188,13 @@ int hfquant_iq4_search_body(void) { return (int)(iq4_body(0) - iq4_bodies); }
  * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
  * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
- * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `portable` != 0 forces the portable
- * C body. Returns 0, 1 for bad arguments, 2 when a thread's 32 KiB work buffer could not be allocated.
+ * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 OpenMP threads (else
+ * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's 32 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
-                         float sweep_hi, int64_t portable, uint8_t *out) {
+                         float sweep_hi, int64_t threads, int64_t portable, uint8_t *out) {
     if ((type != 20 && type != 23) || ntargets < 1 || refine < 0 || (type == 23 && nsuper < 1) || rounds < 0 ||
         (level_options != 1 && level_options != 3) ||
         (sweep_hi > 0.0f && !(sweep_lo > 0.0f && sweep_hi <= 1.55f * sweep_lo)))
@@ -202,7 +206,7 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
     const iq4_body_t *body = iq4_body(portable);
     const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads > 0 ? (int)threads : omp_get_max_threads())
     {
         float *xt = aligned_alloc(64, 2 * 256 * IS_LANES * sizeof(float));
         float *wt = xt ? xt + 256 * IS_LANES : NULL;
@@ -210,6 +214,7 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t wt_phase = -1; /* first % w_period of the rows in wt, -1: none (or not a full group's) */
         uint8_t codes[256 * IS_LANES];
         float d[IS_LANES], levels[8 * IS_LANES];
 #pragma omp for schedule(dynamic, 4)
@@ -222,11 +227,18 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
             else
                 body->transpose_in(x + first * size, size, xt);
             const float *wg = NULL;
-            if (w != NULL) { /* a period divides the group only by chance: gather lane by lane */
-                for (int l = 0; l < IS_LANES; l++) {
-                    const int64_t b = first + (l < count ? l : 0);
-                    const float *src = w + (w_period > 0 ? b % w_period : b) * size;
-                    for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
+            if (w != NULL) {
+                /* lane l reads (super-)block first + l of the importance, or with a period that one modulo it: the
+                 * same transposed rows again whenever first % w_period repeats (every group for a 2048-wide
+                 * weight's period of 8), so they are gathered again only when it changes */
+                const int64_t phase = w_period > 0 ? first % w_period : -1;
+                if (phase < 0 || phase != wt_phase || count < IS_LANES) {
+                    for (int l = 0; l < IS_LANES; l++) {
+                        const int64_t b = first + (l < count ? l : 0);
+                        const float *src = w + (w_period > 0 ? b % w_period : b) * size;
+                        for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
+                    }
+                    wt_phase = count < IS_LANES ? -1 : phase;
                 }
                 wg = wt;
             }
