@@ -422,11 +422,12 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
 
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
 #if BK_MASKED
-    /* two 32-weight blocks per 512-bit dot of unsigned grid + 128 (g ^ 0x80) with x; the 128 * sum(x) excess comes
-     * off once per super-block against sums32 (vpdpbusd's int32 sums do not saturate; every term < 2^31) */
+    /* four 32-weight blocks' low and high nibbles per pair of 512-bit dots of unsigned grid + 128 (g ^ 0x80) with x
+     * in ActRow.qn's order; the 128 * sum(x) excess comes off once per super-block against sums32 (vpdpbusd's int32 sums do not saturate; every term < 2^31) */
     const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
                                             _mm512_set1_epi8((char)0x80));
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
 #endif
     const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
@@ -445,23 +446,33 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
                     _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
             _mm256_set1_epi32(32));
 #if BK_MASKED
-        __m512i sum2 = _mm512_setzero_si512();
-        for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j)));
-            const __m512i both = _mm512_inserti64x4(v, _mm512_castsi512_si256(_mm512_srli_epi16(v, 4)), 1);
-            /* 128-bit lanes [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1]: block 2j's 32 codes, then block 2j + 1's */
-            const __m512i codes = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), low);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(grid_u, codes),
-                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
-            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
-                                                    _mm256_set1_epi32(2 * j + 1), 1);
-            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
-                                                                    pick, _mm512_castsi256_si512(ls))));
+        (void)xq;
+        /* four blocks per step, one per 128-bit lane: a 64-byte load of their packed codes, its low nibbles (weights
+         * 0-15 of each block) and high nibbles (16-31) each dotted with the activation in that order (ActRow.qn), so
+         * int32 lane l of block c's 128-bit lane holds the products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi): the
+         * lanes l and l + 4 of one block per 256 bits. Summed over the 128-bit lanes below, the same integers. */
+        __m512i sum_lo = _mm512_setzero_si512(), sum_hi = sum_lo;
+        for (int g = 0; g < 2; g++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(w + 8 + 64 * g));
+            const __m512i lo = _mm512_shuffle_epi8(grid_u, _mm512_and_si512(v, low));
+            const __m512i hi = _mm512_shuffle_epi8(grid_u, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            const int8_t *xn = a->qn + b * 256 + 128 * g;
+            const __m512i s = _mm512_permutexvar_epi32(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * g)),
+                                                       _mm512_castsi256_si512(ls)); /* block 4g + c's scale */
+            sum_lo = _mm512_add_epi32(
+                sum_lo, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                               _mm512_load_si512((const void *)xn)), s));
+            sum_hi = _mm512_add_epi32(
+                sum_hi, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi,
+                                                               _mm512_load_si512((const void *)(xn + 64))), s));
         }
+        /* 128-bit lanes [lo0 + lo2, lo1 + lo3, hi0 + hi2, hi1 + hi3], then each pair summed: lo in 0-3, hi in 4-7 */
+        const __m512i t = _mm512_add_epi32(_mm512_shuffle_i64x2(sum_lo, sum_hi, 0x44),
+                                           _mm512_shuffle_i64x2(sum_lo, sum_hi, 0xEE));
+        const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0xB1));
         const __m256i excess =
             _mm256_slli_epi32(_mm256_mullo_epi32(ls, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8))), 7);
-        const __m256i sumi = _mm256_sub_epi32(
-            _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1)), excess);
+        const __m256i sumi = _mm256_sub_epi32(_mm512_castsi512_si256(_mm512_shuffle_i64x2(u, u, 0x08)), excess);
 #else
         const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
         __m256i sumi = _mm256_setzero_si256();

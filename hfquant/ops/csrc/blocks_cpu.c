@@ -138,6 +138,9 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
+    int8_t *qn;      /* on AVX-512 with an IQ4_XS weight (else NULL): q in the order of four 32-weight blocks' nibbles,
+                      * per 128 inputs the first 16 inputs of each 32, then the last 16 (qn_index), so that one 512-bit
+                      * load of four blocks' packed codes dots their low nibbles, another their high nibbles */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -263,6 +266,13 @@ static inline int64_t qt_index(int64_t e) {
     return 256 * (e / 256) + 64 * t + 4 * (4 * s + j) + e % 4;
 }
 
+/* where input e is in qn: per 128 inputs (four 32-input blocks c), the low-nibble inputs 0-15 of block c at 16 c,
+ * the high-nibble inputs 16-31 at 64 + 16 c */
+static inline int64_t qn_index(int64_t e) {
+    const int64_t c = (e % 128) / 32, i = e % 32;
+    return 128 * (e / 128) + 64 * (i / 16) + 16 * c + i % 16;
+}
+
 /* HQ3_R's GFNI step's entries of activation block b (32 inputs; q and bias4 already made): qt (4 bytes at a time)
  * and bias16 */
 static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
@@ -275,7 +285,7 @@ static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
- * per-16 sums again as int16 (sums16); with a->qk, q again in qk's order. Each block's values depend on that block
+ * per-16 sums again as int16 (sums16); with a->qk / a->qn, q again in qk's / qn's order. Each block's values depend on that block
  * alone, so the threads of a GEMV quantize the blocks in any split and the row is the same bytes. AVX2 (the values do
  * not depend on the instruction set: IEEE multiply, round to nearest even). */
 AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_t per, int64_t sum_every,
@@ -318,6 +328,8 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
             if (s % 4 == 0) a->dxs[dxs_lane(b * (per / 16) + s / 4)] = a->d[b];
         }
     if (a->qt != NULL) quantize_hq3_r_order(q, b, a);
+    if (a->qn != NULL)
+        for (int64_t i = 0; i < per; i += 16) memcpy(a->qn + qn_index(b * per + i), q + i, 16);
     if (a->qk != NULL)
         for (int64_t i = 0; i < per; i += 32) {
             const int64_t quarter = i % 128 / 32; /* 0 1 2 3 -> 0 2 1 3 */
@@ -500,19 +512,22 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16 and (Q4_K / Q5_K on AVX-512: k4) qk in one buffer, each part 64-byte aligned; on the caller's stack up to
- * ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts or k4), else one allocation. */
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk and (IQ4_XS on AVX-512: nibbles) qn in one buffer, each part 64-byte
+ * aligned; on the caller's stack up to ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts, k4 or
+ * nibbles), else one allocation. */
 enum { ACT_STACK = 40960 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int64_t offsets[10]) {
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
+                          int64_t offsets[11]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
-    const int64_t sizes[10] = {(k / block) * 4,      k,
+    const int64_t sizes[11] = {(k / block) * 4,      k,
                                (k / sum_every) * 4,  (k / 32) * 4,
                                (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
-                               starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */};
+                               starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
+                               nibbles ? (k + 127) / 128 * 128 : 0 /* qn */};
     int64_t total = 0;
-    for (int i = 0; i < 10; i++) {
+    for (int i = 0; i < 11; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -541,15 +556,16 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     }
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[10];
+    int64_t at[11];
     /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs), Q4_K and Q5_K's qk */
     const int vnni = cpu_vnni(), starts = vnni && per == 32;
-    int transposed = 0, k4 = 0; /* HQ3_R's GFNI step reads qt and bias16 */
+    int transposed = 0, k4 = 0, nibbles = 0; /* HQ3_R's GFNI step reads qt and bias16, IQ4_XS's qn */
     for (int64_t p = 0; p < count; p++) {
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
+        nibbles |= vnni && parts[p].type == GGML_IQ4_XS;
     }
-    const int64_t need = act_layout(k, per, sum_every, starts, k4, at);
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
     if (scratch == NULL) return 2;
@@ -564,6 +580,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.qt = transposed ? (int8_t *)(scratch + at[7]) : NULL;
     a.bias16 = transposed ? (int32_t *)(scratch + at[8]) : NULL;
     a.qk = k4 ? (int8_t *)(scratch + at[9]) : NULL;
+    a.qn = nibbles ? (int8_t *)(scratch + at[10]) : NULL;
     if (vnni)
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else
