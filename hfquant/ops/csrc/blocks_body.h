@@ -647,10 +647,6 @@ BK_TARGET static inline __m256 BK_NAME(iq4_nl_step_)(const uint8_t *w, const Act
     return BK_NAME(signed_step_)(g, a, b, acc, BK_NAME(half_)(w));
 }
 
-BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    BK_ROW32_FAST(BK_NAME(iq4_nl_pair_), BK_NAME(iq4_nl_step_), 18, grid);
-}
 
 /* HQ3_0 (w = d * (u - 4)): bits 0-1 of code 8i + l are bits 2i, 2i + 1 of qs[l] (one 64-bit shift per 8 codes),
  * bit 2 is bit e of qh; the -4 multiplies the activation sum (an integer term of the block's dot) */
@@ -794,8 +790,73 @@ BK_TARGET static inline __m256 BK_NAME(legacy_step_)(const uint8_t *w, const Act
     return acc;
 }
 
+#if BK_MASKED
+/* Q4_0 and IQ4_NL (18-byte blocks: float16 d, 16 bytes of codes) on AVX-512, four blocks per step, block c in 128-bit
+ * lane c: their low nibbles (weights 0-15) and high nibbles (16-31) dotted with the activation in that order
+ * (ActRow.qn), int32 lane l of block c holding the products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi), the lanes l
+ * and l + 4 of the one-block step; Q4_0's dots start from off8n (its offset 8 times the block sum, in lane 0), IQ4_NL's
+ * (grid + 128) from biasn, as the one-block and two-block steps subtract them: the same integers. Each lane's float
+ * fmadd goes into the lane of the same accumulator (acc_lo lane 4c + l: BK_ROW32's acc c lane l; acc_hi: l + 4) in the
+ * same order of blocks, and the tail and the final sums are BK_ROW32_PAIRS's: the same bytes. */
+BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const ActRow *a, int64_t nb, int iq4,
+                                                      __m256i grid) {
+    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i64x4(grid), _mm512_set1_epi8((char)0x80));
+    const __m512i low = _mm512_set1_epi8(0x0F), quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    /* d of block c: word 9c of the four blocks' 72 bytes */
+    const __m512i d_words = _mm512_zextsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 0, 0, 0, 0));
+    __m512 acc_lo = _mm512_setzero_ps(), acc_hi = acc_lo;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 72) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + 2)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 20)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 38)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 56)), 3);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const int8_t *xn = a->qn + 32 * b;
+        __m512i start_lo = _mm512_load_si512((const void *)(a->off8n + 4 * b)), start_hi = _mm512_setzero_si512();
+        if (iq4) {
+            lo = _mm512_shuffle_epi8(grid_u, lo);
+            hi = _mm512_shuffle_epi8(grid_u, hi);
+            start_lo = _mm512_load_si512((const void *)(a->biasn + 8 * b));
+            start_hi = _mm512_load_si512((const void *)(a->biasn + 8 * b + 16));
+        }
+        const __m512i p_lo = _mm512_dpbusd_epi32(start_lo, lo, _mm512_load_si512((const void *)xn));
+        const __m512i p_hi = _mm512_dpbusd_epi32(start_hi, hi, _mm512_load_si512((const void *)(xn + 64)));
+        /* d of the four blocks (float16) times their activation scales, as halves_dx_'s float32 products */
+        const __m128 d = _mm_cvtph_ps(_mm512_castsi512_si128(
+            _mm512_permutexvar_epi16(d_words, _mm512_loadu_si512((const void *)w))));
+        const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(a->d + b))));
+        acc_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), s, acc_lo);
+        acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), s, acc_hi);
+    }
+    /* acc c = [acc_lo lanes 4c..4c + 3, acc_hi lanes 4c..4c + 3] */
+    const __m512 acc01 = _mm512_permutex2var_ps(
+        acc_lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), acc_hi);
+    const __m512 acc23 = _mm512_permutex2var_ps(
+        acc_lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc_hi);
+    __m256 acc0 = BK_NAME(half512_)(acc01, 0), acc1 = BK_NAME(half512_)(acc01, 1);
+    __m256 acc2 = BK_NAME(half512_)(acc23, 0), acc3 = BK_NAME(half512_)(acc23, 1);
+    for (; b < nb; b++, w += 18)
+        acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+}
+#endif
+
+BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+#if BK_MASKED
+    return BK_NAME(row32_nibbles_)(w, a, nb, 1, grid);
+#else
+    BK_ROW32_FAST(BK_NAME(iq4_nl_pair_), BK_NAME(iq4_nl_step_), 18, grid);
+#endif
+}
+
 BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+#if BK_MASKED
+    return BK_NAME(row32_nibbles_)(w, a, nb, 0, _mm256_setzero_si256());
+#else
     BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 18, 0, 8);
+#endif
 }
 BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 20, 2, 0);

@@ -138,9 +138,12 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
-    int8_t *qn;      /* on AVX-512 with an IQ4_XS weight (else NULL): q in the order of four 32-weight blocks' nibbles,
-                      * per 128 inputs the first 16 inputs of each 32, then the last 16 (qn_index), so that one 512-bit
-                      * load of four blocks' packed codes dots their low nibbles, another their high nibbles */
+    int8_t *qn;      /* on AVX-512 with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four 32-weight
+                      * blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16 (qn_index), so
+                      * that one 512-bit register of four blocks' codes dots their low nibbles, another their high ones */
+    int32_t *biasn;  /* with qn and bias4: bias4 in qn's order (the int32 lane of inputs e..e + 3 at qn_index(e) / 4) */
+    int32_t *off8n;  /* with qn and bias4: per 128 inputs 16 int32, lane 4c = -8 times block c's sum, the others 0: the
+                      * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -330,6 +333,12 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
     if (a->qt != NULL) quantize_hq3_r_order(q, b, a);
     if (a->qn != NULL)
         for (int64_t i = 0; i < per; i += 16) memcpy(a->qn + qn_index(b * per + i), q + i, 16);
+    if (a->qn != NULL && a->bias4 != NULL) { /* per = 32 */
+        for (int64_t s = 0; s < 8; s++) a->biasn[qn_index(32 * b + 4 * s) / 4] = a->bias4[8 * b + s];
+        int32_t *off = a->off8n + 16 * (b / 4) + 4 * (b % 4);
+        off[0] = -8 * a->sums[b];
+        off[1] = off[2] = off[3] = 0;
+    }
     if (a->qk != NULL)
         for (int64_t i = 0; i < per; i += 32) {
             const int64_t quarter = i % 128 / 32; /* 0 1 2 3 -> 0 2 1 3 */
@@ -512,22 +521,24 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk and (IQ4_XS on AVX-512: nibbles) qn in one buffer, each part 64-byte
- * aligned; on the caller's stack up to ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts, k4 or
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL on AVX-512: nibbles) qn and (also starts)
+ * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts, k4 or
  * nibbles), else one allocation. */
 enum { ACT_STACK = 40960 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
-                          int64_t offsets[11]) {
+                          int64_t offsets[13]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
-    const int64_t sizes[11] = {(k / block) * 4,      k,
+    const int64_t whole = (k + 127) / 128 * 128, nibble_starts = nibbles && starts; /* qn: whole groups of 128 */
+    const int64_t sizes[13] = {(k / block) * 4,      k,
                                (k / sum_every) * 4,  (k / 32) * 4,
                                (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
                                starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
-                               nibbles ? (k + 127) / 128 * 128 : 0 /* qn */};
+                               nibbles ? whole : 0 /* qn */, nibble_starts ? whole : 0 /* biasn */,
+                               nibble_starts ? whole / 2 : 0 /* off8n */};
     int64_t total = 0;
-    for (int i = 0; i < 11; i++) {
+    for (int i = 0; i < 13; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -556,14 +567,15 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     }
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[11];
+    int64_t at[13];
     /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs), Q4_K and Q5_K's qk */
     const int vnni = cpu_vnni(), starts = vnni && per == 32;
-    int transposed = 0, k4 = 0, nibbles = 0; /* HQ3_R's GFNI step reads qt and bias16, IQ4_XS's qn */
+    int transposed = 0, k4 = 0, nibbles = 0; /* HQ3_R's GFNI step reads qt and bias16, IQ4_XS's qn (Q4_0, IQ4_NL's too
+                                              * with off8n / biasn) */
     for (int64_t p = 0; p < count; p++) {
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
-        nibbles |= vnni && parts[p].type == GGML_IQ4_XS;
+        nibbles |= vnni && (parts[p].type == GGML_IQ4_XS || parts[p].type == GGML_Q4_0 || parts[p].type == GGML_IQ4_NL);
     }
     const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
@@ -581,6 +593,8 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.bias16 = transposed ? (int32_t *)(scratch + at[8]) : NULL;
     a.qk = k4 ? (int8_t *)(scratch + at[9]) : NULL;
     a.qn = nibbles ? (int8_t *)(scratch + at[10]) : NULL;
+    a.biasn = nibbles && starts ? (int32_t *)(scratch + at[11]) : NULL;
+    a.off8n = nibbles && starts ? (int32_t *)(scratch + at[12]) : NULL;
     if (vnni)
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else
