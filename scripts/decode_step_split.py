@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GEMV_OPERATORS = ("block_gemv", "block_gemv_group", "int8_gemv", "int4_gemv", "int4_gemv_avx2", "int4_gemv_a8")
 """The `hfquant_cpu` operators timed as the step's GEMVs."""
@@ -84,13 +85,10 @@ def load(path: Path, config: str):
 
     if path.is_file():
         return hfquant.from_gguf(path)
+    from gguf_cpu_per_token import config_fields
     from transformers import AutoModelForCausalLM
 
-    fields = dict(pair.split("=", 1) for pair in config.split(",") if pair)
-    for name in ("bits", "group_size"):
-        if name in fields:
-            fields[name] = float(fields[name]) if "." in fields[name] else int(fields[name])
-    quantization = hfquant.HfQuantConfig(**fields)
+    quantization = hfquant.HfQuantConfig(**config_fields(config))
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.bfloat16)
 
 
