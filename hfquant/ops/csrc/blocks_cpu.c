@@ -138,10 +138,12 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
-    int8_t *qn;      /* on AVX-512 with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four 32-weight
-                      * blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16 (qn_index), so
-                      * that one 512-bit register of four blocks' codes dots their low nibbles, another their high ones */
-    int32_t *biasn;  /* with qn and bias4: bias4 in qn's order (the int32 lane of inputs e..e + 3 at qn_index(e) / 4) */
+    int8_t *qn;      /* on AVX-512 with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four
+                      * 32-weight blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16
+                      * (qn_index), so that one 512-bit register of four blocks' codes dots their low nibbles, another
+                      * their high ones */
+    int32_t *biasn;  /* with qn and bias4: bias4 in qn's order (the int32 lane of inputs e..e + 3 at
+                      * qn_index(e) / 4) */
     int32_t *off8n;  /* with qn and bias4: per 128 inputs 16 int32, lane 4c = -8 times block c's sum, the others 0: the
                       * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block) */
 } ActRow;
@@ -288,9 +290,10 @@ static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
- * per-16 sums again as int16 (sums16); with a->qk / a->qn, q again in qk's / qn's order. Each block's values depend on that block
- * alone, so the threads of a GEMV quantize the blocks in any split and the row is the same bytes. AVX2 (the values do
- * not depend on the instruction set: IEEE multiply, round to nearest even). */
+ * per-16 sums again as int16 (sums16); with a->qk / a->qn, q again in qk's / qn's order (and, per = 32, biasn and
+ * off8n). Each block's values depend on that block alone, so the threads of a GEMV quantize the blocks in any split
+ * and the row is the same bytes. AVX2 (the values do not depend on the instruction set: IEEE multiply, round to
+ * nearest even). */
 AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_t per, int64_t sum_every,
                                             const ActRow *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -522,9 +525,10 @@ int hfquant_block_gemv_supported(int64_t type) {
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
  * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL on AVX-512: nibbles) qn and (also starts)
- * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts, k4 or
- * nibbles), else one allocation. */
-enum { ACT_STACK = 40960 };
+ * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about
+ * 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays there), else one
+ * allocation. */
+enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
                           int64_t offsets[13]) {
@@ -575,7 +579,8 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     for (int64_t p = 0; p < count; p++) {
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
-        nibbles |= vnni && (parts[p].type == GGML_IQ4_XS || parts[p].type == GGML_Q4_0 || parts[p].type == GGML_IQ4_NL);
+        const int64_t t = parts[p].type;
+        nibbles |= vnni && (t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL);
     }
     const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
