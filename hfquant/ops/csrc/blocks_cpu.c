@@ -20,8 +20,11 @@
  * Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of
  * every weight. On AVX512-VNNI CPUs the 32-weight types take two blocks per 512-bit step (blocks_body.h's
  * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the
- * activation in their nibbles' order, ActRow.qk): the same integers, products and float additions in the same order,
- * so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.7x: docs/performance.md).
+ * activation in their nibbles' order, ActRow.qk), Q4_0, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane
+ * each: a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that
+ * order; IQ4_XS two super-blocks' integer work per step): the same integers, products and float additions in the
+ * same order, so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.7x, Q4_0
+ * 0.7-0.8x and IQ4_XS 0.75x of two blocks per step: docs/performance.md).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
  * hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
  * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
