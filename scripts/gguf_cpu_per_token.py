@@ -17,7 +17,8 @@ token and of the per-round ratio llama.cpp's / hfquant's (above 1: hfquant spend
 
 `--checkpoint DIR --config FIELDS` adds an engine in the same rounds: the bfloat16 checkpoint the GGUF file was made
 from, quantized on load with `HfQuantConfig(**FIELDS)` (comma-separated field=value; for example the 4-bit default
-against llama.cpp's Q4_0 of the same weights), in this tree and (with `--baseline`) in the baseline tree.
+against llama.cpp's Q4_0 of the same weights), in this tree and (with `--baseline`) in the baseline tree; with
+`--compile` also its compiled `generate`.
 
 `--baseline TREE` adds a third engine in the same rounds: hfquant from another source tree (for example `git archive`
 of the commit before a kernel change, unpacked), with its own `HFQUANT_CACHE` (`--baseline-cache`) so that the two
@@ -189,6 +190,12 @@ def measure(
         if baseline is not None:
             env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
             engines[f"hfquant baseline {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], env)
+        if compiled:
+            worker_args = json.dumps(dict(json.loads(folder_args), compile=True))
+            engines[f"hfquant {label} generate +compile"] = (
+                [sys.executable, "-c", GENERATE_WORKER, worker_args],
+                dict(worker_env(), **one),
+            )
     engines["llama.cpp"] = ([str(python), "-c", LLAMA_WORKER, args], dict(llama_cpp.engine_env(), **one))
     before = os.getloadavg()
     with tempfile.TemporaryDirectory() as logs:
