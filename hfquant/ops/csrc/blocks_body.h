@@ -520,9 +520,9 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
-        const int8_t *xq = a->q + b * 256;
         uint16_t high;
         uint32_t lows;
         memcpy(&high, w + 2, 2);
@@ -534,14 +534,26 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
                 _mm256_slli_epi32(
                     _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
             _mm256_set1_epi32(32));
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 8 + 16 * j));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
-            const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
-            sumi = _mm256_add_epi32(
-                sumi, _mm256_mullo_epi32(p, _mm256_permutevar8x32_epi32(ls, _mm256_set1_epi32(j))));
+        /* blocks 2j, 2j + 1 per step, one per 128-bit lane: their low nibbles (weights 0-15) and high nibbles (16-31)
+         * against the activation in that order (ActRow.qn); int32 lane l of a block's 128-bit lane holds the
+         * products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi), summed over the blocks and the two 128-bit lanes
+         * below into the lanes l and l + 4 of one block per 256 bits: the same integers */
+        __m256i sum_lo = _mm256_setzero_si256(), sum_hi = sum_lo;
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j));
+            const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
+            const __m256i hi = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            const int8_t *xn = a->qn + b * 256 + 128 * (j / 2) + 32 * (j % 2);
+            const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
+            const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
+            const __m256i s = _mm256_permutevar8x32_epi32(ls, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
+            const __m256i p_lo = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+            const __m256i p_hi = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            sum_lo = _mm256_add_epi32(sum_lo, _mm256_mullo_epi32(p_lo, s));
+            sum_hi = _mm256_add_epi32(sum_hi, _mm256_mullo_epi32(p_hi, s));
         }
+        const __m256i sumi = _mm256_add_epi32(_mm256_permute2x128_si256(sum_lo, sum_hi, 0x20),
+                                              _mm256_permute2x128_si256(sum_lo, sum_hi, 0x31));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
     }
     return BK_NAME(hsum_)(acc);

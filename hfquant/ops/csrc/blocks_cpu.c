@@ -141,7 +141,7 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
-    int8_t *qn;      /* on AVX-512 with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four
+    int8_t *qn;      /* with an IQ4_XS weight, or on AVX-512 a Q4_0 or IQ4_NL one (else NULL): q in the order of four
                       * 32-weight blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16
                       * (qn_index), so that one 512-bit register of four blocks' codes dots their low nibbles, another
                       * their high ones */
@@ -527,7 +527,7 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL on AVX-512: nibbles) qn and (also starts)
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS; Q4_0, IQ4_NL on AVX-512: nibbles) qn and (also starts)
  * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about
  * 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays there), else one
  * allocation. */
@@ -583,7 +583,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
         const int64_t t = parts[p].type;
-        nibbles |= vnni && (t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL);
+        nibbles |= t == GGML_IQ4_XS || (vnni && (t == GGML_Q4_0 || t == GGML_IQ4_NL)); /* IQ4_XS: both bodies */
     }
     const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
