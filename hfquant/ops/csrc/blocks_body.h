@@ -622,18 +622,9 @@ BK_TARGET static inline __m512 BK_NAME(scale_pair_)(__m512i p, __m128 v, __m512 
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v)), acc);
 }
 
-/* signed_step_ of two blocks: acc + d * (the dot of signed codes with the activations), from their unsigned codes
- * u = q + 128 (q ^ 0x80) against x, vpdpbusd starting from bias4's -128 times each 4 activations' sum: per int32 lane
- * the same integer as signed_step_'s abs / sign products (AVX-512 lacks _mm256_sign_epi8), so the same bytes */
-BK_TARGET static inline __m512 BK_NAME(unsigned_pair_)(__m512i u, const uint8_t *w, int64_t bytes, const ActRow *a,
-                                                       int64_t b, __m512 acc) {
-    const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(a->bias4 + 8 * b)), u, x);
-    return BK_NAME(scale_pair_)(p, BK_NAME(halves_dx_)(w, bytes, a, b), acc);
-}
-
-/* signed_step_ of two blocks with the sign moved onto x where q < 0 (Q8_0: its codes + 128 through unsigned_pair_ were
- * 0.95x as fast, one more 64-byte load per two blocks) */
+/* signed_step_ of two blocks: acc + d * (the dot of signed codes with the activations), the sign moved onto x where
+ * q < 0 (Q8_0: its codes + 128 against x, vpdpbusd started from bias4's -128 times each 4 activations' sum, were 0.95x
+ * as fast, one more 64-byte load per two blocks) */
 BK_TARGET static inline __m512 BK_NAME(signed_pair_)(__m512i q, const uint8_t *w, int64_t bytes, const ActRow *a,
                                                      int64_t b, __m512 acc) {
     const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
@@ -648,13 +639,6 @@ BK_TARGET static inline __m512 BK_NAME(q8_0_pair_)(const uint8_t *w, const ActRo
     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
                                          _mm256_loadu_si256((const __m256i *)(w + bytes + 2)), 1);
     return BK_NAME(signed_pair_)(q, w, bytes, a, b, acc);
-}
-
-BK_TARGET static inline __m512 BK_NAME(iq4_nl_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
-                                                     int64_t bytes, __m256i grid) {
-    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i64x4(grid), _mm512_set1_epi8((char)0x80));
-    const __m512i u = _mm512_shuffle_epi8(grid_u, BK_NAME(nibbles64_)(w + 2, bytes));
-    return BK_NAME(unsigned_pair_)(u, w, bytes, a, b, acc);
 }
 
 /* legacy_step_ of two blocks */
@@ -907,23 +891,61 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
         acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
     return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
 }
+#else
+/* Q4_0 and IQ4_NL on AVX2: four blocks per step as two pairs, a pair's blocks in the 128-bit lanes of one register of
+ * low nibbles and one of high nibbles against ActRow.qn (as the AVX-512 step above: int32 lane l of a block's lane the
+ * one-block step's lane l or l + 4); Q4_0's offset term comes off lane 0 of each block, IQ4_NL's signed grid values
+ * move their sign onto x (the one-block step's integers). acc_lo / acc_hi of pair h hold BK_ROW32's accumulators
+ * 2h and 2h + 1 (lanes 0-3 and 4-7 of each): the same float additions in the same order, the same bytes. */
+BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const ActRow *a, int64_t nb, int iq4,
+                                                      __m256i grid) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 72) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = w + 36 * h;
+            const int64_t c = b + 2 * h; /* the pair's first block */
+            const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 20)),
+                                               _mm_loadu_si128((const __m128i *)(p + 2)));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const int8_t *xn = a->qn + 32 * b + 32 * h;
+            const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
+            const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
+            __m256i p_lo, p_hi;
+            if (iq4) {
+                lo = _mm256_shuffle_epi8(grid, lo);
+                hi = _mm256_shuffle_epi8(grid, hi);
+                p_lo = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+                p_hi = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            } else {
+                const __m256i offsets = _mm256_setr_epi32(8 * a->sums[c], 0, 0, 0, 8 * a->sums[c + 1], 0, 0, 0);
+                p_lo = _mm256_sub_epi32(BK_DOT(_mm256_setzero_si256(), lo, x_lo), offsets);
+                p_hi = BK_DOT(_mm256_setzero_si256(), hi, x_hi);
+            }
+            const __m256 s = _mm256_set_m128(_mm_set1_ps(BK_NAME(half_)(p + 18) * a->d[c + 1]),
+                                             _mm_set1_ps(BK_NAME(half_)(p) * a->d[c]));
+            acc_lo[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), s, acc_lo[h]);
+            acc_hi[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), s, acc_hi[h]);
+        }
+    }
+    __m256 acc0 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x20);
+    __m256 acc1 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x31);
+    __m256 acc2 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x20);
+    __m256 acc3 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x31);
+    for (; b < nb; b++, w += 18)
+        acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+}
 #endif
 
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-#if BK_MASKED
     return BK_NAME(row32_nibbles_)(w, a, nb, 1, grid);
-#else
-    BK_ROW32_FAST(BK_NAME(iq4_nl_pair_), BK_NAME(iq4_nl_step_), 18, grid);
-#endif
 }
 
 BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-#if BK_MASKED
     return BK_NAME(row32_nibbles_)(w, a, nb, 0, _mm256_setzero_si256());
-#else
-    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 18, 0, 8);
-#endif
 }
 BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 20, 2, 0);

@@ -22,9 +22,10 @@
  * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the
  * activation in their nibbles' order, ActRow.qk), Q4_0, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane
  * each: a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that
- * order; IQ4_XS two super-blocks' integer work per step): the same integers, products and float additions in the
- * same order, so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.7x, Q4_0
- * 0.7-0.8x and IQ4_XS 0.75x of two blocks per step: docs/performance.md).
+ * order; IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the
+ * same integers, products and float additions in the same order, so the same bytes as one block at a time or the
+ * other body (Q4_1 in 0.6x the time, Q4_K 0.7x, Q4_0 0.7-0.8x and IQ4_XS 0.75x of two blocks per step:
+ * docs/performance.md).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
  * hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
  * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
@@ -33,8 +34,8 @@
  * activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation scales
  * per 16 inputs), both computed once per call with the quantized row; where the CPU has AVX512-VBMI, BITALG and GFNI
  * it takes four blocks per step instead, each int32 lane one sub-block (hq3r_body.h; the row's activations also in
- * that order: qt, bias16). IQ4_NL takes the same start for its grid plus 128 (no sign moved onto the activation: 1.27x
- * as fast).
+ * that order: qt, bias16). IQ4_NL takes the same start for its grid plus 128, in qn's order (biasn; no sign moved
+ * onto the activation: 1.27x as fast).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
@@ -141,7 +142,7 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
-    int8_t *qn;      /* with an IQ4_XS weight, or on AVX-512 a Q4_0 or IQ4_NL one (else NULL): q in the order of four
+    int8_t *qn;      /* with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four
                       * 32-weight blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16
                       * (qn_index), so that one 512-bit register of four blocks' codes dots their low nibbles, another
                       * their high ones */
@@ -527,7 +528,7 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS; Q4_0, IQ4_NL on AVX-512: nibbles) qn and (also starts)
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL: nibbles) qn and (on AVX-512 also starts)
  * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about
  * 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays there), else one
  * allocation. */
@@ -583,7 +584,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
         const int64_t t = parts[p].type;
-        nibbles |= t == GGML_IQ4_XS || (vnni && (t == GGML_Q4_0 || t == GGML_IQ4_NL)); /* IQ4_XS: both bodies */
+        nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL;
     }
     const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
