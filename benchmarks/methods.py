@@ -108,6 +108,10 @@ METHODS.update(
         for fmt in BLOCK_FORMATS
     }
 )
+METHODS["hfquant-iq4_xs-lm8"] = (
+    None,
+    "hfquant-iq4_xs with lm_head='int8': issue #32's candidate 4-bit default (IQ4_XS layers, per-channel int8 head)",
+)
 BLOCK_TWINS = {
     (f"llamacpp-{fmt}-blocks" if f"llamacpp-{fmt}" in METHODS else f"llamacpp-{fmt}"): f"hfquant-{fmt}"
     for fmt in BLOCK_FORMATS

@@ -14,6 +14,11 @@ steps fed their greedy token, `--repeats` times after a warm-up. The wrappers co
 reads), about 0.2 ms of a 1.2B step; eager only (a compiled graph calls the operators itself).
 
     OMP_NUM_THREADS=1 python scripts/decode_step_split.py FILE.gguf [--steps 32] [--repeats 2]
+    OMP_NUM_THREADS=1 python scripts/decode_step_split.py CHECKPOINT_DIR --config format=iq4_xs,lm_head=int8
+
+A folder (a bfloat16 checkpoint, e.g. the benchmark's 1.2B in the cache) is quantized on load with
+`HfQuantConfig(**--config)` (comma-separated field=value pairs; `bits` and `group_size` are read as numbers); its
+int8 lm_head's `int8_gemv` (and an int4 default's `int4_gemv*`) are timed as GEMVs too, each operator on its own line.
 
 Not part of the test suite.
 """
@@ -29,8 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GEMV_OPERATORS = ("block_gemv", "block_gemv_group")
+GEMV_OPERATORS = ("block_gemv", "block_gemv_group", "int8_gemv", "int4_gemv", "int4_gemv_avx2", "int4_gemv_a8")
 """The `hfquant_cpu` operators timed as the step's GEMVs."""
 
 NOT_WRAPPED = ("ModuleList", "QuantLinear", "SiLUActivation", "SiLU")
@@ -39,17 +45,20 @@ NOT_WRAPPED = ("ModuleList", "QuantLinear", "SiLUActivation", "SiLU")
 
 class TimedOperator:
     """Stands in for `torch.ops.hfquant_cpu.<name>` (and its `.default`): calls the operator and adds the calling
-    thread's CPU seconds to `totals["gemv"]`."""
+    thread's CPU seconds to `totals["gemv"]` and to `totals[name]`."""
 
-    def __init__(self, operator, totals: dict):
+    def __init__(self, operator, totals: dict, name: str):
         self.default = self
         self.operator = operator
         self.totals = totals
+        self.name = name
 
     def __call__(self, *args):
         start = time.thread_time()
         result = self.operator(*args)
-        self.totals["gemv"] += time.thread_time() - start
+        seconds = time.thread_time() - start
+        self.totals["gemv"] += seconds
+        self.totals[self.name] = self.totals.get(self.name, 0.0) + seconds
         return result
 
 
@@ -69,14 +78,28 @@ def wrap_class(cls, totals: dict, inclusive: collections.Counter, inside: collec
     cls.forward = timed_forward
 
 
+def load(path: Path, config: str):
+    """The model to time: `from_gguf` of a GGUF file, or a checkpoint folder quantized with `HfQuantConfig(**fields)`
+    parsed from `config` ("format=iq4_xs,lm_head=int8")."""
+    import hfquant
+
+    if path.is_file():
+        return hfquant.from_gguf(path)
+    from gguf_cpu_per_token import config_fields
+    from transformers import AutoModelForCausalLM
+
+    quantization = hfquant.HfQuantConfig(**config_fields(config))
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.bfloat16)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("gguf", type=Path, help="a GGUF file `hfquant.from_gguf` imports")
+    parser.add_argument("model", type=Path, help="a GGUF file `hfquant.from_gguf` imports, or a checkpoint folder")
+    parser.add_argument("--config", default="", help="HfQuantConfig fields for a folder: field=value,field=value")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements after the warm-up")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    import hfquant
     from benchmarks.machine import describe
     from hfquant.ops import torch_ops
 
@@ -84,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("hfquant's dispatcher operators are not available here: nothing to time")
     totals = {"gemv": 0.0}
     for name in GEMV_OPERATORS:
-        setattr(torch.ops.hfquant_cpu, name, TimedOperator(getattr(torch.ops.hfquant_cpu, name).default, totals))
-    model = hfquant.from_gguf(args.gguf).eval()
+        operator = getattr(torch.ops.hfquant_cpu, name).default
+        setattr(torch.ops.hfquant_cpu, name, TimedOperator(operator, totals, name))
+    model = load(args.model, args.config).eval()
     inclusive, inside = collections.Counter(), collections.Counter()
     for cls in {type(module) for module in model.modules()}:
         if cls.__name__ not in NOT_WRAPPED:
@@ -96,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             out = model(torch.tensor([[100]]), use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            inclusive.clear(), inside.clear()
+            inclusive.clear(), inside.clear(), totals.clear()
             totals["gemv"] = 0.0
             start = time.process_time()
             for _ in range(steps):
@@ -109,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         step = measure(args.steps)
         gemv = totals["gemv"] / args.steps * 1000
         print(f"\nstep {step:.2f} ms CPU; the GEMVs {gemv:.2f} ms; the rest {step - gemv:.2f} ms")
+        for name in GEMV_OPERATORS:
+            if name in totals:
+                print(f"  {name}: {totals[name] / args.steps * 1000:.2f} ms")
         print("| module class | inclusive ms | GEMVs inside ms | rest ms |\n| --- | ---: | ---: | ---: |")
         for name, seconds in inclusive.most_common():
             ms, gemv_ms = seconds / args.steps * 1000, inside[name] / args.steps * 1000

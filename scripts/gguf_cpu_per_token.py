@@ -13,6 +13,12 @@ token and of the per-round ratio llama.cpp's / hfquant's (above 1: hfquant spend
     python scripts/gguf_cpu_per_token.py FILE.gguf [FILE.gguf ...] --rounds 7 --tokens 32
     python scripts/gguf_cpu_per_token.py FILE.gguf --baseline TREE --baseline-cache DIR   # + another hfquant tree
     python scripts/gguf_cpu_per_token.py FILE.gguf --compile   # + hfquant's generate, eager and compiled
+    python scripts/gguf_cpu_per_token.py FILE.gguf --checkpoint DIR --config format=iq4_xs,lm_head=int8
+
+`--checkpoint DIR --config FIELDS` adds an engine in the same rounds: the bfloat16 checkpoint the GGUF file was made
+from, quantized on load with `HfQuantConfig(**FIELDS)` (comma-separated field=value; for example the 4-bit default
+against llama.cpp's Q4_0 of the same weights), in this tree and (with `--baseline`) in the baseline tree; with
+`--compile` also its compiled `generate`.
 
 `--baseline TREE` adds a third engine in the same rounds: hfquant from another source tree (for example `git archive`
 of the commit before a kernel change, unpacked), with its own `HFQUANT_CACHE` (`--baseline-cache`) so that the two
@@ -61,11 +67,18 @@ args = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 try:
     import hfquant
-    model = hfquant.from_gguf(args["model"]).eval()
+    if args.get("checkpoint"):  # a bfloat16 checkpoint quantized on load with HfQuantConfig(**args["config"])
+        from transformers import AutoModelForCausalLM
+        quantization = hfquant.HfQuantConfig(**args["config"])
+        model = AutoModelForCausalLM.from_pretrained(
+            args["checkpoint"], quantization_config=quantization, dtype=torch.bfloat16).eval()
+    else:
+        model = hfquant.from_gguf(args["model"]).eval()
     prompt = torch.tensor([args["prompt"]])
 """
 )
-"""The hfquant workers' first lines: one thread, the GGUF file imported by `hfquant.from_gguf`, the prompt."""
+"""The hfquant workers' first lines: one thread, the GGUF file imported by `hfquant.from_gguf` (or a checkpoint folder
+quantized on load), the prompt."""
 
 HFQUANT_WORKER = (
     _FROM_GGUF
@@ -147,6 +160,7 @@ def measure(
     python: Path,
     baseline: tuple[Path, Path] | None = None,
     compiled: bool = False,
+    checkpoint: tuple[Path, dict] | None = None,
 ) -> dict:
     """Paired rounds of the engines' one-thread decode on `path` (hfquant eager; with `compiled` hfquant's `generate`,
     eager and compiled; `baseline`'s hfquant: (tree, cache) when given; llama.cpp): the rounds, the medians of CPU
@@ -169,6 +183,19 @@ def measure(
     if baseline is not None:
         env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
         engines["hfquant baseline"] = ([sys.executable, "-c", HFQUANT_WORKER, args], env)
+    if checkpoint is not None:
+        folder_args = json.dumps(dict(json.loads(args), checkpoint=str(checkpoint[0]), config=checkpoint[1]))
+        label = ",".join(f"{name}={value}" for name, value in checkpoint[1].items())
+        engines[f"hfquant {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], dict(worker_env(), **one))
+        if baseline is not None:
+            env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
+            engines[f"hfquant baseline {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], env)
+        if compiled:
+            worker_args = json.dumps(dict(json.loads(folder_args), compile=True))
+            engines[f"hfquant {label} generate +compile"] = (
+                [sys.executable, "-c", GENERATE_WORKER, worker_args],
+                dict(worker_env(), **one),
+            )
     engines["llama.cpp"] = ([str(python), "-c", LLAMA_WORKER, args], dict(llama_cpp.engine_env(), **one))
     before = os.getloadavg()
     with tempfile.TemporaryDirectory() as logs:
@@ -194,6 +221,15 @@ def measure(
     }
 
 
+def config_fields(text: str) -> dict:
+    """ "format=iq4_xs,lm_head=int8" -> {"format": "iq4_xs", "lm_head": "int8"} (`bits` and `group_size` as numbers)."""
+    fields = dict(pair.split("=", 1) for pair in text.split(",") if pair)
+    for name in ("bits", "group_size"):
+        if name in fields:
+            fields[name] = float(fields[name]) if "." in fields[name] else int(fields[name])
+    return fields
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks import llama_cpp
     from benchmarks.machine import describe
@@ -207,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-cache", type=Path, default=None, help="its HFQUANT_CACHE")
     parser.add_argument("--compile", action="store_true", help="time hfquant's generate, eager and compiled, too")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a bfloat16 checkpoint folder to quantize too")
+    parser.add_argument("--config", default="", help="its HfQuantConfig fields: field=value,field=value")
     args = parser.parse_args(argv)
+    checkpoint = (args.checkpoint, config_fields(args.config)) if args.checkpoint is not None else None
     if (args.baseline is None) != (args.baseline_cache is None):
         parser.error("--baseline and --baseline-cache go together")
     baseline = (args.baseline, args.baseline_cache) if args.baseline is not None else None
@@ -219,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | ---: | ---: | ---: | --- |")
     results = []
     for path in args.gguf:
-        result = measure(path, args.rounds, args.tokens, args.llama_python, baseline, args.compile)
+        result = measure(path, args.rounds, args.tokens, args.llama_python, baseline, args.compile, checkpoint)
         results.append(result)
         loads = " / ".join(f"{a[0]:.2f} {a[1]:.2f} {a[2]:.2f}" for a in result["load_average"])
         for name, ms in result["cpu_ms_per_token"].items():

@@ -23,6 +23,15 @@ BK_TARGET static inline float BK_NAME(hsum_)(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+#if BK_MASKED
+/* lanes 0-7 (high = 0) or 8-15 (high = 1) of a 16-lane float vector */
+BK_TARGET static inline __m256 BK_NAME(half512_)(__m512 v, int high) {
+    const __m512d d = _mm512_castps_pd(v);
+    return _mm256_castpd_ps(high ? _mm512_extractf64x4_pd(d, 1) : _mm512_castpd512_pd256(d));
+}
+
+#endif
+
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0-15) then high nibbles (elements 16-31) */
 BK_TARGET static inline __m256i BK_NAME(nibbles32_)(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
@@ -420,19 +429,100 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
-BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
 #if BK_MASKED
-    /* two 32-weight blocks per 512-bit dot of unsigned grid + 128 (g ^ 0x80) with x; the 128 * sum(x) excess comes
-     * off once per super-block against sums32 (vpdpbusd's int32 sums do not saturate; every term < 2^31) */
-    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
-                                            _mm512_set1_epi8((char)0x80));
+/* IQ4_XS's eight 6-bit block scales minus 32 of the super-blocks at w0 (int32 lanes 0-7) and w1 (lanes 8-15) */
+BK_TARGET static inline __m512i BK_NAME(iq4_xs_scales2_)(const uint8_t *w0, const uint8_t *w1) {
+    const __m512i shift_l = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i shift_h = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    uint16_t high0, high1;
+    uint32_t lows0, lows1;
+    memcpy(&high0, w0 + 2, 2);
+    memcpy(&lows0, w0 + 4, 4);
+    memcpy(&high1, w1 + 2, 2);
+    memcpy(&lows1, w1 + 4, 4);
+    const __m512i lows = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)lows0), 0xFF00, (int)lows1);
+    const __m512i high = _mm512_mask_set1_epi32(_mm512_set1_epi32(high0), 0xFF00, high1);
+    const __m512i low4 = _mm512_and_si512(_mm512_srlv_epi32(lows, shift_l), _mm512_set1_epi32(15));
+    const __m512i high2 = _mm512_and_si512(_mm512_srlv_epi32(high, shift_h), _mm512_set1_epi32(3));
+    return _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
+}
+
+/* one super-block's dots (codes at w, activation super-block b), four blocks per step, one per 128-bit lane: a 64-byte
+ * load of their packed codes, its low nibbles (weights 0-15 of each block) and high nibbles (16-31) each dotted with
+ * the activation in that order (ActRow.qn) on the unsigned grid gu, times the block's scale (ls lanes at + 0..7), into
+ * sum_lo / sum_hi: int32 lane l of block c's 128-bit lane holds the products of weights 4l..4l + 3 (lo) or 16 + 4l..
+ * (hi), the lanes l and l + 4 of one block per 256 bits, summed over the four blocks */
+BK_TARGET static inline void BK_NAME(iq4_xs_dots_)(const uint8_t *w, const ActRow *a, int64_t b, __m512i ls, int at,
+                                                   __m512i gu, __m512i *sum_lo, __m512i *sum_hi) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-#endif
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512i lo_sum = _mm512_setzero_si512(), hi_sum = lo_sum;
+    for (int g = 0; g < 2; g++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(w + 8 + 64 * g));
+        const __m512i lo = _mm512_shuffle_epi8(gu, _mm512_and_si512(v, low));
+        const __m512i hi = _mm512_shuffle_epi8(gu, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        const int8_t *xn = a->qn + b * 256 + 128 * g;
+        const __m512i s = _mm512_permutexvar_epi32(_mm512_add_epi32(quad, _mm512_set1_epi32(at + 4 * g)), ls);
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i p_lo = _mm512_dpbusd_epi32(zero, lo, _mm512_load_si512((const void *)xn));
+        const __m512i p_hi = _mm512_dpbusd_epi32(zero, hi, _mm512_load_si512((const void *)(xn + 64)));
+        lo_sum = _mm512_add_epi32(lo_sum, _mm512_mullo_epi32(p_lo, s));
+        hi_sum = _mm512_add_epi32(hi_sum, _mm512_mullo_epi32(p_hi, s));
+    }
+    *sum_lo = lo_sum;
+    *sum_hi = hi_sum;
+}
+
+/* 128-bit lanes [lo0 + lo2, lo1 + lo3, hi0 + hi2, hi1 + hi3] of a super-block's dots */
+BK_TARGET static inline __m512i BK_NAME(iq4_xs_fold_)(__m512i sum_lo, __m512i sum_hi) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(sum_lo, sum_hi, 0x44), _mm512_shuffle_i64x2(sum_lo, sum_hi, 0xEE));
+}
+
+/* IQ4_XS on AVX-512: two super-blocks per step (scales, the sums over the four blocks of each 128-bit lane and the
+ * 128 * ls * sum(x) excess of vpdpbusd's unsigned grid + 128 (g ^ 0x80) in 512-bit registers, super-block b in int32
+ * lanes 0-7, b + 1 in 8-15: lanes 0-3 the low nibbles' weights, 4-7 the high ones', as the AVX2 body's lanes); each
+ * super-block's eight integer lanes then go into the one float accumulator in turn, as in the AVX2 body: the same
+ * integers, products and additions, so the same bytes. vpdpbusd's int32 sums do not saturate; every term < 2^31. */
+BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m512i gu = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
+                                        _mm512_set1_epi8((char)0x80));
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 272) {
+        const __m512i ls = BK_NAME(iq4_xs_scales2_)(w, w + 136);
+        __m512i lo0, hi0, lo1, hi1;
+        BK_NAME(iq4_xs_dots_)(w, a, b, ls, 0, gu, &lo0, &hi0);
+        BK_NAME(iq4_xs_dots_)(w + 136, a, b + 1, ls, 8, gu, &lo1, &hi1);
+        const __m512i t0 = BK_NAME(iq4_xs_fold_)(lo0, hi0), t1 = BK_NAME(iq4_xs_fold_)(lo1, hi1);
+        /* [t0 0 + 1, t0 2 + 3, t1 0 + 1, t1 2 + 3]: super-block b's eight lanes, then b + 1's */
+        const __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(t0, t1, 0x88), _mm512_shuffle_i64x2(t0, t1, 0xDD));
+        const __m512i excess =
+            _mm512_slli_epi32(_mm512_mullo_epi32(ls, _mm512_loadu_si512((const void *)(a->sums32 + b * 8))), 7);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, excess));
+        acc = _mm256_fmadd_ps(BK_NAME(half512_)(f, 0), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
+        acc = _mm256_fmadd_ps(BK_NAME(half512_)(f, 1), _mm256_set1_ps(BK_NAME(half_)(w + 136) * a->d[b + 1]), acc);
+    }
+    if (b < nb) { /* an odd last super-block: its scales in both halves, its lanes 0-7 */
+        const __m512i ls = BK_NAME(iq4_xs_scales2_)(w, w);
+        __m512i lo, hi;
+        BK_NAME(iq4_xs_dots_)(w, a, b, ls, 0, gu, &lo, &hi);
+        const __m512i t = BK_NAME(iq4_xs_fold_)(lo, hi);
+        const __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(t, t, 0x88), _mm512_shuffle_i64x2(t, t, 0xDD));
+        const __m512i excess =
+            _mm512_slli_epi32(_mm512_mullo_epi32(ls, _mm512_maskz_loadu_epi32(0xFF, a->sums32 + b * 8)), 7);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, excess));
+        acc = _mm256_fmadd_ps(BK_NAME(half512_)(f, 0), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
+    }
+    return BK_NAME(hsum_)(acc);
+}
+#else
+BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
-        const int8_t *xq = a->q + b * 256;
         uint16_t high;
         uint32_t lows;
         memcpy(&high, w + 2, 2);
@@ -444,39 +534,31 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
                 _mm256_slli_epi32(
                     _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
             _mm256_set1_epi32(32));
-#if BK_MASKED
-        __m512i sum2 = _mm512_setzero_si512();
+        /* blocks 2j, 2j + 1 per step, one per 128-bit lane: their low nibbles (weights 0-15) and high nibbles (16-31)
+         * against the activation in that order (ActRow.qn); int32 lane l of a block's 128-bit lane holds the
+         * products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi), summed over the blocks and the two 128-bit lanes
+         * below into the lanes l and l + 4 of one block per 256 bits: the same integers */
+        __m256i sum_lo = _mm256_setzero_si256(), sum_hi = sum_lo;
         for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j)));
-            const __m512i both = _mm512_inserti64x4(v, _mm512_castsi512_si256(_mm512_srli_epi16(v, 4)), 1);
-            /* 128-bit lanes [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1]: block 2j's 32 codes, then block 2j + 1's */
-            const __m512i codes = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), low);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(grid_u, codes),
-                                                  _mm512_loadu_si512((const void *)(xq + 64 * j)));
-            const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)),
-                                                    _mm256_set1_epi32(2 * j + 1), 1);
-            sum2 = _mm512_add_epi32(sum2, _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(
-                                                                    pick, _mm512_castsi256_si512(ls))));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j));
+            const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
+            const __m256i hi = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            const int8_t *xn = a->qn + b * 256 + 128 * (j / 2) + 32 * (j % 2);
+            const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
+            const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
+            const __m256i s = _mm256_permutevar8x32_epi32(ls, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
+            const __m256i p_lo = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+            const __m256i p_hi = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            sum_lo = _mm256_add_epi32(sum_lo, _mm256_mullo_epi32(p_lo, s));
+            sum_hi = _mm256_add_epi32(sum_hi, _mm256_mullo_epi32(p_hi, s));
         }
-        const __m256i excess =
-            _mm256_slli_epi32(_mm256_mullo_epi32(ls, _mm256_loadu_si256((const __m256i *)(a->sums32 + b * 8))), 7);
-        const __m256i sumi = _mm256_sub_epi32(
-            _mm256_add_epi32(_mm512_castsi512_si256(sum2), _mm512_extracti64x4_epi64(sum2, 1)), excess);
-#else
-        const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            const __m256i g = _mm256_shuffle_epi8(grid, BK_NAME(nibbles32_)(w + 8 + 16 * j));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
-            const __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(g), _mm256_sign_epi8(x, g));
-            sumi = _mm256_add_epi32(
-                sumi, _mm256_mullo_epi32(p, _mm256_permutevar8x32_epi32(ls, _mm256_set1_epi32(j))));
-        }
-#endif
+        const __m256i sumi = _mm256_add_epi32(_mm256_permute2x128_si256(sum_lo, sum_hi, 0x20),
+                                              _mm256_permute2x128_si256(sum_lo, sum_hi, 0x31));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
     }
     return BK_NAME(hsum_)(acc);
 }
+#endif
 
 /* ---- 32-weight blocks, activations in Q8Row32 (one float scale and one sum per 32) ----
  * Each type's step adds one block's float contribution to an accumulator; BK_ROW32 runs it over the row with four
@@ -514,12 +596,6 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
         return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));         \
     } while (0)
 
-/* lanes 0-7 (high = 0) or 8-15 (high = 1) of a 16-lane float vector */
-BK_TARGET static inline __m256 BK_NAME(half512_)(__m512 v, int high) {
-    const __m512d d = _mm512_castps_pd(v);
-    return _mm256_castpd_ps(high ? _mm512_extractf64x4_pd(d, 1) : _mm512_castpd512_pd256(d));
-}
-
 /* The 16 bytes of nibbles of two blocks (at p and p + bytes) -> 64 codes: block 0's low nibbles, its high nibbles,
  * then block 1's (nibbles32_ of each, side by side) */
 BK_TARGET static inline __m512i BK_NAME(nibbles64_)(const uint8_t *p, int64_t bytes) {
@@ -546,18 +622,9 @@ BK_TARGET static inline __m512 BK_NAME(scale_pair_)(__m512i p, __m128 v, __m512 
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v)), acc);
 }
 
-/* signed_step_ of two blocks: acc + d * (the dot of signed codes with the activations), from their unsigned codes
- * u = q + 128 (q ^ 0x80) against x, vpdpbusd starting from bias4's -128 times each 4 activations' sum: per int32 lane
- * the same integer as signed_step_'s abs / sign products (AVX-512 lacks _mm256_sign_epi8), so the same bytes */
-BK_TARGET static inline __m512 BK_NAME(unsigned_pair_)(__m512i u, const uint8_t *w, int64_t bytes, const ActRow *a,
-                                                       int64_t b, __m512 acc) {
-    const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(a->bias4 + 8 * b)), u, x);
-    return BK_NAME(scale_pair_)(p, BK_NAME(halves_dx_)(w, bytes, a, b), acc);
-}
-
-/* signed_step_ of two blocks with the sign moved onto x where q < 0 (Q8_0: its codes + 128 through unsigned_pair_ were
- * 0.95x as fast, one more 64-byte load per two blocks) */
+/* signed_step_ of two blocks: acc + d * (the dot of signed codes with the activations), the sign moved onto x where
+ * q < 0 (Q8_0: its codes + 128 against x, vpdpbusd started from bias4's -128 times each 4 activations' sum, were 0.95x
+ * as fast, one more 64-byte load per two blocks) */
 BK_TARGET static inline __m512 BK_NAME(signed_pair_)(__m512i q, const uint8_t *w, int64_t bytes, const ActRow *a,
                                                      int64_t b, __m512 acc) {
     const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
@@ -572,13 +639,6 @@ BK_TARGET static inline __m512 BK_NAME(q8_0_pair_)(const uint8_t *w, const ActRo
     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
                                          _mm256_loadu_si256((const __m256i *)(w + bytes + 2)), 1);
     return BK_NAME(signed_pair_)(q, w, bytes, a, b, acc);
-}
-
-BK_TARGET static inline __m512 BK_NAME(iq4_nl_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
-                                                     int64_t bytes, __m256i grid) {
-    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i64x4(grid), _mm512_set1_epi8((char)0x80));
-    const __m512i u = _mm512_shuffle_epi8(grid_u, BK_NAME(nibbles64_)(w + 2, bytes));
-    return BK_NAME(unsigned_pair_)(u, w, bytes, a, b, acc);
 }
 
 /* legacy_step_ of two blocks */
@@ -636,10 +696,6 @@ BK_TARGET static inline __m256 BK_NAME(iq4_nl_step_)(const uint8_t *w, const Act
     return BK_NAME(signed_step_)(g, a, b, acc, BK_NAME(half_)(w));
 }
 
-BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    BK_ROW32_FAST(BK_NAME(iq4_nl_pair_), BK_NAME(iq4_nl_step_), 18, grid);
-}
 
 /* HQ3_0 (w = d * (u - 4)): bits 0-1 of code 8i + l are bits 2i, 2i + 1 of qs[l] (one 64-bit shift per 8 codes),
  * bit 2 is bit e of qh; the -4 multiplies the activation sum (an integer term of the block's dot) */
@@ -783,8 +839,113 @@ BK_TARGET static inline __m256 BK_NAME(legacy_step_)(const uint8_t *w, const Act
     return acc;
 }
 
+#if BK_MASKED
+/* Q4_0 and IQ4_NL (18-byte blocks: float16 d, 16 bytes of codes) on AVX-512, four blocks per step, block c in 128-bit
+ * lane c: their low nibbles (weights 0-15) and high nibbles (16-31) dotted with the activation in that order
+ * (ActRow.qn), int32 lane l of block c holding the products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi), the lanes
+ * l and l + 4 of the one-block step; Q4_0's dots start from off8n (its offset 8 times the block sum, in lane
+ * 0), IQ4_NL's (grid + 128) from biasn, as the one-block and two-block steps subtract them: the same integers.
+ * Each lane's float fmadd goes into the lane of the same accumulator (acc_lo lane 4c + l: BK_ROW32's acc c lane l;
+ * acc_hi: l + 4) in the same order of blocks, and the tail and the final sums are BK_ROW32_PAIRS's: the same
+ * bytes. */
+BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const ActRow *a, int64_t nb, int iq4,
+                                                      __m256i grid) {
+    const __m512i grid_u = _mm512_xor_si512(_mm512_broadcast_i64x4(grid), _mm512_set1_epi8((char)0x80));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    /* d of block c: word 9c of the four blocks' 72 bytes */
+    const __m512i d_words = _mm512_zextsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 0, 0, 0, 0));
+    __m512 acc_lo = _mm512_setzero_ps(), acc_hi = acc_lo;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 72) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + 2)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 20)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 38)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 56)), 3);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const int8_t *xn = a->qn + 32 * b;
+        __m512i start_lo = _mm512_load_si512((const void *)(a->off8n + 4 * b)), start_hi = _mm512_setzero_si512();
+        if (iq4) {
+            lo = _mm512_shuffle_epi8(grid_u, lo);
+            hi = _mm512_shuffle_epi8(grid_u, hi);
+            start_lo = _mm512_load_si512((const void *)(a->biasn + 8 * b));
+            start_hi = _mm512_load_si512((const void *)(a->biasn + 8 * b + 16));
+        }
+        const __m512i p_lo = _mm512_dpbusd_epi32(start_lo, lo, _mm512_load_si512((const void *)xn));
+        const __m512i p_hi = _mm512_dpbusd_epi32(start_hi, hi, _mm512_load_si512((const void *)(xn + 64)));
+        /* d of the four blocks (float16) times their activation scales, as halves_dx_'s float32 products */
+        const __m128 d = _mm_cvtph_ps(_mm512_castsi512_si128(
+            _mm512_permutexvar_epi16(d_words, _mm512_loadu_si512((const void *)w))));
+        const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(a->d + b))));
+        acc_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), s, acc_lo);
+        acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), s, acc_hi);
+    }
+    /* acc c = [acc_lo lanes 4c..4c + 3, acc_hi lanes 4c..4c + 3] */
+    const __m512 acc01 = _mm512_permutex2var_ps(
+        acc_lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), acc_hi);
+    const __m512 acc23 = _mm512_permutex2var_ps(
+        acc_lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc_hi);
+    __m256 acc0 = BK_NAME(half512_)(acc01, 0), acc1 = BK_NAME(half512_)(acc01, 1);
+    __m256 acc2 = BK_NAME(half512_)(acc23, 0), acc3 = BK_NAME(half512_)(acc23, 1);
+    for (; b < nb; b++, w += 18)
+        acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+}
+#else
+/* Q4_0 and IQ4_NL on AVX2: four blocks per step as two pairs, a pair's blocks in the 128-bit lanes of one register of
+ * low nibbles and one of high nibbles against ActRow.qn (as the AVX-512 step above: int32 lane l of a block's lane the
+ * one-block step's lane l or l + 4); Q4_0's offset term comes off lane 0 of each block, IQ4_NL's signed grid values
+ * move their sign onto x (the one-block step's integers). acc_lo / acc_hi of pair h hold BK_ROW32's accumulators
+ * 2h and 2h + 1 (lanes 0-3 and 4-7 of each): the same float additions in the same order, the same bytes. */
+BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const ActRow *a, int64_t nb, int iq4,
+                                                      __m256i grid) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 72) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = w + 36 * h;
+            const int64_t c = b + 2 * h; /* the pair's first block */
+            const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 20)),
+                                               _mm_loadu_si128((const __m128i *)(p + 2)));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const int8_t *xn = a->qn + 32 * b + 32 * h;
+            const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
+            const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
+            __m256i p_lo, p_hi;
+            if (iq4) {
+                lo = _mm256_shuffle_epi8(grid, lo);
+                hi = _mm256_shuffle_epi8(grid, hi);
+                p_lo = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+                p_hi = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            } else {
+                const __m256i offsets = _mm256_setr_epi32(8 * a->sums[c], 0, 0, 0, 8 * a->sums[c + 1], 0, 0, 0);
+                p_lo = _mm256_sub_epi32(BK_DOT(_mm256_setzero_si256(), lo, x_lo), offsets);
+                p_hi = BK_DOT(_mm256_setzero_si256(), hi, x_hi);
+            }
+            const __m256 s = _mm256_set_m128(_mm_set1_ps(BK_NAME(half_)(p + 18) * a->d[c + 1]),
+                                             _mm_set1_ps(BK_NAME(half_)(p) * a->d[c]));
+            acc_lo[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), s, acc_lo[h]);
+            acc_hi[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), s, acc_hi[h]);
+        }
+    }
+    __m256 acc0 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x20);
+    __m256 acc1 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x31);
+    __m256 acc2 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x20);
+    __m256 acc3 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x31);
+    for (; b < nb; b++, w += 18)
+        acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+}
+#endif
+
+BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    return BK_NAME(row32_nibbles_)(w, a, nb, 1, grid);
+}
+
 BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 18, 0, 8);
+    return BK_NAME(row32_nibbles_)(w, a, nb, 0, _mm256_setzero_si256());
 }
 BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 20, 2, 0);

@@ -20,8 +20,12 @@
  * Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of
  * every weight. On AVX512-VNNI CPUs the 32-weight types take two blocks per 512-bit step (blocks_body.h's
  * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the
- * activation in their nibbles' order, ActRow.qk): the same integers, products and float additions in the same order,
- * so the same bytes as one block at a time or the AVX2 body (Q4_1 in 0.6x the time, Q4_K 0.7x: docs/performance.md).
+ * activation in their nibbles' order, ActRow.qk), Q4_0, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane
+ * each: a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that
+ * order; IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the
+ * same integers, products and float additions in the same order, so the same bytes as one block at a time or the
+ * other body (Q4_1 in 0.6x the time, Q4_K 0.7x, Q4_0 0.7-0.8x and IQ4_XS 0.75x of two blocks per step:
+ * docs/performance.md).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
  * hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
  * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
@@ -30,8 +34,8 @@
  * activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation scales
  * per 16 inputs), both computed once per call with the quantized row; where the CPU has AVX512-VBMI, BITALG and GFNI
  * it takes four blocks per step instead, each int32 lane one sub-block (hq3r_body.h; the row's activations also in
- * that order: qt, bias16). IQ4_NL takes the same start for its grid plus 128 (no sign moved onto the activation: 1.27x
- * as fast).
+ * that order: qt, bias16). IQ4_NL takes the same start for its grid plus 128, in qn's order (biasn; no sign moved
+ * onto the activation: 1.27x as fast).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
@@ -138,6 +142,14 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
+    int8_t *qn;      /* with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four
+                      * 32-weight blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16
+                      * (qn_index), so that one 512-bit register of four blocks' codes dots their low nibbles, another
+                      * their high ones */
+    int32_t *biasn;  /* with qn and bias4: bias4 in qn's order (the int32 lane of inputs e..e + 3 at
+                      * qn_index(e) / 4) */
+    int32_t *off8n;  /* with qn and bias4: per 128 inputs 16 int32, lane 4c = -8 times block c's sum, the others 0: the
+                      * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -263,6 +275,13 @@ static inline int64_t qt_index(int64_t e) {
     return 256 * (e / 256) + 64 * t + 4 * (4 * s + j) + e % 4;
 }
 
+/* where input e is in qn: per 128 inputs (four 32-input blocks c), the low-nibble inputs 0-15 of block c at 16 c,
+ * the high-nibble inputs 16-31 at 64 + 16 c */
+static inline int64_t qn_index(int64_t e) {
+    const int64_t c = (e % 128) / 32, i = e % 32;
+    return 128 * (e / 128) + 64 * (i / 16) + 16 * c + i % 16;
+}
+
 /* HQ3_R's GFNI step's entries of activation block b (32 inputs; q and bias4 already made): qt (4 bytes at a time)
  * and bias16 */
 static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
@@ -275,9 +294,10 @@ static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
 
 /* Activation block b of x (K bfloat16) -> its entries of the ActRow: d[b] = max|x_block| / 127, q = round(x * 127 /
  * max) to nearest even, the int32 sums of q per `sum_every` inputs (16 or 32) and, for 16, per 32 (sums32) and the
- * per-16 sums again as int16 (sums16); with a->qk, q again in qk's order. Each block's values depend on that block
- * alone, so the threads of a GEMV quantize the blocks in any split and the row is the same bytes. AVX2 (the values do
- * not depend on the instruction set: IEEE multiply, round to nearest even). */
+ * per-16 sums again as int16 (sums16); with a->qk / a->qn, q again in qk's / qn's order (and, per = 32, biasn and
+ * off8n). Each block's values depend on that block alone, so the threads of a GEMV quantize the blocks in any split
+ * and the row is the same bytes. AVX2 (the values do not depend on the instruction set: IEEE multiply, round to
+ * nearest even). */
 AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_t per, int64_t sum_every,
                                             const ActRow *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -318,6 +338,14 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
             if (s % 4 == 0) a->dxs[dxs_lane(b * (per / 16) + s / 4)] = a->d[b];
         }
     if (a->qt != NULL) quantize_hq3_r_order(q, b, a);
+    if (a->qn != NULL)
+        for (int64_t i = 0; i < per; i += 16) memcpy(a->qn + qn_index(b * per + i), q + i, 16);
+    if (a->qn != NULL && a->bias4 != NULL) { /* per = 32 */
+        for (int64_t s = 0; s < 8; s++) a->biasn[qn_index(32 * b + 4 * s) / 4] = a->bias4[8 * b + s];
+        int32_t *off = a->off8n + 16 * (b / 4) + 4 * (b % 4);
+        off[0] = -8 * a->sums[b];
+        off[1] = off[2] = off[3] = 0;
+    }
     if (a->qk != NULL)
         for (int64_t i = 0; i < per; i += 32) {
             const int64_t quarter = i % 128 / 32; /* 0 1 2 3 -> 0 2 1 3 */
@@ -500,19 +528,25 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16 and (Q4_K / Q5_K on AVX-512: k4) qk in one buffer, each part 64-byte aligned; on the caller's stack up to
- * ACT_STACK bytes (K up to about 27000 inputs, 15000 with starts or k4), else one allocation. */
-enum { ACT_STACK = 40960 };
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL: nibbles) qn and (on AVX-512 also starts)
+ * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about
+ * 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays there), else one
+ * allocation. */
+enum { ACT_STACK = 65536 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int64_t offsets[10]) {
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
+                          int64_t offsets[13]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
-    const int64_t sizes[10] = {(k / block) * 4,      k,
+    const int64_t whole = (k + 127) / 128 * 128, nibble_starts = nibbles && starts; /* qn: whole groups of 128 */
+    const int64_t sizes[13] = {(k / block) * 4,      k,
                                (k / sum_every) * 4,  (k / 32) * 4,
                                (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
-                               starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */};
+                               starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
+                               nibbles ? whole : 0 /* qn */, nibble_starts ? whole : 0 /* biasn */,
+                               nibble_starts ? whole / 2 : 0 /* off8n */};
     int64_t total = 0;
-    for (int i = 0; i < 10; i++) {
+    for (int i = 0; i < 13; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -541,15 +575,18 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     }
     const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
     const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[10];
+    int64_t at[13];
     /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs), Q4_K and Q5_K's qk */
     const int vnni = cpu_vnni(), starts = vnni && per == 32;
-    int transposed = 0, k4 = 0; /* HQ3_R's GFNI step reads qt and bias16 */
+    int transposed = 0, k4 = 0, nibbles = 0; /* HQ3_R's GFNI step reads qt and bias16, IQ4_XS's qn (Q4_0, IQ4_NL's too
+                                              * with off8n / biasn) */
     for (int64_t p = 0; p < count; p++) {
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
+        const int64_t t = parts[p].type;
+        nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL;
     }
-    const int64_t need = act_layout(k, per, sum_every, starts, k4, at);
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
     uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
     if (scratch == NULL) return 2;
@@ -564,6 +601,9 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     a.qt = transposed ? (int8_t *)(scratch + at[7]) : NULL;
     a.bias16 = transposed ? (int32_t *)(scratch + at[8]) : NULL;
     a.qk = k4 ? (int8_t *)(scratch + at[9]) : NULL;
+    a.qn = nibbles ? (int8_t *)(scratch + at[10]) : NULL;
+    a.biasn = nibbles && starts ? (int32_t *)(scratch + at[11]) : NULL;
+    a.off8n = nibbles && starts ? (int32_t *)(scratch + at[12]) : NULL;
     if (vnni)
         gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
     else
