@@ -536,7 +536,8 @@ FIELDS: tuple[ConfigField, ...] = (
         "format",
         "how codes and scales are laid out: 'auto' (the default: 'iq4_xs' at 4 bits, 'int' when group_size, "
         "symmetric, clipping or decode_activations is given, 'int' at 8 bits, llama.cpp's k-quant of that width at 2, "
-        "3, 5 and 6 bits; the config stores the format it picked), 'int' (uniform integer codes with a bfloat16 scale per group and an "
+        "3, 5 and 6 bits; the config stores the format it picked), 'int' (uniform integer codes with a bfloat16 "
+        "scale per group and an "
         "optional zero point: what compressed-tensors and vLLM read) or one of llama.cpp's block types, stored "
         "byte for byte as GGUF stores them (docs/format.md): " + ", ".join(repr(n) for n in blocks.LAYOUTS) + ". "
         "A block type's rows must be whole blocks (32 weights, 256 for q2_k-q6_k and iq4_xs); other layers take "

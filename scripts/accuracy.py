@@ -8,7 +8,7 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   cosine between the sentence embeddings (mean pooling) of the quantized and of the float32 model, over up to 100
   sentences of the same text;
 - `-v8` configs keep every attention value projection in int8 (`module_overrides`); `-auto` and `int4-default`
-  (`HfQuantConfig(bits=4)`: SINQ, group 128 asked, `mixed_precision="auto"`) use the data-free rule of
+  (`HfQuantConfig(bits=4, format="int")`: SINQ, group 128 asked, `mixed_precision="auto"`) use the data-free rule of
   `hfquant.core.allocation`; the other 4-bit configs store every layer alike (`mixed_precision="none"`);
   `int4-default-head-q6_k` is the default with llama.cpp's Q6_K blocks in the lm_head instead of int8
   (`lm_head="q6_k"`, issue #32);
@@ -21,7 +21,9 @@ For each configuration (bf16, and every method at int8, int4 group 64 and int4 g
   `to_float`) on the same layers in the same types, fallbacks included (needs the llama-cpp-python wheel's
   libggml-base, `benchmarks/ggml_reference.py`); block rows take the block formats' default, SINQ folded into
   SmolLM2's blocks before the block search (MiniLM, a BERT, is not folded: its column scales are stored beside the
-  layers), and `-rtn` rows llama.cpp's own recipe, `method="rtn"` (no fold);
+  layers), and `-rtn` rows llama.cpp's own recipe, `method="rtn"` (no fold); their default `importance="auto"` is
+  the BOS importance on SmolLM2, `-weights` rows the weights' own, `-bos` rows ask for the BOS one by name;
+- `default`: `HfQuantConfig()`, the 4-bit default (iq4_xs, BOS importance, `iq4_search="fast"`, int8 lm_head);
 - `hq3_0`: hfquant's own 3-bit 32-weight blocks (3.5 bits per weight) on every layer (`hq3_nl`: on a non-uniform
   grid with a zero; `hq3_r`: HQ3_NL's codes with a 6-bit scale per 16 weights under a float16 per row, 3.375 + 16 / K);
   `hq3_0-auto` / `hq3_nl-auto` / `hq3_r-auto` the 3.5-bit budget
@@ -104,8 +106,9 @@ DEFAULT_VARIANTS = {
     "sym-g32": dict(group_size=32, symmetric=True, mixed_precision="none"),
 }
 """Candidates for the 4-bit default within the int4 format (issue #30, docs/performance.md "The 4-bit default against
-#30's goal"): `int4-default-<name>` is `HfQuantConfig(bits=4, format="int", **DEFAULT_VARIANTS[name])`. `module_overrides` entries
-win over the data-free rule, which still sets the other layers; the patterns name both SmolLM2's and MiniLM's layers."""
+#30's goal"): `int4-default-<name>` is `HfQuantConfig(bits=4, format="int", **DEFAULT_VARIANTS[name])`.
+`module_overrides` entries win over the data-free rule, which still sets the other layers; the patterns name both
+SmolLM2's and MiniLM's layers."""
 CONFIGS = {
     "bf16": None,
     "rtn-int8": dict(bits=8, method="rtn"),

@@ -464,8 +464,8 @@ def quantize_to_buffers(
     `clipping` picks each group's range (`rtn.quantize_weight`: "minmax", or "mse" searched); it is not part of the
     stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
     the rest (in the C pass itself where it runs): the quantized weight is `hfquant.core.folding.apply(weight, fold)`'s.
-    `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a contiguous tensor of the stored weight's dtype and shape on
-    `weight`'s device to write the codes into (returned as "weight"; e.g. a layer's rows of its decode group's tensor,
+    `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a
+    contiguous tensor of the stored weight's dtype and shape on `weight`'s device to write the codes into (returned as "weight"; e.g. a layer's rows of its decode group's tensor,
     `quantize_weights.GroupRows`), None for a new one.
     `iq4_search`: the IQ4_NL / IQ4_XS blocks' search (`HfQuantConfig.iq4_search`, `iq4.SEARCHES`) where the native
     library runs them; without it the torch codec's ("exhaustive").

@@ -1118,13 +1118,7 @@ def iq4_quantize(
     x, w = _block_search_inputs(name, fmt, weight, importance, finite)
     rows, k = x.shape
     period = _importance_period(w, k, fmt.block_size)
-    shape = (rows, fmt.row_bytes(k))
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8)
-    elif out.shape != shape or out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(
-            f"iq4_quantize out must be a contiguous {shape} uint8 CPU tensor; got {out.dtype} {out.shape}"
-        )
+    out = _block_rows_out(out, (rows, fmt.row_bytes(k)))
     targets = torch.tensor(search.targets, dtype=torch.float32)
     factors = torch.tensor(search.super_factors, dtype=torch.float32)
     status = library.hfquant_iq4_quantize(
@@ -1151,6 +1145,17 @@ def iq4_quantize(
         raise MemoryError("hfquant native IQ4 search could not allocate its work buffers")
     if status:
         raise ValueError(f"hfquant native IQ4 search refused {name} with {search}")
+    return out
+
+
+def _block_rows_out(out: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """`iq4_quantize`'s `out`: a new (rows, row bytes) uint8 tensor for None, else `out` checked (ValueError)."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    if out.shape != shape or out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(
+            f"iq4_quantize out must be a contiguous {shape} uint8 CPU tensor; got {out.dtype} {out.shape}"
+        )
     return out
 
 

@@ -112,8 +112,8 @@ def test_conv1d_shapes(converted):
 
 
 def test_methods_as_stored_sinq_folded_sinq_and_rtn(converted):
-    """Issue #27 item 3: the int format's default 4-bit Llama checkpoint folds SINQ (plain codes, no column scale) and is reported
-    as folded SINQ, not as RTN; unfolded SINQ (GPT-2's Conv1D, or fold_column_scales off) stores column scales and
+    """Issue #27 item 3: the int format's default 4-bit Llama checkpoint folds SINQ (plain codes, no column scale) and
+    is reported as folded SINQ, not as RTN; unfolded SINQ (GPT-2's Conv1D, or fold_column_scales off) stores column scales and
     is "sinq"; method rtn is "rtn". The v_proj the data-free rule stores in int8 is per-channel."""
     folded = {row["kind"]: row for row in inspect_checkpoint(converted("llama", format="int"))["quantized"]}
     assert folded.pop("lm_head")["method"] == "rtn"  # the 4-bit default's int8 lm_head: RTN, as embeddings

@@ -189,7 +189,8 @@ int hfquant_iq4_search_body(void) { return (int)(iq4_body(0) - iq4_bodies); }
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
  * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
  * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 OpenMP threads (else
- * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's 32 KiB work buffer could not be allocated.
+ * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's
+ * 32 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
