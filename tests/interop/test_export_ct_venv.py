@@ -93,14 +93,14 @@ _READER = textwrap.dedent(
 )
 
 
-def test_default_config_export_loads_quantized_in_plain_transformers(float_checkpoint, tmp_path):
-    """The 4-bit default (sinq with folded column scales, asymmetric, the data-free rule's int8 late v_proj: two
+def test_int_default_config_export_loads_quantized_in_plain_transformers(float_checkpoint, tmp_path):
+    """The int format's 4-bit defaults (sinq with folded column scales, asymmetric, the data-free rule's int8 late v_proj: two
     config groups) exported with engine="transformers": the venv's transformers keeps every quantized layer
     packed after loading, and its float32 logits are hfquant's float32 logits within 1e-2."""
     python = ct_venv()
     model_dir = float_checkpoint("llama", torch.bfloat16, num_hidden_layers=4)
     src, dst = tmp_path / "q4", tmp_path / "q4-ct"
-    convert(model_dir, src, HfQuantConfig(bits=4), progress=False)
+    convert(model_dir, src, HfQuantConfig(bits=4, format="int"), progress=False)
     result = export_checkpoint(src, dst, engine="transformers")
     qconfig = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert result.config_groups == len(qconfig["config_groups"]) >= 2  # int4 asymmetric and int8 v_proj
