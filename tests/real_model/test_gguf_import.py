@@ -71,7 +71,11 @@ print(json.dumps({"peak_growth_mib": peak_rss_mib() - before}))
 
 
 def _peak_growth_mib(path) -> float:
-    """Peak RSS growth (MiB) of loading the GGUF file or checkpoint folder `path` in a fresh process."""
+    """Peak RSS growth (MiB) of loading the GGUF file or checkpoint folder `path` in a fresh process, after one load
+    here: the first use of a layer shape on a machine times its kernels on about 64 MiB of random weights, once
+    (`hfquant.ops.choice`, cached in kernel-choices.json), which is not the load's own memory."""
+    warm = hfquant.from_gguf(path) if str(path).endswith(".gguf") else AutoModelForCausalLM.from_pretrained(path)
+    del warm
     result = subprocess.run(
         [sys.executable, "-c", _PEAK_WORKER, str(path)], capture_output=True, text=True, check=True
     )

@@ -29,7 +29,10 @@ _LOAD_WORKER = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     src, out, bits, group_size, ids_path = sys.argv[1:6]
     ids = torch.load(ids_path)
-    config = hfquant.HfQuantConfig(bits=int(bits), group_size=None if group_size == "none" else int(group_size))
+    if group_size == "default":  # the 4-bit default: IQ4_XS blocks
+        config = hfquant.HfQuantConfig(bits=int(bits))
+    else:
+        config = hfquant.HfQuantConfig(bits=int(bits), group_size=None if group_size == "none" else int(group_size))
     import_model_code(src)  # Python modules are not the load's memory (scipy, where installed: about 70 MiB)
     before = rss_mib()
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
@@ -112,34 +115,44 @@ def bf16_perplexity(example_model, tokenizer) -> float:
     return value
 
 
-@pytest.fixture(scope="module", params=[(8, "none"), (4, "128")], ids=["int8", "int4-g128"])
+CONFIGS = {"int8": (8, "none"), "int4-g128": (4, "128"), "4bit": (4, "default")}
+"""The configs of the `quantized` fixture: int8 per channel, the int format at 4 bits (group 128 asked: "int"), the
+4-bit default (IQ4_XS); each test's bounds are keyed by these names."""
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
 def quantized(request, example_model, token_ids, tmp_path_factory):
-    bits, group_size = request.param
+    bits, group_size = CONFIGS[request.param]
+    # once unmeasured: the first use of a layer shape on a machine times its kernels on about 64 MiB of random
+    # weights (`hfquant.ops.choice`, cached in kernel-choices.json), not the load's own memory
+    warm = tmp_path_factory.mktemp(f"warm-int{bits}") / "model"
+    _run(_LOAD_WORKER, str(example_model), str(warm), str(bits), group_size, str(token_ids))
     out = tmp_path_factory.mktemp(f"int{bits}") / "model"
     _run(_LOAD_WORKER, str(example_model), str(out), str(bits), group_size, str(token_ids))
-    return bits, out, json.loads((out / "load.json").read_text())
+    return request.param, out, json.loads((out / "load.json").read_text())
 
 
 def test_perplexity_within_bound_of_bf16(quantized, tokenizer, bf16_perplexity):
-    """int8 at most 1.005x the bf16 perplexity; int4 at the 4-bit defaults (SINQ, group 128 asked, the data-free
-    mixed precision) at most 1.17x (measured 1.154 on AMD EPYC; plain RTN gives 1.33)."""
+    """int8 at most 1.005x the bf16 perplexity; int4 at the int format's 4-bit defaults (SINQ, group 128 asked, the
+    data-free mixed precision) at most 1.17x (measured 1.154 on AMD EPYC; plain RTN gives 1.33); the 4-bit default
+    (IQ4_XS, the BOS importance) at most 1.12x (issue #30; measured 1.108)."""
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401  (registers the quantizer)
     from hfquant.evaluation import perplexity, reference_text
 
-    bits, out, _ = quantized
+    name, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
     ratio = perplexity(model, tokenizer, reference_text()) / bf16_perplexity
-    assert ratio <= {8: 1.005, 4: 1.17}[bits], f"int{bits} perplexity ratio {ratio:.4f}"
+    assert ratio <= {"int8": 1.005, "int4-g128": 1.17, "4bit": 1.12}[name], f"{name} perplexity ratio {ratio:.4f}"
 
 
 def test_files_smaller_than_bf16(quantized, example_model):
     """int8 files at most 0.62x the bf16 files (the tied embedding stays bf16), int4 at most 0.44x (the 4-bit
-    default's int8 lm_head makes the tied embedding int8 with it)."""
-    bits, out, _ = quantized
+    default's int8 lm_head makes the tied embedding int8 with it), the 4-bit default (IQ4_XS) at most 0.34x."""
+    name, out, _ = quantized
     ratio = _files_bytes(out) / _files_bytes(example_model)
-    assert ratio <= {8: 0.62, 4: 0.44}[bits], f"int{bits} files ratio {ratio:.3f}"
+    assert ratio <= {"int8": 0.62, "int4-g128": 0.44, "4bit": 0.34}[name], f"{name} files ratio {ratio:.3f}"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 2
 
@@ -221,16 +234,16 @@ def bf16_chats(example_model, tokenizer):
 
 def test_chat_answers_stay_close_to_bf16(quantized, bf16_chats):
     """Teacher-forced on bf16's own greedy answers to ten short chat questions, the mean KL divergence (nats per
-    answer token) of the quantized model's next-token distribution from bf16's: int8 at most 0.02, int4 at the 4-bit
-    defaults at most 0.30 (measured on AMD EPYC: 0.275 with the column scales folded, today's default; 0.235 with them
-    stored; plain RTN at group 128: 0.435). A distribution, not one greedy string: at 4 bits a single answer can flip
-    (with stored column scales the default answered "What is the capital of France?" with a French phrase where RTN
+    answer token) of the quantized model's next-token distribution from bf16's: int8 at most 0.02, int4 at the int
+    format's 4-bit defaults at most 0.30 (measured on AMD EPYC: 0.275 with the column scales folded; 0.235 with them
+    stored; plain RTN at group 128: 0.435), the 4-bit default (IQ4_XS) at most 0.16 (measured 0.133). A distribution,
+    not one greedy string: at 4 bits a single answer can flip (with stored column scales the int default answered "What is the capital of France?" with a French phrase where RTN
     says Paris, while its KL over the ten answers is half RTN's)."""
     from transformers import AutoModelForCausalLM
 
     import hfquant  # noqa: F401
 
-    bits, out, _ = quantized
+    name, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
     divergences = []
     for ids, prompt_length, reference in bf16_chats:
@@ -240,7 +253,9 @@ def test_chat_answers_stay_close_to_bf16(quantized, bf16_chats):
         ref = reference[0, answer]
         divergences.append((ref.exp() * (ref - logprobs[0, answer])).sum(-1).mean().item())
     kl = sum(divergences) / len(divergences)
-    assert kl <= {8: 0.02, 4: 0.30}[bits], f"int{bits} mean KL {kl:.4f} nats per token ({divergences})"
+    assert kl <= {"int8": 0.02, "int4-g128": 0.30, "4bit": 0.16}[name], (
+        f"{name} mean KL {kl:.4f} nats per token ({divergences})"
+    )
 
 
 def test_int8_answers_a_prompt(quantized, tokenizer):
@@ -249,8 +264,8 @@ def test_int8_answers_a_prompt(quantized, tokenizer):
     import hfquant  # noqa: F401
     from hfquant.evaluation import generate_answer
 
-    bits, out, _ = quantized
-    if bits != 8:
+    name, out, _ = quantized
+    if name != "int8":
         pytest.skip("at 4 bits one greedy answer is no measure: test_chat_answers_stay_close_to_bf16")
     model = AutoModelForCausalLM.from_pretrained(out)
     answer = generate_answer(model, tokenizer, "What is the capital of France?", max_new_tokens=20)
