@@ -234,18 +234,18 @@ def default_format(bits: int, uniform: bool = False) -> str:
     block type of that width: "iq4_xs" at 4 bits, the k-quants "q2_k", "q3_k", "q5_k", "q6_k" at 2, 3, 5 and 6.
 
     Why iq4_xs at 4 bits: at 4.25 bits per weight (4.44 on SmolLM2, whose 576-wide rows take IQ4_NL) it is the most
-    accurate 4-bit type per byte without calibration data here: SmolLM2 perplexity 1.106x bf16's with the default
-    `importance` and `iq4_search` against the int format's 1.148x (4.43 bits), MiniLM cosine 0.9859 against 0.9773
-    (issue #30's 1.12x / 0.983); it decodes at least as fast (docs/performance.md, "The 4-bit default becomes
-    IQ4_XS"). "int" stays what compressed-tensors and vLLM read: `format="int"` or `group_size=` asks for it."""
+    accurate 4-bit type per byte without calibration data here: SmolLM2 perplexity 1.108x bf16's with the default
+    `importance`, `iq4_search` and int8 lm_head against the int format's 1.148x (4.43 bits), MiniLM cosine 0.9859
+    against 0.9773 (issue #30's 1.12x / 0.983); it decodes at least as fast (docs/performance.md, "The 4-bit default
+    becomes IQ4_XS"). "int" stays what compressed-tensors and vLLM read: `format="int"` or `group_size=` asks for it."""
     if uniform and bits in SUPPORTED_BITS:
         return QuantFormat.INT
     return _DEFAULT_BLOCK.get(bits, "int")
 
 
-def resolve_format(format: str, bits: int, uniform: bool = False) -> str:
-    """`format` with "auto" replaced by `default_format(bits, uniform)`."""
-    return default_format(bits, uniform) if format == QuantFormat.AUTO else str(format)
+def resolve_format(format: str, bits: int) -> str:
+    """`format` with "auto" replaced by `default_format(bits)`."""
+    return default_format(bits) if format == QuantFormat.AUTO else str(format)
 
 
 def asks_uniform(given: Mapping[str, Any]) -> bool:
