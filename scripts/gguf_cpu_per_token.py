@@ -173,28 +173,26 @@ def measure(
     # PYTHONSAFEPATH: `python -c` would put the working directory before PYTHONPATH, so a baseline tree's worker
     # imported this tree's hfquant
     one = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
-    engines = {
-        "hfquant": ([sys.executable, "-c", HFQUANT_WORKER, args], dict(worker_env(), **one)),
-    }
+    mine = dict(worker_env(), **one)
+    base = None if baseline is None else dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
+    engines = {"hfquant": ([sys.executable, "-c", HFQUANT_WORKER, args], mine)}
     if compiled:
         for name, compile_ in (("hfquant generate", False), ("hfquant generate +compile", True)):
             worker_args = json.dumps(dict(json.loads(args), compile=compile_))
-            engines[name] = ([sys.executable, "-c", GENERATE_WORKER, worker_args], dict(worker_env(), **one))
-    if baseline is not None:
-        env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
-        engines["hfquant baseline"] = ([sys.executable, "-c", HFQUANT_WORKER, args], env)
+            engines[name] = ([sys.executable, "-c", GENERATE_WORKER, worker_args], mine)
+    if base is not None:
+        engines["hfquant baseline"] = ([sys.executable, "-c", HFQUANT_WORKER, args], base)
     if checkpoint is not None:
         folder_args = json.dumps(dict(json.loads(args), checkpoint=str(checkpoint[0]), config=checkpoint[1]))
         label = ",".join(f"{name}={value}" for name, value in checkpoint[1].items())
-        engines[f"hfquant {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], dict(worker_env(), **one))
-        if baseline is not None:
-            env = dict(worker_env(baseline[0]), HFQUANT_CACHE=str(baseline[1]), **one)
-            engines[f"hfquant baseline {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], env)
+        engines[f"hfquant {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], mine)
+        if base is not None:
+            engines[f"hfquant baseline {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], base)
         if compiled:
             worker_args = json.dumps(dict(json.loads(folder_args), compile=True))
             engines[f"hfquant {label} generate +compile"] = (
                 [sys.executable, "-c", GENERATE_WORKER, worker_args],
-                dict(worker_env(), **one),
+                mine,
             )
     engines["llama.cpp"] = ([str(python), "-c", LLAMA_WORKER, args], dict(llama_cpp.engine_env(), **one))
     before = os.getloadavg()

@@ -465,8 +465,8 @@ def quantize_to_buffers(
     stored format. `fold` (from `fold_column_scales`) rescales the weight's rows and columns first, chunk by chunk like
     the rest (in the C pass itself where it runs): the quantized weight is `hfquant.core.folding.apply(weight, fold)`'s.
     `threads`: the C RTN's OpenMP threads (None: torch's count); the bytes do not depend on it. `weight_out`: a
-    contiguous tensor of the stored weight's dtype and shape on `weight`'s device to write the codes into (returned as "weight"; e.g. a layer's rows of its decode group's tensor,
-    `quantize_weights.GroupRows`), None for a new one.
+    contiguous tensor of the stored weight's dtype and shape on `weight`'s device to write the codes into (returned as
+    "weight"; e.g. a layer's rows of its decode group's tensor, `quantize_weights.GroupRows`), None for a new one.
     `iq4_search`: the IQ4_NL / IQ4_XS blocks' search (`HfQuantConfig.iq4_search`, `iq4.SEARCHES`) where the native
     library runs them; without it the torch codec's ("exhaustive").
 
@@ -617,9 +617,10 @@ def _quantize_blocks(
         if stored_scale and importance is None:
             chunk_importance = stored_scale_importance(block, chunk)  # the type's rule for stored SINQ scales
         if in_c:  # the same search in C, split over threads (csrc/blocks_quant_cpu.c, csrc/iq4_search_cpu.c)
-            out = stored[rows] if stored[rows].is_contiguous() else None
+            target = stored[rows]
+            out = target if target.is_contiguous() else None
             codes = native.block_quantize(block, chunk, chunk_importance, iq4_search, out=out, finite=True)
             if out is None:
-                stored[rows] = codes
+                target.copy_(codes)
         else:
             stored[rows] = blocks.quantize(block, chunk, chunk_importance)
