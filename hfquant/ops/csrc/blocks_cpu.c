@@ -138,7 +138,7 @@ typedef struct {
     float *dxs;      /* with bias4: d of each input's block, once per 16 inputs (HQ3_R: one per sub-block), in
                       * dxs_lane's order */
     int8_t *qt;      /* with bias4: q in hq3r_body.h's group order (qt_index), for HQ3_R's GFNI step */
-    int32_t *bias16; /* with bias4: -128 times the sum of q per 16 inputs, in dxs_lane's order */
+    int32_t *bias16; /* with bias4: -128 times the sum of q per 16 inputs, in input order */
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
@@ -192,34 +192,35 @@ static inline void k3_scales(const uint8_t *s, int8_t *sc) {
     }
 }
 
-/* The byte indices of HQ3_R's GFNI step (hq3r_body.h), into a group of four blocks (block j at byte 27 j, after the
- * row header; group g's code bytes qs at 3 + 12 g, its 32 high bits qh at 11 + 12 g). Vector t's qword m (sub-block
- * s = m / 2, blocks j = 2 (m % 2) and j + 1, int32 lanes 4s + j and 4s + j + 1) holds the weights 4t to 4t + 3 of
- * sub-block s: group s / 2's codes 8p + l, p = 2 (s % 2) + t / 2, l = 4 (t % 2) + r, r = 0..3. */
+/* The byte indices and lane orders of HQ3_R's GFNI step (hq3r_body.h), into a group of four blocks (block j at byte
+ * 27 j, after the row header; group g's code bytes qs at 3 + 12 g, its 32 high bits qh at 11 + 12 g). Qword m = 2j + g
+ * of the codes holds the 8 qs bytes of block j's group g as they lie (byte l: codes 8p + l, p = 0..3, in bits 2p,
+ * 2p + 1), qword m of the high bits that group's 4 qh bytes twice (byte p: the third bits of codes 8p + l in bit l). */
 typedef struct {
-    uint8_t codes[4][64]; /* vector t: byte 8m + 4h + r = qs byte l of block j + h, group s / 2 */
-    uint8_t high[4][64];  /* vector t: bit of the qh qword (hq3r.qh) for that code: 32 h + 8p + l */
-    int64_t pick[4][8];   /* vector t, qword m: vgf2p8affineqb's matrix taking bits 2p, 2p + 1 to bits 0, 1 */
-    uint8_t qh[64];       /* qword m: qh of blocks j, j + 1 (group s / 2), 4 bytes each */
-    uint8_t fields[64];   /* int32 lane 4s + j: bytes 0-3 of block j (its scale fields) */
+    uint8_t codes[64];  /* byte 8m + l: qs byte l of block j, group g (m = 2j + g) */
+    uint8_t qh[64];     /* byte 8m + 4h + p: qh byte p of block j, group g (h = 0, 1) */
+    uint8_t fields[64]; /* int32 lane 4s + j: bytes 0-3 of block j (its scale fields) */
+    int32_t pair0[16];  /* lane 4s + j (s = 2g + h): lane 2m of the t = 0, 1 dots (h = 0), 2m + 1 of the t = 2, 3
+                         * dots (16 + 2m + 1; h = 1) */
+    int32_t pair1[16];  /* the same lanes' other halves: 2m + 1 (h = 0), 16 + 2m (h = 1) */
 } Hq3rOrder;
 
 static Hq3rOrder HQ3R_ORDER;
 
 __attribute__((constructor)) static void hq3r_order_init(void) {
-    for (int m = 0; m < 8; m++) {
-        const int s = m / 2, j = 2 * (m % 2), g = s / 2;
-        for (int h = 0; h < 2; h++)
-            for (int r = 0; r < 4; r++) {
-                for (int t = 0; t < 4; t++) {
-                    const int p = 2 * (s % 2) + t / 2, l = 4 * (t % 2) + r;
-                    HQ3R_ORDER.codes[t][8 * m + 4 * h + r] = (uint8_t)(27 * (j + h) + 3 + 12 * g + l);
-                    HQ3R_ORDER.high[t][8 * m + 4 * h + r] = (uint8_t)(32 * h + 8 * p + l);
-                    HQ3R_ORDER.pick[t][m] = (int64_t)((1ULL << (2 * p)) << 56 | (1ULL << (2 * p + 1)) << 48);
-                }
-                HQ3R_ORDER.qh[8 * m + 4 * h + r] = (uint8_t)(27 * (j + h) + 11 + 12 * g + r);
+    for (int j = 0; j < 4; j++)
+        for (int g = 0; g < 2; g++) {
+            const int m = 2 * j + g;
+            for (int l = 0; l < 8; l++) {
+                HQ3R_ORDER.codes[8 * m + l] = (uint8_t)(27 * j + 3 + 12 * g + l);
+                HQ3R_ORDER.qh[8 * m + l] = (uint8_t)(27 * j + 11 + 12 * g + l % 4);
             }
-    }
+            for (int h = 0; h < 2; h++) {
+                const int lane = 4 * (2 * g + h) + j;
+                HQ3R_ORDER.pair0[lane] = h == 0 ? 2 * m : 16 + 2 * m + 1;
+                HQ3R_ORDER.pair1[lane] = h == 0 ? 2 * m + 1 : 16 + 2 * m;
+            }
+        }
     for (int lane = 0; lane < 16; lane++)
         for (int r = 0; r < 4; r++) HQ3R_ORDER.fields[4 * lane + r] = (uint8_t)(27 * (lane % 4) + r);
 }
@@ -267,12 +268,12 @@ static int64_t row_type(int64_t type, int vnni) {
  * floats, lane 4i + j for block j's sub-block i (hq3_r_scales4_'s order) */
 static inline int64_t dxs_lane(int64_t t) { return 16 * (t / 16) + 4 * (t % 4) + (t % 16) / 4; }
 
-/* where input e is in qt, the activation row in the order of HQ3_R's GFNI step (hq3r_body.h): per 256 inputs (four
- * blocks j of four sub-blocks s), vector t (64 bytes) holds inputs 4t to 4t + 3 of every sub-block, sub-block s of
- * block j in its int32 lane 4s + j (dxs_lane's order), so four vpdpbusd leave each lane one sub-block's dot */
+/* where input e is in qt, the activation row in the order of HQ3_R's GFNI step (hq3r_body.h): per 256 inputs (eight
+ * 32-input chunks c, c = 2j + g for group g of block j), vector t (64 bytes) holds inputs 8t to 8t + 7 of every chunk,
+ * chunk c at bytes 8c to 8c + 7: the weights whose 2-bit codes are bits 2t, 2t + 1 of the chunk's qs bytes 0-7 */
 static inline int64_t qt_index(int64_t e) {
-    const int64_t j = (e % 256) / 64, s = (e % 64) / 16, t = (e % 16) / 4;
-    return 256 * (e / 256) + 64 * t + 4 * (4 * s + j) + e % 4;
+    const int64_t c = (e % 256) / 32, t = (e % 32) / 8;
+    return 256 * (e / 256) + 64 * t + 8 * c + e % 8;
 }
 
 /* where input e is in qn: per 128 inputs (four 32-input blocks c), the low-nibble inputs 0-15 of block c at 16 c,
@@ -282,13 +283,13 @@ static inline int64_t qn_index(int64_t e) {
     return 128 * (e / 128) + 64 * (i / 16) + 16 * c + i % 16;
 }
 
-/* HQ3_R's GFNI step's entries of activation block b (32 inputs; q and bias4 already made): qt (4 bytes at a time)
+/* HQ3_R's GFNI step's entries of activation block b (32 inputs; q and bias4 already made): qt (8 bytes at a time)
  * and bias16 */
 static void quantize_hq3_r_order(const int8_t *q, int64_t b, const ActRow *a) {
-    for (int64_t i = 0; i < 32; i += 4) memcpy(a->qt + qt_index(32 * b + i), q + i, 4);
+    for (int64_t i = 0; i < 32; i += 8) memcpy(a->qt + qt_index(32 * b + i), q + i, 8);
     for (int64_t h = 0; h < 2; h++) {
         const int32_t *b4 = a->bias4 + 8 * b + 4 * h;
-        a->bias16[dxs_lane(2 * b + h)] = b4[0] + b4[1] + b4[2] + b4[3];
+        a->bias16[2 * b + h] = b4[0] + b4[1] + b4[2] + b4[3];
     }
 }
 

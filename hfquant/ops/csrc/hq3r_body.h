@@ -2,15 +2,25 @@
  * HQ3R_TARGET (the function attribute) and HQ3R_GFNI defined:
  *   0: one 64-weight block per 512-bit step, the 2-bit codes by a 64-bit shift (srlv by 0, 2, 4, 6) and `& 3`, each
  *      int32 lane 4 weights' dot times its sub-block's scale: every AVX512-VNNI CPU (Cascade Lake);
- *   1: a group of four blocks per step (hq3_r_group_: VBMI byte gathers, GFNI's vgf2p8affineqb for the 2-bit codes,
- *      BITALG's vpshufbitqmb for the third bit), each int32 lane one sub-block's whole integer dot, one cvt + fmadd
- *      per four blocks: Ice Lake, Zen 4 and later (Intel SDM: GF2P8AFFINEQB, VPERMI2B, VPSHUFBITQMB). About 9
- *      vector operations per 64 weights instead of 11-12 (docs/performance.md, issue #30, ninth session).
+ *   1: a group of four blocks per step (hq3_r_group_: VBMI byte gathers, GFNI's vgf2p8affineqb for the 3-bit codes
+ *      and a bit transpose of the high bits), each int32 lane one sub-block's whole integer dot, one cvt + fmadd per
+ *      four blocks: Ice Lake, Zen 4 and later (Intel SDM: GF2P8AFFINEQB, VPERMI2B; the CPU check also asks BITALG,
+ *      which the ninth session's step used). About 8 vector operations per 64 weights and no mask-register
+ *      producers (docs/performance.md, issue #30, ninth and thirteenth sessions), the next lines prefetched.
  * Both sum the same integers; 1 sums each sub-block's 16 products exactly before converting (0: four partial sums
  * of 4), so the float32 sums differ in order (within a float32 rounding per sub-block) and the bfloat16 outputs agree
  * on the tests' weights (tests/ops/test_isa.py). A row's last nb % 4 blocks take 0's step in both. */
 
 #define HQ3R_NAME(name) BK_NAME(BK_CAT(name, HQ3R_SUFFIX))
+/* the group step's four cache lines 1024 bytes past w into L1 (_mm_prefetch: a hint, never a fault past the weight's
+ * end). From memory one thread read HQ3_R's 108-byte groups (64-byte loads split across two lines) at 19 GB/s without
+ * it, 24-26 with it; the one-block step (8-byte loads) and the AVX2 body gain nothing (docs/performance.md, issue #30,
+ * thirteenth session) */
+#define HQ3R_PREFETCH(w)                                                         \
+    do {                                                                         \
+        for (int line = 0; line < 4; line++)                                     \
+            _mm_prefetch((const char *)(w) + 1024 + 64 * line, _MM_HINT_T0);     \
+    } while (0)
 
 /* the 64 2-bit codes of a block as bytes 0-3, lane byte 8m + l holding code 8(m % 4) + l of group m / 4, from qs:
  * the group's 8 code bytes broadcast to qwords 0-3 (group 0) and 4-7 (group 1) */
@@ -46,32 +56,50 @@ HQ3R_TARGET static inline __m512 HQ3R_NAME(hq3_r_block_)(const uint8_t *w, const
 }
 
 #if HQ3R_GFNI
-/* acc + a group of four blocks' dots (the group at w, blocks b to b + 3 of the row), sub-block by sub-block: vector t
- * of the group's codes (Hq3rOrder: four vpermi2b from the group's 108 bytes) holds weights 4t to 4t + 3 of every
- * sub-block, sub-block s of block j in int32 lane 4s + j, so four vpdpbusd against qt (the activations in that
- * order) from bias16 leave each lane one sub-block's integer dot, and one fmadd takes the 16 lanes times their
- * scales (hq3_r_scales_, fields by one vpermi2b). Codes: GFNI as hq3_r_low_, the high bit by vpshufbitqmb from the
- * blocks' qh (Hq3rOrder.qh), plus 4 under that mask, then the grid (plus 128) by vpshufb. */
+/* GF2P8AFFINEQB's matrix (Intel SDM) whose result bits 0, 1, 2 are bits b0, b1, b2 of each byte (the others 0) */
+#define HQ3R_PICK(b0, b1, b2) ((long long)((1ULL << (b0)) << 56 | (1ULL << (b1)) << 48 | (1ULL << (b2)) << 40))
+
+/* acc + a group of four blocks' dots (the group at w, blocks b to b + 3 of the row). The codes as they lie, qword
+ * m = 2j + g holding group g of block j's 8 qs bytes (one vpermi2b, Hq3rOrder.codes), and the group's 4 qh bytes
+ * twice (one vpermi2b) bit-transposed by one vgf2p8affineqb against the bytes 1 << l, so byte l of `high` holds in
+ * bits 7 - p and 3 - p the third bit of code 8p + l; two bit selects (vpternlogq) put beside each qs byte's codes
+ * p = 0, 1 (bits 0-3) their third bits (bits 7, 6: `lo`), beside codes 2, 3 (bits 4-7) theirs (bits 1, 0: `hi`), and
+ * one vgf2p8affineqb per p takes each code's three bits to bits 0-2, no mask registers. Vector p then holds in int32
+ * lane 2m + h codes 8p + 4h .. 8p + 4h + 3 of that group: one vpshufb into HQ3_NL's grid plus 128 and one vpdpbusd
+ * against qt (the activations in that order) each; lanes 2m, 2m + 1 of the p = 0, 1 dots are the two halves of
+ * sub-block 2g, of the p = 2, 3 dots those of 2g + 1, so two vpermt2d (Hq3rOrder.pair0 / pair1) and an add leave each
+ * sub-block's whole integer dot in lane 4s + j, started from -128 times its activation sum (bias16, half in each
+ * chain). Then one convert and one fmadd with the 16 scales (hq3_r_scales_, fields by one vpermi2b). */
 HQ3R_TARGET static inline __m512 HQ3R_NAME(hq3_r_group_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
                                                         __m512i grid, __m512 levels_lo, __m512 levels_hi) {
     const __m512i z0 = _mm512_loadu_si512((const void *)w);
     const __m512i z1 = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFFFFFFFULL, w + 64); /* bytes 64-107 */
+    const __m512i qs = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.codes), z1);
     const __m512i qh = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.qh), z1);
+    const __m512i high = _mm512_gf2p8affine_epi64_epi8(_mm512_set1_epi64(0x8040201008040201LL), qh, 0);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_ternarylogic_epi64(nibble, qs, high, 0xCA); /* nibble ? qs : high, bit by bit */
+    const __m512i hi = _mm512_ternarylogic_epi64(nibble, high, qs, 0xCA);
+    const __m512i u0 = _mm512_gf2p8affine_epi64_epi8(lo, _mm512_set1_epi64(HQ3R_PICK(0, 1, 7)), 0);
+    const __m512i u1 = _mm512_gf2p8affine_epi64_epi8(lo, _mm512_set1_epi64(HQ3R_PICK(2, 3, 6)), 0);
+    const __m512i u2 = _mm512_gf2p8affine_epi64_epi8(hi, _mm512_set1_epi64(HQ3R_PICK(4, 5, 1)), 0);
+    const __m512i u3 = _mm512_gf2p8affine_epi64_epi8(hi, _mm512_set1_epi64(HQ3R_PICK(6, 7, 0)), 0);
     const int8_t *x = a->qt + 64 * b;
-    __m512i dot[2] = {_mm512_load_si512((const void *)(a->bias16 + 4 * b)), _mm512_setzero_si512()};
-    for (int t = 0; t < 4; t++) { /* two chains of vpdpbusd */
-        const __m512i codes = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.codes[t]), z1);
-        const __m512i low =
-            _mm512_gf2p8affine_epi64_epi8(codes, _mm512_loadu_si512((const void *)HQ3R_ORDER.pick[t]), 0);
-        const __mmask64 high = _mm512_bitshuffle_epi64_mask(qh, _mm512_loadu_si512((const void *)HQ3R_ORDER.high[t]));
-        const __m512i u = _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4));
-        dot[t % 2] = _mm512_dpbusd_epi32(dot[t % 2], _mm512_shuffle_epi8(grid, u),
-                                         _mm512_load_si512((const void *)(x + 64 * t)));
-    }
+    const __m512i start = _mm512_load_si512((const void *)(a->bias16 + 4 * b));
+    __m512i d01 = _mm512_dpbusd_epi32(_mm512_maskz_mov_epi32(0x5555, start), _mm512_shuffle_epi8(grid, u0),
+                                      _mm512_load_si512((const void *)x));
+    __m512i d23 = _mm512_dpbusd_epi32(_mm512_maskz_mov_epi32(0xAAAA, start), _mm512_shuffle_epi8(grid, u2),
+                                      _mm512_load_si512((const void *)(x + 128)));
+    d01 = _mm512_dpbusd_epi32(d01, _mm512_shuffle_epi8(grid, u1), _mm512_load_si512((const void *)(x + 64)));
+    d23 = _mm512_dpbusd_epi32(d23, _mm512_shuffle_epi8(grid, u3), _mm512_load_si512((const void *)(x + 192)));
+    const __m512i dot =
+        _mm512_add_epi32(_mm512_permutex2var_epi32(d01, _mm512_loadu_si512((const void *)HQ3R_ORDER.pair0), d23),
+                         _mm512_permutex2var_epi32(d01, _mm512_loadu_si512((const void *)HQ3R_ORDER.pair1), d23));
     const __m512i f = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512((const void *)HQ3R_ORDER.fields), z1);
     const __m512 scale = BK_NAME(hq3_r_scales_)(f, _mm512_loadu_ps(a->dxs + 4 * b), levels_lo, levels_hi);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1])), scale, acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
 }
+#undef HQ3R_PICK
 #endif
 
 /* block j's scales of a group's (hq3_r_scales4_: lane 4i + j) in its sub-blocks' lanes 4i to 4i + 3 */
@@ -87,6 +115,7 @@ HQ3R_TARGET static float HQ3R_NAME(row_hq3_r_)(const uint8_t *w, const ActRow *a
     int64_t b = 0;
 #if HQ3R_GFNI
     for (; b + 8 <= nb; b += 8, w += 8 * 27) { /* two groups a step, two accumulators */
+        HQ3R_PREFETCH(w);
         acc0 = HQ3R_NAME(hq3_r_group_)(w, a, b, acc0, grid, lo, hi);
         acc1 = HQ3R_NAME(hq3_r_group_)(w + 4 * 27, a, b + 4, acc1, grid, lo, hi);
     }
@@ -112,4 +141,5 @@ HQ3R_TARGET static float HQ3R_NAME(row_hq3_r_)(const uint8_t *w, const ActRow *a
 }
 
 #undef HQ3R_SCALE
+#undef HQ3R_PREFETCH
 #undef HQ3R_NAME
