@@ -19,6 +19,8 @@ reads), about 0.2 ms of a 1.2B step; eager only (a compiled graph calls the oper
 A folder (a bfloat16 checkpoint, e.g. the benchmark's 1.2B in the cache) is quantized on load with
 `HfQuantConfig(**--config)` (comma-separated field=value pairs; `bits` and `group_size` are read as numbers); its
 int8 lm_head's `int8_gemv` (and an int4 default's `int4_gemv*`) are timed as GEMVs too, each operator on its own line.
+The block GEMVs are also summed per block format (a fused group's formats joined by +), with the weight bytes they
+read per step and GB/s.
 
 Not part of the test suite.
 """
@@ -36,8 +38,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hfquant.core import blocks  # noqa: E402
+
 GEMV_OPERATORS = ("block_gemv", "block_gemv_group", "int8_gemv", "int4_gemv", "int4_gemv_avx2", "int4_gemv_a8")
 """The `hfquant_cpu` operators timed as the step's GEMVs."""
+
+GGML_NAMES = {layout.ggml_type: name for name, layout in blocks.LAYOUTS.items()}
+"""{GGML type number: hfquant's block format name}, for the block GEMVs' lines per format."""
 
 NOT_WRAPPED = ("ModuleList", "QuantLinear", "SiLUActivation", "SiLU")
 """Module classes whose `forward` is not wrapped (containers; the GEMVs' own layers, timed through the operators)."""
@@ -59,6 +66,11 @@ class TimedOperator:
         seconds = time.thread_time() - start
         self.totals["gemv"] += seconds
         self.totals[self.name] = self.totals.get(self.name, 0.0) + seconds
+        if self.name in ("block_gemv", "block_gemv_group"):  # (x, weight(s), in_features, ggml type(s))
+            weights, types = (args[1], args[3]) if self.name == "block_gemv_group" else ([args[1]], [args[3]])
+            key = ("types", tuple(int(t) for t in types))
+            seconds_so_far, nbytes = self.totals.get(key, (0.0, 0))
+            self.totals[key] = (seconds_so_far + seconds, nbytes + sum(w.numel() * w.element_size() for w in weights))
         return result
 
 
@@ -136,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in GEMV_OPERATORS:
             if name in totals:
                 print(f"  {name}: {totals[name] / args.steps * 1000:.2f} ms")
+        for key in sorted(k for k in totals if isinstance(k, tuple)):
+            seconds, nbytes = totals[key]
+            names = "+".join(GGML_NAMES.get(t, str(t)) for t in key[1])
+            print(
+                f"    {names}: {seconds / args.steps * 1000:.2f} ms, {nbytes / args.steps / 1e6:.1f} MB, "
+                f"{nbytes / seconds / 1e9:.1f} GB/s"
+            )
         print("| module class | inclusive ms | GEMVs inside ms | rest ms |\n| --- | ---: | ---: | ---: |")
         for name, seconds in inclusive.most_common():
             ms, gemv_ms = seconds / args.steps * 1000, inside[name] / args.steps * 1000
