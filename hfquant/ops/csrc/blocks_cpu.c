@@ -34,7 +34,7 @@
  * activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation scales
  * per 16 inputs), both computed once per call with the quantized row; where the CPU has AVX512-VBMI, BITALG and GFNI
  * it takes four blocks per step instead, each int32 lane one sub-block (hq3r_body.h; the row's activations also in
- * that order: qt, bias16). IQ4_NL takes the same start for its grid plus 128, in qn's order (biasn; no sign moved
+ * that step's order: qt; bias16 per 16 inputs). IQ4_NL takes the same start for its grid plus 128, in qn's order (biasn; no sign moved
  * onto the activation: 1.27x as fast).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
@@ -195,7 +195,8 @@ static inline void k3_scales(const uint8_t *s, int8_t *sc) {
 /* The byte indices and lane orders of HQ3_R's GFNI step (hq3r_body.h), into a group of four blocks (block j at byte
  * 27 j, after the row header; group g's code bytes qs at 3 + 12 g, its 32 high bits qh at 11 + 12 g). Qword m = 2j + g
  * of the codes holds the 8 qs bytes of block j's group g as they lie (byte l: codes 8p + l, p = 0..3, in bits 2p,
- * 2p + 1), qword m of the high bits that group's 4 qh bytes twice (byte p: the third bits of codes 8p + l in bit l). */
+ * 2p + 1), qword m of the high bits that group's 4 qh bytes twice (byte p: the third bits of codes 8p + l in
+ * bit l). */
 typedef struct {
     uint8_t codes[64];  /* byte 8m + l: qs byte l of block j, group g (m = 2j + g) */
     uint8_t qh[64];     /* byte 8m + 4h + p: qh byte p of block j, group g (h = 0, 1) */
