@@ -223,11 +223,14 @@ def budget_overrides(
     """`module_overrides` entries of a bits budget (`BUDGET_FORMATS`): every layer's block format, the total at most
     the budget in bits per weight over the layers.
 
-    Each layer starts at the cheapest 3-bit type its rows take (Q3_K, 3.44 bits per weight, where 256 divides them;
-    else `format`, hfquant's HQ3_R (3.375 + 16 / K, where 64 divides them, else its fallback HQ3_NL), HQ3_NL or
-    HQ3_0, 3.5). Each layer counts its real bits per weight (`BlockLayout.row_bits_per_weight`: HQ3_R's row header). Then, in the data-free sensitivity order of `block_overrides` (value and down
-    projections, the first and last blocks first: `_budget_order`), each layer goes one type up (Q3_K -> Q4_K,
-    HQ3_NL / HQ3_0 -> IQ4_NL) when the total stays within the budget, and in a second pass one more (Q5_K, Q5_0).
+    Each layer starts at llama.cpp's Q3_K (3.44 bits per weight) where 256 divides its rows, so that every GGUF
+    engine reads those layers; else at `format`: hfquant's HQ3_R (3.375 + 16 / K, where 64 divides them, else its
+    fallback HQ3_NL), HQ3_NL or HQ3_0, 3.5. (HQ3_R would also take the rows 256 divides, at fewer bits and better
+    accuracy, but decodes slower than Q3_K: docs/performance.md, thirteenth session.) Each layer counts its real
+    bits per weight (`BlockLayout.row_bits_per_weight`: HQ3_R's row header). Then, in the data-free sensitivity
+    order of `block_overrides` (value and down projections, the first and last blocks first: `_budget_order`), each
+    layer goes one type up (Q3_K -> Q4_K, HQ3_NL / HQ3_0 -> IQ4_NL) when the total stays within the budget, and in a
+    second pass one more (Q5_K, Q5_0).
 
     Args:
         shapes: {full layer name: (in_features, out_features)} of the layers to quantize.
