@@ -18,14 +18,14 @@
  * Q4_K, Q5_K and Q6_K: vpmaddubsw's int16 pair sums times the int16 scales by vpdpwssd / vpmaddwd), and one float
  * multiply per super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32, Q3_K's -4,
  * Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of
- * every weight. On AVX512-VNNI CPUs the 32-weight types take two blocks per 512-bit step (blocks_body.h's
- * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the
- * activation in their nibbles' order, ActRow.qk), Q4_0, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane
- * each: a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that
- * order; IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the
- * same integers, products and float additions in the same order, so the same bytes as one block at a time or the
- * other body (Q4_1 in 0.6x the time, Q4_K 0.7x, Q4_0 0.7-0.8x and IQ4_XS 0.75x of two blocks per step:
- * docs/performance.md).
+ * every weight. On AVX512-VNNI CPUs Q8_0 takes two blocks per 512-bit step (blocks_body.h's BK_ROW32_PAIRS), Q3_K
+ * and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the activation in their
+ * nibbles' order, ActRow.qk), Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane each:
+ * a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that order;
+ * IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the same
+ * integers, products and float additions in the same order, so the same bytes as one block at a time or the other
+ * body (Q4_K 0.7x the time, Q4_0 0.7-0.8x, IQ4_XS 0.75x, Q4_1 0.77x, Q5_0 0.84x and Q5_1 0.91x of two blocks per
+ * step: docs/performance.md).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
  * hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
  * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
@@ -142,14 +142,14 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
-    int8_t *qn;      /* with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four
+    int8_t *qn;      /* with an IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL weight (else NULL): q in the order of four
                       * 32-weight blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16
                       * (qn_index), so that one 512-bit register of four blocks' codes dots their low nibbles, another
                       * their high ones */
     int32_t *biasn;  /* with qn and bias4: bias4 in qn's order (the int32 lane of inputs e..e + 3 at
                       * qn_index(e) / 4) */
     int32_t *off8n;  /* with qn and bias4: per 128 inputs 16 int32, lane 4c = -8 times block c's sum, the others 0: the
-                      * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block) */
+                      * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block; Q5_0's twice) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -528,10 +528,10 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL: nibbles) qn and (on AVX-512 also starts)
- * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about
- * 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays there), else one
- * allocation. */
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS and the 32-weight 4- and 5-bit types: nibbles) qn and (on
+ * AVX-512 also starts) biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK
+ * bytes (K up to about 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays
+ * there), else one allocation. */
 enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
@@ -578,13 +578,15 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     int64_t at[13];
     /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs), Q4_K and Q5_K's qk */
     const int vnni = cpu_vnni(), starts = vnni && per == 32;
-    int transposed = 0, k4 = 0, nibbles = 0; /* HQ3_R's GFNI step reads qt and bias16, IQ4_XS's qn (Q4_0, IQ4_NL's too
-                                              * with off8n / biasn) */
+    /* HQ3_R's GFNI step reads qt and bias16; IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL qn (Q4_0, Q5_0 and IQ4_NL with
+     * off8n / biasn) */
+    int transposed = 0, k4 = 0, nibbles = 0;
     for (int64_t p = 0; p < count; p++) {
         transposed |= parts[p].type == HQ3_R_GFNI;
         k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
         const int64_t t = parts[p].type;
-        nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL;
+        nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL || t == GGML_Q4_1 || t == GGML_Q5_0 ||
+                   t == GGML_Q5_1;
     }
     const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
     _Alignas(64) uint8_t local[ACT_STACK];
