@@ -1104,15 +1104,19 @@ BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const
     for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
 }
 
-BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *a, int64_t act_blocks, int64_t per,
-                                           int64_t sum_every, const BlockPart *parts, int64_t count) {
+BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *rows, const int64_t *act_blocks,
+                                           const BlockPart *parts, int64_t count) {
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < act_blocks; b++) quantize_block(x, b, per, sum_every, a);
+        for (int r = 0; r < 2; r++) /* activation blocks of 32 (row 0) and of 256 (row 1) */
+            if (act_blocks[r]) {
+#pragma omp for schedule(static) nowait
+                for (int64_t b = 0; b < act_blocks[r]; b++) quantize_block(x, b, r ? 256 : 32, r ? 16 : 32, rows + r);
+            }
+#pragma omp barrier
         for (int64_t p = 0; p < count; p++) /* every thread meets the same work-sharing loops in the same order */
-            BK_NAME(part_rows_)((int)parts[p].type, parts[p].weight, a, parts[p].y, parts[p].n, parts[p].row_bytes,
-                                parts[p].nb);
+            BK_NAME(part_rows_)((int)parts[p].type, parts[p].weight, rows + parts[p].row, parts[p].y, parts[p].n,
+                                parts[p].row_bytes, parts[p].nb);
     }
 }
 
