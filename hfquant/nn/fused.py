@@ -1,5 +1,5 @@
 """Fused decode groups: the projections of a block that read the same input in the same int4 format or in block formats
-of one block size (q/k/v, gate/up) run one GEMV per decode step instead of one each, reading `x` once, without
+(q/k/v, gate/up) run one GEMV per decode step instead of one each, reading `x` once, without
 changing the model's classes.
 
 Why: at batch-1 decode each `QuantLinear` call is a few microseconds of kernel on a small model, and each GEMV pays
@@ -10,7 +10,7 @@ How, without patching transformers' attention / MLP classes: `link_decode_groups
 `replace.replace_with_quant_linear` on the skeleton) makes the sibling `QuantLinear`s of one parent (`SIBLINGS`)
 members of one `DecodeGroup`. Once every member's kernel is prepared with the same eager GEMV (`QuantLinear._row`;
 same kernel, call, input width, group size and block type, bfloat16 (scale, zero) pairs for int4, no SINQ column
-scale; block types may differ where their block size does not: `DecodeGroup._build_mixed`), the group builds its
+scale; block types and sizes may differ: `DecodeGroup._build_mixed`), the group builds its
 compute tensors: the members' runtime weights concatenated along the output rows (the CPU int4 layout is blocked by
 output rows, so the concatenation is the layout of the stacked weight) and each member's `weight` buffer replaced by its
 rows of it, a view (no second copy of the codes); the (scale, zero) pairs concatenated (a new tensor: 1/16 of the
@@ -97,8 +97,9 @@ class DecodeGroup:
         eager GEMV (`QuantLinear._row` and its plan) on CPU and the group is not built yet; returns whether the
         group computes its members' rows now. Weights that are already the consecutive rows of one tensor (repacked
         there by `prepare`, or left so by `dissolve`) are not copied: that tensor becomes the group's. Block formats
-        of different types but one block size (a Q4_K_M file's Q4_K q/k and Q6_K v) are not concatenated (their rows
-        differ in bytes): the group's one C call takes each member's weight (`native.block_gemv_group`)."""
+        of different types (a Q4_K_M file's Q4_K q/k and Q6_K v, an IQ4_NL file's IQ4_NL q/k and Q5_K v) are not
+        concatenated (their rows differ in bytes): the group's one C call takes each member's weight
+        (`native.block_gemv_group`)."""
         if self._views:
             return True
         if self.misses > MAX_MISSES or self._preparing:
@@ -141,7 +142,7 @@ class DecodeGroup:
         return True
 
     def _build_mixed(self, weights: list[torch.Tensor]) -> bool:
-        """`build` for block members of different types and one block size: one C call over their own weights."""
+        """`build` for block members of different types: one C call over their own weights."""
         plan = self.members[0].plan
         parts = tuple(weights)
         types = tuple(blocks.layout(member.plan.block).ggml_type for member in self.members)
@@ -277,12 +278,12 @@ class DecodeGroup:
 
 def _mixed_blocks(keys: list[RowKey]) -> bool:
     """Whether layers of these `_row_key`s may share one `native.block_gemv_group` call though their keys differ: the
-    block GEMV of up to 8 block formats of one block size (the plan's group size) with the same call and K, differing
-    in the block type alone."""
-    first = keys[0]
+    block GEMV of up to 8 block formats with the same call and K, differing in the block type and size alone (the C
+    call quantizes x once per activation block size its weights need)."""
+    first = keys[0]._replace(block=None, group_size=None)
     if first.row is not RowKernel.BLOCK_GEMV or len(keys) > 8:
         return False
-    return all(key.block and key._replace(block=None) == first._replace(block=None) for key in keys)
+    return all(key.block and key._replace(block=None, group_size=None) == first for key in keys)
 
 
 def _row_key(layer: nn.Module):
@@ -332,16 +333,16 @@ def _plan_key(plan, weight_dtype: torch.dtype) -> RowKey:
 
 
 def _group_format(fmt):
-    """What sibling layers share to be linked in one group: their stored format, or for a block format its block size
-    and method (block types of one size share the C call, `DecodeGroup._build_mixed`)."""
+    """What sibling layers share to be linked in one group: their stored format, or for a block format its method
+    (block types of any size share the C call, `DecodeGroup._build_mixed`)."""
     if fmt.block is None:
         return fmt
-    return ("blocks", fmt.group_size, fmt.method)
+    return ("blocks", fmt.method)
 
 
 def link_decode_groups(model: nn.Module, layer_type: type) -> int:
     """Make the sibling `layer_type` (`QuantLinear`) children of each module of `model` named as in `SIBLINGS` that
-    share a stored format (block formats: a block size, `_group_format`) and input width members of one
+    share a stored format (block formats: a method, `_group_format`) and input width members of one
     `DecodeGroup` (at least two; built once their kernels are prepared alike). Returns the number of groups."""
     groups = 0
     for parent in model.modules():

@@ -730,18 +730,19 @@ def block_gemv_group(
     x: torch.Tensor, weights: list[torch.Tensor], in_features: int, ggml_types: list[int]
 ) -> torch.Tensor:
     """`block_gemv` of several weights against the same row in one C call (a fused decode group: q/k/v, gate/up): x
-    quantized once, one OpenMP region. Each weight's outputs are the bytes `block_gemv` gives it alone.
+    quantized once per activation block size the types need (32 and / or 256), one OpenMP region. Each weight's
+    outputs are the bytes `block_gemv` gives it alone.
 
     Args:
         x: (K,) or (1, K) contiguous bfloat16 (CPU).
         weights: 1 to 8 (N_i, K // block_size_i * type_size_i) contiguous uint8 tensors of GGUF blocks.
         in_features: K, a multiple of the block size.
-        ggml_types: each weight's GGUF type number; the types share one activation block size (256: the k-quants and
-            IQ4_XS; 32: the others).
+        ggml_types: each weight's GGUF type number; block sizes may differ (256: the k-quants and IQ4_XS; 32 or 64:
+            the others), K a multiple of each.
     Returns:
         (1, sum N_i) bfloat16, the weights' outputs in order.
     Raises:
-        RuntimeError: the library is unavailable or refused the arguments (as `block_gemv`, or block sizes differing).
+        RuntimeError: the library is unavailable or refused the arguments (as `block_gemv`).
     """
     library = _loaded_library(any_x86=True)
     count = len(weights)
@@ -758,7 +759,7 @@ def block_gemv_group(
     if status:
         raise RuntimeError(
             f"hfquant native block GEMV group refused N={rows}, K={in_features}, GGUF types {ggml_types} (needs "
-            "hfquant's block types of one block size, K a multiple of it, and AVX2 or AVX512-VNNI)"
+            "hfquant's block types, K a multiple of each block size, and AVX2 or AVX512-VNNI)"
         )
     return y
 

@@ -1,6 +1,6 @@
 """Block formats (GGUF's types) on the eager decode path of int4: a one-row call runs the block GEMV bound once
 (`QuantLinear._row`), and q/k/v or gate/up of one block type run one GEMV over their concatenated rows (`hfquant.nn
-.fused`; types of one block size, one C call over their own weights), in eager calls and compiled graphs alike, each
+.fused`; types of any block size, one C call over their own weights), in eager calls and compiled graphs alike, each
 output equal to the layer's own GEMV bit for bit; saving still writes each layer's own bytes."""
 
 from __future__ import annotations
@@ -135,16 +135,25 @@ def test_members_of_block_types_of_one_block_size_share_one_call(monkeypatch, bi
         assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output
 
 
-def test_members_of_different_block_sizes_are_not_grouped_together(monkeypatch):
-    """Q4_K (256-weight super-blocks) and Q8_0 (blocks of 32) quantize the activation row differently: q and k share a
-    call, v runs its own."""
-    block = _block(monkeypatch, "q4_k", v_name="q8_0")
-    assert block.q_proj._fused is block.k_proj._fused is not None and block.v_proj._fused is None
+@pytest.mark.parametrize("names", [("q4_k", "q8_0"), ("iq4_nl", "q5_k")], ids=["q4_k+q8_0", "iq4_nl+q5_k"])
+def test_members_of_different_block_sizes_share_one_call(monkeypatch, names):
+    """Q4_K (256-weight super-blocks) and Q8_0 (blocks of 32), or an IQ4_NL file's IQ4_NL q/k and Q5_K v: the C call
+    quantizes the activation row once per block size; each output is the bytes of its layer's own GEMV."""
+    block = _block(monkeypatch, names[0], v_name=names[1])
+    group = block.q_proj._fused
+    assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
+    types = tuple(blocks.layout(name).ggml_type for name in (names[0], names[0], names[1]))
+    assert group.weight is None and group._types == types
     x = _row(4, 1, 1)
-    got = block(x)
-    block.q_proj._fused.dissolve()
-    for g, e in zip(got, block(x), strict=True):
+    with torch.inference_mode():
+        got = block(x)
+        group.dissolve()
+        own = block(x)
+        assert group.build()
+    for g, e, layer in zip(got, own, block.members(), strict=True):
+        assert g.shape == e.shape == (1, 1, layer.out_features)
         assert torch.equal(g, e)
+    assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output
 
 
 def test_fused_block_members_save_and_reload_their_own_bytes(monkeypatch, tmp_path):

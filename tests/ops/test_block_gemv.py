@@ -131,8 +131,10 @@ def test_block_gemv_refuses_unknown_types_and_partial_blocks_by_name():
 GROUPS = {
     "k-quants": (("q4_k", 40), ("q4_k", 8), ("q6_k", 24), ("q2_k", 3), ("iq4_xs", 17)),
     "32-weight": (("q4_1", 40), ("q8_0", 9), ("q4_0", 1), ("hq3_0", 33)),
+    "mixed sizes": (("q5_k", 9), ("iq4_nl", 40), ("q5_1", 3), ("hq3_r", 5), ("iq4_xs", 8), ("q5_0", 1)),
 }
-"""Weights of one activation block size that one `block_gemv_group` call takes (rows of every remainder per thread)."""
+"""Weights that one `block_gemv_group` call takes (rows of every remainder per thread; the last group's types read
+activation rows of 32 and of 256, the IQ4_NL file's q/k and Q5_K v)."""
 
 
 @needs_kernel
@@ -164,13 +166,13 @@ def test_group_call_gives_each_weights_own_bytes_whatever_the_threads(group, k_b
 
 
 @needs_kernel
-def test_group_call_refuses_mixed_block_sizes_and_counts_by_name():
-    k = 512
-    weights = [_random_blocks("q4_k", 8, k, seed=0), _random_blocks("q4_0", 8, k, seed=1)]
-    types = [blocks.layout("q4_k").ggml_type, blocks.layout("q4_0").ggml_type]
+def test_group_call_refuses_k_not_whole_blocks_and_counts_by_name():
+    k = 288  # 9 blocks of 32, not whole super-blocks of 256
+    weights = [_random_blocks("q4_0", 8, k, seed=1), _random_blocks("q4_k", 8, k, seed=0)]
+    types = [blocks.layout("q4_0").ggml_type, blocks.layout("q4_k").ggml_type]
     x = _row(k, seed=0)
     for call in (native.block_gemv_group, torch_ops.block_gemv_group):
-        with pytest.raises(RuntimeError, match=r"types \[12, 2\]"):
+        with pytest.raises(RuntimeError, match=r"types \[2, 12\]"):
             call(x, weights, k, types)
         with pytest.raises(RuntimeError, match="1-8 weights"):
             call(x, weights * 5, k, types * 5)

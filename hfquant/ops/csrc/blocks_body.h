@@ -38,15 +38,20 @@ BK_TARGET static inline __m256i BK_NAME(nibbles32_)(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-/* the 32 bits of qh (little endian) -> 32 bytes, byte e = 0x10 where bit e is set, else 0 */
-BK_TARGET static inline __m256i BK_NAME(high_bits32_)(const uint8_t *qh) {
-    uint32_t bits;
-    memcpy(&bits, qh, 4);
+/* 32 bits -> 32 bytes, byte e = 0x10 where bit e is set, else 0 */
+BK_TARGET static inline __m256i BK_NAME(high_bits_)(uint32_t bits) {
     const __m256i spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32((int)bits),
         _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* the 32 bits of qh (little endian) -> high_bits_'s 32 bytes */
+BK_TARGET static inline __m256i BK_NAME(high_bits32_)(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    return BK_NAME(high_bits_)(bits);
 }
 
 /* Q4_K / Q5_K's 12 packed bytes of 6-bit scales and minimums (k4_scales' values) -> 16 bytes: scales 0-3, minimums
@@ -596,15 +601,6 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
         return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));         \
     } while (0)
 
-/* The 16 bytes of nibbles of two blocks (at p and p + bytes) -> 64 codes: block 0's low nibbles, its high nibbles,
- * then block 1's (nibbles32_ of each, side by side) */
-BK_TARGET static inline __m512i BK_NAME(nibbles64_)(const uint8_t *p, int64_t bytes) {
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p))),
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + bytes))), 1);
-    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
-}
-
 /* The float16 fields at p and p + 2 of two blocks (at p and p + bytes) as floats [f0, f0', f1, f1'] times the blocks'
  * activation scales [dx0, dx0, dx1, dx1]: the products the one-block steps make, in float32 */
 BK_TARGET static inline __m128 BK_NAME(halves_dx_)(const uint8_t *p, int64_t bytes, const ActRow *a, int64_t b) {
@@ -641,34 +637,6 @@ BK_TARGET static inline __m512 BK_NAME(q8_0_pair_)(const uint8_t *w, const ActRo
     return BK_NAME(signed_pair_)(q, w, bytes, a, b, acc);
 }
 
-/* legacy_step_ of two blocks */
-BK_TARGET static inline __m512 BK_NAME(legacy_pair_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 acc,
-                                                     int64_t bytes, int kind, int32_t offset) {
-    const int five = kind & 1, affine = kind >> 1, codes_at = 2 + 2 * affine + 4 * five;
-    __m512i u = BK_NAME(nibbles64_)(w + codes_at, bytes);
-    if (five) {
-        uint32_t h0, h1;
-        memcpy(&h0, w + 2 + 2 * affine, 4);
-        memcpy(&h1, w + bytes + 2 + 2 * affine, 4);
-        u = _mm512_mask_add_epi8(u, (__mmask64)h0 | (__mmask64)h1 << 32, u, _mm512_set1_epi8(16));
-    }
-    const __m512i x = _mm512_loadu_si512((const void *)(a->q + 32 * b));
-    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
-    const __m128i sums = _mm_loadl_epi64((const __m128i *)(a->sums + b));
-    const __m512i at = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0);
-    if (!affine)
-        p = _mm512_sub_epi32(p, _mm512_maskz_permutexvar_epi32(0x0101, at, _mm512_castsi128_si512(
-                                                                                _mm_mullo_epi32(sums, _mm_set1_epi32(offset)))));
-    const __m128 v = BK_NAME(halves_dx_)(w, bytes, a, b); /* [d0 dx0, m0 dx0, d1 dx1, m1 dx1] */
-    acc = BK_NAME(scale_pair_)(p, v, acc);
-    if (affine) {
-        const __m128 s = _mm_cvtepi32_ps(sums);
-        const __m128 terms = _mm_mul_ps(v, _mm_unpacklo_ps(_mm_set1_ps(1.0f), s)); /* m dx * (float)sum in 1, 3 */
-        const __m512i pick = _mm512_setr_epi32(1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0);
-        acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(0x0101, pick, _mm512_castps128_ps512(terms)));
-    }
-    return acc;
-}
 #define BK_ROW32_FAST(pair, step, bytes, ...) BK_ROW32_PAIRS(pair, step, bytes, __VA_ARGS__)
 #else
 #define BK_ROW32_FAST(pair, step, bytes, ...) BK_ROW32(step, bytes, __VA_ARGS__)
@@ -840,6 +808,19 @@ BK_TARGET static inline __m256 BK_NAME(legacy_step_)(const uint8_t *w, const Act
 }
 
 #if BK_MASKED
+/* acc_lo / acc_hi of a four-block step -> BK_ROW32's accumulators 0-3 (acc c = [acc_lo lanes 4c..4c + 3, acc_hi
+ * lanes 4c..4c + 3]) */
+BK_TARGET static inline void BK_NAME(split4_)(__m512 acc_lo, __m512 acc_hi, __m256 *acc) {
+    const __m512 acc01 = _mm512_permutex2var_ps(
+        acc_lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), acc_hi);
+    const __m512 acc23 = _mm512_permutex2var_ps(
+        acc_lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc_hi);
+    acc[0] = BK_NAME(half512_)(acc01, 0);
+    acc[1] = BK_NAME(half512_)(acc01, 1);
+    acc[2] = BK_NAME(half512_)(acc23, 0);
+    acc[3] = BK_NAME(half512_)(acc23, 1);
+}
+
 /* Q4_0 and IQ4_NL (18-byte blocks: float16 d, 16 bytes of codes) on AVX-512, four blocks per step, block c in 128-bit
  * lane c: their low nibbles (weights 0-15) and high nibbles (16-31) dotted with the activation in that order
  * (ActRow.qn), int32 lane l of block c holding the products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi), the lanes
@@ -880,16 +861,94 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
         acc_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), s, acc_lo);
         acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), s, acc_hi);
     }
-    /* acc c = [acc_lo lanes 4c..4c + 3, acc_hi lanes 4c..4c + 3] */
-    const __m512 acc01 = _mm512_permutex2var_ps(
-        acc_lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), acc_hi);
-    const __m512 acc23 = _mm512_permutex2var_ps(
-        acc_lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc_hi);
-    __m256 acc0 = BK_NAME(half512_)(acc01, 0), acc1 = BK_NAME(half512_)(acc01, 1);
-    __m256 acc2 = BK_NAME(half512_)(acc23, 0), acc3 = BK_NAME(half512_)(acc23, 1);
+    __m256 acc[4];
+    BK_NAME(split4_)(acc_lo, acc_hi, acc);
     for (; b < nb; b++, w += 18)
-        acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
-    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+        acc[0] = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc[0], grid) : BK_NAME(legacy_step_)(w, a, b, acc[0], 0, 8);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+/* Q4_1 (kind 2, 20-byte blocks), Q5_0 (kind 1, 22) and Q5_1 (kind 3, 24) on AVX-512, four blocks per step as Q4_0's
+ * above: block c in 128-bit lane c, its low nibbles (weights 0-15) and high nibbles (16-31) against ActRow.qn; the
+ * five-bit types add 16 where their qh bit is set (bits 0-15 of block c's qh on the low register's lane c, 16-31 on
+ * the high one's), Q5_0's dots start from 2 off8n (its offset 16 times the block sum, in lane 0). legacy4_fields_
+ * gathers the four blocks' float16 d (and m) and qh halves as words by one vpermt2w of the group's first and last 64
+ * bytes. The floats are legacy_step_'s lane by lane: fmadd of the converted dots times d dx, then (Q4_1, Q5_1) m dx
+ * times the block's activation sum added to the block's lane 0 (a masked add: the other lanes, never -0.0, add
+ * nothing), so the same bytes as before. */
+
+/* word of byte `at` of a group of four blocks in legacy4_fields_'s two loads (words 0-31: the group's first 64 bytes,
+ * 32-63: its last 64) */
+BK_TARGET static inline short BK_NAME(legacy4_word_)(int64_t bytes, int64_t at) {
+    return (short)(at + 2 <= 64 ? at / 2 : 32 + (at - (4 * bytes - 64)) / 2);
+}
+
+/* the four blocks at w: *s = d dx per block in its four lanes (quad), *m = m dx sum(x) (affine), *high_lo / *high_hi
+ * the qh bits of the low / high nibbles' bytes (five) */
+BK_TARGET static inline void BK_NAME(legacy4_fields_)(const uint8_t *w, const ActRow *a, int64_t b, int64_t bytes,
+                                                      int kind, __m512 *s, __m512 *m, __mmask64 *high_lo,
+                                                      __mmask64 *high_hi) {
+    const int five = kind & 1, affine = kind >> 1, qh_at = 2 + 2 * affine;
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const int64_t m0 = affine ? 2 : 0, q0 = five ? qh_at : 0, q1 = five ? qh_at + 2 : 0;
+#define BK_W(at) BK_NAME(legacy4_word_)(bytes, at)
+    const __m256i idx = _mm256_setr_epi16(BK_W(0), BK_W(bytes), BK_W(2 * bytes), BK_W(3 * bytes), BK_W(m0),
+                                          BK_W(bytes + m0), BK_W(2 * bytes + m0), BK_W(3 * bytes + m0), BK_W(q0),
+                                          BK_W(bytes + q0), BK_W(2 * bytes + q0), BK_W(3 * bytes + q0), BK_W(q1),
+                                          BK_W(bytes + q1), BK_W(2 * bytes + q1), BK_W(3 * bytes + q1));
+#undef BK_W
+    const __m512i first = _mm512_loadu_si512((const void *)w);
+    const __m512i f = !five && 3 * bytes + m0 + 2 <= 64 /* Q4_1: every field in the first 64 bytes */
+                          ? _mm512_permutexvar_epi16(_mm512_zextsi256_si512(idx), first)
+                          : _mm512_permutex2var_epi16(first, _mm512_zextsi256_si512(idx),
+                                                      _mm512_loadu_si512((const void *)(w + 4 * bytes - 64)));
+    const __m128 dx = _mm_loadu_ps(a->d + b);
+    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm512_castsi512_si128(f)), _mm256_set_m128(dx, dx));
+    *s = _mm512_permutexvar_ps(quad, _mm512_castps256_ps512(v));
+    if (affine) {
+        const __m128 sums = _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)(a->sums + b)));
+        *m = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_mul_ps(_mm256_extractf128_ps(v, 1), sums)));
+    }
+    if (five) {
+        const __m128i qh = _mm512_extracti32x4_epi32(f, 1);
+        *high_lo = _cvtu64_mask64((uint64_t)_mm_cvtsi128_si64(qh));
+        *high_hi = _cvtu64_mask64((uint64_t)_mm_extract_epi64(qh, 1));
+    }
+}
+
+BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const ActRow *a, int64_t nb, int64_t bytes,
+                                                      int kind, int32_t offset) {
+    const int five = kind & 1, affine = kind >> 1, codes_at = 2 + 2 * affine + 4 * five;
+    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    __m512 acc_lo = _mm512_setzero_ps(), acc_hi = acc_lo;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 4 * bytes) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + codes_at)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + bytes + codes_at)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 2 * bytes + codes_at)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 3 * bytes + codes_at)), 3);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512 s, m = _mm512_setzero_ps();
+        __mmask64 high_lo = 0, high_hi = 0;
+        BK_NAME(legacy4_fields_)(w, a, b, bytes, kind, &s, &m, &high_lo, &high_hi);
+        if (five) {
+            lo = _mm512_mask_add_epi8(lo, high_lo, lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, high_hi, hi, sixteen);
+        }
+        const int8_t *xn = a->qn + 32 * b;
+        __m512i start = _mm512_setzero_si512();
+        if (!affine) start = _mm512_slli_epi32(_mm512_load_si512((const void *)(a->off8n + 4 * b)), five);
+        const __m512i p_lo = _mm512_dpbusd_epi32(start, lo, _mm512_load_si512((const void *)xn));
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i p_hi = _mm512_dpbusd_epi32(zero, hi, _mm512_load_si512((const void *)(xn + 64)));
+        acc_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), s, acc_lo);
+        acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), s, acc_hi);
+        if (affine) acc_lo = _mm512_mask_add_ps(acc_lo, 0x1111, acc_lo, m);
+    }
+    __m256 acc[4];
+    BK_NAME(split4_)(acc_lo, acc_hi, acc);
+    for (; b < nb; b++, w += bytes) acc[0] = BK_NAME(legacy_step_)(w, a, b, acc[0], kind, offset);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 #else
 /* Q4_0 and IQ4_NL on AVX2: four blocks per step as two pairs, a pair's blocks in the 128-bit lanes of one register of
@@ -937,6 +996,56 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
         acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
     return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
 }
+
+/* Q4_1 / Q5_0 / Q5_1 on AVX2: four blocks per step as two pairs, as Q4_0's above (a pair's blocks in the 128-bit
+ * lanes of one register of low nibbles and one of high nibbles against ActRow.qn); the five-bit types' qh bits by
+ * high_bits_'s spread of bits 0-15 of both blocks' qh (low nibbles) and bits 16-31 (high), Q5_0's offset term off
+ * lane 0 of each block, Q4_1 / Q5_1's m dx sum(x) added to lane 0 of each block after the fmadd: the one-block
+ * step's integers and float operations, lane by lane, so the same bytes. */
+BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const ActRow *a, int64_t nb, int64_t bytes,
+                                                      int kind, int32_t offset) {
+    const int five = kind & 1, affine = kind >> 1, codes_at = 2 + 2 * affine + 4 * five, qh_at = 2 + 2 * affine;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 4 * bytes) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = w + 2 * bytes * h;
+            const int64_t c = b + 2 * h; /* the pair's first block */
+            const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + bytes + codes_at)),
+                                               _mm_loadu_si128((const __m128i *)(p + codes_at)));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (five) {
+                uint32_t h0, h1;
+                memcpy(&h0, p + qh_at, 4);
+                memcpy(&h1, p + bytes + qh_at, 4);
+                lo = _mm256_or_si256(lo, BK_NAME(high_bits_)((h0 & 0xFFFFu) | (h1 << 16)));
+                hi = _mm256_or_si256(hi, BK_NAME(high_bits_)((h0 >> 16) | (h1 & 0xFFFF0000u)));
+            }
+            const int8_t *xn = a->qn + 32 * b + 32 * h;
+            __m256i p_lo = BK_DOT(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xn));
+            const __m256i p_hi = BK_DOT(_mm256_setzero_si256(), hi, _mm256_load_si256((const __m256i *)(xn + 64)));
+            if (!affine)
+                p_lo = _mm256_sub_epi32(
+                    p_lo, _mm256_setr_epi32(offset * a->sums[c], 0, 0, 0, offset * a->sums[c + 1], 0, 0, 0));
+            const float dx0 = a->d[c], dx1 = a->d[c + 1];
+            const __m256 s = _mm256_set_m128(_mm_set1_ps(BK_NAME(half_)(p + bytes) * dx1),
+                                             _mm_set1_ps(BK_NAME(half_)(p) * dx0));
+            acc_lo[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), s, acc_lo[h]);
+            acc_hi[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), s, acc_hi[h]);
+            if (affine)
+                acc_lo[h] = _mm256_add_ps(acc_lo[h], _mm256_setr_ps(BK_NAME(half_)(p + 2) * dx0 * (float)a->sums[c], 0,
+                                                                    0, 0, BK_NAME(half_)(p + bytes + 2) * dx1 *
+                                                                              (float)a->sums[c + 1], 0, 0, 0));
+        }
+    }
+    __m256 acc0 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x20);
+    __m256 acc1 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x31);
+    __m256 acc2 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x20);
+    __m256 acc3 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x31);
+    for (; b < nb; b++, w += bytes) acc0 = BK_NAME(legacy_step_)(w, a, b, acc0, kind, offset);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+}
 #endif
 
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -948,13 +1057,13 @@ BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(row32_nibbles_)(w, a, nb, 0, _mm256_setzero_si256());
 }
 BK_TARGET static float BK_NAME(row_q4_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 20, 2, 0);
+    return BK_NAME(row32_legacy4_)(w, a, nb, 20, 2, 0);
 }
 BK_TARGET static float BK_NAME(row_q5_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 22, 1, 16);
+    return BK_NAME(row32_legacy4_)(w, a, nb, 22, 1, 16);
 }
 BK_TARGET static float BK_NAME(row_q5_1_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    BK_ROW32_FAST(BK_NAME(legacy_pair_), BK_NAME(legacy_step_), 24, 3, 0);
+    return BK_NAME(row32_legacy4_)(w, a, nb, 24, 3, 0);
 }
 
 BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -995,15 +1104,19 @@ BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const
     for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
 }
 
-BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *a, int64_t act_blocks, int64_t per,
-                                           int64_t sum_every, const BlockPart *parts, int64_t count) {
+BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *rows, const int64_t *act_blocks,
+                                           const BlockPart *parts, int64_t count) {
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < act_blocks; b++) quantize_block(x, b, per, sum_every, a);
+        for (int r = 0; r < 2; r++) /* activation blocks of 32 (row 0) and of 256 (row 1) */
+            if (act_blocks[r]) {
+#pragma omp for schedule(static) nowait
+                for (int64_t b = 0; b < act_blocks[r]; b++) quantize_block(x, b, r ? 256 : 32, r ? 16 : 32, rows + r);
+            }
+#pragma omp barrier
         for (int64_t p = 0; p < count; p++) /* every thread meets the same work-sharing loops in the same order */
-            BK_NAME(part_rows_)((int)parts[p].type, parts[p].weight, a, parts[p].y, parts[p].n, parts[p].row_bytes,
-                                parts[p].nb);
+            BK_NAME(part_rows_)((int)parts[p].type, parts[p].weight, rows + parts[p].row, parts[p].y, parts[p].n,
+                                parts[p].row_bytes, parts[p].nb);
     }
 }
 

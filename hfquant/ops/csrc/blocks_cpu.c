@@ -18,17 +18,18 @@
  * Q4_K, Q5_K and Q6_K: vpmaddubsw's int16 pair sums times the int16 scales by vpdpwssd / vpmaddwd), and one float
  * multiply per super-block (k-quants) or block (32-weight types). The codes' constant offsets (Q6_K's -32, Q3_K's -4,
  * Q4_0's -8, Q5_0's -16) and the minimums (Q2_K, Q4_K, Q5_K, Q4_1, Q5_1) multiply the activation sums instead of
- * every weight. On AVX512-VNNI CPUs the 32-weight types take two blocks per 512-bit step (blocks_body.h's
- * BK_ROW32_PAIRS), Q3_K and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the
- * activation in their nibbles' order, ActRow.qk), Q4_0, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane
- * each: a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that
- * order; IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the
- * same integers, products and float additions in the same order, so the same bytes as one block at a time or the
- * other body (Q4_1 in 0.6x the time, Q4_K 0.7x, Q4_0 0.7-0.8x and IQ4_XS 0.75x of two blocks per step:
- * docs/performance.md).
+ * every weight. On AVX512-VNNI CPUs Q8_0 takes two blocks per 512-bit step (blocks_body.h's BK_ROW32_PAIRS), Q3_K
+ * and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the activation in their
+ * nibbles' order, ActRow.qk), Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane each:
+ * a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that order;
+ * IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the same
+ * integers, products and float additions in the same order, so the same bytes as one block at a time or the other
+ * body (Q4_K 0.7x the time, Q4_0 0.7-0.8x, IQ4_XS 0.75x, Q4_1 0.77x, Q5_0 0.84x and Q5_1 0.91x of two blocks per
+ * step: docs/performance.md).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
- * hfquant_block_gemv_group takes several weights of one block size reading the same x (a fused q/k/v or
- * gate/up group, types may differ): x quantized once, one region, each weight's outputs the bytes of its own call.
+ * hfquant_block_gemv_group takes several weights reading the same x (a fused q/k/v or gate/up group; types and block
+ * sizes may differ, as a Q4_K_M file's Q4_K q/k and Q6_K v or an IQ4_NL file's IQ4_NL q/k and Q5_K v): x quantized
+ * once per activation block size it needs (32, 256), one region, each weight's outputs the bytes of its own call.
  * The quantized row lives on the caller's stack (one allocation only past ACT_STACK bytes). HQ3_R on AVX512-VNNI
  * takes one 64-weight block per 512-bit step on its grid plus 128 (unsigned), its dot started from -128 times the
  * activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation scales
@@ -142,14 +143,14 @@ typedef struct {
     int8_t *qk;      /* per = 256 on AVX-512 with a Q4_K / Q5_K weight (else NULL): q with the middle 32-input quarters
                       * of every 128 inputs swapped (inputs 0-31, 64-95, 32-63, 96-127: blocks_body.h's k4_dots_ reads
                       * one sub-block per 256-bit half in the order of the codes' low and high nibbles) */
-    int8_t *qn;      /* with an IQ4_XS, Q4_0 or IQ4_NL weight (else NULL): q in the order of four
+    int8_t *qn;      /* with an IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL weight (else NULL): q in the order of four
                       * 32-weight blocks' nibbles, per 128 inputs the first 16 inputs of each 32, then the last 16
                       * (qn_index), so that one 512-bit register of four blocks' codes dots their low nibbles, another
                       * their high ones */
     int32_t *biasn;  /* with qn and bias4: bias4 in qn's order (the int32 lane of inputs e..e + 3 at
                       * qn_index(e) / 4) */
     int32_t *off8n;  /* with qn and bias4: per 128 inputs 16 int32, lane 4c = -8 times block c's sum, the others 0: the
-                      * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block) */
+                      * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block; Q5_0's twice) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -356,10 +357,10 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
 }
 
 /* One weight of a (possibly fused) block GEMV: n rows of `row_bytes` bytes (nb blocks) of GGUF type `type`, outputs
- * at y. */
+ * at y; row: the activation row it reads (0: blocks of 32, for the 32- and 64-weight types; 1: of 256). */
 typedef struct {
     const uint8_t *weight;
-    int64_t type, n, row_bytes, nb;
+    int64_t type, n, row_bytes, nb, row;
     uint16_t *y;
 } BlockPart;
 
@@ -530,10 +531,10 @@ int hfquant_block_gemv_supported(int64_t type) {
 }
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
- * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS, Q4_0, IQ4_NL: nibbles) qn and (on AVX-512 also starts)
- * biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about
- * 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays there), else one
- * allocation. */
+ * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS and the 32-weight 4- and 5-bit types: nibbles) qn and (on
+ * AVX-512 also starts) biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK
+ * bytes (K up to about 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays
+ * there), else one allocation. */
 enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
@@ -555,61 +556,76 @@ static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int start
     return total;
 }
 
+/* Activation row r (0: blocks of 32, 1: of 256) with the orders the parts reading it need, its scratch at base
+ * (act_layout's parts); returns the scratch's bytes (only them when base is NULL) */
+static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPart *parts, int64_t count, int vnni) {
+    const int64_t per = r ? 256 : 32, sum_every = r ? 16 : 32;
+    const int starts = vnni && !r; /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
+    /* HQ3_R's GFNI step reads qt and bias16; Q4_K and Q5_K's qk; IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL qn (Q4_0,
+     * Q5_0 and IQ4_NL with off8n / biasn) */
+    int transposed = 0, k4 = 0, nibbles = 0;
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t t = parts[p].type;
+        if (parts[p].row != r) continue;
+        transposed |= t == HQ3_R_GFNI;
+        k4 |= vnni && (t == GGML_Q4_K || t == GGML_Q5_K);
+        nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL || t == GGML_Q4_1 || t == GGML_Q5_0 ||
+                   t == GGML_Q5_1;
+    }
+    int64_t at[13];
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
+    if (base == NULL) return need;
+    a->d = (float *)(base + at[0]);
+    a->q = (int8_t *)(base + at[1]);
+    a->sums = (int32_t *)(base + at[2]);
+    a->sums32 = (int32_t *)(base + at[3]);
+    a->sums16 = (int16_t *)(base + at[4]);
+    a->bias4 = starts ? (int32_t *)(base + at[5]) : NULL;
+    a->dxs = starts ? (float *)(base + at[6]) : NULL;
+    a->qt = transposed ? (int8_t *)(base + at[7]) : NULL;
+    a->bias16 = transposed ? (int32_t *)(base + at[8]) : NULL;
+    a->qk = k4 ? (int8_t *)(base + at[9]) : NULL;
+    a->qn = nibbles ? (int8_t *)(base + at[10]) : NULL;
+    a->biasn = nibbles && starts ? (int32_t *)(base + at[11]) : NULL;
+    a->off8n = nibbles && starts ? (int32_t *)(base + at[12]) : NULL;
+    return need;
+}
+
 int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, const int64_t *types, const int64_t *ns,
                              uint16_t *y, int64_t count, int64_t k) {
     enum { MAX_PARTS = 8 };
     if (count < 1 || count > MAX_PARTS || k <= 0) return 1;
+    const int vnni = cpu_vnni();
     BlockPart parts[MAX_PARTS];
-    int64_t block = 0, offset = 0;
+    int64_t offset = 0, act_blocks[2] = {0, 0}; /* activation blocks of 32 and of 256 (0: no part reads that row) */
     for (int64_t p = 0; p < count; p++) {
-        int64_t part_block, bytes;
-        block_shape((int)types[p], &part_block, &bytes);
-        if (!part_block || !hfquant_block_gemv_supported(types[p]) || ns[p] <= 0 || k % part_block) return 1;
-        if (block && part_block != block) return 1; /* one activation row: one block size */
-        block = part_block;
+        int64_t block, bytes;
+        block_shape((int)types[p], &block, &bytes);
+        if (!block || !hfquant_block_gemv_supported(types[p]) || ns[p] <= 0 || k % block) return 1;
         parts[p].weight = weights[p];
-        parts[p].type = row_type(types[p], cpu_vnni());
+        parts[p].type = row_type(types[p], vnni);
         parts[p].n = ns[p];
-        parts[p].nb = k / part_block;
+        parts[p].nb = k / block;
         parts[p].row_bytes = row_header((int)types[p]) + parts[p].nb * bytes;
+        parts[p].row = block == 256; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
         parts[p].y = y + offset;
+        act_blocks[parts[p].row] = k / (block == 256 ? 256 : 32);
         offset += ns[p];
     }
-    const int64_t per = block == 64 ? 32 : block; /* HQ3_R's 64-weight blocks: activation blocks of 32, two each */
-    const int64_t sum_every = block == 256 ? 16 : 32;
-    int64_t at[13];
-    /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs), Q4_K and Q5_K's qk */
-    const int vnni = cpu_vnni(), starts = vnni && per == 32;
-    int transposed = 0, k4 = 0, nibbles = 0; /* HQ3_R's GFNI step reads qt and bias16, IQ4_XS's qn (Q4_0, IQ4_NL's too
-                                              * with off8n / biasn) */
-    for (int64_t p = 0; p < count; p++) {
-        transposed |= parts[p].type == HQ3_R_GFNI;
-        k4 |= vnni && (parts[p].type == GGML_Q4_K || parts[p].type == GGML_Q5_K);
-        const int64_t t = parts[p].type;
-        nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL;
-    }
-    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
+    int64_t need[2] = {0, 0};
+    for (int r = 0; r < 2; r++)
+        if (act_blocks[r]) need[r] = act_row(NULL, NULL, k, r, parts, count, vnni);
     _Alignas(64) uint8_t local[ACT_STACK];
-    uint8_t *scratch = need <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)need, 64);
+    uint8_t *scratch = need[0] + need[1] <= ACT_STACK ? local : (uint8_t *)_mm_malloc((size_t)(need[0] + need[1]), 64);
     if (scratch == NULL) return 2;
-    ActRow a;
-    a.d = (float *)(scratch + at[0]);
-    a.q = (int8_t *)(scratch + at[1]);
-    a.sums = (int32_t *)(scratch + at[2]);
-    a.sums32 = (int32_t *)(scratch + at[3]);
-    a.sums16 = (int16_t *)(scratch + at[4]);
-    a.bias4 = starts ? (int32_t *)(scratch + at[5]) : NULL;
-    a.dxs = starts ? (float *)(scratch + at[6]) : NULL;
-    a.qt = transposed ? (int8_t *)(scratch + at[7]) : NULL;
-    a.bias16 = transposed ? (int32_t *)(scratch + at[8]) : NULL;
-    a.qk = k4 ? (int8_t *)(scratch + at[9]) : NULL;
-    a.qn = nibbles ? (int8_t *)(scratch + at[10]) : NULL;
-    a.biasn = nibbles && starts ? (int32_t *)(scratch + at[11]) : NULL;
-    a.off8n = nibbles && starts ? (int32_t *)(scratch + at[12]) : NULL;
+    ActRow rows[2];
+    memset(rows, 0, sizeof rows);
+    for (int r = 0; r < 2; r++)
+        if (act_blocks[r]) act_row(rows + r, scratch + (r ? need[0] : 0), k, r, parts, count, vnni);
     if (vnni)
-        gemv_parts_vnni(x, &a, k / per, per, sum_every, parts, count);
+        gemv_parts_vnni(x, rows, act_blocks, parts, count);
     else
-        gemv_parts_avx2(x, &a, k / per, per, sum_every, parts, count);
+        gemv_parts_avx2(x, rows, act_blocks, parts, count);
     if (scratch != local) _mm_free(scratch);
     return 0;
 }

@@ -49,7 +49,7 @@ int hfquant_int4_gemv_avx2(const uint16_t *x, const uint8_t *weight, const uint3
 /* blocks_cpu.c: llama.cpp's block formats (GGUF types by number), one activation row quantized to int8 blocks */
 int hfquant_block_gemv_supported(int64_t type);
 int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, int64_t n, int64_t k, int64_t type);
-/* the GEMVs of `count` (1-8) weights of one activation block size against one x, outputs concatenated in y */
+/* the GEMVs of `count` (1-8) weights against one x (block sizes may differ), outputs concatenated in y */
 int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, const int64_t *types, const int64_t *ns,
                              uint16_t *y, int64_t count, int64_t k);
 int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,

@@ -139,7 +139,7 @@ at::Tensor block_gemv_group(const at::Tensor &x, at::TensorList weights, int64_t
   int status = hfquant_block_gemv_group(static_cast<const uint16_t *>(x.const_data_ptr()), pointers, types.data(),
                                         rows, static_cast<uint16_t *>(y.mutable_data_ptr()), count, in_features);
   TORCH_CHECK(status == 0, "hfquant native block GEMV group refused K=", in_features, ", GGUF types ", types,
-              " (needs hfquant's block types of one block size, K a multiple of it, AVX2 or AVX512-VNNI)");
+              " (needs hfquant's block types, K a multiple of each block size, AVX2 or AVX512-VNNI)");
   return y;
 }
 
