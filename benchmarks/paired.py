@@ -94,6 +94,25 @@ class Worker:
         self.proc.wait()
 
 
+def balanced_order(count: int, round_index: int) -> list[int]:
+    """The engine indices of round `round_index` (0-based) of `count` engines: a Williams design, the first row 0, 1,
+    count - 1, 2, count - 2, ... and each next row that plus one (mod `count`); with an odd `count` the rows of every
+    second block of `count` rounds are reversed. Over `count` rounds (2 * `count` when odd) each engine comes first
+    once and follows every other engine equally often, so no engine always runs right after the same one (a plain
+    rotation put hfquant's eager engine right after llama.cpp in 4 of 5 rounds, which biased it: docs/performance.md,
+    thirteenth session). With two engines: alternation."""
+    base = [0]
+    low, high = 1, count - 1
+    while low <= high:
+        base.append(low)
+        if low != high:
+            base.append(high)
+        low, high = low + 1, high - 1
+    if count % 2 and (round_index // count) % 2:
+        base.reverse()
+    return [(b + round_index) % count for b in base]
+
+
 def run_rounds(
     engines: dict[str, tuple[list[str], dict | None]],
     rounds: int,
@@ -102,7 +121,7 @@ def run_rounds(
     probe: Callable[[], float] | None = None,
 ) -> dict:
     """Start every engine (one at a time: a compile takes every core), then `rounds` rounds in which each engine
-    decodes once, the order rotated by one engine per round.
+    decodes once, in `balanced_order`.
 
     Args:
         engines: name -> (command, environment or None for this one's) of a worker speaking the protocol.
@@ -131,7 +150,7 @@ def run_rounds(
             workers[name] = Worker(name, command, env, log)
             workers[name].ready(timeout)
         for r in range(rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
+            order = [names[i] for i in balanced_order(len(names), r)]
             tok_s = {name: workers[name].decode(timeout) for name in order}
             done.append({"order": order, "tok_s": tok_s, "read_gbs": probe() if probe else None})
         error = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ def _stand_in(rates: list[float], fail_at: int | None = None, error_at_start: bo
     `fail_at`."""
     code = f"""
 import sys
+from collections import Counter
 rates, fail_at = {rates!r}, {fail_at!r}
 print("loading...", flush=True)
 if {error_at_start!r}:
@@ -233,3 +235,13 @@ def test_the_default_against_q4_0_has_issue_32s_limits():
         "hfquant-4bit decode >= 0.8x llamacpp-4bit (same weights, paired median of 3 rounds)": 0.8,
         "hfquant-4bit +compile decode >= 1.0x llamacpp-4bit (same weights, paired median of 3 rounds)": 1.0,
     }
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5])
+def test_balanced_order_puts_every_engine_after_every_other_equally(count):
+    rows = [paired.balanced_order(count, r) for r in range(2 * count)]
+    assert all(sorted(row) == list(range(count)) for row in rows)
+    assert sorted(row[0] for row in rows) == sorted(list(range(count)) * 2)
+    follows = Counter((a, b) for row in rows for a, b in zip(row[:-1], row[1:], strict=True))
+    assert set(follows) == {(a, b) for a in range(count) for b in range(count) if a != b}
+    assert len(set(follows.values())) == 1
