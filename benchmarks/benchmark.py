@@ -901,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
             report += [
                 "",
                 f"Paired decode rounds ({args.paired_rounds} per group; every engine loaded once, one decode "
-                "each per round, back to back, order rotating; ratio per round, then the median):",
+                "each per round, back to back, order changing; ratio per round, then the median):",
                 "",
                 paired.render(entry["paired"]),
             ]

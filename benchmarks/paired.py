@@ -4,9 +4,10 @@ Why: on the machines this benchmark runs on, the memory read speed moves between
 (the float32 read probe; docs/performance.md), and a decode step that streams a 1.2B model follows it. The benchmark's
 rows each run in their own process, one after the other, so two rows measured minutes apart can differ by 25% for
 reasons outside either engine, and their ratio with them. Here each engine is loaded once, in its own long-lived
-process, and every round asks each process for one decode measurement, back to back, the order rotating from round
-to round: a round's ratio compares the engines under nearly the same conditions, and the median over the rounds is
-the figure. The parent's memory read probe runs after every round, so the conditions are shown too.
+process, and every round asks each process for one decode measurement, back to back, in an order that changes from
+round to round (`balanced_order`): a round's ratio compares the engines under nearly the same conditions, and the
+median over the rounds is the figure. The parent's memory read probe runs after every round, so the conditions are
+shown too.
 
 Worker protocol (both kinds): after loading (and, for "+compile", compiling with one untimed full-length `generate`)
 the worker prints `READY`; then, for every line it reads on stdin, one line `TOK_S <float>`: one decode of

@@ -21,7 +21,7 @@ Llama with Llama-3-8B's layers instead (14.8 GB of bfloat16, built once into the
 With `--paired-rounds N`, decode only, in paired rounds instead (`benchmarks.paired.run_rounds`): for every benchmark
 method in `--paired-methods` (and with `--compile`, its "+compile" variant: static cache, `torch.compile` fullgraph),
 one long-lived worker per tree loads the model once, then every round asks each worker for one 64-token decode, back
-to back, the order rotating; the table gives each tree's median tokens/s and the median (min-max) of the per-round
+to back, the order changing; the table gives each tree's median tokens/s and the median (min-max) of the per-round
 after/before ratios, which this machine's moving memory speed affects far less than runs minutes apart:
 
     python scripts/compare_trees.py /tmp/before . --paired-rounds 6 --paired-methods hfquant-int4,hfquant-int8 --compile

@@ -7,8 +7,9 @@ with one thread (hfquant: `OMP_NUM_THREADS=1` and `torch.set_num_threads(1)`; ll
 `n_threads=1`, in the engines venv), loads the file once, and per measurement: the prefill of the same prompt token ids
 (not timed), then `--tokens` one-token decode steps, each fed the previous step's greedy token, timed by
 `time.process_time` (the process's CPU seconds, every thread). The rounds are paired (`benchmarks.paired.run_rounds`:
-one measurement of each engine per round, the order rotating); the table gives the medians of milliseconds of CPU per
-token and of the per-round ratio llama.cpp's / hfquant's (above 1: hfquant spends less CPU per token).
+one measurement of each engine per round, the order changing: `balanced_order`); the table gives the medians of
+milliseconds of CPU per token and of the per-round ratio llama.cpp's / hfquant's (above 1: hfquant spends less CPU per
+token).
 
     python scripts/gguf_cpu_per_token.py FILE.gguf [FILE.gguf ...] --rounds 7 --tokens 32
     python scripts/gguf_cpu_per_token.py FILE.gguf --baseline TREE --baseline-cache DIR   # + another hfquant tree

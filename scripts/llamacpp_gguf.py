@@ -24,7 +24,7 @@ Steps (`--steps`, comma-separated; all by default but `bench`):
   perplexity over the same `--ppl-tokens` token ids of `hfquant.evaluation.reference_text()`.
 - `bench` (the 1.2B benchmark model, Q4_K_M): peak RSS growth of `from_gguf` in a fresh process against the file's size,
   and llama.cpp's in its own; then decode tokens/s in paired rounds (`benchmarks.paired.run_rounds`: each engine
-  loaded once in its own process, one decode each per round, the order rotating) of hfquant eager, hfquant compiled
+  loaded once in its own process, one decode each per round, the order changing) of hfquant eager, hfquant compiled
   (`--compile`, the README's static cache + torch.compile path) and llama.cpp on the same file, with the CPU named.
 - `load` (no llama.cpp needed): `from_gguf` in a fresh process after its imports (transformers' model classes
   included), `--load-repeats` times: wall and CPU seconds (`time.process_time`, every thread) and peak RSS growth
