@@ -864,7 +864,7 @@ class FoldStream(Mapping):
         # the other core for the load's search; the caller's (block 0, in the pre-load hook, before anything else
         # runs) would spend more time waiting at the barriers of the block's many small parallel regions (the error
         # test's 64 sampled rows, a balancing pass of a few row blocks) than it saved: on the 1.2B at load 9 block 0
-        # took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.15 CPU s and 0.3-0.5 s at one
+        # took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.12-0.13 CPU s and 0.27-0.30 s at one
         # (docs/performance.md, issue #32, thirteenth session).
         with self._folding, _on_cpu_in_float32() if here else torch.device("cpu"), _torch_threads(1 if here else None):
             return self._planner.fold(self._planner.blocks[index], 1)
