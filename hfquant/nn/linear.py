@@ -569,7 +569,7 @@ def _iq4_in_one_pass(weight: torch.Tensor, block: str, stored: torch.Tensor, typ
     type's to give)."""
     return (
         block in ("iq4_nl", "iq4_xs")
-        and str(iq4_search) != "exhaustive"
+        and str(iq4_search) in native.IQ4_SEARCHES  # not "exhaustive" (the torch codec's); a bad name: the ValueError
         and not type_rule
         and weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float32)
