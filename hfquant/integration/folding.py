@@ -349,6 +349,20 @@ def _on_cpu_in_float32() -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` while the context lasts (None: left as they are)."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _fold_block(
     block: Block,
     read,
@@ -846,6 +860,11 @@ class FoldStream(Mapping):
         return future
 
     def _fold(self, index: int, here: bool) -> dict[str, Transform] | None:
-        with self._folding, _on_cpu_in_float32() if here else torch.device("cpu"):
-            # the worker balances at one thread: the load's main thread keeps the other core busy
-            return self._planner.fold(self._planner.blocks[index], None if here else 1)
+        # One thread for the C balancing and, in the caller's thread, for torch's operations too: the worker's keeps
+        # the other core for the load's search; the caller's (block 0, in the pre-load hook, before anything else
+        # runs) would spend more time waiting at the barriers of the block's many small parallel regions (the error
+        # test's 64 sampled rows, a balancing pass of a few row blocks) than it saved: on the 1.2B at load 9 block 0
+        # took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.12-0.13 CPU s and 0.27-0.30 s at one
+        # (docs/performance.md, issue #32, thirteenth session).
+        with self._folding, _on_cpu_in_float32() if here else torch.device("cpu"), _torch_threads(1 if here else None):
+            return self._planner.fold(self._planner.blocks[index], 1)

@@ -561,6 +561,24 @@ def _stored_buffers(
     }
 
 
+def _iq4_in_one_pass(weight: torch.Tensor, block: str, stored: torch.Tensor, type_rule: bool, iq4_search: str) -> bool:
+    """Whether `_quantize_blocks` quantizes the whole weight in one C pass (`native.iq4_quantize_fold`: the fold's
+    scales applied by each search thread, no float32 chunks): an IQ4 type by a C search, a contiguous bfloat16 or
+    float32 CPU weight and stored rows, and no importance computed from the rescaled weight (`type_rule`: a stored
+    SINQ scale's type rule, which the chunked path computes per chunk; IQ4's is uniform, but the rule is the
+    type's to give)."""
+    return (
+        block in ("iq4_nl", "iq4_xs")
+        and str(iq4_search) in native.IQ4_SEARCHES  # not "exhaustive" (the torch codec's); a bad name: the ValueError
+        and not type_rule
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and weight.is_contiguous()
+        and stored.is_contiguous()
+        and native.built_library() is not None
+    )
+
+
 def _quantize_blocks(
     weight: torch.Tensor,
     block: str,
@@ -581,7 +599,10 @@ def _quantize_blocks(
     load's longest stage and the worker, two blocks ahead, waits for it most of the time (measured on the 1.2B:
     the same CPU seconds, within noise, and the idle core used; docs/performance.md, issue #32, twelfth session).
 
-    Each chunk is converted into one float32 buffer reused for every chunk and rescaled in place (the same float32
+    IQ4 layers by a C search skip the chunks (`_iq4_in_one_pass`): each search thread folds its own groups of blocks
+    (`native.iq4_quantize_fold`), so the copy, the scales and the search of the weight are one parallel pass, the same
+    bytes (docs/performance.md, issue #32, thirteenth session). Elsewhere each chunk is converted into one float32
+    buffer reused for every chunk and rescaled in place (the same float32
     operations as new tensors per step, without their allocations and page faults; with the C library in one pass,
     `native.fold_chunk`), checked for NaN / Inf once after the scales, and the C search writes its rows of `stored`
     directly (docs/performance.md, issue #32, twelfth session).
@@ -592,6 +613,13 @@ def _quantize_blocks(
     n, k = weight.shape
     if not weight.is_floating_point():
         raise ValueError(f"expected a float weight, got {weight.dtype}")
+    if _iq4_in_one_pass(weight, block, stored, stored_scale and importance is None, iq4_search):
+        row_f = None if row_scale is None else row_scale.float().contiguous()
+        col_f = None if col_scale is None else col_scale.float().contiguous()
+        search = native.IQ4_SEARCHES[str(iq4_search)]
+        if not native.iq4_quantize_fold(block, weight, row_f, col_f, importance, search, stored):
+            raise ValueError("cannot quantize a weight that contains NaN or Inf values")
+        return
     step = max(1, _CHUNK_BYTES // (4 * k))
     in_c = block in native.BLOCK_QUANTIZE_TYPES and weight.device.type == "cpu" and native.built_library() is not None
     buffer = torch.empty((min(step, n), k), dtype=torch.float32, device=weight.device)

@@ -63,6 +63,7 @@ __all__ = [
     "block_quantize",
     "bf16_f32_gemv",
     "fold_chunk",
+    "iq4_quantize_fold",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,13 @@ _SIGNATURES = {
     "hfquant_iq4_quantize": [_POINTER] * 2
     + [_INT64] * 2
     + [_INT, _POINTER, _INT64, _POINTER, _INT64, _INT64]
+    + [ctypes.c_float]
+    + [_INT64] * 2
+    + [ctypes.c_float] * 2
+    + [_INT64, _INT64, _POINTER],
+    "hfquant_iq4_quantize_fold": [_POINTER, _INT64, _INT64, _INT64]
+    + [_POINTER] * 3
+    + [_INT64, _INT, _POINTER, _INT64, _POINTER, _INT64, _INT64]
     + [ctypes.c_float]
     + [_INT64] * 2
     + [ctypes.c_float] * 2
@@ -659,20 +667,7 @@ def fold_chunk(
         RuntimeError: the library is unavailable.
     """
     rows, k = weight.shape
-    tensors = [t for t in (weight, row_scale, col_scale, out) if t is not None]
-    if (
-        weight.dtype not in (torch.bfloat16, torch.float32)
-        or out.dtype != torch.float32
-        or out.shape != weight.shape
-        or (row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.shape != (rows,)))
-        or (col_scale is not None and (col_scale.dtype != torch.float32 or col_scale.shape != (k,)))
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
-    ):
-        raise ValueError(
-            f"fold_chunk needs contiguous CPU tensors: a bfloat16/float32 (rows, K) weight, float32 (rows,) / (K,) "
-            f"scales and a float32 out of the weight's shape; got {weight.dtype} {tuple(weight.shape)}, out "
-            f"{out.dtype} {tuple(out.shape)}"
-        )
+    _check_fold_inputs(weight, row_scale, col_scale, out)
     status = _loaded_library(any_x86=True).hfquant_fold_chunk(
         weight.data_ptr(),
         int(weight.dtype == torch.bfloat16),
@@ -685,6 +680,27 @@ def fold_chunk(
     if status not in (0, 3):
         raise RuntimeError(f"hfquant native fold_chunk refused {tuple(weight.shape)}")
     return status == 0
+
+
+def _check_fold_inputs(
+    weight: torch.Tensor, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """`fold_chunk`'s ValueError unless its tensors are as it documents (`out`: float32 of the weight's shape, or the
+    weight itself for a caller without one)."""
+    rows, k = weight.shape
+    tensors = [t for t in (weight, row_scale, col_scale, out) if t is not None]
+    if (
+        weight.dtype not in (torch.bfloat16, torch.float32)
+        or (out is not weight and (out.dtype != torch.float32 or out.shape != weight.shape))
+        or (row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.shape != (rows,)))
+        or (col_scale is not None and (col_scale.dtype != torch.float32 or col_scale.shape != (k,)))
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    ):
+        raise ValueError(
+            f"fold_chunk needs contiguous CPU tensors: a bfloat16/float32 (rows, K) weight, float32 (rows,) / (K,) "
+            f"scales and a float32 out of the weight's shape; got {weight.dtype} {tuple(weight.shape)}, out "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
 
 
 def block_gemv_supported(ggml_type: int) -> bool:
@@ -1120,14 +1136,28 @@ def iq4_quantize(
     rows, k = x.shape
     period = _importance_period(w, k, fmt.block_size)
     out = _block_rows_out(out, (rows, fmt.row_bytes(k)))
-    targets = torch.tensor(search.targets, dtype=torch.float32)
-    factors = torch.tensor(search.super_factors, dtype=torch.float32)
     status = library.hfquant_iq4_quantize(
         x.data_ptr(),
         _as_float_pointer(w),
         period,
         rows * (k // fmt.block_size),
         _LEGACY_IQ4_TYPES[name],
+        *_iq4_search_arguments(search),
+        threads or 0,
+        int(portable),
+        out.data_ptr(),
+    )
+    if status == 2:
+        raise MemoryError("hfquant native IQ4 search could not allocate its work buffers")
+    if status:
+        raise ValueError(f"hfquant native IQ4 search refused {name} with {search}")
+    return out
+
+
+def _iq4_search_arguments(search: Iq4Search) -> tuple:
+    """The C searches' arguments from `targets` to `sweep_hi` (`csrc/iq4_search_cpu.c`)."""
+    targets, factors = _iq4_search_tensors(search)
+    return (
         targets.data_ptr(),
         targets.numel(),
         factors.data_ptr(),
@@ -1138,15 +1168,79 @@ def iq4_quantize(
         search.rounds,
         search.sweep[0] if search.sweep else 0.0,
         search.sweep[1] if search.sweep else 0.0,
+    )
+
+
+@functools.cache
+def _iq4_search_tensors(search: Iq4Search) -> tuple[torch.Tensor, torch.Tensor]:
+    """`search`'s targets and super factors as float32 tensors, made once per search (never written)."""
+    return torch.tensor(search.targets, dtype=torch.float32), torch.tensor(search.super_factors, dtype=torch.float32)
+
+
+def iq4_quantize_fold(
+    name: str,
+    weight: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+    importance: torch.Tensor | None,
+    search: Iq4Search,
+    out: torch.Tensor,
+    threads: int | None = None,
+) -> bool:
+    """`iq4_quantize(name, fold_chunk(weight, row_scale, col_scale), importance, search, out=out, finite=True)` in one
+    parallel C pass (`hfquant_iq4_quantize_fold`, csrc/iq4_search_cpu.c): each thread folds a group of 16 blocks
+    into a buffer of its own and searches it, so no float32 copy of the weight is made and no thread waits while
+    another converts (the load's IQ4 layers, `hfquant.nn.linear._quantize_blocks`). The same bytes.
+
+    Args:
+        name: "iq4_nl" or "iq4_xs".
+        weight: (rows, K) contiguous bfloat16 or float32 CPU tensor, K a multiple of the type's block size.
+        row_scale, col_scale: None or contiguous float32 (rows,) / (K,): rows multiplied, columns divided.
+        importance: None, or (K,) or (rows, K) float weights >= 0 of each element's squared error (of the folded
+            weight).
+        search: the candidates (`Iq4Search`).
+        out: contiguous (rows, K // block_size * type_size) uint8 CPU tensor (written).
+        threads: OpenMP threads (>= 1), None for OpenMP's default; the bytes do not depend on it.
+    Returns:
+        Whether every folded value was finite (False: NaN or Inf in the weight or from the scales; `out` then holds
+        unspecified bytes).
+    Raises:
+        ValueError: another type, badly shaped or typed tensors, an importance that is not finite and >= 0, or a
+            search the C code refuses.
+        MemoryError: the C search could not allocate its work buffers.
+        RuntimeError: the library is unavailable.
+    """
+    if name not in ("iq4_nl", "iq4_xs"):
+        raise ValueError(f"iq4_quantize_fold covers iq4_nl and iq4_xs; got {name!r}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"iq4_quantize_fold threads={threads}: give at least 1, or None for OpenMP's default")
+    fmt = blocks.layout(name)
+    rows, k = weight.shape
+    if not fmt.divides(k):
+        raise ValueError(f"{name} quantizes (rows, K) with K a multiple of {fmt.block_size}; got {(rows, k)}")
+    _check_fold_inputs(weight, row_scale, col_scale, weight)  # fold_chunk's checks (no out)
+    w = _checked_importance(importance, rows, k)
+    out = _block_rows_out(out, (rows, fmt.row_bytes(k)))
+    status = _loaded_library(any_x86=True).hfquant_iq4_quantize_fold(
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        rows,
+        k,
+        _as_float_pointer(row_scale),
+        _as_float_pointer(col_scale),
+        _as_float_pointer(w),
+        _importance_period(w, k, fmt.block_size),
+        _LEGACY_IQ4_TYPES[name],
+        *_iq4_search_arguments(search),
         threads or 0,
-        int(portable),
+        0,
         out.data_ptr(),
     )
     if status == 2:
         raise MemoryError("hfquant native IQ4 search could not allocate its work buffers")
-    if status:
+    if status not in (0, 3):
         raise ValueError(f"hfquant native IQ4 search refused {name} with {search}")
-    return out
+    return status == 0
 
 
 def _block_rows_out(out: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
@@ -1181,10 +1275,17 @@ def _block_search_inputs(
         importance = default_importance(name, x)  # the torch codec's default (None: all 1), for the same bytes
     if importance is None:
         return x, None
+    return x, _checked_importance(importance, rows, k)
+
+
+def _checked_importance(importance: torch.Tensor | None, rows: int, k: int) -> torch.Tensor | None:
+    """`importance` as contiguous float32 (K,) or (rows, K), or None; ValueError unless it is finite and >= 0."""
+    if importance is None:
+        return None
     w = importance.detach().to(torch.float32).contiguous()
     low, _, finite = rtn.value_range(w)
     if tuple(w.shape) not in ((k,), (rows, k)) or not finite or low < 0:
         raise ValueError(
             f"importance must be finite, >= 0 and of shape {(k,)} or {(rows, k)}; got shape {tuple(w.shape)}"
         )
-    return x, w
+    return w

@@ -118,6 +118,30 @@ def test_a_block_read_elsewhere_is_folded_in_the_callers_thread_under_float32(ch
     assert folded_on[3] == threading.current_thread().name and 1 not in folded_on
 
 
+def test_the_callers_thread_folds_at_one_torch_thread_and_restores_the_count(checkpoint, monkeypatch):
+    """Block 0 (folded in the pre-load hook) runs torch's operations at one intra-op thread, and the caller's count is
+    back after; the worker leaves torch's count alone (it is the process's)."""
+    model, plans, files = checkpoint
+    seen: dict[int, int] = {}
+    fold = folding._Planner.fold
+
+    def recording(self, block, *args):
+        seen[self.blocks.index(block)] = torch.get_num_threads()
+        return fold(self, block, *args)
+
+    monkeypatch.setattr(folding._Planner, "fold", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        stream = FoldStream(model, plans, files)
+        assert seen == {0: 1} and torch.get_num_threads() == 2
+        stream.get(find_blocks(model)[1].q)
+        stream.close()
+        assert seen[1] == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_spared_map_is_left_to_its_owner(monkeypatch):
     advised = []
     monkeypatch.setattr(

@@ -50,3 +50,21 @@ int hfquant_fold_chunk(const void *w, int64_t bf16, int64_t rows, int64_t k, con
                         row_scale != NULL ? row_scale[r] : 1.0f, col_scale, out + r * k);
     return bad ? 3 : 0;
 }
+
+/*
+ * Elements start .. start + count - 1 of the weight w (rows, k) in row-major order (a span that may cross rows)
+ * into out (count,) float32, as hfquant_fold_chunk computes them; returns whether one is NaN or infinite. The IQ4
+ * search folds its groups of blocks with it (iq4_search_cpu.c, `hfquant_iq4_quantize_fold`).
+ */
+int hfquant_fold_span(const void *w, int64_t bf16, int64_t k, int64_t start, int64_t count, const float *row_scale,
+                      const float *col_scale, float *out) {
+    int bad = 0;
+    const int64_t size = bf16 ? 2 : 4;
+    while (count > 0) {
+        const int64_t r = start / k, c = start % k, n = count < k - c ? count : k - c;
+        bad |= fold_row((const char *)w + start * size, (int)bf16, n, row_scale != NULL,
+                        row_scale != NULL ? row_scale[r] : 1.0f, col_scale != NULL ? col_scale + c : NULL, out);
+        start += n, count -= n, out += n;
+    }
+    return bad;
+}

@@ -70,6 +70,13 @@ int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
                          float sweep_hi, int64_t threads, int64_t portable, uint8_t *out);
+/* iq4_search_cpu.c: the same search of a bfloat16 / float32 weight (rows, k) folded as hfquant_fold_chunk folds it, by
+ * each thread as it searches; 3 when a folded value is not finite */
+int hfquant_iq4_quantize_fold(const void *wsrc, int64_t bf16, int64_t rows, int64_t k, const float *row_scale,
+                              const float *col_scale, const float *w, int64_t w_period, int type,
+                              const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
+                              int64_t refine, float refine_step, int64_t level_options, int64_t rounds,
+                              float sweep_lo, float sweep_hi, int64_t threads, int64_t portable, uint8_t *out);
 /* iq4_search_cpu.c: the body hfquant_iq4_quantize runs (hfquant_isa decides): 0 portable C, 1 AVX2, 2 AVX-512 */
 int hfquant_iq4_search_body(void);
 
@@ -92,6 +99,10 @@ int hfquant_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 /* fold_chunk_cpu.c: out = float32(w) * row_scale[:, None] / col_scale in one pass; 3 when a result is not finite */
 int hfquant_fold_chunk(const void *w, int64_t bf16, int64_t rows, int64_t k, const float *row_scale,
                        const float *col_scale, float *out);
+/* fold_chunk_cpu.c: elements start .. start + count - 1 (row-major, rows may be crossed) of the same; whether one is
+ * not finite */
+int hfquant_fold_span(const void *w, int64_t bf16, int64_t k, int64_t start, int64_t count, const float *row_scale,
+                      const float *col_scale, float *out);
 /* y = w @ x in float32 for bfloat16 w (N, K) and float32 x (K,), one thread (the fold pre-pass's BOS forward) */
 int hfquant_bf16_f32_gemv(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k);
 

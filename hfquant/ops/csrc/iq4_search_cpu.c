@@ -181,6 +181,96 @@ static const iq4_body_t *iq4_body(int64_t portable) {
 /* the body `hfquant_iq4_quantize` runs without `portable`: 0 portable C, 1 AVX2, 2 AVX-512 */
 int hfquant_iq4_search_body(void) { return (int)(iq4_body(0) - iq4_bodies); }
 
+/* where the search reads its weights: float32 rows `x`, or (x NULL) a bfloat16 / float32 weight (rows, k) `w` that
+ * each thread folds into float32 itself, a group at a time (`hfquant_fold_span`: rows times row_scale, columns
+ * divided by col_scale, NULL: none) */
+typedef struct {
+    const float *x;
+    const void *w;
+    int64_t bf16, k;
+    const float *row_scale, *col_scale;
+} iq4_source_t;
+
+/* lane l of group g's weights, transposed into xt; with a weight to fold, through the thread's buffer xs (16 of the
+ * type's blocks); returns whether a folded value is NaN or infinite */
+static int iq4_group_in(const iq4_source_t *src, const iq4_body_t *body, int64_t first, int count, int size,
+                        float *xs, float *xt) {
+    int bad = 0;
+    const float *from = src->x != NULL ? src->x + first * size : xs;
+    if (src->x == NULL)
+        bad = hfquant_fold_span(src->w, src->bf16, src->k, first * size, (int64_t)count * size, src->row_scale,
+                                src->col_scale, xs);
+    if (count < IS_LANES)
+        transpose_in(from, size, count, size, xt);
+    else
+        body->transpose_in(from, size, xt);
+    return bad;
+}
+
+/* lane l reads (super-)block first + l of the importance, or with a period that one modulo it: the same transposed
+ * rows again whenever first % w_period repeats (every group for a 2048-wide weight's period of 8), so they are
+ * gathered again only when it changes (*wt_phase: the phase of the rows in wt, -1: none or not a full group's) */
+static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, int count, int size, float *wt,
+                              int64_t *wt_phase) {
+    const int64_t phase = w_period > 0 ? first % w_period : -1;
+    if (phase >= 0 && phase == *wt_phase && count == IS_LANES) return;
+    for (int l = 0; l < IS_LANES; l++) {
+        const int64_t b = first + (l < count ? l : 0);
+        const float *src = w + (w_period > 0 ? b % w_period : b) * size;
+        for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
+    }
+    *wt_phase = count < IS_LANES ? -1 : phase;
+}
+
+/* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
+ * weight is not finite) */
+static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, int64_t nblocks, int type,
+                   const iq4_search_t *s, int64_t threads, const iq4_body_t *body, uint8_t *out) {
+    const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
+    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
+    int failed = 0, bad = 0;
+#pragma omp parallel num_threads(threads > 0 ? (int)threads : omp_get_max_threads()) reduction(| : bad)
+    {
+        /* xt, wt: a group transposed, its importance; xs: its folded weights (a source to fold) */
+        float *xt = aligned_alloc(64, 3 * 256 * IS_LANES * sizeof(float));
+        float *wt = xt ? xt + 256 * IS_LANES : NULL, *xs = xt ? xt + 2 * 256 * IS_LANES : NULL;
+        if (!xt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t wt_phase = -1;
+        uint8_t codes[256 * IS_LANES];
+        float d[IS_LANES], levels[8 * IS_LANES];
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!xt) continue; /* out of memory: reported below */
+            const int64_t first = g * IS_LANES;
+            const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
+            bad |= iq4_group_in(src, body, first, count, size, xs, xt);
+            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, wt, &wt_phase);
+            const float *wg = w != NULL ? wt : NULL;
+            if (type == 23) {
+                body->xs_group(xt, wg, s, d, levels, codes);
+                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + (first + l) * type_size);
+                body->xs_put_codes(codes, count, out + first * type_size);
+            } else {
+                body->nl_group(xt, wg, s, d, codes);
+                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + (first + l) * type_size);
+            }
+        }
+        free(xt);
+    }
+    return failed ? 2 : (bad ? 3 : 0);
+}
+
+/* the search's constants checked (0) or 1 */
+static int iq4_bad_search(int type, int64_t ntargets, int64_t refine, int64_t nsuper, int64_t rounds,
+                          int64_t level_options, float sweep_lo, float sweep_hi) {
+    return (type != 20 && type != 23) || ntargets < 1 || refine < 0 || (type == 23 && nsuper < 1) || rounds < 0 ||
+           (level_options != 1 && level_options != 3) ||
+           (sweep_hi > 0.0f && !(sweep_lo > 0.0f && sweep_hi <= 1.55f * sweep_lo));
+}
+
 /*
  * Quantize `nblocks` blocks (type 20, IQ4_NL: 32 weights) or super-blocks (type 23, IQ4_XS: 256) of float32 weights
  * `x` into `out` (18 or 136 bytes each) by the fast search. `w`: each element's weight in the squared error, NULL
@@ -190,69 +280,41 @@ int hfquant_iq4_search_body(void) { return (int)(iq4_body(0) - iq4_bodies); }
  * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
  * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 OpenMP threads (else
  * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's
- * 32 KiB work buffer could not be allocated.
+ * 48 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
                          int64_t refine, float refine_step, int64_t level_options, int64_t rounds, float sweep_lo,
                          float sweep_hi, int64_t threads, int64_t portable, uint8_t *out) {
-    if ((type != 20 && type != 23) || ntargets < 1 || refine < 0 || (type == 23 && nsuper < 1) || rounds < 0 ||
-        (level_options != 1 && level_options != 3) ||
-        (sweep_hi > 0.0f && !(sweep_lo > 0.0f && sweep_hi <= 1.55f * sweep_lo)))
+    if (iq4_bad_search(type, ntargets, refine, nsuper, rounds, level_options, sweep_lo, sweep_hi)) return 1;
+    iq4_tables();
+    const iq4_search_t s = {targets,        (int)ntargets,      (int)refine, refine_step, super_factors,
+                            (int)nsuper,    (int)level_options, (int)rounds, sweep_lo,    sweep_hi};
+    const iq4_source_t src = {x, NULL, 0, 0, NULL, NULL};
+    return iq4_run(&src, w, w_period, nblocks, type, &s, threads, iq4_body(portable), out);
+}
+
+/*
+ * hfquant_iq4_quantize of the float32 weights that `hfquant_fold_chunk` would make of `wsrc` (rows, k), bfloat16 when
+ * `bf16` else float32: rows times `row_scale` (rows,), columns divided by `col_scale` (k,) (NULL: none), folded by
+ * each thread a group of 16 (super-)blocks at a time into a buffer of its own, so that the copy, the scales and the
+ * search of a whole weight are one parallel pass (on load: no float32 copy of the weight, no thread idle while
+ * another converts a chunk; docs/performance.md, issue #32, thirteenth session). The same bytes as
+ * hfquant_fold_chunk then hfquant_iq4_quantize. Returns those codes, and 3 when a folded value is NaN or infinite
+ * (the bytes are then unspecified).
+ */
+int hfquant_iq4_quantize_fold(const void *wsrc, int64_t bf16, int64_t rows, int64_t k, const float *row_scale,
+                              const float *col_scale, const float *w, int64_t w_period, int type,
+                              const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
+                              int64_t refine, float refine_step, int64_t level_options, int64_t rounds,
+                              float sweep_lo, float sweep_hi, int64_t threads, int64_t portable, uint8_t *out) {
+    const int size = type == 23 ? 256 : 32;
+    if (iq4_bad_search(type, ntargets, refine, nsuper, rounds, level_options, sweep_lo, sweep_hi) || rows < 0 ||
+        k <= 0 || k % size)
         return 1;
     iq4_tables();
     const iq4_search_t s = {targets,        (int)ntargets,      (int)refine, refine_step, super_factors,
                             (int)nsuper,    (int)level_options, (int)rounds, sweep_lo,    sweep_hi};
-    const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
-    const iq4_body_t *body = iq4_body(portable);
-    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
-    int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? (int)threads : omp_get_max_threads())
-    {
-        float *xt = aligned_alloc(64, 2 * 256 * IS_LANES * sizeof(float));
-        float *wt = xt ? xt + 256 * IS_LANES : NULL;
-        if (!xt) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        int64_t wt_phase = -1; /* first % w_period of the rows in wt, -1: none (or not a full group's) */
-        uint8_t codes[256 * IS_LANES];
-        float d[IS_LANES], levels[8 * IS_LANES];
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t g = 0; g < groups; g++) {
-            if (!xt) continue; /* out of memory: reported below */
-            const int64_t first = g * IS_LANES;
-            const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
-            if (count < IS_LANES)
-                transpose_in(x + first * size, size, count, size, xt);
-            else
-                body->transpose_in(x + first * size, size, xt);
-            const float *wg = NULL;
-            if (w != NULL) {
-                /* lane l reads (super-)block first + l of the importance, or with a period that one modulo it: the
-                 * same transposed rows again whenever first % w_period repeats (every group for a 2048-wide
-                 * weight's period of 8), so they are gathered again only when it changes */
-                const int64_t phase = w_period > 0 ? first % w_period : -1;
-                if (phase < 0 || phase != wt_phase || count < IS_LANES) {
-                    for (int l = 0; l < IS_LANES; l++) {
-                        const int64_t b = first + (l < count ? l : 0);
-                        const float *src = w + (w_period > 0 ? b % w_period : b) * size;
-                        for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
-                    }
-                    wt_phase = count < IS_LANES ? -1 : phase;
-                }
-                wg = wt;
-            }
-            if (type == 23) {
-                body->xs_group(xt, wg, &s, d, levels, codes);
-                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + (first + l) * type_size);
-                body->xs_put_codes(codes, count, out + first * type_size);
-            } else {
-                body->nl_group(xt, wg, &s, d, codes);
-                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + (first + l) * type_size);
-            }
-        }
-        free(xt);
-    }
-    return failed ? 2 : 0;
+    const iq4_source_t src = {NULL, wsrc, bf16 != 0, k, row_scale, col_scale};
+    return iq4_run(&src, w, w_period, rows * (k / size), type, &s, threads, iq4_body(portable), out);
 }
