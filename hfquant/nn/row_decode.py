@@ -224,9 +224,11 @@ class RowDecodeLayer:
 
 def _hooked(module: nn.Module) -> bool:
     """Whether calling `module` does more than its `forward`: hooks of its own or global ones (nn.Module's
-    `_call_impl` runs them), or a forward replaced on the instance is called either way."""
+    `_call_impl` runs them) or a compiled call (`module.compile()`); a forward replaced on the instance (offloading
+    hooks) is called either way."""
     return bool(
-        module._forward_hooks
+        module._compiled_call_impl is not None
+        or module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
