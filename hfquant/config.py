@@ -868,7 +868,11 @@ class HfQuantConfig(QuantizationConfigMixin):
     in one C call (`hfquant.nn.row_attention`: faster eager decode; an output may differ from PyTorch's SDPA by one
     bfloat16 step, so greedy tokens may differ at near-ties as between "eager" and "sdpa"; prefill unchanged).
     `attn_implementation="sdpa"` at load, `restore_row_attention(model)` or `model.dequantize()` turn it off;
-    `use_row_attention(model)` turns it on; config.json is saved as without it.
+    `use_row_attention(model)` turns it on; config.json is saved as without it. While that attention is on, the
+    attention, MLP and decoder layers of Llama, Mistral and Qwen2 run a one-token decode step's rotary embedding,
+    SwiGLU product and residual add + norm in one C call each (`hfquant.nn.row_decode`: the SwiGLU may differ from
+    torch's by one bfloat16 step in about one output in 10^4); `restore_row_decode(model)` or `model.dequantize()`
+    turn it off.
 
     Raises:
         ValueError / TypeError: through `validate_fields`, naming the bad value and what is allowed; ValueError for

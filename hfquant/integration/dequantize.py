@@ -16,6 +16,7 @@ from hfquant.nn.experts import QuantExperts
 from hfquant.nn.float_linear import restore_nn_linear
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.row_attention import restore_row_attention
+from hfquant.nn.row_decode import restore_row_decode
 from hfquant.nn.row_norm import restore_rms_norms
 
 __all__ = ["float_module", "dequantize_model"]
@@ -37,11 +38,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | str | None, ties: li
     """Replace every quantized module of `model` by its float module in `dtype` (a dtype name, as transformers passes
     `model.config.dtype` after `save_pretrained`; an unknown name counts as None), the `FloatLinear`s by
     `nn.Linear`s, the one-row RMSNorms by their own classes (`restore_rms_norms`), the one-row attention by "sdpa"
-    (`restore_row_attention`), and make each tied pair of `ties` (module reading, module holding) one float tensor
+    (`restore_row_attention`), the one-token decode forwards by their own classes (`restore_row_decode`), and make each tied pair of `ties` (module reading, module holding) one float tensor
     again. Returns `model`."""
     restore_nn_linear(model)
     restore_rms_norms(model)
     restore_row_attention(model)
+    restore_row_decode(model)
     if isinstance(dtype, str):
         try:
             dtype = torch_dtype(dtype)

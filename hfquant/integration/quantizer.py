@@ -74,6 +74,7 @@ from hfquant.nn.float_linear import use_float_linear
 from hfquant.nn.linear import QuantLinear
 from hfquant.nn.replace import LayerPlan, plan_layers, restore_kernel_buffers
 from hfquant.nn.row_attention import use_row_attention
+from hfquant.nn.row_decode import use_row_decode
 from hfquant.nn.row_norm import use_row_rms_norms
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "register"]
@@ -312,6 +313,9 @@ class HfQuantQuantizer(HfQuantizer):
         # one-query-row attention in one C call (eager decode) where "sdpa" was not asked for by name; undone by
         # dequantize and restore_row_attention, never saved (transformers does not write the field)
         counts["attention_row"] = not self.attention_requested and use_row_attention(model)
+        # one-token decode forwards of Llama-family attention / MLP / decoder layers (rotary, SwiGLU, add + norm in one
+        # C call each); they act only while the row attention above is the model's; undone by dequantize
+        counts["decode_rows"] = use_row_decode(model)
         if not self.pre_quantized:
             config = self.quantization_config
             requantize_disk_offloaded(

@@ -245,6 +245,20 @@ class DecodeGroup:
         self._cache = (x, version, outputs, [len(self.members) - 1])
         return outputs[index]
 
+    def products(self, x: torch.Tensor) -> tuple | None:
+        """Every member's output at once for one contiguous bfloat16 decode row `x` (1, 1, K): views (1, 1, N_i) of
+        the group's GEMV of `x`, the same bytes as `product` gives each member; None when the group is not built or
+        a member's weight was swapped or re-planned (the group dissolves, as in `product`). For callers that would
+        call every member with `x` in turn and know that the members' calls are their forward alone (no hooks, no
+        bias: `row_decode`); keeps nothing."""
+        if not self._views:
+            return None
+        for layer, view in zip(self.members, self._views, strict=True):
+            if layer._buffers["weight"] is not view:
+                self.dissolve()
+                return None
+        return self._row(x, self.weight, self.scale_zero).view(1, 1, -1).split_with_sizes(self.sizes, -1)
+
     def graph_product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """`product` while torch.compile traces a graph (`in_graphs`: a group whose layers call a dispatcher operator
         in graphs): the member called first (index 0) puts one call in the graph for all members (a block group's

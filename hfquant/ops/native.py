@@ -122,6 +122,9 @@ _SIGNATURES = {
     "hfquant_attention_row": [_POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _POINTER]
     + [_INT64] * 4
     + [ctypes.c_float],  # called as torch.ops.hfquant_cpu.attention_row
+    "hfquant_rotary_row": [_POINTER] * 6 + [_INT64] * 3,  # called as torch.ops.hfquant_cpu.rotary_row
+    "hfquant_silu_mul_row": [_POINTER] * 3 + [_INT64],  # called as torch.ops.hfquant_cpu.silu_mul_row
+    "hfquant_add_rms_norm_row": [_POINTER] * 5 + [_INT64, ctypes.c_float],  # torch.ops.hfquant_cpu.add_rms_norm_row
 }
 """Argument types of the exported functions (`csrc/hfquant_kernels.h`, pointers as void *); each returns int."""
 

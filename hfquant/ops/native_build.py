@@ -70,6 +70,7 @@ SOURCES = tuple(
         "isa_cpu.c",
         "norm_cpu.c",
         "attention_cpu.c",
+        "decode_rows_cpu.c",
     )
 )
 """The C sources, compiled into one library (`int4_cpu.so`, and with `CPP_SOURCE` into `torch_ops.so`)."""
@@ -79,6 +80,7 @@ HEADERS = (
     _CSRC / "blocks_body.h",
     _CSRC / "hq3r_body.h",
     _CSRC / "iq4_search_body.h",
+    _CSRC / "swiglu_body.h",
 )
 """Headers the C and C++ sources include: part of what a built library is cached under."""
 CPP_SOURCE = _CSRC / "torch_ops.cpp"

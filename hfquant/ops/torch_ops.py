@@ -157,6 +157,21 @@ def _register_fakes() -> None:
     def _(query, key, value, scale, mask):
         return query.new_empty((1, 1, query.shape[1], query.shape[3]))
 
+    @torch.library.register_fake("hfquant_cpu::rotary_row")
+    def _(query, key, cos, sin, head_dim):
+        return (
+            query.new_empty((1, query.numel() // head_dim, 1, head_dim)),
+            key.new_empty((1, key.numel() // head_dim, 1, head_dim)),
+        )
+
+    @torch.library.register_fake("hfquant_cpu::silu_mul_row")
+    def _(gate, up):
+        return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("hfquant_cpu::add_rms_norm_row")
+    def _(residual, hidden, weight, eps):
+        return torch.empty_like(residual), torch.empty_like(residual)
+
     @torch.library.register_fake("hfquant_cpu::int8_gemv")
     def _(x, weight, scale):
         return x.new_empty((1, weight.shape[0]))

@@ -13,6 +13,8 @@ and its outputs are compared with this process's (every instruction set):
   source states (int16 rounding of each activation, then two bfloat16 roundings);
 - the one-query-row attention (attention_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
   portable body (`HFQUANT_ISA=generic`), bit for bit (the same float32 operations in the same order).
+- the SwiGLU product (decode_rows_cpu.c): its AVX-512 body (16 lanes) against its AVX2 and portable bodies (8 lanes),
+  bit for bit (the same float32 operations lane by lane);
 - the IQ4_NL / IQ4_XS search (iq4_search_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
   portable body (`HFQUANT_ISA=generic`), the same bytes (test_iq4_search.py compares them on many more rows).
 The children also show that the settings hold: with avx2 the AVX-512 kernels refuse, with generic every kernel refuses,
@@ -78,6 +80,12 @@ def _inputs() -> dict:
             ]
             for name, (heads, kv_heads, dim, tokens) in ATTENTION.items()
         },
+        "swiglu": [  # 1000 values: every body's loop and its tail; gates over [-120, 120]
+            (torch.randn(1000, generator=generator) * 10.0 ** torch.randint(-2, 3, (1000,), generator=generator))
+            .clamp(-120, 120)
+            .to(torch.bfloat16)
+            for _ in range(2)
+        ],
     }
 
 
@@ -114,6 +122,7 @@ def _outputs(data: dict) -> dict:
     if torch_ops.loaded():
         for name, (q, k, v) in data["attention"].items():
             out[f"attention{name}"] = torch.ops.hfquant_cpu.attention_row(q, k, v, q.shape[-1] ** -0.5)
+        out["swiglu"] = torch.ops.hfquant_cpu.silu_mul_row(*data["swiglu"])
     return out
 
 
@@ -201,6 +210,13 @@ def test_the_attention_gives_the_same_bits_in_its_avx2_and_portable_bodies(compa
     for setting in ("avx2", "avx512", "generic"):  # avx512 runs the AVX-512 body too
         got = children[setting]["outputs"][f"attention{name}"]
         assert torch.equal(got, here[f"attention{name}"]), f"{name} {setting}"
+
+
+@pytest.mark.skipif(not torch_ops.loaded(), reason="hfquant's operators unavailable (no C/C++ compiler)")
+def test_the_swiglu_product_gives_the_same_bits_in_its_avx2_and_portable_bodies(compared):
+    _, here, children = compared
+    for setting in ("avx2", "avx512", "generic"):
+        assert torch.equal(children[setting]["outputs"]["swiglu"], here["swiglu"]), setting
 
 
 def _within(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor) -> None:

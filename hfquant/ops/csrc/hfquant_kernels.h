@@ -114,6 +114,14 @@ int hfquant_attention_row(const uint16_t *q, int64_t q_head_stride, const uint16
                           int64_t kv_head_stride, int64_t kv_token_stride, uint16_t *out, int64_t heads,
                           int64_t kv_heads, int64_t tokens, int64_t dim, float scale);
 
+/* decode_rows_cpu.c: a decode step's elementwise work, one call each (rotary embedding of q and k, SwiGLU product,
+ * residual add then RMSNorm), in transformers' bfloat16 arithmetic */
+int hfquant_rotary_row(const uint16_t *q, const uint16_t *k, const uint16_t *cos, const uint16_t *sin,
+                       uint16_t *q_out, uint16_t *k_out, int64_t heads, int64_t kv_heads, int64_t dim);
+int hfquant_silu_mul_row(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n);
+int hfquant_add_rms_norm_row(const uint16_t *residual, const uint16_t *h, const uint16_t *w, uint16_t *sum,
+                             uint16_t *y, int64_t n, float eps);
+
 /* rtn_cpu.c: round-to-nearest quantization in one pass */
 int hfquant_rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
                          uint8_t *codes, uint16_t *scale, uint8_t *zero_point, int64_t threads);

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "hfquant_kernels.h"
 
@@ -217,6 +218,72 @@ at::Tensor attention_row_masked(const at::Tensor &query, const at::Tensor &key, 
   return out.transpose(1, 2).contiguous();
 }
 
+void check_bf16_row(const at::Tensor &t, const char *what, const char *name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), "hfquant ", what, ": ",
+              name, " must be a contiguous bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+// rotary embedding of one token's query and key rows (csrc/decode_rows_cpu.c): query (..., heads * head_dim) and
+// key (..., kv_heads * head_dim) holding one row each, cos and sin holding head_dim values, all contiguous bfloat16;
+// outputs (1, heads, 1, head_dim) and (1, kv_heads, 1, head_dim), transformers' apply_rotary_pos_emb bit for bit
+std::tuple<at::Tensor, at::Tensor> rotary_row(const at::Tensor &query, const at::Tensor &key, const at::Tensor &cos,
+                                              const at::Tensor &sin, int64_t head_dim) {
+  for (const at::Tensor *t : {&query, &key, &cos, &sin}) check_bf16_row(*t, "rotary", "query, key, cos and sin");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && query.numel() % head_dim == 0 && key.numel() % head_dim == 0 &&
+                  query.numel() > 0 && key.numel() > 0 && cos.numel() == head_dim && sin.numel() == head_dim,
+              "hfquant rotary: needs rows of whole heads of an even head_dim=", head_dim, " and cos, sin of head_dim ",
+              "values, got query ", query.sizes(), ", key ", key.sizes(), ", cos ", cos.sizes(), ", sin ",
+              sin.sizes());
+  const int64_t heads = query.numel() / head_dim, kv_heads = key.numel() / head_dim;
+  at::Tensor q_out = at::empty({1, heads, 1, head_dim}, query.options());
+  at::Tensor k_out = at::empty({1, kv_heads, 1, head_dim}, key.options());
+  int status = hfquant_rotary_row(
+      static_cast<const uint16_t *>(query.const_data_ptr()), static_cast<const uint16_t *>(key.const_data_ptr()),
+      static_cast<const uint16_t *>(cos.const_data_ptr()), static_cast<const uint16_t *>(sin.const_data_ptr()),
+      static_cast<uint16_t *>(q_out.mutable_data_ptr()), static_cast<uint16_t *>(k_out.mutable_data_ptr()), heads,
+      kv_heads, head_dim);
+  TORCH_CHECK(status == 0, "hfquant rotary refused heads=", heads, ", kv_heads=", kv_heads, ", dim=", head_dim);
+  return {q_out, k_out};
+}
+
+// SwiGLU product of one row (csrc/decode_rows_cpu.c): bf16(silu(gate)) * up for gate and up of one shape, each with
+// a contiguous last dimension holding all its values (a fused gate/up GEMV's split views); output gate's shape,
+// contiguous bfloat16
+at::Tensor silu_mul_row(const at::Tensor &gate, const at::Tensor &up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.dim() >= 1 && gate.numel() == gate.size(-1),
+              "hfquant SwiGLU: needs gate and up of one shape holding one row, got ", gate.sizes(), ", ", up.sizes());
+  for (const at::Tensor *t : {&gate, &up})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1,
+                "hfquant SwiGLU: gate and up must be bfloat16 CPU rows with a contiguous last dimension");
+  at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  int status = hfquant_silu_mul_row(static_cast<const uint16_t *>(gate.const_data_ptr()),
+                                    static_cast<const uint16_t *>(up.const_data_ptr()),
+                                    static_cast<uint16_t *>(out.mutable_data_ptr()), gate.numel());
+  TORCH_CHECK(status == 0, "hfquant SwiGLU refused n=", gate.numel());
+  return out;
+}
+
+// residual + hidden, then the RMSNorm of the sum (csrc/decode_rows_cpu.c): residual and hidden of one shape holding
+// one row of n values, weight (n,), all contiguous bfloat16; outputs (the sum, its norm), residual's shape, equal to
+// transformers' `residual + hidden` and LlamaRMSNorm of it bit for bit
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_row(const at::Tensor &residual, const at::Tensor &hidden,
+                                                    const at::Tensor &weight, double eps) {
+  for (const at::Tensor *t : {&residual, &hidden, &weight})
+    check_bf16_row(*t, "add + RMSNorm", "residual, hidden and weight");
+  TORCH_CHECK(weight.dim() == 1 && residual.sizes() == hidden.sizes() && residual.dim() >= 1 &&
+                  residual.size(-1) == weight.size(0) && residual.numel() == weight.size(0),
+              "hfquant add + RMSNorm: needs residual and hidden holding one row of weight's ", weight.size(0),
+              " values, got ", residual.sizes(), ", ", hidden.sizes());
+  at::Tensor sum = at::empty(residual.sizes(), residual.options());
+  at::Tensor y = at::empty(residual.sizes(), residual.options());
+  int status = hfquant_add_rms_norm_row(
+      static_cast<const uint16_t *>(residual.const_data_ptr()), static_cast<const uint16_t *>(hidden.const_data_ptr()),
+      static_cast<const uint16_t *>(weight.const_data_ptr()), static_cast<uint16_t *>(sum.mutable_data_ptr()),
+      static_cast<uint16_t *>(y.mutable_data_ptr()), weight.size(0), static_cast<float>(eps));
+  TORCH_CHECK(status == 0, "hfquant add + RMSNorm refused n=", weight.size(0));
+  return {sum, y};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -229,6 +296,9 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("rms_norm_row(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention_row(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
   m.def("attention_row_masked(Tensor query, Tensor key, Tensor value, float scale, Tensor mask) -> Tensor");
+  m.def("rotary_row(Tensor query, Tensor key, Tensor cos, Tensor sin, int head_dim) -> (Tensor, Tensor)");
+  m.def("silu_mul_row(Tensor gate, Tensor up) -> Tensor");
+  m.def("add_rms_norm_row(Tensor residual, Tensor hidden, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -241,4 +311,7 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("rms_norm_row", &rms_norm_row);
   m.impl("attention_row", &attention_row);
   m.impl("attention_row_masked", &attention_row_masked);
+  m.impl("rotary_row", &rotary_row);
+  m.impl("silu_mul_row", &silu_mul_row);
+  m.impl("add_rms_norm_row", &add_rms_norm_row);
 }
