@@ -383,6 +383,47 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(acc);
 }
 
+#if BK_MASKED
+/* gf2p8affineqb's 8 x 8 bit matrix (one per 64-bit lane) taking input bit `from` to output bit `to` (and the next
+ * `count` - 1 bits along), every other output bit 0: output bit i is row byte 7 - i's parity with the input */
+static inline long long BK_NAME(k3_pick_)(int from, int to, int count) {
+    unsigned long long m = 0;
+    for (int i = 0; i < count; i++) m |= (1ULL << (from + i)) << 8 * (7 - (to + i));
+    return (long long)m;
+}
+
+/* row_q3_k_ where the CPU has GFNI (Q3_K_GFNI): the same groups, sums and bytes; each group's codes by two bit-matrix
+ * products, qs's bits 2j, 2j + 1 to bits 0-1 and hmask's bit 4h + j to bit 2 (other bits 0), and one or */
+BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    __m512i low[2], high[4]; /* per 256-bit half (codes j = 2 odd, 2 odd + 1): the matrices of each group */
+    for (int odd = 0; odd < 2; odd++)
+        low[odd] = _mm512_inserti64x4(_mm512_set1_epi64(BK_NAME(k3_pick_)(4 * odd, 0, 2)),
+                                      _mm256_set1_epi64x(BK_NAME(k3_pick_)(4 * odd + 2, 0, 2)), 1);
+    for (int g = 0; g < 4; g++)
+        high[g] = _mm512_inserti64x4(_mm512_set1_epi64(BK_NAME(k3_pick_)(2 * g, 2, 1)),
+                                     _mm256_set1_epi64x(BK_NAME(k3_pick_)(2 * g + 1, 2, 1)), 1);
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        const int8_t *xq = a->q + b * 256;
+        const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+            for (int odd = 0; odd < 2; odd++) {
+                const int g = 2 * h + odd;
+                const __m512i u = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(q, low[odd], 0),
+                                                  _mm512_gf2p8affine_epi64_epi8(hm, high[g], 0));
+                sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
+            }
+        }
+        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
+                                   BK_NAME(half_)(w + 108) * a->d[b]);
+    }
+    return BK_NAME(hsum_)(acc);
+}
+#endif
+
 BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m128i nibble = _mm_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
@@ -976,7 +1017,12 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
         case GGML_Q5_1: return BK_NAME(row_q5_1_)(w, a, nb);
         case GGML_Q8_0: return BK_NAME(row_q8_0_)(w, a, nb);
         case GGML_Q2_K: return BK_NAME(row_q2_k_)(w, a, nb);
+#if BK_MASKED
         case GGML_Q3_K: return BK_NAME(row_q3_k_)(w, a, nb);
+        case Q3_K_GFNI: return BK_NAME(row_q3_k_gfni)(w, a, nb);
+#else
+        case GGML_Q3_K: case Q3_K_GFNI: return BK_NAME(row_q3_k_)(w, a, nb);
+#endif
         case GGML_Q4_K: return BK_NAME(row_q4_k_)(w, a, nb);
         case GGML_Q5_K: return BK_NAME(row_q5_k_)(w, a, nb);
         case GGML_Q6_K: return BK_NAME(row_q6_k_)(w, a, nb);
