@@ -345,7 +345,7 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
     for (int g = 0; g < 4; g++)
         bit[g] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * g)), _mm256_set1_epi8((char)(2 << 2 * g)), 1);
 #else
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
 #endif
     for (int64_t b = 0; b < nb; b++, w += 110) {
         const int8_t *xq = a->q + b * 256;
@@ -365,14 +365,14 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
 #else
         const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
                                    _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
-        __m256i hbits = _mm256_loadu_si256((const __m256i *)w);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         for (int h = 0; h < 2; h++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u =
-                    _mm256_or_si256(_mm256_and_si256(q, three), _mm256_slli_epi16(_mm256_and_si256(hbits, one), 2));
+                const int bit = 4 * h + j; /* hmask's bit of these codes, moved to bit 2 (one shift, one and) */
+                const __m256i high = bit < 2 ? _mm256_slli_epi16(hm, 2 - bit) : _mm256_srli_epi16(hm, bit - 2);
+                const __m256i u = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
                 q = _mm256_srli_epi16(q, 2);
-                hbits = _mm256_srli_epi16(hbits, 1);
                 sum = BK_NAME(k16_pair_)(sum, u, xq + 128 * h + 32 * j, halves, 4 * h + j);
             }
         }
