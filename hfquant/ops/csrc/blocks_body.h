@@ -319,54 +319,65 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(acc);
 }
 
-/* Q3_K's sixteen 6-bit scales minus 32 (k3_scales' values): 4-bit lows and 2-bit highs by 32-bit masks */
+/* Q3_K's sixteen 6-bit scales minus 32 (llama.cpp's block_q3_K scales[12]: 4-bit lows in bytes 0-7, low nibbles
+ * scales 0-7, high nibbles 8-15; 2-bit highs in bytes 8-11, bits 2i..2i + 1 of byte j scale 4i + j) as 16 int8. In
+ * 64-bit general registers (the vector ports are the GEMV's bottleneck): each byte s <= 63, so s - 32 (mod 256) is
+ * (s + 0x60) ^ 0x80 with no carry between bytes */
 BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
-    const uint32_t four = 0x0f0f0f0fu, two = 0x03030303u;
-    uint32_t v[3];
-    memcpy(v, s, 12);
-    return _mm_sub_epi8(_mm_setr_epi32((int)((v[0] & four) | ((v[2] & two) << 4)),
-                                       (int)((v[1] & four) | (((v[2] >> 2) & two) << 4)),
-                                       (int)(((v[0] >> 4) & four) | (((v[2] >> 4) & two) << 4)),
-                                       (int)(((v[1] >> 4) & four) | (((v[2] >> 6) & two) << 4))),
-                        _mm_set1_epi8(32));
+    const uint64_t four = 0x0f0f0f0f0f0f0f0fULL, two = 0x0303030303030303ULL;
+    const uint64_t add = 0x6060606060606060ULL, flip = 0x8080808080808080ULL;
+    uint64_t lo;
+    uint32_t hi;
+    memcpy(&lo, s, 8);
+    memcpy(&hi, s + 8, 4);
+    const uint64_t high01 = ((uint64_t)hi | (uint64_t)hi << 30) & two;        /* scales 0-3, 4-7: bits 0-1, 2-3 */
+    const uint64_t high23 = ((uint64_t)hi >> 4 | (uint64_t)hi << 26) & two;   /* scales 8-11, 12-15: bits 4-5, 6-7 */
+    const uint64_t first = ((lo & four) | high01 << 4) + add, second = (((lo >> 4) & four) | high23 << 4) + add;
+    return _mm_set_epi64x((long long)(second ^ flip), (long long)(first ^ flip));
 }
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
+#if BK_MASKED
+    /* group g = 2h + odd (64 codes, sub-blocks 4g..4g + 3, one per 128-bit lane): codes 128h + 32j + l with j = 2 odd
+     * (bytes l) and 2 odd + 1 (bytes 32 + l); bits 0-1 are bits 2j, 2j + 1 of qs[32h + l] (qs's 32 bytes in both
+     * halves, one word shift by 4 odd / 4 odd + 2), bit 2 is bit 4h + j of hmask[l] (hmask in both halves, one byte
+     * test into a mask register, then a masked add of 4) */
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    const __m512i shift[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
+                              _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
+    __m512i bit[4];
+    for (int g = 0; g < 4; g++)
+        bit[g] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * g)), _mm256_set1_epi8((char)(2 << 2 * g)), 1);
+#else
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+#endif
     for (int64_t b = 0; b < nb; b++, w += 110) {
         const int8_t *xq = a->q + b * 256;
         const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
-        const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         BK_K16 sum = BK_K16_ZERO;
 #if BK_MASKED
-        /* codes 128h + 32j + l: bits 0-1 are bits 2j, 2j + 1 of qs[32h + l], bit 2 is bit 4h + j of hmask[l]. Group
-         * g = 2h + (j >> 1) takes j = 2(g & 1) and j + 1 as its two 256-bit halves */
-        const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-        const __m512i hm2 = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi16(hm, 1), 1);
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
         for (int h = 0; h < 2; h++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
-            const __m512i q2 = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 2), 1);
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
             for (int odd = 0; odd < 2; odd++) {
-                const int g = 2 * h + odd, bit = 2 * g; /* hm2's bit of the group's codes, moved to bit 2 */
-                const __m512i high = bit >= 2 ? _mm512_srli_epi16(hm2, bit - 2) : _mm512_slli_epi16(hm2, 2 - bit);
-                const __m512i codes = odd ? _mm512_srli_epi16(q2, 4) : q2;
-                /* 0xF8: (codes & three) | (high & four), as A | (B & C) after the and */
-                const __m512i u = _mm512_ternarylogic_epi32(_mm512_and_si512(codes, three), high, four, 0xF8);
+                const int g = 2 * h + odd;
+                const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[odd]), three);
+                const __m512i u = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[g]), low, four);
                 sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
             }
         }
 #else
-        const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
         const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
                                    _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
-        __m256i hbits = hm;
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         for (int h = 0; h < 2; h++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u =
-                    _mm256_or_si256(_mm256_and_si256(q, three), _mm256_slli_epi16(_mm256_and_si256(hbits, one), 2));
+                const int bit = 4 * h + j; /* hmask's bit of these codes, moved to bit 2 (one shift, one and) */
+                const __m256i high = bit < 2 ? _mm256_slli_epi16(hm, 2 - bit) : _mm256_srli_epi16(hm, bit - 2);
+                const __m256i u = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
                 q = _mm256_srli_epi16(q, 2);
-                hbits = _mm256_srli_epi16(hbits, 1);
                 sum = BK_NAME(k16_pair_)(sum, u, xq + 128 * h + 32 * j, halves, 4 * h + j);
             }
         }
@@ -376,6 +387,47 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
     }
     return BK_NAME(hsum_)(acc);
 }
+
+#if BK_MASKED
+/* gf2p8affineqb's 8 x 8 bit matrix (one per 64-bit lane) taking input bit `from` to output bit `to` (and the next
+ * `count` - 1 bits along), every other output bit 0: output bit i is row byte 7 - i's parity with the input */
+static inline long long BK_NAME(k3_pick_)(int from, int to, int count) {
+    unsigned long long m = 0;
+    for (int i = 0; i < count; i++) m |= (1ULL << (from + i)) << 8 * (7 - (to + i));
+    return (long long)m;
+}
+
+/* row_q3_k_ where the CPU has GFNI (Q3_K_GFNI): the same groups, sums and bytes; each group's codes by two bit-matrix
+ * products, qs's bits 2j, 2j + 1 to bits 0-1 and hmask's bit 4h + j to bit 2 (other bits 0), and one or */
+BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    __m512i low[2], high[4]; /* per 256-bit half (codes j = 2 odd, 2 odd + 1): the matrices of each group */
+    for (int odd = 0; odd < 2; odd++)
+        low[odd] = _mm512_inserti64x4(_mm512_set1_epi64(BK_NAME(k3_pick_)(4 * odd, 0, 2)),
+                                      _mm256_set1_epi64x(BK_NAME(k3_pick_)(4 * odd + 2, 0, 2)), 1);
+    for (int g = 0; g < 4; g++)
+        high[g] = _mm512_inserti64x4(_mm512_set1_epi64(BK_NAME(k3_pick_)(2 * g, 2, 1)),
+                                     _mm256_set1_epi64x(BK_NAME(k3_pick_)(2 * g + 1, 2, 1)), 1);
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        const int8_t *xq = a->q + b * 256;
+        const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+            for (int odd = 0; odd < 2; odd++) {
+                const int g = 2 * h + odd;
+                const __m512i u = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(q, low[odd], 0),
+                                                  _mm512_gf2p8affine_epi64_epi8(hm, high[g], 0));
+                sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
+            }
+        }
+        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
+                                   BK_NAME(half_)(w + 108) * a->d[b]);
+    }
+    return BK_NAME(hsum_)(acc);
+}
+#endif
 
 BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -1074,7 +1126,12 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
         case GGML_Q5_1: return BK_NAME(row_q5_1_)(w, a, nb);
         case GGML_Q8_0: return BK_NAME(row_q8_0_)(w, a, nb);
         case GGML_Q2_K: return BK_NAME(row_q2_k_)(w, a, nb);
+#if BK_MASKED
         case GGML_Q3_K: return BK_NAME(row_q3_k_)(w, a, nb);
+        case Q3_K_GFNI: return BK_NAME(row_q3_k_gfni)(w, a, nb);
+#else
+        case GGML_Q3_K: case Q3_K_GFNI: return BK_NAME(row_q3_k_)(w, a, nb);
+#endif
         case GGML_Q4_K: return BK_NAME(row_q4_k_)(w, a, nb);
         case GGML_Q5_K: return BK_NAME(row_q5_k_)(w, a, nb);
         case GGML_Q6_K: return BK_NAME(row_q6_k_)(w, a, nb);

@@ -64,6 +64,7 @@ enum {
     HQ3_NL = 1001, /* hfquant's own: HQ3_0's bytes, codes on the grid HQ3_NL_GRID */
     HQ3_R = 1002,  /* hfquant's own (hfquant.core.blocks.hq3r): a float16 row header, then 64-weight blocks */
     HQ3_R_GFNI = -1002, /* HQ3_R's rows by the VNNI body's GFNI step (hq3r_body.h): a BlockPart type, no caller's */
+    Q3_K_GFNI = -11,    /* Q3_K's rows by the VNNI body's GFNI step (blocks_body.h row_q3_k_gfni): a BlockPart type */
 };
 
 /* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
@@ -260,10 +261,11 @@ static int cpu_vnni(void) {
 
 static int cpu_avx2(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
 
-/* the type the rows of a `type` weight run as: HQ3_R_GFNI for HQ3_R where the VNNI body runs and the CPU has
- * AVX512-VBMI, BITALG and GFNI (hq3r_body.h's GFNI step) */
+/* the type the rows of a `type` weight run as: HQ3_R_GFNI / Q3_K_GFNI for HQ3_R / Q3_K where the VNNI body runs and
+ * the CPU has AVX512-VBMI, BITALG and GFNI (hq3r_body.h's GFNI step, blocks_body.h's row_q3_k_gfni) */
 static int64_t row_type(int64_t type, int vnni) {
-    return type == HQ3_R && vnni && HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512_VBMI_GFNI) ? HQ3_R_GFNI : type;
+    if (!vnni || !HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512_VBMI_GFNI)) return type;
+    return type == HQ3_R ? HQ3_R_GFNI : type == GGML_Q3_K ? Q3_K_GFNI : type;
 }
 
 /* where the scale of HQ3_R sub-block t (inputs 16 t to 16 t + 15) is in dxs: per group of four 64-input blocks, 16
