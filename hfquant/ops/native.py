@@ -90,7 +90,7 @@ _SIGNATURES = {
     "hfquant_bf16_gemv": [_POINTER] * 4 + [_INT64] * 2,
     "hfquant_bf16_f32_gemv": [_POINTER] * 3 + [_INT64] * 2,
     "hfquant_fold_chunk": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER],
-    "hfquant_fold_span": [_POINTER] + [_INT64] * 4 + [_POINTER] * 3,  # called by iq4_search_cpu.c; declared as every export
+    "hfquant_fold_span": [_POINTER] + [_INT64] * 4 + [_POINTER] * 3,  # called by iq4_search_cpu.c
     "hfquant_rtn_quantize": [_POINTER, _INT] + [_INT64] * 3 + [_INT] * 2 + [_POINTER] * 3 + [_INT64],
     "hfquant_int4_to_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
