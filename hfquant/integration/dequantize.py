@@ -38,8 +38,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | str | None, ties: li
     """Replace every quantized module of `model` by its float module in `dtype` (a dtype name, as transformers passes
     `model.config.dtype` after `save_pretrained`; an unknown name counts as None), the `FloatLinear`s by
     `nn.Linear`s, the one-row RMSNorms by their own classes (`restore_rms_norms`), the one-row attention by "sdpa"
-    (`restore_row_attention`), the one-token decode forwards by their own classes (`restore_row_decode`), and make each tied pair of `ties` (module reading, module holding) one float tensor
-    again. Returns `model`."""
+    (`restore_row_attention`), the one-token decode forwards by their own classes (`restore_row_decode`), and make
+    each tied pair of `ties` (module reading, module holding) one float tensor again. Returns `model`."""
     restore_nn_linear(model)
     restore_rms_norms(model)
     restore_row_attention(model)

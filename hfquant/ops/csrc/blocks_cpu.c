@@ -35,8 +35,8 @@
  * activation sums per 4 inputs (bias4) and its four sub-block scales from a level table (dxs: the activation scales
  * per 16 inputs), both computed once per call with the quantized row; where the CPU has AVX512-VBMI, BITALG and GFNI
  * it takes four blocks per step instead, each int32 lane one sub-block (hq3r_body.h; the row's activations also in
- * that step's order: qt; bias16 per 16 inputs). IQ4_NL takes the same start for its grid plus 128, in qn's order (biasn; no sign moved
- * onto the activation: 1.27x as fast).
+ * that step's order: qt; bias16 per 16 inputs). IQ4_NL takes the same start for its grid plus 128, in qn's order
+ * (biasn; no sign moved onto the activation: 1.27x as fast).
  *
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
