@@ -113,15 +113,9 @@ def test_fused_block_outputs_equal_each_layers_own_gemv_bit_for_bit(monkeypatch,
         assert torch.equal(g.reshape(1, -1), direct)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_members_of_block_types_of_one_block_size_share_one_call(monkeypatch, bias):
-    """Q4_K_M's files: q and k in Q4_K, v in Q6_K (both 256-weight super-blocks). The three run one C call over their
-    own weights (x quantized once), each output the bytes of its layer's own GEMV."""
-    block = _block(monkeypatch, "q4_k", v_name="q6_k", bias=bias)
-    group = block.q_proj._fused
-    assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
-    assert group.weight is None and group._types == (12, 12, 14)
-    assert [layer.weight for layer in block.members()] == list(group._parts)  # the layers' own tensors, not copied
+def _group_against_own(block, group) -> tuple:
+    """The block's outputs through `group` (one row), checked equal to each layer's own GEMV (the group dissolved,
+    then built again); returns the group's outputs."""
     x = _row(4, 1, 1)
     with torch.inference_mode():
         got = block(x)
@@ -131,6 +125,19 @@ def test_members_of_block_types_of_one_block_size_share_one_call(monkeypatch, bi
     for g, e, layer in zip(got, own, block.members(), strict=True):
         assert g.shape == e.shape == (1, 1, layer.out_features)
         assert torch.equal(g, e)
+    return got
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_members_of_block_types_of_one_block_size_share_one_call(monkeypatch, bias):
+    """Q4_K_M's files: q and k in Q4_K, v in Q6_K (both 256-weight super-blocks). The three run one C call over their
+    own weights (x quantized once), each output the bytes of its layer's own GEMV."""
+    block = _block(monkeypatch, "q4_k", v_name="q6_k", bias=bias)
+    group = block.q_proj._fused
+    assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
+    assert group.weight is None and group._types == (12, 12, 14)
+    assert [layer.weight for layer in block.members()] == list(group._parts)  # the layers' own tensors, not copied
+    got = _group_against_own(block, group)
     if not bias:
         assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output
 
@@ -144,15 +151,7 @@ def test_members_of_different_block_sizes_share_one_call(monkeypatch, names):
     assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
     types = tuple(blocks.layout(name).ggml_type for name in (names[0], names[0], names[1]))
     assert group.weight is None and group._types == types
-    x = _row(4, 1, 1)
-    with torch.inference_mode():
-        got = block(x)
-        group.dissolve()
-        own = block(x)
-        assert group.build()
-    for g, e, layer in zip(got, own, block.members(), strict=True):
-        assert g.shape == e.shape == (1, 1, layer.out_features)
-        assert torch.equal(g, e)
+    got = _group_against_own(block, group)
     assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output
 
 
