@@ -185,7 +185,7 @@ def measure(
         engines["hfquant baseline"] = ([sys.executable, "-c", HFQUANT_WORKER, args], base)
     if checkpoint is not None:
         folder_args = json.dumps(dict(json.loads(args), checkpoint=str(checkpoint[0]), config=checkpoint[1]))
-        label = ",".join(f"{name}={value}" for name, value in checkpoint[1].items())
+        label = ",".join(f"{name}={value}" for name, value in checkpoint[1].items()) or "(default config)"
         engines[f"hfquant {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], mine)
         if base is not None:
             engines[f"hfquant baseline {label}"] = ([sys.executable, "-c", HFQUANT_WORKER, folder_args], base)
