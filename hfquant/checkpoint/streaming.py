@@ -98,9 +98,9 @@ def release_checkpoint_pages(keep_cached: bool = False) -> int:
 
     Args:
         keep_cached: unmap the pages from this process only (`MADV_DONTNEED`): they leave its resident set but stay in
-            the kernel's page cache, for a pass that reads the checkpoint again soon (the fold pre-pass of
-            `fold_column_scales`: with `MADV_PAGEOUT` the streaming load after it read every shard from the disk
-            again).
+            the kernel's page cache, for a pass that reads the checkpoint again soon. Every shard map of the process
+            is advised, spared ones included: only for a process whose maps hold no written page (see above), so
+            the library itself never asks it (`FoldStream` releases its own ranges with `release_range`).
     """
     global _warned
     madvise = _madvise()

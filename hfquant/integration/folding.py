@@ -31,7 +31,6 @@ vectors), so that they are stored with RTN like the folded ones (`fold_overrides
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -211,8 +210,9 @@ class _Planner:
         importance: str = "weights",
         iq4_search: str = iq4.SEARCHES[0],
     ):
-        # after each block: its pages out of this process, kept in the page cache for the streaming load
-        self.release = release or functools.partial(release_checkpoint_pages, keep_cached=True)
+        # after each block: its pages out of this process (`MADV_PAGEOUT`: safe for any map; `FoldStream` passes
+        # its own release of the ranges it read, kept in the page cache for the streaming load)
+        self.release = release or release_checkpoint_pages
         self.blocks = find_blocks(model)
         self.bos: BosForward | None = None
         if not self.blocks:
