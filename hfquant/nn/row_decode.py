@@ -278,11 +278,11 @@ def _plain_kv(key: torch.Tensor, value: torch.Tensor) -> bool:
 
 def _plain_row_norm(norm: nn.Module) -> bool:
     """Whether `norm` runs `RowRMSNorm`'s kernel when called (its class swapped, a bfloat16 CPU weight) and calling
-    it is only its forward (no hooks, no forward replaced by an offloading hook): the fused add + norm may stand in."""
+    it is only its forward (no hooks of its own or global ones: `_hooked`; no forward replaced by an offloading hook):
+    the fused add + norm may stand in."""
     return (
         isinstance(norm, RowRMSNorm)
-        and not norm._forward_hooks
-        and not norm._forward_pre_hooks
+        and not _hooked(norm)
         and "forward" not in norm.__dict__
         and norm.weight.dtype == torch.bfloat16
         and norm.weight.device.type == "cpu"
