@@ -602,10 +602,10 @@ def _quantize_blocks(
     IQ4 layers by a C search skip the chunks (`_iq4_in_one_pass`): each search thread folds its own groups of blocks
     (`native.iq4_quantize_fold`), so the copy, the scales and the search of the weight are one parallel pass, the same
     bytes (docs/performance.md, issue #32, thirteenth session). Elsewhere each chunk is converted into one float32
-    buffer reused for every chunk and rescaled in place (the same float32
-    operations as new tensors per step, without their allocations and page faults; with the C library in one pass,
-    `native.fold_chunk`), checked for NaN / Inf once after the scales, and the C search writes its rows of `stored`
-    directly (docs/performance.md, issue #32, twelfth session).
+    buffer reused for every chunk and rescaled in place (the same float32 operations as new tensors per step, without
+    their allocations and page faults; with the C library in one pass, `native.fold_chunk`), checked for NaN / Inf once
+    after the scales, and the C search writes its rows of `stored` directly (docs/performance.md, issue #32, twelfth
+    session).
 
     Raises:
         ValueError: the weight is not float, or holds NaN or Inf values.
