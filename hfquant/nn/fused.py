@@ -1,6 +1,6 @@
 """Fused decode groups: the projections of a block that read the same input in the same int4 format or in block formats
-(q/k/v, gate/up) run one GEMV per decode step instead of one each, reading `x` once, without
-changing the model's classes.
+(q/k/v, gate/up) run one GEMV per decode step instead of one each, reading `x` once, without changing the model's
+classes.
 
 Why: at batch-1 decode each `QuantLinear` call is a few microseconds of kernel on a small model, and each GEMV pays
 its own dispatch, its own OpenMP region and its own output allocation (docs/performance.md). One GEMV over the
@@ -233,10 +233,8 @@ class DecodeGroup:
                 logger.info("hfquant stops fusing %s: their inputs differ", [m.out_features for m in self.members])
                 self.dissolve()
                 return None
-        for layer, view in zip(self.members, self._views, strict=True):
-            if layer._buffers["weight"] is not view:  # swapped by an offloading hook, or re-planned
-                self.dissolve()
-                return None
+        if not self._views_hold():
+            return None
         y = self._row(x, self.weight, self.scale_zero)
         dims = x.dim()
         if dims != 2:
@@ -245,18 +243,23 @@ class DecodeGroup:
         self._cache = (x, version, outputs, [len(self.members) - 1])
         return outputs[index]
 
+    def _views_hold(self) -> bool:
+        """Whether every member's weight is still its view of the group's rows; else (swapped by an offloading hook,
+        or re-planned) the group dissolves."""
+        for layer, view in zip(self.members, self._views, strict=True):
+            if layer._buffers["weight"] is not view:
+                self.dissolve()
+                return False
+        return True
+
     def products(self, x: torch.Tensor) -> tuple | None:
         """Every member's output at once for one contiguous bfloat16 decode row `x` (1, 1, K): views (1, 1, N_i) of
         the group's GEMV of `x`, the same bytes as `product` gives each member; None when the group is not built or
         a member's weight was swapped or re-planned (the group dissolves, as in `product`). For callers that would
         call every member with `x` in turn and know that the members' calls are their forward alone (no hooks, no
         bias: `row_decode`); keeps nothing."""
-        if not self._views:
+        if not self._views or not self._views_hold():
             return None
-        for layer, view in zip(self.members, self._views, strict=True):
-            if layer._buffers["weight"] is not view:
-                self.dissolve()
-                return None
         return self._row(x, self.weight, self.scale_zero).view(1, 1, -1).split_with_sizes(self.sizes, -1)
 
     def graph_product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
