@@ -128,6 +128,16 @@ def test_block_gemv_refuses_unknown_types_and_partial_blocks_by_name():
     assert not native.block_gemv_supported(99)
 
 
+@needs_kernel
+def test_a_nan_block_scale_gives_a_nan_output_row_not_zero():
+    """float16 0x7FFF is a NaN whose widened mantissa bits are all ones: rounding it to bfloat16 by adding the bias
+    carried into the sign bit and gave -0 (the row looked valid). Row 1's only block gets that scale."""
+    data = _random_blocks("q8_0", 3, 32, seed=0)
+    data[1, 0:2] = torch.tensor([0xFF, 0x7F], dtype=torch.uint8)
+    y = native.block_gemv(_row(32, seed=1), data, 32, blocks.layout("q8_0").ggml_type).float().reshape(-1)
+    assert torch.isnan(y[1]) and torch.isfinite(y[[0, 2]]).all()
+
+
 GROUPS = {
     "k-quants": (("q4_k", 40), ("q4_k", 8), ("q6_k", 24), ("q2_k", 3), ("iq4_xs", 17)),
     "32-weight": (("q4_1", 40), ("q8_0", 9), ("q4_0", 1), ("hq3_0", 33)),
