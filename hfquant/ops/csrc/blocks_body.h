@@ -88,9 +88,9 @@ BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
 
 /* The weight rows stream from memory once per GEMV; the hardware prefetchers alone leave one thread at 25-28 GB/s
  * on the 1.2B's layers. stream_ahead_ asks for the cache lines of the `bytes` weight bytes BK_AHEAD bytes past p into
- * the L2 (prefetcht1), from the row loops of IQ4_NL / Q4_0, Q4_K / Q5_K and Q6_K: 16 KiB ahead measured 1.06-1.2x
- * from memory, 4 KiB 1.06-1.12x, nearer (into the L1) 0.85-1.0x (docs/performance.md, fourteenth session). A
- * prefetch never faults, so the lines past a weight's end cost a read at most. */
+ * the L2 (prefetcht1), from the row loops of IQ4_NL / Q4_0, Q4_K / Q5_K, Q6_K, IQ4_XS and Q4_1 / Q5_0 / Q5_1: 16 KiB
+ * ahead measured 1.06-1.2x from memory, 4 KiB 1.06-1.12x, nearer (into the L1) 0.85-1.0x (docs/performance.md,
+ * fourteenth session). A prefetch never faults, so the lines past a weight's end cost a read at most. */
 #ifndef BK_AHEAD
 #define BK_AHEAD 16384
 #endif
@@ -561,6 +561,7 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 272) {
+        BK_NAME(stream_ahead_)(w, 272);
         const __m512i ls = BK_NAME(iq4_xs_scales2_)(w, w + 136);
         __m512i lo0, hi0, lo1, hi1;
         BK_NAME(iq4_xs_dots_)(w, a, b, ls, 0, gu, &lo0, &hi0);
@@ -595,6 +596,7 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
+        BK_NAME(stream_ahead_)(w, 136);
         uint16_t high;
         uint32_t lows;
         memcpy(&high, w + 2, 2);
@@ -991,6 +993,7 @@ BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const Ac
     __m512 acc_lo = _mm512_setzero_ps(), acc_hi = acc_lo;
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4, w += 4 * bytes) {
+        BK_NAME(stream_ahead_)(w, 4 * (int)bytes);
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + codes_at)));
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + bytes + codes_at)), 1);
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 2 * bytes + codes_at)), 2);
@@ -1078,6 +1081,7 @@ BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const Ac
     __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4, w += 4 * bytes) {
+        BK_NAME(stream_ahead_)(w, 4 * (int)bytes);
         for (int h = 0; h < 2; h++) {
             const uint8_t *p = w + 2 * bytes * h;
             const int64_t c = b + 2 * h; /* the pair's first block */
