@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""One thread's block GEMV from memory, as in a model's decode step: 16 distinct weights of one type and shape called in
-turn, for one or more builds of hfquant's C library side by side.
+"""One thread's block GEMV from memory, as in a model's decode step: 16 distinct weights of one type and shape called
+in turn, for one or more builds of hfquant's C library side by side.
 
 `scripts/block_gemv_ab.py` repeats 64 quantized rows into one weight and calls it again and again: a weight that fits
 the L3 is then read from the L3. In a decode step each layer's weight comes from memory (the step reads far more bytes
