@@ -86,6 +86,18 @@ BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
     return _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(v)));
 }
 
+/* The weight rows stream from memory once per GEMV; the hardware prefetchers alone leave one thread at 25-28 GB/s
+ * on the 1.2B's layers. stream_ahead_ asks for the cache lines of the `bytes` weight bytes BK_AHEAD bytes past p into
+ * the L2 (prefetcht1), from the row loops of IQ4_NL / Q4_0, Q4_K / Q5_K, Q6_K, IQ4_XS and Q4_1 / Q5_0 / Q5_1: 16 KiB
+ * ahead measured 1.06-1.2x from memory, 4 KiB 1.06-1.12x, nearer (into the L1) 0.85-1.0x (docs/performance.md,
+ * fourteenth session). A prefetch never faults, so the lines past a weight's end cost a read at most. */
+#ifndef BK_AHEAD
+#define BK_AHEAD 16384
+#endif
+BK_TARGET BK_INLINE void BK_NAME(stream_ahead_)(const uint8_t *p, int bytes) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)(p + BK_AHEAD + i), _MM_HINT_T1);
+}
+
 /* ---- 256-weight super-blocks, activations in Q8Row256 (one float scale per 256, 16-input sums) ---- */
 
 /* ---- Q4_K / Q5_K: eight 32-weight sub-blocks per super-block, a 6-bit scale and minimum each (w = d * scale * u -
@@ -185,6 +197,7 @@ BK_TARGET BK_INLINE float BK_NAME(k4_row_)(const uint8_t *w, const ActRow *a, in
     for (int64_t b = 0; b < nb; b++, w += five ? 176 : 144) {
         __m256i msum;
         __m128 dd;
+        BK_NAME(stream_ahead_)(w, five ? 176 : 144);
         const __m256i words = BK_NAME(k4_head_)(w, a, b, &msum, &dd);
         const __m256i sumi = BK_NAME(k4_dots_)(w, a->qk + b * 256, words, five);
         const __m512 both = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(sumi), msum, 1));
@@ -197,6 +210,7 @@ BK_TARGET BK_INLINE float BK_NAME(k4_row_)(const uint8_t *w, const ActRow *a, in
     for (int64_t b = 0; b < nb; b++, w += five ? 176 : 144) {
         __m256i msum;
         __m128 dd;
+        BK_NAME(stream_ahead_)(w, five ? 176 : 144);
         const __m256i words = BK_NAME(k4_head_)(w, a, b, &msum, &dd);
         const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k4_dots_)(w, a->q + b * 256, words, five)), d, acc);
@@ -276,6 +290,7 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const int8_t *xq = a->q + b * 256;
+        BK_NAME(stream_ahead_)(w, 210);
         const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i scale16 = _mm256_cvtepi8_epi16(scales);
         BK_K16 sum = BK_K16_ZERO;
@@ -546,6 +561,7 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 272) {
+        BK_NAME(stream_ahead_)(w, 272);
         const __m512i ls = BK_NAME(iq4_xs_scales2_)(w, w + 136);
         __m512i lo0, hi0, lo1, hi1;
         BK_NAME(iq4_xs_dots_)(w, a, b, ls, 0, gu, &lo0, &hi0);
@@ -580,6 +596,7 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
+        BK_NAME(stream_ahead_)(w, 136);
         uint16_t high;
         uint32_t lows;
         memcpy(&high, w + 2, 2);
@@ -891,6 +908,7 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
     __m512 acc_lo = _mm512_setzero_ps(), acc_hi = acc_lo;
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4, w += 72) {
+        BK_NAME(stream_ahead_)(w, 72);
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + 2)));
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 20)), 1);
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 38)), 2);
@@ -975,6 +993,7 @@ BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const Ac
     __m512 acc_lo = _mm512_setzero_ps(), acc_hi = acc_lo;
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4, w += 4 * bytes) {
+        BK_NAME(stream_ahead_)(w, 4 * (int)bytes);
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + codes_at)));
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + bytes + codes_at)), 1);
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 2 * bytes + codes_at)), 2);
@@ -1014,6 +1033,7 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
     __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4, w += 72) {
+        BK_NAME(stream_ahead_)(w, 72);
         for (int h = 0; h < 2; h++) {
             const uint8_t *p = w + 36 * h;
             const int64_t c = b + 2 * h; /* the pair's first block */
@@ -1061,6 +1081,7 @@ BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const Ac
     __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4, w += 4 * bytes) {
+        BK_NAME(stream_ahead_)(w, 4 * (int)bytes);
         for (int h = 0; h < 2; h++) {
             const uint8_t *p = w + 2 * bytes * h;
             const int64_t c = b + 2 * h; /* the pair's first block */
