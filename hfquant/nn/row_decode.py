@@ -10,13 +10,15 @@ SmolLM2-135M (30 layers) more than half of the step (docs/performance.md, issue 
 What each forward does on a decode step (one row: hidden_states (1, 1, hidden) bfloat16 on CPU; grad off or nothing
 requiring it; not while torch.compile traces, where inductor fuses these ops itself):
 - attention (`ROW_ATTENTION_CLASSES`): q/k/v from their fused group's one GEMV (`DecodeGroup.products`, the bytes
-  each layer's call gives; each layer called in turn where they are not one plain group), the rotary embedding of q
-  and k in one call (`hfquant_cpu.rotary_row`: transformers' `apply_rotary_pos_emb` bit for bit), the cache's own
-  `update` (a DynamicCache concatenates, a StaticCache writes in place: transformers' code, unchanged; the kernel
-  does not write the cache), then the row attention kernel (`row_attention`: without a mask its operator, else
-  `row_attention_forward`) and o_proj. Only while the model's attention is hfquant's (`row_attention.ATTENTION_NAME`,
-  set by `use_row_attention`) and the module is in eval mode: a model given `attn_implementation` at load ("sdpa",
-  "eager", ...) keeps transformers' forward, so does a layer with a sliding window.
+  each layer's call gives; each layer called in turn where they are not one plain group); then, on a plain dynamic
+  cache without a mask, the rotary embedding, the cache write and the attention in one call
+  (`decode_cache.decode_attention`: the layer's keys and values in a buffer with room to grow, no `torch.cat`);
+  otherwise the rotary embedding of q and k in one call (`hfquant_cpu.rotary_row`: transformers'
+  `apply_rotary_pos_emb` bit for bit), the cache's own `update` (transformers' code, unchanged), then the row
+  attention kernel (`row_attention`: without a mask its operator, else `row_attention_forward`); then o_proj. Only
+  while the model's attention is hfquant's (`row_attention.ATTENTION_NAME`, set by `use_row_attention`) and the
+  module is in eval mode: a model given `attn_implementation` at load ("sdpa", "eager", ...) keeps transformers'
+  forward, so does a layer with a sliding window.
 - MLP (`ROW_MLP_CLASSES`, act_fn SiLU): gate and up from their group's GEMV (as q/k/v), then SiLU(gate) * up in one
   call (`hfquant_cpu.silu_mul_row`: torch's bfloat16 arithmetic, its exp not reproduced: about one output in 10^4
   differs by one bfloat16 step), then down_proj.
@@ -41,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
-from hfquant.nn import row_attention
+from hfquant.nn import decode_cache, row_attention
 from hfquant.nn.row_norm import RowRMSNorm
 from hfquant.ops import torch_ops
 
@@ -126,8 +128,11 @@ class RowDecodeAttention:
         if qkv is None:
             qkv = tuple(projection(hidden_states) for projection in projections)
         query, key, value = qkv
-        value = value.view(1, 1, -1, head_dim).transpose(1, 2)
         cos, sin = position_embeddings
+        output = self._cached_step(query, key, value, cos, sin, attention_mask, cache, kwargs)
+        if output is not None:
+            return _call(modules["o_proj"], output.view(1, 1, -1)), None
+        value = value.view(1, 1, -1, head_dim).transpose(1, 2)
         if query.requires_grad or key.requires_grad or not (query.is_contiguous() and key.is_contiguous()):
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -145,6 +150,24 @@ class RowDecodeAttention:
                 self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
             )
         return _call(modules["o_proj"], output.view(1, 1, -1)), None
+
+    def _cached_step(self, query, key, value, cos, sin, attention_mask, cache, kwargs):
+        """The rotary embedding, cache write and attention in one call (`decode_cache.decode_attention`) when the
+        cache is a plain dynamic one, there is no mask and no attention weights are asked for; else None."""
+        if (
+            attention_mask is not None
+            or kwargs.get("output_attentions", False)
+            or not decode_cache.takes_row_cache(cache, self.layer_idx)
+            or query.requires_grad
+            or key.requires_grad
+            or value.requires_grad
+            or not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous())
+            or self.head_dim > row_attention.MAX_HEAD_SIZE
+        ):
+            return None
+        return decode_cache.decode_attention(
+            cache, self.layer_idx, query, key, value, cos, sin, self.head_dim, self.scaling
+        )
 
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)

@@ -164,6 +164,10 @@ def _register_fakes() -> None:
             key.new_empty((1, key.numel() // head_dim, 1, head_dim)),
         )
 
+    @torch.library.register_fake("hfquant_cpu::decode_attention_row")
+    def _(query, key, value, cos, sin, key_cache, value_cache, position, scale):
+        return query.new_empty((1, 1, query.numel() // key_cache.shape[3], key_cache.shape[3]))
+
     @torch.library.register_fake("hfquant_cpu::silu_mul_row")
     def _(gate, up):
         return torch.empty_like(gate, memory_format=torch.contiguous_format)

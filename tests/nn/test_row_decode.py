@@ -13,7 +13,7 @@ import torch
 from helpers import tiny_model
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from hfquant.nn import row_decode
+from hfquant.nn import decode_cache, row_decode
 from hfquant.nn.row_attention import ATTENTION_NAME
 from hfquant.nn.row_decode import RowDecodeAttention, RowDecodeLayer, RowDecodeMLP, restore_row_decode, use_row_decode
 from hfquant.ops import torch_ops
@@ -141,15 +141,22 @@ def test_a_quantized_llama_decodes_the_same_tokens_with_the_row_forwards(llama_f
     assert model.config._attn_implementation == ATTENTION_NAME
     assert isinstance(model.model.layers[0], RowDecodeLayer) and isinstance(model.model.layers[0].mlp, RowDecodeMLP)
     assert isinstance(model.model.layers[0].self_attn, RowDecodeAttention)
-    calls = {"rotary": 0, "swiglu": 0, "add_norm": 0}
-    for name, key in (("_ROTARY_ROW", "rotary"), ("_SILU_MUL_ROW", "swiglu"), ("_ADD_RMS_NORM_ROW", "add_norm")):
-        kernel = getattr(row_decode, name)
+    calls = {"rotary": 0, "swiglu": 0, "add_norm": 0, "cached": 0}
+    decode_cache._DECODE_ATTENTION_ROW = torch.ops.hfquant_cpu.decode_attention_row.default
+    for module, name, key in (
+        (row_decode, "_ROTARY_ROW", "rotary"),
+        (row_decode, "_SILU_MUL_ROW", "swiglu"),
+        (row_decode, "_ADD_RMS_NORM_ROW", "add_norm"),
+        (decode_cache, "_DECODE_ATTENTION_ROW", "cached"),
+    ):
+        kernel = getattr(module, name)
         monkeypatch.setattr(
-            row_decode, name, lambda *a, k=kernel, key=key: calls.__setitem__(key, calls[key] + 1) or k(*a)
+            module, name, lambda *a, k=kernel, key=key: calls.__setitem__(key, calls[key] + 1) or k(*a)
         )
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     ours = _generate(model, ids)
-    assert calls == {"rotary": 9 * layers, "swiglu": 9 * layers, "add_norm": 9 * layers}  # 10 tokens, 9 decode steps
+    # 10 tokens, 9 decode steps; the rotary embedding is inside the cached attention's call (decode_cache)
+    assert calls == {"rotary": 0, "swiglu": 9 * layers, "add_norm": 9 * layers, "cached": 9 * layers}
     assert restore_row_decode(model) == 3 * layers
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
@@ -169,6 +176,7 @@ def test_everything_but_an_eager_one_token_step_is_transformers_forward(llama_fo
 
     for name in ("_ROTARY_ROW", "_SILU_MUL_ROW", "_ADD_RMS_NORM_ROW"):
         monkeypatch.setattr(row_decode, name, refuse)
+    monkeypatch.setattr(decode_cache, "_DECODE_ATTENTION_ROW", refuse)
     with torch.no_grad():
         model(ids)
         model(ids[:1])
@@ -182,6 +190,7 @@ def test_other_attentions_keep_transformers_forward(llama_folder, monkeypatch):
     is not hfquant's); `dequantize` restores every class; a pickled layer is its own transformers class."""
     model = _quantized(llama_folder, attn_implementation="sdpa")
     monkeypatch.setattr(row_decode, "_ROTARY_ROW", lambda *args: pytest.fail("the rotary kernel ran"))
+    monkeypatch.setattr(decode_cache, "_DECODE_ATTENTION_ROW", lambda *args: pytest.fail("the cached step ran"))
     ids = torch.randint(3, 256, (1, 4), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, do_sample=False)
