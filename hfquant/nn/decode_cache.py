@@ -117,30 +117,29 @@ def _room(layer: RowDynamicLayer, kv_heads: int, head_dim: int, like: torch.Tens
 
 
 def decode_attention(
-    cache, layer_idx: int, query, key, value, cos, sin, head_dim: int, scaling: float
+    cache, layer_idx: int, qkv: torch.Tensor, cos, sin, kv_heads: int, head_dim: int, scaling: float
 ) -> torch.Tensor | None:
     """One decode step's rotary embedding, cache write and attention for layer `layer_idx` of `cache`, in one
     `hfquant_cpu.decode_attention_row` call; the layer becomes a `RowDynamicLayer` holding one more position.
 
     Args:
         cache: the model's cache; `takes_row_cache(cache, layer_idx)` must hold.
-        query, key, value: the step's projections, one contiguous bfloat16 CPU row each ((..., heads * head_dim) and
-            (..., kv_heads * head_dim)), before the rotary embedding.
+        qkv: the step's query, key and value rows one after the other, before the rotary embedding: one contiguous
+            bfloat16 CPU row of (heads + 2 * kv_heads) * head_dim values (a fused q/k/v GEMV's output, not split).
         cos, sin: the step's rotary tables, head_dim contiguous bfloat16 values each.
-        head_dim: values per head; scaling: the attention's score scale.
+        kv_heads, head_dim: the key / value heads and the values per head; scaling: the attention's score scale.
     Returns:
-        The attention output (1, 1, heads, head_dim) bfloat16 (`row_attention.attention_row`'s layout), or None (the
-        cached tensors are not a batch-1 bfloat16 CPU cache of this shape: nothing was written, the caller takes
-        transformers' path).
+        The attention output (1, 1, heads * head_dim) bfloat16 (o_proj's input), or None (the cached tensors are not
+        a batch-1 bfloat16 CPU cache of this shape: nothing was written, the caller takes transformers' path).
     """
+    global _DECODE_ATTENTION_ROW
     layer = _as_row_layer(cache.layers[layer_idx])
-    position = _room(layer, key.numel() // head_dim, head_dim, key)
+    position = _room(layer, kv_heads, head_dim, qkv)
     if position is None:
         return None
-    global _DECODE_ATTENTION_ROW
     if _DECODE_ATTENTION_ROW is None:
         _DECODE_ATTENTION_ROW = torch.ops.hfquant_cpu.decode_attention_row.default
     key_buffer, value_buffer = layer.__dict__["_keys"][0], layer.__dict__["_values"][0]
-    output = _DECODE_ATTENTION_ROW(query, key, value, cos, sin, key_buffer, value_buffer, position, scaling)
+    output = _DECODE_ATTENTION_ROW(qkv, cos, sin, key_buffer, value_buffer, position, scaling)
     layer.__dict__["_keys"], layer.__dict__["_values"] = (key_buffer, position + 1), (value_buffer, position + 1)
     return output

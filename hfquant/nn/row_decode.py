@@ -9,7 +9,7 @@ SmolLM2-135M (30 layers) more than half of the step (docs/performance.md, issue 
 
 What each forward does on a decode step (one row: hidden_states (1, 1, hidden) bfloat16 on CPU; grad off or nothing
 requiring it; not while torch.compile traces, where inductor fuses these ops itself):
-- attention (`ROW_ATTENTION_CLASSES`): q/k/v from their fused group's one GEMV (`DecodeGroup.products`, the bytes
+- attention (`ROW_ATTENTION_CLASSES`): q/k/v from their fused group's one GEMV (`DecodeGroup.row`, the bytes
   each layer's call gives; each layer called in turn where they are not one plain group); then, on a plain dynamic
   cache without a mask, the rotary embedding, the cache write and the attention in one call
   (`decode_cache.decode_attention`: the layer's keys and values in a buffer with room to grow, no `torch.cat`);
@@ -124,14 +124,17 @@ class RowDecodeAttention:
         head_dim = self.head_dim
         modules = self._modules  # not through nn.Module.__getattr__, about a microsecond a lookup
         projections = modules["q_proj"], modules["k_proj"], modules["v_proj"]
-        qkv = _group_products(hidden_states, *projections)
-        if qkv is None:
+        cos, sin = position_embeddings
+        group = _group(hidden_states, *projections)
+        row = None if group is None else group.row(hidden_states)
+        if row is not None:
+            output = self._cached_step(row, cos, sin, attention_mask, cache, kwargs)
+            if output is not None:
+                return _call(modules["o_proj"], output), None
+            qkv = row.split_with_sizes(group.sizes, -1)
+        else:
             qkv = tuple(projection(hidden_states) for projection in projections)
         query, key, value = qkv
-        cos, sin = position_embeddings
-        output = self._cached_step(query, key, value, cos, sin, attention_mask, cache, kwargs)
-        if output is not None:
-            return _call(modules["o_proj"], output.view(1, 1, -1)), None
         value = value.view(1, 1, -1, head_dim).transpose(1, 2)
         if query.requires_grad or key.requires_grad or not (query.is_contiguous() and key.is_contiguous()):
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -151,22 +154,22 @@ class RowDecodeAttention:
             )
         return _call(modules["o_proj"], output.view(1, 1, -1)), None
 
-    def _cached_step(self, query, key, value, cos, sin, attention_mask, cache, kwargs):
-        """The rotary embedding, cache write and attention in one call (`decode_cache.decode_attention`) when the
-        cache is a plain dynamic one, there is no mask and no attention weights are asked for; else None."""
+    def _cached_step(self, qkv, cos, sin, attention_mask, cache, kwargs):
+        """The rotary embedding, cache write and attention in one call (`decode_cache.decode_attention`) of the q/k/v
+        group's one output row `qkv` when the cache is a plain dynamic one, there is no mask and no attention weights
+        are asked for; else None."""
         if (
             attention_mask is not None
             or kwargs.get("output_attentions", False)
             or not decode_cache.takes_row_cache(cache, self.layer_idx)
-            or query.requires_grad
-            or key.requires_grad
-            or value.requires_grad
-            or not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous())
+            or qkv.requires_grad
+            or not qkv.is_contiguous()
             or self.head_dim > row_attention.MAX_HEAD_SIZE
         ):
             return None
+        kv_heads = self._modules["k_proj"].out_features // self.head_dim
         return decode_cache.decode_attention(
-            cache, self.layer_idx, query, key, value, cos, sin, self.head_dim, self.scaling
+            cache, self.layer_idx, qkv, cos, sin, kv_heads, self.head_dim, self.scaling
         )
 
     def __reduce_ex__(self, protocol: int):
@@ -181,8 +184,9 @@ class RowDecodeMLP:
             return super().forward(x)
         modules = self._modules
         gate_proj, up_proj = modules["gate_proj"], modules["up_proj"]
-        gate_up = _group_products(x, gate_proj, up_proj)
-        gate, up = (gate_proj(x), up_proj(x)) if gate_up is None else gate_up
+        group = _group(x, gate_proj, up_proj)
+        row = None if group is None else group.row(x)
+        gate, up = (gate_proj(x), up_proj(x)) if row is None else row.split_with_sizes(group.sizes, -1)
         if (
             gate.requires_grad
             or up.requires_grad
@@ -190,8 +194,10 @@ class RowDecodeMLP:
             or gate.stride(-1) != 1
             or up.stride(-1) != 1
         ):
-            return self.down_proj(self.act_fn(gate) * up)
-        return _call(modules["down_proj"], _SILU_MUL_ROW(gate, up))
+            y = self.down_proj(self.act_fn(gate) * up)
+        else:
+            y = _call(modules["down_proj"], _SILU_MUL_ROW(gate, up))
+        return y if y.dim() == x.dim() else y.view(x.shape)  # the group's products are (1, N) rows
 
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)
@@ -272,10 +278,11 @@ def _call_keywords(module: nn.Module, **kwargs):
     return module(**kwargs) if _hooked(module) else module.forward(**kwargs)
 
 
-def _group_products(x: torch.Tensor, *layers: nn.Module) -> tuple | None:
-    """The outputs of `layers` for the decode row `x` from their fused group's one GEMV (`DecodeGroup.products`),
-    when they are exactly its members, in order, and calling each would run only its forward's fused path (no
-    hooks, no bias, x one contiguous row of their input width); else None (the caller calls each layer)."""
+def _group(x: torch.Tensor, *layers: nn.Module):
+    """The fused group (`DecodeGroup`) whose one GEMV gives the outputs of `layers` for the decode row `x`, when they
+    are exactly its members, in order, and calling each would run only its forward's fused path (no hooks, no bias, x
+    one contiguous row of their input width); else None (the caller calls each layer). Its `row(x)` is the members'
+    outputs one after the other (or None: the group dissolved), `sizes` their widths."""
     group = getattr(layers[0], "_fused", None)
     if group is None or group.members != list(layers) or x.requires_grad or not x.is_contiguous():
         return None
@@ -284,7 +291,7 @@ def _group_products(x: torch.Tensor, *layers: nn.Module) -> tuple | None:
             return None
     if x.numel() != layers[0].in_features:
         return None
-    return group.products(x)
+    return group
 
 
 def _plain_kv(key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -165,8 +165,8 @@ def _register_fakes() -> None:
         )
 
     @torch.library.register_fake("hfquant_cpu::decode_attention_row")
-    def _(query, key, value, cos, sin, key_cache, value_cache, position, scale):
-        return query.new_empty((1, 1, query.numel() // key_cache.shape[3], key_cache.shape[3]))
+    def _(qkv, cos, sin, key_cache, value_cache, position, scale):
+        return qkv.new_empty((1, 1, qkv.numel() - 2 * key_cache.shape[1] * key_cache.shape[3]))
 
     @torch.library.register_fake("hfquant_cpu::silu_mul_row")
     def _(gate, up):

@@ -34,7 +34,7 @@ def test_one_call_is_the_rotary_row_the_concatenation_and_the_row_attention(head
     value_buffer = torch.randn(1, kv_heads, capacity, dim, generator=generator).to(torch.bfloat16)
     for position in (0, 1, 17, capacity - 1):
         qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * dim, generator=generator).to(torch.bfloat16)
-        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)  # the fused GEMV's views
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)  # the fused GEMV's row, split
         angle = torch.linspace(0, position, dim)
         cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
         past_keys, past_values = key_buffer[:, :, :position].clone(), value_buffer[:, :, :position].clone()
@@ -43,23 +43,24 @@ def test_one_call_is_the_rotary_row_the_concatenation_and_the_row_attention(head
         keys = torch.cat([past_keys, k_rot], dim=2)
         values = torch.cat([past_values, v.view(1, 1, kv_heads, dim).transpose(1, 2)], dim=2)
         expected = torch.ops.hfquant_cpu.attention_row(q_rot, keys, values, dim**-0.5)
-        got = torch.ops.hfquant_cpu.decode_attention_row(
-            q, k, v, cos, sin, key_buffer, value_buffer, position, dim**-0.5
-        )
-        assert torch.equal(_bits(got), _bits(expected))
+        got = torch.ops.hfquant_cpu.decode_attention_row(qkv, cos, sin, key_buffer, value_buffer, position, dim**-0.5)
+        assert got.shape == (1, 1, heads * dim) and torch.equal(_bits(got), _bits(expected).view(1, 1, -1))
         assert torch.equal(_bits(key_buffer[:, :, : position + 1]), _bits(keys))
         assert torch.equal(_bits(value_buffer[:, :, : position + 1]), _bits(values))
         assert torch.equal(_bits(key_buffer[:, :, position + 1 :]), _bits(after))
 
 
 def test_the_call_refuses_a_full_buffer_and_mismatched_caches():
-    q, k = torch.zeros(1, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    qkv = torch.zeros(1, 1, 256, dtype=torch.bfloat16)  # 2 query heads, 1 key / value head of 64
     cos = sin = torch.zeros(64, dtype=torch.bfloat16)
     keys, values = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
+    assert torch.ops.hfquant_cpu.decode_attention_row(qkv, cos, sin, keys, values, 3, 0.125).shape == (1, 1, 128)
     with pytest.raises(RuntimeError, match="room at position 4"):
-        torch.ops.hfquant_cpu.decode_attention_row(q, k, k, cos, sin, keys, values, 4, 0.125)
-    with pytest.raises(RuntimeError, match="same shape|one shape"):
-        torch.ops.hfquant_cpu.decode_attention_row(q, k, k, cos, sin, keys, values[:, :, :3], 1, 0.125)
+        torch.ops.hfquant_cpu.decode_attention_row(qkv, cos, sin, keys, values, 4, 0.125)
+    with pytest.raises(RuntimeError, match="one shape"):
+        torch.ops.hfquant_cpu.decode_attention_row(qkv, cos, sin, keys, values[:, :, :3], 1, 0.125)
+    with pytest.raises(RuntimeError, match="whole heads"):
+        torch.ops.hfquant_cpu.decode_attention_row(qkv[..., :200], cos, sin, keys, values, 1, 0.125)
 
 
 def _quantized(folder):
