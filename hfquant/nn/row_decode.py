@@ -20,8 +20,9 @@ requiring it; not while torch.compile traces, where inductor fuses these ops its
   module is in eval mode: a model given `attn_implementation` at load ("sdpa", "eager", ...) keeps transformers'
   forward, so does a layer with a sliding window.
 - MLP (`ROW_MLP_CLASSES`, act_fn SiLU): gate and up from their group's GEMV (as q/k/v), then SiLU(gate) * up in one
-  call (`hfquant_cpu.silu_mul_row`: torch's bfloat16 arithmetic, its exp not reproduced: about one output in 10^4
-  differs by one bfloat16 step), then down_proj.
+  call (`hfquant_cpu.silu_mul_halves_row` on the group's unsplit row, else `silu_mul_row` on the two: torch's
+  bfloat16 arithmetic, its exp not reproduced: about one output in 10^4 differs by one bfloat16 step), then
+  down_proj.
 - decoder layer (`ROW_LAYER_CLASSES`): the residual add after attention and the post-attention RMSNorm in one call
   (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel (`row_norm.RowRMSNorm`) and no
   hooks.
@@ -70,6 +71,7 @@ ROW_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen
 
 _ROTARY_ROW = None
 _SILU_MUL_ROW = None
+_SILU_MUL_HALVES_ROW = None
 _ADD_RMS_NORM_ROW = None
 """The `torch.ops.hfquant_cpu` operators' `.default`, set by `use_row_decode` (looked up once)."""
 
@@ -186,6 +188,8 @@ class RowDecodeMLP:
         gate_proj, up_proj = modules["gate_proj"], modules["up_proj"]
         group = _group(x, gate_proj, up_proj)
         row = None if group is None else group.row(x)
+        if row is not None and row.is_contiguous() and group.sizes[0] == group.sizes[1]:
+            return _call(modules["down_proj"], _SILU_MUL_HALVES_ROW(row))  # (1, 1, intermediate): no split, no view
         gate, up = (gate_proj(x), up_proj(x)) if row is None else row.split_with_sizes(group.sizes, -1)
         if (
             gate.requires_grad
@@ -365,12 +369,13 @@ def use_row_decode(model: nn.Module) -> int:
     `ROW_MLP_CLASSES`, `ROW_LAYER_CLASSES`) the one-token decode forward (class swap in place: see the module
     docstring). Nothing happens where hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number
     of modules changed."""
-    global _ROTARY_ROW, _SILU_MUL_ROW, _ADD_RMS_NORM_ROW
+    global _ROTARY_ROW, _SILU_MUL_ROW, _SILU_MUL_HALVES_ROW, _ADD_RMS_NORM_ROW
     candidates = [(module, mixin) for module in model.modules() if (mixin := _mixin(module)) is not None]
     if not candidates or not torch_ops.loaded():
         return 0
     _ROTARY_ROW = torch.ops.hfquant_cpu.rotary_row.default
     _SILU_MUL_ROW = torch.ops.hfquant_cpu.silu_mul_row.default
+    _SILU_MUL_HALVES_ROW = torch.ops.hfquant_cpu.silu_mul_halves_row.default
     _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
     for module, mixin in candidates:
         module.__class__ = _row_class(mixin, type(module))

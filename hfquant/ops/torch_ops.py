@@ -172,6 +172,10 @@ def _register_fakes() -> None:
     def _(gate, up):
         return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("hfquant_cpu::silu_mul_halves_row")
+    def _(gate_up):
+        return gate_up.new_empty((1, 1, gate_up.numel() // 2))
+
     @torch.library.register_fake("hfquant_cpu::add_rms_norm_row")
     def _(residual, hidden, weight, eps):
         return torch.empty_like(residual), torch.empty_like(residual)

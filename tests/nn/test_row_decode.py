@@ -83,6 +83,18 @@ def test_the_swiglu_product_is_within_its_two_roundings_of_float64(n):
     assert differing <= max(1, 4 * n // 1000)
 
 
+@pytest.mark.parametrize("n", [1, 7, 1536, 8192 + 9])
+def test_the_swiglu_of_an_unsplit_gate_up_row_is_the_product_of_its_halves(n):
+    """`silu_mul_halves_row` of a fused gate/up GEMV's row equals `silu_mul_row` of its two halves bit for bit."""
+    gate_up = (torch.randn(1, 2 * n, generator=torch.Generator().manual_seed(n)) * 6).to(torch.bfloat16)
+    gate, up = gate_up.split([n, n], -1)
+    got = torch.ops.hfquant_cpu.silu_mul_halves_row(gate_up)
+    assert got.shape == (1, 1, n)
+    assert torch.equal(_bits(got), _bits(torch.ops.hfquant_cpu.silu_mul_row(gate, up)).view(1, 1, n))
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.hfquant_cpu.silu_mul_halves_row(gate_up[:, :-1] if n > 0 else gate_up)
+
+
 def test_the_swiglu_product_at_the_ends_of_exp():
     gate = torch.tensor([-200.0, -100.0, -87.5, -20.0, -0.0, 0.0, 20.0, 87.5, 100.0, 3e38]).to(torch.bfloat16)
     up = torch.ones_like(gate)
@@ -146,6 +158,7 @@ def test_a_quantized_llama_decodes_the_same_tokens_with_the_row_forwards(llama_f
     for module, name, key in (
         (row_decode, "_ROTARY_ROW", "rotary"),
         (row_decode, "_SILU_MUL_ROW", "swiglu"),
+        (row_decode, "_SILU_MUL_HALVES_ROW", "swiglu"),
         (row_decode, "_ADD_RMS_NORM_ROW", "add_norm"),
         (decode_cache, "_DECODE_ATTENTION_ROW", "cached"),
     ):
@@ -174,7 +187,7 @@ def test_everything_but_an_eager_one_token_step_is_transformers_forward(llama_fo
     def refuse(*args):
         raise AssertionError("a row kernel ran")
 
-    for name in ("_ROTARY_ROW", "_SILU_MUL_ROW", "_ADD_RMS_NORM_ROW"):
+    for name in ("_ROTARY_ROW", "_SILU_MUL_ROW", "_SILU_MUL_HALVES_ROW", "_ADD_RMS_NORM_ROW"):
         monkeypatch.setattr(row_decode, name, refuse)
     monkeypatch.setattr(decode_cache, "_DECODE_ATTENTION_ROW", refuse)
     with torch.no_grad():

@@ -314,6 +314,20 @@ at::Tensor silu_mul_row(const at::Tensor &gate, const at::Tensor &up) {
   return out;
 }
 
+// silu_mul_row of a fused gate/up GEMV's one output row, unsplit: gate_up holds the gate's n values then the up's n
+// (2n contiguous bfloat16); output (1, 1, n), down_proj's input of a decode step
+at::Tensor silu_mul_halves_row(const at::Tensor &gate_up) {
+  check_bf16_row(gate_up, "SwiGLU", "gate_up");
+  TORCH_CHECK(gate_up.numel() > 0 && gate_up.numel() % 2 == 0 && gate_up.numel() == gate_up.size(-1),
+              "hfquant SwiGLU: needs one row of an even number of values, got ", gate_up.sizes());
+  const int64_t n = gate_up.numel() / 2;
+  at::Tensor out = at::empty({1, 1, n}, gate_up.options());
+  const uint16_t *gate = static_cast<const uint16_t *>(gate_up.const_data_ptr());
+  int status = hfquant_silu_mul_row(gate, gate + n, static_cast<uint16_t *>(out.mutable_data_ptr()), n);
+  TORCH_CHECK(status == 0, "hfquant SwiGLU refused n=", n);
+  return out;
+}
+
 // residual + hidden, then the RMSNorm of the sum (csrc/decode_rows_cpu.c): residual and hidden of one shape holding
 // one row of n values, weight (n,), all contiguous bfloat16; outputs (the sum, its norm), residual's shape, equal to
 // transformers' `residual + hidden` and LlamaRMSNorm of it bit for bit
@@ -352,6 +366,7 @@ TORCH_LIBRARY(hfquant_cpu, m) {
       "decode_attention_row(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "int position, float scale) -> Tensor");
   m.def("silu_mul_row(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_mul_halves_row(Tensor gate_up) -> Tensor");
   m.def("add_rms_norm_row(Tensor residual, Tensor hidden, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
@@ -368,5 +383,6 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("rotary_row", &rotary_row);
   m.impl("decode_attention_row", &decode_attention_row);
   m.impl("silu_mul_row", &silu_mul_row);
+  m.impl("silu_mul_halves_row", &silu_mul_halves_row);
   m.impl("add_rms_norm_row", &add_rms_norm_row);
 }
