@@ -26,6 +26,11 @@ requiring it; not while torch.compile traces, where inductor fuses these ops its
 - decoder layer (`ROW_LAYER_CLASSES`): the residual add after attention and the post-attention RMSNorm in one call
   (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel (`row_norm.RowRMSNorm`) and no
   hooks.
+- the list of decoder layers (an `nn.ModuleList` holding them, `RowDecodeLayers`): the model's forward slices it every
+  step (`self.layers[: config.num_hidden_layers]`), and nn.ModuleList builds the slice through `add_module`'s checks,
+  one layer at a time (100-200 us for SmolLM2's 30 layers on the machine of docs/performance.md's fourteenth
+  session); its slice is the same new `nn.ModuleList` (the same layers under the same names "0", "1", ...), filled
+  at once.
 Submodules without hooks (their own or global ones) are called through their `forward`, skipping nn.Module's call
 machinery (a few microseconds a call, about ten calls a layer); a module with hooks is called as usual.
 
@@ -55,6 +60,7 @@ __all__ = [
     "RowDecodeAttention",
     "RowDecodeMLP",
     "RowDecodeLayer",
+    "RowDecodeLayers",
     "use_row_decode",
     "restore_row_decode",
 ]
@@ -255,6 +261,37 @@ class RowDecodeLayer:
         return _reduce_as_base(self, protocol)
 
 
+class RowDecodeLayers(nn.ModuleList):
+    """The `nn.ModuleList` of a model's decoder layers, its slices made without `add_module`'s per-layer checks (see
+    the module docstring): a slice is a new plain `nn.ModuleList` of the same layers named "0", "1", ..., as
+    nn.ModuleList's own; with global module registration hooks (`register_module_module_registration_hook`) it is
+    nn.ModuleList's slice, hooks called."""
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, slice) or _module_hooks._global_module_registration_hooks:
+            return super().__getitem__(idx)
+        layers = list(self._modules.values())[idx]
+        sliced = nn.ModuleList()
+        sliced._modules.update({str(i): layer for i, layer in enumerate(layers)})
+        return sliced
+
+    def __reduce_ex__(self, protocol: int):
+        # pickled as nn.ModuleList, as the layers are pickled as their transformers classes
+        _, _, *rest = super().__reduce_ex__(protocol)
+        return (copyreg._reconstructor, (nn.ModuleList, object, None), *rest)
+
+
+def _layer_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The plain `nn.ModuleList`s of `model` holding decoder layers of `ROW_LAYER_CLASSES` only."""
+    return [
+        module
+        for module in model.modules()
+        if type(module) is nn.ModuleList
+        and len(module) > 0
+        and all(type(layer).__name__ in ROW_LAYER_CLASSES for layer in module._modules.values())
+    ]
+
+
 def _hooked(module: nn.Module) -> bool:
     """Whether calling `module` does more than its `forward`: hooks of its own or global ones (nn.Module's
     `_call_impl` runs them) or a compiled call (`module.compile()`); a forward replaced on the instance (offloading
@@ -367,8 +404,9 @@ def _mixin(module: nn.Module):
 def use_row_decode(model: nn.Module) -> int:
     """Give every attention, MLP and decoder layer of `model` of a known Llama-family class (`ROW_ATTENTION_CLASSES`,
     `ROW_MLP_CLASSES`, `ROW_LAYER_CLASSES`) the one-token decode forward (class swap in place: see the module
-    docstring). Nothing happens where hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number
-    of modules changed."""
+    docstring), and the lists holding those decoder layers their slicing (`RowDecodeLayers`). Nothing happens where
+    hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number of attention, MLP and decoder
+    layer modules changed."""
     global _ROTARY_ROW, _SILU_MUL_ROW, _SILU_MUL_HALVES_ROW, _ADD_RMS_NORM_ROW
     candidates = [(module, mixin) for module in model.modules() if (mixin := _mixin(module)) is not None]
     if not candidates or not torch_ops.loaded():
@@ -379,6 +417,8 @@ def use_row_decode(model: nn.Module) -> int:
     _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
     for module, mixin in candidates:
         module.__class__ = _row_class(mixin, type(module))
+    for layers in _layer_lists(model):
+        layers.__class__ = RowDecodeLayers
     return len(candidates)
 
 
@@ -390,4 +430,6 @@ def restore_row_decode(model: nn.Module) -> int:
         if isinstance(module, (RowDecodeAttention, RowDecodeMLP, RowDecodeLayer)):
             module.__class__ = type(module).__bases__[1]
             changed += 1
+        elif type(module) is RowDecodeLayers:
+            module.__class__ = nn.ModuleList
     return changed

@@ -15,7 +15,14 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from hfquant.nn import decode_cache, row_decode
 from hfquant.nn.row_attention import ATTENTION_NAME
-from hfquant.nn.row_decode import RowDecodeAttention, RowDecodeLayer, RowDecodeMLP, restore_row_decode, use_row_decode
+from hfquant.nn.row_decode import (
+    RowDecodeAttention,
+    RowDecodeLayer,
+    RowDecodeLayers,
+    RowDecodeMLP,
+    restore_row_decode,
+    use_row_decode,
+)
 from hfquant.ops import torch_ops
 
 pytestmark = pytest.mark.skipif(not torch_ops.loaded(), reason="hfquant's operators unavailable (no C/C++ compiler)")
@@ -219,3 +226,29 @@ def test_use_and_restore_are_inverse_and_leave_other_classes_alone():
     assert use_row_decode(model) == 3 * layers and use_row_decode(model) == 0
     assert restore_row_decode(model) == 3 * layers and restore_row_decode(model) == 0
     assert use_row_decode(tiny_model("gpt2", dtype=torch.bfloat16)) == 0
+
+
+def test_the_layer_list_slices_as_a_module_list():
+    """`RowDecodeLayers`' slices hold the same layers under the same names as nn.ModuleList's, in a plain new
+    nn.ModuleList; with a global module registration hook the hook sees every layer added (nn.ModuleList's own path);
+    the list pickles as nn.ModuleList and `restore_row_decode` gives its class back."""
+    from torch import nn
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    use_row_decode(model)
+    layers = model.model.layers
+    assert type(layers) is RowDecodeLayers
+    for idx in (slice(None, len(layers)), slice(1, None), slice(None, None, -1), slice(5, 9)):
+        got, expected = layers[idx], nn.ModuleList.__getitem__(layers, idx)
+        assert type(got) is nn.ModuleList and got is not layers
+        assert list(got._modules.items()) == list(expected._modules.items())
+    assert layers[0] is layers._modules["0"] and len(layers[:1]) == 1
+    seen = []
+    handle = nn.modules.module.register_module_module_registration_hook(lambda *args: seen.append(args[1]))
+    try:
+        assert list(layers[:2]._modules.keys()) == ["0", "1"] and seen == ["0", "1"]
+    finally:
+        handle.remove()
+    assert type(pickle.loads(pickle.dumps(layers))) is nn.ModuleList
+    restore_row_decode(model)
+    assert type(model.model.layers) is nn.ModuleList
