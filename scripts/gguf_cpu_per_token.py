@@ -19,7 +19,8 @@ token).
 `--checkpoint DIR --config FIELDS` adds an engine in the same rounds: the bfloat16 checkpoint the GGUF file was made
 from, quantized on load with `HfQuantConfig(**FIELDS)` (comma-separated field=value; for example the 4-bit default
 against llama.cpp's Q4_0 of the same weights), in this tree and (with `--baseline`) in the baseline tree; with
-`--compile` also its compiled `generate`.
+`--compile` also its compiled `generate`, and with `--no-module-guards` its compiled `generate` with
+`compile_decoding(module_guards=False)` as well.
 
 `--baseline TREE` adds a third engine in the same rounds: hfquant from another source tree (for example `git archive`
 of the commit before a kernel change, unpacked), with its own `HFQUANT_CACHE` (`--baseline-cache`) so that the two
@@ -103,7 +104,8 @@ HFQUANT_WORKER = (
 GENERATE_WORKER = (
     _FROM_GGUF
     + r"""    if args.get("compile"):
-        hfquant.compile_decoding(model, max_cache_len=len(args["prompt"]) + args["tokens"] + 8)
+        guards = {"module_guards": False} if args.get("no_module_guards") else {}
+        hfquant.compile_decoding(model, max_cache_len=len(args["prompt"]) + args["tokens"] + 8, **guards)
 
     def generate(n):
         start = time.process_time()
@@ -162,11 +164,13 @@ def measure(
     baseline: tuple[Path, Path] | None = None,
     compiled: bool = False,
     checkpoint: tuple[Path, dict] | None = None,
+    no_module_guards: bool = False,
 ) -> dict:
     """Paired rounds of the engines' one-thread decode on `path` (hfquant eager; with `compiled` hfquant's `generate`,
-    eager and compiled; `baseline`'s hfquant: (tree, cache) when given; llama.cpp): the rounds, the medians of CPU
-    milliseconds per token and of each hfquant's per-round ratio llama.cpp / hfquant, the load averages before and
-    after."""
+    eager and compiled, and with `no_module_guards` the checkpoint's compiled `generate` with
+    `compile_decoding(module_guards=False)` too; `baseline`'s hfquant: (tree, cache) when given; llama.cpp): the
+    rounds, the medians of CPU milliseconds per token and of each hfquant's per-round ratio llama.cpp / hfquant, the
+    load averages before and after."""
     from benchmarks import llama_cpp, paired
     from benchmarks.methods import worker_env
 
@@ -192,6 +196,12 @@ def measure(
         if compiled:
             worker_args = json.dumps(dict(json.loads(folder_args), compile=True))
             engines[f"hfquant {label} generate +compile"] = (
+                [sys.executable, "-c", GENERATE_WORKER, worker_args],
+                mine,
+            )
+        if compiled and no_module_guards:
+            worker_args = json.dumps(dict(json.loads(folder_args), compile=True, no_module_guards=True))
+            engines[f"hfquant {label} generate +compile module_guards=False"] = (
                 [sys.executable, "-c", GENERATE_WORKER, worker_args],
                 mine,
             )
@@ -243,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="time hfquant's generate, eager and compiled, too")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--checkpoint", type=Path, default=None, help="a bfloat16 checkpoint folder to quantize too")
+    parser.add_argument(
+        "--no-module-guards", action="store_true", help="with --compile --checkpoint: also module_guards=False"
+    )
     parser.add_argument("--config", default="", help="its HfQuantConfig fields: field=value,field=value")
     args = parser.parse_args(argv)
     checkpoint = (args.checkpoint, config_fields(args.config)) if args.checkpoint is not None else None
@@ -257,7 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | ---: | ---: | ---: | --- |")
     results = []
     for path in args.gguf:
-        result = measure(path, args.rounds, args.tokens, args.llama_python, baseline, args.compile, checkpoint)
+        result = measure(
+            path,
+            args.rounds,
+            args.tokens,
+            args.llama_python,
+            baseline,
+            args.compile,
+            checkpoint,
+            args.no_module_guards,
+        )
         results.append(result)
         loads = " / ".join(f"{a[0]:.2f} {a[1]:.2f} {a[2]:.2f}" for a in result["load_average"])
         for name, ms in result["cpu_ms_per_token"].items():

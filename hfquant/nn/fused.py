@@ -252,15 +252,16 @@ class DecodeGroup:
                 return False
         return True
 
-    def products(self, x: torch.Tensor) -> tuple | None:
-        """Every member's output at once for one contiguous bfloat16 decode row `x` (1, 1, K): views (1, 1, N_i) of
-        the group's GEMV of `x`, the same bytes as `product` gives each member; None when the group is not built or
-        a member's weight was swapped or re-planned (the group dissolves, as in `product`). For callers that would
-        call every member with `x` in turn and know that the members' calls are their forward alone (no hooks, no
-        bias: `row_decode`); keeps nothing."""
+    def row(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every member's output at once for one contiguous bfloat16 decode row `x` (1, 1, K): the group's GEMV of
+        `x`, (1, sum of `sizes`) bfloat16, the members' outputs one after the other (`split_with_sizes(sizes, -1)`
+        gives each member the same bytes as `product`); None when the group is not built or a member's weight was
+        swapped or re-planned (the group dissolves, as in `product`). For callers that would call every member with
+        `x` in turn and know that the members' calls are their forward alone (no hooks, no bias: `row_decode`);
+        keeps nothing."""
         if not self._views or not self._views_hold():
             return None
-        return self._row(x, self.weight, self.scale_zero).view(1, 1, -1).split_with_sizes(self.sizes, -1)
+        return self._row(x, self.weight, self.scale_zero)
 
     def graph_product(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """`product` while torch.compile traces a graph (`in_graphs`: a group whose layers call a dispatcher operator

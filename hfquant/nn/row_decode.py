@@ -9,20 +9,28 @@ SmolLM2-135M (30 layers) more than half of the step (docs/performance.md, issue 
 
 What each forward does on a decode step (one row: hidden_states (1, 1, hidden) bfloat16 on CPU; grad off or nothing
 requiring it; not while torch.compile traces, where inductor fuses these ops itself):
-- attention (`ROW_ATTENTION_CLASSES`): q/k/v from their fused group's one GEMV (`DecodeGroup.products`, the bytes
-  each layer's call gives; each layer called in turn where they are not one plain group), the rotary embedding of q
-  and k in one call (`hfquant_cpu.rotary_row`: transformers' `apply_rotary_pos_emb` bit for bit), the cache's own
-  `update` (a DynamicCache concatenates, a StaticCache writes in place: transformers' code, unchanged; the kernel
-  does not write the cache), then the row attention kernel (`row_attention`: without a mask its operator, else
-  `row_attention_forward`) and o_proj. Only while the model's attention is hfquant's (`row_attention.ATTENTION_NAME`,
-  set by `use_row_attention`) and the module is in eval mode: a model given `attn_implementation` at load ("sdpa",
-  "eager", ...) keeps transformers' forward, so does a layer with a sliding window.
+- attention (`ROW_ATTENTION_CLASSES`): q/k/v from their fused group's one GEMV (`DecodeGroup.row`, the bytes
+  each layer's call gives; each layer called in turn where they are not one plain group); then, on a plain dynamic
+  cache without a mask, the rotary embedding, the cache write and the attention in one call
+  (`decode_cache.decode_attention`: the layer's keys and values in a buffer with room to grow, no `torch.cat`);
+  otherwise the rotary embedding of q and k in one call (`hfquant_cpu.rotary_row`: transformers'
+  `apply_rotary_pos_emb` bit for bit), the cache's own `update` (transformers' code, unchanged), then the row
+  attention kernel (`row_attention`: without a mask its operator, else `row_attention_forward`); then o_proj. Only
+  while the model's attention is hfquant's (`row_attention.ATTENTION_NAME`, set by `use_row_attention`) and the
+  module is in eval mode: a model given `attn_implementation` at load ("sdpa", "eager", ...) keeps transformers'
+  forward, so does a layer with a sliding window.
 - MLP (`ROW_MLP_CLASSES`, act_fn SiLU): gate and up from their group's GEMV (as q/k/v), then SiLU(gate) * up in one
-  call (`hfquant_cpu.silu_mul_row`: torch's bfloat16 arithmetic, its exp not reproduced: about one output in 10^4
-  differs by one bfloat16 step), then down_proj.
+  call (`hfquant_cpu.silu_mul_halves_row` on the group's unsplit row, else `silu_mul_row` on the two: torch's
+  bfloat16 arithmetic, its exp not reproduced: about one output in 10^4 differs by one bfloat16 step), then
+  down_proj.
 - decoder layer (`ROW_LAYER_CLASSES`): the residual add after attention and the post-attention RMSNorm in one call
   (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel (`row_norm.RowRMSNorm`) and no
   hooks.
+- the list of decoder layers (an `nn.ModuleList` holding them, `RowDecodeLayers`): the model's forward slices it every
+  step (`self.layers[: config.num_hidden_layers]`), and nn.ModuleList builds the slice through `add_module`'s checks,
+  one layer at a time (100-200 us for SmolLM2's 30 layers on the machine of docs/performance.md's fourteenth
+  session); its slice is the same new `nn.ModuleList` (the same layers under the same names "0", "1", ...), filled
+  at once.
 Submodules without hooks (their own or global ones) are called through their `forward`, skipping nn.Module's call
 machinery (a few microseconds a call, about ten calls a layer); a module with hooks is called as usual.
 
@@ -41,7 +49,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
-from hfquant.nn import row_attention
+from hfquant.nn import decode_cache, row_attention
 from hfquant.nn.row_norm import RowRMSNorm
 from hfquant.ops import torch_ops
 
@@ -52,6 +60,7 @@ __all__ = [
     "RowDecodeAttention",
     "RowDecodeMLP",
     "RowDecodeLayer",
+    "RowDecodeLayers",
     "use_row_decode",
     "restore_row_decode",
 ]
@@ -68,6 +77,7 @@ ROW_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen
 
 _ROTARY_ROW = None
 _SILU_MUL_ROW = None
+_SILU_MUL_HALVES_ROW = None
 _ADD_RMS_NORM_ROW = None
 """The `torch.ops.hfquant_cpu` operators' `.default`, set by `use_row_decode` (looked up once)."""
 
@@ -122,12 +132,18 @@ class RowDecodeAttention:
         head_dim = self.head_dim
         modules = self._modules  # not through nn.Module.__getattr__, about a microsecond a lookup
         projections = modules["q_proj"], modules["k_proj"], modules["v_proj"]
-        qkv = _group_products(hidden_states, *projections)
-        if qkv is None:
+        cos, sin = position_embeddings
+        group = _group(hidden_states, *projections)
+        row = None if group is None else group.row(hidden_states)
+        if row is not None:
+            output = self._cached_step(row, cos, sin, attention_mask, cache, kwargs)
+            if output is not None:
+                return _call(modules["o_proj"], output), None
+            qkv = row.split_with_sizes(group.sizes, -1)
+        else:
             qkv = tuple(projection(hidden_states) for projection in projections)
         query, key, value = qkv
         value = value.view(1, 1, -1, head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
         if query.requires_grad or key.requires_grad or not (query.is_contiguous() and key.is_contiguous()):
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -146,6 +162,24 @@ class RowDecodeAttention:
             )
         return _call(modules["o_proj"], output.view(1, 1, -1)), None
 
+    def _cached_step(self, qkv, cos, sin, attention_mask, cache, kwargs):
+        """The rotary embedding, cache write and attention in one call (`decode_cache.decode_attention`) of the q/k/v
+        group's one output row `qkv` when the cache is a plain dynamic one, there is no mask and no attention weights
+        are asked for; else None."""
+        if (
+            attention_mask is not None
+            or kwargs.get("output_attentions", False)
+            or not decode_cache.takes_row_cache(cache, self.layer_idx)
+            or qkv.requires_grad
+            or not qkv.is_contiguous()
+            or self.head_dim > row_attention.MAX_HEAD_SIZE
+        ):
+            return None
+        kv_heads = self._modules["k_proj"].out_features // self.head_dim
+        return decode_cache.decode_attention(
+            cache, self.layer_idx, qkv, cos, sin, kv_heads, self.head_dim, self.scaling
+        )
+
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)
 
@@ -158,8 +192,11 @@ class RowDecodeMLP:
             return super().forward(x)
         modules = self._modules
         gate_proj, up_proj = modules["gate_proj"], modules["up_proj"]
-        gate_up = _group_products(x, gate_proj, up_proj)
-        gate, up = (gate_proj(x), up_proj(x)) if gate_up is None else gate_up
+        group = _group(x, gate_proj, up_proj)
+        row = None if group is None else group.row(x)
+        if row is not None and row.is_contiguous() and group.sizes[0] == group.sizes[1]:
+            return _call(modules["down_proj"], _SILU_MUL_HALVES_ROW(row))  # (1, 1, intermediate): no split, no view
+        gate, up = (gate_proj(x), up_proj(x)) if row is None else row.split_with_sizes(group.sizes, -1)
         if (
             gate.requires_grad
             or up.requires_grad
@@ -167,8 +204,10 @@ class RowDecodeMLP:
             or gate.stride(-1) != 1
             or up.stride(-1) != 1
         ):
-            return self.down_proj(self.act_fn(gate) * up)
-        return _call(modules["down_proj"], _SILU_MUL_ROW(gate, up))
+            y = self.down_proj(self.act_fn(gate) * up)
+        else:
+            y = _call(modules["down_proj"], _SILU_MUL_ROW(gate, up))
+        return y if y.dim() == x.dim() else y.view(x.shape)  # the group's products are (1, N) rows
 
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)
@@ -222,6 +261,37 @@ class RowDecodeLayer:
         return _reduce_as_base(self, protocol)
 
 
+class RowDecodeLayers(nn.ModuleList):
+    """The `nn.ModuleList` of a model's decoder layers, its slices made without `add_module`'s per-layer checks (see
+    the module docstring): a slice is a new plain `nn.ModuleList` of the same layers named "0", "1", ..., as
+    nn.ModuleList's own; with global module registration hooks (`register_module_module_registration_hook`) it is
+    nn.ModuleList's slice, hooks called."""
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, slice) or _module_hooks._global_module_registration_hooks:
+            return super().__getitem__(idx)
+        layers = list(self._modules.values())[idx]
+        sliced = nn.ModuleList()
+        sliced._modules.update({str(i): layer for i, layer in enumerate(layers)})
+        return sliced
+
+    def __reduce_ex__(self, protocol: int):
+        # pickled as nn.ModuleList, as the layers are pickled as their transformers classes
+        _, _, *rest = super().__reduce_ex__(protocol)
+        return (copyreg._reconstructor, (nn.ModuleList, object, None), *rest)
+
+
+def _layer_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The plain `nn.ModuleList`s of `model` holding decoder layers of `ROW_LAYER_CLASSES` only."""
+    return [
+        module
+        for module in model.modules()
+        if type(module) is nn.ModuleList
+        and len(module) > 0
+        and all(type(layer).__name__ in ROW_LAYER_CLASSES for layer in module._modules.values())
+    ]
+
+
 def _hooked(module: nn.Module) -> bool:
     """Whether calling `module` does more than its `forward`: hooks of its own or global ones (nn.Module's
     `_call_impl` runs them) or a compiled call (`module.compile()`); a forward replaced on the instance (offloading
@@ -249,10 +319,11 @@ def _call_keywords(module: nn.Module, **kwargs):
     return module(**kwargs) if _hooked(module) else module.forward(**kwargs)
 
 
-def _group_products(x: torch.Tensor, *layers: nn.Module) -> tuple | None:
-    """The outputs of `layers` for the decode row `x` from their fused group's one GEMV (`DecodeGroup.products`),
-    when they are exactly its members, in order, and calling each would run only its forward's fused path (no
-    hooks, no bias, x one contiguous row of their input width); else None (the caller calls each layer)."""
+def _group(x: torch.Tensor, *layers: nn.Module):
+    """The fused group (`DecodeGroup`) whose one GEMV gives the outputs of `layers` for the decode row `x`, when they
+    are exactly its members, in order, and calling each would run only its forward's fused path (no hooks, no bias, x
+    one contiguous row of their input width); else None (the caller calls each layer). Its `row(x)` is the members'
+    outputs one after the other (or None: the group dissolved), `sizes` their widths."""
     group = getattr(layers[0], "_fused", None)
     if group is None or group.members != list(layers) or x.requires_grad or not x.is_contiguous():
         return None
@@ -261,7 +332,7 @@ def _group_products(x: torch.Tensor, *layers: nn.Module) -> tuple | None:
             return None
     if x.numel() != layers[0].in_features:
         return None
-    return group.products(x)
+    return group
 
 
 def _plain_kv(key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -333,17 +404,21 @@ def _mixin(module: nn.Module):
 def use_row_decode(model: nn.Module) -> int:
     """Give every attention, MLP and decoder layer of `model` of a known Llama-family class (`ROW_ATTENTION_CLASSES`,
     `ROW_MLP_CLASSES`, `ROW_LAYER_CLASSES`) the one-token decode forward (class swap in place: see the module
-    docstring). Nothing happens where hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number
-    of modules changed."""
-    global _ROTARY_ROW, _SILU_MUL_ROW, _ADD_RMS_NORM_ROW
+    docstring), and the lists holding those decoder layers their slicing (`RowDecodeLayers`). Nothing happens where
+    hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number of attention, MLP and decoder
+    layer modules changed."""
+    global _ROTARY_ROW, _SILU_MUL_ROW, _SILU_MUL_HALVES_ROW, _ADD_RMS_NORM_ROW
     candidates = [(module, mixin) for module in model.modules() if (mixin := _mixin(module)) is not None]
     if not candidates or not torch_ops.loaded():
         return 0
     _ROTARY_ROW = torch.ops.hfquant_cpu.rotary_row.default
     _SILU_MUL_ROW = torch.ops.hfquant_cpu.silu_mul_row.default
+    _SILU_MUL_HALVES_ROW = torch.ops.hfquant_cpu.silu_mul_halves_row.default
     _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
     for module, mixin in candidates:
         module.__class__ = _row_class(mixin, type(module))
+    for layers in _layer_lists(model):
+        layers.__class__ = RowDecodeLayers
     return len(candidates)
 
 
@@ -355,4 +430,6 @@ def restore_row_decode(model: nn.Module) -> int:
         if isinstance(module, (RowDecodeAttention, RowDecodeMLP, RowDecodeLayer)):
             module.__class__ = type(module).__bases__[1]
             changed += 1
+        elif type(module) is RowDecodeLayers:
+            module.__class__ = nn.ModuleList
     return changed

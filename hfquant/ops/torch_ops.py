@@ -164,9 +164,17 @@ def _register_fakes() -> None:
             key.new_empty((1, key.numel() // head_dim, 1, head_dim)),
         )
 
+    @torch.library.register_fake("hfquant_cpu::decode_attention_row")
+    def _(qkv, cos, sin, key_cache, value_cache, position, scale):
+        return qkv.new_empty((1, 1, qkv.numel() - 2 * key_cache.shape[1] * key_cache.shape[3]))
+
     @torch.library.register_fake("hfquant_cpu::silu_mul_row")
     def _(gate, up):
         return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("hfquant_cpu::silu_mul_halves_row")
+    def _(gate_up):
+        return gate_up.new_empty((1, 1, gate_up.numel() // 2))
 
     @torch.library.register_fake("hfquant_cpu::add_rms_norm_row")
     def _(residual, hidden, weight, eps):

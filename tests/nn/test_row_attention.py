@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hfquant.nn import row_attention
+from hfquant.nn import decode_cache, row_attention
 from hfquant.nn.row_attention import ATTENTION_NAME, restore_row_attention, row_attention_forward, use_row_attention
 from hfquant.ops import torch_ops
 
@@ -186,6 +186,8 @@ def test_the_default_decodes_as_sdpa_within_a_bfloat16_step(tmp_path, monkeypatc
     calls = []
     kernel = row_attention._ATTENTION_ROW
     monkeypatch.setattr(row_attention, "_ATTENTION_ROW", lambda *args: calls.append(1) or kernel(*args))
+    cached = torch.ops.hfquant_cpu.decode_attention_row.default  # the decode step's own cache: kernel in one call
+    monkeypatch.setattr(decode_cache, "_DECODE_ATTENTION_ROW", lambda *args: calls.append(1) or cached(*args))
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(1))
     runs = {}
     for name in (ATTENTION_NAME, "sdpa"):

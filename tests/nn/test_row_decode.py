@@ -13,9 +13,16 @@ import torch
 from helpers import tiny_model
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from hfquant.nn import row_decode
+from hfquant.nn import decode_cache, row_decode
 from hfquant.nn.row_attention import ATTENTION_NAME
-from hfquant.nn.row_decode import RowDecodeAttention, RowDecodeLayer, RowDecodeMLP, restore_row_decode, use_row_decode
+from hfquant.nn.row_decode import (
+    RowDecodeAttention,
+    RowDecodeLayer,
+    RowDecodeLayers,
+    RowDecodeMLP,
+    restore_row_decode,
+    use_row_decode,
+)
 from hfquant.ops import torch_ops
 
 pytestmark = pytest.mark.skipif(not torch_ops.loaded(), reason="hfquant's operators unavailable (no C/C++ compiler)")
@@ -83,6 +90,18 @@ def test_the_swiglu_product_is_within_its_two_roundings_of_float64(n):
     assert differing <= max(1, 4 * n // 1000)
 
 
+@pytest.mark.parametrize("n", [1, 7, 1536, 8192 + 9])
+def test_the_swiglu_of_an_unsplit_gate_up_row_is_the_product_of_its_halves(n):
+    """`silu_mul_halves_row` of a fused gate/up GEMV's row equals `silu_mul_row` of its two halves bit for bit."""
+    gate_up = (torch.randn(1, 2 * n, generator=torch.Generator().manual_seed(n)) * 6).to(torch.bfloat16)
+    gate, up = gate_up.split([n, n], -1)
+    got = torch.ops.hfquant_cpu.silu_mul_halves_row(gate_up)
+    assert got.shape == (1, 1, n)
+    assert torch.equal(_bits(got), _bits(torch.ops.hfquant_cpu.silu_mul_row(gate, up)).view(1, 1, n))
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.hfquant_cpu.silu_mul_halves_row(gate_up[:, :-1] if n > 0 else gate_up)
+
+
 def test_the_swiglu_product_at_the_ends_of_exp():
     gate = torch.tensor([-200.0, -100.0, -87.5, -20.0, -0.0, 0.0, 20.0, 87.5, 100.0, 3e38]).to(torch.bfloat16)
     up = torch.ones_like(gate)
@@ -141,15 +160,23 @@ def test_a_quantized_llama_decodes_the_same_tokens_with_the_row_forwards(llama_f
     assert model.config._attn_implementation == ATTENTION_NAME
     assert isinstance(model.model.layers[0], RowDecodeLayer) and isinstance(model.model.layers[0].mlp, RowDecodeMLP)
     assert isinstance(model.model.layers[0].self_attn, RowDecodeAttention)
-    calls = {"rotary": 0, "swiglu": 0, "add_norm": 0}
-    for name, key in (("_ROTARY_ROW", "rotary"), ("_SILU_MUL_ROW", "swiglu"), ("_ADD_RMS_NORM_ROW", "add_norm")):
-        kernel = getattr(row_decode, name)
+    calls = {"rotary": 0, "swiglu": 0, "add_norm": 0, "cached": 0}
+    decode_cache._DECODE_ATTENTION_ROW = torch.ops.hfquant_cpu.decode_attention_row.default
+    for module, name, key in (
+        (row_decode, "_ROTARY_ROW", "rotary"),
+        (row_decode, "_SILU_MUL_ROW", "swiglu"),
+        (row_decode, "_SILU_MUL_HALVES_ROW", "swiglu"),
+        (row_decode, "_ADD_RMS_NORM_ROW", "add_norm"),
+        (decode_cache, "_DECODE_ATTENTION_ROW", "cached"),
+    ):
+        kernel = getattr(module, name)
         monkeypatch.setattr(
-            row_decode, name, lambda *a, k=kernel, key=key: calls.__setitem__(key, calls[key] + 1) or k(*a)
+            module, name, lambda *a, k=kernel, key=key: calls.__setitem__(key, calls[key] + 1) or k(*a)
         )
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     ours = _generate(model, ids)
-    assert calls == {"rotary": 9 * layers, "swiglu": 9 * layers, "add_norm": 9 * layers}  # 10 tokens, 9 decode steps
+    # 10 tokens, 9 decode steps; the rotary embedding is inside the cached attention's call (decode_cache)
+    assert calls == {"rotary": 0, "swiglu": 9 * layers, "add_norm": 9 * layers, "cached": 9 * layers}
     assert restore_row_decode(model) == 3 * layers
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
@@ -167,8 +194,9 @@ def test_everything_but_an_eager_one_token_step_is_transformers_forward(llama_fo
     def refuse(*args):
         raise AssertionError("a row kernel ran")
 
-    for name in ("_ROTARY_ROW", "_SILU_MUL_ROW", "_ADD_RMS_NORM_ROW"):
+    for name in ("_ROTARY_ROW", "_SILU_MUL_ROW", "_SILU_MUL_HALVES_ROW", "_ADD_RMS_NORM_ROW"):
         monkeypatch.setattr(row_decode, name, refuse)
+    monkeypatch.setattr(decode_cache, "_DECODE_ATTENTION_ROW", refuse)
     with torch.no_grad():
         model(ids)
         model(ids[:1])
@@ -182,6 +210,7 @@ def test_other_attentions_keep_transformers_forward(llama_folder, monkeypatch):
     is not hfquant's); `dequantize` restores every class; a pickled layer is its own transformers class."""
     model = _quantized(llama_folder, attn_implementation="sdpa")
     monkeypatch.setattr(row_decode, "_ROTARY_ROW", lambda *args: pytest.fail("the rotary kernel ran"))
+    monkeypatch.setattr(decode_cache, "_DECODE_ATTENTION_ROW", lambda *args: pytest.fail("the cached step ran"))
     ids = torch.randint(3, 256, (1, 4), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, do_sample=False)
@@ -197,3 +226,29 @@ def test_use_and_restore_are_inverse_and_leave_other_classes_alone():
     assert use_row_decode(model) == 3 * layers and use_row_decode(model) == 0
     assert restore_row_decode(model) == 3 * layers and restore_row_decode(model) == 0
     assert use_row_decode(tiny_model("gpt2", dtype=torch.bfloat16)) == 0
+
+
+def test_the_layer_list_slices_as_a_module_list():
+    """`RowDecodeLayers`' slices hold the same layers under the same names as nn.ModuleList's, in a plain new
+    nn.ModuleList; with a global module registration hook the hook sees every layer added (nn.ModuleList's own path);
+    the list pickles as nn.ModuleList and `restore_row_decode` gives its class back."""
+    from torch import nn
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    use_row_decode(model)
+    layers = model.model.layers
+    assert type(layers) is RowDecodeLayers
+    for idx in (slice(None, len(layers)), slice(1, None), slice(None, None, -1), slice(5, 9)):
+        got, expected = layers[idx], nn.ModuleList.__getitem__(layers, idx)
+        assert type(got) is nn.ModuleList and got is not layers
+        assert list(got._modules.items()) == list(expected._modules.items())
+    assert layers[0] is layers._modules["0"] and len(layers[:1]) == 1
+    seen = []
+    handle = nn.modules.module.register_module_module_registration_hook(lambda *args: seen.append(args[1]))
+    try:
+        assert list(layers[:2]._modules.keys()) == ["0", "1"] and seen == ["0", "1"]
+    finally:
+        handle.remove()
+    assert type(pickle.loads(pickle.dumps(layers))) is nn.ModuleList
+    restore_row_decode(model)
+    assert type(model.model.layers) is nn.ModuleList

@@ -107,6 +107,45 @@ def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float
     assert calls == [8 * model.config.num_hidden_layers]
 
 
+def test_compile_decoding_without_module_guards_gives_the_eager_tokens(float_checkpoint):
+    """`compile_decoding(model, module_guards=False)`: the compile config carries `keep_tensor_guards` (and no mode:
+    torch takes one or the other), generate compiles and gives the eager tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from hfquant import compile_decoding
+    from hfquant.integration.generation import keep_tensor_guards
+
+    model = AutoModelForCausalLM.from_pretrained(
+        float_checkpoint("llama", torch.bfloat16),
+        quantization_config=HfQuantConfig(bits=4, group_size=32),
+        dtype=torch.bfloat16,
+        device_map="cpu",
+    )
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    eager = model.generate(ids, **settings, cache_implementation="static", disable_compile=True)
+    torch._dynamo.reset()
+    compile_decoding(model, max_cache_len=32, module_guards=False)
+    config = model.generation_config.compile_config
+    assert config.options == {"guard_filter_fn": keep_tensor_guards} and config.mode is None and config.fullgraph
+    assert torch.equal(model.generate(ids, **settings), eager)
+    assert getattr(model, "_compiled_call", None) is not None
+    torch._dynamo.reset()
+
+
+def test_keep_tensor_guards_drops_only_the_module_attribute_guards():
+    from types import SimpleNamespace
+
+    from hfquant.integration.generation import keep_tensor_guards
+
+    def entry(in_module: bool, guard_type: str):
+        source = SimpleNamespace(is_unspecialized_nn_module=lambda: in_module)
+        return SimpleNamespace(orig_guard=SimpleNamespace(source=source), guard_type=guard_type)
+
+    entries = [entry(False, "ID_MATCH"), entry(True, "TENSOR_MATCH"), entry(True, "ID_MATCH"), entry(True, "EQUALS")]
+    assert keep_tensor_guards(entries) == [True, True, False, False]
+
+
 @pytest.mark.parametrize(
     "kwargs,error",
     [

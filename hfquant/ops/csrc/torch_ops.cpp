@@ -22,7 +22,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "hfquant_kernels.h"
 
@@ -246,6 +248,55 @@ std::tuple<at::Tensor, at::Tensor> rotary_row(const at::Tensor &query, const at:
   return {q_out, k_out};
 }
 
+// one decode step's attention over a cache hfquant owns (hfquant/nn/decode_cache.py): the rotary embedding of query
+// and key (rotary_row's arithmetic), the rotated key and the value written into key_cache and value_cache at
+// `position` (in place: no new cache tensor), then attention_row over positions 0..position. qkv holds the step's
+// query, key and value rows one after the other ((heads + 2 * kv_heads) * head_dim contiguous bfloat16 values: a
+// fused q/k/v GEMV's output row, not split), cos and sin head_dim values; key_cache and value_cache (1, kv_heads,
+// capacity > position, head_dim) bfloat16 CPU with the same strides and a contiguous last dimension. Output
+// (1, 1, heads * head_dim): attention_row's values, in o_proj's input shape.
+at::Tensor decode_attention_row(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &sin,
+                                at::Tensor &key_cache, at::Tensor &value_cache, int64_t position, double scale) {
+  for (const at::Tensor *t : {&qkv, &cos, &sin}) check_bf16_row(*t, "decode attention", "qkv, cos and sin");
+  for (const at::Tensor *t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1,
+                "hfquant decode attention: caches must be (1, kv_heads, capacity, head_dim) bfloat16 CPU tensors with",
+                " a contiguous last dimension, got ", t->sizes());
+  const int64_t kv_heads = key_cache.size(1), dim = key_cache.size(3);
+  const int64_t heads = dim > 0 ? qkv.numel() / dim - 2 * kv_heads : 0;
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
+                  key_cache.size(0) == 1 && position >= 0 && position < key_cache.size(2) && dim % 2 == 0 &&
+                  heads > 0 && heads % kv_heads == 0 && qkv.numel() == (heads + 2 * kv_heads) * dim &&
+                  cos.numel() == dim && sin.numel() == dim,
+              "hfquant decode attention: needs caches of one shape and strides with room at position ", position,
+              " and a qkv row of whole heads (a multiple of kv_heads, then 2 * kv_heads), got caches ",
+              key_cache.sizes(), ", qkv ", qkv.sizes(), ", cos ", cos.sizes());
+  const int64_t head_stride = key_cache.stride(1), token_stride = key_cache.stride(2);
+  at::Tensor out = at::empty({1, 1, heads * dim}, qkv.options());
+  // the rotated query and key go to this thread's scratch row (no tensor allocated), the key then into the cache
+  thread_local std::vector<uint16_t> rotated;
+  rotated.resize(static_cast<size_t>((heads + kv_heads) * dim));
+  uint16_t *q_rot = rotated.data(), *k_rot = rotated.data() + heads * dim;
+  const uint16_t *q = static_cast<const uint16_t *>(qkv.const_data_ptr());
+  const uint16_t *k = q + heads * dim, *v = k + kv_heads * dim;
+  int status = hfquant_rotary_row(q, k, static_cast<const uint16_t *>(cos.const_data_ptr()),
+                                  static_cast<const uint16_t *>(sin.const_data_ptr()), q_rot, k_rot, heads, kv_heads,
+                                  dim);
+  TORCH_CHECK(status == 0, "hfquant decode attention: rotary refused heads=", heads, ", dim=", dim);
+  uint16_t *keys = static_cast<uint16_t *>(key_cache.mutable_data_ptr());
+  uint16_t *values = static_cast<uint16_t *>(value_cache.mutable_data_ptr());
+  for (int64_t h = 0; h < kv_heads; h++) {
+    std::memcpy(keys + h * head_stride + position * token_stride, k_rot + h * dim, dim * sizeof(uint16_t));
+    std::memcpy(values + h * head_stride + position * token_stride, v + h * dim, dim * sizeof(uint16_t));
+  }
+  status = hfquant_attention_row(q_rot, dim, keys, values, head_stride, token_stride,
+                                 static_cast<uint16_t *>(out.mutable_data_ptr()), heads, kv_heads, position + 1, dim,
+                                 static_cast<float>(scale));
+  TORCH_CHECK(status == 0, "hfquant decode attention refused heads=", heads, ", kv_heads=", kv_heads, ", tokens=",
+              position + 1, " (status ", status, ")");
+  return out;
+}
+
 // SwiGLU product of one row (csrc/decode_rows_cpu.c): bf16(silu(gate)) * up for gate and up of one shape, each with
 // a contiguous last dimension holding all its values (a fused gate/up GEMV's split views); output gate's shape,
 // contiguous bfloat16
@@ -260,6 +311,20 @@ at::Tensor silu_mul_row(const at::Tensor &gate, const at::Tensor &up) {
                                     static_cast<const uint16_t *>(up.const_data_ptr()),
                                     static_cast<uint16_t *>(out.mutable_data_ptr()), gate.numel());
   TORCH_CHECK(status == 0, "hfquant SwiGLU refused n=", gate.numel());
+  return out;
+}
+
+// silu_mul_row of a fused gate/up GEMV's one output row, unsplit: gate_up holds the gate's n values then the up's n
+// (2n contiguous bfloat16); output (1, 1, n), down_proj's input of a decode step
+at::Tensor silu_mul_halves_row(const at::Tensor &gate_up) {
+  check_bf16_row(gate_up, "SwiGLU", "gate_up");
+  TORCH_CHECK(gate_up.numel() > 0 && gate_up.numel() % 2 == 0 && gate_up.numel() == gate_up.size(-1),
+              "hfquant SwiGLU: needs one row of an even number of values, got ", gate_up.sizes());
+  const int64_t n = gate_up.numel() / 2;
+  at::Tensor out = at::empty({1, 1, n}, gate_up.options());
+  const uint16_t *gate = static_cast<const uint16_t *>(gate_up.const_data_ptr());
+  int status = hfquant_silu_mul_row(gate, gate + n, static_cast<uint16_t *>(out.mutable_data_ptr()), n);
+  TORCH_CHECK(status == 0, "hfquant SwiGLU refused n=", n);
   return out;
 }
 
@@ -297,7 +362,11 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("attention_row(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
   m.def("attention_row_masked(Tensor query, Tensor key, Tensor value, float scale, Tensor mask) -> Tensor");
   m.def("rotary_row(Tensor query, Tensor key, Tensor cos, Tensor sin, int head_dim) -> (Tensor, Tensor)");
+  m.def(
+      "decode_attention_row(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "int position, float scale) -> Tensor");
   m.def("silu_mul_row(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_mul_halves_row(Tensor gate_up) -> Tensor");
   m.def("add_rms_norm_row(Tensor residual, Tensor hidden, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
@@ -312,6 +381,8 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("attention_row", &attention_row);
   m.impl("attention_row_masked", &attention_row_masked);
   m.impl("rotary_row", &rotary_row);
+  m.impl("decode_attention_row", &decode_attention_row);
   m.impl("silu_mul_row", &silu_mul_row);
+  m.impl("silu_mul_halves_row", &silu_mul_halves_row);
   m.impl("add_rms_norm_row", &add_rms_norm_row);
 }
