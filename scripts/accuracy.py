@@ -145,6 +145,7 @@ CONFIGS = {
     "hq3_r-auto": dict(format="hq3_r", mixed_precision="auto"),
     "hq3_r-auto-head-keep": dict(format="hq3_r", mixed_precision="auto", lm_head="keep"),
     "hq3_r-auto-head-int8": dict(format="hq3_r", mixed_precision="auto", lm_head="int8"),
+    "hq3_r-auto-head-int4": dict(format="hq3_r", mixed_precision="auto", lm_head="int4"),
     "hq3_r-auto-head-q8_0": dict(
         format="hq3_r", mixed_precision="auto", module_overrides={"model.embed_tokens": {"format": "q8_0"}}
     ),

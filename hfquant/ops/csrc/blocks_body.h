@@ -404,44 +404,79 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 #if BK_MASKED
-/* gf2p8affineqb's 8 x 8 bit matrix (one per 64-bit lane) taking input bit `from` to output bit `to` (and the next
- * `count` - 1 bits along), every other output bit 0: output bit i is row byte 7 - i's parity with the input */
-static inline long long BK_NAME(k3_pick_)(int from, int to, int count) {
-    unsigned long long m = 0;
-    for (int i = 0; i < count; i++) m |= (1ULL << (from + i)) << 8 * (7 - (to + i));
-    return (long long)m;
+/* gf2p8affineqb's 8 x 8 bit matrix (one per 64-bit lane) taking input bits a, b, c to output bits 0, 1, 2, every
+ * other output bit 0: output bit i is row byte 7 - i's parity with the input */
+#define BK_PICK3(a, b, c) (long long)((1ULL << (a)) << 56 | (1ULL << (b)) << 48 | (1ULL << (c)) << 40)
+
+/* row_q3_k_gfni's constants, made once per row: the code matrices of its two byte merges and the vpmultishiftqb
+ * controls of the scales */
+typedef struct {
+    __m512i code[2];
+    __m128i pick_low, pick_high;
+} BK_NAME(Q3kGfni);
+
+BK_GFNI_TARGET static inline BK_NAME(Q3kGfni) BK_NAME(q3_k_gfni_consts_)(void) {
+    BK_NAME(Q3kGfni) k;
+    /* merge 0 (per byte l: qs bits 0-3, hmask bits 4h, 4h + 1 at 4, 5): codes j = 0 (half 0), 1 (half 1); merge 1
+     * (qs bits 4-7, hmask bits 4h + 2, 4h + 3 at 2, 3): codes j = 2, 3 */
+    k.code[0] = _mm512_inserti64x4(_mm512_set1_epi64(BK_PICK3(0, 1, 4)), _mm256_set1_epi64x(BK_PICK3(2, 3, 5)), 1);
+    k.code[1] = _mm512_inserti64x4(_mm512_set1_epi64(BK_PICK3(4, 5, 2)), _mm256_set1_epi64x(BK_PICK3(6, 7, 3)), 1);
+    /* scale s's 8-bit window: its 4-bit low at bit 8s (s < 8) or 8(s - 8) + 4 of scales[0..7]; its 2-bit high, bits
+     * 2(s / 4) of byte s % 4 of scales[8..11] (the dword twice per qword), to bits 4-5 (offsets mod 64: rotated) */
+    k.pick_low = _mm_setr_epi8(0, 8, 16, 24, 32, 40, 48, 56, 4, 12, 20, 28, 36, 44, 52, 60);
+    k.pick_high = _mm_setr_epi8(60, 4, 12, 20, 62, 6, 14, 22, 0, 8, 16, 24, 2, 10, 18, 26);
+    return k;
 }
 
-/* row_q3_k_ where the CPU has GFNI (Q3_K_GFNI): the same groups, sums and bytes; each group's codes by two bit-matrix
- * products, qs's bits 2j, 2j + 1 to bits 0-1 and hmask's bit 4h + j to bit 2 (other bits 0), and one or */
-BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    __m512i low[2], high[4]; /* per 256-bit half (codes j = 2 odd, 2 odd + 1): the matrices of each group */
-    for (int odd = 0; odd < 2; odd++)
-        low[odd] = _mm512_inserti64x4(_mm512_set1_epi64(BK_NAME(k3_pick_)(4 * odd, 0, 2)),
-                                      _mm256_set1_epi64x(BK_NAME(k3_pick_)(4 * odd + 2, 0, 2)), 1);
-    for (int g = 0; g < 4; g++)
-        high[g] = _mm512_inserti64x4(_mm512_set1_epi64(BK_NAME(k3_pick_)(2 * g, 2, 1)),
-                                     _mm256_set1_epi64x(BK_NAME(k3_pick_)(2 * g + 1, 2, 1)), 1);
-    for (int64_t b = 0; b < nb; b++, w += 110) {
-        const int8_t *xq = a->q + b * 256;
-        const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
-        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
-        __m512i sum = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
-            for (int odd = 0; odd < 2; odd++) {
-                const int g = 2 * h + odd;
-                const __m512i u = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(q, low[odd], 0),
-                                                  _mm512_gf2p8affine_epi64_epi8(hm, high[g], 0));
-                sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
-            }
-        }
-        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
-                                   BK_NAME(half_)(w + 108) * a->d[b]);
+/* one super-block of row_q3_k_gfni added to acc (dx: the activation scale of its 256 inputs) */
+BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint8_t *w, const int8_t *xq,
+                                                         const int16_t *bs16, const float *dx,
+                                                         const BK_NAME(Q3kGfni) *k) {
+    uint64_t lows8;
+    uint32_t highs4;
+    memcpy(&lows8, w + 96, 8);
+    memcpy(&highs4, w + 104, 4);
+    const __m128i lows = _mm_multishift_epi64_epi8(k->pick_low, _mm_set1_epi64x((long long)lows8));
+    const __m128i highs =
+        _mm_and_si128(_mm_multishift_epi64_epi8(k->pick_high, _mm_set1_epi32((int)highs4)), _mm_set1_epi8(0x30));
+    /* 0xEC: (lows & 0x0F) | highs, the 6-bit scales; minus 32 as int16 */
+    const __m128i scales = _mm_ternarylogic_epi32(lows, highs, _mm_set1_epi8(0x0F), 0xEC);
+    const __m256i scale16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(scales), _mm256_set1_epi16(32));
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i hm_up = _mm512_slli_epi16(hm, 4), hm_down = _mm512_srli_epi16(hm, 4);
+    const __m512i nib_low = _mm512_set1_epi8(0x0F), nib_high = _mm512_set1_epi8((char)0xF0);
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+        /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
+        const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
+        const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
+        sum = BK_NAME(k16_group_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0), xq + 128 * h, scale16, 2 * h);
+        sum = BK_NAME(k16_group_)(sum, _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h + 64, scale16,
+                                  2 * h + 1);
     }
+    /* d times the activation scale in every lane (k16_finish_'s product, without a scalar round trip) */
+    int16_t d16;
+    memcpy(&d16, w + 108, 2);
+    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16(d16)), _mm256_broadcast_ss(dx));
+    const __m256i sumi = _mm256_sub_epi32(BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, bs16, 2));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
+}
+
+/* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same groups, sums and bytes. Per 128
+ * codes h, qs and hmask are merged per byte by two bit selects (hmask shifted by 4 once per super-block), and each
+ * merge gives one group of codes (its two 256-bit halves by two matrices) by one vgf2p8affineqb: four bit-matrix
+ * products and four selects per super-block (the thirteenth session's step: eight products and four ors). The
+ * sixteen scales by two vpmultishiftqb (8-bit windows of the packed lows and highs) and one select instead of
+ * k3_scales_'s general-register unpack (still the other bodies'). */
+BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 110)
+        acc = BK_NAME(q3_k_gfni_block_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
     return BK_NAME(hsum_)(acc);
 }
+#undef BK_PICK3
 #endif
 
 BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
