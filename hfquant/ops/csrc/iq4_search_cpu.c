@@ -26,12 +26,14 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "hfquant_kernels.h"
 
 #define IS_LANES 16
+#define IQ4_MAX_THREADS 256 /* iq4_run: the most threads of one search */
 
 static const float iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* bucket b covers u in [8 (b - 16), 8 (b - 15)): the count of grid midpoints below its lower end, and the midpoint
@@ -222,45 +224,81 @@ static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, i
     *wt_phase = count < IS_LANES ? -1 : phase;
 }
 
-/* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
- * weight is not finite) */
-static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, int64_t nblocks, int type,
-                   const iq4_search_t *s, int64_t threads, const iq4_body_t *body, uint8_t *out) {
-    const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
-    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
-    int failed = 0, bad = 0;
-#pragma omp parallel num_threads(threads > 0 ? (int)threads : omp_get_max_threads()) reduction(| : bad)
-    {
-        /* xt, wt: a group transposed, its importance; xs: its folded weights (a source to fold) */
-        float *xt = aligned_alloc(64, 3 * 256 * IS_LANES * sizeof(float));
-        float *wt = xt ? xt + 256 * IS_LANES : NULL, *xs = xt ? xt + 2 * 256 * IS_LANES : NULL;
-        if (!xt) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        int64_t wt_phase = -1;
-        uint8_t codes[256 * IS_LANES];
-        float d[IS_LANES], levels[8 * IS_LANES];
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t g = 0; g < groups; g++) {
-            if (!xt) continue; /* out of memory: reported below */
+/* one call's search, shared by its threads: each takes IQ4_TAKE groups at a time from `next` */
+typedef struct {
+    const iq4_source_t *src;
+    const float *w;
+    int64_t w_period, nblocks, groups;
+    int type;
+    const iq4_search_t *s;
+    const iq4_body_t *body;
+    uint8_t *out;
+    int64_t next;     /* the first group not yet taken (atomic) */
+    int failed, bad;  /* set by any thread (atomic): no work buffer; a folded value not finite */
+} iq4_job_t;
+
+#define IQ4_TAKE 4 /* groups a thread takes at a time (the OpenMP loop's schedule(dynamic, 4) before) */
+
+/* one thread's share of a job: groups taken until none is left */
+static void *iq4_worker(void *arg) {
+    iq4_job_t *job = arg;
+    const int size = job->type == 23 ? 256 : 32, type_size = job->type == 23 ? 136 : 18;
+    /* xt, wt: a group transposed, its importance; xs: its folded weights (a source to fold) */
+    float *xt = aligned_alloc(64, 3 * 256 * IS_LANES * sizeof(float));
+    if (!xt) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    float *wt = xt + 256 * IS_LANES, *xs = xt + 2 * 256 * IS_LANES;
+    int64_t wt_phase = -1;
+    uint8_t codes[256 * IS_LANES];
+    float d[IS_LANES], levels[8 * IS_LANES];
+    int bad = 0;
+    for (;;) {
+        const int64_t g0 = __atomic_fetch_add(&job->next, IQ4_TAKE, __ATOMIC_RELAXED);
+        if (g0 >= job->groups) break;
+        for (int64_t g = g0; g < g0 + IQ4_TAKE && g < job->groups; g++) {
             const int64_t first = g * IS_LANES;
-            const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
-            bad |= iq4_group_in(src, body, first, count, size, xs, xt);
-            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, wt, &wt_phase);
-            const float *wg = w != NULL ? wt : NULL;
-            if (type == 23) {
-                body->xs_group(xt, wg, s, d, levels, codes);
-                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + (first + l) * type_size);
-                body->xs_put_codes(codes, count, out + first * type_size);
+            const int count = (int)(job->nblocks - first < IS_LANES ? job->nblocks - first : IS_LANES);
+            uint8_t *out = job->out + first * type_size;
+            bad |= iq4_group_in(job->src, job->body, first, count, size, xs, xt);
+            if (job->w != NULL) iq4_importance_in(job->w, job->w_period, first, count, size, wt, &wt_phase);
+            const float *wg = job->w != NULL ? wt : NULL;
+            if (job->type == 23) {
+                job->body->xs_group(xt, wg, job->s, d, levels, codes);
+                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + l * type_size);
+                job->body->xs_put_codes(codes, count, out);
             } else {
-                body->nl_group(xt, wg, s, d, codes);
-                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + (first + l) * type_size);
+                job->body->nl_group(xt, wg, job->s, d, codes);
+                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + l * type_size);
             }
         }
-        free(xt);
     }
-    return failed ? 2 : (bad ? 3 : 0);
+    free(xt);
+    if (bad) __atomic_store_n(&job->bad, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+/* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
+ * weight is not finite). The caller and up to threads - 1 POSIX threads of this call's own (threads <= 0: OpenMP's
+ * default count) take the groups; the threads end with the call, where an OpenMP team's idle workers spin for a while
+ * after each region: on load, between one weight's search and the next, they took a core from the fold worker
+ * (docs/performance.md, issue #32, fourteenth session). Each group's bytes do not depend on the thread that searched
+ * it. A thread that cannot be started leaves its share to the others. */
+static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, int64_t nblocks, int type,
+                   const iq4_search_t *s, int64_t threads, const iq4_body_t *body, uint8_t *out) {
+    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES, takes = (groups + IQ4_TAKE - 1) / IQ4_TAKE;
+    iq4_job_t job = {src, w, w_period, nblocks, groups, type, s, body, out, 0, 0, 0};
+    int64_t team = threads > 0 ? threads : omp_get_max_threads();
+    team = team < takes ? team : takes;
+    team = team < IQ4_MAX_THREADS ? team : IQ4_MAX_THREADS;
+    pthread_t helpers[IQ4_MAX_THREADS];
+    int started = 0;
+    for (int64_t i = 1; i < team; i++)
+        if (pthread_create(&helpers[started], NULL, iq4_worker, &job) == 0) started++;
+    iq4_worker(&job);
+    for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+    return job.failed ? 2 : (job.bad ? 3 : 0);
 }
 
 /* the search's constants checked (0) or 1 */
@@ -278,9 +316,9 @@ static int iq4_bad_search(int type, int64_t ntargets, int64_t refine, int64_t ns
  * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
  * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
- * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 OpenMP threads (else
- * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's
- * 48 KiB work buffer could not be allocated.
+ * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 threads (else
+ * OpenMP's default count; iq4_run); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2
+ * when a thread's 48 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
