@@ -279,12 +279,80 @@ static void *iq4_worker(void *arg) {
     return NULL;
 }
 
+/* The search's helper threads, kept between calls and asleep on a condition variable there: an OpenMP team's idle
+ * workers spin for a while after each region (on load, between one weight's search and the next, beside the fold
+ * worker), and threads started per call wait behind the machine's other threads before their first run. One call at
+ * a time uses them (`use`); another call meanwhile (the fold worker's error test beside the load's search) starts
+ * threads of its own. A forked child starts with none (`iq4_pool_forked`). */
+static struct {
+    pthread_mutex_t use, lock;
+    pthread_cond_t wake, done;
+    int size;                          /* helpers started */
+    uint64_t generation;               /* calls published so far */
+    uint64_t born[IQ4_MAX_THREADS];    /* the generation when each helper started: it runs only later calls */
+    int want, busy;                    /* the helpers of the current call (indices < want), those not done */
+    iq4_job_t *job;
+} iq4_pool = {.use = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
+              .done = PTHREAD_COND_INITIALIZER};
+
+static void *iq4_helper(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    pthread_mutex_lock(&iq4_pool.lock);
+    uint64_t seen = iq4_pool.born[index];
+    for (;;) {
+        while (iq4_pool.generation == seen) pthread_cond_wait(&iq4_pool.wake, &iq4_pool.lock);
+        seen = iq4_pool.generation;
+        if (index >= iq4_pool.want) continue;
+        iq4_job_t *job = iq4_pool.job;
+        pthread_mutex_unlock(&iq4_pool.lock);
+        iq4_worker(job);
+        pthread_mutex_lock(&iq4_pool.lock);
+        if (--iq4_pool.busy == 0) pthread_cond_signal(&iq4_pool.done);
+    }
+    return NULL;
+}
+
+static void iq4_pool_forked(void) { /* the child of a fork: no helper runs there, every lock as new */
+    pthread_mutex_init(&iq4_pool.use, NULL);
+    pthread_mutex_init(&iq4_pool.lock, NULL);
+    pthread_cond_init(&iq4_pool.wake, NULL);
+    pthread_cond_init(&iq4_pool.done, NULL);
+    iq4_pool.size = iq4_pool.want = iq4_pool.busy = 0;
+}
+
+static void iq4_pool_register(void) { pthread_atfork(NULL, NULL, iq4_pool_forked); }
+
+/* `job` on the caller and `helpers` pool threads (fewer when they cannot be started); 0, or 1 when the pool is in use
+ * by another call (nothing done) */
+static int iq4_pool_run(iq4_job_t *job, int helpers) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, iq4_pool_register);
+    if (pthread_mutex_trylock(&iq4_pool.use) != 0) return 1;
+    pthread_mutex_lock(&iq4_pool.lock);
+    while (iq4_pool.size < helpers) {
+        pthread_t thread;
+        iq4_pool.born[iq4_pool.size] = iq4_pool.generation;
+        if (pthread_create(&thread, NULL, iq4_helper, (void *)(intptr_t)iq4_pool.size) != 0) break;
+        pthread_detach(thread);
+        iq4_pool.size++;
+    }
+    iq4_pool.want = iq4_pool.busy = helpers < iq4_pool.size ? helpers : iq4_pool.size;
+    iq4_pool.job = job;
+    iq4_pool.generation++;
+    pthread_cond_broadcast(&iq4_pool.wake);
+    pthread_mutex_unlock(&iq4_pool.lock);
+    iq4_worker(job);
+    pthread_mutex_lock(&iq4_pool.lock);
+    while (iq4_pool.busy > 0) pthread_cond_wait(&iq4_pool.done, &iq4_pool.lock);
+    pthread_mutex_unlock(&iq4_pool.lock);
+    pthread_mutex_unlock(&iq4_pool.use);
+    return 0;
+}
+
 /* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
- * weight is not finite). The caller and up to threads - 1 POSIX threads of this call's own (threads <= 0: OpenMP's
- * default count) take the groups; the threads end with the call, where an OpenMP team's idle workers spin for a while
- * after each region: on load, between one weight's search and the next, they took a core from the fold worker
- * (docs/performance.md, issue #32, fourteenth session). Each group's bytes do not depend on the thread that searched
- * it. A thread that cannot be started leaves its share to the others. */
+ * weight is not finite). The caller and up to threads - 1 helper threads (threads <= 0: OpenMP's default count) take
+ * the groups: the pool's (`iq4_pool`), or when another call holds it threads started for this call. Each group's
+ * bytes do not depend on the thread that searched it. */
 static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, int64_t nblocks, int type,
                    const iq4_search_t *s, int64_t threads, const iq4_body_t *body, uint8_t *out) {
     const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES, takes = (groups + IQ4_TAKE - 1) / IQ4_TAKE;
@@ -292,12 +360,16 @@ static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, in
     int64_t team = threads > 0 ? threads : omp_get_max_threads();
     team = team < takes ? team : takes;
     team = team < IQ4_MAX_THREADS ? team : IQ4_MAX_THREADS;
-    pthread_t helpers[IQ4_MAX_THREADS];
-    int started = 0;
-    for (int64_t i = 1; i < team; i++)
-        if (pthread_create(&helpers[started], NULL, iq4_worker, &job) == 0) started++;
-    iq4_worker(&job);
-    for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+    if (team <= 1) {
+        iq4_worker(&job);
+    } else if (iq4_pool_run(&job, (int)team - 1) != 0) {
+        pthread_t helpers[IQ4_MAX_THREADS];
+        int started = 0;
+        for (int64_t i = 1; i < team; i++)
+            if (pthread_create(&helpers[started], NULL, iq4_worker, &job) == 0) started++;
+        iq4_worker(&job);
+        for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+    }
     return job.failed ? 2 : (job.bad ? 3 : 0);
 }
 
