@@ -595,7 +595,7 @@ def _quantize_blocks(
     (`blocks.importance.stored_scale_importance`); `iq4_search` is the C search's for IQ4 types (`iq4.SEARCHES`);
     `importance` (K,) float32 >= 0, each column's weight in the search of the rescaled weight (a fold's
     `Transform.importance`), replaces the type's rule when given. The C search takes OpenMP's default thread count
-    (threads of its own for each call, which end with it: `native.iq4_quantize`) even while a fold worker folds beside
+    (helper threads of its own, asleep between calls: `native.iq4_quantize`) even while a fold worker folds beside
     the load (where the RTN takes one fewer, `quantizer._rtn_threads`): it is the load's longest stage and the
     worker, two blocks ahead, waits for it most of the time (measured on the 1.2B: the same CPU seconds, within
     noise, and the idle core used; docs/performance.md, issue #32, twelfth session).
