@@ -594,11 +594,10 @@ def _quantize_blocks(
     (SINQ's `col_scale` kept beside the layer, not a fold's) searches with the type's importance for such layers
     (`blocks.importance.stored_scale_importance`); `iq4_search` is the C search's for IQ4 types (`iq4.SEARCHES`);
     `importance` (K,) float32 >= 0, each column's weight in the search of the rescaled weight (a fold's
-    `Transform.importance`), replaces the type's rule when given. The C search takes OpenMP's default thread count
-    (helper threads of its own, asleep between calls: `native.iq4_quantize`) even while a fold worker folds beside
-    the load (where the RTN takes one fewer, `quantizer._rtn_threads`): it is the load's longest stage and the
-    worker, two blocks ahead, waits for it most of the time (measured on the 1.2B: the same CPU seconds, within
-    noise, and the idle core used; docs/performance.md, issue #32, twelfth session).
+    `Transform.importance`), replaces the type's rule when given. The C search takes OpenMP's default threads even
+    while a fold worker folds beside the load (where the RTN takes one fewer, `quantizer._rtn_threads`): it is the
+    load's longest stage and the worker, two blocks ahead, waits for it most of the time (measured on the 1.2B:
+    the same CPU seconds, within noise, and the idle core used; docs/performance.md, issue #32, twelfth session).
 
     IQ4 layers by a C search skip the chunks (`_iq4_in_one_pass`): each search thread folds its own groups of blocks
     (`native.iq4_quantize_fold`), so the copy, the scales and the search of the weight are one parallel pass, the same

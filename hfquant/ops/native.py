@@ -1116,8 +1116,7 @@ def iq4_quantize(
             bytes; for tests).
         out: a contiguous (rows, K // block_size * type_size) uint8 CPU tensor to write the blocks into (a layer's
             stored rows: no new tensor and copy per call), None for a new one.
-        threads: threads (>= 1; the search's own helper threads, asleep between calls, not an OpenMP team), None
-            for OpenMP's default count; the bytes do not depend on it.
+        threads: OpenMP threads (>= 1), None for OpenMP's default; the bytes do not depend on it.
         finite: the caller has checked that `weight` is finite (quantize-on-load checks each chunk once, after its
             fold's scales): skips this function's own pass over it. A non-finite weight then gives unspecified
             bytes, never an error or a crash.
@@ -1205,8 +1204,7 @@ def iq4_quantize_fold(
             weight).
         search: the candidates (`Iq4Search`).
         out: contiguous (rows, K // block_size * type_size) uint8 CPU tensor (written).
-        threads: threads (>= 1; the search's own helper threads, asleep between calls, not an OpenMP team), None
-            for OpenMP's default count; the bytes do not depend on it.
+        threads: OpenMP threads (>= 1), None for OpenMP's default; the bytes do not depend on it.
     Returns:
         Whether every folded value was finite (False: NaN or Inf in the weight or from the scales; `out` then holds
         unspecified bytes).

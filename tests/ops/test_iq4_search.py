@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -274,41 +271,3 @@ def test_out_threads_and_a_checked_weight_give_the_same_bytes():
         assert torch.equal(native.iq4_quantize(name, weight, importance, threads=2), expected)
         with pytest.raises(ValueError, match=r"\(70, "):
             native.iq4_quantize(name, weight, out=stored[:69])
-
-
-def test_concurrent_calls_and_a_forked_child_give_the_same_bytes():
-    """The search's helper threads (csrc/iq4_search_cpu.c's pool, kept between calls) serve one call at a time:
-    calls from several threads at once (the load's search beside the fold worker's error test) start threads of their
-    own, and a forked child starts a pool of its own. Each gives the bytes of a one-thread call."""
-    weight = torch.randn(300, 1024, generator=torch.Generator().manual_seed(7)) * 0.02
-    expected = {name: native.iq4_quantize(name, weight, threads=1) for name in NAMES}
-    results = []
-
-    def search(name: str) -> None:
-        for _ in range(4):
-            results.append((name, native.iq4_quantize(name, weight, threads=3)))
-
-    workers = [threading.Thread(target=search, args=(name,)) for name in NAMES * 3]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    assert len(results) == 24 and all(torch.equal(got, expected[name]) for name, got in results)
-    if not hasattr(os, "fork"):
-        return
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # the child: the pool's threads are not there; its own must start and finish
-        torch.set_num_threads(1)  # torch's OpenMP team is not there either, and GNU OpenMP waits for it after a fork
-        ok = all(torch.equal(native.iq4_quantize(name, weight, threads=2), expected[name]) for name in NAMES)
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + 120  # a pool the child believes it has would wait forever: fail instead
-    while os.waitpid(child, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if time.monotonic() >= deadline:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
-        pytest.fail("the forked child's search did not finish")
-    assert os.read(read, 1) == b"1"

@@ -26,14 +26,12 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "hfquant_kernels.h"
 
 #define IS_LANES 16
-#define IQ4_MAX_THREADS 256 /* iq4_run: the most threads of one search */
 
 static const float iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* bucket b covers u in [8 (b - 16), 8 (b - 15)): the count of grid midpoints below its lower end, and the midpoint
@@ -224,153 +222,45 @@ static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, i
     *wt_phase = count < IS_LANES ? -1 : phase;
 }
 
-/* one call's search, shared by its threads: each takes IQ4_TAKE groups at a time from `next` */
-typedef struct {
-    const iq4_source_t *src;
-    const float *w;
-    int64_t w_period, nblocks, groups;
-    int type;
-    const iq4_search_t *s;
-    const iq4_body_t *body;
-    uint8_t *out;
-    int64_t next;     /* the first group not yet taken (atomic) */
-    int failed, bad;  /* set by any thread (atomic): no work buffer; a folded value not finite */
-} iq4_job_t;
-
-#define IQ4_TAKE 4 /* groups a thread takes at a time (the OpenMP loop's schedule(dynamic, 4) before) */
-
-/* one thread's share of a job: groups taken until none is left */
-static void *iq4_worker(void *arg) {
-    iq4_job_t *job = arg;
-    const int size = job->type == 23 ? 256 : 32, type_size = job->type == 23 ? 136 : 18;
-    /* xt, wt: a group transposed, its importance; xs: its folded weights (a source to fold) */
-    float *xt = aligned_alloc(64, 3 * 256 * IS_LANES * sizeof(float));
-    if (!xt) {
-        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
-        return NULL;
-    }
-    float *wt = xt + 256 * IS_LANES, *xs = xt + 2 * 256 * IS_LANES;
-    int64_t wt_phase = -1;
-    uint8_t codes[256 * IS_LANES];
-    float d[IS_LANES], levels[8 * IS_LANES];
-    int bad = 0;
-    for (;;) {
-        const int64_t g0 = __atomic_fetch_add(&job->next, IQ4_TAKE, __ATOMIC_RELAXED);
-        if (g0 >= job->groups) break;
-        for (int64_t g = g0; g < g0 + IQ4_TAKE && g < job->groups; g++) {
-            const int64_t first = g * IS_LANES;
-            const int count = (int)(job->nblocks - first < IS_LANES ? job->nblocks - first : IS_LANES);
-            uint8_t *out = job->out + first * type_size;
-            bad |= iq4_group_in(job->src, job->body, first, count, size, xs, xt);
-            if (job->w != NULL) iq4_importance_in(job->w, job->w_period, first, count, size, wt, &wt_phase);
-            const float *wg = job->w != NULL ? wt : NULL;
-            if (job->type == 23) {
-                job->body->xs_group(xt, wg, job->s, d, levels, codes);
-                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + l * type_size);
-                job->body->xs_put_codes(codes, count, out);
-            } else {
-                job->body->nl_group(xt, wg, job->s, d, codes);
-                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + l * type_size);
-            }
-        }
-    }
-    free(xt);
-    if (bad) __atomic_store_n(&job->bad, 1, __ATOMIC_RELAXED);
-    return NULL;
-}
-
-/* The search's helper threads, kept between calls and asleep on a condition variable there: an OpenMP team's idle
- * workers spin for a while after each region (on load, between one weight's search and the next, beside the fold
- * worker), and threads started per call wait behind the machine's other threads before their first run. One call at
- * a time uses them (`use`); another call meanwhile (the fold worker's error test beside the load's search) starts
- * threads of its own. A forked child starts with none (`iq4_pool_forked`). */
-static struct {
-    pthread_mutex_t use, lock;
-    pthread_cond_t wake, done;
-    int size;                          /* helpers started */
-    uint64_t generation;               /* calls published so far */
-    uint64_t born[IQ4_MAX_THREADS];    /* the generation when each helper started: it runs only later calls */
-    int want, busy;                    /* the helpers of the current call (indices < want), those not done */
-    iq4_job_t *job;
-} iq4_pool = {.use = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
-              .done = PTHREAD_COND_INITIALIZER};
-
-static void *iq4_helper(void *arg) {
-    const int index = (int)(intptr_t)arg;
-    pthread_mutex_lock(&iq4_pool.lock);
-    uint64_t seen = iq4_pool.born[index];
-    for (;;) {
-        while (iq4_pool.generation == seen) pthread_cond_wait(&iq4_pool.wake, &iq4_pool.lock);
-        seen = iq4_pool.generation;
-        if (index >= iq4_pool.want) continue;
-        iq4_job_t *job = iq4_pool.job;
-        pthread_mutex_unlock(&iq4_pool.lock);
-        iq4_worker(job);
-        pthread_mutex_lock(&iq4_pool.lock);
-        if (--iq4_pool.busy == 0) pthread_cond_signal(&iq4_pool.done);
-    }
-    return NULL;
-}
-
-static void iq4_pool_forked(void) { /* the child of a fork: no helper runs there, every lock as new */
-    pthread_mutex_init(&iq4_pool.use, NULL);
-    pthread_mutex_init(&iq4_pool.lock, NULL);
-    pthread_cond_init(&iq4_pool.wake, NULL);
-    pthread_cond_init(&iq4_pool.done, NULL);
-    iq4_pool.size = iq4_pool.want = iq4_pool.busy = 0;
-}
-
-static void iq4_pool_register(void) { pthread_atfork(NULL, NULL, iq4_pool_forked); }
-
-/* `job` on the caller and `helpers` pool threads (fewer when they cannot be started); 0, or 1 when the pool is in use
- * by another call (nothing done) */
-static int iq4_pool_run(iq4_job_t *job, int helpers) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, iq4_pool_register);
-    if (pthread_mutex_trylock(&iq4_pool.use) != 0) return 1;
-    pthread_mutex_lock(&iq4_pool.lock);
-    while (iq4_pool.size < helpers) {
-        pthread_t thread;
-        iq4_pool.born[iq4_pool.size] = iq4_pool.generation;
-        if (pthread_create(&thread, NULL, iq4_helper, (void *)(intptr_t)iq4_pool.size) != 0) break;
-        pthread_detach(thread);
-        iq4_pool.size++;
-    }
-    iq4_pool.want = iq4_pool.busy = helpers < iq4_pool.size ? helpers : iq4_pool.size;
-    iq4_pool.job = job;
-    iq4_pool.generation++;
-    pthread_cond_broadcast(&iq4_pool.wake);
-    pthread_mutex_unlock(&iq4_pool.lock);
-    iq4_worker(job);
-    pthread_mutex_lock(&iq4_pool.lock);
-    while (iq4_pool.busy > 0) pthread_cond_wait(&iq4_pool.done, &iq4_pool.lock);
-    pthread_mutex_unlock(&iq4_pool.lock);
-    pthread_mutex_unlock(&iq4_pool.use);
-    return 0;
-}
-
 /* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
- * weight is not finite). The caller and up to threads - 1 helper threads (threads <= 0: OpenMP's default count) take
- * the groups: the pool's (`iq4_pool`), or when another call holds it threads started for this call. Each group's
- * bytes do not depend on the thread that searched it. */
+ * weight is not finite) */
 static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, int64_t nblocks, int type,
                    const iq4_search_t *s, int64_t threads, const iq4_body_t *body, uint8_t *out) {
-    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES, takes = (groups + IQ4_TAKE - 1) / IQ4_TAKE;
-    iq4_job_t job = {src, w, w_period, nblocks, groups, type, s, body, out, 0, 0, 0};
-    int64_t team = threads > 0 ? threads : omp_get_max_threads();
-    team = team < takes ? team : takes;
-    team = team < IQ4_MAX_THREADS ? team : IQ4_MAX_THREADS;
-    if (team <= 1) {
-        iq4_worker(&job);
-    } else if (iq4_pool_run(&job, (int)team - 1) != 0) {
-        pthread_t helpers[IQ4_MAX_THREADS];
-        int started = 0;
-        for (int64_t i = 1; i < team; i++)
-            if (pthread_create(&helpers[started], NULL, iq4_worker, &job) == 0) started++;
-        iq4_worker(&job);
-        for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+    const int size = type == 23 ? 256 : 32, type_size = type == 23 ? 136 : 18;
+    const int64_t groups = (nblocks + IS_LANES - 1) / IS_LANES;
+    int failed = 0, bad = 0;
+#pragma omp parallel num_threads(threads > 0 ? (int)threads : omp_get_max_threads()) reduction(| : bad)
+    {
+        /* xt, wt: a group transposed, its importance; xs: its folded weights (a source to fold) */
+        float *xt = aligned_alloc(64, 3 * 256 * IS_LANES * sizeof(float));
+        float *wt = xt ? xt + 256 * IS_LANES : NULL, *xs = xt ? xt + 2 * 256 * IS_LANES : NULL;
+        if (!xt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t wt_phase = -1;
+        uint8_t codes[256 * IS_LANES];
+        float d[IS_LANES], levels[8 * IS_LANES];
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!xt) continue; /* out of memory: reported below */
+            const int64_t first = g * IS_LANES;
+            const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
+            bad |= iq4_group_in(src, body, first, count, size, xs, xt);
+            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, wt, &wt_phase);
+            const float *wg = w != NULL ? wt : NULL;
+            if (type == 23) {
+                body->xs_group(xt, wg, s, d, levels, codes);
+                for (int l = 0; l < count; l++) write_xs_scales(d, levels, l, out + (first + l) * type_size);
+                body->xs_put_codes(codes, count, out + first * type_size);
+            } else {
+                body->nl_group(xt, wg, s, d, codes);
+                for (int l = 0; l < count; l++) write_nl(d, codes, l, out + (first + l) * type_size);
+            }
+        }
+        free(xt);
     }
-    return job.failed ? 2 : (job.bad ? 3 : 0);
+    return failed ? 2 : (bad ? 3 : 0);
 }
 
 /* the search's constants checked (0) or 1 */
@@ -388,9 +278,9 @@ static int iq4_bad_search(int type, int64_t ntargets, int64_t refine, int64_t ns
  * the block stage's grid values for the block's largest weight, then `refine` pairs around each block's best (target
  * times 1 +- refine_step, the step halving after each pair); `super_factors` (nsuper, IQ4_XS); `level_options`
  * 1 or 3; `rounds` the refits; `sweep_hi` > 0: the block stage is the exact breakpoint sweep over factors
- * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 threads (else
- * OpenMP's default count; iq4_run); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2
- * when a thread's 48 KiB work buffer could not be allocated.
+ * [sweep_lo, sweep_hi] (sweep_hi <= 1.55 sweep_lo) instead of the targets' scan; `threads` > 0 OpenMP threads (else
+ * OpenMP's default); `portable` != 0 forces the portable C body. Returns 0, 1 for bad arguments, 2 when a thread's
+ * 48 KiB work buffer could not be allocated.
  */
 int hfquant_iq4_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
                          const float *targets, int64_t ntargets, const float *super_factors, int64_t nsuper,
