@@ -18,7 +18,10 @@
  * compares u >= midpoint, each choosing the next midpoint (a blend, then two in-register permutes of 4 and 8 entries),
  * which counts the midpoints <= u, the code the bucket rule gives for every finite u (the bucket's base counts the
  * midpoints below it, the compare the one inside it; iq4_code's rounding of u / 8 + 16 can move u into a bucket
- * only across a multiple of 8, and no midpoint lies within 2^-16 below one). */
+ * only across a multiple of 8, and no midpoint lies within 2^-16 below one). As in the AVX-512 body, the block scan
+ * (without refine pairs) and the three level options keep their sums and choices in registers, 8 lanes at a time
+ * (`iq4_sums_avx2`), instead of a store and reload per candidate (docs/performance.md, issue #32, fourteenth
+ * session). */
 typedef struct {
     __m256 mid7, mid3, mid11;   /* the first two levels' midpoints */
     __m256 mids4, mids8;        /* iq4_mids[4 p + 1] (p < 4), iq4_mids[2 p] (p < 8) */
@@ -72,6 +75,31 @@ IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_grid_avx2(cons
     const __m256i pair = _mm256_srli_epi32(code, 1);
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t->even, pair), _mm256_permutevar8x32_ps(t->odd, pair),
                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 31)));
+}
+
+/* `iq4_sums_`'s AVX2 form for the 8 lanes from `half` at the scales 1 / vinv, its sums returned in registers (*vx,
+ * *vq) */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_avx2(const iq4_tables_avx2_t *t, const float *xt,
+                                                                         const float *wt, int n, int half,
+                                                                         __m256 vinv, __m256 *vx, __m256 *vq) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
+    for (int k = 0; k < n; k += 2) {
+        for (int h = 0; h < 2; h++) {
+            const __m256 x = _mm256_loadu_ps(xt + (k + h) * IS_LANES + half);
+            const __m256 q = iq4_value_avx2(t, _mm256_mul_ps(x, vinv));
+            const __m256 wq = wt ? _mm256_mul_ps(_mm256_loadu_ps(wt + (k + h) * IS_LANES + half), q) : q;
+            acc_x[h] = _mm256_fmadd_ps(wq, x, acc_x[h]);
+            acc_q[h] = _mm256_fmadd_ps(wq, q, acc_q[h]);
+        }
+    }
+    *vx = _mm256_add_ps(acc_x[0], acc_x[1]);
+    *vq = _mm256_add_ps(acc_q[0], acc_q[1]);
+}
+
+/* each lane's 1 / v where v != 0, else 0 (the C loops' `v != 0.0f ? 1.0f / v : 0.0f`) */
+IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_inverse_avx2(__m256 v) {
+    return _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), v), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NEQ_UQ));
 }
 #endif
 
@@ -154,19 +182,10 @@ IS_TARGET static void IS_NAME(iq4_sums_)(const float *xt, const float *wt, int n
 #elif IS_AVX2
     const iq4_tables_avx2_t t = iq4_load_tables_avx2();
     for (int half = 0; half < IS_LANES; half += 8) {
-        const __m256 vinv = _mm256_loadu_ps(inv + half), zero = _mm256_setzero_ps();
-        __m256 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
-        for (int k = 0; k < n; k += 2) {
-            for (int h = 0; h < 2; h++) {
-                const __m256 x = _mm256_loadu_ps(xt + (k + h) * IS_LANES + half);
-                const __m256 q = iq4_value_avx2(&t, _mm256_mul_ps(x, vinv));
-                const __m256 wq = wt ? _mm256_mul_ps(_mm256_loadu_ps(wt + (k + h) * IS_LANES + half), q) : q;
-                acc_x[h] = _mm256_fmadd_ps(wq, x, acc_x[h]);
-                acc_q[h] = _mm256_fmadd_ps(wq, q, acc_q[h]);
-            }
-        }
-        _mm256_storeu_ps(sqx + half, _mm256_add_ps(acc_x[0], acc_x[1]));
-        _mm256_storeu_ps(sqq + half, _mm256_add_ps(acc_q[0], acc_q[1]));
+        __m256 vx, vq;
+        iq4_sums_avx2(&t, xt, wt, n, half, _mm256_loadu_ps(inv + half), &vx, &vq);
+        _mm256_storeu_ps(sqx + half, vx);
+        _mm256_storeu_ps(sqq + half, vq);
     }
 #else
     for (int l = 0; l < IS_LANES; l++) {
@@ -573,6 +592,28 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
         _mm512_storeu_ps(scale, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(bq, zero, _CMP_GT_OQ), bx, bq));
         return;
     }
+#elif IS_AVX2
+    if (s->refine == 0) { /* the same scan in registers, 8 lanes at a time */
+        const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+        const __m256 zero = _mm256_setzero_ps();
+        for (int half = 0; half < IS_LANES; half += 8) {
+            const __m256 inv_peak = iq4_inverse_avx2(_mm256_loadu_ps(peak + half));
+            __m256 bx = zero, bq = zero;
+            for (int c = 0; c < s->ntargets; c++) {
+                __m256 x, q;
+                iq4_sums_avx2(&t, xt, wt, 32, half, _mm256_mul_ps(_mm256_set1_ps(s->targets[c]), inv_peak), &x, &q);
+                const __m256 better =
+                    c == 0 ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                           : _mm256_cmp_ps(_mm256_mul_ps(_mm256_mul_ps(x, x), bq),
+                                           _mm256_mul_ps(_mm256_mul_ps(bx, bx), q), _CMP_GT_OQ);
+                bx = _mm256_blendv_ps(bx, x, better);
+                bq = _mm256_blendv_ps(bq, q, better);
+            }
+            _mm256_storeu_ps(scale + half,
+                             _mm256_and_ps(_mm256_div_ps(bx, bq), _mm256_cmp_ps(bq, zero, _CMP_GT_OQ)));
+        }
+        return;
+    }
 #endif
     for (int l = 0; l < IS_LANES; l++) peak[l] = peak[l] != 0.0f ? 1.0f / peak[l] : 0.0f; /* now 1 / peak */
     float step = s->refine_step;
@@ -675,6 +716,37 @@ IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const flo
     _mm512_storeu_ps(sx, vsx);
     _mm512_storeu_ps(sq, vsq);
 }
+#elif IS_AVX2
+/* the AVX2 form of the AVX-512 body's `iq4_xs_level_options3_`: the same float32 steps, 8 lanes at a time */
+IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *d,
+                                                      const float *base, float *best, float *level, float *sx,
+                                                      float *sq) {
+    const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+    const __m256 lo = _mm256_set1_ps(-32.0f), hi = _mm256_set1_ps(31.0f), two = _mm256_set1_ps(2.0f);
+    for (int half = 0; half < IS_LANES; half += 8) {
+        const __m256 vd = _mm256_loadu_ps(d + half), vbase = _mm256_loadu_ps(base + half);
+        __m256 vbest = _mm256_setzero_ps(), vlevel = vbest, vsx = vbest, vsq = vbest;
+        for (int o = 0; o < 3; o++) {
+            const __m256 shifted = _mm256_add_ps(vbase, _mm256_set1_ps((float)(o - 1)));
+            const __m256 vl = _mm256_min_ps(_mm256_max_ps(shifted, lo), hi);
+            const __m256 vdl = _mm256_mul_ps(vd, vl);
+            __m256 x, q;
+            iq4_sums_avx2(&t, xb, wb, 32, half, iq4_inverse_avx2(vdl), &x, &q);
+            const __m256 e = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(vdl, vdl), q),
+                                           _mm256_mul_ps(_mm256_mul_ps(two, vdl), x));
+            const __m256 keep =
+                o == 0 ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : _mm256_cmp_ps(e, vbest, _CMP_LT_OQ);
+            vbest = _mm256_blendv_ps(vbest, e, keep);
+            vlevel = _mm256_blendv_ps(vlevel, vl, keep);
+            vsx = _mm256_blendv_ps(vsx, x, keep);
+            vsq = _mm256_blendv_ps(vsq, q, keep);
+        }
+        _mm256_storeu_ps(best + half, vbest);
+        _mm256_storeu_ps(level + half, vlevel);
+        _mm256_storeu_ps(sx + half, vsx);
+        _mm256_storeu_ps(sq + half, vsq);
+    }
+}
 #endif
 
 /* for super-block scales d (per lane), each block's best of the `s->level_options` 6-bit levels nearest to
@@ -699,7 +771,7 @@ IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, 
     const int first = -(s->level_options / 2), last = s->level_options / 2;
     for (int j = 0; j < 8; j++) {
         const float *xb = xt + j * 32 * IS_LANES, *wb = wt ? wt + j * 32 * IS_LANES : NULL;
-#if IS_AVX512
+#if IS_AVX512 || IS_AVX2
         if (s->level_options == 3) {
             IS_NAME(iq4_xs_level_options3_)(xb, wb, d, base[j], best[j], levels + j * IS_LANES, lsx + j * IS_LANES,
                                             lsq + j * IS_LANES);

@@ -296,6 +296,47 @@ static float std_of(double total, double squares, int64_t count) {
     return (float)sqrt(var / (double)(count > 1 ? count - 1 : 1));
 }
 
+/* One row's new factors of every tile: ir /= f and row_std = rs / f, f = relative(rs) against the tiles' floors
+ * (1 where rs is 0); returns whether a tile's f is not rs / floor (rs 0, or the ratio clamped), the rows finish_rows
+ * reads again. Divisions and selections only: every instruction set's copy gives the same floats. */
+HFQ_CLONES static int row_factors(const float *restrict rs, const float *restrict floor, int64_t tiles,
+                                  float *restrict ir, float *restrict row_std) {
+    int odd = 0;
+#pragma omp simd reduction(| : odd)
+    for (int64_t t = 0; t < tiles; t++) { /* branch-free: vectorized */
+        const float s = rs[t], ratio = s / floor[t];
+        const float factor = s > 0.0f ? (ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio) : 1.0f;
+        ir[t] = ir[t] / factor;
+        row_std[t] = s / factor;
+        odd |= !(s > 0.0f) | (ratio > RATIO_LIMIT);
+    }
+    return odd;
+}
+
+/* floor (tiles,) = the smallest non-zero rs[r, t] of each tile over the rows r < n (kept where none is smaller) */
+HFQ_CLONES static void tile_floor(const float *restrict rs, int64_t n, int64_t tiles, float *restrict floor) {
+    for (int64_t r = 0; r < n; r++) { /* branch-free: vectorized over tiles */
+        const float *row = rs + r * tiles;
+        for (int64_t t = 0; t < tiles; t++) {
+            const float s = row[t] > 0.0f ? row[t] : INFINITY;
+            floor[t] = s < floor[t] ? s : floor[t];
+        }
+    }
+}
+
+/* hi, lo (tiles,) = the largest and the smallest non-zero row_std[r, t] of each tile over the rows r < n */
+HFQ_CLONES static void tile_range(const float *restrict row_std, int64_t n, int64_t tiles, float *restrict hi,
+                                  float *restrict lo) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = row_std + r * tiles;
+        for (int64_t t = 0; t < tiles; t++) {
+            const float s = row[t], positive = s > 0.0f ? s : INFINITY;
+            hi[t] = s > hi[t] ? s : hi[t];
+            lo[t] = positive < lo[t] ? positive : lo[t];
+        }
+    }
+}
+
 /* After a pass: the new row factors and standard deviations of every tile, row by row (the (N, tiles) arrays are read
  * in their order), and each tile's largest and smallest non-zero row standard deviation into hi and lo (tiles,). Not
  * the first pass: each tile's floor (the smallest non-zero rs) into `floor`, and the column sums (cs, cq: K doubles,
@@ -311,13 +352,7 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
     if (first) {
         memcpy(st->row_std, st->rs, (size_t)(n * tiles) * sizeof(float));
     } else {
-        for (int64_t r = 0; r < n; r++) { /* branch-free: the compiler vectorizes it over tiles */
-            const float *rs = st->rs + r * tiles;
-            for (int64_t t = 0; t < tiles; t++) {
-                const float s = rs[t] > 0.0f ? rs[t] : INFINITY;
-                floor[t] = s < floor[t] ? s : floor[t];
-            }
-        }
+        tile_floor(st->rs, n, tiles, floor);
         for (int64_t t = 0; t < tiles; t++) {
             const double mult = isinf(floor[t]) ? 0.0 : (double)floor[t];
             for (int64_t j = t * g; j < (t + 1) * g; j++) {
@@ -328,17 +363,8 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
         for (int64_t r = 0; r < n; r++) {
             float *ir = st->ir + r * tiles, *row_std = st->row_std + r * tiles;
             const float *rs = st->rs + r * tiles;
-            int odd = 0;
             memcpy(old, ir, (size_t)tiles * sizeof(float));
-#pragma omp simd reduction(| : odd)
-            for (int64_t t = 0; t < tiles; t++) { /* branch-free as well */
-                const float s = rs[t], ratio = s / floor[t];
-                const float factor = s > 0.0f ? (ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio) : 1.0f;
-                ir[t] = ir[t] / factor;
-                row_std[t] = s / factor;
-                odd |= !(s > 0.0f) | (ratio > RATIO_LIMIT);
-            }
-            if (!odd) continue; /* the pass summed every tile of this row as it should */
+            if (!row_factors(rs, floor, tiles, ir, row_std)) continue; /* the pass summed every tile as it should */
             load_row(st, r, x);
             for (int64_t t = 0; t < tiles; t++) {
                 const float s = rs[t];
@@ -353,14 +379,7 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
             }
         }
     }
-    for (int64_t r = 0; r < n; r++) {
-        const float *row_std = st->row_std + r * tiles;
-        for (int64_t t = 0; t < tiles; t++) {
-            const float s = row_std[t], positive = s > 0.0f ? s : INFINITY;
-            hi[t] = s > hi[t] ? s : hi[t];
-            lo[t] = positive < lo[t] ? positive : lo[t];
-        }
-    }
+    tile_range(st->row_std, n, tiles, hi, lo);
 }
 
 static int run(State *st, int64_t iterations, int threads, float *best_ic, float *best, double *cs, double *cq,
