@@ -72,12 +72,10 @@ def test_generate_with_a_static_cache_compiles_the_quantized_model_and_gives_the
     assert torch.equal(compiled, eager)
 
 
-def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float_checkpoint):
-    """`hfquant.compile_decoding(model)`: the same compiled `generate` as the test above, with no compile code; a
-    second call of another length within `max_cache_len` reuses the graph (no recompile)."""
+def _int4_llama_and_its_eager_tokens(float_checkpoint):
+    """(model, ids, settings, eager): the small Llama quantized to int4 at groups of 32, a prompt, greedy settings
+    of 6 new tokens, and the tokens an uncompiled generate with a static cache gives."""
     from transformers import AutoModelForCausalLM
-
-    from hfquant import compile_decoding
 
     model = AutoModelForCausalLM.from_pretrained(
         float_checkpoint("llama", torch.bfloat16),
@@ -88,6 +86,15 @@ def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     eager = model.generate(ids, **settings, cache_implementation="static", disable_compile=True)
+    return model, ids, settings, eager
+
+
+def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float_checkpoint):
+    """`hfquant.compile_decoding(model)`: the same compiled `generate` as the test above, with no compile code; a
+    second call of another length within `max_cache_len` reuses the graph (no recompile)."""
+    from hfquant import compile_decoding
+
+    model, ids, settings, eager = _int4_llama_and_its_eager_tokens(float_checkpoint)
     eager_longer = model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, disable_compile=True)
     assert (
         model.generation_config.compile_config is None
@@ -110,20 +117,10 @@ def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float
 def test_compile_decoding_without_module_guards_gives_the_eager_tokens(float_checkpoint):
     """`compile_decoding(model, module_guards=False)`: the compile config carries `keep_tensor_guards` (and no mode:
     torch takes one or the other), generate compiles and gives the eager tokens."""
-    from transformers import AutoModelForCausalLM
-
     from hfquant import compile_decoding
     from hfquant.integration.generation import keep_tensor_guards
 
-    model = AutoModelForCausalLM.from_pretrained(
-        float_checkpoint("llama", torch.bfloat16),
-        quantization_config=HfQuantConfig(bits=4, group_size=32),
-        dtype=torch.bfloat16,
-        device_map="cpu",
-    )
-    ids = torch.tensor([[1, 5, 9, 3, 7]])
-    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    eager = model.generate(ids, **settings, cache_implementation="static", disable_compile=True)
+    model, ids, settings, eager = _int4_llama_and_its_eager_tokens(float_checkpoint)
     torch._dynamo.reset()
     compile_decoding(model, max_cache_len=32, module_guards=False)
     config = model.generation_config.compile_config
