@@ -88,9 +88,11 @@ BK_TARGET static inline __m256i BK_NAME(sub_lane0_)(__m256i p, int32_t v) {
 
 /* The weight rows stream from memory once per GEMV; the hardware prefetchers alone leave one thread at 25-28 GB/s
  * on the 1.2B's layers. stream_ahead_ asks for the cache lines of the `bytes` weight bytes BK_AHEAD bytes past p into
- * the L2 (prefetcht1), from the row loops of IQ4_NL / Q4_0, Q4_K / Q5_K, Q6_K, IQ4_XS and Q4_1 / Q5_0 / Q5_1: 16 KiB
- * ahead measured 1.06-1.2x from memory, 4 KiB 1.06-1.12x, nearer (into the L1) 0.85-1.0x (docs/performance.md,
- * fourteenth session). A prefetch never faults, so the lines past a weight's end cost a read at most. */
+ * the L2 (prefetcht1), from the row loops of IQ4_NL / Q4_0, Q4_K / Q5_K, Q6_K, IQ4_XS, Q4_1 / Q5_0 / Q5_1 and Q3_K:
+ * 16 KiB ahead measured 1.06-1.2x from memory, 4 KiB 1.06-1.12x, nearer (into the L1) 0.85-1.0x; Q3_K's 1.02-1.09x
+ * at one thread, and bits=3.5's two-thread decode 1.14-1.15x the default's against 1.00-1.06x without it
+ * (docs/performance.md, fourteenth session). A prefetch never faults, so the lines past a weight's end cost a read
+ * at most. */
 #ifndef BK_AHEAD
 #define BK_AHEAD 16384
 #endif
@@ -368,6 +370,7 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
     const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
 #endif
     for (int64_t b = 0; b < nb; b++, w += 110) {
+        BK_NAME(stream_ahead_)(w, 110);
         const int8_t *xq = a->q + b * 256;
         const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
         BK_K16 sum = BK_K16_ZERO;
@@ -472,8 +475,10 @@ BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint
 BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 110)
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        BK_NAME(stream_ahead_)(w, 110);
         acc = BK_NAME(q3_k_gfni_block_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+    }
     return BK_NAME(hsum_)(acc);
 }
 #undef BK_PICK3
