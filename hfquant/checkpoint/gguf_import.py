@@ -31,7 +31,7 @@ import torch
 
 from hfquant.checkpoint.gguf_export import llama_permutation
 from hfquant.config import HfQuantConfig
-from hfquant.core import blocks
+from hfquant.core import blocks, huge_pages
 from hfquant.core.optional import GGUF_IMPORT, require
 
 gguf = require(GGUF_IMPORT)
@@ -288,9 +288,8 @@ def _rows(array: np.ndarray, order: torch.Tensor | None, out: torch.Tensor | Non
     its file pages dropped."""
     source = torch.from_numpy(array)
     if out is None:
-        copy = source.clone() if order is None else source.index_select(0, order)
-    else:
-        copy = out.copy_(source) if order is None else torch.index_select(source, 0, order, out=out)
+        out = huge_pages.empty(tuple(source.shape), dtype=source.dtype)  # a decode step streams it: on huge pages
+    copy = out.copy_(source) if order is None else torch.index_select(source, 0, order, out=out)
     release_pages(array)
     return copy
 
@@ -327,7 +326,7 @@ def _read_rows(
     """(rows, row_bytes) uint8 read from the file `fd` at `offset` (into `out` when given), rows in `order` when given
     (`hf = stored[order]`): each stored row is read straight into its place, so no copy is reordered afterwards."""
     if out is None:
-        out = torch.empty((rows, row_bytes), dtype=torch.uint8)
+        out = huge_pages.empty((rows, row_bytes), dtype=torch.uint8)  # a decode step streams it: on huge pages
     array = out.numpy()
     if order is None:
         buffers = [memoryview(array.reshape(-1))]

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from hfquant.core import blocks, rtn
+from hfquant.core import blocks, huge_pages, rtn
 from hfquant.core.choice import Choice
 
 __all__ = ["Method", "StoredFormat", "SUPPORTED_BITS", "require_format"]
@@ -174,9 +174,10 @@ class StoredFormat:
     def empty(
         self, rows: tuple[int, ...], in_features: int, device: torch.device | str | None = None
     ) -> dict[str, torch.Tensor]:
-        """Uninitialized stored tensors of a weight (*rows, in_features), as `tensor_specs` gives them, on `device`."""
+        """Uninitialized stored tensors of a weight (*rows, in_features), as `tensor_specs` gives them, on `device`
+        (on the CPU, large ones on huge pages: `huge_pages.empty`)."""
         return {
-            name: torch.empty(shape, dtype=dtype, device=device)
+            name: huge_pages.empty(shape, dtype=dtype, device=device)
             for name, (dtype, shape) in self.tensor_specs(rows, in_features).items()
         }
 

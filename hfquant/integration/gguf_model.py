@@ -42,7 +42,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from hfquant.checkpoint import gguf_import
 from hfquant.checkpoint.gguf_import import GgufTensor
 from hfquant.checkpoint.streaming import trim_heap
-from hfquant.core import blocks
+from hfquant.core import blocks, huge_pages
 from hfquant.core.dtypes import dtype_name
 from hfquant.core.text import terminal_safe
 from hfquant.integration.embeddings import output_embeddings
@@ -238,7 +238,7 @@ def _rows_of_one_tensor(members: list[tuple[str, GgufTensor]]) -> dict[str, torc
     first = members[0][1]
     row_bytes = blocks.LAYOUTS[gguf_import.block_name(first)].row_bytes(first.shape[1])
     sizes = [tensor.shape[0] for _, tensor in members]
-    views = torch.empty((sum(sizes), row_bytes), dtype=torch.uint8).split(sizes)
+    views = huge_pages.empty((sum(sizes), row_bytes), dtype=torch.uint8).split(sizes)
     return {key: view for (key, _), view in zip(members, views, strict=True)}
 
 

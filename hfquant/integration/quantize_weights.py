@@ -17,7 +17,7 @@ from torch import nn
 
 from hfquant.checkpoint.files import SAFETENSORS_DTYPES, open_safetensors, read_tensor
 from hfquant.checkpoint.streaming import release_checkpoint_pages
-from hfquant.core import folding
+from hfquant.core import folding, huge_pages
 from hfquant.core.blocks import iq4
 from hfquant.core.folding import Transform
 from hfquant.nn.embedding import QuantEmbedding
@@ -51,7 +51,7 @@ class GroupRows:
         dtype, shape = fmt.tensor_specs((module.out_features,), in_features)["weight"]
         tensor = self._tensors.get(id(group))
         if tensor is None:
-            tensor = self._tensors[id(group)] = torch.empty((sum(group.sizes), *shape[1:]), dtype=dtype)
+            tensor = self._tensors[id(group)] = huge_pages.empty((sum(group.sizes), *shape[1:]), dtype=dtype)
         start = sum(group.sizes[:index])
         return tensor[start : start + group.sizes[index]]
 

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hfquant.core import blocks
+from hfquant.core import blocks, huge_pages
 from hfquant.ops import native
 from hfquant.ops.gemv import INT4_ROWS, RowCall, RowKernel, int4_row
 
@@ -118,8 +118,9 @@ class DecodeGroup:
             return self._build_mixed(weights)
         with torch.no_grad():
             weight = _rows_of_one_tensor(weights, self.sizes)  # repacked there by `prepare`, or a dissolved group's
-            if weight is None:
-                weight = torch.cat(weights)
+            if weight is None:  # the group's own tensor: on huge pages, as a decode step streams it
+                rows = (sum(self.sizes), *weights[0].shape[1:])
+                weight = torch.cat(weights, out=huge_pages.empty(rows, dtype=weights[0].dtype))
             scale_zero = None  # a block format's GEMV reads the blocks' own scales
             if first._buffers["scale_zero"] is not None:
                 scale_zero = torch.cat([member._buffers["scale_zero"] for member in self.members], dim=1)
@@ -204,7 +205,9 @@ class DecodeGroup:
         weights = [member._buffers["weight"] for member in self.members]
         if in_place and _rows_of_one_tensor(weights, self.sizes) is not None:
             return tuple(weights)
-        return torch.empty((sum(self.sizes), self.members[0].in_features // 2), dtype=torch.uint8).split(self.sizes)
+        return huge_pages.empty((sum(self.sizes), self.members[0].in_features // 2), dtype=torch.uint8).split(
+            self.sizes
+        )
 
     def dissolve(self) -> None:
         """Stop computing the members' rows together; each layer keeps its weight (a view of the group's rows until
