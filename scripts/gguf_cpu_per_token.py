@@ -19,8 +19,9 @@ token).
 `--checkpoint DIR --config FIELDS` adds an engine in the same rounds: the bfloat16 checkpoint the GGUF file was made
 from, quantized on load with `HfQuantConfig(**FIELDS)` (comma-separated field=value; for example the 4-bit default
 against llama.cpp's Q4_0 of the same weights), in this tree and (with `--baseline`) in the baseline tree; with
-`--compile` also its compiled `generate`, and with `--no-module-guards` its compiled `generate` with
-`compile_decoding(module_guards=False)` as well.
+`--compile` also its compiled `generate`, and with `--module-guards` its compiled `generate` with
+`compile_decoding(module_guards=True)` (torch's own guards at every step, the default before the fifteenth session) as
+well.
 
 `--baseline TREE` adds a third engine in the same rounds: hfquant from another source tree (for example `git archive`
 of the commit before a kernel change, unpacked), with its own `HFQUANT_CACHE` (`--baseline-cache`) so that the two
@@ -104,7 +105,7 @@ HFQUANT_WORKER = (
 GENERATE_WORKER = (
     _FROM_GGUF
     + r"""    if args.get("compile"):
-        guards = {"module_guards": False} if args.get("no_module_guards") else {}
+        guards = {"module_guards": True} if args.get("module_guards") else {}
         hfquant.compile_decoding(model, max_cache_len=len(args["prompt"]) + args["tokens"] + 8, **guards)
 
     def generate(n):
@@ -164,11 +165,11 @@ def measure(
     baseline: tuple[Path, Path] | None = None,
     compiled: bool = False,
     checkpoint: tuple[Path, dict] | None = None,
-    no_module_guards: bool = False,
+    module_guards: bool = False,
 ) -> dict:
     """Paired rounds of the engines' one-thread decode on `path` (hfquant eager; with `compiled` hfquant's `generate`,
-    eager and compiled, and with `no_module_guards` the checkpoint's compiled `generate` with
-    `compile_decoding(module_guards=False)` too; `baseline`'s hfquant: (tree, cache) when given; llama.cpp): the
+    eager and compiled, and with `module_guards` the checkpoint's compiled `generate` with
+    `compile_decoding(module_guards=True)` too; `baseline`'s hfquant: (tree, cache) when given; llama.cpp): the
     rounds, the medians of CPU milliseconds per token and of each hfquant's per-round ratio llama.cpp / hfquant, the
     load averages before and after."""
     from benchmarks import llama_cpp, paired
@@ -199,9 +200,9 @@ def measure(
                 [sys.executable, "-c", GENERATE_WORKER, worker_args],
                 mine,
             )
-        if compiled and no_module_guards:
-            worker_args = json.dumps(dict(json.loads(folder_args), compile=True, no_module_guards=True))
-            engines[f"hfquant {label} generate +compile module_guards=False"] = (
+        if compiled and module_guards:
+            worker_args = json.dumps(dict(json.loads(folder_args), compile=True, module_guards=True))
+            engines[f"hfquant {label} generate +compile module_guards=True"] = (
                 [sys.executable, "-c", GENERATE_WORKER, worker_args],
                 mine,
             )
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--checkpoint", type=Path, default=None, help="a bfloat16 checkpoint folder to quantize too")
     parser.add_argument(
-        "--no-module-guards", action="store_true", help="with --compile --checkpoint: also module_guards=False"
+        "--module-guards", action="store_true", help="with --compile --checkpoint: also module_guards=True"
     )
     parser.add_argument("--config", default="", help="its HfQuantConfig fields: field=value,field=value")
     args = parser.parse_args(argv)
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline,
             args.compile,
             checkpoint,
-            args.no_module_guards,
+            args.module_guards,
         )
         results.append(result)
         loads = " / ".join(f"{a[0]:.2f} {a[1]:.2f} {a[2]:.2f}" for a in result["load_average"])

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
-__all__ = ["compile_decoding", "keep_tensor_guards"]
+__all__ = ["compile_decoding", "keep_tensor_guards", "module_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,84 @@ def keep_tensor_guards(guard_entries) -> list[bool]:
     ]
 
 
+_NOT_STATE = frozenset({"_compiled_call", "_last_compile_config", "_cache", "get_compiled_call"})
+"""Model attributes that are not module state: transformers' compiled call and its config, the static cache it keeps
+between `generate` calls, and the per-call check `compile_decoding` installs."""
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+
+
+def _value_state(value, configs: dict) -> object:
+    """What `module_state` records of one module attribute: a dict (hooks, parameters, buffers, submodules) its keys
+    and the ids of its values, a list or tuple the ids of its items, a transformers config (`PretrainedConfig`) the ids
+    of its attributes (recorded once per config in `configs`), anything else its id."""
+    if isinstance(value, dict):
+        return tuple((key, id(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(id(item) for item in value)
+    if type(value).__name__.endswith("Config") and hasattr(value, "to_dict") and id(value) not in configs:
+        configs[id(value)] = tuple((key, id(item)) for key, item in vars(value).items())
+    return id(value)
+
+
+def module_state(model: nn.Module) -> tuple:
+    """A snapshot of what a compiled step's module guards check, to compare between `generate` calls: for every
+    module of `model` its id, class, `training` and each attribute's identity (`_value_state`: hooks, parameters,
+    buffers and submodules by key and id, other values by id, its transformers config's attributes by id), and
+    torch's global module hooks. Equal snapshots: no module was swapped, retyped (`dequantize`, class swaps),
+    switched to training, hooked (adapters, offloading) or given another attribute object since; in-place changes of
+    a tensor's dtype, device or shape are the tensor guards' to see, values changed inside a non-config object are
+    not seen. 5-6 ms of CPU for SmolLM2-135M's 397 modules (docs/performance.md, fifteenth session), once per
+    `generate` call."""
+    configs: dict = {}
+    state = [tuple(tuple(getattr(_module_hooks, name, {})) for name in _GLOBAL_HOOKS)]
+    for module in model.modules():
+        attributes = tuple(
+            (key, _value_state(value, configs)) for key, value in vars(module).items() if key not in _NOT_STATE
+        )
+        state.append((id(module), type(module), attributes))
+    state.append(tuple(configs.items()))
+    return tuple(state)
+
+
+class _CheckedCompiledCall:
+    """Stands in for the model's `get_compiled_call` (transformers' `generate` asks it once a call for the compiled
+    forward) when `compile_decoding(module_guards=False)` dropped the step's module guards: compares `module_state`
+    with the state at the last call and, where it differs (or the compile config does), compiles the forward anew
+    with `torch.compile(isolate_recompiles=True)`, whose cache entries are its own: a new compiled forward never runs
+    a graph traced before the change (without isolation every compiled callable of `model.__call__` shares the same
+    entries, whose remaining guards pass). The previous graphs stay in torch's cache until `torch._dynamo.reset()`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.state = None
+        self.config = None
+
+    def __call__(self, compile_config):
+        import torch
+
+        model = self.model
+        state = module_state(model)
+        compiled = model.__dict__.get("_compiled_call")
+        if compiled is None or state != self.state or compile_config != self.config:
+            if self.state is not None and state != self.state:
+                logger.info("compiled decoding: the model's modules changed since the last generate: compiling again")
+            compiled = torch.compile(model.__call__, **compile_config.to_dict(), isolate_recompiles=True)
+            model._compiled_call, model._last_compile_config = compiled, compile_config
+            self.state, self.config = state, compile_config
+        return compiled
+
+
 def compile_decoding(
-    model: nn.Module, max_cache_len: int | None = None, attention: str | None = "auto", module_guards: bool = True
+    model: nn.Module, max_cache_len: int | None = None, attention: str | None = "auto", module_guards: bool = False
 ) -> nn.Module:
     """Make `model.generate` decode through `torch.compile`: `model.generation_config` gets
     `cache_implementation="static"` and `CompileConfig(fullgraph=True, mode="default")` with compiling on every
@@ -50,10 +127,13 @@ def compile_decoding(
             written so far, where inductor's code for "eager" attention reads the whole static cache every step;
             otherwise "eager"), "eager" (inductor fuses it into the decode step, faster than PyTorch's CPU SDPA kernel
             at one query row), "sdpa", or None to keep the model's.
-        module_guards: False drops the compiled step's guards on module attributes (`keep_tensor_guards`; the
-            tensors' guards stay): about 1 ms less per SmolLM2 step, for a model whose modules do not change after
-            the first compiled `generate` (no `dequantize`, no adapters, no `train()` between calls; call
-            `torch._dynamo.reset()` after such a change).
+        module_guards: False (the default) drops the compiled step's guards on module attributes
+            (`keep_tensor_guards`; the tensors' guards stay): about 1 ms less per SmolLM2 step (docs/performance.md,
+            issue #32). Instead each `generate` call compares the model's modules with the last call's
+            (`module_state`: modules swapped or retyped as by `dequantize`, `train()`, hooks, adapters, attributes
+            rebound) and compiles again where they changed. Not seen: a change inside one `generate` call (from a
+            streamer or stopping criterion), or a plain value changed inside a non-config object a module holds;
+            True keeps torch's own guards, checked at every step.
     Returns:
         `model`, changed in place.
     Raises:
@@ -77,10 +157,12 @@ def compile_decoding(
         attention = available_attention() or "eager"
     if attention is not None and getattr(model.config, "_attn_implementation", None) != attention:
         model.set_attn_implementation(attention)
+    model.__dict__.pop("get_compiled_call", None)
     if module_guards:
         compile_config = CompileConfig(fullgraph=True, mode="default")
     else:  # torch.compile takes options or a mode, not both: no mode is the default mode
         compile_config = CompileConfig(fullgraph=True, mode=None, options={"guard_filter_fn": keep_tensor_guards})
+        model.get_compiled_call = _CheckedCompiledCall(model)  # an instance attribute: the per-call check
     compile_config._compile_all_devices = True  # transformers compiles on accelerators only without it
     config.cache_implementation = "static"
     config.compile_config = compile_config

@@ -60,7 +60,9 @@ class RowRMSNorm:
     class's forward. Made into a subclass per norm class by `_row_class`."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight = self._parameters.get("weight")  # not `self.weight`: nn.Module.__getattr__, about a microsecond
+        if weight is None:
+            weight = self.weight
         if (
             not torch.compiler.is_compiling()
             and hidden_states.dtype == torch.bfloat16

@@ -130,6 +130,64 @@ def test_compile_decoding_without_module_guards_gives_the_eager_tokens(float_che
     torch._dynamo.reset()
 
 
+def test_compile_decoding_compiles_again_when_the_modules_change(float_checkpoint):
+    """The default (module guards dropped): a hook added after the first compiled `generate` (the step's graph does
+    not check the hook dicts) is seen by the next call, which compiles again (`module_state` differs) and gives the
+    hooked model's eager tokens; removing it gives the first tokens again; an unchanged model reuses the graph. Without
+    the per-call check the graph of the unhooked model would run (`test_module_state_sees_...` below)."""
+    from hfquant import compile_decoding
+
+    model, ids, settings, eager = _int4_llama_and_its_eager_tokens(float_checkpoint)
+    torch._dynamo.reset()
+    compile_decoding(model, max_cache_len=32)
+    assert torch.equal(model.generate(ids, **settings), eager)
+    first = model._compiled_call
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(ids, **settings), eager)
+    assert model._compiled_call is first
+
+    def favour_token_3(module, inputs, output):
+        output = output.clone()
+        output[..., 3] += 1e4  # every greedy token becomes 3
+        return output
+
+    handle = model.lm_head.register_forward_hook(favour_token_3)
+    hooked_eager = model.generate(ids, **settings, disable_compile=True)
+    assert (hooked_eager[0, ids.shape[1] :] == 3).all() and not torch.equal(hooked_eager, eager)
+    assert torch.equal(model.generate(ids, **settings), hooked_eager)
+    assert model._compiled_call is not first
+    handle.remove()
+    assert torch.equal(model.generate(ids, **settings), eager)
+    torch._dynamo.reset()
+
+
+def test_module_state_sees_hooks_training_retyping_and_rebinding(float_checkpoint):
+    from hfquant.integration.generation import module_state
+
+    model, *_ = _int4_llama_and_its_eager_tokens(float_checkpoint)
+    state = module_state(model)
+    assert module_state(model) == state
+    layer = model.model.layers[0]
+    handle = layer.mlp.register_forward_pre_hook(lambda module, args: None)
+    assert module_state(model) != state
+    handle.remove()
+    assert module_state(model) == state
+    model.train()
+    assert module_state(model) != state
+    model.eval()
+    assert module_state(model) == state
+    model.config._attn_implementation_new = "x"  # a config attribute added
+    assert module_state(model) != state
+    del model.config._attn_implementation_new
+    original = layer.self_attn.o_proj
+    layer.self_attn.o_proj = torch.nn.Identity()
+    assert module_state(model) != state
+    layer.self_attn.o_proj = original
+    assert module_state(model) == state
+    model.dequantize()
+    assert module_state(model) != state
+
+
 def test_keep_tensor_guards_drops_only_the_module_attribute_guards():
     from types import SimpleNamespace
 
