@@ -541,6 +541,21 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
 }
 
+/* ---- IQ4_XS: eight 32-weight blocks per super-block, a 6-bit scale minus 32 each (w = d * (scale - 32) * grid[u]).
+ * Both bodies keep the same float lanes: per super-block, the int32 dot of each block's lane l (its weights 4l..4l + 3
+ * and 16 + 4l..19 + 4l: the low- and high-nibble products of one 4-byte group of codes, against the activation in
+ * ActRow.qn's order) is converted to float and multiplied by its block's float scale (scale - 32) * (d * dx) into
+ * an accumulator: AVX-512 acc[g] lane 4c + l (block 4g + c), AVX2 acc[j] lanes 0-3 (block 2j) and 4-7 (2j + 1), added
+ * as (acc 0 + acc 2) + (acc 1 + acc 3) at the end: the same integers, products and additions in the same order, so
+ * the same bytes. The block's integer dot takes no 32-bit multiply and the scale no integer work per block (the
+ * former order: 8 vpmulld per two super-blocks and one float per super-block, 0.8x Q4_0's bytes per second). The
+ * dots' int32 lanes are at most 8 * 127 * 127 in magnitude: exact in float. ---- */
+
+/* d * dx of super-block b at w (float16 d times the activation scale) */
+BK_TARGET static inline float BK_NAME(iq4_xs_dd_)(const uint8_t *w, const ActRow *a, int64_t b) {
+    return BK_NAME(half_)(w) * a->d[b];
+}
+
 #if BK_MASKED
 /* IQ4_XS's eight 6-bit block scales minus 32 of the super-blocks at w0 (int32 lanes 0-7) and w1 (lanes 8-15) */
 BK_TARGET static inline __m512i BK_NAME(iq4_xs_scales2_)(const uint8_t *w0, const uint8_t *w1) {
@@ -559,100 +574,76 @@ BK_TARGET static inline __m512i BK_NAME(iq4_xs_scales2_)(const uint8_t *w0, cons
     return _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
 }
 
-/* one super-block's dots (codes at w, activation super-block b), four blocks per step, one per 128-bit lane: a 64-byte
- * load of their packed codes, its low nibbles (weights 0-15 of each block) and high nibbles (16-31) each dotted with
- * the activation in that order (ActRow.qn) on the unsigned grid gu, times the block's scale (ls lanes at + 0..7), into
- * sum_lo / sum_hi: int32 lane l of block c's 128-bit lane holds the products of weights 4l..4l + 3 (lo) or 16 + 4l..
- * (hi), the lanes l and l + 4 of one block per 256 bits, summed over the four blocks */
-BK_TARGET static inline void BK_NAME(iq4_xs_dots_)(const uint8_t *w, const ActRow *a, int64_t b, __m512i ls, int at,
-                                                   __m512i gu, __m512i *sum_lo, __m512i *sum_hi) {
+/* super-block b at w into acc[0] (blocks 0-3) and acc[1] (4-7): per four blocks (one per 128-bit lane) their 64
+ * bytes of codes (at 8 + 136 b, never 64-byte aligned: as two 32-byte loads, with this step 1.15-1.2x the speed of
+ * one 512-bit load across two lines from memory), their low and high nibbles on the unsigned grid gu (grid + 128)
+ * dotted with the activation in qn's order by two vpdpbusd into one register started from startxs (-128 times the
+ * inputs' sums per lane: the signed dot), converted and times the blocks' scales (scales: 16 floats, this
+ * super-block's at lanes at..at + 7) */
+BK_TARGET BK_INLINE void BK_NAME(iq4_xs_super_)(const uint8_t *w, const ActRow *a, int64_t b, __m512 scales, int at,
+                                                 __m512i gu, __m512 *acc) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512i lo_sum = _mm512_setzero_si512(), hi_sum = lo_sum;
     for (int g = 0; g < 2; g++) {
-        const __m512i v = _mm512_loadu_si512((const void *)(w + 8 + 64 * g));
+        const uint8_t *codes = w + 8 + 64 * g; /* two 32-byte loads: one 64-byte load here always spans two lines */
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)codes)),
+                                             _mm256_loadu_si256((const __m256i *)(codes + 32)), 1);
         const __m512i lo = _mm512_shuffle_epi8(gu, _mm512_and_si512(v, low));
         const __m512i hi = _mm512_shuffle_epi8(gu, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         const int8_t *xn = a->qn + b * 256 + 128 * g;
-        const __m512i s = _mm512_permutexvar_epi32(_mm512_add_epi32(quad, _mm512_set1_epi32(at + 4 * g)), ls);
-        const __m512i zero = _mm512_setzero_si512();
-        const __m512i p_lo = _mm512_dpbusd_epi32(zero, lo, _mm512_load_si512((const void *)xn));
-        const __m512i p_hi = _mm512_dpbusd_epi32(zero, hi, _mm512_load_si512((const void *)(xn + 64)));
-        lo_sum = _mm512_add_epi32(lo_sum, _mm512_mullo_epi32(p_lo, s));
-        hi_sum = _mm512_add_epi32(hi_sum, _mm512_mullo_epi32(p_hi, s));
+        __m512i p = _mm512_load_si512((const void *)(a->startxs + b * 64 + 16 * g));
+        p = _mm512_dpbusd_epi32(p, lo, _mm512_load_si512((const void *)xn));
+        p = _mm512_dpbusd_epi32(p, hi, _mm512_load_si512((const void *)(xn + 64)));
+        const __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(at + 4 * g)), scales);
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[g]);
     }
-    *sum_lo = lo_sum;
-    *sum_hi = hi_sum;
 }
 
-/* 128-bit lanes [lo0 + lo2, lo1 + lo3, hi0 + hi2, hi1 + hi3] of a super-block's dots */
-BK_TARGET static inline __m512i BK_NAME(iq4_xs_fold_)(__m512i sum_lo, __m512i sum_hi) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(sum_lo, sum_hi, 0x44), _mm512_shuffle_i64x2(sum_lo, sum_hi, 0xEE));
-}
-
-/* IQ4_XS on AVX-512: two super-blocks per step (scales, the sums over the four blocks of each 128-bit lane and the
- * 128 * ls * sum(x) excess of vpdpbusd's unsigned grid + 128 (g ^ 0x80) in 512-bit registers, super-block b in int32
- * lanes 0-7, b + 1 in 8-15: lanes 0-3 the low nibbles' weights, 4-7 the high ones', as the AVX2 body's lanes); each
- * super-block's eight integer lanes then go into the one float accumulator in turn, as in the AVX2 body: the same
- * integers, products and additions, so the same bytes. vpdpbusd's int32 sums do not saturate; every term < 2^31. */
+/* IQ4_XS on AVX-512: two super-blocks' scales per step (float lanes 0-7: super-block b's, 8-15: b + 1's) */
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m512i gu = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
                                         _mm512_set1_epi8((char)0x80));
-    __m256 acc = _mm256_setzero_ps();
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 272) {
         BK_NAME(stream_ahead_)(w, 272);
-        const __m512i ls = BK_NAME(iq4_xs_scales2_)(w, w + 136);
-        __m512i lo0, hi0, lo1, hi1;
-        BK_NAME(iq4_xs_dots_)(w, a, b, ls, 0, gu, &lo0, &hi0);
-        BK_NAME(iq4_xs_dots_)(w + 136, a, b + 1, ls, 8, gu, &lo1, &hi1);
-        const __m512i t0 = BK_NAME(iq4_xs_fold_)(lo0, hi0), t1 = BK_NAME(iq4_xs_fold_)(lo1, hi1);
-        /* [t0 0 + 1, t0 2 + 3, t1 0 + 1, t1 2 + 3]: super-block b's eight lanes, then b + 1's */
-        const __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(t0, t1, 0x88), _mm512_shuffle_i64x2(t0, t1, 0xDD));
-        const __m512i excess =
-            _mm512_slli_epi32(_mm512_mullo_epi32(ls, _mm512_loadu_si512((const void *)(a->sums32 + b * 8))), 7);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, excess));
-        acc = _mm256_fmadd_ps(BK_NAME(half512_)(f, 0), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
-        acc = _mm256_fmadd_ps(BK_NAME(half512_)(f, 1), _mm256_set1_ps(BK_NAME(half_)(w + 136) * a->d[b + 1]), acc);
+        const __m512 dd = _mm512_mask_broadcastss_ps(_mm512_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b)), 0xFF00,
+                                                     _mm_set1_ps(BK_NAME(iq4_xs_dd_)(w + 136, a, b + 1)));
+        const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(BK_NAME(iq4_xs_scales2_)(w, w + 136)), dd);
+        BK_NAME(iq4_xs_super_)(w, a, b, scales, 0, gu, acc);
+        BK_NAME(iq4_xs_super_)(w + 136, a, b + 1, scales, 8, gu, acc);
     }
-    if (b < nb) { /* an odd last super-block: its scales in both halves, its lanes 0-7 */
-        const __m512i ls = BK_NAME(iq4_xs_scales2_)(w, w);
-        __m512i lo, hi;
-        BK_NAME(iq4_xs_dots_)(w, a, b, ls, 0, gu, &lo, &hi);
-        const __m512i t = BK_NAME(iq4_xs_fold_)(lo, hi);
-        const __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(t, t, 0x88), _mm512_shuffle_i64x2(t, t, 0xDD));
-        const __m512i excess =
-            _mm512_slli_epi32(_mm512_mullo_epi32(ls, _mm512_maskz_loadu_epi32(0xFF, a->sums32 + b * 8)), 7);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, excess));
-        acc = _mm256_fmadd_ps(BK_NAME(half512_)(f, 0), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
+    if (b < nb) { /* an odd last super-block */
+        const __m512 dd = _mm512_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b));
+        const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(BK_NAME(iq4_xs_scales2_)(w, w)), dd);
+        BK_NAME(iq4_xs_super_)(w, a, b, scales, 0, gu, acc);
     }
-    return BK_NAME(hsum_)(acc);
+    const __m512 sum = _mm512_add_ps(acc[0], acc[1]);
+    return BK_NAME(hsum_)(_mm256_add_ps(BK_NAME(half512_)(sum, 0), BK_NAME(half512_)(sum, 1)));
 }
 #else
+/* IQ4_XS on AVX2: two blocks per step, one per 128-bit lane, their signed grid values' magnitudes against the
+ * activation with their signs (vpmaddubsw: at most 2 * 127 * 127, no saturation), low and high nibbles into one
+ * register of int32 lanes */
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
     const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++, w += 136) {
         BK_NAME(stream_ahead_)(w, 136);
         uint16_t high;
         uint32_t lows;
         memcpy(&high, w + 2, 2);
         memcpy(&lows, w + 4, 4);
-        /* the eight 6-bit scales minus 32, one per int32 lane */
         const __m256i ls = _mm256_sub_epi32(
             _mm256_or_si256(
                 _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lows), shift_l), _mm256_set1_epi32(15)),
                 _mm256_slli_epi32(
                     _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
             _mm256_set1_epi32(32));
-        /* blocks 2j, 2j + 1 per step, one per 128-bit lane: their low nibbles (weights 0-15) and high nibbles (16-31)
-         * against the activation in that order (ActRow.qn); int32 lane l of a block's 128-bit lane holds the
-         * products of weights 4l..4l + 3 (lo) or 16 + 4l.. (hi), summed over the blocks and the two 128-bit lanes
-         * below into the lanes l and l + 4 of one block per 256 bits: the same integers */
-        __m256i sum_lo = _mm256_setzero_si256(), sum_hi = sum_lo;
+        const __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b)));
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j));
             const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
@@ -660,17 +651,13 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
             const int8_t *xn = a->qn + b * 256 + 128 * (j / 2) + 32 * (j % 2);
             const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
             const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
-            const __m256i s = _mm256_permutevar8x32_epi32(ls, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
-            const __m256i p_lo = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
-            const __m256i p_hi = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
-            sum_lo = _mm256_add_epi32(sum_lo, _mm256_mullo_epi32(p_lo, s));
-            sum_hi = _mm256_add_epi32(sum_hi, _mm256_mullo_epi32(p_hi, s));
+            __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+            p = BK_DOT(p, _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            const __m256 s = _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[j]);
         }
-        const __m256i sumi = _mm256_add_epi32(_mm256_permute2x128_si256(sum_lo, sum_hi, 0x20),
-                                              _mm256_permute2x128_si256(sum_lo, sum_hi, 0x31));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(half_)(w) * a->d[b]), acc);
     }
-    return BK_NAME(hsum_)(acc);
+    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
 }
 #endif
 

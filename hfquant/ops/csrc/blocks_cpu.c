@@ -22,10 +22,11 @@
  * and Q6_K four sub-blocks (k16_group_), Q4_K and Q5_K two (k4_dots_, against a copy of the activation in their
  * nibbles' order, ActRow.qk), Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS four 32-weight blocks (one 128-bit lane each:
  * a register of their low nibbles and one of their high nibbles against ActRow.qn, the activation in that order;
- * IQ4_XS two super-blocks' integer work per step; the AVX2 body two blocks per register the same way): the same
- * integers, products and float additions in the same order, so the same bytes as one block at a time or the other
- * body (Q4_K 0.7x the time, Q4_0 0.7-0.8x, IQ4_XS 0.75x, Q4_1 0.77x, Q5_0 0.84x and Q5_1 0.91x of two blocks per
- * step: docs/performance.md).
+ * IQ4_XS's dots started from ActRow.startxs and each block's float lanes times its float scale, no integer scale
+ * multiply; the AVX2 body two blocks per register the same way): the same integers, products and float additions in
+ * the same order, so the same bytes as one block at a time or the other body (Q4_K 0.7x the time, Q4_0 0.7-0.8x,
+ * Q4_1 0.77x, Q5_0 0.84x and Q5_1 0.91x of two blocks per step; IQ4_XS 0.8-0.85x of its former four-block step:
+ * docs/performance.md).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
  * hfquant_block_gemv_group takes several weights reading the same x (a fused q/k/v or gate/up group; types and block
  * sizes may differ, as a Q4_K_M file's Q4_K q/k and Q6_K v or an IQ4_NL file's IQ4_NL q/k and Q5_K v): x quantized
@@ -152,6 +153,10 @@ typedef struct {
                       * qn_index(e) / 4) */
     int32_t *off8n;  /* with qn and bias4: per 128 inputs 16 int32, lane 4c = -8 times block c's sum, the others 0: the
                       * start of Q4_0's low-nibble dots (its codes' offset 8 in lane 0 of each block; Q5_0's twice) */
+    int32_t *startxs; /* per = 256 on AVX-512 with an IQ4_XS weight (else NULL): per 128 inputs (four 32-input blocks
+                       * c) 16 int32, lane 4c + l = -128 times the sum of block c's inputs 4l..4l + 3 and 16 + 4l..
+                       * 19 + 4l: the start of IQ4_XS's dots of its grid + 128 whose low- and high-nibble products go
+                       * into one lane (the signed dot's lane, as the AVX2 body's) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -351,6 +356,13 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
         off[0] = -8 * a->sums[b];
         off[1] = off[2] = off[3] = 0;
     }
+    if (a->startxs != NULL) /* per = 256 */
+        for (int64_t c = 0; c < 8; c++)
+            for (int64_t l = 0; l < 4; l++) {
+                const int8_t *s = q + 32 * c + 4 * l;
+                a->startxs[64 * b + 16 * (c / 4) + 4 * (c % 4) + l] =
+                    -128 * (s[0] + s[1] + s[2] + s[3] + s[16] + s[17] + s[18] + s[19]);
+            }
     if (a->qk != NULL)
         for (int64_t i = 0; i < per; i += 32) {
             const int64_t quarter = i % 128 / 32; /* 0 1 2 3 -> 0 2 1 3 */
@@ -534,24 +546,24 @@ int hfquant_block_gemv_supported(int64_t type) {
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
  * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS and the 32-weight 4- and 5-bit types: nibbles) qn and (on
- * AVX-512 also starts) biasn, off8n in one buffer, each part 64-byte aligned; on the caller's stack up to ACT_STACK
- * bytes (K up to about 40000 inputs, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays
- * there), else one allocation. */
+ * AVX-512 also starts) biasn, off8n, (IQ4_XS on AVX-512) startxs in one buffer, each part 64-byte aligned; on the
+ * caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 10000 with starts and nibbles: the 1.2B's down
+ * projection, K = 8192, stays there), else one allocation. */
 enum { ACT_STACK = 65536 };
 
-static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles,
-                          int64_t offsets[13]) {
+static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles, int xs,
+                          int64_t offsets[14]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
     const int64_t whole = (k + 127) / 128 * 128, nibble_starts = nibbles && starts; /* qn: whole groups of 128 */
-    const int64_t sizes[13] = {(k / block) * 4,      k,
+    const int64_t sizes[14] = {(k / block) * 4,      k,
                                (k / sum_every) * 4,  (k / 32) * 4,
                                (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
                                starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
                                nibbles ? whole : 0 /* qn */, nibble_starts ? whole : 0 /* biasn */,
-                               nibble_starts ? whole / 2 : 0 /* off8n */};
+                               nibble_starts ? whole / 2 : 0 /* off8n */, xs ? k : 0 /* startxs */};
     int64_t total = 0;
-    for (int i = 0; i < 13; i++) {
+    for (int i = 0; i < 14; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -565,17 +577,18 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     const int starts = vnni && !r; /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
     /* HQ3_R's GFNI step reads qt and bias16; Q4_K and Q5_K's qk; IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL qn (Q4_0,
      * Q5_0 and IQ4_NL with off8n / biasn) */
-    int transposed = 0, k4 = 0, nibbles = 0;
+    int transposed = 0, k4 = 0, nibbles = 0, xs = 0;
     for (int64_t p = 0; p < count; p++) {
         const int64_t t = parts[p].type;
         if (parts[p].row != r) continue;
         transposed |= t == HQ3_R_GFNI;
         k4 |= vnni && (t == GGML_Q4_K || t == GGML_Q5_K);
+        xs |= vnni && t == GGML_IQ4_XS;
         nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL || t == GGML_Q4_1 || t == GGML_Q5_0 ||
                    t == GGML_Q5_1;
     }
-    int64_t at[13];
-    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, at);
+    int64_t at[14];
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, xs, at);
     if (base == NULL) return need;
     a->d = (float *)(base + at[0]);
     a->q = (int8_t *)(base + at[1]);
@@ -590,6 +603,7 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     a->qn = nibbles ? (int8_t *)(base + at[10]) : NULL;
     a->biasn = nibbles && starts ? (int32_t *)(base + at[11]) : NULL;
     a->off8n = nibbles && starts ? (int32_t *)(base + at[12]) : NULL;
+    a->startxs = xs ? (int32_t *)(base + at[13]) : NULL;
     return need;
 }
 
