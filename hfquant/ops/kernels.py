@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from hfquant.config import DecodeActivations
-from hfquant.core import blocks, packing, rtn
+from hfquant.core import blocks, huge_pages, packing, rtn
 from hfquant.core.choice import Choice
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
@@ -329,7 +329,8 @@ def prepare_weight(kernel: Kernel, codes_or_weight: torch.Tensor, in_features: i
     # aten kernels read with unaligned loads, but a tensor viewing a memory-mapped file at an odd offset is
     # copied into our own allocation so the layer never depends on the file staying mapped.
     if codes_or_weight.data_ptr() % 64 or not codes_or_weight.is_contiguous():
-        return codes_or_weight.contiguous().clone()
+        copy = huge_pages.empty(tuple(codes_or_weight.shape), codes_or_weight.dtype, codes_or_weight.device)
+        return copy.copy_(codes_or_weight)  # on huge pages where large: a decode step streams it
     return codes_or_weight
 
 
