@@ -353,6 +353,46 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
     return _mm_set_epi64x((long long)(second ^ flip), (long long)(first ^ flip));
 }
 
+/* ---- Q3_K's integer lanes (row_q3_k_, row_q3_k_gfni): per 128 codes h, groups 2h and 2h + 1 (sub-block 4g + k in
+ * 128-bit lane k of group g, 16 codes in order) against their 128 activations. Each group's codes go through one
+ * dot of four products per 32-bit lane (vpdpbusd / BK_DOT: four quad sums per sub-block, each at most 4 * 7 * 127 =
+ * 3556, so int16), the two groups' quads packed to words (vpackssdw, no saturation: 128-bit lane k holds group 2h's
+ * sub-block quads 0-3, then group 2h + 1's) and those times their sub-blocks' scales, word pairs summed (vpdpwssd /
+ * vpmaddwd): two scale products and two scale vectors per 128 codes where one per 64 codes took a vpmaddubsw, a
+ * vpermw and a vpdpwssd. Both bodies leave the same 8 int32 lanes (lane 4k + m, k < 2: 128-bit lanes k and k + 2 of
+ * the AVX-512 sum; m = 0, 1: group 2h's quads 2m, 2m + 1, m = 2, 3: group 2h + 1's). ---- */
+#if BK_MASKED
+/* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the 16 int16 scales in words 0-15 */
+BK_TARGET BK_INLINE __m512i BK_NAME(k3_pair_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x, __m512i scales,
+                                             int h) {
+    /* 128-bit lane k: words 0-3 pick scale 8h + k, words 4-7 scale 8h + 4 + k */
+    const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
+                                            0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
+                                            0x0007000700070007LL);
+    const __m512i pick = _mm512_add_epi16(lanes, _mm512_set1_epi16((short)(8 * h)));
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i d0 = _mm512_dpbusd_epi32(zero, u0, _mm512_loadu_si512((const void *)x));
+    const __m512i d1 = _mm512_dpbusd_epi32(zero, u1, _mm512_loadu_si512((const void *)(x + 64)));
+    return _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(d0, d1), _mm512_permutexvar_epi16(pick, scales));
+}
+#else
+/* sum + the 128 codes h as four pairs u[j] (pair 4h + j: sub-blocks 8h + 2j, 8h + 2j + 1 in 128-bit lanes 0, 1; the
+ * AVX-512 groups' halves: group 2h = pairs 0, 1, group 2h + 1 = pairs 2, 3) against x; half: scales 8h..8h + 7 as
+ * int16 in both 128-bit lanes */
+BK_TARGET static inline __m256i BK_NAME(k3_pair_)(__m256i sum, const __m256i *u, const int8_t *x, __m256i half) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i d[4];
+    for (int j = 0; j < 4; j++) d[j] = BK_DOT(zero, u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
+    /* lane k: words 0-3 scale k (lo) or 2 + k (hi), words 4-7 scale 4 + k or 6 + k, of this half */
+    const __m256i pick_lo = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 8, 9, 8, 9, 8, 9, 8, 9, 2, 3, 2, 3, 2, 3, 2, 3, 10,
+                                             11, 10, 11, 10, 11, 10, 11);
+    const __m256i pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(4));
+    const __m256i lo = _mm256_madd_epi16(_mm256_packs_epi32(d[0], d[2]), _mm256_shuffle_epi8(half, pick_lo));
+    const __m256i hi = _mm256_madd_epi16(_mm256_packs_epi32(d[1], d[3]), _mm256_shuffle_epi8(half, pick_hi));
+    return _mm256_add_epi32(sum, _mm256_add_epi32(lo, hi));
+}
+#endif
+
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
 #if BK_MASKED
@@ -378,26 +418,26 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
         const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
         for (int h = 0; h < 2; h++) {
             const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+            __m512i u[2];
             for (int odd = 0; odd < 2; odd++) {
-                const int g = 2 * h + odd;
                 const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[odd]), three);
-                const __m512i u = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[g]), low, four);
-                sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
+                u[odd] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[2 * h + odd]), low, four);
             }
+            sum = BK_NAME(k3_pair_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), h);
         }
 #else
         const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
                                    _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
         const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         for (int h = 0; h < 2; h++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)), u[4];
             for (int j = 0; j < 4; j++) {
                 const int bit = 4 * h + j; /* hmask's bit of these codes, moved to bit 2 (one shift, one and) */
                 const __m256i high = bit < 2 ? _mm256_slli_epi16(hm, 2 - bit) : _mm256_srli_epi16(hm, bit - 2);
-                const __m256i u = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
+                u[j] = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
                 q = _mm256_srli_epi16(q, 2);
-                sum = BK_NAME(k16_pair_)(sum, u, xq + 128 * h + 32 * j, halves, 4 * h + j);
             }
+            sum = BK_NAME(k3_pair_)(sum, u, xq + 128 * h, halves[h]);
         }
 #endif
         acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
@@ -454,9 +494,9 @@ BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint
         /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
         const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
         const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
-        sum = BK_NAME(k16_group_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0), xq + 128 * h, scale16, 2 * h);
-        sum = BK_NAME(k16_group_)(sum, _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h + 64, scale16,
-                                  2 * h + 1);
+        sum = BK_NAME(k3_pair_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
+                                _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h,
+                                _mm512_castsi256_si512(scale16), h);
     }
     /* d times the activation scale in every lane (k16_finish_'s product, without a scalar round trip) */
     int16_t d16;
