@@ -362,14 +362,15 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
  * vpermw and a vpdpwssd. Both bodies leave the same 8 int32 lanes (lane 4k + m, k < 2: 128-bit lanes k and k + 2 of
  * the AVX-512 sum; m = 0, 1: group 2h's quads 2m, 2m + 1, m = 2, 3: group 2h + 1's). ---- */
 #if BK_MASKED
-/* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the 16 int16 scales in words 0-15 */
+/* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the super-block's 16 int16 scales */
 BK_TARGET BK_INLINE __m512i BK_NAME(k3_pair_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x, __m512i scales,
-                                             int h) {
-    /* 128-bit lane k: words 0-3 pick scale 8h + k, words 4-7 scale 8h + 4 + k */
+                                             int first) {
+    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h, or 16 + 8h for the
+     * second super-block of row_q3_k_gfni's two) */
     const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
                                             0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
                                             0x0007000700070007LL);
-    const __m512i pick = _mm512_add_epi16(lanes, _mm512_set1_epi16((short)(8 * h)));
+    const __m512i pick = _mm512_add_epi16(lanes, _mm512_set1_epi16((short)first));
     const __m512i zero = _mm512_setzero_si512();
     const __m512i d0 = _mm512_dpbusd_epi32(zero, u0, _mm512_loadu_si512((const void *)x));
     const __m512i d1 = _mm512_dpbusd_epi32(zero, u1, _mm512_loadu_si512((const void *)(x + 64)));
@@ -394,7 +395,8 @@ BK_TARGET static inline __m256i BK_NAME(k3_pair_)(__m256i sum, const __m256i *u,
 #endif
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
+    /* even super-blocks' float terms in acc[0], odd ones' in acc[1] (row_q3_k_gfni's lanes 0-7 and 8-15) */
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
 #if BK_MASKED
     /* group g = 2h + odd (64 codes, sub-blocks 4g..4g + 3, one per 128-bit lane): codes 128h + 32j + l with j = 2 odd
      * (bytes l) and 2 odd + 1 (bytes 32 + l); bits 0-1 are bits 2j, 2j + 1 of qs[32h + l] (qs's 32 bytes in both
@@ -423,7 +425,7 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
                 const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[odd]), three);
                 u[odd] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[2 * h + odd]), low, four);
             }
-            sum = BK_NAME(k3_pair_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), h);
+            sum = BK_NAME(k3_pair_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
         }
 #else
         const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
@@ -440,10 +442,11 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
             sum = BK_NAME(k3_pair_)(sum, u, xq + 128 * h, halves[h]);
         }
 #endif
-        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
-                                   BK_NAME(half_)(w + 108) * a->d[b]);
+        acc[b & 1] = BK_NAME(k16_finish_)(acc[b & 1], BK_NAME(k16_sum_)(sum),
+                                          BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
+                                          BK_NAME(half_)(w + 108) * a->d[b]);
     }
-    return BK_NAME(hsum_)(acc);
+    return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
 }
 
 #if BK_MASKED
@@ -471,6 +474,24 @@ BK_GFNI_TARGET static inline BK_NAME(Q3kGfni) BK_NAME(q3_k_gfni_consts_)(void) {
     return k;
 }
 
+/* one super-block's codes at w against xq: the 16 int32 lanes of k3_pair_ (scales: its scale words from first) */
+BK_GFNI_TARGET BK_INLINE __m512i BK_NAME(q3_k_gfni_codes_)(const uint8_t *w, const int8_t *xq, __m512i scales,
+                                                          int first, const BK_NAME(Q3kGfni) *k) {
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i hm_up = _mm512_slli_epi16(hm, 4), hm_down = _mm512_srli_epi16(hm, 4);
+    const __m512i nib_low = _mm512_set1_epi8(0x0F), nib_high = _mm512_set1_epi8((char)0xF0);
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+        /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
+        const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
+        const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
+        sum = BK_NAME(k3_pair_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
+                                _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h, scales, first + 8 * h);
+    }
+    return sum;
+}
+
 /* one super-block of row_q3_k_gfni added to acc (dx: the activation scale of its 256 inputs) */
 BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint8_t *w, const int8_t *xq,
                                                          const int16_t *bs16, const float *dx,
@@ -485,19 +506,7 @@ BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint
     /* 0xEC: (lows & 0x0F) | highs, the 6-bit scales; minus 32 as int16 */
     const __m128i scales = _mm_ternarylogic_epi32(lows, highs, _mm_set1_epi8(0x0F), 0xEC);
     const __m256i scale16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(scales), _mm256_set1_epi16(32));
-    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
-    const __m512i hm_up = _mm512_slli_epi16(hm, 4), hm_down = _mm512_srli_epi16(hm, 4);
-    const __m512i nib_low = _mm512_set1_epi8(0x0F), nib_high = _mm512_set1_epi8((char)0xF0);
-    __m512i sum = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {
-        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
-        /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
-        const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
-        const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
-        sum = BK_NAME(k3_pair_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
-                                _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h,
-                                _mm512_castsi256_si512(scale16), h);
-    }
+    const __m512i sum = BK_NAME(q3_k_gfni_codes_)(w, xq, _mm512_castsi256_si512(scale16), 0, k);
     /* d times the activation scale in every lane (k16_finish_'s product, without a scalar round trip) */
     int16_t d16;
     memcpy(&d16, w + 108, 2);
@@ -506,20 +515,62 @@ BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
 }
 
+/* super-blocks w and w + 110 (b, b + 1) of row_q3_k_gfni: lanes 0-7 of acc take b's 8 float terms, lanes 8-15 b +
+ * 1's, each the same float operations as q3_k_gfni_block_'s. Per two: one scale unpack (256 bits: b's bytes, then
+ * b + 1's; as 32 int16), one fold of both sums' 128-bit lanes k and k + 2 (two vshufi64x2 and an add), one offset
+ * vpmaddwd against both 16-input sums, one conversion of both fp16 d */
+BK_GFNI_TARGET BK_INLINE __m512 BK_NAME(q3_k_gfni_two_)(__m512 acc, const uint8_t *w, const int8_t *xq,
+                                                       const int16_t *bs16, const float *dx,
+                                                       const BK_NAME(Q3kGfni) *k) {
+    int64_t lows[2];
+    int32_t highs[2];
+    uint16_t d16[2];
+    for (int i = 0; i < 2; i++) {
+        memcpy(&lows[i], w + 110 * i + 96, 8);
+        memcpy(&highs[i], w + 110 * i + 104, 4);
+        memcpy(&d16[i], w + 110 * i + 108, 2);
+    }
+    const __m256i pick_low = _mm256_broadcastsi128_si256(k->pick_low);
+    const __m256i pick_high = _mm256_broadcastsi128_si256(k->pick_high);
+    const __m256i lows2 = _mm256_inserti128_si256(_mm256_set1_epi64x(lows[0]), _mm_set1_epi64x(lows[1]), 1);
+    const __m256i highs2 = _mm256_inserti128_si256(_mm256_set1_epi32(highs[0]), _mm_set1_epi32(highs[1]), 1);
+    const __m256i bytes = _mm256_ternarylogic_epi32(
+        _mm256_multishift_epi64_epi8(pick_low, lows2),
+        _mm256_and_si256(_mm256_multishift_epi64_epi8(pick_high, highs2), _mm256_set1_epi8(0x30)),
+        _mm256_set1_epi8(0x0F), 0xEC);
+    const __m512i scales = _mm512_sub_epi16(_mm512_cvtepu8_epi16(bytes), _mm512_set1_epi16(32));
+    const __m512i s0 = BK_NAME(q3_k_gfni_codes_)(w, xq, scales, 0, k);
+    const __m512i s1 = BK_NAME(q3_k_gfni_codes_)(w + 110, xq + 256, scales, 16, k);
+    const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                          _mm512_shuffle_i64x2(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i offset =
+        _mm512_slli_epi32(_mm512_madd_epi16(scales, _mm512_loadu_si512((const void *)bs16)), 2);
+    /* each d times its activation scale (the same float products), then each in its 8 lanes */
+    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(d16[0] | (uint32_t)d16[1] << 16))),
+                                 _mm_castpd_ps(_mm_load_sd((const double *)dx)));
+    const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                           _mm512_castps128_ps512(dd));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), d, acc);
+}
+
 /* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same groups, sums and bytes. Per 128
  * codes h, qs and hmask are merged per byte by two bit selects (hmask shifted by 4 once per super-block), and each
  * merge gives one group of codes (its two 256-bit halves by two matrices) by one vgf2p8affineqb: four bit-matrix
  * products and four selects per super-block (the thirteenth session's step: eight products and four ors). The
  * sixteen scales by two vpmultishiftqb (8-bit windows of the packed lows and highs) and one select instead of
- * k3_scales_'s general-register unpack (still the other bodies'). */
+ * k3_scales_'s general-register unpack (still the other bodies'). Two super-blocks per step (q3_k_gfni_two_): the
+ * even ones' float terms in acc's lanes 0-7, the odd ones' in 8-15, added at the end, as the other bodies' acc[2]. */
 BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 110) {
-        BK_NAME(stream_ahead_)(w, 110);
-        acc = BK_NAME(q3_k_gfni_block_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 220) {
+        BK_NAME(stream_ahead_)(w, 220);
+        acc = BK_NAME(q3_k_gfni_two_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
     }
-    return BK_NAME(hsum_)(acc);
+    __m256 even = BK_NAME(half512_)(acc, 0);
+    if (b < nb) even = BK_NAME(q3_k_gfni_block_)(even, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+    return BK_NAME(hsum_)(_mm256_add_ps(even, BK_NAME(half512_)(acc, 1)));
 }
 #undef BK_PICK3
 #endif
