@@ -252,40 +252,55 @@ BK_TARGET static inline __m256 BK_NAME(k16_finish_)(__m256 acc, __m256i sumi, __
 #if BK_MASKED
 #define BK_K16 __m512i
 #define BK_K16_ZERO _mm512_setzero_si512()
-/* the 16 int16 scales (256 bits) -> for group g, each 128-bit lane k holding sub-block 4g + k's scale 8 times */
-BK_TARGET static inline __m512i BK_NAME(k16_group_scales_)(__m256i scale16, int g) {
-    const __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 0x10001, 0x10001, 0x10001, 0x10001, 0x20002, 0x20002, 0x20002,
-                                           0x20002, 0x30003, 0x30003, 0x30003, 0x30003);
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(4 * g))),
-                                    _mm512_castsi256_si512(scale16));
-}
-
-/* sum + group g's dot: 64 codes u (sub-blocks 4g..4g + 3, one per 128-bit lane) with the activations at x, each
- * sub-block's pair sums times its scale */
-BK_TARGET static inline __m512i BK_NAME(k16_group_)(__m512i sum, __m512i u, const int8_t *x, __m256i scale16, int g) {
-    const __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512((const void *)x));
-    return _mm512_dpwssd_epi32(sum, p, BK_NAME(k16_group_scales_)(scale16, g));
-}
-
-/* 16 int32 lanes -> the 8 of the AVX2 body (lane l + 8 onto lane l: sub-blocks of the same parity) */
+/* 16 int32 lanes -> the 8 of the AVX2 body (lane l + 8 onto lane l) */
 BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m512i sum) {
     return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
 }
 #else
 #define BK_K16 __m256i
 #define BK_K16_ZERO _mm256_setzero_si256()
-/* sum + the dot of 32 codes u (sub-blocks 2i, 2i + 1: 128-bit lanes 0, 1) with the activations at x, each sub-block's
- * pair sums times its scale: halves[0] / halves[1] hold scales 0-7 / 8-15 as int16 in both 128-bit lanes */
-BK_TARGET static inline __m256i BK_NAME(k16_pair_)(__m256i sum, __m256i u, const int8_t *x, const __m256i *halves,
-                                                   int i) {
-    const int m = 2 * (i & 3); /* scale 2i's int16 index within its half */
-    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(((2 * m + 3) << 8) | (2 * m + 2))),
-                                          _mm_set1_epi16((short)(((2 * m + 1) << 8) | (2 * m))));
-    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_shuffle_epi8(halves[i >> 2], pick)));
-}
-
 BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m256i sum) { return sum; }
+#endif
+
+/* Q3_K and Q6_K's integer lanes (row_q3_k_, row_q3_k_gfni, row_q6_k_): per 128 codes h, groups 2h and 2h + 1
+ * (sub-block 4g + k in 128-bit lane k of group g, 16 codes in order) against their 128 activations. Each group's codes
+ * go through one dot of four products per 32-bit lane (vpdpbusd / BK_DOT: four quad sums per sub-block, each at most
+ * 4 * 63 * 127 = 32004, so int16), the two groups' quads packed to words (vpackssdw, no saturation: 128-bit lane k
+ * holds group 2h's sub-block quads 0-3, then group 2h + 1's) and those times their sub-blocks' scales, word pairs
+ * summed (vpdpwssd / vpmaddwd): two scale products and two scale vectors per 128 codes where one per 64 codes took a
+ * vpmaddubsw, a vpermw and a vpdpwssd. Both bodies leave the same 8 int32 lanes (lane 4k + m, k < 2: 128-bit lanes k
+ * and k + 2 of the AVX-512 sum; m = 0, 1: group 2h's quads 2m, 2m + 1, m = 2, 3: group 2h + 1's). */
+#if BK_MASKED
+/* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the super-block's 16 int16 scales */
+BK_TARGET BK_INLINE __m512i BK_NAME(k16_quads_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x,
+                                               __m512i scales, int first) {
+    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h, or 16 + 8h for the
+     * second super-block of row_q3_k_gfni's two) */
+    const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
+                                            0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
+                                            0x0007000700070007LL);
+    const __m512i pick = _mm512_add_epi16(lanes, _mm512_set1_epi16((short)first));
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i d0 = _mm512_dpbusd_epi32(zero, u0, _mm512_loadu_si512((const void *)x));
+    const __m512i d1 = _mm512_dpbusd_epi32(zero, u1, _mm512_loadu_si512((const void *)(x + 64)));
+    return _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(d0, d1), _mm512_permutexvar_epi16(pick, scales));
+}
+#else
+/* sum + the 128 codes h as four pairs u[j] (pair 4h + j: sub-blocks 8h + 2j, 8h + 2j + 1 in 128-bit lanes 0, 1; the
+ * AVX-512 groups' halves: group 2h = pairs 0, 1, group 2h + 1 = pairs 2, 3) against x; half: scales 8h..8h + 7 as
+ * int16 in both 128-bit lanes */
+BK_TARGET static inline __m256i BK_NAME(k16_quads_)(__m256i sum, const __m256i *u, const int8_t *x, __m256i half) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i d[4];
+    for (int j = 0; j < 4; j++) d[j] = BK_DOT(zero, u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
+    /* lane k: words 0-3 scale k (lo) or 2 + k (hi), words 4-7 scale 4 + k or 6 + k, of this half */
+    const __m256i pick_lo = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 8, 9, 8, 9, 8, 9, 8, 9, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             10, 11, 10, 11, 10, 11, 10, 11);
+    const __m256i pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(4));
+    const __m256i lo = _mm256_madd_epi16(_mm256_packs_epi32(d[0], d[2]), _mm256_shuffle_epi8(half, pick_lo));
+    const __m256i hi = _mm256_madd_epi16(_mm256_packs_epi32(d[1], d[3]), _mm256_shuffle_epi8(half, pick_hi));
+    return _mm256_add_epi32(sum, _mm256_add_epi32(lo, hi));
+}
 #endif
 
 BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -309,8 +324,7 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
             const __m512i u0 = _mm512_ternarylogic_epi32(ql, high0, low, 0xEC);
             const __m512i u1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), _mm512_and_si512(qh2, bits45),
                                                          low, 0xEC);
-            sum = BK_NAME(k16_group_)(sum, u0, xq + 128 * h, scale16, 2 * h);
-            sum = BK_NAME(k16_group_)(sum, u1, xq + 128 * h + 64, scale16, 2 * h + 1);
+            sum = BK_NAME(k16_quads_)(sum, u0, u1, xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
         }
 #else
         const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bits45 = _mm256_set1_epi8(0x30);
@@ -327,7 +341,7 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, bits45)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(qh2, bits45)),
             };
-            for (int i = 0; i < 4; i++) sum = BK_NAME(k16_pair_)(sum, u[i], xq + 128 * h + 32 * i, halves, 4 * h + i);
+            sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
         }
 #endif
         acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 5),
@@ -352,47 +366,6 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
     const uint64_t first = ((lo & four) | high01 << 4) + add, second = (((lo >> 4) & four) | high23 << 4) + add;
     return _mm_set_epi64x((long long)(second ^ flip), (long long)(first ^ flip));
 }
-
-/* ---- Q3_K's integer lanes (row_q3_k_, row_q3_k_gfni): per 128 codes h, groups 2h and 2h + 1 (sub-block 4g + k in
- * 128-bit lane k of group g, 16 codes in order) against their 128 activations. Each group's codes go through one
- * dot of four products per 32-bit lane (vpdpbusd / BK_DOT: four quad sums per sub-block, each at most 4 * 7 * 127 =
- * 3556, so int16), the two groups' quads packed to words (vpackssdw, no saturation: 128-bit lane k holds group 2h's
- * sub-block quads 0-3, then group 2h + 1's) and those times their sub-blocks' scales, word pairs summed (vpdpwssd /
- * vpmaddwd): two scale products and two scale vectors per 128 codes where one per 64 codes took a vpmaddubsw, a
- * vpermw and a vpdpwssd. Both bodies leave the same 8 int32 lanes (lane 4k + m, k < 2: 128-bit lanes k and k + 2 of
- * the AVX-512 sum; m = 0, 1: group 2h's quads 2m, 2m + 1, m = 2, 3: group 2h + 1's). ---- */
-#if BK_MASKED
-/* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the super-block's 16 int16 scales */
-BK_TARGET BK_INLINE __m512i BK_NAME(k3_pair_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x, __m512i scales,
-                                             int first) {
-    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h, or 16 + 8h for the
-     * second super-block of row_q3_k_gfni's two) */
-    const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
-                                            0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
-                                            0x0007000700070007LL);
-    const __m512i pick = _mm512_add_epi16(lanes, _mm512_set1_epi16((short)first));
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i d0 = _mm512_dpbusd_epi32(zero, u0, _mm512_loadu_si512((const void *)x));
-    const __m512i d1 = _mm512_dpbusd_epi32(zero, u1, _mm512_loadu_si512((const void *)(x + 64)));
-    return _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(d0, d1), _mm512_permutexvar_epi16(pick, scales));
-}
-#else
-/* sum + the 128 codes h as four pairs u[j] (pair 4h + j: sub-blocks 8h + 2j, 8h + 2j + 1 in 128-bit lanes 0, 1; the
- * AVX-512 groups' halves: group 2h = pairs 0, 1, group 2h + 1 = pairs 2, 3) against x; half: scales 8h..8h + 7 as
- * int16 in both 128-bit lanes */
-BK_TARGET static inline __m256i BK_NAME(k3_pair_)(__m256i sum, const __m256i *u, const int8_t *x, __m256i half) {
-    const __m256i zero = _mm256_setzero_si256();
-    __m256i d[4];
-    for (int j = 0; j < 4; j++) d[j] = BK_DOT(zero, u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
-    /* lane k: words 0-3 scale k (lo) or 2 + k (hi), words 4-7 scale 4 + k or 6 + k, of this half */
-    const __m256i pick_lo = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 8, 9, 8, 9, 8, 9, 8, 9, 2, 3, 2, 3, 2, 3, 2, 3, 10,
-                                             11, 10, 11, 10, 11, 10, 11);
-    const __m256i pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(4));
-    const __m256i lo = _mm256_madd_epi16(_mm256_packs_epi32(d[0], d[2]), _mm256_shuffle_epi8(half, pick_lo));
-    const __m256i hi = _mm256_madd_epi16(_mm256_packs_epi32(d[1], d[3]), _mm256_shuffle_epi8(half, pick_hi));
-    return _mm256_add_epi32(sum, _mm256_add_epi32(lo, hi));
-}
-#endif
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     /* even super-blocks' float terms in acc[0], odd ones' in acc[1] (row_q3_k_gfni's lanes 0-7 and 8-15) */
@@ -425,7 +398,7 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
                 const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[odd]), three);
                 u[odd] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[2 * h + odd]), low, four);
             }
-            sum = BK_NAME(k3_pair_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
+            sum = BK_NAME(k16_quads_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
         }
 #else
         const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
@@ -439,7 +412,7 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
                 u[j] = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
                 q = _mm256_srli_epi16(q, 2);
             }
-            sum = BK_NAME(k3_pair_)(sum, u, xq + 128 * h, halves[h]);
+            sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
         }
 #endif
         acc[b & 1] = BK_NAME(k16_finish_)(acc[b & 1], BK_NAME(k16_sum_)(sum),
@@ -474,7 +447,7 @@ BK_GFNI_TARGET static inline BK_NAME(Q3kGfni) BK_NAME(q3_k_gfni_consts_)(void) {
     return k;
 }
 
-/* one super-block's codes at w against xq: the 16 int32 lanes of k3_pair_ (scales: its scale words from first) */
+/* one super-block's codes at w against xq: the 16 int32 lanes of k16_quads_ (scales: its scale words from first) */
 BK_GFNI_TARGET BK_INLINE __m512i BK_NAME(q3_k_gfni_codes_)(const uint8_t *w, const int8_t *xq, __m512i scales,
                                                           int first, const BK_NAME(Q3kGfni) *k) {
     const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
@@ -486,7 +459,7 @@ BK_GFNI_TARGET BK_INLINE __m512i BK_NAME(q3_k_gfni_codes_)(const uint8_t *w, con
         /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
         const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
         const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
-        sum = BK_NAME(k3_pair_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
+        sum = BK_NAME(k16_quads_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
                                 _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h, scales, first + 8 * h);
     }
     return sum;
