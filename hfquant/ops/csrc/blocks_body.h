@@ -456,9 +456,13 @@ BK_GFNI_TARGET BK_INLINE __m512i BK_NAME(q3_k_gfni_codes_)(const uint8_t *w, con
     __m512i sum = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {
         const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
-        /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
-        const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
-        const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
+        /* per bit, the nibble mask's bits from q, the others from hmask (its bits 4h..4h + 3 next to the qs bits of
+         * their codes); each select's first operand (overwritten by vpternlogd) one not needed after it: 0xD8 third ?
+         * second : first, 0xE2 second ? first : third */
+        const __m512i m0 = h ? _mm512_ternarylogic_epi32(q, nib_low, hm, 0xE2)
+                             : _mm512_ternarylogic_epi32(hm_up, q, nib_low, 0xD8);
+        const __m512i m1 = h ? _mm512_ternarylogic_epi32(hm_down, q, nib_high, 0xD8)
+                             : _mm512_ternarylogic_epi32(q, nib_high, hm, 0xE2);
         sum = BK_NAME(k16_quads_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
                                 _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h, scales, first + 8 * h);
     }
