@@ -231,11 +231,11 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 /* ---- Q3_K / Q6_K: sixteen 16-weight sub-blocks per super-block, an int8 scale each, unsigned codes u with a
- * constant offset (w = d * scale * (u - offset)). Each sub-block's dot is 8 int16 pair sums (vpmaddubsw: u <= 63,
- * |x| <= 127, at most 2 * 63 * 127 = 16002, no saturation), multiplied by its scale as int16 and summed in pairs into
- * int32 lanes (vpdpwssd on AVX512-VNNI, vpmaddwd + add on AVX2): no 32-bit multiply per step. Either body leaves the
- * same 8 int32 lanes (lane 4p + m: the sub-blocks of parity p, weights 4m..4m + 3 of each), so the same floats. The
- * offset comes off once per super-block against the activation's 16-input sums (k16_offset_). ---- */
+ * constant offset (w = d * scale * (u - offset)). Each sub-block's dot is 4 int32 quad sums (vpdpbusd; AVX2:
+ * vpmaddubsw + vpmaddwd, u <= 63, |x| <= 127, at most 4 * 63 * 127 = 32004), packed to int16 and multiplied by its
+ * scale as int16, summed in pairs into int32 lanes (vpdpwssd on AVX512-VNNI, vpmaddwd + add on AVX2; k16_quads_): no
+ * 32-bit multiply per step. Either body leaves the same 8 int32 lanes, so the same floats. The offset comes off once
+ * per super-block against the activation's 16-input sums (k16_offset_). ---- */
 
 /* the codes' offset term, offset * sum over sub-blocks s of scale[s] * (sum of the 16 activations of s), as 8 int32
  * lanes (lane j: sub-blocks 2j, 2j + 1): one vpmaddwd of the scales (scale16, int16) with the activation's int16
