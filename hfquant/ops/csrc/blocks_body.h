@@ -231,11 +231,11 @@ BK_TARGET static float BK_NAME(row_q5_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 /* ---- Q3_K / Q6_K: sixteen 16-weight sub-blocks per super-block, an int8 scale each, unsigned codes u with a
- * constant offset (w = d * scale * (u - offset)). Each sub-block's dot is 8 int16 pair sums (vpmaddubsw: u <= 63,
- * |x| <= 127, at most 2 * 63 * 127 = 16002, no saturation), multiplied by its scale as int16 and summed in pairs into
- * int32 lanes (vpdpwssd on AVX512-VNNI, vpmaddwd + add on AVX2): no 32-bit multiply per step. Either body leaves the
- * same 8 int32 lanes (lane 4p + m: the sub-blocks of parity p, weights 4m..4m + 3 of each), so the same floats. The
- * offset comes off once per super-block against the activation's 16-input sums (k16_offset_). ---- */
+ * constant offset (w = d * scale * (u - offset)). Each sub-block's dot is 4 int32 quad sums (vpdpbusd; AVX2:
+ * vpmaddubsw + vpmaddwd, u <= 63, |x| <= 127, at most 4 * 63 * 127 = 32004), packed to int16 and multiplied by its
+ * scale as int16, summed in pairs into int32 lanes (vpdpwssd on AVX512-VNNI, vpmaddwd + add on AVX2; k16_quads_): no
+ * 32-bit multiply per step. Either body leaves the same 8 int32 lanes, so the same floats. The offset comes off once
+ * per super-block against the activation's 16-input sums (k16_offset_). ---- */
 
 /* the codes' offset term, offset * sum over sub-blocks s of scale[s] * (sum of the 16 activations of s), as 8 int32
  * lanes (lane j: sub-blocks 2j, 2j + 1): one vpmaddwd of the scales (scale16, int16) with the activation's int16
@@ -252,40 +252,55 @@ BK_TARGET static inline __m256 BK_NAME(k16_finish_)(__m256 acc, __m256i sumi, __
 #if BK_MASKED
 #define BK_K16 __m512i
 #define BK_K16_ZERO _mm512_setzero_si512()
-/* the 16 int16 scales (256 bits) -> for group g, each 128-bit lane k holding sub-block 4g + k's scale 8 times */
-BK_TARGET static inline __m512i BK_NAME(k16_group_scales_)(__m256i scale16, int g) {
-    const __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 0x10001, 0x10001, 0x10001, 0x10001, 0x20002, 0x20002, 0x20002,
-                                           0x20002, 0x30003, 0x30003, 0x30003, 0x30003);
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(4 * g))),
-                                    _mm512_castsi256_si512(scale16));
-}
-
-/* sum + group g's dot: 64 codes u (sub-blocks 4g..4g + 3, one per 128-bit lane) with the activations at x, each
- * sub-block's pair sums times its scale */
-BK_TARGET static inline __m512i BK_NAME(k16_group_)(__m512i sum, __m512i u, const int8_t *x, __m256i scale16, int g) {
-    const __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512((const void *)x));
-    return _mm512_dpwssd_epi32(sum, p, BK_NAME(k16_group_scales_)(scale16, g));
-}
-
-/* 16 int32 lanes -> the 8 of the AVX2 body (lane l + 8 onto lane l: sub-blocks of the same parity) */
+/* 16 int32 lanes -> the 8 of the AVX2 body (lane l + 8 onto lane l) */
 BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m512i sum) {
     return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
 }
 #else
 #define BK_K16 __m256i
 #define BK_K16_ZERO _mm256_setzero_si256()
-/* sum + the dot of 32 codes u (sub-blocks 2i, 2i + 1: 128-bit lanes 0, 1) with the activations at x, each sub-block's
- * pair sums times its scale: halves[0] / halves[1] hold scales 0-7 / 8-15 as int16 in both 128-bit lanes */
-BK_TARGET static inline __m256i BK_NAME(k16_pair_)(__m256i sum, __m256i u, const int8_t *x, const __m256i *halves,
-                                                   int i) {
-    const int m = 2 * (i & 3); /* scale 2i's int16 index within its half */
-    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(((2 * m + 3) << 8) | (2 * m + 2))),
-                                          _mm_set1_epi16((short)(((2 * m + 1) << 8) | (2 * m))));
-    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_shuffle_epi8(halves[i >> 2], pick)));
-}
-
 BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m256i sum) { return sum; }
+#endif
+
+/* Q3_K and Q6_K's integer lanes (row_q3_k_, row_q3_k_gfni, row_q6_k_): per 128 codes h, groups 2h and 2h + 1
+ * (sub-block 4g + k in 128-bit lane k of group g, 16 codes in order) against their 128 activations. Each group's codes
+ * go through one dot of four products per 32-bit lane (vpdpbusd / BK_DOT: four quad sums per sub-block, each at most
+ * 4 * 63 * 127 = 32004, so int16), the two groups' quads packed to words (vpackssdw, no saturation: 128-bit lane k
+ * holds group 2h's sub-block quads 0-3, then group 2h + 1's) and those times their sub-blocks' scales, word pairs
+ * summed (vpdpwssd / vpmaddwd): two scale products and two scale vectors per 128 codes where one per 64 codes took a
+ * vpmaddubsw, a vpermw and a vpdpwssd. Both bodies leave the same 8 int32 lanes (lane 4k + m, k < 2: 128-bit lanes k
+ * and k + 2 of the AVX-512 sum; m = 0, 1: group 2h's quads 2m, 2m + 1, m = 2, 3: group 2h + 1's). */
+#if BK_MASKED
+/* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the super-block's 16 int16 scales */
+BK_TARGET BK_INLINE __m512i BK_NAME(k16_quads_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x,
+                                               __m512i scales, int first) {
+    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h, or 16 + 8h for the
+     * second super-block of row_q3_k_gfni's two) */
+    const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
+                                            0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
+                                            0x0007000700070007LL);
+    const __m512i pick = _mm512_add_epi16(lanes, _mm512_set1_epi16((short)first));
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i d0 = _mm512_dpbusd_epi32(zero, u0, _mm512_loadu_si512((const void *)x));
+    const __m512i d1 = _mm512_dpbusd_epi32(zero, u1, _mm512_loadu_si512((const void *)(x + 64)));
+    return _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(d0, d1), _mm512_permutexvar_epi16(pick, scales));
+}
+#else
+/* sum + the 128 codes h as four pairs u[j] (pair 4h + j: sub-blocks 8h + 2j, 8h + 2j + 1 in 128-bit lanes 0, 1; the
+ * AVX-512 groups' halves: group 2h = pairs 0, 1, group 2h + 1 = pairs 2, 3) against x; half: scales 8h..8h + 7 as
+ * int16 in both 128-bit lanes */
+BK_TARGET static inline __m256i BK_NAME(k16_quads_)(__m256i sum, const __m256i *u, const int8_t *x, __m256i half) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i d[4];
+    for (int j = 0; j < 4; j++) d[j] = BK_DOT(zero, u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
+    /* lane k: words 0-3 scale k (lo) or 2 + k (hi), words 4-7 scale 4 + k or 6 + k, of this half */
+    const __m256i pick_lo = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 8, 9, 8, 9, 8, 9, 8, 9, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             10, 11, 10, 11, 10, 11, 10, 11);
+    const __m256i pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(4));
+    const __m256i lo = _mm256_madd_epi16(_mm256_packs_epi32(d[0], d[2]), _mm256_shuffle_epi8(half, pick_lo));
+    const __m256i hi = _mm256_madd_epi16(_mm256_packs_epi32(d[1], d[3]), _mm256_shuffle_epi8(half, pick_hi));
+    return _mm256_add_epi32(sum, _mm256_add_epi32(lo, hi));
+}
 #endif
 
 BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
@@ -309,8 +324,7 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
             const __m512i u0 = _mm512_ternarylogic_epi32(ql, high0, low, 0xEC);
             const __m512i u1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), _mm512_and_si512(qh2, bits45),
                                                          low, 0xEC);
-            sum = BK_NAME(k16_group_)(sum, u0, xq + 128 * h, scale16, 2 * h);
-            sum = BK_NAME(k16_group_)(sum, u1, xq + 128 * h + 64, scale16, 2 * h + 1);
+            sum = BK_NAME(k16_quads_)(sum, u0, u1, xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
         }
 #else
         const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bits45 = _mm256_set1_epi8(0x30);
@@ -327,7 +341,7 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, bits45)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(qh2, bits45)),
             };
-            for (int i = 0; i < 4; i++) sum = BK_NAME(k16_pair_)(sum, u[i], xq + 128 * h + 32 * i, halves, 4 * h + i);
+            sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
         }
 #endif
         acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 5),
@@ -354,7 +368,8 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
 }
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
+    /* even super-blocks' float terms in acc[0], odd ones' in acc[1] (row_q3_k_gfni's lanes 0-7 and 8-15) */
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
 #if BK_MASKED
     /* group g = 2h + odd (64 codes, sub-blocks 4g..4g + 3, one per 128-bit lane): codes 128h + 32j + l with j = 2 odd
      * (bytes l) and 2 odd + 1 (bytes 32 + l); bits 0-1 are bits 2j, 2j + 1 of qs[32h + l] (qs's 32 bytes in both
@@ -378,32 +393,33 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
         const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
         for (int h = 0; h < 2; h++) {
             const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+            __m512i u[2];
             for (int odd = 0; odd < 2; odd++) {
-                const int g = 2 * h + odd;
                 const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[odd]), three);
-                const __m512i u = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[g]), low, four);
-                sum = BK_NAME(k16_group_)(sum, u, xq + 128 * h + 64 * odd, scale16, g);
+                u[odd] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit[2 * h + odd]), low, four);
             }
+            sum = BK_NAME(k16_quads_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
         }
 #else
         const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
                                    _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
         const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         for (int h = 0; h < 2; h++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)), u[4];
             for (int j = 0; j < 4; j++) {
                 const int bit = 4 * h + j; /* hmask's bit of these codes, moved to bit 2 (one shift, one and) */
                 const __m256i high = bit < 2 ? _mm256_slli_epi16(hm, 2 - bit) : _mm256_srli_epi16(hm, bit - 2);
-                const __m256i u = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
+                u[j] = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
                 q = _mm256_srli_epi16(q, 2);
-                sum = BK_NAME(k16_pair_)(sum, u, xq + 128 * h + 32 * j, halves, 4 * h + j);
             }
+            sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
         }
 #endif
-        acc = BK_NAME(k16_finish_)(acc, BK_NAME(k16_sum_)(sum), BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
-                                   BK_NAME(half_)(w + 108) * a->d[b]);
+        acc[b & 1] = BK_NAME(k16_finish_)(acc[b & 1], BK_NAME(k16_sum_)(sum),
+                                          BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
+                                          BK_NAME(half_)(w + 108) * a->d[b]);
     }
-    return BK_NAME(hsum_)(acc);
+    return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
 }
 
 #if BK_MASKED
@@ -431,6 +447,28 @@ BK_GFNI_TARGET static inline BK_NAME(Q3kGfni) BK_NAME(q3_k_gfni_consts_)(void) {
     return k;
 }
 
+/* one super-block's codes at w against xq: the 16 int32 lanes of k16_quads_ (scales: its scale words from first) */
+BK_GFNI_TARGET BK_INLINE __m512i BK_NAME(q3_k_gfni_codes_)(const uint8_t *w, const int8_t *xq, __m512i scales,
+                                                          int first, const BK_NAME(Q3kGfni) *k) {
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i hm_up = _mm512_slli_epi16(hm, 4), hm_down = _mm512_srli_epi16(hm, 4);
+    const __m512i nib_low = _mm512_set1_epi8(0x0F), nib_high = _mm512_set1_epi8((char)0xF0);
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
+        /* per bit, the nibble mask's bits from q, the others from hmask (its bits 4h..4h + 3 next to the qs bits of
+         * their codes); each select's first operand (overwritten by vpternlogd) one not needed after it: 0xD8 third ?
+         * second : first, 0xE2 second ? first : third */
+        const __m512i m0 = h ? _mm512_ternarylogic_epi32(q, nib_low, hm, 0xE2)
+                             : _mm512_ternarylogic_epi32(hm_up, q, nib_low, 0xD8);
+        const __m512i m1 = h ? _mm512_ternarylogic_epi32(hm_down, q, nib_high, 0xD8)
+                             : _mm512_ternarylogic_epi32(q, nib_high, hm, 0xE2);
+        sum = BK_NAME(k16_quads_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
+                                _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h, scales, first + 8 * h);
+    }
+    return sum;
+}
+
 /* one super-block of row_q3_k_gfni added to acc (dx: the activation scale of its 256 inputs) */
 BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint8_t *w, const int8_t *xq,
                                                          const int16_t *bs16, const float *dx,
@@ -445,19 +483,7 @@ BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint
     /* 0xEC: (lows & 0x0F) | highs, the 6-bit scales; minus 32 as int16 */
     const __m128i scales = _mm_ternarylogic_epi32(lows, highs, _mm_set1_epi8(0x0F), 0xEC);
     const __m256i scale16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(scales), _mm256_set1_epi16(32));
-    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
-    const __m512i hm_up = _mm512_slli_epi16(hm, 4), hm_down = _mm512_srli_epi16(hm, 4);
-    const __m512i nib_low = _mm512_set1_epi8(0x0F), nib_high = _mm512_set1_epi8((char)0xF0);
-    __m512i sum = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {
-        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
-        /* 0xCA: first ? second : third, per bit; hmask's bits 4h..4h + 3 next to the qs bits of their codes */
-        const __m512i m0 = _mm512_ternarylogic_epi32(nib_low, q, h ? hm : hm_up, 0xCA);
-        const __m512i m1 = _mm512_ternarylogic_epi32(nib_high, q, h ? hm_down : hm, 0xCA);
-        sum = BK_NAME(k16_group_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0), xq + 128 * h, scale16, 2 * h);
-        sum = BK_NAME(k16_group_)(sum, _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h + 64, scale16,
-                                  2 * h + 1);
-    }
+    const __m512i sum = BK_NAME(q3_k_gfni_codes_)(w, xq, _mm512_castsi256_si512(scale16), 0, k);
     /* d times the activation scale in every lane (k16_finish_'s product, without a scalar round trip) */
     int16_t d16;
     memcpy(&d16, w + 108, 2);
@@ -466,20 +492,62 @@ BK_GFNI_TARGET BK_INLINE __m256 BK_NAME(q3_k_gfni_block_)(__m256 acc, const uint
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
 }
 
+/* super-blocks w and w + 110 (b, b + 1) of row_q3_k_gfni: lanes 0-7 of acc take b's 8 float terms, lanes 8-15 b +
+ * 1's, each the same float operations as q3_k_gfni_block_'s. Per two: one scale unpack (256 bits: b's bytes, then
+ * b + 1's; as 32 int16), one fold of both sums' 128-bit lanes k and k + 2 (two vshufi64x2 and an add), one offset
+ * vpmaddwd against both 16-input sums, one conversion of both fp16 d */
+BK_GFNI_TARGET BK_INLINE __m512 BK_NAME(q3_k_gfni_two_)(__m512 acc, const uint8_t *w, const int8_t *xq,
+                                                       const int16_t *bs16, const float *dx,
+                                                       const BK_NAME(Q3kGfni) *k) {
+    int64_t lows[2];
+    int32_t highs[2];
+    uint16_t d16[2];
+    for (int i = 0; i < 2; i++) {
+        memcpy(&lows[i], w + 110 * i + 96, 8);
+        memcpy(&highs[i], w + 110 * i + 104, 4);
+        memcpy(&d16[i], w + 110 * i + 108, 2);
+    }
+    const __m256i pick_low = _mm256_broadcastsi128_si256(k->pick_low);
+    const __m256i pick_high = _mm256_broadcastsi128_si256(k->pick_high);
+    const __m256i lows2 = _mm256_inserti128_si256(_mm256_set1_epi64x(lows[0]), _mm_set1_epi64x(lows[1]), 1);
+    const __m256i highs2 = _mm256_inserti128_si256(_mm256_set1_epi32(highs[0]), _mm_set1_epi32(highs[1]), 1);
+    const __m256i bytes = _mm256_ternarylogic_epi32(
+        _mm256_multishift_epi64_epi8(pick_low, lows2),
+        _mm256_and_si256(_mm256_multishift_epi64_epi8(pick_high, highs2), _mm256_set1_epi8(0x30)),
+        _mm256_set1_epi8(0x0F), 0xEC);
+    const __m512i scales = _mm512_sub_epi16(_mm512_cvtepu8_epi16(bytes), _mm512_set1_epi16(32));
+    const __m512i s0 = BK_NAME(q3_k_gfni_codes_)(w, xq, scales, 0, k);
+    const __m512i s1 = BK_NAME(q3_k_gfni_codes_)(w + 110, xq + 256, scales, 16, k);
+    const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                          _mm512_shuffle_i64x2(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i offset =
+        _mm512_slli_epi32(_mm512_madd_epi16(scales, _mm512_loadu_si512((const void *)bs16)), 2);
+    /* each d times its activation scale (the same float products), then each in its 8 lanes */
+    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(d16[0] | (uint32_t)d16[1] << 16))),
+                                 _mm_castpd_ps(_mm_load_sd((const double *)dx)));
+    const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                           _mm512_castps128_ps512(dd));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), d, acc);
+}
+
 /* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same groups, sums and bytes. Per 128
  * codes h, qs and hmask are merged per byte by two bit selects (hmask shifted by 4 once per super-block), and each
  * merge gives one group of codes (its two 256-bit halves by two matrices) by one vgf2p8affineqb: four bit-matrix
  * products and four selects per super-block (the thirteenth session's step: eight products and four ors). The
  * sixteen scales by two vpmultishiftqb (8-bit windows of the packed lows and highs) and one select instead of
- * k3_scales_'s general-register unpack (still the other bodies'). */
+ * k3_scales_'s general-register unpack (still the other bodies'). Two super-blocks per step (q3_k_gfni_two_): the
+ * even ones' float terms in acc's lanes 0-7, the odd ones' in 8-15, added at the end, as the other bodies' acc[2]. */
 BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 110) {
-        BK_NAME(stream_ahead_)(w, 110);
-        acc = BK_NAME(q3_k_gfni_block_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 220) {
+        BK_NAME(stream_ahead_)(w, 220);
+        acc = BK_NAME(q3_k_gfni_two_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
     }
-    return BK_NAME(hsum_)(acc);
+    __m256 even = BK_NAME(half512_)(acc, 0);
+    if (b < nb) even = BK_NAME(q3_k_gfni_block_)(even, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+    return BK_NAME(hsum_)(_mm256_add_ps(even, BK_NAME(half512_)(acc, 1)));
 }
 #undef BK_PICK3
 #endif
