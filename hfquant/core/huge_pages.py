@@ -14,6 +14,10 @@ no page is made resident that `torch.empty` would not have. The map is unmapped 
 Smaller tensors, other platforms and other devices get `torch.empty`. Advising memory already written would need
 `MADV_COLLAPSE`, a copy: it measured 1.3 ms per MiB here, 0.8-1.2 CPU s for the 1.2B's weights, against none when the
 weights are written into such memory in the first place.
+
+Cost: the kernel zeroes each huge page at its first write, where `torch.empty` often reuses heap memory that the
+load's freed float temporaries left: the 7.4B benchmark model's load took 4-5 s more (about 2.7 CPU s of
+`clear_page_erms`); no cost showed at the 1.2B (docs/performance.md, fifteenth session).
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ _AVAILABLE = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str | None = None):
     """An uninitialized contiguous tensor of `shape` and `dtype` on `device` (default: the CPU), its whole 2 MiB
     pages on transparent huge pages where it is a CPU tensor of at least `HUGE_PAGE` bytes on Linux (module
-    docstring); else `torch.empty`. The tensor owns its memory as `torch.empty`'s would (not resizable)."""
+    docstring); else `torch.empty`. The tensor owns its memory as `torch.empty`'s would (not resizable).
+
+    Raises:
+        OSError: the map cannot be made (out of memory, or the process's map count limit).
+    """
     nbytes = math.prod(shape) * dtype.itemsize
     if not _AVAILABLE or nbytes < HUGE_PAGE or torch.device(device or "cpu").type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
