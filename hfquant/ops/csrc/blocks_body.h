@@ -659,7 +659,7 @@ BK_TARGET BK_INLINE void BK_NAME(iq4_xs_super_)(const uint8_t *w, const ActRow *
         const __m512i lo = _mm512_shuffle_epi8(gu, _mm512_and_si512(v, low));
         const __m512i hi = _mm512_shuffle_epi8(gu, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         const int8_t *xn = a->qn + b * 256 + 128 * g;
-        __m512i p = _mm512_load_si512((const void *)(a->startxs + b * 64 + 16 * g));
+        __m512i p = _mm512_load_si512((const void *)(a->startxs + b * 32 + 16 * g));
         p = _mm512_dpbusd_epi32(p, lo, _mm512_load_si512((const void *)xn));
         p = _mm512_dpbusd_epi32(p, hi, _mm512_load_si512((const void *)(xn + 64)));
         const __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(at + 4 * g)), scales);

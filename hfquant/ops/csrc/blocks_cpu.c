@@ -360,7 +360,7 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
         for (int64_t c = 0; c < 8; c++)
             for (int64_t l = 0; l < 4; l++) {
                 const int8_t *s = q + 32 * c + 4 * l;
-                a->startxs[64 * b + 16 * (c / 4) + 4 * (c % 4) + l] =
+                a->startxs[32 * b + 16 * (c / 4) + 4 * (c % 4) + l] =
                     -128 * (s[0] + s[1] + s[2] + s[3] + s[16] + s[17] + s[18] + s[19]);
             }
     if (a->qk != NULL)
@@ -547,8 +547,8 @@ int hfquant_block_gemv_supported(int64_t type) {
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
  * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS and the 32-weight 4- and 5-bit types: nibbles) qn and (on
  * AVX-512 also starts) biasn, off8n, (IQ4_XS on AVX-512) startxs in one buffer, each part 64-byte aligned; on the
- * caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 10000 with starts and nibbles: the 1.2B's down
- * projection, K = 8192, stays there), else one allocation. */
+ * caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 21000 for IQ4_XS on AVX-512, 10000 with starts
+ * and nibbles: the 1.2B's down projection, K = 8192, stays there), else one allocation. */
 enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles, int xs,
@@ -561,7 +561,7 @@ static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int start
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
                                starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
                                nibbles ? whole : 0 /* qn */, nibble_starts ? whole : 0 /* biasn */,
-                               nibble_starts ? whole / 2 : 0 /* off8n */, xs ? k : 0 /* startxs */};
+                               nibble_starts ? whole / 2 : 0 /* off8n */, xs ? k / 2 : 0 /* startxs */};
     int64_t total = 0;
     for (int i = 0; i < 14; i++) {
         offsets[i] = total;
