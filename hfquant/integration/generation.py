@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
@@ -97,8 +98,6 @@ class _CheckedCompiledCall:
         self.config = None
 
     def __call__(self, compile_config):
-        import torch
-
         model = self.model
         state = module_state(model)
         compiled = model.__dict__.get("_compiled_call")
