@@ -9,7 +9,9 @@ graph while the static cache keeps its length (`max_cache_len` fixes it for ever
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -51,37 +53,56 @@ _GLOBAL_HOOKS = (
 )
 
 
+def _identity(value) -> object:
+    """The identity `module_state` records of one object: its id with a weak reference to it, or the object itself
+    where it takes none. An id alone can be reused: an attribute deleted, its object freed, and a new object of the
+    same size assigned would often get the same id, and a snapshot of ids would call the modules unchanged. Two
+    identities are equal only for the same live object (ids differ, or a dead reference compares unequal to a live
+    one); the weak reference keeps nothing alive (a module swapped out by `dequantize` is freed as before)."""
+    if type(value).__weakrefoffset__:
+        return (id(value), weakref.ref(value))
+    return (id(value), value)  # ints, strings, tuples...: held, so that their id stays theirs while the snapshot lives
+
+
 def _value_state(value, configs: dict) -> object:
     """What `module_state` records of one module attribute: a dict (hooks, parameters, buffers, submodules) its keys
-    and the ids of its values, a list or tuple the ids of its items, a transformers config (`PretrainedConfig`) the ids
-    of its attributes (recorded once per config in `configs`), anything else its id."""
+    and the identities (`_identity`) of its values, a list or tuple the identities of its items, a transformers config
+    (`PretrainedConfig`) the identities of its attributes (recorded once per config in `configs`), anything else its
+    identity."""
     if isinstance(value, dict):
-        return tuple((key, id(item)) for key, item in value.items())
+        return tuple((key, _identity(item)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
-        return tuple(id(item) for item in value)
+        return tuple(_identity(item) for item in value)
     if type(value).__name__.endswith("Config") and hasattr(value, "to_dict") and id(value) not in configs:
-        configs[id(value)] = tuple((key, id(item)) for key, item in vars(value).items())
-    return id(value)
+        configs[id(value)] = (_identity(value), tuple((key, _identity(item)) for key, item in vars(value).items()))
+    return _identity(value)
 
 
 def module_state(model: nn.Module) -> tuple:
     """A snapshot of what a compiled step's module guards check, to compare between `generate` calls: for every
-    module of `model` its id, class, `training` and each attribute's identity (`_value_state`: hooks, parameters,
-    buffers and submodules by key and id, other values by id, its transformers config's attributes by id), and
+    module of `model` its identity (`_identity`: an id that cannot be reused while the snapshot lives), class,
+    `training` and each attribute's identity (`_value_state`: hooks, parameters, buffers and submodules by key and
+    identity, other values by identity, its transformers config's attributes by identity), and
     torch's global module hooks. Equal snapshots: no module was swapped, retyped (`dequantize`, class swaps),
     switched to training, hooked (adapters, offloading) or given another attribute object since; in-place changes of
     a tensor's dtype, device or shape are the tensor guards' to see, values changed inside a non-config object are
-    not seen. 5-6 ms of CPU for SmolLM2-135M's 397 modules (docs/performance.md, fifteenth session), once per
-    `generate` call."""
-    configs: dict = {}
-    state = [tuple(tuple(getattr(_module_hooks, name, {})) for name in _GLOBAL_HOOKS)]
-    for module in model.modules():
-        attributes = tuple(
-            (key, _value_state(value, configs)) for key, value in vars(module).items() if key not in _NOT_STATE
-        )
-        state.append((id(module), type(module), attributes))
-    state.append(tuple(configs.items()))
-    return tuple(state)
+    not seen. About 5 ms of CPU for SmolLM2-135M's 397 modules (docs/performance.md, sixteenth session), once per
+    `generate` call; the garbage collector is paused while it is taken."""
+    collecting = gc.isenabled()
+    gc.disable()  # thousands of tuples holding weak references: the collections they trigger cost 2-4x the snapshot
+    try:
+        configs: dict = {}
+        state = [tuple(tuple(getattr(_module_hooks, name, {})) for name in _GLOBAL_HOOKS)]
+        for module in model.modules():
+            attributes = tuple(
+                (key, _value_state(value, configs)) for key, value in vars(module).items() if key not in _NOT_STATE
+            )
+            state.append((_identity(module), type(module), attributes))
+        state.append(tuple(configs.items()))
+        return tuple(state)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _CheckedCompiledCall:

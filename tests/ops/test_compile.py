@@ -188,6 +188,41 @@ def test_module_state_sees_hooks_training_retyping_and_rebinding(float_checkpoin
     assert module_state(model) != state
 
 
+def test_module_state_sees_a_value_replaced_by_one_at_the_freed_id(float_checkpoint):
+    """An attribute's value freed and a new value created at its address (CPython's float free list hands the freed
+    block to the next float): a snapshot of ids alone would call the model unchanged and reuse a graph traced with the
+    old value baked in; `module_state` must see the change."""
+    from hfquant.integration.generation import module_state
+
+    model, *_ = _int4_llama_and_its_eager_tokens(float_checkpoint)
+    layer = model.model.layers[0]
+    layer.mlp.act_fn = torch.nn.LeakyReLU(float("0.125"))
+    state = module_state(model)
+    address = id(layer.mlp.act_fn.negative_slope)
+    layer.mlp.act_fn.negative_slope = None  # the old float freed, the attribute keeping its place
+    layer.mlp.act_fn.negative_slope = float("0.375")
+    freed_and_reused = id(layer.mlp.act_fn.negative_slope) == address
+    assert module_state(model) != state
+    assert not freed_and_reused  # the snapshot holds the old value, so its address cannot be taken
+
+
+def test_module_state_keeps_no_module_alive(float_checkpoint):
+    import gc
+    import weakref
+
+    from hfquant.integration.generation import module_state
+
+    model, *_ = _int4_llama_and_its_eager_tokens(float_checkpoint)
+    layer = model.model.layers[0]
+    layer.mlp.act_fn = torch.nn.SiLU()
+    swapped_out = weakref.ref(layer.mlp.act_fn)
+    state = module_state(model)
+    layer.mlp.act_fn = torch.nn.GELU()
+    gc.collect()
+    assert swapped_out() is None
+    assert module_state(model) != state
+
+
 def test_keep_tensor_guards_drops_only_the_module_attribute_guards():
     from types import SimpleNamespace
 
