@@ -285,17 +285,22 @@ IS_TARGET static void IS_NAME(iq4_lane_peaks_)(const float *xt, int n, float *pe
         __m512 p[4], a[4];
         p[0] = _mm512_loadu_ps(xt);
         a[0] = _mm512_abs_ps(p[0]);
+#pragma GCC unroll 4
         for (int c = 1; c < 4; c++) {
             p[c] = p[0];
             a[c] = _mm512_set1_ps(-1.0f);
         }
-        for (int k = 0; k < quarter; k++)
-            for (int c = k == 0; c < 4; c++) {
+        for (int k = 0; k < quarter; k++) {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                if (k == 0 && c == 0) continue;
                 const __m512 v = _mm512_loadu_ps(xt + (c * quarter + k) * IS_LANES), av = _mm512_abs_ps(v);
                 const __mmask16 larger = _mm512_cmp_ps_mask(av, a[c], _CMP_GT_OQ);
                 p[c] = _mm512_mask_mov_ps(p[c], larger, v);
                 a[c] = _mm512_mask_mov_ps(a[c], larger, av);
             }
+        }
+#pragma GCC unroll 2
         for (int c = 0; c < 4; c += 2) {
             const __mmask16 larger = _mm512_cmp_ps_mask(a[c + 1], a[c], _CMP_GT_OQ);
             p[c] = _mm512_mask_mov_ps(p[c], larger, p[c + 1]);

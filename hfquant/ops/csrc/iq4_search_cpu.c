@@ -209,17 +209,23 @@ static int iq4_group_in(const iq4_source_t *src, const iq4_body_t *body, int64_t
 
 /* lane l reads (super-)block first + l of the importance, or with a period that one modulo it: the same transposed
  * rows again whenever first % w_period repeats (every group for a 2048-wide weight's period of 8), so they are
- * gathered again only when it changes (*wt_phase: the phase of the rows in wt, -1: none or not a full group's) */
-static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, int count, int size, float *wt,
-                              int64_t *wt_phase) {
+ * gathered again only when it changes (*wt_phase: the phase of the rows in wt, -1: none or not a full group's); a
+ * full group whose 16 rows are consecutive (no period, or the phase 16 or more before the period's end: an
+ * 8192-wide weight's period of 32 alternates between phases 0 and 16) is transposed by the body's tiles */
+static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, int count, int size,
+                              const iq4_body_t *body, float *wt, int64_t *wt_phase) {
     const int64_t phase = w_period > 0 ? first % w_period : -1;
     if (phase >= 0 && phase == *wt_phase && count == IS_LANES) return;
+    *wt_phase = count < IS_LANES ? -1 : phase;
+    if (count == IS_LANES && (w_period <= 0 || phase + IS_LANES <= w_period)) {
+        body->transpose_in(w + (w_period > 0 ? phase : first) * size, size, wt);
+        return;
+    }
     for (int l = 0; l < IS_LANES; l++) {
         const int64_t b = first + (l < count ? l : 0);
         const float *src = w + (w_period > 0 ? b % w_period : b) * size;
         for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
     }
-    *wt_phase = count < IS_LANES ? -1 : phase;
 }
 
 /* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
@@ -247,7 +253,7 @@ static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, in
             const int64_t first = g * IS_LANES;
             const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
             bad |= iq4_group_in(src, body, first, count, size, xs, xt);
-            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, wt, &wt_phase);
+            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, body, wt, &wt_phase);
             const float *wg = w != NULL ? wt : NULL;
             if (type == 23) {
                 body->xs_group(xt, wg, s, d, levels, codes);
