@@ -1052,21 +1052,31 @@ IS_TARGET static void IS_NAME(iq4_transpose_in_)(const float *src, int size, flo
 /* the qs[128] field of each of the first `count` lanes' IQ4_XS super-blocks at out + lane * 136 + 8 from codes
  * [256][16] (code k of block j at nibble k % 16 < ... as iq4.py's docstring: low nibble rows 0-15, high 16-31) */
 IS_TARGET static void IS_NAME(iq4_xs_put_codes_)(const uint8_t *codes, int count, uint8_t *out) {
-#if IS_AVX512
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(136));
-    const __mmask16 lanes = (__mmask16)((1u << count) - 1u);
-    for (int j = 0; j < 8; j++)
-        for (int i = 0; i < 16; i += 4) {
-            __m512i word = _mm512_setzero_si512();
-            for (int b = 0; b < 4; b++) {
-                const uint8_t *row = codes + (j * 32 + i + b) * IS_LANES;
-                const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)row));
-                const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * IS_LANES)));
-                word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), 8 * b));
-            }
-            _mm512_mask_i32scatter_epi32(out + 8 + 16 * j + i, lanes, offsets, word, 1);
+#if IS_AVX512 /* per block j, the 16 x 16 bytes (row i: qs byte 16 j + i of every lane) transposed in registers */
+    /* Q_d (d < 4): dword i = row i's bytes of lanes 4 d .. 4 d + 3, from P_m (rows 4 m .. 4 m + 3, one per 128 bits);
+     * then per 128 bits byte 4 b + r = byte 4 r + b, and dword 4 b + t = dword 4 t + b: part b = lane 4 d + b's rows */
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    for (int j = 0; j < 8; j++) {
+        __m512i rows[4];
+        for (int m = 0; m < 4; m++) {
+            const __m512i lo = _mm512_loadu_si512(codes + (j * 32 + 4 * m) * IS_LANES);
+            const __m512i hi = _mm512_loadu_si512(codes + (j * 32 + 16 + 4 * m) * IS_LANES);
+            rows[m] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)); /* codes < 16: no bit crosses a byte */
         }
+        for (int d = 0; d < 4 && 4 * d < count; d++) {
+            const __m512i index = _mm512_add_epi32(pick, _mm512_set1_epi32(d));
+            const __m512i q = _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(rows[0], index, rows[1]),
+                                                      _mm512_permutex2var_epi32(rows[2], index, rows[3]));
+            const __m512i lanes = _mm512_permutexvar_epi32(dwords, _mm512_shuffle_epi8(q, bytes));
+            uint8_t *at = out + (int64_t)4 * d * 136 + 8 + 16 * j;
+            if (4 * d + 0 < count) _mm_storeu_si128((__m128i *)at, _mm512_castsi512_si128(lanes));
+            if (4 * d + 1 < count) _mm_storeu_si128((__m128i *)(at + 136), _mm512_extracti32x4_epi32(lanes, 1));
+            if (4 * d + 2 < count) _mm_storeu_si128((__m128i *)(at + 272), _mm512_extracti32x4_epi32(lanes, 2));
+            if (4 * d + 3 < count) _mm_storeu_si128((__m128i *)(at + 408), _mm512_extracti32x4_epi32(lanes, 3));
+        }
+    }
 #else
     for (int l = 0; l < count; l++)
         for (int j = 0; j < 8; j++)
