@@ -10,8 +10,8 @@
  * - 16 blocks or super-blocks at once, one per vector lane (the group transposed), so sums need no horizontal adds;
  * - the nearest code without a search: u = x / scale falls in one of 32 buckets of width 8 (floor(u / 8) + 16,
  *   clamped), each holding at most one midpoint of the grid (neighbouring midpoints are >= 11.5 apart), so the code is
- *   the bucket's count of midpoints below it plus (u >= its midpoint): two table lookups and a compare (vpermt2d /
- *   vpermt2ps), ties to the larger value as `Grid.index`;
+ *   the bucket's count of midpoints below it plus (u >= its midpoint): a table lookup (one vpermt2d: the AVX-512
+ *   body packs the midpoint and the count into one entry) and a compare, ties to the larger value as `Grid.index`;
  * - errors from the sums (d^2 sqq - 2 d sqx = error - sum w x^2), no second pass over the weights.
  * With a sweep range the block stage is instead the exact breakpoint sweep of the block's scale over that range of
  * factors (iq4_search_body.h, `iq4_sweep_scales_`): every segment of constant codes, not a scan of candidates.
@@ -20,7 +20,7 @@
  * (isa_cpu.c, so HFQUANT_ISA=avx2 runs the AVX2 body on an AVX-512 CPU) picks one; all give the same bytes
  * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~170 M weights/s,
  * AVX2 ~40, portable 3; "fast" AVX-512 ~450, AVX2 ~125 (docs/performance.md, issue #30, eleventh session, and issue
- * #32, twelfth session).
+ * #32, twelfth session; the sixteenth's row loop: 1.07-1.19x less CPU for the fast search, the same bytes).
  */
 #pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
 #include <immintrin.h>
