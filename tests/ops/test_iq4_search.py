@@ -91,6 +91,21 @@ def test_vector_and_portable_bodies_agree(name, kind, importance_shape, search):
     assert torch.equal(vector, portable)
 
 
+@pytest.mark.parametrize("k", [4096, 8192])
+def test_a_per_column_importance_of_a_wide_weight_gives_the_per_element_bytes(k):
+    """IQ4_XS rows 4096 or 8192 wide: the (K,) importance repeats every 16 or 32 super-blocks, so a group of 16 lanes
+    reads 16 consecutive rows of it at phase 0 or 16 (csrc/iq4_search_cpu.c transposes those by the body's tiles, and
+    keeps them while the phase repeats); the same values as a (rows, K) importance (read per block, a partial group
+    at the end) and the portable body must give the same bytes."""
+    weight = _rows("heavy-tailed", rows=21, k=k)
+    column = torch.rand(k, generator=torch.Generator().manual_seed(44)) ** 2
+    search = native.IQ4_SEARCHES["fast"]
+    per_column = native.iq4_quantize("iq4_xs", weight, column, search)
+    assert torch.equal(per_column, native.iq4_quantize("iq4_xs", weight, column.expand(21, k).contiguous(), search))
+    assert torch.equal(per_column, native.iq4_quantize("iq4_xs", weight, column, search, portable=True))
+    assert not torch.equal(per_column, native.iq4_quantize("iq4_xs", weight, None, search))  # the importance counts
+
+
 def _every_case() -> dict:
     """{case: bytes} of every type, kind of rows, importance and search, by the body this process runs."""
     return {

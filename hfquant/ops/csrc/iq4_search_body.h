@@ -120,55 +120,103 @@ IS_TARGET static inline float IS_NAME(iq4_half_)(float value) {
 /* The AVX-512 nearest code of u = x / scale in three operations fewer than the bucket rule's float form (iq4_code:
  * u / 8 + 16 clamped to [0, 31] and truncated): u8 = x * (inv / 8) (the same value as u / 8: scaling by a power of
  * two is exact), its magnitude clamped below 16 by one vrangeps, and floor(u8) in [-16, 15] converted with the
- * rounding in the instruction. Its low five bits index the 32-entry tables with their halves swapped (bucket
- * floor(u8) + 16), and u8 is compared with the bucket's midpoint / 8 (`iq4_lookup_avx512_t`). The bucket is the
- * exact floor(u / 8) + 16 (the float form's rounding of u / 8 + 16 may move u into the next bucket, across a
- * multiple of 8 that no midpoint is near) or, past +-128, the end bucket the clamp gives: the same code. */
+ * rounding in the instruction. Its low five bits index a 32-entry table with its halves swapped (bucket
+ * floor(u8) + 16) whose entries hold the bucket's midpoint / 8 in their high 16 bits and its base count in the low
+ * ones: every midpoint / 8 (and +inf) is a float32 whose low 16 bits are 0 (at most 8 significant bits, twice a
+ * midpoint being an integer below 256), so one permute gives both, the high half as the exact midpoint to compare
+ * u8 with and the low half plus that compare as the code (bits 4-15 stay 0: a bucket with a midpoint has base <= 14;
+ * a permute of iq4_values reads the low four bits, a byte conversion the low eight; `iq4_lookup_avx512_t`). The
+ * bucket is the exact floor(u / 8) + 16 (the float form's rounding of u / 8 + 16 may move u into the next bucket,
+ * across a multiple of 8 that no midpoint is near) or, past +-128, the end bucket the clamp gives: the same code.
+ * The clamp is left out (`clamp` 0) only where no |u8| can reach 16 (`iq4_sums_sets_avx512`). */
 typedef struct {
-    __m512i base_lo, base_hi; /* iq4_bucket_base[16 .. 31], [0 .. 15]: indexed by floor(u8) mod 32 */
-    __m512 mid_lo, mid_hi;    /* iq4_bucket_mid / 8, likewise */
-    __m512 kv, below16;       /* iq4_values; the largest float below 16 */
+    __m512i packed_lo, packed_hi; /* bucket b: (bits of iq4_bucket_mid[b] / 8) | iq4_bucket_base[b], b = 16 .. 31,
+                                   * then 0 .. 15: indexed by floor(u8) mod 32 */
+    __m512i mid_bits, one;        /* 0xffff0000, 1 */
+    __m512 kv, below16;           /* iq4_values; the largest float below 16 */
 } iq4_lookup_avx512_t;
 
 IS_TARGET static inline __attribute__((always_inline)) iq4_lookup_avx512_t iq4_lookup_avx512(void) {
     iq4_lookup_avx512_t t;
     const __m512 eighth = _mm512_set1_ps(0.125f);
-    t.base_lo = _mm512_loadu_si512(iq4_bucket_base + 16);
-    t.base_hi = _mm512_loadu_si512(iq4_bucket_base);
-    t.mid_lo = _mm512_mul_ps(_mm512_loadu_ps(iq4_bucket_mid + 16), eighth);
-    t.mid_hi = _mm512_mul_ps(_mm512_loadu_ps(iq4_bucket_mid), eighth);
+    const __m512 mid_lo = _mm512_mul_ps(_mm512_loadu_ps(iq4_bucket_mid + 16), eighth);
+    const __m512 mid_hi = _mm512_mul_ps(_mm512_loadu_ps(iq4_bucket_mid), eighth);
+    t.packed_lo = _mm512_or_si512(_mm512_castps_si512(mid_lo), _mm512_loadu_si512(iq4_bucket_base + 16));
+    t.packed_hi = _mm512_or_si512(_mm512_castps_si512(mid_hi), _mm512_loadu_si512(iq4_bucket_base));
+    t.mid_bits = _mm512_set1_epi32((int)0xffff0000u);
+    t.one = _mm512_set1_epi32(1);
     t.kv = _mm512_loadu_ps(iq4_values);
     t.below16 = _mm512_set1_ps(0x1.fffffep+3f);
     return t;
 }
 
-/* the grid index nearest to u = u8 * 8 (ties to the larger value, as `iq4_code`) */
+/* the grid index nearest to u = u8 * 8 (ties to the larger value, as `iq4_code`) in the low 8 bits of each lane
+ * (above them the midpoint's bits: a permute or byte conversion reads the code); `clamp` 0 only where |u8| < 16 */
 IS_TARGET static inline __attribute__((always_inline)) __m512i iq4_code8_avx512(const iq4_lookup_avx512_t *t,
-                                                                               __m512 u8) {
-    const __m512 clamped = _mm512_range_ps(u8, t->below16, 0x02); /* sign of u8, min(|u8|, |below16|) */
+                                                                               __m512 u8, int clamp) {
+    /* sign of u8, min(|u8|, |below16|) */
+    const __m512 clamped = clamp ? _mm512_range_ps(u8, t->below16, 0x02) : u8;
     const __m512i bucket = _mm512_cvt_roundps_epi32(clamped, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512i base = _mm512_permutex2var_epi32(t->base_lo, bucket, t->base_hi);
-    const __m512 mid = _mm512_permutex2var_ps(t->mid_lo, bucket, t->mid_hi);
-    return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(u8, mid, _CMP_GE_OQ), base, _mm512_set1_epi32(1));
+    const __m512i packed = _mm512_permutex2var_epi32(t->packed_lo, bucket, t->packed_hi);
+    const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(packed, t->mid_bits));
+    return _mm512_mask_add_epi32(packed, _mm512_cmp_ps_mask(u8, mid, _CMP_GE_OQ), packed, t->one);
+}
+
+/* the row loop of `iq4_sums_sets_avx512` (inv8: the scales' 1 / (8 scale)) */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_rows_avx512(const float *xt, const float *wt,
+                                                                                int n, int m, int clamp,
+                                                                                const __m512 *inv8, __m512 *vx,
+                                                                                __m512 *vq) {
+    const iq4_lookup_avx512_t t = iq4_lookup_avx512();
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 acc_x[3][2], acc_q[3][2];
+    for (int c = 0; c < m; c++) acc_x[c][0] = acc_x[c][1] = acc_q[c][0] = acc_q[c][1] = zero;
+    for (int k = 0; k < n; k += 2) {
+        for (int h = 0; h < 2; h++) {
+            const __m512 x = _mm512_loadu_ps(xt + (k + h) * IS_LANES);
+            const __m512 w = wt ? _mm512_loadu_ps(wt + (k + h) * IS_LANES) : zero;
+            for (int c = 0; c < m; c++) {
+                const __m512 q = _mm512_permutexvar_ps(iq4_code8_avx512(&t, _mm512_mul_ps(x, inv8[c]), clamp), t.kv);
+                const __m512 wq = wt ? _mm512_mul_ps(w, q) : q;
+                acc_x[c][h] = _mm512_fmadd_ps(wq, x, acc_x[c][h]);
+                acc_q[c][h] = _mm512_fmadd_ps(wq, q, acc_q[c][h]);
+            }
+        }
+    }
+    for (int c = 0; c < m; c++) {
+        vx[c] = _mm512_add_ps(acc_x[c][0], acc_x[c][1]);
+        vq[c] = _mm512_add_ps(acc_q[c][0], acc_q[c][1]);
+    }
+}
+
+/* `iq4_sums_`'s AVX-512 form for `m` (1 to 3, a constant where inlined) sets of scales 1 / vinv[c] at once, their
+ * sums returned in registers (vx[c], vq[c]): each set's float32 steps as `iq4_sums_` takes them (the same two partial
+ * sums per lane), the sets interleaved row by row so that their 4 m accumulator chains overlap and each row's
+ * weights and importance are loaded once. `absmax`: each lane's largest |x| over the rows (NULL: unknown); where
+ * every lane's |absmax| / (8 scale) rounds below 16 no |u8| does (rounding is monotonic), so the clamp is left out
+ * (docs/performance.md, issue #32, sixteenth session) */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_sets_avx512(const float *xt, const float *wt,
+                                                                                int n, int m, const __m512 *vinv,
+                                                                                const float *absmax, __m512 *vx,
+                                                                                __m512 *vq) {
+    __m512 inv8[3];
+    __mmask16 unclamped = absmax ? (__mmask16)0xffff : 0;
+    for (int c = 0; c < m; c++) {
+        inv8[c] = _mm512_mul_ps(vinv[c], _mm512_set1_ps(0.125f));
+        if (absmax)
+            unclamped &= _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_loadu_ps(absmax), _mm512_abs_ps(inv8[c])),
+                                            _mm512_set1_ps(16.0f), _CMP_LT_OQ);
+    }
+    if (unclamped == 0xffff)
+        iq4_sums_rows_avx512(xt, wt, n, m, 0, inv8, vx, vq);
+    else
+        iq4_sums_rows_avx512(xt, wt, n, m, 1, inv8, vx, vq);
 }
 
 /* `iq4_sums_`'s AVX-512 form for the scales 1 / vinv, its sums returned in registers (*vx, *vq) */
 IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_avx512(const float *xt, const float *wt, int n,
                                                                            __m512 vinv, __m512 *vx, __m512 *vq) {
-    const iq4_lookup_avx512_t t = iq4_lookup_avx512();
-    const __m512 zero = _mm512_setzero_ps(), inv8 = _mm512_mul_ps(vinv, _mm512_set1_ps(0.125f));
-    __m512 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
-    for (int k = 0; k < n; k += 2) {
-        for (int h = 0; h < 2; h++) {
-            const __m512 x = _mm512_loadu_ps(xt + (k + h) * IS_LANES);
-            const __m512 q = _mm512_permutexvar_ps(iq4_code8_avx512(&t, _mm512_mul_ps(x, inv8)), t.kv);
-            const __m512 wq = wt ? _mm512_mul_ps(_mm512_loadu_ps(wt + (k + h) * IS_LANES), q) : q;
-            acc_x[h] = _mm512_fmadd_ps(wq, x, acc_x[h]);
-            acc_q[h] = _mm512_fmadd_ps(wq, q, acc_q[h]);
-        }
-    }
-    *vx = _mm512_add_ps(acc_x[0], acc_x[1]);
-    *vq = _mm512_add_ps(acc_q[0], acc_q[1]);
+    iq4_sums_sets_avx512(xt, wt, n, 1, &vinv, NULL, vx, vq);
 }
 #endif
 
@@ -208,7 +256,7 @@ IS_TARGET static void IS_NAME(iq4_codes_)(const float *xt, int n, const float *i
     const iq4_lookup_avx512_t t = iq4_lookup_avx512();
     const __m512 inv8 = _mm512_mul_ps(_mm512_loadu_ps(inv), _mm512_set1_ps(0.125f));
     for (int k = 0; k < n; k++) {
-        const __m512i code = iq4_code8_avx512(&t, _mm512_mul_ps(_mm512_loadu_ps(xt + k * IS_LANES), inv8));
+        const __m512i code = iq4_code8_avx512(&t, _mm512_mul_ps(_mm512_loadu_ps(xt + k * IS_LANES), inv8), 1);
         _mm_storeu_si128((__m128i *)(codes + k * IS_LANES), _mm512_cvtepi32_epi8(code));
     }
 #elif IS_AVX2
@@ -230,13 +278,37 @@ IS_TARGET static void IS_NAME(iq4_codes_)(const float *xt, int n, const float *i
 /* per lane the element of largest magnitude among rows k < n (the first on ties), with its sign */
 IS_TARGET static void IS_NAME(iq4_lane_peaks_)(const float *xt, int n, float *peak) {
 #if IS_AVX512
-    __m512 p = _mm512_loadu_ps(xt);
-    for (int k = 1; k < n; k++) {
-        const __m512 v = _mm512_loadu_ps(xt + k * IS_LANES);
-        p = _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_abs_ps(p), _CMP_GT_OQ), v);
+    if (n % 4 == 0) { /* four chains over consecutive quarters, merged in order: the earlier one kept on ties; the
+                       * first starts at row 0 as the loop below (kept even if NaN), the others at |x| = -1 (no row:
+                       * a NaN is never taken, as below) */
+        const int quarter = n / 4;
+        __m512 p[4], a[4];
+        p[0] = _mm512_loadu_ps(xt);
+        a[0] = _mm512_abs_ps(p[0]);
+#pragma GCC unroll 4
+        for (int c = 1; c < 4; c++) {
+            p[c] = p[0];
+            a[c] = _mm512_set1_ps(-1.0f);
+        }
+        for (int k = 0; k < quarter; k++) {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                if (k == 0 && c == 0) continue;
+                const __m512 v = _mm512_loadu_ps(xt + (c * quarter + k) * IS_LANES), av = _mm512_abs_ps(v);
+                const __mmask16 larger = _mm512_cmp_ps_mask(av, a[c], _CMP_GT_OQ);
+                p[c] = _mm512_mask_mov_ps(p[c], larger, v);
+                a[c] = _mm512_mask_mov_ps(a[c], larger, av);
+            }
+        }
+#pragma GCC unroll 2
+        for (int c = 0; c < 4; c += 2) {
+            const __mmask16 larger = _mm512_cmp_ps_mask(a[c + 1], a[c], _CMP_GT_OQ);
+            p[c] = _mm512_mask_mov_ps(p[c], larger, p[c + 1]);
+            a[c] = _mm512_mask_mov_ps(a[c], larger, a[c + 1]);
+        }
+        _mm512_storeu_ps(peak, _mm512_mask_mov_ps(p[0], _mm512_cmp_ps_mask(a[2], a[0], _CMP_GT_OQ), p[2]));
+        return;
     }
-    _mm512_storeu_ps(peak, p);
-    return;
 #endif
     for (int l = 0; l < IS_LANES; l++) peak[l] = xt[l];
     for (int k = 1; k < n; k++)
@@ -563,12 +635,13 @@ IS_TARGET static void IS_NAME(iq4_sweep_scales_)(const float *xt, const float *w
 
 /* each lane's block scale: the least-squares scale sqx / sqq of the candidate (peak / target) with the largest gain
  * sqx^2 / sqq (llama.cpp's `quantize_row_iq4_nl_impl` scan, with hfquant's targets at both ends of the grid; gains
- * compared cross-multiplied, the first kept on ties) */
+ * compared cross-multiplied, the first kept on ties); absmax: each lane's largest |x| (the block's |peak|) */
 IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *wt, const iq4_search_t *s,
-                                                 float *scale) {
+                                                 float *scale, float *absmax) {
     float peak[IS_LANES], inv[IS_LANES], sqx[IS_LANES], sqq[IS_LANES], best_x[IS_LANES], best_q[IS_LANES];
     float target[IS_LANES], centre[IS_LANES], tried[IS_LANES];
     IS_NAME(iq4_lane_peaks_)(xt, 32, peak);
+    for (int l = 0; l < IS_LANES; l++) absmax[l] = fabsf(peak[l]);
     if (s->sweep_hi > 0.0f) {
         IS_NAME(iq4_sweep_scales_)(xt, wt, peak, s->sweep_lo, s->sweep_hi, scale);
         return;
@@ -579,15 +652,22 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
         const __m512 inv_peak =
             _mm512_maskz_div_ps(_mm512_cmp_ps_mask(vpeak, zero, _CMP_NEQ_OQ), _mm512_set1_ps(1.0f), vpeak);
         __m512 bx = zero, bq = zero;
-        for (int c = 0; c < s->ntargets; c++) {
-            __m512 x, q;
-            iq4_sums_avx512(xt, wt, 32, _mm512_mul_ps(_mm512_set1_ps(s->targets[c]), inv_peak), &x, &q);
-            const __mmask16 better =
-                c == 0 ? (__mmask16)0xffff
-                       : _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_mul_ps(x, x), bq),
-                                            _mm512_mul_ps(_mm512_mul_ps(bx, bx), q), _CMP_GT_OQ);
-            bx = _mm512_mask_mov_ps(bx, better, x);
-            bq = _mm512_mask_mov_ps(bq, better, q);
+        for (int c = 0; c < s->ntargets; c += 2) { /* two targets' sums at once, then kept in order */
+            __m512 vinv[2], x[2], q[2];
+            for (int i = 0; i < 2 && c + i < s->ntargets; i++)
+                vinv[i] = _mm512_mul_ps(_mm512_set1_ps(s->targets[c + i]), inv_peak);
+            if (c + 1 < s->ntargets)
+                iq4_sums_sets_avx512(xt, wt, 32, 2, vinv, absmax, x, q);
+            else
+                iq4_sums_sets_avx512(xt, wt, 32, 1, vinv, absmax, x, q);
+            for (int i = 0; i < 2 && c + i < s->ntargets; i++) {
+                const __mmask16 better =
+                    c + i == 0 ? (__mmask16)0xffff
+                               : _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_mul_ps(x[i], x[i]), bq),
+                                                    _mm512_mul_ps(_mm512_mul_ps(bx, bx), q[i]), _CMP_GT_OQ);
+                bx = _mm512_mask_mov_ps(bx, better, x[i]);
+                bq = _mm512_mask_mov_ps(bq, better, q[i]);
+            }
         }
         _mm512_storeu_ps(scale, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(bq, zero, _CMP_GT_OQ), bx, bq));
         return;
@@ -686,9 +766,9 @@ IS_TARGET static void IS_NAME(iq4_xs_level_option_)(const float *xb, const float
 #if IS_AVX512
 /* `iq4_xs_level_option_` for o = -1, 0, 1 in that order (the first kept outright), in registers: the same float32
  * steps, so the same choices, without a store and reload of every option's sums and choice */
-IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *d,
-                                                      const float *base, float *best, float *level, float *sx,
-                                                      float *sq) {
+IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *absmax,
+                                                      const float *d, const float *base, float *best, float *level,
+                                                      float *sx, float *sq) {
     const __m512 zero = _mm512_setzero_ps(), vd = _mm512_loadu_ps(d), vbase = _mm512_loadu_ps(base);
     __m512 vl[3], vdl[3], vinv[3];
     for (int o = 0; o < 3; o++) {
@@ -699,10 +779,10 @@ IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const flo
         const __mmask16 nonzero = _mm512_cmp_ps_mask(vdl[o], zero, _CMP_NEQ_OQ);
         vinv[o] = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), vdl[o]);
     }
-    __m512 vbest = zero, vlevel = zero, vsx = zero, vsq = zero;
+    __m512 vbest = zero, vlevel = zero, vsx = zero, vsq = zero, vx[3], vq[3];
+    iq4_sums_sets_avx512(xb, wb, 32, 3, vinv, absmax, vx, vq);
     for (int o = 0; o < 3; o++) {
-        __m512 x, q;
-        iq4_sums_avx512(xb, wb, 32, vinv[o], &x, &q);
+        const __m512 x = vx[o], q = vq[o];
         const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vdl[o], vdl[o]), q),
                                        _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), vdl[o]), x));
         const __mmask16 keep = o == 0 ? (__mmask16)0xffff : _mm512_cmp_ps_mask(e, vbest, _CMP_LT_OQ);
@@ -718,9 +798,9 @@ IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const flo
 }
 #elif IS_AVX2
 /* the AVX2 form of the AVX-512 body's `iq4_xs_level_options3_`: the same float32 steps, 8 lanes at a time */
-IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *d,
-                                                      const float *base, float *best, float *level, float *sx,
-                                                      float *sq) {
+IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *absmax,
+                                                      const float *d, const float *base, float *best, float *level,
+                                                      float *sx, float *sq) {
     const iq4_tables_avx2_t t = iq4_load_tables_avx2();
     const __m256 lo = _mm256_set1_ps(-32.0f), hi = _mm256_set1_ps(31.0f), two = _mm256_set1_ps(2.0f);
     for (int half = 0; half < IS_LANES; half += 8) {
@@ -752,8 +832,8 @@ IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const flo
 /* for super-block scales d (per lane), each block's best of the `s->level_options` 6-bit levels nearest to
  * scale / d: levels, sums (sqx, sqq of the chosen codes) and the super-block's error less sum w x^2 (err) */
 IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, const iq4_search_t *s,
-                                              const float *scales, const float *d, float *levels, float *lsx,
-                                              float *lsq, float *err) {
+                                              const float *scales, const float *absmax, const float *d,
+                                              float *levels, float *lsx, float *lsq, float *err) {
     float base[8][IS_LANES], best[8][IS_LANES];
     for (int l = 0; l < IS_LANES; l++) err[l] = 0.0f;
 #if IS_AVX512 /* iq4_round's steps on 16 lanes */
@@ -773,8 +853,8 @@ IS_TARGET static void IS_NAME(iq4_xs_levels_)(const float *xt, const float *wt, 
         const float *xb = xt + j * 32 * IS_LANES, *wb = wt ? wt + j * 32 * IS_LANES : NULL;
 #if IS_AVX512 || IS_AVX2
         if (s->level_options == 3) {
-            IS_NAME(iq4_xs_level_options3_)(xb, wb, d, base[j], best[j], levels + j * IS_LANES, lsx + j * IS_LANES,
-                                            lsq + j * IS_LANES);
+            IS_NAME(iq4_xs_level_options3_)(xb, wb, absmax + j * IS_LANES, d, base[j], best[j], levels + j * IS_LANES,
+                                            lsx + j * IS_LANES, lsq + j * IS_LANES);
             continue;
         }
 #endif
@@ -864,15 +944,15 @@ IS_TARGET static void IS_NAME(iq4_xs_keep_)(int first, const float *d, const flo
  * of d for the chosen levels and codes, kept where they lower the error. */
 IS_TARGET static void IS_NAME(iq4_xs_group_)(const float *xt, const float *wt, const iq4_search_t *s, float *d_out,
                                              float *levels_out, uint8_t *codes) {
-    float scales[8 * IS_LANES], levels[8 * IS_LANES], lsx[8 * IS_LANES], lsq[8 * IS_LANES];
+    float scales[8 * IS_LANES], absmax[8 * IS_LANES], levels[8 * IS_LANES], lsx[8 * IS_LANES], lsq[8 * IS_LANES];
     float best_sx[8 * IS_LANES], best_sq[8 * IS_LANES], peak[IS_LANES], d[IS_LANES], err[IS_LANES], best[IS_LANES];
     for (int j = 0; j < 8; j++)
         IS_NAME(iq4_block_scales_)(xt + j * 32 * IS_LANES, wt ? wt + j * 32 * IS_LANES : NULL, s,
-                                   scales + j * IS_LANES);
+                                   scales + j * IS_LANES, absmax + j * IS_LANES);
     IS_NAME(iq4_lane_peaks_)(scales, 8, peak);
     for (int c = 0; c < 2 * s->nsuper + s->rounds; c++) {
         IS_NAME(iq4_xs_candidate_)(s, c, peak, levels_out, best_sx, best_sq, d_out, d);
-        IS_NAME(iq4_xs_levels_)(xt, wt, s, scales, d, levels, lsx, lsq, err);
+        IS_NAME(iq4_xs_levels_)(xt, wt, s, scales, absmax, d, levels, lsx, lsq, err);
         IS_NAME(iq4_xs_keep_)(c == 0, d, err, levels, lsx, lsq, best, d_out, levels_out, best_sx, best_sq);
     }
     for (int j = 0; j < 8; j++) {
@@ -891,7 +971,8 @@ IS_TARGET static void IS_NAME(iq4_xs_group_)(const float *xt, const float *wt, c
 IS_TARGET static void IS_NAME(iq4_nl_group_)(const float *xt, const float *wt, const iq4_search_t *s, float *d_out,
                                              uint8_t *codes) {
     float scale[IS_LANES], peak[IS_LANES], inv[IS_LANES], sqx[IS_LANES], sqq[IS_LANES], best[IS_LANES];
-    IS_NAME(iq4_block_scales_)(xt, wt, s, scale);
+    float absmax[IS_LANES];
+    IS_NAME(iq4_block_scales_)(xt, wt, s, scale, absmax);
     IS_NAME(iq4_lane_peaks_)(xt, 32, peak);
     for (int c = -1; c <= s->rounds; c++) {
         float d[IS_LANES];
@@ -971,21 +1052,31 @@ IS_TARGET static void IS_NAME(iq4_transpose_in_)(const float *src, int size, flo
 /* the qs[128] field of each of the first `count` lanes' IQ4_XS super-blocks at out + lane * 136 + 8 from codes
  * [256][16] (code k of block j at nibble k % 16 < ... as iq4.py's docstring: low nibble rows 0-15, high 16-31) */
 IS_TARGET static void IS_NAME(iq4_xs_put_codes_)(const uint8_t *codes, int count, uint8_t *out) {
-#if IS_AVX512
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(136));
-    const __mmask16 lanes = (__mmask16)((1u << count) - 1u);
-    for (int j = 0; j < 8; j++)
-        for (int i = 0; i < 16; i += 4) {
-            __m512i word = _mm512_setzero_si512();
-            for (int b = 0; b < 4; b++) {
-                const uint8_t *row = codes + (j * 32 + i + b) * IS_LANES;
-                const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)row));
-                const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * IS_LANES)));
-                word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), 8 * b));
-            }
-            _mm512_mask_i32scatter_epi32(out + 8 + 16 * j + i, lanes, offsets, word, 1);
+#if IS_AVX512 /* per block j, the 16 x 16 bytes (row i: qs byte 16 j + i of every lane) transposed in registers */
+    /* Q_d (d < 4): dword i = row i's bytes of lanes 4 d .. 4 d + 3, from P_m (rows 4 m .. 4 m + 3, one per 128 bits);
+     * then per 128 bits byte 4 b + r = byte 4 r + b, and dword 4 b + t = dword 4 t + b: part b = lane 4 d + b's rows */
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    for (int j = 0; j < 8; j++) {
+        __m512i rows[4];
+        for (int m = 0; m < 4; m++) {
+            const __m512i lo = _mm512_loadu_si512(codes + (j * 32 + 4 * m) * IS_LANES);
+            const __m512i hi = _mm512_loadu_si512(codes + (j * 32 + 16 + 4 * m) * IS_LANES);
+            rows[m] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)); /* codes < 16: no bit crosses a byte */
         }
+        for (int d = 0; d < 4 && 4 * d < count; d++) {
+            const __m512i index = _mm512_add_epi32(pick, _mm512_set1_epi32(d));
+            const __m512i q = _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(rows[0], index, rows[1]),
+                                                      _mm512_permutex2var_epi32(rows[2], index, rows[3]));
+            const __m512i lanes = _mm512_permutexvar_epi32(dwords, _mm512_shuffle_epi8(q, bytes));
+            uint8_t *at = out + (int64_t)4 * d * 136 + 8 + 16 * j;
+            if (4 * d + 0 < count) _mm_storeu_si128((__m128i *)at, _mm512_castsi512_si128(lanes));
+            if (4 * d + 1 < count) _mm_storeu_si128((__m128i *)(at + 136), _mm512_extracti32x4_epi32(lanes, 1));
+            if (4 * d + 2 < count) _mm_storeu_si128((__m128i *)(at + 272), _mm512_extracti32x4_epi32(lanes, 2));
+            if (4 * d + 3 < count) _mm_storeu_si128((__m128i *)(at + 408), _mm512_extracti32x4_epi32(lanes, 3));
+        }
+    }
 #else
     for (int l = 0; l < count; l++)
         for (int j = 0; j < 8; j++)

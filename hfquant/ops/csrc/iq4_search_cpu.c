@@ -10,8 +10,8 @@
  * - 16 blocks or super-blocks at once, one per vector lane (the group transposed), so sums need no horizontal adds;
  * - the nearest code without a search: u = x / scale falls in one of 32 buckets of width 8 (floor(u / 8) + 16,
  *   clamped), each holding at most one midpoint of the grid (neighbouring midpoints are >= 11.5 apart), so the code is
- *   the bucket's count of midpoints below it plus (u >= its midpoint): two table lookups and a compare (vpermt2d /
- *   vpermt2ps), ties to the larger value as `Grid.index`;
+ *   the bucket's count of midpoints below it plus (u >= its midpoint): a table lookup (one vpermt2d: the AVX-512
+ *   body packs the midpoint and the count into one entry) and a compare, ties to the larger value as `Grid.index`;
  * - errors from the sums (d^2 sqq - 2 d sqx = error - sum w x^2), no second pass over the weights.
  * With a sweep range the block stage is instead the exact breakpoint sweep of the block's scale over that range of
  * factors (iq4_search_body.h, `iq4_sweep_scales_`): every segment of constant codes, not a scan of candidates.
@@ -20,7 +20,7 @@
  * (isa_cpu.c, so HFQUANT_ISA=avx2 runs the AVX2 body on an AVX-512 CPU) picks one; all give the same bytes
  * (tests/ops/test_iq4_search.py). One thread, a (4096, 2048) weight on Zen 5: "thorough" AVX-512 ~170 M weights/s,
  * AVX2 ~40, portable 3; "fast" AVX-512 ~450, AVX2 ~125 (docs/performance.md, issue #30, eleventh session, and issue
- * #32, twelfth session).
+ * #32, twelfth session; the sixteenth's row loop: 1.07-1.19x less CPU for the fast search, the same bytes).
  */
 #pragma GCC optimize("fp-contract=off") /* products and sums as written; fused multiply-adds only where spelt fmaf */
 #include <immintrin.h>
@@ -209,17 +209,23 @@ static int iq4_group_in(const iq4_source_t *src, const iq4_body_t *body, int64_t
 
 /* lane l reads (super-)block first + l of the importance, or with a period that one modulo it: the same transposed
  * rows again whenever first % w_period repeats (every group for a 2048-wide weight's period of 8), so they are
- * gathered again only when it changes (*wt_phase: the phase of the rows in wt, -1: none or not a full group's) */
-static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, int count, int size, float *wt,
-                              int64_t *wt_phase) {
+ * gathered again only when it changes (*wt_phase: the phase of the rows in wt, -1: none or not a full group's); a
+ * full group whose 16 rows are consecutive (no period, or the phase 16 or more before the period's end: an
+ * 8192-wide weight's period of 32 alternates between phases 0 and 16) is transposed by the body's tiles */
+static void iq4_importance_in(const float *w, int64_t w_period, int64_t first, int count, int size,
+                              const iq4_body_t *body, float *wt, int64_t *wt_phase) {
     const int64_t phase = w_period > 0 ? first % w_period : -1;
     if (phase >= 0 && phase == *wt_phase && count == IS_LANES) return;
+    *wt_phase = count < IS_LANES ? -1 : phase;
+    if (count == IS_LANES && (w_period <= 0 || phase + IS_LANES <= w_period)) {
+        body->transpose_in(w + (w_period > 0 ? phase : first) * size, size, wt);
+        return;
+    }
     for (int l = 0; l < IS_LANES; l++) {
         const int64_t b = first + (l < count ? l : 0);
         const float *src = w + (w_period > 0 ? b % w_period : b) * size;
         for (int k = 0; k < size; k++) wt[k * IS_LANES + l] = src[k];
     }
-    *wt_phase = count < IS_LANES ? -1 : phase;
 }
 
 /* the search of `nblocks` blocks from `src` (hfquant_iq4_quantize's arguments); 0, 2 (no work buffer) or 3 (a folded
@@ -247,7 +253,7 @@ static int iq4_run(const iq4_source_t *src, const float *w, int64_t w_period, in
             const int64_t first = g * IS_LANES;
             const int count = (int)(nblocks - first < IS_LANES ? nblocks - first : IS_LANES);
             bad |= iq4_group_in(src, body, first, count, size, xs, xt);
-            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, wt, &wt_phase);
+            if (w != NULL) iq4_importance_in(w, w_period, first, count, size, body, wt, &wt_phase);
             const float *wg = w != NULL ? wt : NULL;
             if (type == 23) {
                 body->xs_group(xt, wg, s, d, levels, codes);
