@@ -13,6 +13,13 @@ page cache): safetensors maps its shards writable and private (`rw-p`), and ever
 advised, including those of a model loaded earlier whose float parameters still point into its map; a page written
 there (copy-on-write: a fine-tuned parameter) would silently revert to the file's bytes under `MADV_DONTNEED`.
 
+The weights quantized on load are released sooner and cheaper: `PageReleaser.consume` unmaps the whole pages of each
+one that transformers read as a view of this load's map, right after it was quantized, with `MADV_DONTNEED` on its
+own pages only (pages that no parameter keeps and that this load never wrote; kept in the page cache). The periodic
+`MADV_PAGEOUT` stays as the bound for the rest (copies, pages shared with a kept tensor): on the 1.2B benchmark model
+it then found almost nothing left to evict (0.06-0.09 CPU s a load instead of 0.36; docs/performance.md, sixteenth
+session), and a second load of the same checkpoint finds it in the page cache.
+
 Each call reads `/proc/self/maps` and advises every mapped shard whole, so its cost grows with the checkpoint, not with
 the weight just read: once per weight it cost 0.68 s of a 3.2 s load of a 2.35 GB checkpoint (docs/performance.md).
 `PageReleaser` calls it once per `every` bytes read instead (1/32 of the checkpoint, 16-256 MiB): the pages it lets
@@ -33,6 +40,7 @@ __all__ = [
     "PageReleaser",
     "release_checkpoint_pages",
     "release_range",
+    "release_pages_within",
     "populate_range",
     "mapped_checkpoint_ranges",
     "spare_mapping",
@@ -140,6 +148,18 @@ def populate_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
     return _advise_range(address, nbytes, mapping, _MADV_POPULATE_READ)
 
 
+def release_pages_within(address: int, nbytes: int, mapping: tuple[int, int]) -> int:
+    """`release_range` narrowed to the whole pages inside the `nbytes` at `address` (and inside `mapping`): a page
+    that the range shares with a neighbouring tensor stays mapped (that tensor may be a parameter still read, or
+    written). Returns the bytes unmapped (0 off Linux, when no whole page lies inside, or when the kernel refused)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = max(mapping[0], -(-address // page) * page)
+    end = min(mapping[1], (address + nbytes) // page * page)
+    if end <= start or not _advise_range(start, end - start, mapping, _MADV_DONTNEED):
+        return 0
+    return end - start
+
+
 def _advise_range(address: int, nbytes: int, mapping: tuple[int, int], advice: int) -> bool:
     """`madvise(advice)` on the pages of `nbytes` at `address`, widened to whole pages within `mapping` only; whether
     the kernel accepted it (False off Linux or for an empty range)."""
@@ -194,8 +214,11 @@ class PageReleaser:
         self.every_bytes = max(1, int(every_bytes))
         self.pending = 0
         self.background = background
+        self.consumed_bytes = 0
+        """Bytes unmapped by `consume` (whole pages of consumed tensors) since this releaser was made."""
         self._executor: ThreadPoolExecutor | None = None
         self._running: Future | None = None
+        self._maps: list[tuple[int, int]] = []
 
     @classmethod
     def for_checkpoint(cls, total_bytes: int, background: bool = False) -> PageReleaser:
@@ -227,10 +250,39 @@ class PageReleaser:
         self._running = self._executor.submit(release_checkpoint_pages)
         return 0
 
+    def consume(self, address: int, nbytes: int) -> int:
+        """Unmap now, keeping them in the page cache (`release_pages_within`: `MADV_DONTNEED`), the whole pages of the
+        `nbytes` at `address` when they lie in a mapped checkpoint file that is not spared (`spare_mapping`); the
+        periodic `MADV_PAGEOUT` then finds them gone and has only what no `consume` covered to evict (a page shared
+        with a kept tensor, a tensor copied on its way in). Only for a tensor of this load that was read, is not
+        written, and that nothing keeps (a weight quantized on load, none of its stored tensors a view of it): its
+        pages are read back from the file if touched again. Returns the bytes unmapped (0: not a checkpoint map).
+
+        Cost: the checkpoint's maps are read from `/proc/self/maps` when `address` is in none known yet (once per
+        shard mapped), then the call is one `madvise` of the tensor's own pages (about 0.1 ms per 10 MB here), against
+        `MADV_PAGEOUT`'s eviction of the page cache (0.35-0.44 CPU s of a 1.2B load; docs/performance.md)."""
+        mapping = self._mapping(address)
+        if mapping is None or mapping[0] in _spared:
+            return 0
+        released = release_pages_within(address, nbytes, mapping)
+        self.consumed_bytes += released
+        return released
+
+    def _mapping(self, address: int) -> tuple[int, int] | None:
+        """(start, end) of the checkpoint map holding `address` (the maps known, then once more from /proc), or None."""
+        for maps in (self._maps, None):
+            if maps is None:
+                maps = self._maps = [(start, end) for start, end, _ in mapped_checkpoint_ranges()]
+            found = next(((start, end) for start, end in maps if start <= address < end), None)
+            if found is not None:
+                return found
+        return None
+
     def flush(self) -> int:
         """Release now (`release_checkpoint_pages`, after a background release still running) and start counting
         again. Returns the bytes advised."""
         self.pending = 0
+        self._maps = []  # the shards are closed after the load: an address may then hold other memory
         self._wait()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -144,6 +144,7 @@ class HfQuantQuantize(ConversionOps):
                 result.update(stored[0])
                 if stored[1]:
                     report.quantized_keys.add(key)
+                    _consume_source(report.pages, tensor, stored[0].values())
             except ValueError as error:
                 # transformers would swallow this into a generic RuntimeError: remember it, raise it by name
                 # once loading is over (`LoadReport.raise_failures`).
@@ -155,6 +156,22 @@ class HfQuantQuantize(ConversionOps):
             del tensor, value
             report.pages.read(nbytes, copied)
         return result
+
+
+def _consume_source(pages: PageReleaser, source: torch.Tensor, stored) -> None:
+    """Unmap the checkpoint pages of a weight just quantized (`PageReleaser.consume`) when `source` is a contiguous
+    view of the checkpoint's map (transformers reads a tensor of the load's dtype so) that none of its `stored` tensors
+    shares: nothing reads those bytes again. A copy (cast to the load's dtype) is left to the periodic release."""
+    if source._base is None or not source.is_contiguous() or source.device.type != "cpu":
+        return
+    start = source.data_ptr()
+    end = start + source.numel() * source.element_size()
+    for tensor in stored:
+        if tensor.device.type == "cpu" and tensor.numel():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() < end and start < storage.data_ptr() + storage.nbytes():
+                return
+    pages.consume(start, end - start)
 
 
 def _rtn_threads(folds) -> int | None:

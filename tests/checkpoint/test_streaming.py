@@ -118,3 +118,54 @@ def test_populate_range_maps_a_tensor_in_and_release_range_takes_it_out(tmp_path
         assert _resident_kib(mapping[0]) < before + 2048
     finally:
         streaming.spare_mapping(mapping[0], spared=False)
+
+
+def _file_tensors(tmp_path, torch):
+    """A checkpoint whose tensor "b" (2 MiB + 6 bytes) shares its first and last pages with its neighbours, read
+    through its map: (handle, {name: tensor}, the map's (start, end))."""
+    from safetensors.torch import save_file
+
+    from hfquant.checkpoint.files import open_safetensors, read_tensor
+
+    path = tmp_path / "w.safetensors"
+    tensors = {"a": torch.ones(1001, dtype=torch.uint8), "b": torch.full((2 * MIB + 6,), 2, dtype=torch.uint8)}
+    tensors["c"] = torch.full((999,), 3, dtype=torch.uint8)
+    save_file(tensors, str(path))
+    handle = open_safetensors(path)
+    read = {name: read_tensor(handle, path, name) for name in tensors}
+    mapping = next(((s, e) for s, e, p in streaming.mapped_checkpoint_ranges() if p == str(path)), None)
+    if mapping is None:
+        pytest.skip("no checkpoint maps in /proc/self/maps here")
+    if not streaming.populate_range(mapping[0], mapping[1] - mapping[0], mapping):
+        pytest.skip("MADV_POPULATE_READ needs Linux >= 5.14")
+    return handle, read, mapping
+
+
+def test_consume_unmaps_only_the_whole_pages_inside_the_tensor(tmp_path):
+    torch = pytest.importorskip("torch")
+    handle, read, mapping = _file_tensors(tmp_path, torch)
+    b = read["b"]
+    page = 4096
+    inside = ((b.data_ptr() + b.nbytes) // page - -(-b.data_ptr() // page)) * page
+    before = _resident_kib(mapping[0])
+    releaser = PageReleaser(MIB)
+    assert releaser.consume(b.data_ptr(), b.nbytes) == inside == releaser.consumed_bytes
+    assert before - _resident_kib(mapping[0]) == inside // 1024  # the pages shared with "a" and "c" stay mapped
+    assert torch.all(b == 2) and torch.all(read["a"] == 1) and torch.all(read["c"] == 3)  # read back from the file
+    del handle
+
+
+def test_consume_leaves_spared_maps_and_memory_outside_checkpoint_maps(tmp_path):
+    torch = pytest.importorskip("torch")
+    handle, read, mapping = _file_tensors(tmp_path, torch)
+    releaser = PageReleaser(MIB)
+    anonymous = torch.full((4 * MIB,), 7, dtype=torch.uint8)  # MADV_DONTNEED would zero it
+    assert releaser.consume(anonymous.data_ptr(), anonymous.nbytes) == 0 and torch.all(anonymous == 7)
+    streaming.spare_mapping(mapping[0])
+    try:
+        before = _resident_kib(mapping[0])
+        assert releaser.consume(read["b"].data_ptr(), read["b"].nbytes) == 0
+        assert _resident_kib(mapping[0]) == before
+    finally:
+        streaming.spare_mapping(mapping[0], spared=False)
+    del handle

@@ -152,6 +152,43 @@ def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():
     assert quantizer.report.quantized_keys == {key}
 
 
+class _Pages:
+    """A `PageReleaser` that records what the weight op consumes."""
+
+    def __init__(self):
+        self.consumed = []
+
+    def consume(self, address, nbytes):
+        self.consumed.append((address, nbytes))
+        return nbytes
+
+    def read(self, nbytes, copied=True):
+        return 0
+
+
+def test_the_weight_op_consumes_the_checkpoint_views_of_the_weights_it_quantized():
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8))
+    quantizer.report.pages = pages = _Pages()
+    op = quantizer.get_quantize_ops()
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    layers = [model.get_submodule(name.rpartition(".")[0]) for name in (q, k)]
+    rows, k_shape = ((layer.out_features, layer.in_features) for layer in layers)
+    view = torch.randn(2, *rows)[1]  # a view, as transformers reads a tensor of the load's dtype from the map
+    norm = torch.ones(2, 64)[0]
+    op.convert({q: view, "model.norm.weight": norm, k: torch.randn(k_shape)}, model=model)
+    assert pages.consumed == [(view.data_ptr(), view.nbytes)]  # not the norm (kept), not the copy (k_proj)
+
+
+def test_a_source_that_a_stored_tensor_shares_is_not_consumed():
+    pages = _Pages()
+    source = torch.randn(4, 64, 64)[1]
+    quantizer_module._consume_source(pages, source, [torch.zeros(3), source[2:]])
+    quantizer_module._consume_source(pages, source.t(), [torch.zeros(3)])  # not contiguous: its span is not its bytes
+    assert pages.consumed == []
+    quantizer_module._consume_source(pages, source, [torch.zeros(3)])
+    assert pages.consumed == [(source.data_ptr(), 64 * 64 * 4)]
+
+
 # -- preparing the kernels -----------------------------------------------------------------------------------------
 
 
