@@ -11,6 +11,7 @@ from transformers.quantizers.base import HfQuantizer
 
 import hfquant.integration.quantizer as quantizer_module
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.core import huge_pages
 from hfquant.core.format import Method, StoredFormat
 from hfquant.integration.load_plan import LoadPlan
 from hfquant.integration.load_report import LoadReport
@@ -136,6 +137,8 @@ def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint):
     assert len(layers) == 14
     assert quantizer.report.quantized_keys == {f"{name}.weight" for name in layers}
     assert quantizer.report.failed == {} and quantizer.report.out_of_memory == []
+    if huge_pages._AVAILABLE:  # the spare weight maps made beside the load are freed with it
+        assert quantizer.report.spares._closed and huge_pages._spares is None and quantizer.report.spares._held == 0
     assert {layer.name for layer in quantizer.plan.layers if layer.format is not None} == layers
     assert len(_own_fields(quantizer)) <= 4, _own_fields(quantizer)
     # attention_requested: whether from_pretrained named an attn_implementation (then the one-row attention stays off)
