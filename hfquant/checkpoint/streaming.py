@@ -13,6 +13,14 @@ page cache): safetensors maps its shards writable and private (`rw-p`), and ever
 advised, including those of a model loaded earlier whose float parameters still point into its map; a page written
 there (copy-on-write: a fine-tuned parameter) would silently revert to the file's bytes under `MADV_DONTNEED`.
 
+The weights quantized on load are released sooner and cheaper: `PageReleaser.consume` unmaps the whole pages of each
+one that transformers read as a view of this load's map, right after it was quantized, with `MADV_DONTNEED` on its
+own pages only (pages that no parameter keeps and that this load never wrote), then drops those file bytes from the
+page cache (`POSIX_FADV_DONTNEED`, which leaves pages mapped elsewhere alone). The periodic `MADV_PAGEOUT` stays as
+the bound for the rest (copies, pages shared with a kept tensor): on the 1.2B benchmark model it then found almost
+nothing left to evict (0.06-0.09 CPU s a load instead of 0.36), and unlike it `MADV_DONTNEED` also takes out pages
+that another process maps too (docs/performance.md, sixteenth session).
+
 Each call reads `/proc/self/maps` and advises every mapped shard whole, so its cost grows with the checkpoint, not with
 the weight just read: once per weight it cost 0.68 s of a 3.2 s load of a 2.35 GB checkpoint (docs/performance.md).
 `PageReleaser` calls it once per `every` bytes read instead (1/32 of the checkpoint, 16-256 MiB): the pages it lets
@@ -33,6 +41,7 @@ __all__ = [
     "PageReleaser",
     "release_checkpoint_pages",
     "release_range",
+    "release_pages_within",
     "populate_range",
     "mapped_checkpoint_ranges",
     "spare_mapping",
@@ -60,6 +69,11 @@ def _madvise():
 
 def mapped_checkpoint_ranges(suffix: str = ".safetensors") -> list[tuple[int, int, str]]:
     """(start, end, path) of this process's memory maps of files whose name ends with `suffix` (Linux only)."""
+    return [(start, end, path) for start, end, _, path in _file_maps(suffix)]
+
+
+def _file_maps(suffix: str = ".safetensors") -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of this process's maps of files whose name ends with `suffix`."""
     ranges = []
     try:
         with open(_MAPS, encoding="utf-8", errors="replace") as maps:
@@ -67,7 +81,7 @@ def mapped_checkpoint_ranges(suffix: str = ".safetensors") -> list[tuple[int, in
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].rstrip("\n").endswith(suffix):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((start, end, fields[5].rstrip("\n")))
+                    ranges.append((start, end, int(fields[2], 16), fields[5].rstrip("\n")))
     except OSError:
         return []
     return ranges
@@ -140,6 +154,18 @@ def populate_range(address: int, nbytes: int, mapping: tuple[int, int]) -> bool:
     return _advise_range(address, nbytes, mapping, _MADV_POPULATE_READ)
 
 
+def release_pages_within(address: int, nbytes: int, mapping: tuple[int, int]) -> int:
+    """`release_range` narrowed to the whole pages inside the `nbytes` at `address` (and inside `mapping`): a page
+    that the range shares with a neighbouring tensor stays mapped (that tensor may be a parameter still read, or
+    written). Returns the bytes unmapped (0 off Linux, when no whole page lies inside, or when the kernel refused)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = max(mapping[0], -(-address // page) * page)
+    end = min(mapping[1], (address + nbytes) // page * page)
+    if end <= start or not _advise_range(start, end - start, mapping, _MADV_DONTNEED):
+        return 0
+    return end - start
+
+
 def _advise_range(address: int, nbytes: int, mapping: tuple[int, int], advice: int) -> bool:
     """`madvise(advice)` on the pages of `nbytes` at `address`, widened to whole pages within `mapping` only; whether
     the kernel accepted it (False off Linux or for an empty range)."""
@@ -185,17 +211,28 @@ class PageReleaser:
         background: run each release but the last (`flush`) on a thread of its own, beside the load (a release is
             mostly the kernel's reclaim of the pages, 10-20 ms of system time on the main thread per 1/32 of a 2.35 GB
             checkpoint); `read` first waits for the one before, so at most one share more stays resident.
+        drop_cached: `consume` also drops the consumed bytes from the page cache (`POSIX_FADV_DONTNEED`; pages that
+            another map still maps are kept by the kernel). Their pages go back to the free lists at once, still
+            backed by the host, where the load's next allocations (quantized weights, float temporaries) take them:
+            kept cached, those allocations took memory the VM's balloon had given back (page reporting) and paid the
+            host's faults; the 7.4B benchmark model's load took 35-36 CPU s dropping, 41-43 keeping (the page cache
+            then spared only a second load of the same checkpoint its reads; docs/performance.md, sixteenth session).
     """
 
     MIN_BYTES = 16 * 2**20
     MAX_BYTES = 256 * 2**20
 
-    def __init__(self, every_bytes: int = MIN_BYTES, background: bool = False) -> None:
+    def __init__(self, every_bytes: int = MIN_BYTES, background: bool = False, drop_cached: bool = True) -> None:
         self.every_bytes = max(1, int(every_bytes))
         self.pending = 0
         self.background = background
+        self.consumed_bytes = 0
+        """Bytes unmapped by `consume` (whole pages of consumed tensors) since this releaser was made."""
         self._executor: ThreadPoolExecutor | None = None
         self._running: Future | None = None
+        self._maps: list[tuple[int, int, int, str]] = []
+        self.drop_cached = drop_cached
+        self._files: dict[str, int] = {}
 
     @classmethod
     def for_checkpoint(cls, total_bytes: int, background: bool = False) -> PageReleaser:
@@ -227,10 +264,58 @@ class PageReleaser:
         self._running = self._executor.submit(release_checkpoint_pages)
         return 0
 
+    def consume(self, address: int, nbytes: int) -> int:
+        """Unmap now (`release_pages_within`: `MADV_DONTNEED`; then out of the page cache too when `drop_cached`) the
+        whole pages of the `nbytes` at `address` when they lie in a mapped checkpoint file not spared
+        (`spare_mapping`); the periodic `MADV_PAGEOUT` then finds them gone and has only what no `consume` covered to
+        evict (a page shared with a kept tensor, a tensor copied on its way in). Only for a tensor of this load that
+        was read, is not written, and that nothing keeps (a weight quantized on load, none of its stored tensors a
+        view of it): its pages are read back from the file if touched again. Returns the bytes unmapped (0: not a
+        checkpoint map).
+
+        Cost: the checkpoint's maps are read from `/proc/self/maps` when `address` is in none known yet (once per
+        shard mapped), then the call is one `madvise` of the tensor's own pages (0.3 ms per 10 MB resident here: 2 GB,
+        about 0.06 CPU s, per 1.2B load) and one `posix_fadvise`, against `MADV_PAGEOUT`'s page walk and eviction
+        (0.35-0.44 CPU s of a 1.2B load; docs/performance.md)."""
+        found = self._mapping(address)
+        if found is None or found[0] in _spared:
+            return 0
+        released = release_pages_within(address, nbytes, found[:2])
+        self.consumed_bytes += released
+        if released and self.drop_cached:
+            self._drop_cached(found, address, nbytes)
+        return released
+
+    def _mapping(self, address: int) -> tuple[int, int, int, str] | None:
+        """(start, end, offset, path) of the checkpoint map holding `address` (the maps known, else read again)."""
+        for maps in (self._maps, None):
+            if maps is None:
+                maps = self._maps = _file_maps()
+            found = next((found for found in maps if found[0] <= address < found[1]), None)
+            if found is not None:
+                return found
+        return None
+
+    def _drop_cached(self, found: tuple[int, int, int, str], address: int, nbytes: int) -> None:
+        """`POSIX_FADV_DONTNEED` of the file bytes under `nbytes` at `address` in the map `found`: their page cache
+        pages, now mapped nowhere (or skipped by the kernel), go back to the free lists."""
+        start, _, offset, path = found
+        descriptor = self._files.get(path)
+        try:
+            if descriptor is None:
+                descriptor = self._files[path] = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(descriptor, offset + address - start, nbytes, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            self.drop_cached = False
+
     def flush(self) -> int:
         """Release now (`release_checkpoint_pages`, after a background release still running) and start counting
         again. Returns the bytes advised."""
         self.pending = 0
+        self._maps = []  # the shards are closed after the load: an address may then hold other memory
+        for descriptor in self._files.values():
+            os.close(descriptor)
+        self._files.clear()
         self._wait()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -17,19 +17,34 @@ weights are written into such memory in the first place.
 
 Cost: the kernel zeroes each huge page at its first write, where `torch.empty` often reuses heap memory that the
 load's freed float temporaries left: the 7.4B benchmark model's load took 4-5 s more (about 2.7 CPU s of
-`clear_page_erms`); no cost showed at the 1.2B (docs/performance.md, fifteenth session).
+`clear_page_erms`); no cost showed at the 1.2B (docs/performance.md, fifteenth session). Under a hypervisor that
+takes back the guest's free memory (a virtio balloon reporting free pages) a huge page is mostly fresh to the host
+too: its first write measured 1.3 GB/s here, against 5 GB/s for 4 KiB pages (recycled by the guest) and 40 GB/s for a
+huge page freed a moment before.
+
+`Spares` takes that first write off the load's critical path: while a quantize-on-load runs, a thread of low priority
+(nice 19) makes and writes spare maps of the sizes `empty` was asked for more than once (a model's blocks repeat the
+same shapes), at most `budget` bytes of them; `empty` hands out a spare of the size asked for, already resident.
+The load closes it at its end, freeing the spares left.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import logging
 import math
 import mmap
+import os
+import queue
 import sys
+import threading
 
 import torch
 
-__all__ = ["HUGE_PAGE", "empty"]
+__all__ = ["HUGE_PAGE", "Spares", "empty"]
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 1 << 21
 """Bytes of an x86-64 (and 4 KiB-page arm64) transparent huge page."""
@@ -48,10 +63,117 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
     nbytes = math.prod(shape) * dtype.itemsize
     if not _AVAILABLE or nbytes < HUGE_PAGE or torch.device(device or "cpu").type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    anchor = ctypes.c_char.from_buffer(region)
-    offset = -ctypes.addressof(anchor) % HUGE_PAGE
-    del anchor  # a live export would keep the map from being closed
-    region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+    spares = _spares
+    region, offset = (spares is not None and spares.take(nbytes)) or _huge_map(nbytes)
     storage = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # no view chain: `_base` is None
+
+
+def _huge_map(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous map of `nbytes` + `HUGE_PAGE` and the offset of its first 2 MiB boundary, the whole 2 MiB
+    pages of the `nbytes` from there advised `MADV_HUGEPAGE`; nothing touched."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anchor = ctypes.c_char.from_buffer(region)
+    address = ctypes.addressof(anchor)
+    del anchor  # a live export would keep the map from being closed
+    offset = -address % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return region, offset
+
+
+_spares: Spares | None = None
+"""The `Spares` `empty` takes maps from (one quantize-on-load at a time), or None."""
+
+
+class Spares:
+    """Maps for `empty` made resident ahead of their use by a thread of its own, at nice 19 (it runs when the load's
+    threads leave a core idle): the kernel's first-write zeroing of their pages (module docstring) off the load's path.
+
+    A size `empty` asks for a second time (a model's blocks repeat their shapes) gets one spare, made again each time
+    it is taken; the spares and those being made stay within `budget` bytes (resident: counted in the peak RSS).
+    `empty` takes spares only from the `Spares` that `start` made current; `close` stops the thread and frees the
+    spares left. Each spare is written whole once (`memset` from C, without the GIL, faulting its pages in under the
+    map's own lock: no `mmap_lock` held for long, unlike `MADV_POPULATE_WRITE`).
+
+    Args:
+        budget: bytes of spares, made or being made, at most.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = max(0, int(budget))
+        self.taken = 0
+        """Maps `empty` took from the spares."""
+        self._lock = threading.Lock()
+        self._ready: dict[int, list[tuple[mmap.mmap, int]]] = collections.defaultdict(list)
+        self._asked: collections.Counter[int] = collections.Counter()
+        self._making: set[int] = set()
+        self._held = 0
+        self._requests: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def start(cls, budget: int) -> Spares | None:
+        """A `Spares` of `budget` bytes that `empty` takes from until it is closed; None where huge pages are not
+        used (other platforms) or for a budget under one huge page. One is current at a time: one left current (a
+        load that failed before closing it) is closed first."""
+        global _spares
+        if _spares is not None:
+            _spares.close()
+        if not _AVAILABLE or budget < HUGE_PAGE:
+            return None
+        _spares = cls(budget)
+        return _spares
+
+    def take(self, nbytes: int) -> tuple[mmap.mmap, int] | None:
+        """A resident spare map of `nbytes` (as `_huge_map` gives) or None; asks the thread for the next one."""
+        with self._lock:
+            self._asked[nbytes] += 1
+            ready = self._ready.get(nbytes)
+            spare = ready.pop() if ready else None
+            if spare is not None:
+                self._held -= nbytes
+                self.taken += 1
+            ask = not self._closed and self._asked[nbytes] > 1 and nbytes not in self._making
+            ask = ask and not self._ready.get(nbytes) and self._held + nbytes <= self.budget
+            if ask:
+                self._making.add(nbytes)
+                self._held += nbytes
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="hfquant-spares", daemon=True)
+                    self._thread.start()
+                self._requests.put(nbytes)
+        return spare
+
+    def close(self) -> None:
+        """Stop making spares (after the one being made) and free those left; `empty` maps its own again."""
+        global _spares
+        with self._lock:
+            self._closed = True
+            if _spares is self:
+                _spares = None
+            left = [region for maps in self._ready.values() for region, _ in maps]
+            self._ready.clear()
+            self._held = 0
+        self._requests.put(None)
+        if self._thread is not None:
+            self._thread.join()
+        for region in left:
+            region.close()
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            logger.debug("hfquant spares: the thread keeps its priority")
+        while (nbytes := self._requests.get()) is not None:
+            region, offset = _huge_map(nbytes)
+            anchor = ctypes.c_char.from_buffer(region)
+            ctypes.memset(ctypes.addressof(anchor) + offset, 0, nbytes)  # the kernel zeroes each page it faults in
+            del anchor
+            with self._lock:
+                self._making.discard(nbytes)
+                if self._closed:
+                    region.close()
+                else:
+                    self._ready[nbytes].append((region, offset))

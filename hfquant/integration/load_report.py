@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hfquant.checkpoint.streaming import PageReleaser
+from hfquant.core.huge_pages import Spares
 from hfquant.integration.quantize_weights import GroupRows
 
 __all__ = ["LoadReport"]
@@ -30,6 +31,8 @@ class LoadReport:
         out_of_memory: checkpoint keys whose quantization raised `MemoryError`, in load order.
         rows: the `GroupRows` the weight op writes decode groups' codes into (quantizing on load on the CPU), or None
             (each weight a tensor of its own); cleared once the kernels are prepared.
+        spares: the `huge_pages.Spares` that make the quantized weights' maps resident ahead of their use (quantizing
+            on load on the CPU), or None; closed once the weights are in.
     """
 
     pages: PageReleaser = field(default_factory=PageReleaser)
@@ -37,6 +40,7 @@ class LoadReport:
     failed: dict[str, str] = field(default_factory=dict)
     out_of_memory: list[str] = field(default_factory=list)
     rows: GroupRows | None = None
+    spares: Spares | None = None
 
     def raise_failures(self) -> None:
         """Raise what the weight op recorded, out of memory first.

@@ -86,3 +86,77 @@ def test_copies_and_saves_like_any_tensor():
     buffer.seek(0)
     assert torch.equal(torch.load(buffer)["w"], tensor)
     assert torch.equal(copy.deepcopy(tensor), tensor)
+
+
+def _wait_ready(spares, nbytes: int) -> bool:
+    """Whether a spare of `nbytes` is ready within 10 s (the thread runs at nice 19)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with spares._lock:
+            if spares._ready.get(nbytes):
+                return True
+        time.sleep(0.01)
+    return False
+
+
+@linux
+def test_a_size_asked_twice_gets_a_resident_spare_that_empty_hands_out():
+    nbytes = HUGE_PAGE + 3 * 4096 + 5
+    spares = huge_pages.Spares.start(4 * HUGE_PAGE)
+    try:
+        first = huge_pages.empty((nbytes,), dtype=torch.uint8)
+        assert spares.taken == 0 and not spares._making  # asked once: no spare yet
+        second = huge_pages.empty((nbytes,), dtype=torch.uint8)
+        assert spares.taken == 0 and _wait_ready(spares, nbytes)
+        (region, offset) = spares._ready[nbytes][0]
+        third = huge_pages.empty((nbytes,), dtype=torch.uint8)
+        assert spares.taken == 1 and third.data_ptr() % HUGE_PAGE == 0 and third.untyped_storage().nbytes() == nbytes
+        assert torch.all(third == 0)  # written whole by the thread, before it was handed out
+        third.fill_(9)
+        assert torch.all(third == 9) and torch.all(torch.frombuffer(region, dtype=torch.uint8)[offset:][:nbytes] == 9)
+        assert _wait_ready(spares, nbytes)  # taken: made again
+        del first, second, third, region
+    finally:
+        spares.close()
+    assert huge_pages._spares is None and spares._ready == {} and spares._held == 0
+
+
+@linux
+def test_spares_stay_within_their_budget_and_are_freed_when_closed():
+    small, large = HUGE_PAGE, 3 * HUGE_PAGE
+    spares = huge_pages.Spares.start(2 * HUGE_PAGE)
+    try:
+        held = [huge_pages.empty((n,), dtype=torch.uint8) for n in (large, large, small, small)]
+        assert _wait_ready(spares, small)
+        assert large not in spares._ready and large not in spares._making  # over the budget: never made
+        address = ctypes_address(spares._ready[small][0])
+    finally:
+        spares.close()
+    assert not _mapped(address)  # the spare left is unmapped
+    after = huge_pages.empty((small,), dtype=torch.uint8)
+    assert spares.taken == 0 and after.data_ptr() % HUGE_PAGE == 0
+    del held
+
+
+def ctypes_address(spare) -> int:
+    import ctypes
+
+    region, offset = spare
+    anchor = ctypes.c_char.from_buffer(region)
+    try:
+        return ctypes.addressof(anchor) + offset
+    finally:
+        del anchor
+
+
+@linux
+def test_starting_spares_closes_the_ones_a_failed_load_left():
+    left = huge_pages.Spares.start(4 * HUGE_PAGE)
+    current = huge_pages.Spares.start(4 * HUGE_PAGE)
+    try:
+        assert left._closed and huge_pages._spares is current and not current._closed
+    finally:
+        current.close()
+    assert huge_pages.Spares.start(HUGE_PAGE - 1) is None and huge_pages._spares is None

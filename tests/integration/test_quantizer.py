@@ -11,6 +11,7 @@ from transformers.quantizers.base import HfQuantizer
 
 import hfquant.integration.quantizer as quantizer_module
 from hfquant import HfQuantConfig, QuantLinear
+from hfquant.core import huge_pages
 from hfquant.core.format import Method, StoredFormat
 from hfquant.integration.load_plan import LoadPlan
 from hfquant.integration.load_report import LoadReport
@@ -136,6 +137,8 @@ def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint):
     assert len(layers) == 14
     assert quantizer.report.quantized_keys == {f"{name}.weight" for name in layers}
     assert quantizer.report.failed == {} and quantizer.report.out_of_memory == []
+    if huge_pages._AVAILABLE:  # the spare weight maps made beside the load are freed with it
+        assert quantizer.report.spares._closed and huge_pages._spares is None and quantizer.report.spares._held == 0
     assert {layer.name for layer in quantizer.plan.layers if layer.format is not None} == layers
     assert len(_own_fields(quantizer)) <= 4, _own_fields(quantizer)
     # attention_requested: whether from_pretrained named an attn_implementation (then the one-row attention stays off)
@@ -150,6 +153,43 @@ def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():
     assert set(stored) == {key, key + "_scale", "model.norm.weight"}  # symmetric int8: no zero point
     assert stored[key].dtype == torch.int8 and torch.equal(stored["model.norm.weight"], torch.ones(64))
     assert quantizer.report.quantized_keys == {key}
+
+
+class _Pages:
+    """A `PageReleaser` that records what the weight op consumes."""
+
+    def __init__(self):
+        self.consumed = []
+
+    def consume(self, address, nbytes):
+        self.consumed.append((address, nbytes))
+        return nbytes
+
+    def read(self, nbytes, copied=True):
+        return 0
+
+
+def test_the_weight_op_consumes_the_checkpoint_views_of_the_weights_it_quantized():
+    quantizer, model = _prepared("llama", HfQuantConfig(bits=8))
+    quantizer.report.pages = pages = _Pages()
+    op = quantizer.get_quantize_ops()
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    layers = [model.get_submodule(name.rpartition(".")[0]) for name in (q, k)]
+    rows, k_shape = ((layer.out_features, layer.in_features) for layer in layers)
+    view = torch.randn(2, *rows)[1]  # a view, as transformers reads a tensor of the load's dtype from the map
+    norm = torch.ones(2, 64)[0]
+    op.convert({q: view, "model.norm.weight": norm, k: torch.randn(k_shape)}, model=model)
+    assert pages.consumed == [(view.data_ptr(), view.nbytes)]  # not the norm (kept), not the copy (k_proj)
+
+
+def test_a_source_that_a_stored_tensor_shares_is_not_consumed():
+    pages = _Pages()
+    source = torch.randn(4, 64, 64)[1]
+    quantizer_module._consume_source(pages, source, [torch.zeros(3), source[2:]])
+    quantizer_module._consume_source(pages, source.t(), [torch.zeros(3)])  # not contiguous: its span is not its bytes
+    assert pages.consumed == []
+    quantizer_module._consume_source(pages, source, [torch.zeros(3)])
+    assert pages.consumed == [(source.data_ptr(), 64 * 64 * 4)]
 
 
 # -- preparing the kernels -----------------------------------------------------------------------------------------
