@@ -378,7 +378,7 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
     return _mm_set_epi64x((long long)(second ^ flip), (long long)(first ^ flip));
 }
 
-BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     /* even super-blocks' float terms in acc[0], odd ones' in acc[1] (row_q3_k_gfni's lanes 0-7 and 8-15) */
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
 #if BK_MASKED
@@ -431,6 +431,17 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
                                           BK_NAME(half_)(w + 108) * a->d[b]);
     }
     return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
+}
+
+BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    return BK_NAME(q3_k_row_)(w, a, nb);
+}
+
+/* part_rows_ for a Q3_K part outside the GFNI step: the row step inlined into the rows' loop, as q6_k_rows_ */
+BK_TARGET static void BK_NAME(q3_k_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                          int64_t row_bytes, int64_t nb) {
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q3_k_row_)(weight + r * row_bytes, a, nb));
 }
 
 #if BK_MASKED
@@ -1319,8 +1330,8 @@ BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const
         return;
     }
 #endif
-    if (type == GGML_Q6_K) {
-        BK_NAME(q6_k_rows_)(weight, a, y, n, row_bytes, nb);
+    if (type == GGML_Q6_K || type == GGML_Q3_K || type == Q3_K_GFNI) { /* Q3_K_GFNI here: the AVX2 body */
+        (type == GGML_Q6_K ? BK_NAME(q6_k_rows_) : BK_NAME(q3_k_rows_))(weight, a, y, n, row_bytes, nb);
         return;
     }
 #pragma omp for schedule(static) nowait
