@@ -274,8 +274,7 @@ BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m256i sum) { return sum; }
 /* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the super-block's 16 int16 scales */
 BK_TARGET BK_INLINE __m512i BK_NAME(k16_quads_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x,
                                                __m512i scales, int first) {
-    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h, or 16 + 8h for the
-     * second super-block of row_q3_k_gfni's two) */
+    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h) */
     const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
                                             0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
                                             0x0007000700070007LL);
@@ -571,13 +570,16 @@ BK_GFNI_TARGET BK_INLINE __m512 BK_NAME(q3_k_gfni_two_)(__m512 acc, const uint8_
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), d, acc);
 }
 
-/* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same groups, sums and bytes. Per 128
- * codes h, qs and hmask are merged per byte by two bit selects (hmask shifted by 4 once per super-block), and each
- * merge gives one group of codes (its two 256-bit halves by two matrices) by one vgf2p8affineqb: four bit-matrix
- * products and four selects per super-block (the thirteenth session's step: eight products and four ors). The
- * sixteen scales by two vpmultishiftqb (8-bit windows of the packed lows and highs) and one select instead of
- * k3_scales_'s general-register unpack (still the other bodies'). Two super-blocks per step (q3_k_gfni_two_): the
- * even ones' float terms in acc's lanes 0-7, the odd ones' in 8-15, added at the end, as the other bodies' acc[2]. */
+/* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same int32 lanes and bytes. Per
+ * super-block, qs by one 512-bit load and hmask by one broadcast, merged per byte by two bit selects after two
+ * per-half word shifts of hmask, and the codes by four vgf2p8affineqb, one per code j of both qs halves
+ * (q3_k_gfni_codes_; its inputs in ActRow.q3k's order); the thirteenth session's step took eight products, the
+ * fifteenth's three broadcasts and four selects. The sixteen scales by two vpmultishiftqb (8-bit windows of the
+ * packed lows and highs, two super-blocks' by masked broadcast loads) and one select instead of k3_scales_'s
+ * general-register unpack (still the other bodies'). Two super-blocks per step (q3_k_gfni_two_): the even ones'
+ * float terms in acc's lanes 0-7, the odd ones' in 8-15, added at the end, as the other bodies' acc[2]. On Zen 5
+ * the shuffles, packs, bit-matrix products and 256-bit broadcast loads share two vector pipes, one of them with the
+ * dot products (docs/performance.md, sixteenth session): fewer of those is what made this step faster. */
 BK_GFNI_TARGET BK_INLINE float BK_NAME(q3_k_gfni_row_)(const uint8_t *w, const ActRow *a, int64_t nb,
                                                        const BK_NAME(Q3kGfni) *k) {
     __m512 acc = _mm512_setzero_ps();
