@@ -194,3 +194,4 @@ def test_a_mixed_block_groups_members_are_byte_ranges_of_one_tensor(tmp_path, mo
     model.save_pretrained(tmp_path / "q")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert all(torch.equal(reloaded.state_dict()[name], tensor) for name, tensor in reference.items())
+    assert torch.equal(model_output(reloaded, ids), model_output(apart, ids))

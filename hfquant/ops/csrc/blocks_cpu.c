@@ -550,9 +550,10 @@ int hfquant_block_gemv_supported(int64_t type) {
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
  * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS and the 32-weight 4- and 5-bit types: nibbles) qn and (on
- * AVX-512 also starts) biasn, off8n, (IQ4_XS on AVX-512) startxs in one buffer, each part 64-byte aligned; on the
- * caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 21000 for IQ4_XS on AVX-512, 10000 with starts
- * and nibbles: the 1.2B's down projection, K = 8192, stays there), else one allocation. */
+ * AVX-512 also starts) biasn, off8n, (IQ4_XS on AVX-512) startxs, (Q3_K's GFNI step) q3k in one buffer, each part
+ * 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 26000 for Q3_K's GFNI
+ * step, 21000 for IQ4_XS on AVX-512, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays
+ * there), else one allocation. */
 enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles, int xs,
