@@ -35,7 +35,10 @@ class GroupRows:
     tensor (`DecodeGroup.build` copies no rows already in one tensor), instead of writing every code byte into a
     second tensor after the load: its page faults and the freeing of the first cost the 1.2B's load about 0.15 s of
     its main thread (docs/performance.md, issue #32, ninth session). Only for members that all store one int4 or
-    block format with the same inputs (others keep tensors of their own), on the CPU.
+    block format with the same inputs, on the CPU. Members of different block formats (bits=3.5's Q3_K q/k beside a
+    Q4_K / Q5_K v; their rows differ in bytes) get consecutive byte ranges of one uint8 tensor instead, each viewed
+    as its (N, row bytes) weight: their group's C call reads them where they are, and the tensor, unlike the
+    members' own (each under 2 MiB on the 1.2B), lies on huge pages (`huge_pages.empty`).
     """
 
     def __init__(self) -> None:
@@ -44,8 +47,10 @@ class GroupRows:
     def weight_out(self, module: nn.Module, device: torch.device) -> torch.Tensor | None:
         """`module`'s rows of its group's tensor for its stored weight (quantized on `device`), or None."""
         group = getattr(module, "_decode_group", None)
-        if group is None or device.type != "cpu" or not _same_format(group.members):
+        if group is None or device.type != "cpu":
             return None
+        if not _same_format(group.members):
+            return self._block_bytes(group, module) if _block_members(group.members) else None
         index = group.members.index(module)
         fmt, in_features = module.format, module.in_features
         dtype, shape = fmt.tensor_specs((module.out_features,), in_features)["weight"]
@@ -55,9 +60,29 @@ class GroupRows:
         start = sum(group.sizes[:index])
         return tensor[start : start + group.sizes[index]]
 
+    def _block_bytes(self, group, module: nn.Module) -> torch.Tensor:
+        """`module`'s (N, row bytes) uint8 weight as a view of its byte range of its group's one uint8 tensor."""
+        shapes = [m.format.tensor_specs((m.out_features,), m.in_features)["weight"][1] for m in group.members]
+        sizes = [shape[0] * shape[1] for shape in shapes]
+        tensor = self._tensors.get(id(group))
+        if tensor is None:
+            tensor = self._tensors[id(group)] = huge_pages.empty((sum(sizes),), dtype=torch.uint8)
+        index = group.members.index(module)
+        start = sum(sizes[:index])
+        return tensor[start : start + sizes[index]].view(shapes[index])
+
     def clear(self) -> None:
         """Forget the tensors (after the load: the layers hold their rows)."""
         self._tensors.clear()
+
+
+def _block_members(members: list[nn.Module]) -> bool:
+    """Whether every member is a `QuantLinear` of a block format (any type) and one in_features, its weight stored in
+    the (out, in) orientation: a (N, row bytes) uint8 tensor."""
+    first = members[0]
+    if not all(isinstance(m, QuantLinear) and not getattr(m, "transposed_source", False) for m in members):
+        return False
+    return all(m.format is not None and m.format.block and m.in_features == first.in_features for m in members)
 
 
 def _same_format(members: list[nn.Module]) -> bool:

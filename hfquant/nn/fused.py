@@ -99,7 +99,7 @@ class DecodeGroup:
         there by `prepare`, or left so by `dissolve`) are not copied: that tensor becomes the group's. Block formats
         of different types (a Q4_K_M file's Q4_K q/k and Q6_K v, an IQ4_NL file's IQ4_NL q/k and Q5_K v) are not
         concatenated (their rows differ in bytes): the group's one C call takes each member's weight
-        (`native.block_gemv_group`)."""
+        (`native.block_gemv_group`), the weights kept as consecutive byte ranges of one tensor (`_build_mixed`)."""
         if self._views:
             return True
         if self.misses > MAX_MISSES or self._preparing:
@@ -143,9 +143,12 @@ class DecodeGroup:
         return True
 
     def _build_mixed(self, weights: list[torch.Tensor]) -> bool:
-        """`build` for block members of different types: one C call over their own weights."""
+        """`build` for block members of different types: one C call over their own weights, as consecutive byte
+        ranges of one tensor (`_bytes_of_one_tensor`)."""
         plan = self.members[0].plan
-        parts = tuple(weights)
+        parts = _bytes_of_one_tensor(weights)
+        for member, part in zip(self.members, parts, strict=True):
+            member._buffers["weight"] = part
         types = tuple(blocks.layout(member.plan.block).ggml_type for member in self.members)
         in_features = plan.in_features
         if plan.row_call is RowCall.OPERATOR:
@@ -313,6 +316,27 @@ def _row_key(layer: nn.Module):
     if layer._row is None:
         return None
     return _plan_key(layer.plan, layer._buffers["weight"].dtype)
+
+
+def _bytes_of_one_tensor(weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The block weights (each (N_i, row bytes_i) uint8, contiguous, on the CPU) as consecutive byte ranges of one
+    uint8 tensor on huge pages where one of them is smaller than a huge page (a reloaded file's members are tensors
+    of their own, each under 2 MiB on the 1.2B and so on 4 KiB pages, `huge_pages.empty`): copies into a new tensor,
+    their bytes unchanged. Weights already in one tensor so (quantize-on-load writes a group's members so,
+    `quantize_weights.GroupRows`), or each at least a huge page (on huge pages already), stay where they are."""
+    storage = weights[0].untyped_storage().data_ptr()
+    if all(w.nbytes >= huge_pages.HUGE_PAGE for w in weights) or (
+        all(w.untyped_storage().data_ptr() == storage for w in weights)
+        and all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(weights[:-1], weights[1:], strict=True))
+    ):
+        return tuple(weights)
+    sizes = [w.nbytes for w in weights]
+    tensor = huge_pages.empty((sum(sizes),), dtype=torch.uint8)
+    parts, start = [], 0
+    for weight, size in zip(weights, sizes, strict=True):
+        parts.append(tensor[start : start + size].view(weight.shape).copy_(weight))
+        start += size
+    return tuple(parts)
 
 
 def _rows_of_one_tensor(weights: list[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor | None:

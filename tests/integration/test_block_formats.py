@@ -161,3 +161,37 @@ def test_convert_counts_block_format_layers_as_quantized(wide_checkpoint, tmp_pa
 
     result = convert(wide_checkpoint, tmp_path / "q", config=HfQuantConfig(format="q4_k"), progress=False)
     assert result.quantized_layers == 14  # one uint8 tensor per layer, no scales beside it: still a quantized layer
+
+
+def test_a_mixed_block_groups_members_are_byte_ranges_of_one_tensor(tmp_path, monkeypatch):
+    """`bits=3.5` raises some value projections above their Q3_K q/k siblings: quantized on load, the members of such
+    a q/k/v group are consecutive byte ranges of one uint8 tensor (`GroupRows`; on huge pages where it is 2 MiB or
+    more), with the state dict, the saved bytes and the logits of a load that gives each member a tensor of its
+    own."""
+    from hfquant.integration.quantize_weights import GroupRows
+
+    tiny_model(
+        "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    ).save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=HfQuantConfig(bits=3.5))
+    mixed = 0
+    for layer in model.model.layers:
+        members = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        if len({member.format.block for member in members}) == 1:
+            continue
+        mixed += 1
+        weights = [member.weight for member in members]
+        assert len({weight.untyped_storage().data_ptr() for weight in weights}) == 1
+        assert all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(weights[:-1], weights[1:], strict=True))
+    assert mixed > 0
+    monkeypatch.setattr(GroupRows, "_block_bytes", lambda rows, group, module: None)
+    apart = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=HfQuantConfig(bits=3.5))
+    saved, reference = model.state_dict(), apart.state_dict()
+    assert saved.keys() == reference.keys()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.items())
+    ids = input_ids()
+    assert torch.equal(model_output(model, ids), model_output(apart, ids))
+    model.save_pretrained(tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert all(torch.equal(reloaded.state_dict()[name], tensor) for name, tensor in reference.items())
+    assert torch.equal(model_output(reloaded, ids), model_output(apart, ids))

@@ -136,7 +136,10 @@ def test_members_of_block_types_of_one_block_size_share_one_call(monkeypatch, bi
     group = block.q_proj._fused
     assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
     assert group.weight is None and group._types == (12, 12, 14)
-    assert [layer.weight for layer in block.members()] == list(group._parts)  # the layers' own tensors, not copied
+    parts = group._parts  # the layers' weights, copied into consecutive byte ranges of one tensor (huge pages)
+    assert all(layer.weight is part for layer, part in zip(block.members(), parts, strict=True))
+    assert len({part.untyped_storage().data_ptr() for part in parts}) == 1
+    assert all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(parts[:-1], parts[1:], strict=True))
     got = _group_against_own(block, group)
     if not bias:
         assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output

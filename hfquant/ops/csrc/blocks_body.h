@@ -274,8 +274,7 @@ BK_TARGET static inline __m256i BK_NAME(k16_sum_)(__m256i sum) { return sum; }
 /* sum + groups 2h (u0) and 2h + 1 (u1) against x (128 inputs); scales: the super-block's 16 int16 scales */
 BK_TARGET BK_INLINE __m512i BK_NAME(k16_quads_)(__m512i sum, __m512i u0, __m512i u1, const int8_t *x,
                                                __m512i scales, int first) {
-    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h, or 16 + 8h for the
-     * second super-block of row_q3_k_gfni's two) */
+    /* 128-bit lane k: words 0-3 pick scale word first + k, words 4-7 first + 4 + k (first: 8h) */
     const __m512i lanes = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
                                             0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL,
                                             0x0007000700070007LL);
@@ -303,7 +302,7 @@ BK_TARGET static inline __m256i BK_NAME(k16_quads_)(__m256i sum, const __m256i *
 }
 #endif
 
-BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+BK_TARGET BK_INLINE float BK_NAME(q6_k_row_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const int8_t *xq = a->q + b * 256;
@@ -350,6 +349,17 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(acc);
 }
 
+BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    return BK_NAME(q6_k_row_)(w, a, nb);
+}
+
+/* part_rows_ for a Q6_K part: the row step inlined into the rows' loop (no call and no type switch per row) */
+BK_TARGET static void BK_NAME(q6_k_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                          int64_t row_bytes, int64_t nb) {
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q6_k_row_)(weight + r * row_bytes, a, nb));
+}
+
 /* Q3_K's sixteen 6-bit scales minus 32 (llama.cpp's block_q3_K scales[12]: 4-bit lows in bytes 0-7, low nibbles
  * scales 0-7, high nibbles 8-15; 2-bit highs in bytes 8-11, bits 2i..2i + 1 of byte j scale 4i + j) as 16 int8. In
  * 64-bit general registers (the vector ports are the GEMV's bottleneck): each byte s <= 63, so s - 32 (mod 256) is
@@ -367,7 +377,7 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
     return _mm_set_epi64x((long long)(second ^ flip), (long long)(first ^ flip));
 }
 
-BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     /* even super-blocks' float terms in acc[0], odd ones' in acc[1] (row_q3_k_gfni's lanes 0-7 and 8-15) */
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
 #if BK_MASKED
@@ -422,24 +432,47 @@ BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
 }
 
+BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    return BK_NAME(q3_k_row_)(w, a, nb);
+}
+
+/* part_rows_ for a Q3_K part outside the GFNI step: the row step inlined into the rows' loop, as q6_k_rows_ */
+BK_TARGET static void BK_NAME(q3_k_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                          int64_t row_bytes, int64_t nb) {
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q3_k_row_)(weight + r * row_bytes, a, nb));
+}
+
 #if BK_MASKED
 /* gf2p8affineqb's 8 x 8 bit matrix (one per 64-bit lane) taking input bits a, b, c to output bits 0, 1, 2, every
  * other output bit 0: output bit i is row byte 7 - i's parity with the input */
 #define BK_PICK3(a, b, c) (long long)((1ULL << (a)) << 56 | (1ULL << (b)) << 48 | (1ULL << (c)) << 40)
 
-/* row_q3_k_gfni's constants, made once per row: the code matrices of its two byte merges and the vpmultishiftqb
- * controls of the scales */
+/* row_q3_k_gfni's constants, made once per part (q3_k_gfni_rows_): the code matrices, the hmask shift counts and
+ * the scale picks of its byte merges, the vpmultishiftqb controls of the scales */
 typedef struct {
-    __m512i code[2];
+    __m512i code[4], up, down, pair[2];
     __m128i pick_low, pick_high;
 } BK_NAME(Q3kGfni);
 
 BK_GFNI_TARGET static inline BK_NAME(Q3kGfni) BK_NAME(q3_k_gfni_consts_)(void) {
     BK_NAME(Q3kGfni) k;
-    /* merge 0 (per byte l: qs bits 0-3, hmask bits 4h, 4h + 1 at 4, 5): codes j = 0 (half 0), 1 (half 1); merge 1
-     * (qs bits 4-7, hmask bits 4h + 2, 4h + 3 at 2, 3): codes j = 2, 3 */
-    k.code[0] = _mm512_inserti64x4(_mm512_set1_epi64(BK_PICK3(0, 1, 4)), _mm256_set1_epi64x(BK_PICK3(2, 3, 5)), 1);
-    k.code[1] = _mm512_inserti64x4(_mm512_set1_epi64(BK_PICK3(4, 5, 2)), _mm256_set1_epi64x(BK_PICK3(6, 7, 3)), 1);
+    /* merge 0 (per byte l of half h: qs bits 0-3, hmask bits 4h, 4h + 1 at 4, 5) holds codes j = 0, 1; merge 1 (qs
+     * bits 4-7, hmask bits 4h + 2, 4h + 3 at 2, 3) codes j = 2, 3 */
+    k.code[0] = _mm512_set1_epi64(BK_PICK3(0, 1, 4));
+    k.code[1] = _mm512_set1_epi64(BK_PICK3(2, 3, 5));
+    k.code[2] = _mm512_set1_epi64(BK_PICK3(4, 5, 2));
+    k.code[3] = _mm512_set1_epi64(BK_PICK3(6, 7, 3));
+    /* hmask's word shifts: merge 0 left by 4 in half 0 (bits 0, 1 to 4, 5), none in half 1; merge 1 none in half 0,
+     * right by 4 in half 1 (bits 6, 7 to 2, 3) */
+    k.up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);
+    k.down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    /* the scale words of packs p = 0 (codes j = 0 and 2) and p = 1 (j = 1 and 3): 128-bit lane c, words 0-3 scale
+     * 8 (c / 2) + 2p + c % 2, words 4-7 that + 4 */
+    k.pair[0] = _mm512_setr_epi64(0, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
+                                  0x0008000800080008LL, 0x000c000c000c000cLL, 0x0009000900090009LL,
+                                  0x000d000d000d000dLL);
+    k.pair[1] = _mm512_add_epi16(k.pair[0], _mm512_set1_epi16(2));
     /* scale s's 8-bit window: its 4-bit low at bit 8s (s < 8) or 8(s - 8) + 4 of scales[0..7]; its 2-bit high, bits
      * 2(s / 4) of byte s % 4 of scales[8..11] (the dword twice per qword), to bits 4-5 (offsets mod 64: rotated) */
     k.pick_low = _mm_setr_epi8(0, 8, 16, 24, 32, 40, 48, 56, 4, 12, 20, 28, 36, 44, 52, 60);
@@ -447,25 +480,31 @@ BK_GFNI_TARGET static inline BK_NAME(Q3kGfni) BK_NAME(q3_k_gfni_consts_)(void) {
     return k;
 }
 
-/* one super-block's codes at w against xq: the 16 int32 lanes of k16_quads_ (scales: its scale words from first) */
+/* one super-block's codes at w against xq (its 256 inputs in ActRow.q3k's order): the 16 int32 lanes of the other
+ * steps' k16_quads_ after the fold of 128-bit lanes c and c + 2 (scales: its scale words from first). qs's 64 bytes
+ * by one load (half h: the bytes of codes 128h..128h + 127) and hmask broadcast to both halves (the vector loads
+ * that broadcast run where the shuffles and bit-matrix products do): two selects merge each half's qs and hmask
+ * bits, and each of four products takes one code j of both halves (codes 128h + 32j + l: sub-blocks 2j, 2j + 1 in
+ * 128-bit lanes 0, 1, 8 + 2j, 9 + 2j in 2, 3), dotted with its 64 inputs. The packs pair j = 0 with 2 and 1 with 3,
+ * so that each 128-bit lane holds sub-blocks whose quads the other steps add into the same int32 lane: the same
+ * integers, so the same bytes */
 BK_GFNI_TARGET BK_INLINE __m512i BK_NAME(q3_k_gfni_codes_)(const uint8_t *w, const int8_t *xq, __m512i scales,
                                                           int first, const BK_NAME(Q3kGfni) *k) {
     const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
-    const __m512i hm_up = _mm512_slli_epi16(hm, 4), hm_down = _mm512_srli_epi16(hm, 4);
-    const __m512i nib_low = _mm512_set1_epi8(0x0F), nib_high = _mm512_set1_epi8((char)0xF0);
+    const __m512i qs = _mm512_loadu_si512((const void *)(w + 32));
+    /* 0xD8: third ? second : first (the qs bits under the nibble mask, the shifted hmask's elsewhere) */
+    const __m512i m0 = _mm512_ternarylogic_epi32(_mm512_sllv_epi16(hm, k->up), qs, _mm512_set1_epi8(0x0F), 0xD8);
+    const __m512i m1 =
+        _mm512_ternarylogic_epi32(_mm512_srlv_epi16(hm, k->down), qs, _mm512_set1_epi8((char)0xF0), 0xD8);
+    __m512i d[4];
+    for (int j = 0; j < 4; j++)
+        d[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_gf2p8affine_epi64_epi8(j < 2 ? m0 : m1, k->code[j], 0),
+                                   _mm512_load_si512((const void *)(xq + 64 * j)));
     __m512i sum = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {
-        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
-        /* per bit, the nibble mask's bits from q, the others from hmask (its bits 4h..4h + 3 next to the qs bits of
-         * their codes); each select's first operand (overwritten by vpternlogd) one not needed after it: 0xD8 third ?
-         * second : first, 0xE2 second ? first : third */
-        const __m512i m0 = h ? _mm512_ternarylogic_epi32(q, nib_low, hm, 0xE2)
-                             : _mm512_ternarylogic_epi32(hm_up, q, nib_low, 0xD8);
-        const __m512i m1 = h ? _mm512_ternarylogic_epi32(hm_down, q, nib_high, 0xD8)
-                             : _mm512_ternarylogic_epi32(q, nib_high, hm, 0xE2);
-        sum = BK_NAME(k16_quads_)(sum, _mm512_gf2p8affine_epi64_epi8(m0, k->code[0], 0),
-                                _mm512_gf2p8affine_epi64_epi8(m1, k->code[1], 0), xq + 128 * h, scales, first + 8 * h);
-    }
+    for (int p = 0; p < 2; p++)
+        sum = _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(d[p], d[p + 2]),
+                                  _mm512_permutexvar_epi16(_mm512_add_epi16(k->pair[p], _mm512_set1_epi16((short)first)),
+                                                           scales));
     return sum;
 }
 
@@ -509,8 +548,9 @@ BK_GFNI_TARGET BK_INLINE __m512 BK_NAME(q3_k_gfni_two_)(__m512 acc, const uint8_
     }
     const __m256i pick_low = _mm256_broadcastsi128_si256(k->pick_low);
     const __m256i pick_high = _mm256_broadcastsi128_si256(k->pick_high);
-    const __m256i lows2 = _mm256_inserti128_si256(_mm256_set1_epi64x(lows[0]), _mm_set1_epi64x(lows[1]), 1);
-    const __m256i highs2 = _mm256_inserti128_si256(_mm256_set1_epi32(highs[0]), _mm_set1_epi32(highs[1]), 1);
+    /* b's packed scales in the low 128 bits, b + 1's in the high: masked broadcast loads, no insert (a shuffle) */
+    const __m256i lows2 = _mm256_mask_set1_epi64(_mm256_set1_epi64x(lows[0]), 0xC, lows[1]);
+    const __m256i highs2 = _mm256_mask_set1_epi32(_mm256_set1_epi32(highs[0]), 0xF0, highs[1]);
     const __m256i bytes = _mm256_ternarylogic_epi32(
         _mm256_multishift_epi64_epi8(pick_low, lows2),
         _mm256_and_si256(_mm256_multishift_epi64_epi8(pick_high, highs2), _mm256_set1_epi8(0x30)),
@@ -530,24 +570,37 @@ BK_GFNI_TARGET BK_INLINE __m512 BK_NAME(q3_k_gfni_two_)(__m512 acc, const uint8_
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), d, acc);
 }
 
-/* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same groups, sums and bytes. Per 128
- * codes h, qs and hmask are merged per byte by two bit selects (hmask shifted by 4 once per super-block), and each
- * merge gives one group of codes (its two 256-bit halves by two matrices) by one vgf2p8affineqb: four bit-matrix
- * products and four selects per super-block (the thirteenth session's step: eight products and four ors). The
- * sixteen scales by two vpmultishiftqb (8-bit windows of the packed lows and highs) and one select instead of
- * k3_scales_'s general-register unpack (still the other bodies'). Two super-blocks per step (q3_k_gfni_two_): the
- * even ones' float terms in acc's lanes 0-7, the odd ones' in 8-15, added at the end, as the other bodies' acc[2]. */
-BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
+/* row_q3_k_ where the CPU has GFNI, AVX512-VBMI and BITALG (Q3_K_GFNI): the same int32 lanes and bytes. Per
+ * super-block, qs by one 512-bit load and hmask by one broadcast, merged per byte by two bit selects after two
+ * per-half word shifts of hmask, and the codes by four vgf2p8affineqb, one per code j of both qs halves
+ * (q3_k_gfni_codes_; its inputs in ActRow.q3k's order); the thirteenth session's step took eight products, the
+ * fifteenth's three broadcasts and four selects. The sixteen scales by two vpmultishiftqb (8-bit windows of the
+ * packed lows and highs, two super-blocks' by masked broadcast loads) and one select instead of k3_scales_'s
+ * general-register unpack (still the other bodies'). Two super-blocks per step (q3_k_gfni_two_): the even ones'
+ * float terms in acc's lanes 0-7, the odd ones' in 8-15, added at the end, as the other bodies' acc[2]. On Zen 5
+ * the shuffles, packs, bit-matrix products and 256-bit broadcast loads share two vector pipes, one of them with the
+ * dot products (docs/performance.md, sixteenth session): fewer of those is what made this step faster. */
+BK_GFNI_TARGET BK_INLINE float BK_NAME(q3_k_gfni_row_)(const uint8_t *w, const ActRow *a, int64_t nb,
+                                                       const BK_NAME(Q3kGfni) *k) {
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2, w += 220) {
         BK_NAME(stream_ahead_)(w, 220);
-        acc = BK_NAME(q3_k_gfni_two_)(acc, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+        acc = BK_NAME(q3_k_gfni_two_)(acc, w, a->q3k + b * 256, a->sums16 + b * 16, a->d + b, k);
     }
     __m256 even = BK_NAME(half512_)(acc, 0);
-    if (b < nb) even = BK_NAME(q3_k_gfni_block_)(even, w, a->q + b * 256, a->sums16 + b * 16, a->d + b, &k);
+    if (b < nb) even = BK_NAME(q3_k_gfni_block_)(even, w, a->q3k + b * 256, a->sums16 + b * 16, a->d + b, k);
     return BK_NAME(hsum_)(_mm256_add_ps(even, BK_NAME(half512_)(acc, 1)));
+}
+BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
+    return BK_NAME(q3_k_gfni_row_)(w, a, nb, &k);
+}
+BK_GFNI_TARGET static void BK_NAME(q3_k_gfni_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                                    int64_t row_bytes, int64_t nb) {
+    const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q3_k_gfni_row_)(weight + r * row_bytes, a, nb, &k));
 }
 #undef BK_PICK3
 #endif
@@ -1273,6 +1326,16 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
  * the former one-weight GEMV, its type a parameter) */
 BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
                                           int64_t row_bytes, int64_t nb) {
+#if BK_MASKED
+    if (type == Q3_K_GFNI) {
+        BK_NAME(q3_k_gfni_rows_)(weight, a, y, n, row_bytes, nb);
+        return;
+    }
+#endif
+    if (type == GGML_Q6_K || type == GGML_Q3_K || type == Q3_K_GFNI) { /* Q3_K_GFNI here: the AVX2 body */
+        (type == GGML_Q6_K ? BK_NAME(q6_k_rows_) : BK_NAME(q3_k_rows_))(weight, a, y, n, row_bytes, nb);
+        return;
+    }
 #pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
 }

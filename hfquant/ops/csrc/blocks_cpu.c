@@ -157,6 +157,8 @@ typedef struct {
                        * c) 16 int32, lane 4c + l = -128 times the sum of block c's inputs 4l..4l + 3 and 16 + 4l..
                        * 19 + 4l: the start of IQ4_XS's dots of its grid + 128 whose low- and high-nibble products go
                        * into one lane (the signed dot's lane, as the AVX2 body's) */
+    int8_t *q3k;      /* with a Q3_K_GFNI part (else NULL): q in row_q3_k_gfni's order, per 256 inputs for j = 0..3
+                       * inputs 32j..32j + 31, then 128 + 32j..128 + 32j + 31 (the codes j of both qs halves) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -363,6 +365,8 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
                 a->startxs[32 * b + 16 * (c / 4) + 4 * (c % 4) + l] =
                     -128 * (s[0] + s[1] + s[2] + s[3] + s[16] + s[17] + s[18] + s[19]);
             }
+    if (a->q3k != NULL) /* per = 256 */
+        for (int64_t i = 0; i < per; i += 32) memcpy(a->q3k + b * per + 64 * (i % 128 / 32) + i / 128 * 32, q + i, 32);
     if (a->qk != NULL)
         for (int64_t i = 0; i < per; i += 32) {
             const int64_t quarter = i % 128 / 32; /* 0 1 2 3 -> 0 2 1 3 */
@@ -546,24 +550,26 @@ int hfquant_block_gemv_supported(int64_t type) {
 
 /* The activation row's scratch: d, q, sums, sums32, sums16, (activation blocks of 32 on AVX-512: starts) bias4, dxs,
  * qt, bias16, (Q4_K / Q5_K on AVX-512: k4) qk, (IQ4_XS and the 32-weight 4- and 5-bit types: nibbles) qn and (on
- * AVX-512 also starts) biasn, off8n, (IQ4_XS on AVX-512) startxs in one buffer, each part 64-byte aligned; on the
- * caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 21000 for IQ4_XS on AVX-512, 10000 with starts
- * and nibbles: the 1.2B's down projection, K = 8192, stays there), else one allocation. */
+ * AVX-512 also starts) biasn, off8n, (IQ4_XS on AVX-512) startxs, (Q3_K's GFNI step) q3k in one buffer, each part
+ * 64-byte aligned; on the caller's stack up to ACT_STACK bytes (K up to about 40000 inputs, 26000 for Q3_K's GFNI
+ * step, 21000 for IQ4_XS on AVX-512, 10000 with starts and nibbles: the 1.2B's down projection, K = 8192, stays
+ * there), else one allocation. */
 enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles, int xs,
-                          int64_t offsets[14]) {
+                          int q3k, int64_t offsets[15]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
     const int64_t whole = (k + 127) / 128 * 128, nibble_starts = nibbles && starts; /* qn: whole groups of 128 */
-    const int64_t sizes[14] = {(k / block) * 4,      k,
+    const int64_t sizes[15] = {(k / block) * 4,      k,
                                (k / sum_every) * 4,  (k / 32) * 4,
                                (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
                                starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
                                nibbles ? whole : 0 /* qn */, nibble_starts ? whole : 0 /* biasn */,
-                               nibble_starts ? whole / 2 : 0 /* off8n */, xs ? k / 2 : 0 /* startxs */};
+                               nibble_starts ? whole / 2 : 0 /* off8n */, xs ? k / 2 : 0 /* startxs */,
+                               q3k ? k : 0 /* q3k */};
     int64_t total = 0;
-    for (int i = 0; i < 14; i++) {
+    for (int i = 0; i < 15; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -577,18 +583,19 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     const int starts = vnni && !r; /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
     /* HQ3_R's GFNI step reads qt and bias16; Q4_K and Q5_K's qk; IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL qn (Q4_0,
      * Q5_0 and IQ4_NL with off8n / biasn) */
-    int transposed = 0, k4 = 0, nibbles = 0, xs = 0;
+    int transposed = 0, k4 = 0, nibbles = 0, xs = 0, q3k = 0;
     for (int64_t p = 0; p < count; p++) {
         const int64_t t = parts[p].type;
         if (parts[p].row != r) continue;
         transposed |= t == HQ3_R_GFNI;
         k4 |= vnni && (t == GGML_Q4_K || t == GGML_Q5_K);
         xs |= vnni && t == GGML_IQ4_XS;
+        q3k |= t == Q3_K_GFNI;
         nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL || t == GGML_Q4_1 || t == GGML_Q5_0 ||
                    t == GGML_Q5_1;
     }
-    int64_t at[14];
-    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, xs, at);
+    int64_t at[15];
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, xs, q3k, at);
     if (base == NULL) return need;
     a->d = (float *)(base + at[0]);
     a->q = (int8_t *)(base + at[1]);
@@ -604,6 +611,7 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     a->biasn = nibbles && starts ? (int32_t *)(base + at[11]) : NULL;
     a->off8n = nibbles && starts ? (int32_t *)(base + at[12]) : NULL;
     a->startxs = xs ? (int32_t *)(base + at[13]) : NULL;
+    a->q3k = q3k ? (int8_t *)(base + at[14]) : NULL;
     return need;
 }
 
