@@ -16,7 +16,8 @@ best of 3 passes interleaved between the kernels after a warm-up pass (`_time_ke
 kept only when it takes less time than aten's, so hfquant is never slower than the aten kernel on the shapes it
 measured (at one thread).
 
-Decisions are cached in memory, and on disk in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
+Decisions are cached in memory, and on disk (unless the timing thread ran under 90% of the timing's wall time: a
+busy machine's answer is this process's only) in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
 the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. The file is data only (a tampered
 entry can only pick the other, equally correct kernel); a malformed one is ignored and rewritten, and so is anything at
 that path but a regular file of this user's of at most `_MAX_CACHE_BYTES` (a FIFO there would block every load).
@@ -66,6 +67,14 @@ _MAX_CACHE_BYTES = 2**20  # thousands of entries; a larger file is not this cach
 _WORKING_SET_BYTES = 64 * 2**20
 _MAX_COPIES = 256  # small layers: 256 copies keep the timing short; such weights are cheap either way
 _PASSES = 3
+ON_CPU = "on_cpu"
+"""Key of `_time_kernels`' result: the share of the timing's wall time that the timing thread ran (thread CPU time
+over wall time, at most 1)."""
+_MIN_ON_CPU = 0.9
+"""A timing whose thread ran less of its wall time than this (other processes took the core) decides for this
+process only and is not written to the cache file: a choice measured on a busy machine would otherwise stay for good
+(the 1.2B benchmark model's int8 lm_head went to aten at a load average of 7, where quiet timings give hfquant's GEMV
+about 1.9x aten's speed; docs/performance.md, sixteenth session)."""
 
 
 def choice_mode() -> str:
@@ -166,8 +175,8 @@ def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
         n, k: the layer's out_features and in_features (N a multiple of 64, the GEMV's block).
         group_size: 32..256, dividing K.
     Returns:
-        {"aten": seconds, "native": seconds}: the best of 3 passes over distinct weight copies (about 64 MiB in all,
-        at most 256 copies).
+        {"aten": seconds, "native": seconds, "on_cpu": share}: the best of 3 passes over distinct weight copies (about
+        64 MiB in all, at most 256 copies); `ON_CPU`'s share of the passes' wall time the timing thread ran.
     Raises:
         RuntimeError: a kernel failed on this shape.
     """
@@ -250,7 +259,9 @@ def measure_block_row(name: str, n: int, k: int) -> dict[str, float]:
     x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
     plan = kernels.KernelPlan(kernels.Kernel.DEQUANT, fmt.bits, fmt.block_size, fmt.symmetric, k, n, block=fmt.name)
     seconds = _time_kernels({"aten": lambda w: kernels._block_product(plan, w, x)}, copies[:1])
+    on_cpu = seconds[ON_CPU]
     seconds.update(_time_kernels({"native": lambda w: torch_ops.block_gemv(x, w, k, fmt.ggml_type)}, copies))
+    seconds[ON_CPU] = min(on_cpu, seconds[ON_CPU])
     return seconds
 
 
@@ -279,7 +290,8 @@ def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _time_kernels(kernels: dict, copies: list[torch.Tensor]) -> dict[str, float]:
-    """Best seconds per call of each kernel over `copies`, on one thread, the kernels' passes interleaved.
+    """Best seconds per call of each kernel over `copies`, on one thread, the kernels' passes interleaved, and under
+    `ON_CPU` the share of the passes' wall time this thread ran.
 
     One thread: the choice is about the kernels' work on this CPU; at two threads a machine shared with other
     processes makes an OpenMP kernel's team wait for a descheduled thread (15-30x slower small calls, against a
@@ -292,12 +304,14 @@ def _time_kernels(kernels: dict, copies: list[torch.Tensor]) -> dict[str, float]
             for w in copies:  # warm-up pass
                 run(w)
         seconds = dict.fromkeys(kernels, float("inf"))
+        wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(_PASSES):
             for name, run in kernels.items():
                 start = time.perf_counter()
                 for w in copies:
                     run(w)
                 seconds[name] = min(seconds[name], (time.perf_counter() - start) / len(copies))
+        seconds[ON_CPU] = min(1.0, (time.thread_time() - cpu) / max(time.perf_counter() - wall, 1e-9))
         return seconds
     finally:
         torch.set_num_threads(threads)
@@ -364,7 +378,16 @@ def _measured(kind: str, n: int, k: int, group_size: int | None) -> tuple[bool, 
         "native_us": round(seconds["native"] * 1e6, 2),
         "aten_us": round(seconds["aten"] * 1e6, 2),
     }
-    _store(signature, key, entry)
+    on_cpu = seconds.get(ON_CPU, 1.0)
+    if on_cpu >= _MIN_ON_CPU:
+        _store(signature, key, entry)
+    else:  # other processes took the core: this process uses the answer, the next one measures again
+        logger.info(
+            "hfquant: the kernel timing of %s ran on the CPU %.0f%% of its time (a busy machine): not recorded in %s",
+            key,
+            on_cpu * 100,
+            cache_file(),
+        )
     logger.info(
         "hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
         key,
