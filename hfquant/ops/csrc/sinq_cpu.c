@@ -325,25 +325,22 @@ static float std_of(double total, double squares, int64_t count) {
 }
 
 /* One row's new factors of every tile: ir /= f and row_std = rs / f, f = relative(rs) against the tiles' floors
- * (1 where rs is 0). Divisions and selections only: every instruction set's copy gives the same floats. */
-static inline __attribute__((always_inline)) void row_factors(const float *restrict rs, const float *restrict floor,
-                                                              int64_t tiles, float *restrict ir,
-                                                              float *restrict row_std) {
-#pragma omp simd
+ * (1 where rs is 0), the factors before into old (tiles,); returns whether a tile's f is not rs / floor (rs 0, or the
+ * ratio clamped), the rows finish_rows reads again. Divisions and selections only: every instruction set's copy gives
+ * the same floats. */
+static inline __attribute__((always_inline)) int row_factors(const float *restrict rs, const float *restrict floor,
+                                                             int64_t tiles, float *restrict ir, float *restrict row_std,
+                                                             float *restrict old) {
+    int odd = 0;
+#pragma omp simd reduction(| : odd)
     for (int64_t t = 0; t < tiles; t++) { /* branch-free: vectorized */
         const float s = rs[t], ratio = s / floor[t];
         const float factor = s > 0.0f ? (ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio) : 1.0f;
+        old[t] = ir[t];
         ir[t] = ir[t] / factor;
         row_std[t] = s / factor;
+        odd |= !(s > 0.0f) | (ratio > RATIO_LIMIT);
     }
-}
-
-/* whether a tile's f of row_factors is not rs / floor (rs 0, or the ratio clamped): the rows finish_rows reads again */
-static inline __attribute__((always_inline)) int row_is_odd(const float *restrict rs, const float *restrict floor,
-                                                            int64_t tiles) {
-    int odd = 0;
-#pragma omp simd reduction(| : odd)
-    for (int64_t t = 0; t < tiles; t++) odd |= !(rs[t] > 0.0f) | (rs[t] / floor[t] > RATIO_LIMIT);
     return odd;
 }
 
@@ -355,15 +352,9 @@ static void correct_row(const State *st, int64_t r, const float *floor, const fl
 HFQ_CLONES static void all_row_factors(State *st, const float *floor, double *cs, double *cq, float *x, float *old) {
     const int64_t tiles = st->tiles;
     for (int64_t r = 0; r < st->n; r++) {
-        float *ir = st->ir + r * tiles, *row_std = st->row_std + r * tiles;
-        const float *rs = st->rs + r * tiles;
-        if (!row_is_odd(rs, floor, tiles)) { /* the pass summed every tile as it should */
-            row_factors(rs, floor, tiles, ir, row_std);
-            continue;
-        }
-        memcpy(old, ir, (size_t)tiles * sizeof(float));
-        row_factors(rs, floor, tiles, ir, row_std);
-        correct_row(st, r, floor, old, cs, cq, x);
+        const int64_t at = r * tiles;
+        if (row_factors(st->rs + at, floor, tiles, st->ir + at, st->row_std + at, old))
+            correct_row(st, r, floor, old, cs, cq, x); /* else the pass summed every tile as it should */
     }
 }
 
