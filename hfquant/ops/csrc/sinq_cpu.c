@@ -148,9 +148,7 @@ HFQ_CLONES static int block_pass(const State *st, int64_t start, int64_t stop, i
 #include <immintrin.h>
 #define HFQ_AVX512 1
 #define AVX512_TARGET __attribute__((target("avx512f")))
-#ifndef ROW_GROUP
 #define ROW_GROUP 4 /* rows whose column sums are added together: cs and cq are read and written once per group */
-#endif
 
 /* lane i of the result: the sum of the 16 lanes of v[i] (a transposing reduction: 30 shuffles and 15 additions for 16
  * tiles, where one horizontal sum per tile costs 8 shuffles and 8 additions and a chain of their latencies) */
