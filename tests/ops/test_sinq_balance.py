@@ -111,6 +111,25 @@ def test_non_finite_weight_raises_the_sinq_error(value, dtype):
         balance.column_scale([weight], 64)
 
 
+@pytest.mark.parametrize("values", [(float("inf"), float("-inf")), (float("-inf"),), (float("nan"), 1.0)])
+def test_non_finite_weight_in_any_pass_row_raises(values):
+    # the first pass reads a row again only where its tile's sums are not finite (csrc/sinq_cpu.c): an infinity
+    # cancelled by another of the other sign, or a lone one in the row's last tile, is still found
+    weight = _weight(48, 256, 14)
+    for offset, value in enumerate(values):
+        weight[47, 255 - offset] = value
+    with pytest.raises(sinq.NonFiniteWeightError, match="NaN or Inf"):
+        balance.column_scale([weight], 64)
+
+
+def test_finite_weight_whose_squares_overflow_is_not_refused():
+    # squares above float32's range make a tile's sum of squares infinite; the values themselves are finite, so the
+    # weight is not refused as holding NaN or Inf (the row is read again and found finite)
+    weight = _weight(48, 256, 15)
+    weight[5, 70] = 1e30
+    native.sinq_balance([weight], 64, 4)  # no ValueError
+
+
 def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="does not divide in_features=96"):
         balance.column_scale([torch.randn(8, 96)], 64)

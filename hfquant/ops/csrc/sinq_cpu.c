@@ -25,17 +25,19 @@
  *
  * Output: inv_col (K,) float32, the kept ic of every tile; hfquant.core.sinq.scale_from_balance makes the stored column
  * scale of it. Returns 0; 1 for bad arguments; 2 when an input value is NaN or infinite; 3 when memory runs out.
- * Columns are balanced in strips of at most STRIP_COLUMNS, one after the other (each tile is balanced on its own, so
- * the result is the same; at K = 8192 the column sums of a strip stay in L1). Blocks of rows are split over OpenMP
- * threads (`threads`, 0 for OpenMP's default), and every sum is made in the same order whatever their number: the
- * result does not depend on the thread count. Memory: 3 floats per row and tile of a strip, 2 per column of a strip
- * and block of rows, two rows per thread. With AVX-512F and a group that is a multiple of 16 (every group hfquant
- * allows), the pass is block_pass_avx512: rows in groups of four whose column sums are added together (cs and cq read
- * and written once per group), each row's tile sums reduced 16 tiles at a time by a transposing reduction and their
- * square roots taken in one vector (one horizontal sum and one scalar square root per row and tile cost about as much
- * as the read: docs/performance.md). Elsewhere the hot loop is compiled for AVX2 and the baseline, picked at load time
- * (GCC's target_clones). The paths' float32 results can differ in the last bits. After each pass the per-row factors
- * and statistics (N, tiles) are updated row by row, in their memory order.
+ * Above WHOLE_ROWS columns, they are balanced in strips of at most STRIP_COLUMNS, one after the other (each tile is
+ * balanced on its own, so the result is the same; at K = 8192 the column sums of a strip stay in L1). Blocks of rows
+ * are split over OpenMP threads (`threads`, 0 for OpenMP's default), and every sum is made in the same order whatever
+ * their number: the result does not depend on the thread count. Memory: 3 floats per row and tile of a strip, 2 per
+ * column of a strip and block of rows, two rows per thread. With AVX-512F and a group that is a multiple of 16 (every
+ * group hfquant allows), the pass is block_pass_avx512: rows in groups of four whose column sums are added together
+ * (cs and cq read and written once per group), each row's tile sums reduced 16 (or 8) tiles at a time by a transposing
+ * reduction and their square roots taken in one vector (one horizontal sum and one scalar square root per row and
+ * tile cost about as much as the read: docs/performance.md), a later row's cache lines asked for along the way, and
+ * NaN or Inf found from the first pass's sums (a row read again only where they are not finite). Elsewhere the hot
+ * loop is compiled for AVX2 and the baseline, picked at load time (GCC's target_clones). The paths' float32 results
+ * can differ in the last bits. After each pass the per-row factors and statistics (N, tiles) are updated row by row,
+ * in their memory order.
  */
 #include <float.h>
 #include <math.h>
@@ -59,7 +61,8 @@
 #define PREFETCH_ROWS 2 /* block_pass asks for the row this many ahead */
 #define COL_BLOCK 256    /* rows whose column sums are made in float32 before the double totals take them */
 #define RATIO_LIMIT 1e3f /* relative(): the largest factor */
-#define STRIP_COLUMNS 2048 /* hfquant_sinq_balance: the widest strip of columns balanced together */
+#define STRIP_COLUMNS 2048 /* hfquant_sinq_balance: the widest strip of columns balanced together ... */
+#define WHOLE_ROWS 4096    /* ... where K is above this many columns */
 
 typedef struct {
     int64_t n, k, group, tiles;
@@ -162,59 +165,85 @@ AVX512_TARGET static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
+/* sum16 of v[0 .. 7] (v[8 .. 15] taken as zeros) in lanes 0 .. 7 with the same additions: the upper lanes repeat
+ * them. Half of sum16's shuffles for a row of at most 8 tiles (K = 2048 at the tile of 256). */
+AVX512_TARGET static inline __m512 sum8(const __m512 *v) {
+    __m512 a[4], c[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d0, 0x88), _mm512_shuffle_f32x4(d0, d0, 0xDD));
+}
+
 AVX512_TARGET static inline __m512i load_bf16_bits(const uint16_t *src) {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
 }
 
 AVX512_TARGET static inline __m512 widen(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
 
+/* 1 if a bfloat16 value of src (count,) is NaN or infinite (its exponent bits all set) */
+static int bf16_not_finite(const uint16_t *src, int64_t count) {
+    int bad = 0;
+    for (int64_t j = 0; j < count; j++) bad |= (src[j] & 0x7F80) == 0x7F80;
+    return bad;
+}
+
 /* The row statistics of one bfloat16 row `src` (K,) under ic into rs (tiles,) and its column weights into b (tiles,):
- * 16 tiles at a time, their sums reduced together and their square roots taken in one vector. Returns 1 if `check`
- * and a value is not finite. */
-AVX512_TARGET static int row_stats_avx512(const State *st, const uint16_t *src, const float *ir, float *rs, float *b,
-                                          int first, int check) {
+ * 16 tiles at a time, their sums reduced together and their square roots taken in one vector. `ahead` (NULL: none)
+ * is a later row of `ahead_size` bytes per value, one cache line of it asked for per 32 values read, so that the
+ * memory stays busy all along the row (a burst of a row's prefetches at its start stalled on the full miss queue).
+ * Returns 1 if `check` and a value is not finite: a NaN or infinity makes its tile's sum (and sum of squares) NaN or
+ * infinite, so only a row whose sums are not finite is read again value by value (a sum of finite squares that
+ * overflows is not an error). */
+AVX512_TARGET static int row_stats_avx512(const State *st, const uint16_t *src, const char *ahead, int64_t ahead_size,
+                                          const float *ir, float *rs, float *b, int first, int check) {
     const int64_t g = st->group, tiles = st->tiles;
     const __m512 inv_g = _mm512_set1_ps(1.0f / (float)g), inv_g1 = _mm512_set1_ps(1.0f / (float)(g > 1 ? g - 1 : 1));
-    const __m512i exponent = _mm512_set1_epi32(0x7F80);
-    const __m512 zero = _mm512_setzero_ps();
-    __mmask16 bad = 0;
+    const __m512 zero = _mm512_setzero_ps(), infinity = _mm512_set1_ps(INFINITY);
+    __mmask16 odd = 0;
     __m512 s[16], q[16];
     for (int64_t t0 = 0; t0 < tiles; t0 += 16) {
-        const int count = tiles - t0 < 16 ? (int)(tiles - t0) : 16;
-        for (int i = 0; i < 16; i++) {
+        const int count = tiles - t0 < 16 ? (int)(tiles - t0) : 16, width = count <= 8 ? 8 : 16;
+        for (int i = 0; i < width; i++) {
             if (i >= count) {
                 s[i] = q[i] = zero;
                 continue;
             }
             const uint16_t *xt = src + (t0 + i) * g;
             const float *ict = st->ic + (t0 + i) * g;
+            const char *pre = ahead ? ahead + (t0 + i) * g * ahead_size : NULL;
             __m512 s0 = zero, s1 = zero, q0 = zero, q1 = zero;
             int64_t j = 0;
             for (; j + 32 <= g; j += 32) {
-                const __m512i b0 = load_bf16_bits(xt + j), b1 = load_bf16_bits(xt + j + 16);
-                if (check) {
-                    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b0, exponent), exponent);
-                    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b1, exponent), exponent);
+                if (pre) {
+                    _mm_prefetch(pre + j * ahead_size, _MM_HINT_T0);
+                    if (ahead_size > 2) _mm_prefetch(pre + j * ahead_size + 64, _MM_HINT_T0);
                 }
-                const __m512 y0 = _mm512_mul_ps(widen(b0), _mm512_loadu_ps(ict + j));
-                const __m512 y1 = _mm512_mul_ps(widen(b1), _mm512_loadu_ps(ict + j + 16));
+                const __m512 y0 = _mm512_mul_ps(widen(load_bf16_bits(xt + j)), _mm512_loadu_ps(ict + j));
+                const __m512 y1 = _mm512_mul_ps(widen(load_bf16_bits(xt + j + 16)), _mm512_loadu_ps(ict + j + 16));
                 s0 = _mm512_add_ps(s0, y0);
                 s1 = _mm512_add_ps(s1, y1);
                 q0 = _mm512_fmadd_ps(y0, y0, q0);
                 q1 = _mm512_fmadd_ps(y1, y1, q1);
             }
             if (j < g) { /* g % 32 == 16 */
-                const __m512i b0 = load_bf16_bits(xt + j);
-                if (check) bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b0, exponent), exponent);
-                const __m512 y0 = _mm512_mul_ps(widen(b0), _mm512_loadu_ps(ict + j));
+                if (pre) _mm_prefetch(pre + j * ahead_size, _MM_HINT_T0);
+                const __m512 y0 = _mm512_mul_ps(widen(load_bf16_bits(xt + j)), _mm512_loadu_ps(ict + j));
                 s0 = _mm512_add_ps(s0, y0);
                 q0 = _mm512_fmadd_ps(y0, y0, q0);
             }
             s[i] = _mm512_add_ps(s0, s1);
             q[i] = _mm512_add_ps(q0, q1);
         }
-        const __m512 sum = sum16(s), squares = sum16(q);
+        const __m512 sum = width == 8 ? sum8(s) : sum16(s), squares = width == 8 ? sum8(q) : sum16(q);
         const __mmask16 live = (__mmask16)((1u << count) - 1u);
+        if (check) /* |sum| or squares not below infinity: NaN or infinite */
+            odd |= _mm512_mask_cmp_ps_mask(live, _mm512_abs_ps(sum), infinity, _CMP_NLT_UQ) |
+                   _mm512_mask_cmp_ps_mask(live, squares, infinity, _CMP_NLT_UQ);
         const __m512 irv = _mm512_maskz_loadu_ps(live, ir + t0);
         __m512 var = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_mul_ps(sum, sum), inv_g, squares), inv_g1);
         var = _mm512_max_ps(var, zero);
@@ -225,7 +254,7 @@ AVX512_TARGET static int row_stats_avx512(const State *st, const uint16_t *src, 
         const __m512 weight = first ? irv : _mm512_maskz_div_ps(positive, irv, std);
         _mm512_mask_storeu_ps(b + t0, live, weight);
     }
-    return bad != 0;
+    return odd != 0 && bf16_not_finite(src, st->k);
 }
 
 /* cs += sum_r b_r * X_r, cq += sum_r (b_r * X_r)^2 over R rows (src[r], weights b + r * tiles), each sum in row order */
@@ -256,16 +285,13 @@ AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64
     float *cs = part, *cq = part + k;
     int bad = 0;
     memset(part, 0, (size_t)(2 * k) * sizeof(float));
-    const int64_t row_bytes = k * (st->is_bf16 ? 2 : 4);
     for (int64_t n0 = start; n0 < stop; n0 += ROW_GROUP) {
         const int rows = stop - n0 < ROW_GROUP ? (int)(stop - n0) : ROW_GROUP;
         const uint16_t *src[ROW_GROUP];
         for (int r = 0; r < rows; r++) {
             const int64_t n = n0 + r;
-            if (n + ROW_GROUP < st->n) { /* a row is often a page: the hardware prefetchers stop at its end */
-                const char *ahead = st->row[n + ROW_GROUP];
-                for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
-            }
+            /* a row is often a page: the hardware prefetchers stop at its end; row_stats_avx512 asks for this one */
+            const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;
             if (st->is_bf16) {
                 src[r] = (const uint16_t *)st->row[n];
             } else {
@@ -279,8 +305,8 @@ AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64
                 if (first) bad |= row_bad;
                 src[r] = to;
             }
-            bad |= row_stats_avx512(st, src[r], st->ir + n * tiles, st->rs + n * tiles, b + r * tiles, first,
-                                    first && st->is_bf16);
+            bad |= row_stats_avx512(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles, st->rs + n * tiles,
+                                    b + r * tiles, first, first && st->is_bf16);
         }
         if (rows == ROW_GROUP) add_columns_avx512(st, src, b, ROW_GROUP, cs, cq);
         else
@@ -297,20 +323,37 @@ static float std_of(double total, double squares, int64_t count) {
 }
 
 /* One row's new factors of every tile: ir /= f and row_std = rs / f, f = relative(rs) against the tiles' floors
- * (1 where rs is 0); returns whether a tile's f is not rs / floor (rs 0, or the ratio clamped), the rows finish_rows
- * reads again. Divisions and selections only: every instruction set's copy gives the same floats. */
-HFQ_CLONES static int row_factors(const float *restrict rs, const float *restrict floor, int64_t tiles,
-                                  float *restrict ir, float *restrict row_std) {
+ * (1 where rs is 0), the factors before into old (tiles,); returns whether a tile's f is not rs / floor (rs 0, or the
+ * ratio clamped), the rows finish_rows reads again. Divisions and selections only: every instruction set's copy gives
+ * the same floats. */
+static inline __attribute__((always_inline)) int row_factors(const float *restrict rs, const float *restrict floor,
+                                                             int64_t tiles, float *restrict ir, float *restrict row_std,
+                                                             float *restrict old) {
     int odd = 0;
 #pragma omp simd reduction(| : odd)
     for (int64_t t = 0; t < tiles; t++) { /* branch-free: vectorized */
         const float s = rs[t], ratio = s / floor[t];
         const float factor = s > 0.0f ? (ratio > RATIO_LIMIT ? RATIO_LIMIT : ratio) : 1.0f;
+        old[t] = ir[t];
         ir[t] = ir[t] / factor;
         row_std[t] = s / factor;
         odd |= !(s > 0.0f) | (ratio > RATIO_LIMIT);
     }
     return odd;
+}
+
+static void correct_row(const State *st, int64_t r, const float *floor, const float *old, double *cs, double *cq,
+                        float *x);
+
+/* row_factors of every row, in their order, and correct_row for the odd ones (`old`: tiles floats), in one call: the
+ * instruction set is picked once per pass, not per row */
+HFQ_CLONES static void all_row_factors(State *st, const float *floor, double *cs, double *cq, float *x, float *old) {
+    const int64_t tiles = st->tiles;
+    for (int64_t r = 0; r < st->n; r++) {
+        const int64_t at = r * tiles;
+        if (row_factors(st->rs + at, floor, tiles, st->ir + at, st->row_std + at, old))
+            correct_row(st, r, floor, old, cs, cq, x); /* else the pass summed every tile as it should */
+    }
 }
 
 /* floor (tiles,) = the smallest non-zero rs[r, t] of each tile over the rows r < n (kept where none is smaller) */
@@ -333,6 +376,26 @@ HFQ_CLONES static void tile_range(const float *restrict row_std, int64_t n, int6
             const float s = row[t], positive = s > 0.0f ? s : INFINITY;
             hi[t] = s > hi[t] ? s : hi[t];
             lo[t] = positive < lo[t] ? positive : lo[t];
+        }
+    }
+}
+
+/* The column sums (cs, cq) of row r made those of its new factors ir (old: the factors of the pass) in the tiles
+ * row_factors did not divide by rs / floor, the row read again into x (K,) */
+static void correct_row(const State *st, int64_t r, const float *floor, const float *old, double *cs, double *cq,
+                        float *x) {
+    const int64_t tiles = st->tiles, g = st->group;
+    const float *ir = st->ir + r * tiles, *rs = st->rs + r * tiles;
+    load_row(st, r, x);
+    for (int64_t t = 0; t < tiles; t++) {
+        const float s = rs[t];
+        if (s > 0.0f && !(s / floor[t] > RATIO_LIMIT)) continue;
+        const double a = (double)ir[t], a_used = (isinf(floor[t]) ? 0.0 : (double)floor[t]) *
+                                                 (double)(s > 0.0f ? old[t] / s : 0.0f); /* the pass's b */
+        for (int64_t j = t * g; j < (t + 1) * g; j++) {
+            const double v = (double)x[j];
+            cs[j] += (a - a_used) * v;
+            cq[j] += (a * v) * (a * v) - (a_used * v) * (a_used * v);
         }
     }
 }
@@ -360,24 +423,7 @@ static void finish_rows(State *st, int first, double *cs, double *cq, float *x, 
                 cq[j] *= mult * mult;
             }
         }
-        for (int64_t r = 0; r < n; r++) {
-            float *ir = st->ir + r * tiles, *row_std = st->row_std + r * tiles;
-            const float *rs = st->rs + r * tiles;
-            memcpy(old, ir, (size_t)tiles * sizeof(float));
-            if (!row_factors(rs, floor, tiles, ir, row_std)) continue; /* the pass summed every tile as it should */
-            load_row(st, r, x);
-            for (int64_t t = 0; t < tiles; t++) {
-                const float s = rs[t];
-                if (s > 0.0f && !(s / floor[t] > RATIO_LIMIT)) continue;
-                const double a = (double)ir[t], a_used = (isinf(floor[t]) ? 0.0 : (double)floor[t]) *
-                                                         (double)(s > 0.0f ? old[t] / s : 0.0f); /* the pass's b */
-                for (int64_t j = t * g; j < (t + 1) * g; j++) {
-                    const double v = (double)x[j];
-                    cs[j] += (a - a_used) * v;
-                    cq[j] += (a * v) * (a * v) - (a_used * v) * (a_used * v);
-                }
-            }
-        }
+        all_row_factors(st, floor, cs, cq, x, old);
     }
     tile_range(st->row_std, n, tiles, hi, lo);
 }
@@ -479,9 +525,11 @@ int hfquant_sinq_balance(const void *const *mats, const int64_t *rows, const flo
         n += rows[m];
     }
     if (n < 2) return 1;
-    /* column strips of at most STRIP_COLUMNS, balanced one after the other: every tile is balanced on its own, so the
-     * result is the same, and a strip's passes read rows a quarter as wide (the column sums stay in L1) */
-    const int64_t strip = k <= STRIP_COLUMNS ? k : (STRIP_COLUMNS >= group ? STRIP_COLUMNS / group * group : group);
+    /* above WHOLE_ROWS columns, strips of at most STRIP_COLUMNS balanced one after the other: every tile is balanced on
+     * its own, so the result is the same, and a strip's passes read rows a quarter as wide at K = 8192 (the column sums
+     * stay in L1). At K = 4096 whole rows were faster: the 7.4B's gate/up (28672 x 4096, read from memory) 65 ms per
+     * balance at one thread against 79 in strips of 2048 (docs/performance.md, issue #32, sixteenth session) */
+    const int64_t strip = k <= WHOLE_ROWS ? k : (STRIP_COLUMNS >= group ? STRIP_COLUMNS / group * group : group);
     State st = {.n = n, .k = strip, .group = group, .tiles = strip / group, .is_bf16 = is_bf16};
     const int64_t tiles = st.tiles, blocks = (n + COL_BLOCK - 1) / COL_BLOCK;
     st.row = malloc((size_t)n * sizeof(*st.row));
