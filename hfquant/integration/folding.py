@@ -36,7 +36,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -865,6 +865,9 @@ class FoldStream(Mapping):
         # runs) would spend more time waiting at the barriers of the block's many small parallel regions (the error
         # test's 64 sampled rows, a balancing pass of a few row blocks) than it saved: on the 1.2B at load 9 block 0
         # took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.12-0.13 CPU s and 0.27-0.30 s at one
-        # (docs/performance.md, issue #32, thirteenth session).
-        with self._folding, _on_cpu_in_float32() if here else torch.device("cpu"), _torch_threads(1 if here else None):
+        # (docs/performance.md, issue #32, thirteenth session). The worker's thread needs no device context: torch's
+        # default device and function modes are per thread, and a new thread's are the CPU and none (a
+        # `torch.device("cpu")` there sent each of the fold's torch calls through its Python `__torch_function__`).
+        place = _on_cpu_in_float32() if here else nullcontext()
+        with self._folding, place, _torch_threads(1 if here else None):
             return self._planner.fold(self._planner.blocks[index], 1)
