@@ -316,6 +316,7 @@ class HfQuantQuantizer(HfQuantizer):
             close()
         if self.report.spares is not None:
             self.report.spares.close()
+            self.report.spares = None  # its lock and queue: the model (`hf_quantizer`) must stay deep-copyable
         self.report.raise_failures()
         if self.pre_quantized:
             checks.check_reloaded_values(model)

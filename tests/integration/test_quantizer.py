@@ -128,7 +128,10 @@ def test_folds_given_to_the_constructor_are_the_plan_s():
 # -- the report ----------------------------------------------------------------------------------------------------
 
 
-def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint):
+def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint, monkeypatch):
+    started = []
+    start = huge_pages.Spares.start
+    monkeypatch.setattr(huge_pages.Spares, "start", lambda budget: started.append(start(budget)) or started[-1])
     model = auto_class("llama").from_pretrained(
         float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8), device_map="cpu"
     )
@@ -137,8 +140,9 @@ def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint):
     assert len(layers) == 14
     assert quantizer.report.quantized_keys == {f"{name}.weight" for name in layers}
     assert quantizer.report.failed == {} and quantizer.report.out_of_memory == []
-    if huge_pages._AVAILABLE:  # the spare weight maps made beside the load are freed with it
-        assert quantizer.report.spares._closed and huge_pages._spares is None and quantizer.report.spares._held == 0
+    if huge_pages._AVAILABLE:  # the spare weight maps made beside the load are freed with it, and let go
+        assert len(started) == 1 and started[0]._closed and started[0]._held == 0
+        assert huge_pages._spares is None and quantizer.report.spares is None
     assert {layer.name for layer in quantizer.plan.layers if layer.format is not None} == layers
     assert len(_own_fields(quantizer)) <= 4, _own_fields(quantizer)
     # attention_requested: whether from_pretrained named an attn_implementation (then the one-row attention stays off)
