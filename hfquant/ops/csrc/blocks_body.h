@@ -7,6 +7,10 @@
 #define BK_CAT2(a, b) a##b
 #define BK_CAT(a, b) BK_CAT2(a, b)
 #define BK_NAME(name) BK_CAT(name, BK_SUFFIX)
+/* The rows' loop of one part (part_rows_): y[r] = bfloat16(row_sum) for r < n, `row_sum` an expression of r (a row
+ * step called directly: inlined, no type switch per row), split over the threads of the enclosing OpenMP region */
+#define BK_ROWS(n, y, row_sum) \
+    _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < (n); r++) (y)[r] = float_to_bf16(row_sum)
 
 /* a float16 field's value: the F16C conversion (exact, as fp16_to_float) */
 BK_TARGET static inline float BK_NAME(half_)(const uint8_t *p) {
@@ -353,13 +357,6 @@ BK_TARGET static float BK_NAME(row_q6_k_)(const uint8_t *w, const ActRow *a, int
     return BK_NAME(q6_k_row_)(w, a, nb);
 }
 
-/* part_rows_ for a Q6_K part: the row step inlined into the rows' loop (no call and no type switch per row) */
-BK_TARGET static void BK_NAME(q6_k_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
-                                          int64_t row_bytes, int64_t nb) {
-#pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q6_k_row_)(weight + r * row_bytes, a, nb));
-}
-
 /* Q3_K's sixteen 6-bit scales minus 32 (llama.cpp's block_q3_K scales[12]: 4-bit lows in bytes 0-7, low nibbles
  * scales 0-7, high nibbles 8-15; 2-bit highs in bytes 8-11, bits 2i..2i + 1 of byte j scale 4i + j) as 16 int8. In
  * 64-bit general registers (the vector ports are the GEMV's bottleneck): each byte s <= 63, so s - 32 (mod 256) is
@@ -434,13 +431,6 @@ BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, 
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     return BK_NAME(q3_k_row_)(w, a, nb);
-}
-
-/* part_rows_ for a Q3_K part outside the GFNI step: the row step inlined into the rows' loop, as q6_k_rows_ */
-BK_TARGET static void BK_NAME(q3_k_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
-                                          int64_t row_bytes, int64_t nb) {
-#pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q3_k_row_)(weight + r * row_bytes, a, nb));
 }
 
 #if BK_MASKED
@@ -599,8 +589,7 @@ BK_GFNI_TARGET static float BK_NAME(row_q3_k_gfni)(const uint8_t *w, const ActRo
 BK_GFNI_TARGET static void BK_NAME(q3_k_gfni_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
                                                     int64_t row_bytes, int64_t nb) {
     const BK_NAME(Q3kGfni) k = BK_NAME(q3_k_gfni_consts_)();
-#pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(q3_k_gfni_row_)(weight + r * row_bytes, a, nb, &k));
+    BK_ROWS(n, y, BK_NAME(q3_k_gfni_row_)(weight + r * row_bytes, a, nb, &k));
 }
 #undef BK_PICK3
 #endif
@@ -1332,12 +1321,15 @@ BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const
         return;
     }
 #endif
-    if (type == GGML_Q6_K || type == GGML_Q3_K || type == Q3_K_GFNI) { /* Q3_K_GFNI here: the AVX2 body */
-        (type == GGML_Q6_K ? BK_NAME(q6_k_rows_) : BK_NAME(q3_k_rows_))(weight, a, y, n, row_bytes, nb);
+    if (type == GGML_Q6_K) {
+        BK_ROWS(n, y, BK_NAME(q6_k_row_)(weight + r * row_bytes, a, nb));
         return;
     }
-#pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < n; r++) y[r] = float_to_bf16(BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
+    if (type == GGML_Q3_K || type == Q3_K_GFNI) { /* Q3_K_GFNI here: the AVX2 body */
+        BK_ROWS(n, y, BK_NAME(q3_k_row_)(weight + r * row_bytes, a, nb));
+        return;
+    }
+    BK_ROWS(n, y, BK_NAME(row_block_)(type, weight + r * row_bytes, a, nb));
 }
 
 BK_TARGET static void BK_NAME(gemv_parts_)(const uint16_t *x, const ActRow *rows, const int64_t *act_blocks,
