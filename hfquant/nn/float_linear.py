@@ -21,9 +21,10 @@ up to summation order, at that path's speed. Where the user disabled oneDNN, not
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from hfquant.ops import native, plan
+from hfquant.ops import machine, native, plan
 from hfquant.ops.gemv import RowKernel
 
 __all__ = ["FloatLinear", "one_row_linear", "takes_one_row_path", "use_float_linear", "restore_nn_linear"]
@@ -105,7 +106,8 @@ def one_row_linear(
 
 class FloatLinear(nn.Linear):
     """An `nn.Linear` hfquant kept in float: same parameters and state dict as `nn.Linear`, and the same results up
-    to float32 summation order, but a single bfloat16 row on CPU runs `one_row_linear`.
+    to float32 summation order, but a single bfloat16 row on CPU runs `one_row_linear`, and more rows multiply in
+    float32 where the CPU has no bfloat16 GEMM (`machine.gemm_dtype`).
 
     hfquant turns the plain `nn.Linear` layers of a model it quantized into this class after loading
     (`use_float_linear`, which plans `row_kernel`) and back on `model.dequantize()` (`restore_nn_linear`).
@@ -121,6 +123,10 @@ class FloatLinear(nn.Linear):
             and (x.requires_grad or self.weight.requires_grad)
         ):
             return one_row_linear(x, self.weight, self.bias, self.row_kernel)
+        gemm_dtype = machine.gemm_dtype(self.weight.dtype, self.weight.device)
+        if gemm_dtype != self.weight.dtype and x.dtype == self.weight.dtype:  # no bfloat16 GEMM on this CPU
+            bias = None if self.bias is None else self.bias.to(gemm_dtype)
+            return F.linear(x.to(gemm_dtype), self.weight.to(gemm_dtype), bias).to(x.dtype)
         return super().forward(x)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hfquant.core import blocks, packing, rtn
-from hfquant.ops import kernels
+from hfquant.ops import kernels, machine
 from hfquant.ops.kernels import Kernel, KernelPlan, LayerTensors
 
 __all__ = ["quantized_matmul_trainable", "dequantized_rows"]
@@ -87,10 +87,11 @@ def _quantized_matmul_backward_op(
     else:
         step = max(1, _CHUNK_BYTES // (4 * in_features))
         step = max(_ROW_ALIGN, step // _ROW_ALIGN * _ROW_ALIGN)
+    gemm_dtype = machine.gemm_dtype(grad.dtype, grad.device)  # float32 where the CPU has no bfloat16 GEMM
     for start in range(0, out_features, step):
         stop = min(out_features, start + step)
         w = dequantized_rows(plan, tensors, start, stop, grad.dtype)
-        grad_x.add_(torch.mm(grad2d[:, start:stop], w))
+        grad_x.add_(torch.mm(grad2d[:, start:stop].to(gemm_dtype), w.to(gemm_dtype)))
     return grad_x.to(grad.dtype).reshape(*grad.shape[:-1], in_features)
 
 

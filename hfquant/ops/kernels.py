@@ -47,7 +47,7 @@ from hfquant.core import blocks, huge_pages, packing, rtn
 from hfquant.core.choice import Choice
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
-from hfquant.ops import gemv, native
+from hfquant.ops import gemv, machine, native
 from hfquant.ops.gemv import RowCall, RowKernel
 
 __all__ = [
@@ -424,8 +424,9 @@ def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) 
         return _block_product(plan, tensors.weight, x2d)
     bits, symmetric = plan.bits, plan.symmetric
     codes = packing.unpack_int4(tensors.weight) if bits == 4 else tensors.weight
+    gemm_dtype = machine.gemm_dtype(x2d.dtype, x2d.device)
     weight = rtn.dequantize_weight(codes, tensors.scale, tensors.zero_point, bits, symmetric, dtype=x2d.dtype)
-    return torch.nn.functional.linear(x2d, weight)
+    return torch.nn.functional.linear(x2d.to(gemm_dtype), weight.to(gemm_dtype)).to(x2d.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -487,26 +488,33 @@ def _block_product(plan: KernelPlan, weight: torch.Tensor, x2d: torch.Tensor) ->
 class _Columns:
     """y (M, N) = x2d @ (weight chunks), filled chunk by chunk of output columns: in eager each chunk's product is
     written in place (out=); torch.compile cannot trace out= into a strided view, so there the chunks are concatenated
-    instead (inductor fuses it)."""
+    instead (inductor fuses it). The chunks come in x2d's dtype; the products run in `machine.gemm_dtype` of it
+    (float32 for bfloat16 on a CPU without oneDNN's bfloat16 GEMM) and y is returned in x2d's dtype."""
 
     def __init__(self, x2d: torch.Tensor, out_features: int):
         self.x2d = x2d
         self.out_features = out_features
+        self.gemm_dtype = machine.gemm_dtype(x2d.dtype, x2d.device)
+        self.x_gemm = x2d.to(self.gemm_dtype)
         self.in_place = not torch.compiler.is_compiling()
         self.y = (
-            torch.empty((x2d.shape[0], out_features), dtype=x2d.dtype, device=x2d.device) if self.in_place else None
+            torch.empty((x2d.shape[0], out_features), dtype=self.gemm_dtype, device=x2d.device)
+            if self.in_place
+            else None
         )
         self.pieces = []
 
     def add(self, weight_t: torch.Tensor, start: int, stop: int) -> None:
         """Columns [start, stop) of y = x2d @ weight_t, weight_t (K, stop - start)."""
+        weight_t = weight_t.to(self.gemm_dtype)
         if self.in_place:
-            torch.mm(self.x2d, weight_t, out=self.y[:, start:stop])
+            torch.mm(self.x_gemm, weight_t, out=self.y[:, start:stop])
         else:
-            self.pieces.append(torch.mm(self.x2d, weight_t))
+            self.pieces.append(torch.mm(self.x_gemm, weight_t))
 
     def result(self) -> torch.Tensor:
-        return self.y if self.in_place else torch.cat(self.pieces, dim=1)
+        y = self.y if self.in_place else torch.cat(self.pieces, dim=1)
+        return y.to(self.x2d.dtype)
 
 
 def _int8_chunks(columns: _Columns, tensors: LayerTensors, chunk: int) -> torch.Tensor:

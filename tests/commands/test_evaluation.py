@@ -153,6 +153,24 @@ def test_perplexity_bfloat16_model(tok):
     assert math.isfinite(ppl) and ppl > 1
 
 
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_perplexity_of_a_bfloat16_model_without_a_bf16_gemm(tok, monkeypatch, bf16_gemm):
+    """Where the CPU has no bfloat16 GEMM the plain Linear layers multiply in float32 during the evaluation only: the
+    same perplexity up to summation order, and the model's classes are restored after."""
+    from hfquant.nn.float_linear import FloatLinear
+    from hfquant.ops import machine
+
+    m = tiny_model("llama_tied", seed=0, dtype=torch.bfloat16, **TOKENIZER_VOCAB)
+    expected = perplexity(m, tok, reference_text(300))
+    monkeypatch.setitem(machine._HALF_GEMM, torch.bfloat16, bf16_gemm)
+    seen = []
+    real = FloatLinear.forward
+    monkeypatch.setattr(FloatLinear, "forward", lambda self, x: seen.append(x.shape) or real(self, x))
+    assert perplexity(m, tok, reference_text(300)) == pytest.approx(expected, rel=1e-2)
+    assert bool(seen) != bf16_gemm
+    assert all(type(module) is not FloatLinear for module in m.modules())
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"max_length": 1}, {"stride": 0}, {"max_length": 64, "stride": 65}, {"max_tokens": 1}],

@@ -14,7 +14,7 @@ from hfquant.nn.float_linear import (
     takes_one_row_path,
     use_float_linear,
 )
-from hfquant.ops import choice, gemv, native
+from hfquant.ops import choice, gemv, machine, native
 from hfquant.ops.gemv import RowKernel
 
 
@@ -74,6 +74,8 @@ def test_float_linear_matches_nn_linear_within_one_rounding(layer, rows):
     y = layer(x)
     assert y.shape == expected.shape and y.dtype == torch.bfloat16
     assert _within_rounding(y, x, layer.weight, layer.bias)
+    if rows > 1 and machine.gemm_dtype(torch.bfloat16, "cpu") != torch.bfloat16:
+        return  # float32 GEMM against nn.Linear's bfloat16 loop: other sum orders, near-cancelling sums differ more
     # both paths are one float32 sum rounded once: any difference is one bfloat16 step, and rare
     step = 2.0**-7 * expected.float().abs().clamp_min(2.0**-126)
     assert bool(((y.float() - expected.float()).abs() <= step).all())
