@@ -463,16 +463,18 @@ def _dequantized_gemm(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor
 
 def _block_product(plan: KernelPlan, weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     """y = x2d @ w_hat.T for a block format: `blocks.dequantize` of a chunk of output rows at a time (about
-    `_GEMM_CHUNK_BYTES` of float32 weight each), multiplied in x's dtype. Returns (M, N) in x's dtype. In eager with
-    bfloat16 activations the chunks are dequantized by hfquant's C kernel (`native.block_dequantize_t`: the same
-    bfloat16 weights in one pass, straight into the (K, chunk) layout `torch.mm` reads) where the library loads."""
+    `_GEMM_CHUNK_BYTES` of float32 weight each), multiplied in `machine.gemm_dtype` of x's dtype. Returns (M, N) in
+    x's dtype. In eager with bfloat16 activations the chunks are dequantized by hfquant's C kernel
+    (`native.block_dequantize_t`: the same weights in one pass, straight into the (K, chunk) layout `torch.mm` reads,
+    in the GEMM's dtype) where the library loads."""
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     columns = _Columns(x2d, plan.out_features)
     if columns.in_place and x2d.dtype == torch.bfloat16 and x2d.device.type == "cpu" and native.built_library():
         k, ggml_type = plan.in_features, blocks.layout(plan.block).ggml_type
         chunk = max(1, _GEMM_CHUNK_BYTES // (2 * k))
-        buffer = torch.empty((k * min(chunk, plan.out_features),), dtype=torch.bfloat16)
+        # straight to float32 where the GEMM runs in it (`_Columns.gemm_dtype`): no second pass over the chunk
+        buffer = torch.empty((k * min(chunk, plan.out_features),), dtype=columns.gemm_dtype)
         for start in range(0, plan.out_features, chunk):
             stop = min(plan.out_features, start + chunk)
             weight_t = buffer[: k * (stop - start)].view(k, stop - start)

@@ -96,7 +96,7 @@ _SIGNATURES = {
     "hfquant_block_gemv": [_POINTER] * 3 + [_INT64] * 3,
     "hfquant_block_gemv_group": [_POINTER] * 5 + [_INT64] * 2,
     "hfquant_block_gemv_supported": [_INT64],
-    "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 5,
+    "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 6,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
@@ -787,24 +787,33 @@ def block_gemv_group(
 def block_dequantize_t(
     weight: torch.Tensor, in_features: int, ggml_type: int, start: int, stop: int, out: torch.Tensor
 ) -> torch.Tensor:
-    """Write rows start..stop-1 of a block-format weight, dequantized and rounded once to bfloat16, transposed into
-    `out` and return it (`csrc/blocks_cpu.c`; bit for bit `hfquant.core.blocks.dequantize(...).to(torch.bfloat16)` on
-    the blocks checked in tests/ops/test_block_gemv.py).
+    """Write rows start..stop-1 of a block-format weight, dequantized, transposed into `out` and return it
+    (`csrc/blocks_cpu.c`): rounded once to bfloat16 for a bfloat16 `out` (bit for bit
+    `hfquant.core.blocks.dequantize(...).to(torch.bfloat16)` on the blocks checked in tests/ops/test_block_gemv.py),
+    the float32 values for a float32 `out`.
 
     Args:
         weight: (N, K // block_size * type_size) contiguous uint8 blocks of GGUF type `ggml_type`.
         in_features: K, a multiple of the type's block size.
         start, stop: rows, 0 <= start < stop <= N.
-        out: (K, stop - start) contiguous bfloat16.
+        out: (K, stop - start) contiguous bfloat16 or float32.
     Raises:
         RuntimeError: the library is unavailable, or it refused the arguments (naming them).
     """
     library = _loaded_library(any_x86=True)
     out_features = weight.shape[0]
-    if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != (in_features, stop - start):
-        raise RuntimeError(f"block_dequantize_t needs a contiguous bfloat16 ({in_features}, {stop - start}) output")
+    wanted = (in_features, stop - start)
+    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or tuple(out.shape) != wanted:
+        raise RuntimeError(f"block_dequantize_t needs a contiguous bfloat16 or float32 {wanted} output")
     status = library.hfquant_block_dequantize_t(
-        weight.data_ptr(), out.data_ptr(), out_features, in_features, ggml_type, start, stop
+        weight.data_ptr(),
+        out.data_ptr(),
+        out_features,
+        in_features,
+        ggml_type,
+        start,
+        stop,
+        int(out.dtype == torch.float32),
     )
     if status:
         raise RuntimeError(

@@ -246,6 +246,9 @@ def test_c_dequantization_is_the_torch_dequantizers_bfloat16_transposed(name):
     out = torch.empty((512, 30), dtype=torch.bfloat16)
     native.block_dequantize_t(data, 512, fmt.ggml_type, 5, 35, out)
     assert torch.equal(out.t(), blocks.dequantize(name, data[5:35]).to(torch.bfloat16))
+    wide = torch.empty((512, 30), dtype=torch.float32)  # for CPUs whose GEMM runs in float32
+    native.block_dequantize_t(data, 512, fmt.ggml_type, 5, 35, wide)
+    assert torch.equal(wide.t(), blocks.dequantize(name, data[5:35]))
     with pytest.raises(RuntimeError, match="rows 30..50"):
         native.block_dequantize_t(data, 512, fmt.ggml_type, 30, 50, torch.empty((512, 20), dtype=torch.bfloat16))
 

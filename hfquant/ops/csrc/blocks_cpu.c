@@ -512,10 +512,12 @@ static void decode_block(int type, const uint8_t *w, float d_row, float *out) {
 }
 
 /* hfquant_block_dequantize_t: rows start..stop-1 of the (N, K) block weight, dequantized (decode_block) and rounded
- * once to bfloat16, written transposed into out (K, stop - start): the operand torch.mm reads in the chunked prefill
- * GEMM. OpenMP threads split the rows. Returns 1 for an unknown type, K not whole blocks or a bad row range. */
-int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
-                               int64_t stop) {
+ * once to bfloat16 (out_float32 = 0) or kept in float32 (1: for CPUs whose float GEMM runs in float32,
+ * hfquant.ops.machine.gemm_dtype), written transposed into out (K, stop - start): the operand torch.mm reads in the
+ * chunked prefill GEMM. OpenMP threads split the rows. Returns 1 for an unknown type, K not whole blocks or a bad row
+ * range. */
+int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int64_t k, int64_t type, int64_t start,
+                               int64_t stop, int64_t out_float32) {
     int64_t block, bytes;
     block_shape((int)type, &block, &bytes);
     if (!block || k <= 0 || k % block || start < 0 || stop > n || start >= stop) return 1;
@@ -534,8 +536,11 @@ int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, 
                 decode_block((int)type, row + header + b * bytes, header ? fp16_to_float(row) : 0.0f, values[t]);
             }
             for (int64_t i = 0; i < block; i++) {
-                uint16_t *dst = out + (b * block + i) * cols + (r0 - start);
-                for (int64_t t = 0; t < rows; t++) dst[t] = float_to_bf16(values[t][i]);
+                const int64_t at = (b * block + i) * cols + (r0 - start);
+                if (out_float32)
+                    for (int64_t t = 0; t < rows; t++) ((float *)out)[at + t] = values[t][i];
+                else
+                    for (int64_t t = 0; t < rows; t++) ((uint16_t *)out)[at + t] = float_to_bf16(values[t][i]);
             }
         }
     }
@@ -676,9 +681,9 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
     return 1;
 }
 
-int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
-                               int64_t stop) {
-    (void)weight; (void)out; (void)n; (void)k; (void)type; (void)start; (void)stop;
+int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int64_t k, int64_t type, int64_t start,
+                               int64_t stop, int64_t out_float32) {
+    (void)weight; (void)out; (void)n; (void)k; (void)type; (void)start; (void)stop; (void)out_float32;
     return 1;
 }
 

@@ -52,8 +52,8 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
 /* the GEMVs of `count` (1-8) weights against one x (block sizes may differ), outputs concatenated in y */
 int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, const int64_t *types, const int64_t *ns,
                              uint16_t *y, int64_t count, int64_t k);
-int hfquant_block_dequantize_t(const uint8_t *weight, uint16_t *out, int64_t n, int64_t k, int64_t type, int64_t start,
-                               int64_t stop);
+int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int64_t k, int64_t type, int64_t start,
+                               int64_t stop, int64_t out_float32);
 
 /* blocks_quant_cpu.c: hfquant's k-quant search (Q2_K..Q6_K, types 10..14), GGUF's bytes out */
 int hfquant_kquant_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
