@@ -424,9 +424,10 @@ def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) 
         return _block_product(plan, tensors.weight, x2d)
     bits, symmetric = plan.bits, plan.symmetric
     codes = packing.unpack_int4(tensors.weight) if bits == 4 else tensors.weight
+    # dequantized straight into the GEMM's dtype: inductor would skip a rounding to x's dtype before an upcast
     gemm_dtype = machine.gemm_dtype(x2d.dtype, x2d.device)
-    weight = rtn.dequantize_weight(codes, tensors.scale, tensors.zero_point, bits, symmetric, dtype=x2d.dtype)
-    return torch.nn.functional.linear(x2d.to(gemm_dtype), weight.to(gemm_dtype)).to(x2d.dtype)
+    weight = rtn.dequantize_weight(codes, tensors.scale, tensors.zero_point, bits, symmetric, dtype=gemm_dtype)
+    return torch.nn.functional.linear(x2d.to(gemm_dtype), weight).to(x2d.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,8 +40,14 @@ def test_plan_kernel_takes_the_forced_choice_for_the_one_row_kernels(monkeypatch
     int4 = plan.plan_kernel(INT4, 256, 128, "cpu", torch.bfloat16)
     int8 = plan.plan_kernel(INT8, 256, 96, "cpu", torch.bfloat16)
     assert int4.kernel == kernels.select_kernel(INT4, in_features=256, out_features=128, device="cpu")
-    gemv_row = mode == "native" and int4.kernel is Kernel.INT4PACK_MM_CPU and gemv.native_int4_works()
-    assert int4.row is int4.compiled_row is (RowKernel.INT4_GEMV if gemv_row else RowKernel.ATEN)
+    int4_native = int4.kernel is Kernel.INT4PACK_MM_CPU and mode == "native"
+    if int4_native and gemv.native_int4_works():
+        expected_row = RowKernel.INT4_GEMV  # AVX-512's 64-row blocks
+    elif int4_native and int4.cpu_int4_block == 32 and gemv.native_int4_avx2_works():
+        expected_row = RowKernel.INT4_GEMV_AVX2  # AVX2's 32-row blocks
+    else:
+        expected_row = RowKernel.ATEN
+    assert int4.row is int4.compiled_row is expected_row
     assert int4.native_dequant is (int4.kernel is Kernel.INT4PACK_MM_CPU and gemv.native_int4_works())
     int8_row = mode == "native" and int8.kernel is Kernel.INT8PACK_MM and gemv.native_int8_works()
     assert int8.row is int8.compiled_row is (RowKernel.INT8_GEMV if int8_row else RowKernel.ATEN)

@@ -20,9 +20,15 @@ needs_a8 = pytest.mark.skipif(
 )
 
 
-def _layer(n: int, k: int, group: int, symmetric: bool = False, seed: int = 0, block_n: int = 64):
+def _machine_block_n() -> int:
+    """The row block of the W4A8 GEMV on this CPU: 64 with AVX512-VNNI, else 32 (AVX2)."""
+    return 64 if native.int4_a8_supported(64) else 32
+
+
+def _layer(n: int, k: int, group: int, symmetric: bool = False, seed: int = 0, block_n: int | None = None):
     """Weights in PyTorch's int4 CPU layout with `block_n`-row blocks (64: AVX-512 CPUs, 32: AVX2 CPUs), built here
-    whatever this CPU's own layout is."""
+    whatever this CPU's own layout is (default: the block this CPU's W4A8 GEMV runs, `_machine_block_n`)."""
+    block_n = block_n or _machine_block_n()
     generator = torch.Generator().manual_seed(seed)
     q = rtn.quantize_weight(torch.randn((n, k), generator=generator), 4, group, symmetric)
     weight = packing.CpuInt4Layout(block_n, True).pack(q.q)
@@ -88,7 +94,7 @@ def test_the_gemv_stays_within_its_error_bound_of_the_float_product(n, k, group)
     q, weight, scale_zero, x = _layer(n, k, group)
     w = rtn.dequantize_weight(q.q, q.scale, q.zero_point, 4, False, dtype=torch.float64)
     reference = (x.double() @ w.t()).reshape(-1)
-    y = native.int4_gemv_a8(x, weight, scale_zero, group).double().reshape(-1)
+    y = native.int4_gemv_a8(x, weight, scale_zero, group, _machine_block_n()).double().reshape(-1)
     bound = w.abs().sum(dim=1) * x.double().abs().max() / 254 + reference.abs() * 2.0**-8
     assert ((y - reference).abs() <= bound).all()
 
@@ -96,10 +102,11 @@ def test_the_gemv_stays_within_its_error_bound_of_the_float_product(n, k, group)
 @needs_a8
 def test_the_operator_gives_the_ctypes_bits_and_names_what_it_refuses():
     q, weight, scale_zero, x = _layer(192, 576, 64)
+    block_n = _machine_block_n()
     if torch_ops.loaded():
         assert torch.equal(
-            torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, 64, 64),
-            native.int4_gemv_a8(x, weight, scale_zero, 64),
+            torch.ops.hfquant_cpu.int4_gemv_a8(x, weight, scale_zero, 64, block_n),
+            native.int4_gemv_a8(x, weight, scale_zero, 64, block_n),
         )
     q16, weight16, scale_zero16, x16 = _layer(128, 64, 16)
     with pytest.raises(RuntimeError, match="group_size=16.*multiple of 32"):
@@ -134,7 +141,7 @@ def test_a_layer_asking_int8_activations_runs_w4a8_for_one_row_only():
     layer, row = _row_layer(True)
     assert layer.kernel == kernels.Kernel.INT4PACK_MM_CPU
     sz = layer.scale_zero
-    assert torch.equal(layer(row), native.int4_gemv_a8(row, layer.weight, sz, 64))
+    assert torch.equal(layer(row), native.int4_gemv_a8(row, layer.weight, sz, 64, _machine_block_n()))
     rows = torch.randn((3, 576), generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     plain, _ = _row_layer(False)
     assert torch.equal(layer(rows), plain(rows))  # several rows (prefill): unchanged

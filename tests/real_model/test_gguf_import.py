@@ -44,10 +44,14 @@ def test_smollm2_q4_1_loads_quantized_and_matches_transformers(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    exact = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     with torch.no_grad():
-        ours, theirs = model(ids).logits.float(), reference(ids).logits.float()
-    # both compute in bfloat16 from the same weights: within a few bf16 steps of the largest logit
-    assert (ours - theirs).abs().max() <= 4 * 2**-8 * theirs.abs().max()
+        ours, theirs, truth = model(ids).logits.float(), reference(ids).logits.float(), exact(ids).logits
+    # both compute in bfloat16 from the same weights: ours no further from the float32 run than transformers' own
+    # bfloat16 run is (that distance depends on the CPU's kernels: 1.48 on a Zen 3 without AVX-512, where a fixed
+    # few bf16 steps of the largest logit, 0.46, did not hold for either), plus a few bf16 steps
+    bf16_noise = (theirs - truth).abs().max()
+    assert (ours - truth).abs().max() <= 1.5 * bf16_noise + 4 * 2**-8 * truth.abs().max()
     assert torch.equal(ours[0, -1].argmax(), theirs[0, -1].argmax())
     model.save_pretrained(tmp_path / "q4_1")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q4_1")
