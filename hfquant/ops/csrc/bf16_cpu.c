@@ -4,9 +4,10 @@
  * Two bodies, picked by hfquant_isa (isa_cpu.c, so HFQUANT_ISA=avx2 runs the AVX2 one on an AVX-512 CPU):
  *   AVX512-BF16: vdpbf16ps (Intel's instruction set reference: "Dot Product of BF16 Pairs Accumulated into Packed
  *     Single Precision") multiplies 32 bfloat16 pairs and adds them into 16 float32 lanes, two accumulators per row.
- *   AVX2 + FMA (Haswell to Zen 3, where PyTorch's own one-row bfloat16 product runs a scalar loop): x widened to
- *     float32 once per call, each weight widened by a shift or a mask of its 32-bit lane (a bfloat16 is the upper half
- *     of a float32), fused multiply-adds into four 8-lane float32 accumulators per row. Each product is exact in
+ *   AVX2 + FMA (Haswell to Zen 3, where oneDNN has no bfloat16 path and ATen's one-row GEMV read about 9 GB/s on a
+ *     Zen 3 core, this body 14-19: docs/performance.md, seventeenth session): x widened to float32 once per call,
+ *     each weight widened by a shift or a mask of its 32-bit lane (a bfloat16 is the upper half of a float32), fused
+ *     multiply-adds into four 8-lane float32 accumulators per row. Each product is exact in
  *     float32 (two 8-bit significands), so the two bodies differ only in their float32 summation order: an output may
  *     differ by one bfloat16 rounding step, both within float32 summation error of the exact sum before rounding.
  * In both the lanes are summed at the row's end, the bias added, and the sum rounded once to bfloat16 (nearest even);
@@ -14,7 +15,6 @@
  * on success, 1 for a refused shape or a CPU with neither body, 2 when memory for the widened x runs out. */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "bf16_bits.h"
