@@ -8,7 +8,9 @@ weight an int4 model reads per token, so this is where its time goes. With `torc
 call, the same `F.linear` takes ATen's GEMV (`cpublas` bf16 gemv, float32 accumulation): as accurate, but it sums in
 another order, so an output may differ from oneDNN's by one bfloat16 rounding step (8 of 49152 outputs in a SmolLM2
 lm_head test, both equally far from a float64 reference). From 2 rows on oneDNN's GEMM is as fast or faster, so only
-single rows take this path; where hfquant's own bf16 GEMV (`csrc/bf16_cpu.c`, AVX512-BF16 dot products) was timed
+single rows take this path; where hfquant's own bf16 GEMV (`csrc/bf16_cpu.c`: AVX512-BF16 dot products, or AVX2 + FMA
+on the weights widened to float32 on CPUs without them, where ATen's one-row bfloat16 GEMV reads about 9 GB/s on a Zen
+3 core against hfquant's 14-19: docs/performance.md, seventeenth session) was timed
 faster for a layer's shape on this CPU (`hfquant.ops.plan.plan_bf16_row`, when `use_float_linear` runs; the layer
 keeps the decision as `row_kernel`), it serves them instead. float16 and float32 gain nothing (oneDNN float16 and MKL float32 already run at memory
 speed) and keep the default path.

@@ -191,7 +191,7 @@ def isa() -> tuple[str, ...]:
 
 @functools.cache
 def int4_cpu_library() -> ctypes.CDLL | None:
-    """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 / int8 / bf16 GEMVs, the int4
+    """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 / int8 GEMVs, the int4
     dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
     library = built_library()
     if library is not None and not library.hfquant_int4_cpu_supported():
@@ -589,18 +589,21 @@ def sinq_balance(
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias) for one bfloat16 row (`csrc/bf16_cpu.c`, AVX512-BF16 dot products).
+    """y = x @ weight.T (+ bias) for one bfloat16 row (`csrc/bf16_cpu.c`: AVX512-BF16 dot products, or on CPUs
+    without them (or `HFQUANT_ISA=avx2`) AVX2 + FMA on the weights widened to float32; the two sum in other orders).
 
     Args:
         x: (..., K) with one row in all, contiguous bfloat16 (CPU); K % 32 == 0.
         weight: (N, K) contiguous bfloat16.
         bias: (N,) contiguous bfloat16, or None.
     Returns:
-        (..., N) bfloat16; each output summed in float32 and rounded once.
+        (..., N) bfloat16; each output summed in float32 (every product exact) and rounded once.
     Raises:
-        RuntimeError: the library is unavailable or refused the shapes (K % 32 != 0).
+        RuntimeError: the library is unavailable or refused the shapes (K % 32 != 0) or the CPU (neither AVX512-BF16
+            nor AVX2 with FMA).
+        MemoryError: the AVX2 body could not allocate x widened to float32 (K floats).
     """
-    library = _loaded_library()
+    library = _loaded_library(any_x86=True)
     out_features, in_features = weight.shape
     y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
     status = library.hfquant_bf16_gemv(
@@ -611,8 +614,13 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         out_features,
         in_features,
     )
+    if status == 2:
+        raise MemoryError(f"hfquant native bf16 GEMV: no memory for x in float32 ({in_features} floats)")
     if status:
-        raise RuntimeError(f"hfquant native bf16 GEMV refused N={out_features}, K={in_features} (needs K % 32 == 0)")
+        raise RuntimeError(
+            f"hfquant native bf16 GEMV refused N={out_features}, K={in_features} (needs K % 32 == 0, and AVX512-BF16 "
+            "or AVX2 with FMA)"
+        )
     return y
 
 
@@ -620,7 +628,7 @@ def bf16_f32_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y = weight @ x in float32 for a bfloat16 weight, read once as stored (`csrc/bf16_cpu.c`; the fold pre-pass's
     BOS forward, `hfquant.integration.bos_importance`): each product float32(w) * x exact, summed by fused
     multiply-adds into 16 partial sums per row (element k into sum k % 16) added in a fixed tree, one thread; the same
-    float32 results from the AVX-512 and the C body.
+    float32 results from the AVX-512, the AVX2 and the C body (`HFQUANT_ISA` picks one).
 
     Args:
         weight: (N, K) contiguous bfloat16 (CPU), K >= 1.

@@ -169,7 +169,9 @@ def test_swap_touches_only_plain_linear_and_round_trips():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
 
-needs_bf16_gemv = pytest.mark.skipif(not gemv.native_bf16_works(), reason="no native bf16 GEMV here (no AVX512-BF16)")
+needs_bf16_gemv = pytest.mark.skipif(
+    not gemv.native_bf16_works(), reason="no native bf16 GEMV here (neither AVX512-BF16 nor AVX2)"
+)
 
 
 @needs_bf16_gemv

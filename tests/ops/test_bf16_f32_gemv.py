@@ -36,10 +36,17 @@ def test_matches_float64(k):
     assert not torch.equal(native.bf16_f32_gemv(weight, x + 1e-3), got)  # the product reads x: the check can fail
 
 
-def test_the_c_body_gives_the_avx512_bodys_floats():
-    """`HFQUANT_ISA=avx2` (no AVX-512: the C body) in a child gives this process's floats bit for bit."""
-    if "avx512" not in native.isa():
-        pytest.skip("this process runs the C body already")
+def _body(isa: tuple[str, ...]) -> str:
+    """The body `hfquant_bf16_f32_gemv` runs under these instruction sets (csrc/bf16_cpu.c)."""
+    return "avx512" if "avx512" in isa else "avx2" if "avx2" in isa else "c"
+
+
+@pytest.mark.parametrize("setting, body", [("avx2", "avx2"), ("generic", "c")])
+def test_every_body_gives_the_same_floats(setting, body):
+    """`HFQUANT_ISA=avx2` (the AVX2 body where the CPU has it) and `generic` (the C body, its FMA clone on a CPU with
+    FMA) in a child give this process's floats bit for bit: the same fused multiply-adds into the same 16 sums."""
+    if _body(native.isa()) == body or (body == "avx2" and "avx2" not in native.isa()):
+        pytest.skip(f"this process runs the {_body(native.isa())} body: nothing to compare with")
     here = Path(__file__).parent
     child = run_python(
         f"""
@@ -47,12 +54,17 @@ def test_the_c_body_gives_the_avx512_bodys_floats():
         sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]
         from test_bf16_f32_gemv import _case
         from hfquant.ops import native
-        print(native.bf16_f32_gemv(*_case()).double().tolist())
+        print(native.isa())
+        for k in (15, 16, 17, 2048 + 7):
+            print(native.bf16_f32_gemv(*_case(k)).double().tolist())
         """,
-        HFQUANT_ISA="avx2",
+        HFQUANT_ISA=setting,
     )
     assert child.returncode == 0, child.stderr[-3000:]
-    assert eval(child.stdout) == native.bf16_f32_gemv(*_case()).double().tolist()
+    isa, *outputs = child.stdout.splitlines()
+    assert _body(eval(isa)) == body
+    for k, output in zip((15, 16, 17, 2048 + 7), outputs, strict=True):
+        assert eval(output) == native.bf16_f32_gemv(*_case(k)).double().tolist(), k
 
 
 def test_refuses_other_dtypes_and_shapes_naming_them():

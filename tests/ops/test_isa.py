@@ -17,6 +17,9 @@ and its outputs are compared with this process's (every instruction set):
   bit for bit (the same float32 operations lane by lane);
 - the IQ4_NL / IQ4_XS search (iq4_search_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
   portable body (`HFQUANT_ISA=generic`), the same bytes (test_iq4_search.py compares them on many more rows).
+- the bfloat16 GEMV (bf16_cpu.c): its AVX512-BF16 body against its AVX2 body (`HFQUANT_ISA=avx2`), within float32
+  summation error and one bfloat16 rounding each (other summation orders); the bfloat16 x float32 GEMV of the BOS
+  forward: its AVX-512 body against its AVX2 and C bodies, bit for bit (the same fused multiply-adds in one order).
 The children also show that the settings hold: with avx2 the AVX-512 kernels refuse, with generic every kernel refuses,
 and an unknown value is named."""
 
@@ -80,6 +83,10 @@ def _inputs() -> dict:
             ]
             for name, (heads, kv_heads, dim, tokens) in ATTENTION.items()
         },
+        "bf16_w": (torch.randn((N, K), generator=generator) * 0.1).to(torch.bfloat16),
+        "bf16_bias": torch.randn(N, generator=generator).to(torch.bfloat16),
+        "f32_x": torch.randn(K + 7, generator=generator),  # the bf16 x float32 GEMV's tail
+        "f32_w": torch.randn((N, K + 7), generator=generator).to(torch.bfloat16),
         "swiglu": [  # 1000 values: every body's loop and its tail; gates over [-120, 120]
             (torch.randn(1000, generator=generator) * 10.0 ** torch.randint(-2, 3, (1000,), generator=generator))
             .clamp(-120, 120)
@@ -115,6 +122,11 @@ def _outputs(data: dict) -> dict:
     if native.int4_cpu_library() is not None:
         out["int4_bf16"] = native.int4_gemv(x, data["int4"][64], data["scale_zero"], GROUP)
         out["int8"] = native.int8_gemv(x, data["int8"], data["int8_scale"])
+    try:
+        out["bf16_gemv"] = native.bf16_gemv(x, data["bf16_w"], data["bf16_bias"])
+    except RuntimeError:  # neither AVX512-BF16 nor AVX2 allowed: the kernel refuses
+        pass
+    out["bf16_f32"] = native.bf16_f32_gemv(data["f32_w"], data["f32_x"])
     out["iq4_body"] = native.iq4_search_body()
     for name in ("iq4_nl", "iq4_xs"):
         for search in ("thorough", "exact"):
@@ -172,6 +184,7 @@ def test_the_settings_lower_the_instruction_sets(compared):
     # avx2: as on a CPU without AVX-512, no int4_cpu_library kernel and no 64-row W4A8 GEMV
     assert "w4a8_64" in here and "w4a8_64" not in children["avx2"]["outputs"]
     assert "int8" in here and "int8" not in children["avx2"]["outputs"]
+    assert "bf16_gemv" in children["avx2"]["outputs"] and "bf16_gemv" not in children["generic"]["outputs"]
 
 
 BLOCK_OUTPUTS = [*blocks.LAYOUTS, "hq3_r_tail", *(f"group{block}" for block in GROUPS)]
@@ -246,6 +259,26 @@ def test_the_int8_gemv_bodies_agree_within_the_activation_rounding(compared):
     x_block = data["x"].double().abs().reshape(-1, 64).amax(dim=1).repeat_interleave(64)
     bound = data["int8_scale"].double() * (data["int8"].double().abs() * x_block).sum(dim=1) / 65534
     _within(here["int8"], children["avx512"]["outputs"]["int8"], bound)
+
+
+def test_the_bf16_gemv_bodies_agree_within_float32_sums(compared):
+    """The AVX512-BF16 body (vdpbf16ps pairs, 2 x 16 lanes) and the AVX2 body (4 x 8 lanes) sum the same exact
+    products in other orders: each within half a bfloat16 step (2^-8 relative) plus K * 2^-24 * sum |x w| of the
+    exact sum, so the two at most one bfloat16 step apart (rarely: 64 outputs may all agree)."""
+    data, here, children = compared
+    exact = data["x"].double() @ data["bf16_w"].double().t() + data["bf16_bias"].double()
+    magnitude = data["x"].double().abs() @ data["bf16_w"].double().abs().t() + data["bf16_bias"].double().abs()
+    for y in (here["bf16_gemv"], children["avx2"]["outputs"]["bf16_gemv"]):
+        assert ((y.double() - exact).abs() <= 2.0**-8 * exact.abs() + K * 2.0**-24 * magnitude).all()
+    step = 2.0**-7 * here["bf16_gemv"].double().abs()
+    assert ((children["avx2"]["outputs"]["bf16_gemv"].double() - here["bf16_gemv"].double()).abs() <= step).all()
+    assert torch.equal(children["avx512"]["outputs"]["bf16_gemv"], here["bf16_gemv"])  # AVX512-BF16 still there
+
+
+def test_the_bf16_f32_gemv_gives_the_same_bits_in_its_avx2_and_c_bodies(compared):
+    _, here, children = compared
+    for setting in ("avx2", "avx512", "generic"):
+        assert torch.equal(children[setting]["outputs"]["bf16_f32"], here["bf16_f32"]), setting
 
 
 _PROBE = """

@@ -1,7 +1,8 @@
 /* The instruction sets hfquant's kernels may use in this process: the one place that decides which body of a kernel
  * with several runs (blocks_cpu.c's VNNI or AVX2 body and its HQ3_R's GFNI or shift step, int8_cpu.c's W8A16 or
  * float body, int4_intdot_cpu.c's AVX-512 or AVX2 W4A8 GEMV, sinq_cpu.c's AVX-512 or portable pass, iq4_search_cpu.c's
- * AVX-512, AVX2 or portable IQ4 search) and whether the AVX-512 kernels run at all
+ * AVX-512, AVX2 or portable IQ4 search, bf16_cpu.c's AVX512-BF16 or AVX2 bfloat16 GEMV and AVX-512, AVX2 or C
+ * bfloat16 x float32 GEMV) and whether the AVX-512 kernels run at all
  * (hfquant_int4_cpu_supported). Every such check asks hfquant_isa().
  *
  * hfquant_isa() returns the HFQUANT_ISA_* bits (hfquant_kernels.h) of what the CPU has (__builtin_cpu_supports),
@@ -19,7 +20,8 @@
  * hfquant.ops.native raises ValueError naming the value).
  *
  * Not covered: rtn_cpu.c's AVX-512 loops (chosen when compiling, -DRTN_FORCE_GENERIC) and the target_clones of
- * sinq_cpu.c and blocks_quant_cpu.c (the loader picks the clone for the CPU; the clones are the same C code).
+ * sinq_cpu.c, blocks_quant_cpu.c, fold_chunk_cpu.c and bf16_cpu.c's C body (the loader picks the clone for the CPU;
+ * the clones are the same C code).
  */
 #include <stdlib.h>
 #include <string.h>
