@@ -39,8 +39,8 @@
  * vectors (each 16-lane accumulator kept as two), so the same float32 results; on a Zen 3 it took 0.40-0.46 of
  * block_pass's time (docs/performance.md, seventeenth session). Elsewhere (HFQUANT_ISA=generic, -DSINQ_FORCE_GENERIC)
  * block_pass, its hot loop compiled for AVX2 and the baseline, picked at load time (GCC's target_clones): its float32
- * results can differ from the others' in the last bits (its sums' order is the compiler's vectorization). After each pass the per-row factors and statistics (N, tiles) are updated row by row,
- * in their memory order.
+ * results can differ from the others' in the last bits (its sums' order is the compiler's vectorization). After each
+ * pass the per-row factors and statistics (N, tiles) are updated row by row, in their memory order.
  */
 #include <float.h>
 #include <math.h>
