@@ -36,7 +36,7 @@
  * tile cost about as much as the read: docs/performance.md), a later row's cache lines asked for along the way, and
  * NaN or Inf found from the first pass's sums (a row read again only where they are not finite). With AVX2, FMA and
  * F16C but not AVX-512 (or HFQUANT_ISA=avx2) it is block_pass_avx2: the same operations in the same order with 8-lane
- * vectors (each 16-lane accumulator kept as two), so the same float32 results; on a Zen 3 it took 0.40-0.46 of
+ * vectors (each 16-lane accumulator kept as two), so the same float32 results; on a Zen 3 it took 0.40-0.56 of
  * block_pass's time (docs/performance.md, seventeenth session). Elsewhere (HFQUANT_ISA=generic, -DSINQ_FORCE_GENERIC)
  * block_pass, its hot loop compiled for AVX2 and the baseline, picked at load time (GCC's target_clones): its float32
  * results can differ from the others' in the last bits (its sums' order is the compiler's vectorization). After each
