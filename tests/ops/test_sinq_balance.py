@@ -1,9 +1,17 @@
 """SINQ's Sinkhorn balancing in C (hfquant.ops.native.sinq_balance, csrc/sinq_cpu.c, behind hfquant.ops.balance)
 against the torch steps of hfquant.core.sinq.balance computed in float64: the same iterations, so the inverse column
 factors agree to float32 rounding and the stored bfloat16 scales are equal on almost every column (one bfloat16 step
-at most). torch's own default path rounds each sum to bfloat16 and is further from that reference."""
+at most). torch's own default path rounds each sum to bfloat16 and is further from that reference. The pass has three bodies,
+picked by the CPU or `HFQUANT_ISA` (csrc/isa_cpu.c): block_pass_avx512, block_pass_avx2 (the same operations in the
+same order with 8-lane vectors) and the portable block_pass; children of this process run the other two."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +154,140 @@ def test_without_the_library_the_torch_steps_run(monkeypatch):
     monkeypatch.setattr(balance, "native_balance_available", lambda: False)
     got = balance.column_scale(weights, 64, [None, factors], iterations=2)
     assert torch.equal(got, folding.column_scale_of(weights, 64, [None, factors], iterations=2))
+
+
+# The bodies' cases: (n, k, group, iterations) of one bfloat16 matrix, then the stacked matrices with row factors
+# (a float32 one among them: its rows are rounded to bfloat16 first) and the zero and clamped rows.
+_BODY_CASES = [(256, 512, 64, 4), (96, 1536, 128, 4), (64, 256, 256, 1), (45, 1280, 64, 4), (37, 336, 16, 8)]
+_BODY_CASES += [(40, 4608, 128, 4), (3, 64, 32, 4), (600, 2048, 256, 4)]
+
+
+def _stacked():
+    weights = [_weight(192, 512, 1), _weight(64, 512, 2), _weight(64, 512, 3, torch.float32)]
+    return weights, [None, None, torch.rand(64, generator=torch.Generator().manual_seed(4)) * 3 + 0.2]
+
+
+def _odd_rows():
+    weight = _weight(300, 256, 5).float()
+    weight[5] = 0
+    weight[17, :64] = 0
+    weight[40, 64:128] *= 1e5
+    weight[:, 3] = 0
+    return weight
+
+
+def _body_results() -> dict:
+    """This process's body on every case: {"cases": {name: inv_col}, "threads": inv_col at 1, 2 and 3 threads,
+    "refused": whether each non-finite weight was refused}."""
+    cases = {case: native.sinq_balance([_weight(*case[:2], sum(case[:2]))], *case[2:]) for case in _BODY_CASES}
+    weights, factors = _stacked()
+    cases["stacked"] = native.sinq_balance(weights, 128, sinq.ITERATIONS, factors)
+    cases["odd rows"] = native.sinq_balance([_odd_rows()], 64, 4)
+    stack = [_weight(700, 512, 7), _weight(300, 512, 8)]
+    row_factors = [None, torch.rand(300, generator=torch.Generator().manual_seed(9)) + 0.5]
+    threads = [native.sinq_balance(stack, 64, 4, row_factors, threads=count) for count in (1, 2, 3)]
+    refused = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for values in ((float("nan"),), (float("inf"),), (float("inf"), float("-inf")), (float("-inf"),)):
+            weight = _weight(48, 256, 14, dtype)
+            for offset, value in enumerate(values):
+                weight[47 if dtype == torch.bfloat16 else 20, 255 - offset] = value
+            try:
+                native.sinq_balance([weight], 64, 4)
+                refused.append(False)
+            except ValueError as error:
+                refused.append("NaN or Inf" in str(error))
+    return {"isa": native.isa(), "cases": cases, "threads": threads, "refused": refused}
+
+
+_CHILD = """
+    import sys, torch
+    import test_sinq_balance
+    torch.save(test_sinq_balance._body_results(), sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def bodies(tmp_path_factory) -> dict:
+    """{HFQUANT_ISA setting: `_body_results()` of a child with it} for "avx2" (block_pass_avx2, as on a CPU without
+    AVX-512) and "generic" (block_pass)."""
+    if "avx2" not in native.isa():
+        pytest.skip("block_pass_avx2 needs AVX2, FMA and F16C")
+    folder = tmp_path_factory.mktemp("sinq_bodies")
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here.parent.parent), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])
+    children = {
+        setting: subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_CHILD), str(folder / f"{setting}.pt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
+        )
+        for setting in ("avx2", "generic")
+    }
+    results = {}
+    for setting, child in children.items():
+        _, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err[-3000:]
+        results[setting] = torch.load(folder / f"{setting}.pt")
+    assert results["avx2"]["isa"] == ("avx2",) and results["generic"]["isa"] == ()
+    return results
+
+
+def _case_reference(case) -> torch.Tensor:
+    if case == "stacked":
+        weights, factors = _stacked()
+        return _reference(weights, 128, factors)
+    if case == "odd rows":
+        return _reference([_odd_rows()], 64, iterations=4)
+    n, k, group, iterations = case
+    return _reference([_weight(n, k, n + k)], group, iterations=iterations)
+
+
+def _group(case) -> int:
+    return {"stacked": 128, "odd rows": 64}.get(case, case[2] if isinstance(case, tuple) else 0)
+
+
+@pytest.mark.parametrize("setting", ["avx2", "generic"])
+def test_each_body_matches_the_float64_steps(bodies, setting):
+    """block_pass_avx2 and block_pass against the float64 reference, with the tolerance of the tests above."""
+    for case, got in bodies[setting]["cases"].items():
+        want = _case_reference(case)
+        assert ((got - want).abs() / want).max() < 1e-4, case
+        scale, expected = sinq.scale_from_balance(got, _group(case)), sinq.scale_from_balance(want, _group(case))
+        assert ((scale - expected).abs() / expected).max() <= BF16_STEP, case
+        assert (scale == expected).float().mean() >= 0.99, case
+
+
+def test_the_avx2_body_agrees_with_the_portable_one(bodies):
+    """The two bodies sum in different orders (block_pass's order is the compiler's vectorization): the same factors
+    to float32 rounding (measured: at most 5e-7 relative on the 1.2B's shapes), and the same bfloat16 scales on
+    almost every column."""
+    avx2, generic = bodies["avx2"]["cases"], bodies["generic"]["cases"]
+    assert avx2.keys() == generic.keys()
+    for case in avx2:
+        assert ((avx2[case] - generic[case]).abs() / generic[case]).max() < 1e-5, case
+        scale, other = (
+            sinq.scale_from_balance(avx2[case], _group(case)),
+            sinq.scale_from_balance(generic[case], _group(case)),
+        )
+        assert ((scale - other).abs() / other).max() <= BF16_STEP, case
+        assert (scale == other).float().mean() >= 0.99, case
+
+
+@pytest.mark.parametrize("setting", ["avx2", "generic"])
+def test_each_body_refuses_non_finite_weights_for_any_thread_count(bodies, setting):
+    result = bodies[setting]
+    assert all(result["refused"]), result["refused"]
+    assert all(torch.equal(result["threads"][0], r) for r in result["threads"][1:])
+
+
+def test_the_avx2_body_gives_the_avx512_bodys_floats(bodies):
+    """On a CPU with AVX-512F, block_pass_avx512 (this process) and block_pass_avx2 (the child) give the same bits:
+    every lane adds the same products in the same order, and the tiles' sums are reduced by the same additions."""
+    if "avx512" not in native.isa():
+        pytest.skip("this process runs block_pass_avx2 already (no AVX-512 here)")
+    here = _body_results()
+    for case, got in bodies["avx2"]["cases"].items():
+        assert torch.equal(got, here["cases"][case]), case

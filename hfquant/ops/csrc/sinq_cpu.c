@@ -34,10 +34,13 @@
  * (cs and cq read and written once per group), each row's tile sums reduced 16 (or 8) tiles at a time by a transposing
  * reduction and their square roots taken in one vector (one horizontal sum and one scalar square root per row and
  * tile cost about as much as the read: docs/performance.md), a later row's cache lines asked for along the way, and
- * NaN or Inf found from the first pass's sums (a row read again only where they are not finite). Elsewhere the hot
- * loop is compiled for AVX2 and the baseline, picked at load time (GCC's target_clones). The paths' float32 results
- * can differ in the last bits. After each pass the per-row factors and statistics (N, tiles) are updated row by row,
- * in their memory order.
+ * NaN or Inf found from the first pass's sums (a row read again only where they are not finite). With AVX2, FMA and
+ * F16C but not AVX-512 (or HFQUANT_ISA=avx2) it is block_pass_avx2: the same operations in the same order with 8-lane
+ * vectors (each 16-lane accumulator kept as two), so the same float32 results; on a Zen 3 it took 0.40-0.56 of
+ * block_pass's time (docs/performance.md, seventeenth session). Elsewhere (HFQUANT_ISA=generic, -DSINQ_FORCE_GENERIC)
+ * block_pass, its hot loop compiled for AVX2 and the baseline, picked at load time (GCC's target_clones): its float32
+ * results can differ from the others' in the last bits (its sums' order is the compiler's vectorization). After each
+ * pass the per-row factors and statistics (N, tiles) are updated row by row, in their memory order.
  */
 #include <float.h>
 #include <math.h>
@@ -314,6 +317,177 @@ AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64
     }
     return bad;
 }
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET static inline __m256 widen8(const uint16_t *src) {
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
+/* sum16 with 8-lane vectors: lane i of the result the sum of tile i's 16 lanes, lo[i] its lanes 0 .. 7 and hi[i] its
+ * lanes 8 .. 15, for 8 tiles. sum16 adds, per tile, (W0 + W1) + (W2 + W3) with W_L = (x[4L] + x[4L + 2]) +
+ * (x[4L + 1] + x[4L + 3]) over its 128-bit lanes L; the same additions here (W0, W1 from lo, W2, W3 from hi), so
+ * every tile's sum is sum16's bits (and sum8's: the tiles' lanes do not mix). */
+AVX2_TARGET static inline __m256 sum16_avx2(const __m256 *lo, const __m256 *hi) {
+    __m256 a[4], c[2][2];
+    for (int h = 0; h < 2; h++) {
+        const __m256 *v = h ? hi : lo;
+        for (int i = 0; i < 4; i++) { /* per 128-bit lane: v[2i] v[2i+1] v[2i] v[2i+1] */
+            const __m256 x = v[2 * i], y = v[2 * i + 1];
+            a[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+        }
+        for (int i = 0; i < 2; i++) { /* per 128-bit lane: W_L of tiles 4i .. 4i + 3 */
+            const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+            c[h][i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                                    _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+        }
+    }
+    /* W0 + W1 (lo) and W2 + W3 (hi) of tiles 0 .. 3 | 4 .. 7, then their sum */
+    const __m256 d0 = _mm256_add_ps(_mm256_permute2f128_ps(c[0][0], c[0][1], 0x20),
+                                    _mm256_permute2f128_ps(c[0][0], c[0][1], 0x31));
+    const __m256 d1 = _mm256_add_ps(_mm256_permute2f128_ps(c[1][0], c[1][1], 0x20),
+                                    _mm256_permute2f128_ps(c[1][0], c[1][1], 0x31));
+    return _mm256_add_ps(d0, d1);
+}
+
+/* row_stats_avx512 with 8-lane vectors, 8 tiles at a time: each 16-lane accumulator of it kept as two (lanes 0 .. 7
+ * and 8 .. 15), so every lane adds the same products in the same order, and sum16_avx2 reduces them as sum16 does:
+ * the same rs and b bits. */
+AVX2_TARGET static int row_stats_avx2(const State *st, const uint16_t *src, const char *ahead, int64_t ahead_size,
+                                      const float *ir, float *rs, float *b, int first, int check) {
+    const int64_t g = st->group, tiles = st->tiles;
+    const __m256 inv_g = _mm256_set1_ps(1.0f / (float)g), inv_g1 = _mm256_set1_ps(1.0f / (float)(g > 1 ? g - 1 : 1));
+    const __m256 zero = _mm256_setzero_ps(), infinity = _mm256_set1_ps(INFINITY);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    int odd = 0;
+    __m256 s_lo[8], s_hi[8], q_lo[8], q_hi[8];
+    for (int64_t t0 = 0; t0 < tiles; t0 += 8) {
+        const int count = tiles - t0 < 8 ? (int)(tiles - t0) : 8;
+        for (int i = 0; i < 8; i++) {
+            if (i >= count) {
+                s_lo[i] = s_hi[i] = q_lo[i] = q_hi[i] = zero;
+                continue;
+            }
+            const uint16_t *xt = src + (t0 + i) * g;
+            const float *ict = st->ic + (t0 + i) * g;
+            const char *pre = ahead ? ahead + (t0 + i) * g * ahead_size : NULL;
+            /* s0 and s1 of row_stats_avx512, each as lanes 0 .. 7 (a) and 8 .. 15 (b) */
+            __m256 s0a = zero, s0b = zero, s1a = zero, s1b = zero, q0a = zero, q0b = zero, q1a = zero, q1b = zero;
+            int64_t j = 0;
+            for (; j + 32 <= g; j += 32) {
+                if (pre) {
+                    _mm_prefetch(pre + j * ahead_size, _MM_HINT_T0);
+                    if (ahead_size > 2) _mm_prefetch(pre + j * ahead_size + 64, _MM_HINT_T0);
+                }
+                const __m256 y0a = _mm256_mul_ps(widen8(xt + j), _mm256_loadu_ps(ict + j));
+                const __m256 y0b = _mm256_mul_ps(widen8(xt + j + 8), _mm256_loadu_ps(ict + j + 8));
+                const __m256 y1a = _mm256_mul_ps(widen8(xt + j + 16), _mm256_loadu_ps(ict + j + 16));
+                const __m256 y1b = _mm256_mul_ps(widen8(xt + j + 24), _mm256_loadu_ps(ict + j + 24));
+                s0a = _mm256_add_ps(s0a, y0a);
+                s0b = _mm256_add_ps(s0b, y0b);
+                s1a = _mm256_add_ps(s1a, y1a);
+                s1b = _mm256_add_ps(s1b, y1b);
+                q0a = _mm256_fmadd_ps(y0a, y0a, q0a);
+                q0b = _mm256_fmadd_ps(y0b, y0b, q0b);
+                q1a = _mm256_fmadd_ps(y1a, y1a, q1a);
+                q1b = _mm256_fmadd_ps(y1b, y1b, q1b);
+            }
+            if (j < g) { /* g % 32 == 16 */
+                if (pre) _mm_prefetch(pre + j * ahead_size, _MM_HINT_T0);
+                const __m256 y0a = _mm256_mul_ps(widen8(xt + j), _mm256_loadu_ps(ict + j));
+                const __m256 y0b = _mm256_mul_ps(widen8(xt + j + 8), _mm256_loadu_ps(ict + j + 8));
+                s0a = _mm256_add_ps(s0a, y0a);
+                s0b = _mm256_add_ps(s0b, y0b);
+                q0a = _mm256_fmadd_ps(y0a, y0a, q0a);
+                q0b = _mm256_fmadd_ps(y0b, y0b, q0b);
+            }
+            s_lo[i] = _mm256_add_ps(s0a, s1a);
+            s_hi[i] = _mm256_add_ps(s0b, s1b);
+            q_lo[i] = _mm256_add_ps(q0a, q1a);
+            q_hi[i] = _mm256_add_ps(q0b, q1b);
+        }
+        const __m256 sum = sum16_avx2(s_lo, s_hi), squares = sum16_avx2(q_lo, q_hi);
+        const int live = (1 << count) - 1;
+        if (check) /* |sum| or squares not below infinity: NaN or infinite */
+            odd |= live & _mm256_movemask_ps(_mm256_or_ps(
+                              _mm256_cmp_ps(_mm256_and_ps(sum, magnitude), infinity, _CMP_NLT_UQ),
+                              _mm256_cmp_ps(squares, infinity, _CMP_NLT_UQ)));
+        float irs[8] = {0}, out[8];
+        memcpy(irs, ir + t0, (size_t)count * sizeof(float));
+        const __m256 irv = _mm256_loadu_ps(irs);
+        __m256 var = _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_mul_ps(sum, sum), inv_g, squares), inv_g1);
+        var = _mm256_max_ps(var, zero);
+        const __m256 std = _mm256_mul_ps(_mm256_sqrt_ps(var), irv);
+        _mm256_storeu_ps(out, std);
+        memcpy(rs + t0, out, (size_t)count * sizeof(float));
+        /* ir / std where std > 0, else 0 */
+        const __m256 positive = _mm256_cmp_ps(std, zero, _CMP_GT_OQ);
+        const __m256 weight = first ? irv : _mm256_and_ps(_mm256_div_ps(irv, std), positive);
+        _mm256_storeu_ps(out, weight);
+        memcpy(b + t0, out, (size_t)count * sizeof(float));
+    }
+    return odd != 0 && bf16_not_finite(src, st->k);
+}
+
+/* add_columns_avx512 with 8-lane vectors: the same sums lane by lane */
+AVX2_TARGET static inline __attribute__((always_inline)) void add_columns_avx2(const State *st,
+                                                                              const uint16_t *const *src,
+                                                                              const float *b, int rows, float *cs,
+                                                                              float *cq) {
+    const int64_t g = st->group, tiles = st->tiles;
+    for (int64_t t = 0; t < tiles; t++) {
+        __m256 a[ROW_GROUP];
+        for (int r = 0; r < rows; r++) a[r] = _mm256_set1_ps(b[r * tiles + t]);
+        for (int64_t j = t * g; j < (t + 1) * g; j += 8) {
+            __m256 sv = _mm256_loadu_ps(cs + j), qv = _mm256_loadu_ps(cq + j);
+            for (int r = 0; r < rows; r++) {
+                const __m256 v = _mm256_mul_ps(widen8(src[r] + j), a[r]);
+                sv = _mm256_add_ps(sv, v);
+                qv = _mm256_fmadd_ps(v, v, qv);
+            }
+            _mm256_storeu_ps(cs + j, sv);
+            _mm256_storeu_ps(cq + j, qv);
+        }
+    }
+}
+
+/* block_pass_avx512 with AVX2 and FMA (8-lane vectors), for a CPU without AVX-512 (or HFQUANT_ISA=avx2): the same
+ * operations in the same order, so the same float32 results */
+AVX2_TARGET static int block_pass_avx2(const State *st, int64_t start, int64_t stop, int first, float *part,
+                                       uint16_t *conv, float *b) {
+    const int64_t k = st->k, tiles = st->tiles;
+    float *cs = part, *cq = part + k;
+    int bad = 0;
+    memset(part, 0, (size_t)(2 * k) * sizeof(float));
+    for (int64_t n0 = start; n0 < stop; n0 += ROW_GROUP) {
+        const int rows = stop - n0 < ROW_GROUP ? (int)(stop - n0) : ROW_GROUP;
+        const uint16_t *src[ROW_GROUP];
+        for (int r = 0; r < rows; r++) {
+            const int64_t n = n0 + r;
+            const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;
+            if (st->is_bf16) {
+                src[r] = (const uint16_t *)st->row[n];
+            } else {
+                const float *from = (const float *)st->row[n];
+                uint16_t *to = conv + r * k;
+                int row_bad = 0;
+                for (int64_t j = 0; j < k; j++) {
+                    row_bad |= !(fabsf(from[j]) <= FLT_MAX);
+                    to[j] = float_to_bf16(from[j]);
+                }
+                if (first) bad |= row_bad;
+                src[r] = to;
+            }
+            bad |= row_stats_avx2(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles, st->rs + n * tiles,
+                                  b + r * tiles, first, first && st->is_bf16);
+        }
+        if (rows == ROW_GROUP) add_columns_avx2(st, src, b, ROW_GROUP, cs, cq);
+        else
+            for (int r = 0; r < rows; r++) add_columns_avx2(st, src + r, b + r * tiles, 1, cs, cq);
+    }
+    return bad;
+}
 #endif
 
 static float std_of(double total, double squares, int64_t count) {
@@ -438,13 +612,14 @@ static int run(State *st, int64_t iterations, int threads, float *best_ic, float
     float *floor = again + k, *hi = floor + tiles, *lo = hi + tiles, *old = lo + tiles;
     int wide = 0; /* set below, not in an else branch: a C file's first else directive starts its other-machine stubs */
 #if defined(HFQ_AVX512) && !defined(SINQ_FORCE_GENERIC) /* build with -DSINQ_FORCE_GENERIC to check block_pass */
-    wide = g % 16 == 0 && HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512); /* isa_cpu.c; HFQUANT_ISA=avx2: block_pass */
+    /* isa_cpu.c: 2 block_pass_avx512, 1 block_pass_avx2 (no AVX-512, or HFQUANT_ISA=avx2), 0 block_pass */
+    if (g % 16 == 0) wide = HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512) ? 2 : HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2) ? 1 : 0;
 #endif
     for (int64_t step = 0; step <= iterations; step++) {
         const int first = step == 0;
 #pragma omp parallel num_threads(threads) reduction(| : bad, oom)
         {
-            /* block_pass: a float32 row and the tiles' weights; block_pass_avx512: ROW_GROUP bfloat16 rows and weights */
+            /* block_pass: a float32 row and the tiles' weights; the others: ROW_GROUP bfloat16 rows and weights */
             float *x = malloc((size_t)(wide ? (k + 1) / 2 * ROW_GROUP + tiles * ROW_GROUP : k + tiles) * sizeof(float));
             if (!x) oom = 1;
 #pragma omp for schedule(dynamic, 1)
@@ -453,9 +628,13 @@ static int run(State *st, int64_t iterations, int threads, float *best_ic, float
                 const int64_t start = blk * COL_BLOCK, stop = start + COL_BLOCK < n ? start + COL_BLOCK : n;
                 float *part = st->part + blk * 2 * k;
 #ifdef HFQ_AVX512
-                if (wide) {
+                if (wide == 2) {
                     bad |= block_pass_avx512(st, start, stop, first, part, (uint16_t *)x,
                                              x + (k + 1) / 2 * ROW_GROUP);
+                    continue;
+                }
+                if (wide == 1) {
+                    bad |= block_pass_avx2(st, start, stop, first, part, (uint16_t *)x, x + (k + 1) / 2 * ROW_GROUP);
                     continue;
                 }
 #endif
