@@ -29,8 +29,8 @@ def _inputs(n: int, k: int, seed: int):
 
 
 def _cancelling(n: int, k: int, seed: int):
-    """`_inputs` whose float32 rounding shows in the bfloat16 outputs: in each 32 inputs x[16:32] = x[0:16] and the codes
-    [16:32] are minus those of [0:16] but for about 8 per row off by one, so lanes i and 8 + i of the VNNI body's
+    """`_inputs` whose float32 rounding shows in the bfloat16 outputs: in each 32 inputs x[16:32] = x[0:16] and the
+    codes [16:32] are minus those of [0:16] but for about 8 per row off by one, so lanes i and 8 + i of the VNNI body's
     accumulator (and the row's partial sums) nearly cancel and the result is some 2^-16 of its terms. A model with
     another lane mapping, a separate multiply and add instead of the FMA, or the lanes summed in sequence gives some
     other outputs on these (tried: each of the three differs on 1 to 36 outputs of every shape tested but (7, 128))."""
@@ -72,8 +72,8 @@ def _vnni_model(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
 @needs_int8
 @w8a16_here
 @pytest.mark.parametrize(
-    "n, k", [(7, 128), (256, 512), (128, 2048), (86, 8256), (66, 16384)]
-)  # the one-row loop; the 4-row loop (K > 8192) and its leftover rows
+    "n, k", [(7, 128), (256, 512), (128, 2048), (42, 4096), (86, 8256), (66, 16384)]
+)  # the one-row loop; the 4-row loop (K >= 4096 in the AVX2 body, K > 8192 in the VNNI one) and its leftover rows
 @pytest.mark.parametrize("threads", [1, 2])
 def test_w8a16_body_gives_the_vnni_bodys_bits(n, k, threads):
     x, codes, scale = _cancelling(n, k, n + k)
@@ -90,9 +90,9 @@ def test_w8a16_body_gives_the_vnni_bodys_bits(n, k, threads):
 @needs_int8
 @pytest.mark.parametrize("n, k", [(100, 48), (33, 1040), (9, 8208)])  # K % 64 != 0: the float body
 def test_float_body_matches_float64(n, k):
-    """Exact float32 products summed in float32 (16 or 8 lanes, each a sum of at most K / 16 terms, then a tree), rounded
-    once to bfloat16: within half a bfloat16 step (2^-9, taken as 2^-8) of each output plus the float32 summation
-    bound (K / 16 + 4) * 2^-24 * sum |x * q| * scale."""
+    """Exact float32 products summed in float32 (16 or 8 lanes, each a sum of at most K / 16 terms, then a tree),
+    rounded once to bfloat16: within half a bfloat16 step (2^-9, taken as 2^-8) of each output plus the float32
+    summation bound (K / 16 + 4) * 2^-24 * sum |x * q| * scale."""
     x, codes, scale = _inputs(n, k, n * k)
     y = native.int8_gemv(x, codes, scale).double()
     reference = (x.double() @ codes.double().t()) * scale.double()

@@ -5,9 +5,10 @@
  *   scale:  (N,) bfloat16.
  *   y:      (N,) bfloat16, each value summed in float32 and rounded once (round to nearest even).
  * Two ways, the same result within the activation rounding described below:
- * - K % 64 == 0 on a CPU with AVX512-VNNI, or on one with AVX2 and no AVX-512 (the AVX2 body, the same bits): x is split into blocks of 64 and each block is scaled to int16,
- *   xq = round(x * 32767 / max|x_block|) (W8A16: the rounding error, at most max|x_block| / 65534 per element, is
- *   about 1/128 of the bfloat16 rounding of the block's largest activation, so the output keeps bfloat16 accuracy).
+ * - K % 64 == 0 on a CPU with AVX512-VNNI, or with AVX2 and no AVX-512 (the AVX2 body: the same bits): x is split
+ *   into blocks of 64 and each block is scaled to int16, xq = round(x * 32767 / max|x_block|) (W8A16: the rounding
+ *   error, at most max|x_block| / 65534 per element, is about 1/128 of the bfloat16 rounding of the block's largest
+ *   activation, so the output keeps bfloat16 accuracy).
  *   Per block, 64 codes are sign-extended to int16 (vpmovsxbw) and multiplied with xq in pairs into int32 lanes
  *   (vpdpwssd, Intel's instruction set reference: "Multiply and Add Signed Word Integers"; 4 products per lane per
  *   block, far from int32 overflow), then converted to float32 and scaled by the block's scale (one FMA). This is
@@ -16,9 +17,10 @@
  *   The AVX2 body makes the same int32 sums with vpmovsxbw + vpmaddwd + vpaddd, 8 lanes at a time (see its comment).
  * - otherwise: x is widened to float32 once; each step reads 16 codes, sign-extends them to int32, converts them to
  *   float32 (exact) and multiply-adds them with the 16 activations (vfmadd231ps); on AVX2, 8 codes a step.
- * Long rows (K > INT8_ROWS4_MIN_K) go 4 rows at a time, each activation block loaded once for the 4. OpenMP threads
- * split the rows, in one parallel region per call (the 4-row loop and the rest); each output is summed by one thread
- * in a fixed order (no dependence on the thread count).
+ * Long rows (K > INT8_ROWS4_MIN_K; in the AVX2 W8A16 body K >= INT8_AVX2_ROWS4_MIN_K) go 4 rows at a time, each
+ * activation block loaded once for the 4 (the same bits as one row at a time). OpenMP threads split the rows, in one
+ * parallel region per call (the 4-row loop and the rest); each output is summed by one thread in a fixed order (no
+ * dependence on the thread count).
  * Requires K % 16 == 0 (and K <= 2^20) and AVX512-F/BW/VL + BF16 or AVX2 + FMA + F16C (hfquant_int8_gemv_supported;
  * hfquant_isa picks the body: HFQUANT_ISA=avx2 runs the AVX2 bodies on an AVX-512 CPU). Returns 0 on success, 1 for
  * a refused shape or CPU, 2 when memory runs out. */
@@ -49,7 +51,16 @@ static float int8_row_dot(const int8_t *row, const float *xf, int64_t k) {
 
 /* rows this long go 4 at a time: their activations outgrow L1 and reloading them per row costs more than four
  * interleaved weight streams (AMD Zen 4, W8A16 path: 4096 x 14336 0.81x the one-row time, 2048 x 8192 1.09x) */
+#ifndef INT8_ROWS4_MIN_K /* -D for measuring the 4-row loop on other K */
 #define INT8_ROWS4_MIN_K 8192
+#endif
+/* the AVX2 W8A16 body's 4-row loop from this K (AMD Zen 3, one thread, rows from DRAM: 4-row time over one-row time
+ * 1.33x at K = 2048, 0.81-0.91x at 4096, 0.66-0.72x at 8192, 0.65x at 16384; docs/performance.md, seventeenth
+ * session). Short rows lose there: 4 streams of 2 KB each restart the prefetchers where one row after another is a
+ * single sequential stream. */
+#ifndef INT8_AVX2_ROWS4_MIN_K
+#define INT8_AVX2_ROWS4_MIN_K 4096
+#endif
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 static void int8_rows4_dot(const int8_t *rows, const float *xf, int64_t k, float *out) {
@@ -236,8 +247,8 @@ static void int8_dot4(enum int8_body body, const int8_t *rows, const struct int8
 /* how many leading groups of 4 rows go 4 at a time */
 static int64_t int8_quads(enum int8_body body, int64_t n, int64_t k) {
     switch (body) {
-    case INT8_W8A16_VNNI:
-    case INT8_W8A16_AVX2: return k > INT8_ROWS4_MIN_K ? n / 4 : 0;
+    case INT8_W8A16_VNNI: return k > INT8_ROWS4_MIN_K ? n / 4 : 0;
+    case INT8_W8A16_AVX2: return k >= INT8_AVX2_ROWS4_MIN_K ? n / 4 : 0;
     case INT8_FLOAT_AVX512: return k >= INT8_ROWS4_MIN_K ? n / 4 : 0;
     default: return 0;
     }
@@ -278,7 +289,7 @@ int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *s
     if (k % 16 || k <= 0 || n <= 0 || k > (1 << 20)) return 1;
     if (!hfquant_int8_gemv_supported()) return 1;
     const enum int8_body body = int8_choose(k);
-    /* one buffer: xf (K floats), or xq (K int16s, then K / 64 floats xs: 2K bytes, a multiple of 128, keep xs aligned) */
+    /* one buffer: xf (K floats), or xq (K int16s) then xs (K / 64 floats; 2K bytes is a multiple of 128: aligned) */
     void *buffer = _mm_malloc((size_t)k * sizeof(float) + (size_t)(k / INT8_BLOCK) * sizeof(float), 64);
     if (buffer == NULL) return 2;
     struct int8_x prepared = {NULL, NULL, NULL};
