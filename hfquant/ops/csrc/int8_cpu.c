@@ -55,9 +55,9 @@ static float int8_row_dot(const int8_t *row, const float *xf, int64_t k) {
 #define INT8_ROWS4_MIN_K 8192
 #endif
 /* the AVX2 W8A16 body's 4-row loop from this K (AMD Zen 3, one thread, rows from DRAM: 4-row time over one-row time
- * 1.33x at K = 2048, 0.81-0.91x at 4096, 0.66-0.72x at 8192, 0.65x at 16384; docs/performance.md, seventeenth
- * session). Short rows lose there: 4 streams of 2 KB each restart the prefetchers where one row after another is a
- * single sequential stream. */
+ * 1.21-1.34x at K = 2048, 0.82-1.02x at 4096, 0.70-0.76x at 8192, 0.65x at 16384; docs/performance.md, seventeenth
+ * session). Short rows lose there, probably (not verified) because 4 streams of 2 KB each restart the prefetchers
+ * where one row after another is a single sequential stream. */
 #ifndef INT8_AVX2_ROWS4_MIN_K
 #define INT8_AVX2_ROWS4_MIN_K 4096
 #endif
