@@ -289,9 +289,10 @@ def native_int4_works() -> bool:
 
 @functools.cache
 def native_int8_works() -> bool:
-    """True if hfquant's native int8 GEMV (`hfquant.ops.native.int8_gemv`) loads here and, on a small random layer
-    (96 x 256), matches the aten kernel within 1% of the output range. Cached."""
-    if native.int4_cpu_library() is None:
+    """True if hfquant's native int8 GEMV (`hfquant.ops.native.int8_gemv`) runs on this CPU (`native.int8_gemv_supported`:
+    AVX-512 with BF16, or AVX2) and, on a small random layer (96 x 256), matches the aten kernel within 1% of the output
+    range. Cached. Whether it serves a layer is the per-shape timing's decision (`choice.int8_row_uses_native`)."""
+    if not native.int8_gemv_supported():
         return False
     generator = torch.Generator().manual_seed(0)
     n, k = 96, 256

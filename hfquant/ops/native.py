@@ -49,6 +49,7 @@ __all__ = [
     "int4_gemv_avx2",
     "int4_dequantize_t",
     "int8_gemv",
+    "int8_gemv_supported",
     "int4_repack",
     "rtn_quantize",
     "sinq_balance",
@@ -191,7 +192,7 @@ def isa() -> tuple[str, ...]:
 
 @functools.cache
 def int4_cpu_library() -> ctypes.CDLL | None:
-    """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 / int8 GEMVs, the int4
+    """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 GEMV, the int4
     dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
     library = built_library()
     if library is not None and not library.hfquant_int4_cpu_supported():
@@ -345,6 +346,13 @@ def int4_dequantize_t(
     return out
 
 
+def int8_gemv_supported() -> bool:
+    """Whether `int8_gemv` runs here: an x86-64 CPU with AVX512-F/BW/VL + BF16 (its VNNI or float body) or with AVX2 +
+    FMA + F16C (its AVX2 bodies, the VNNI body's bits where K % 64 == 0), as `HFQUANT_ISA` allows."""
+    library = built_library()
+    return library is not None and bool(library.hfquant_int8_gemv_supported())
+
+
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = (x @ q.T) * scale for one bfloat16 row and per-channel int8 codes (the stored layout).
 
@@ -355,16 +363,20 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     Returns:
         (1, N) bfloat16; each output summed in float32 and rounded once.
     Raises:
-        RuntimeError: the library is unavailable or refused the shapes (K % 16 != 0).
+        RuntimeError: the library is unavailable or refused the shapes (K % 16 != 0) or the CPU
+            (`int8_gemv_supported`).
     """
-    library = _loaded_library()
+    library = _loaded_library(any_x86=True)
     out_features, in_features = weight.shape
     y = torch.empty((1, out_features), dtype=torch.bfloat16)
     status = library.hfquant_int8_gemv(
         x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), out_features, in_features
     )
     if status:
-        raise RuntimeError(f"hfquant native int8 GEMV refused N={out_features}, K={in_features} (needs K % 16 == 0)")
+        raise RuntimeError(
+            f"hfquant native int8 GEMV refused N={out_features}, K={in_features} (needs K % 16 == 0, and AVX2 or "
+            "AVX-512 with BF16)"
+        )
     return y
 
 

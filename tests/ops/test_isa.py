@@ -10,7 +10,9 @@ and its outputs are compared with this process's (every instruction set):
 - the bfloat16-activation int4 GEMVs: int4_cpu.c's (AVX512-BF16, exact bfloat16 inputs) against the AVX2 one
   (int16 activations) within their stated bounds;
 - the int8 GEMV (int8_cpu.c): W8A16 body (VNNI) against the float body (`HFQUANT_ISA=avx512`), within the bound the
-  source states (int16 rounding of each activation, then two bfloat16 roundings);
+  source states (int16 rounding of each activation, then two bfloat16 roundings); against its AVX2 body
+  (`HFQUANT_ISA=avx2`), bit for bit, on one-row and 4-row shapes (test_int8_gemv.py checks either against a float32
+  model of the VNNI body's steps where only one exists);
 - the one-query-row attention (attention_cpu.c): its AVX-512 body against its AVX2 body (`HFQUANT_ISA=avx2`) and its
   portable body (`HFQUANT_ISA=generic`), bit for bit (the same float32 operations in the same order).
 - the SwiGLU product (decode_rows_cpu.c): its AVX-512 body (16 lanes) against its AVX2 and portable bodies (8 lanes),
@@ -45,6 +47,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 N, K, GROUP = 64, 512, 64
+INT8_LONG = (10, 8256)
+"""An int8 weight whose rows go 4 at a time (K > 8192), two left over."""
 K_TAIL = 576
 """An HQ3_R weight of 9 blocks per row: two groups of four and one block alone (the GEMV's last-group path)."""
 GROUPS = {256: ["q2_k", "q4_k", "q6_k"], 32: ["q4_0", "q8_0", "iq4_nl"]}
@@ -76,6 +80,11 @@ def _inputs() -> dict:
         "int8": codes8,
         "iq4_weight": torch.randn(N, K, generator=generator) * torch.exp(torch.randn(N, K, generator=generator)),
         "int8_scale": (torch.rand(N, generator=generator) * 0.01 + 1e-3).to(torch.bfloat16),
+        "int8_long": (
+            (torch.randn(INT8_LONG[1], generator=generator) * 3).to(torch.bfloat16),
+            torch.randint(-128, 128, INT8_LONG, dtype=torch.int8, generator=generator),
+            (torch.rand(INT8_LONG[0], generator=generator) * 0.01 + 1e-3).to(torch.bfloat16),
+        ),
         "attention": {
             name: [
                 (torch.randn(1, *shape, generator=generator) * scale).to(torch.bfloat16)
@@ -121,7 +130,9 @@ def _outputs(data: dict) -> dict:
         out["int4_avx2"] = native.int4_gemv_avx2(x, data["int4"][32], data["scale_zero"], GROUP)
     if native.int4_cpu_library() is not None:
         out["int4_bf16"] = native.int4_gemv(x, data["int4"][64], data["scale_zero"], GROUP)
+    if native.int8_gemv_supported():
         out["int8"] = native.int8_gemv(x, data["int8"], data["int8_scale"])
+        out["int8_long"] = native.int8_gemv(*data["int8_long"])
     try:
         out["bf16_gemv"] = native.bf16_gemv(x, data["bf16_w"], data["bf16_bias"])
     except RuntimeError:  # neither AVX512-BF16 nor AVX2 allowed: the kernel refuses
@@ -183,7 +194,7 @@ def test_the_settings_lower_the_instruction_sets(compared):
     assert children["generic"]["isa"] == ()
     # avx2: as on a CPU without AVX-512, no int4_cpu_library kernel and no 64-row W4A8 GEMV
     assert "w4a8_64" in here and "w4a8_64" not in children["avx2"]["outputs"]
-    assert "int8" in here and "int8" not in children["avx2"]["outputs"]
+    assert "int8" not in children["generic"]["outputs"]
     assert "bf16_gemv" in children["avx2"]["outputs"] and "bf16_gemv" not in children["generic"]["outputs"]
 
 
@@ -281,11 +292,19 @@ def test_the_bf16_f32_gemv_gives_the_same_bits_in_its_avx2_and_c_bodies(compared
         assert torch.equal(children[setting]["outputs"]["bf16_f32"], here["bf16_f32"]), setting
 
 
+def test_the_int8_gemv_gives_the_same_bits_in_its_avx2_body(compared):
+    """W8A16 on K % 64 == 0: vpmaddwd's int32 sums are vpdpwssd's, the float32 steps after them the same."""
+    _, here, children = compared
+    for name in ("int8", "int8_long"):
+        got = children["avx2"]["outputs"][name]
+        assert torch.equal(got, here[name]), f"{name}: {(got.float() - here[name].float()).abs().max()}"
+
+
 _PROBE = """
     import ctypes, sys
     library = ctypes.CDLL(sys.argv[1])
     print(library.hfquant_isa(), library.hfquant_int4_cpu_supported(), library.hfquant_block_gemv_supported(12),
-          library.hfquant_int4_a8_supported(32))
+          library.hfquant_int4_a8_supported(32), library.hfquant_int8_gemv_supported())
 """
 
 
@@ -293,7 +312,7 @@ def test_generic_refuses_every_kernel_and_a_bad_value_is_named(monkeypatch):
     """The C library alone (no torch: a fast child): generic allows nothing, so every kernel refuses; an unknown
     value gives the refused bit, which hfquant.ops.native turns into an error naming it."""
     library = native.built_library()._name
-    for setting, want in (("generic", [0, 0, 0, 0]), ("avx3", [native._ISA_REFUSED, 0, 0, 0])):
+    for setting, want in (("generic", [0, 0, 0, 0, 0]), ("avx3", [native._ISA_REFUSED, 0, 0, 0, 0])):
         command = [sys.executable, "-c", textwrap.dedent(_PROBE), library]
         result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HFQUANT_ISA": setting})
         assert [int(value) for value in result.stdout.split()] == want, (setting, result.stderr[-2000:])

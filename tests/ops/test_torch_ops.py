@@ -24,6 +24,10 @@ needs_operators = pytest.mark.skipif(
     not (gemv.native_int4_works() and torch_ops.loaded()),
     reason="hfquant's GEMV operators unavailable here (no AVX512-BF16, or no C/C++ compiler)",
 )
+needs_int8_operators = pytest.mark.skipif(
+    not (gemv.native_int8_works() and torch_ops.loaded()),
+    reason="hfquant's int8 GEMV operator unavailable here (no AVX2 or AVX512-BF16, or no C/C++ compiler)",
+)
 
 
 def _int4(n: int, k: int, group: int, seed: int = 0):
@@ -43,7 +47,7 @@ def test_int4_operator_gives_the_ctypes_bits(n, k, group):
     assert torch.equal(y, native.int4_gemv(x, weight, scale_zero, group))
 
 
-@needs_operators
+@needs_int8_operators
 @pytest.mark.parametrize("n, k", [(96, 256), (576, 1536), (192, 48)])
 def test_int8_operator_gives_the_ctypes_bits(n, k):
     generator = torch.Generator().manual_seed(1)
@@ -54,10 +58,10 @@ def test_int8_operator_gives_the_ctypes_bits(n, k):
     assert torch.equal(y, native.int8_gemv(x, q.q.contiguous(), scale))
 
 
-@needs_operators
-@pytest.mark.parametrize("n, k", [(97, 576), (3, 8256), (98, 8256), (99, 16384)])
+@needs_int8_operators
+@pytest.mark.parametrize("n, k", [(97, 576), (21, 4096), (3, 8256), (98, 8256), (99, 16384)])
 def test_int8_gemv_writes_every_row_at_one_and_two_threads(n, k):
-    """The 4-row loop (K > 8192) and the remaining rows share one OpenMP region (csrc/int8_cpu.c): every output is
+    """The 4-row loop (K > 8192; K >= 4096 in the AVX2 body) and the remaining rows share one OpenMP region (csrc/int8_cpu.c): every output is
     written, with the same bits at one and two threads, within the output's bfloat16 rounding and the activations'
     int16 rounding (at most max|x| / 65534 per element) of the float64 product."""
     generator = torch.Generator().manual_seed(n)
@@ -100,8 +104,7 @@ def test_operators_name_what_they_refuse():
         )
 
 
-@needs_operators
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_operators), pytest.param(8, marks=needs_int8_operators)])
 def test_a_compiled_graph_calls_the_operator_without_a_graph_break(bits):
     """fullgraph=True fails on any break; the graph dynamo hands the backend names the C++ operator (not the Python
     custom op), and the compiled row equals the eager one bit for bit."""

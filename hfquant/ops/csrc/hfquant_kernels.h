@@ -90,7 +90,9 @@ int hfquant_hq3_nl_quantize(const float *x, const float *w, int64_t w_period, in
 int hfquant_hq3_r_quantize(const float *x, const float *w, int64_t w_stride, int64_t rows, int64_t k,
                            const float *targets, int64_t ntargets, const float *levels, uint8_t *out);
 
-/* int8_cpu.c: int8 per-channel codes, row-major as stored */
+/* int8_cpu.c: int8 per-channel codes, row-major as stored; _supported: 1 where a body runs (AVX-512 F/BW/VL + BF16, or
+ * AVX2 + FMA + F16C) */
+int hfquant_int8_gemv_supported(void);
 int hfquant_int8_gemv(const uint16_t *x, const int8_t *weight, const uint16_t *scale, uint16_t *y, int64_t n,
                       int64_t k);
 

@@ -1,8 +1,8 @@
 /* The instruction sets hfquant's kernels may use in this process: the one place that decides which body of a kernel
- * with several runs (blocks_cpu.c's VNNI or AVX2 body and its HQ3_R's GFNI or shift step, int8_cpu.c's W8A16 or
- * float body, int4_intdot_cpu.c's AVX-512 or AVX2 W4A8 GEMV, sinq_cpu.c's AVX-512 or portable pass, iq4_search_cpu.c's
- * AVX-512, AVX2 or portable IQ4 search, bf16_cpu.c's AVX512-BF16 or AVX2 bfloat16 GEMV and AVX-512, AVX2 or C
- * bfloat16 x float32 GEMV) and whether the AVX-512 kernels run at all
+ * with several runs (blocks_cpu.c's VNNI or AVX2 body and its HQ3_R's GFNI or shift step, int8_cpu.c's W8A16 (VNNI or
+ * AVX2) or float body, int4_intdot_cpu.c's AVX-512 or AVX2 W4A8 GEMV, sinq_cpu.c's AVX-512, AVX2 or portable pass,
+ * iq4_search_cpu.c's AVX-512, AVX2 or portable IQ4 search, bf16_cpu.c's AVX512-BF16 or AVX2 bfloat16 GEMV and
+ * AVX-512, AVX2 or C bfloat16 x float32 GEMV) and whether the AVX-512 kernels run at all
  * (hfquant_int4_cpu_supported). Every such check asks hfquant_isa().
  *
  * hfquant_isa() returns the HFQUANT_ISA_* bits (hfquant_kernels.h) of what the CPU has (__builtin_cpu_supports),
@@ -12,7 +12,7 @@
  *     block GEMVs' VNNI body with HQ3_R's shift step instead of its GFNI one);
  *   "avx512": AVX-512 F/BW/VL and BF16 without VNNI (the int8 GEMV's float body; the block GEMVs' AVX2 body);
  *   "avx2": AVX2, FMA and F16C only, as on a CPU without AVX-512 (Haswell to Zen 3): the AVX-512 kernels refuse,
- *     the block and W4A8 GEMVs and the IQ4 search take their AVX2 bodies;
+ *     the block, W4A8 and int8 GEMVs and the IQ4 search take their AVX2 bodies;
  *   "generic": none (every x86 kernel refuses; hfquant computes with torch ops).
  * So tests (and anyone checking a report from an AVX2 machine) run the other bodies on an AVX-512 machine without a
  * rebuild: the bodies of one kernel use the same integers, the outputs are compared in tests/ops/test_isa.py. A value
