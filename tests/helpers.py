@@ -156,6 +156,34 @@ def run_python(code: str, timeout: float = 600, **env: str) -> subprocess.Comple
     )
 
 
+def start_by_isa(code: str, settings, folder: Path, *args: str) -> dict[str, subprocess.Popen]:
+    """{setting: a child Python running `code` (dedented) with `HFQUANT_ISA=setting` (csrc/isa_cpu.c reads it at load)
+    and argv [*args, folder / f"{setting}.pt"]}, the repository and tests/ folders on its PYTHONPATH; all started at
+    once, so the caller may compute while they run. `results_by_isa` collects them."""
+    tests = Path(__file__).parent
+    path = os.pathsep.join([str(tests.parent), str(tests), str(tests / "ops"), os.environ.get("PYTHONPATH", "")])
+    return {
+        setting: subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *args, str(folder / f"{setting}.pt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
+        )
+        for setting in settings
+    }
+
+
+def results_by_isa(children: dict[str, subprocess.Popen], folder: Path, timeout: float = 600) -> dict:
+    """{setting: torch.load of what the child of `start_by_isa` saved}; asserts each child exited 0 (its stderr)."""
+    results = {}
+    for setting, child in children.items():
+        _, err = child.communicate(timeout=timeout)
+        assert child.returncode == 0, err[-3000:]
+        results[setting] = torch.load(folder / f"{setting}.pt")
+    return results
+
+
 SHARD_SIZE = "20KB"
 """A shard size that splits a tiny test model into several shards."""
 

@@ -7,15 +7,11 @@ breakpoint sweep ("exact") finds what a dense scan finds, its "thorough" candida
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import results_by_isa, start_by_isa
 
 from hfquant.config import HfQuantConfig
 from hfquant.core import blocks
@@ -132,24 +128,7 @@ def bodies_by_isa(tmp_path_factory):
     """{HFQUANT_ISA setting: {"body": the child's body, "bytes": its `_every_case()`}} for "avx2" (the AVX2 body)
     and "generic" (the portable one), children of this process (csrc/isa_cpu.c reads the setting at load)."""
     folder = tmp_path_factory.mktemp("iq4_isa")
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here.parent.parent), str(here), os.environ.get("PYTHONPATH", "")])
-    children = {
-        setting: subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_CHILD), str(folder / f"{setting}.pt")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
-        )
-        for setting in ("avx2", "generic")
-    }
-    results = {}
-    for setting, child in children.items():
-        _, err = child.communicate(timeout=600)
-        assert child.returncode == 0, err[-3000:]
-        results[setting] = torch.load(folder / f"{setting}.pt")
-    return results
+    return results_by_isa(start_by_isa(_CHILD, ("avx2", "generic"), folder), folder)
 
 
 @pytest.mark.skipif("avx2" not in native.isa(), reason="runs the AVX2 body: needs AVX2, FMA and F16C")

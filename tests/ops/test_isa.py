@@ -32,10 +32,10 @@ import subprocess
 import sys
 import textwrap
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import results_by_isa, start_by_isa
 from test_block_gemv import _random_blocks as random_blocks  # every code and scale bit pattern, finite float16s
 
 from hfquant.core import blocks, packing, rtn
@@ -165,24 +165,10 @@ def compared(tmp_path_factory):
     folder = tmp_path_factory.mktemp("isa")
     data = _inputs()
     torch.save(data, folder / "inputs.pt")
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here.parent.parent), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
-    children = {
-        setting: subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_CHILD), str(folder / "inputs.pt"), str(folder / f"{setting}.pt")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
-        )
-        for setting in ("avx2", "avx512", "avx512vnni", "generic")
-    }
+    settings = ("avx2", "avx512", "avx512vnni", "generic")
+    children = start_by_isa(_CHILD, settings, folder, str(folder / "inputs.pt"))
     outputs = _outputs(data)
-    results = {}
-    for setting, child in children.items():
-        _, err = child.communicate(timeout=300)
-        assert child.returncode == 0, err[-3000:]
-        results[setting] = torch.load(folder / f"{setting}.pt")
+    results = results_by_isa(children, folder, timeout=300)
     return data, outputs, results
 
 

@@ -7,14 +7,9 @@ same order with 8-lane vectors) and the portable block_pass; children of this pr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import results_by_isa, start_by_isa
 
 from hfquant.core import folding, sinq
 from hfquant.ops import balance, native
@@ -214,23 +209,7 @@ def bodies(tmp_path_factory) -> dict:
     if "avx2" not in native.isa():
         pytest.skip("block_pass_avx2 needs AVX2, FMA and F16C")
     folder = tmp_path_factory.mktemp("sinq_bodies")
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here.parent.parent), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])
-    children = {
-        setting: subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_CHILD), str(folder / f"{setting}.pt")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "HFQUANT_ISA": setting, "PYTHONPATH": path},
-        )
-        for setting in ("avx2", "generic")
-    }
-    results = {}
-    for setting, child in children.items():
-        _, err = child.communicate(timeout=600)
-        assert child.returncode == 0, err[-3000:]
-        results[setting] = torch.load(folder / f"{setting}.pt")
+    results = results_by_isa(start_by_isa(_CHILD, ("avx2", "generic"), folder), folder)
     assert results["avx2"]["isa"] == ("avx2",) and results["generic"]["isa"] == ()
     return results
 
