@@ -280,6 +280,22 @@ AVX512_TARGET static inline __attribute__((always_inline)) void add_columns_avx5
     }
 }
 
+/* Row n of the stack as bfloat16 bits for the vector passes: the row itself (bfloat16 input), else its float32 values
+ * rounded into `to` (K), a non-finite one flagged in *bad on the first pass. Inlined into each pass, so compiled for
+ * its instruction set. */
+static inline __attribute__((always_inline)) const uint16_t *bf16_row(const State *st, int64_t n, int first,
+                                                                        uint16_t *to, int *bad) {
+    if (st->is_bf16) return (const uint16_t *)st->row[n];
+    const float *from = (const float *)st->row[n];
+    int row_bad = 0;
+    for (int64_t j = 0; j < st->k; j++) {
+        row_bad |= !(fabsf(from[j]) <= FLT_MAX);
+        to[j] = float_to_bf16(from[j]);
+    }
+    if (first) *bad |= row_bad;
+    return to;
+}
+
 /* block_pass for a group size that is a multiple of 16, with AVX-512F: rows in groups of ROW_GROUP, float32 rows
  * rounded to bfloat16 into `conv` (ROW_GROUP * K) first */
 AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64_t stop, int first, float *part,
@@ -295,19 +311,7 @@ AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64
             const int64_t n = n0 + r;
             /* a row is often a page: the hardware prefetchers stop at its end; row_stats_avx512 asks for this one */
             const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;
-            if (st->is_bf16) {
-                src[r] = (const uint16_t *)st->row[n];
-            } else {
-                const float *from = (const float *)st->row[n];
-                uint16_t *to = conv + r * k;
-                int row_bad = 0;
-                for (int64_t j = 0; j < k; j++) {
-                    row_bad |= !(fabsf(from[j]) <= FLT_MAX);
-                    to[j] = float_to_bf16(from[j]);
-                }
-                if (first) bad |= row_bad;
-                src[r] = to;
-            }
+            src[r] = bf16_row(st, n, first, conv + r * k, &bad);
             bad |= row_stats_avx512(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles, st->rs + n * tiles,
                                     b + r * tiles, first, first && st->is_bf16);
         }
@@ -466,19 +470,7 @@ AVX2_TARGET static int block_pass_avx2(const State *st, int64_t start, int64_t s
         for (int r = 0; r < rows; r++) {
             const int64_t n = n0 + r;
             const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;
-            if (st->is_bf16) {
-                src[r] = (const uint16_t *)st->row[n];
-            } else {
-                const float *from = (const float *)st->row[n];
-                uint16_t *to = conv + r * k;
-                int row_bad = 0;
-                for (int64_t j = 0; j < k; j++) {
-                    row_bad |= !(fabsf(from[j]) <= FLT_MAX);
-                    to[j] = float_to_bf16(from[j]);
-                }
-                if (first) bad |= row_bad;
-                src[r] = to;
-            }
+            src[r] = bf16_row(st, n, first, conv + r * k, &bad);
             bad |= row_stats_avx2(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles, st->rs + n * tiles,
                                   b + r * tiles, first, first && st->is_bf16);
         }
