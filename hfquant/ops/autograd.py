@@ -9,6 +9,8 @@ of w_hat at a time (`hfquant::quantized_matmul_backward`), so the transient floa
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hfquant.core import blocks, packing, rtn
@@ -127,4 +129,6 @@ def quantized_matmul_trainable(plan: KernelPlan, tensors: LayerTensors, x: torch
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
         return kernels.quantized_matmul(plan, tensors, x)
+    if plan.gemv_max_rows > 1:  # a few rows under autograd: the float product the backward's rule is the gradient of
+        plan = dataclasses.replace(plan, gemv_max_rows=1)
     return _quantized_matmul_op(x, *tensors, plan.key)

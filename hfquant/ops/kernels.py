@@ -123,6 +123,8 @@ class KernelPlan:
             `hfquant.core.packing`), else 0.
         gemm_min_rows: the activation rows from which the product runs as `_dequantized_gemm` (`GEMM_MIN_ROWS`;
             `NO_GEMM` where it does not apply).
+        gemv_max_rows: the most bfloat16 activation rows an eager call without autograd runs as one `row` call per
+            row (`hfquant.ops.plan.block_gemv_max_rows` for block formats with the block GEMV; 1: single rows only).
         native_dequant: whether that chunked GEMM dequantizes int4 chunks with hfquant's C kernel (eager, bfloat16).
         block: the block type of a block format (`StoredFormat.block`, e.g. "q4_k"), "" for the uniform formats.
     """
@@ -140,6 +142,7 @@ class KernelPlan:
     compiled_row_call: RowCall = RowCall.OPERATOR
     cpu_int4_block: int = 0
     gemm_min_rows: int = NO_GEMM
+    gemv_max_rows: int = 1
     native_dequant: bool = False
     block: str = ""
     key: str = dataclasses.field(init=False, repr=False, compare=False)
@@ -372,7 +375,8 @@ def quantized_matmul(plan: KernelPlan, tensors: LayerTensors, x: torch.Tensor) -
     """y = x @ w_hat.T for x (..., K) float; returns (..., N) in x's dtype, computed as `plan` says.
 
     One bfloat16 row runs the plan's one-row kernel (`plan.row`, `plan.compiled_row` in a torch.compile graph; W4A8
-    where the layer asked for int8 decode activations and it works here); from `plan.gemm_min_rows` rows the chunked
+    where the layer asked for int8 decode activations and it works here), and in eager up to `plan.gemv_max_rows`
+    bfloat16 rows that kernel once per row (`_row_by_row`); from `plan.gemm_min_rows` rows the chunked
     dequantized GEMM (`_dequantized_gemm`); every other call `plan.kernel`'s aten op (`Kernel.DEQUANT`: dequantize,
     then `F.linear`). `tensors` are the layer's (`LayerTensors`).
     """
@@ -387,11 +391,22 @@ def quantized_matmul(plan: KernelPlan, tensors: LayerTensors, x: torch.Tensor) -
         if row is not RowKernel.ATEN:
             y = gemv.row_product(row, call, x2d, tensors, plan)
             return y if flat else y.reshape(*shape[:-1], -1)  # (1, N), N > 0
-    if x2d.shape[0] >= plan.gemm_min_rows:
+    if 1 < x2d.shape[0] <= plan.gemv_max_rows and x2d.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        y = _row_by_row(plan, tensors, x2d)
+    elif x2d.shape[0] >= plan.gemm_min_rows:
         y = _dequantized_gemm(plan, tensors, x2d)
     else:
         y = _kernel_product(plan, tensors, x2d)
     return y if flat else y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _row_by_row(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) -> torch.Tensor:
+    """(M, K) bfloat16 x2d @ w_hat.T as M calls of the plan's one-row kernel (`plan.row`): (M, N) bfloat16, each row
+    the bytes a one-row call on it gives."""
+    row, call = plan.row, plan.row_call
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    return torch.cat([gemv.row_product(row, call, x2d[i : i + 1], tensors, plan) for i in range(x2d.shape[0])])
 
 
 def _kernel_product(plan: KernelPlan, tensors: LayerTensors, x2d: torch.Tensor) -> torch.Tensor:

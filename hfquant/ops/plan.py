@@ -109,20 +109,33 @@ size timed so far the torch path (the whole weight dequantized to float, then a 
 times slower, and timing it took about 5 s per shape of a 1.2B model on 2 cores (most of `from_gguf`'s time)."""
 
 
+def block_gemv_max_rows(n: int, k: int) -> int:
+    """The most bfloat16 activation rows (a short prompt's prefill) an N x K block layer runs as one block GEMV per row,
+    each row quantized to int8 blocks as in decode, rather than dequantizing its whole weight for a float product:
+    64 from 2**21 weights, 24 below. The dequantization's cost per weight is about the same at every size, the GEMV's
+    about twice as high on small layers. Measured with one thread on AMD EPYC Zen 3 (docs/performance.md, "Few-row
+    prefill of block formats"): the 1.2B benchmark model's 4-bit default (layers of 4-16M weights) at 8 / 32 / 63
+    tokens 0.46 / 1.69 / 3.09 s against 3.00 / 3.50 / 4.57; SmolLM2-135M (0.3-1.8M) at 8 / 24 / 32 tokens
+    0.16 / 0.27 / 0.45 s against 0.39 / 0.34 / 0.33."""
+    return 64 if n * k >= 1 << 21 else 24
+
+
 def _block_rows(plan: KernelPlan, dtype: torch.dtype) -> KernelPlan:
-    """`plan` of a CPU layer in a block format with the block GEMV for one bfloat16 row, where it works for the type
-    here (`gemv.native_block_works`) and, on a layer of fewer than `UNTIMED_BLOCK_WEIGHTS` weights, was timed faster
-    than the torch dequantization path on the shape."""
+    """`plan` of a CPU layer in a block format with the block GEMV for one bfloat16 row, and for each row of calls of
+    up to `block_gemv_max_rows` rows, where it works for the type here (`gemv.native_block_works`) and, on a
+    layer of fewer than `UNTIMED_BLOCK_WEIGHTS` weights, was timed faster than the torch dequantization path on the
+    shape (one row timed: the few-row calls follow it)."""
     name, n, k = plan.block, plan.out_features, plan.in_features
     if dtype != torch.bfloat16 or not gemv.native_block_works(name):
         return plan
+    few_rows = dataclasses.replace(plan, gemv_max_rows=block_gemv_max_rows(n, k))
     if n * k >= UNTIMED_BLOCK_WEIGHTS:
-        return _with_row(plan, RowKernel.BLOCK_GEMV, True)
+        return _with_row(few_rows, RowKernel.BLOCK_GEMV, True)
     if not choice.block_row_uses_native(name, n, k):
         return plan
     timings = choice.block_row_timings(name, n, k)
     in_graphs = timings is None or timings[0] + gemv.custom_op_overhead_s() < timings[1]
-    return _with_row(plan, RowKernel.BLOCK_GEMV, in_graphs)
+    return _with_row(few_rows, RowKernel.BLOCK_GEMV, in_graphs)
 
 
 def _with_row(plan: KernelPlan, row: RowKernel, in_graphs: bool) -> KernelPlan:
