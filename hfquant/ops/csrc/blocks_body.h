@@ -732,28 +732,44 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     return BK_NAME(hsum_)(_mm256_add_ps(BK_NAME(half512_)(sum, 0), BK_NAME(half512_)(sum, 1)));
 }
 #else
-/* IQ4_XS on AVX2: two blocks per step, one per 128-bit lane, their signed grid values' magnitudes against the
- * activation with their signs (vpmaddubsw: at most 2 * 127 * 127, no saturation), low and high nibbles into one
- * register of int32 lanes */
+/* IQ4_XS's eight 6-bit block scales minus 32 of the super-block at w as 8 int8 (byte j: block j's), in 64-bit
+ * general registers (the vector ports are the GEMV's bottleneck): the eight 4-bit lows (bytes 4-7) and the eight
+ * 2-bit highs (bytes 2-3) spread one field per byte by three shift-or-mask steps each; every s <= 63, so s - 32
+ * (mod 256) is (s + 0x60) ^ 0x80 with no carry between bytes (as k3_scales_) */
+BK_TARGET static inline uint64_t BK_NAME(iq4_xs_scales8_)(const uint8_t *w) {
+    uint16_t high;
+    uint32_t lows;
+    memcpy(&high, w + 2, 2);
+    memcpy(&lows, w + 4, 4);
+    uint64_t l = lows, h = high;
+    l = (l | l << 16) & 0x0000FFFF0000FFFFULL;
+    l = (l | l << 8) & 0x00FF00FF00FF00FFULL;
+    l = (l | l << 4) & 0x0F0F0F0F0F0F0F0FULL;
+    h = (h | h << 24) & 0x000000FF000000FFULL;
+    h = (h | h << 12) & 0x000F000F000F000FULL;
+    h = (h | h << 6) & 0x0303030303030303ULL;
+    return ((l | h << 4) + 0x6060606060606060ULL) ^ 0x8080808080808080ULL;
+}
+
+/* IQ4_XS on AVX2: per super-block, two blocks per step (one per 128-bit lane), their signed grid values' magnitudes
+ * against the activation with their signs (vpmaddubsw: int16 pair sums at most 2 * 127 * 127 = 32258, no
+ * saturation), each pair sum times its block's scale - 32 as int16 (vpmaddwd, in place of BK_DOT's by ones), the
+ * super-block's eight blocks summed in int32, then one conversion and one fmadd by d * dx. An int32 lane takes 8
+ * vpmaddwd (4 steps, low and high nibbles) of at most 2 * 32258 * 32 = 2064512 each: at most 16516096 < 2^24, so
+ * no overflow and the conversion to float is exact. This is another float order than the AVX-512 body's (a float
+ * product per block there): the two agree within float32 rounding, not bit for bit (tests/ops/test_isa.py). Against
+ * one float per block this step takes no conversion, fmadd or float scale per 64 weights and no vector work for the
+ * scales (iq4_xs_scales8_). */
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
     const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
         BK_NAME(stream_ahead_)(w, 136);
-        uint16_t high;
-        uint32_t lows;
-        memcpy(&high, w + 2, 2);
-        memcpy(&lows, w + 4, 4);
-        const __m256i ls = _mm256_sub_epi32(
-            _mm256_or_si256(
-                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lows), shift_l), _mm256_set1_epi32(15)),
-                _mm256_slli_epi32(
-                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
-            _mm256_set1_epi32(32));
-        const __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b)));
+        /* int32 lane j: block j's scale - 32 in both int16 halves */
+        const __m128i s8 = _mm_cvtsi64_si128((long long)BK_NAME(iq4_xs_scales8_)(w));
+        const __m256i twice = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));
+        __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j));
             const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
@@ -761,13 +777,14 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
             const int8_t *xn = a->qn + b * 256 + 128 * (j / 2) + 32 * (j % 2);
             const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
             const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
-            __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
-            p = BK_DOT(p, _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
-            const __m256 s = _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[j]);
+            const __m256i s = _mm256_permutevar8x32_epi32(twice, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
+            const __m256i p_lo = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+            const __m256i p_hi = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(p_lo, s), _mm256_madd_epi16(p_hi, s)));
         }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b)), acc);
     }
-    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
+    return BK_NAME(hsum_)(acc);
 }
 #endif
 
