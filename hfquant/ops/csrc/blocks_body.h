@@ -778,9 +778,10 @@ BK_TARGET BK_INLINE __m256i BK_NAME(iq4_xs_sum_)(const uint8_t *w, const int8_t 
 }
 
 /* IQ4_XS on AVX2: per super-block one conversion of its int32 lanes and one fmadd by d * dx, where one float per
- * block took a conversion, a scale pick and an fmadd per two blocks and the scales' unpack in vector registers:
- * 1.10-1.16x on a Zen 3 (docs/performance.md, eighteenth session; the scale pick by vpermd instead of the in-lane
- * shuffle 0.90-0.98x of that, two rows per step sharing the activation loads 0.90-0.96x) */
+ * block took a conversion, a scale pick and an fmadd per two blocks: 1.07-1.22x on a Zen 3 (docs/performance.md,
+ * eighteenth session; measured there too: the scale pick by vpermd instead of the in-lane shuffle 0.90-0.98x, two
+ * rows per step sharing the activation loads 0.90-0.96x, the magnitudes by a second lookup instead of vpabsb
+ * 0.99-1.09x) */
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
     __m256 acc = _mm256_setzero_ps();
@@ -1284,8 +1285,10 @@ BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, i
  * nibbles and one of high nibbles against ActRow.qn, as Q4_0's above), each block's low- and high-nibble dots added
  * in int32 before one conversion and one fmadd per pair (lane l: at most 8 * 127 * 127 = 129032, exact in float);
  * the four blocks' float16 d gathered in a general register, converted by one vcvtph2ps and multiplied by their
- * activation scales at once. Another float order than the AVX-512 body's (a float product per nibble half there):
- * the two agree within float32 rounding, not bit for bit (tests/ops/test_isa.py). */
+ * activation scales at once, each pair's picked in-lane: 1.07-1.22x the former step (Q4_0's row32_nibbles_, one
+ * float product per nibble half, as the AVX-512 body's) on a Zen 3 (docs/performance.md, eighteenth session). So
+ * another float order than the AVX-512 body's: the two agree within float32 rounding and one bfloat16 step, not bit
+ * for bit (tests/ops/test_isa.py). */
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
