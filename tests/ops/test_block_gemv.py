@@ -106,6 +106,80 @@ def test_block_gemv_is_the_stated_formula_and_within_the_int8_bound(name, shape)
     assert (y - exact).abs().max() > 0  # the activation rounding is visible: the test compares different products
 
 
+IQ4_PATTERNS = ((0, 0x00), (63, 0x00), (0, 0xFF), (63, 0xFF), (0, 0x0F), (63, 0xF0), (0, 0x88), (63, 0x77))
+"""IQ4 rows of one block scale (6-bit, minus 32: -32 or +31; IQ4_XS only) and one code byte everywhere (codes 0 / 15:
+grid values -127 / 113, and mixes of low and high nibbles, either side of the grid's sign change at 8)."""
+
+
+def _iq4_rows(name: str, k: int, seed: int) -> torch.Tensor:
+    """(len(IQ4_PATTERNS) + 4, row bytes) uint8 IQ4_NL / IQ4_XS rows: IQ4_PATTERNS' with d = +-2**-10 alternating,
+    then 4 rows of random bytes (every code and scale bit pattern) with random finite d."""
+    fmt = blocks.layout(name)
+    nb = k // fmt.block_size
+    rows = _random_blocks(name, len(IQ4_PATTERNS) + 4, k, seed).reshape(-1, nb, fmt.type_size)
+    for r, (scale, code) in enumerate(IQ4_PATTERNS):
+        d = torch.tensor([2.0**-10 * (-1) ** r], dtype=torch.float16).view(torch.uint8)
+        rows[r, :, 0:2] = d
+        if name == "iq4_xs":  # scales_h (2 bits per block) at 2, scales_l (4 per block) at 4
+            rows[r, :, 2:4] = 0xFF if scale == 63 else 0
+            rows[r, :, 4:8] = 0xFF if scale == 63 else 0
+            rows[r, :, 8:] = code
+        else:
+            rows[r, :, 2:] = code
+    return rows.reshape(len(rows), -1).contiguous()
+
+
+def _iq4_activation(kind: str, k: int) -> torch.Tensor:
+    """(1, K) bfloat16: `ones` (every input quantized to +127), `signs` (+-1 alternating by 4: +-127, each int32 lane's
+    four products of one sign), `random_signs` (+-1 at random) or `normal` (as _row)."""
+    generator = torch.Generator().manual_seed(k)
+    if kind == "ones":
+        return torch.ones((1, k), dtype=torch.bfloat16)
+    if kind == "signs":
+        return (1 - 2 * ((torch.arange(k) // 4) % 2)).to(torch.bfloat16).reshape(1, k)
+    if kind == "random_signs":
+        return (torch.randint(0, 2, (1, k), generator=generator) * 2 - 1).to(torch.bfloat16)
+    return _row(k, seed=k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["ones", "signs", "random_signs", "normal"])
+@pytest.mark.parametrize(
+    ("name", "k"),
+    [
+        ("iq4_xs", 256),
+        ("iq4_xs", 768),
+        ("iq4_xs", 2048 + 256),
+        ("iq4_nl", 96),
+        ("iq4_nl", 576),
+        ("iq4_nl", 608),
+        ("iq4_nl", 2048 + 256),
+    ],
+    # IQ4_XS: one, three and nine super-blocks (odd counts); IQ4_NL: its AVX2 row's steps of four blocks with 3, 2 and
+    # 3 blocks left over, and 72 blocks
+)
+def test_iq4_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extremes(name, k, kind):
+    """The IQ4 rows' integer dots at their bounds (blocks_body.h: IQ4_XS's AVX2 row sums a super-block's blocks times
+    their scales in int32, at most 8 * 2 * (2 * 127 * 127) * 32 = 16516096 per lane, reached by codes 0 at scale -32
+    against inputs of one sign; IQ4_NL's its blocks' two nibble halves): the output is the float64 product of the
+    dequantized weight with the quantized row (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32
+    rounding of each block's product and of the sums, (K / 32 + 16) * 2**-23 of sum |w| |x_hat|. A wrong scale, sign,
+    block order or an overflow in any row would be off by a fraction of that sum."""
+    fmt = blocks.layout(name)
+    data = _iq4_rows(name, k, seed=k)
+    weight = blocks.dequantize(name, data).double()
+    x = _iq4_activation(kind, k)
+    y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
+    x_hat, _ = _quantized_row(x, fmt.block_size)
+    if kind != "normal":
+        assert ((x_hat.abs() - 1).abs() < 1e-6).all()  # every input quantized to +-127 (x_hat: +-127 * (1 / 127))
+    stated = weight @ x_hat
+    magnitude = weight.abs() @ x_hat.abs()
+    bound = 2**-8 * stated.abs() + (k / 32 + 16) * 2**-23 * magnitude
+    assert ((y - stated).abs() <= bound).all(), ((y - stated).abs() - bound).max()
+    assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
 def test_operator_and_ctypes_agree_bit_for_bit(name):

@@ -652,14 +652,13 @@ BK_TARGET static float BK_NAME(row_q2_k_)(const uint8_t *w, const ActRow *a, int
 }
 
 /* ---- IQ4_XS: eight 32-weight blocks per super-block, a 6-bit scale minus 32 each (w = d * (scale - 32) * grid[u]).
- * Both bodies keep the same float lanes: per super-block, the int32 dot of each block's lane l (its weights 4l..4l + 3
- * and 16 + 4l..19 + 4l: the low- and high-nibble products of one 4-byte group of codes, against the activation in
- * ActRow.qn's order) is converted to float and multiplied by its block's float scale (scale - 32) * (d * dx) into
- * an accumulator: AVX-512 acc[g] lane 4c + l (block 4g + c), AVX2 acc[j] lanes 0-3 (block 2j) and 4-7 (2j + 1), added
- * as (acc 0 + acc 2) + (acc 1 + acc 3) at the end: the same integers, products and additions in the same order, so
- * the same bytes. The block's integer dot takes no 32-bit multiply and the scale no integer work per block (the
- * former order: 8 vpmulld per two super-blocks and one float per super-block, 0.8x Q4_0's bytes per second). The
- * dots' int32 lanes are at most 8 * 127 * 127 in magnitude: exact in float. ---- */
+ * The two bodies make the same integers (each block's dot) but round differently: the AVX-512 body converts each
+ * block's int32 lanes (lane l: its weights 4l..4l + 3 and 16 + 4l..19 + 4l, the low- and high-nibble products of one
+ * 4-byte group of codes, against the activation in ActRow.qn's order; at most 8 * 127 * 127, exact in float) and
+ * multiplies them by the block's float scale (scale - 32) * (d * dx); the AVX2 body multiplies each block's int16
+ * pair sums by its scale - 32 in integers and converts once per super-block (row_iq4_xs_ below: on AVX2 the vector
+ * ports are the bottleneck, and vpdpbusd takes a block's dot in one instruction on AVX-512). Their outputs agree
+ * within float32 rounding and one bfloat16 step, not bit for bit (tests/ops/test_isa.py). ---- */
 
 /* d * dx of super-block b at w (float16 d times the activation scale) */
 BK_TARGET static inline float BK_NAME(iq4_xs_dd_)(const uint8_t *w, const ActRow *a, int64_t b) {
@@ -732,42 +731,66 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     return BK_NAME(hsum_)(_mm256_add_ps(BK_NAME(half512_)(sum, 0), BK_NAME(half512_)(sum, 1)));
 }
 #else
-/* IQ4_XS on AVX2: two blocks per step, one per 128-bit lane, their signed grid values' magnitudes against the
- * activation with their signs (vpmaddubsw: at most 2 * 127 * 127, no saturation), low and high nibbles into one
- * register of int32 lanes */
+/* IQ4_XS's eight 6-bit block scales minus 32 of the super-block at w as 8 int16 (word j: block j's): the 4-bit lows
+ * (bytes 4-7) interleaved with their 16-bit shift by 4 and masked (byte j: nibble j % 2 of byte j / 2), the 2-bit
+ * highs (bytes 2-3) by one 16-bit multiply per word by 2^(14 - 2j) (field j to bits 14-15) and two shifts: 11 vector
+ * instructions, where a spread in general registers took about 30 and was no faster */
+BK_TARGET static inline __m128i BK_NAME(iq4_xs_scales16_)(const uint8_t *w) {
+    uint16_t high;
+    uint32_t lows;
+    memcpy(&high, w + 2, 2);
+    memcpy(&lows, w + 4, 4);
+    const __m128i l = _mm_cvtsi32_si128((int)lows);
+    const __m128i nibbles = _mm_and_si128(_mm_unpacklo_epi8(l, _mm_srli_epi16(l, 4)), _mm_set1_epi8(0x0F));
+    const __m128i powers = _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4, 1 << 2, 1);
+    const __m128i fields = _mm_mullo_epi16(_mm_set1_epi16((short)high), powers);
+    const __m128i highs = _mm_slli_epi16(_mm_srli_epi16(fields, 14), 4);
+    return _mm_sub_epi16(_mm_or_si128(_mm_cvtepu8_epi16(nibbles), highs), _mm_set1_epi16(32));
+}
+
+/* one IQ4_XS super-block's int32 lanes on AVX2 (w: its 136 bytes, xn: its 256 inputs in ActRow.qn's order; grid:
+ * IQ4_GRID in both 128-bit lanes): two blocks per step (one per 128-bit lane), their signed grid values' magnitudes
+ * against the activation with their signs (vpmaddubsw: int16 pair sums at most 2 * 127 * 127 = 32258, no
+ * saturation), each pair sum times its block's scale - 32 as int16 (vpmaddwd, in place of BK_DOT's by ones; the
+ * scales as 8 int16 in both 128-bit lanes, each step's two picked by an in-lane byte shuffle), summed in int32. An
+ * int32 lane takes 8 vpmaddwd (4 steps, low and high nibbles) of at most 2 * 32258 * 32 = 2064512 in magnitude each:
+ * at most 16516096 < 2^24, so no overflow, and the conversion to float is exact. */
+BK_TARGET BK_INLINE __m256i BK_NAME(iq4_xs_sum_)(const uint8_t *w, const int8_t *xn, __m256i grid) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i both = _mm256_broadcastsi128_si256(BK_NAME(iq4_xs_scales16_)(w));
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j));
+        const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
+        const __m256i hi = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        const int8_t *x = xn + 128 * (j / 2) + 32 * (j % 2);
+        const __m256i x_lo = _mm256_load_si256((const __m256i *)x);
+        const __m256i x_hi = _mm256_load_si256((const __m256i *)(x + 64));
+        /* words 2j (lower lane) and 2j + 1 (upper lane) in every word of their lane */
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((4 * j + 3) << 8 | (4 * j + 2))),
+                                              _mm_set1_epi16((short)((4 * j + 1) << 8 | 4 * j)));
+        const __m256i s = _mm256_shuffle_epi8(both, pick);
+        const __m256i p_lo = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+        const __m256i p_hi = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(p_lo, s), _mm256_madd_epi16(p_hi, s)));
+    }
+    return sumi;
+}
+
+/* IQ4_XS on AVX2: per super-block one conversion of its int32 lanes and one fmadd by d * dx, where one float per
+ * block took a conversion, a scale pick and an fmadd per two blocks: 1.07-1.22x on a Zen 3 (docs/performance.md,
+ * eighteenth session; measured there too: the scale pick by vpermd instead of the in-lane shuffle 0.90-0.98x, two
+ * rows per step sharing the activation loads 0.90-0.96x, the magnitudes by a second lookup instead of vpabsb
+ * 0.99-1.09x) */
 BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
-    const __m256i shift_l = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i shift_h = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 136) {
         BK_NAME(stream_ahead_)(w, 136);
-        uint16_t high;
-        uint32_t lows;
-        memcpy(&high, w + 2, 2);
-        memcpy(&lows, w + 4, 4);
-        const __m256i ls = _mm256_sub_epi32(
-            _mm256_or_si256(
-                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lows), shift_l), _mm256_set1_epi32(15)),
-                _mm256_slli_epi32(
-                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shift_h), _mm256_set1_epi32(3)), 4)),
-            _mm256_set1_epi32(32));
-        const __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b)));
-        for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * j));
-            const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
-            const __m256i hi = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-            const int8_t *xn = a->qn + b * 256 + 128 * (j / 2) + 32 * (j % 2);
-            const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
-            const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
-            __m256i p = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
-            p = BK_DOT(p, _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
-            const __m256 s = _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * j)));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[j]);
-        }
+        const __m256i sumi = BK_NAME(iq4_xs_sum_)(w, a->qn + b * 256, grid);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(BK_NAME(iq4_xs_dd_)(w, a, b)), acc);
     }
-    return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
+    return BK_NAME(hsum_)(acc);
 }
 #endif
 
@@ -1159,13 +1182,16 @@ BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const Ac
     return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 #else
-/* Q4_0 and IQ4_NL on AVX2: four blocks per step as two pairs, a pair's blocks in the 128-bit lanes of one register of
- * low nibbles and one of high nibbles against ActRow.qn (as the AVX-512 step above: int32 lane l of a block's lane the
- * one-block step's lane l or l + 4); Q4_0's offset term comes off lane 0 of each block, IQ4_NL's signed grid values
- * move their sign onto x (the one-block step's integers). acc_lo / acc_hi of pair h hold BK_ROW32's accumulators
- * 2h and 2h + 1 (lanes 0-3 and 4-7 of each): the same float additions in the same order, the same bytes. */
+/* Q4_0 on AVX2 (IQ4_NL has its own AVX2 row, row_iq4_nl_ below; iq4 and grid are the AVX-512 body's): four blocks
+ * per step as two pairs, a pair's blocks in the 128-bit lanes of one register of low nibbles and one of high nibbles
+ * against ActRow.qn (as the AVX-512 step above: int32 lane l of a block's lane the one-block step's lane l or l + 4);
+ * the offset term comes off lane 0 of each block (the one-block step's integers). acc_lo / acc_hi of pair h hold
+ * BK_ROW32's accumulators 2h and 2h + 1 (lanes 0-3 and 4-7 of each): the same float additions in the same order, the
+ * same bytes. */
 BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const ActRow *a, int64_t nb, int iq4,
                                                       __m256i grid) {
+    (void)iq4;
+    (void)grid;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc_lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_hi[2] = {acc_lo[0], acc_lo[0]};
     int64_t b = 0;
@@ -1176,21 +1202,13 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
             const int64_t c = b + 2 * h; /* the pair's first block */
             const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 20)),
                                                _mm_loadu_si128((const __m128i *)(p + 2)));
-            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             const int8_t *xn = a->qn + 32 * b + 32 * h;
             const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
             const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
-            __m256i p_lo, p_hi;
-            if (iq4) {
-                lo = _mm256_shuffle_epi8(grid, lo);
-                hi = _mm256_shuffle_epi8(grid, hi);
-                p_lo = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
-                p_hi = BK_DOT(_mm256_setzero_si256(), _mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
-            } else {
-                const __m256i offsets = _mm256_setr_epi32(8 * a->sums[c], 0, 0, 0, 8 * a->sums[c + 1], 0, 0, 0);
-                p_lo = _mm256_sub_epi32(BK_DOT(_mm256_setzero_si256(), lo, x_lo), offsets);
-                p_hi = BK_DOT(_mm256_setzero_si256(), hi, x_hi);
-            }
+            const __m256i offsets = _mm256_setr_epi32(8 * a->sums[c], 0, 0, 0, 8 * a->sums[c + 1], 0, 0, 0);
+            const __m256i p_lo = _mm256_sub_epi32(BK_DOT(_mm256_setzero_si256(), lo, x_lo), offsets);
+            const __m256i p_hi = BK_DOT(_mm256_setzero_si256(), hi, x_hi);
             const __m256 s = _mm256_set_m128(_mm_set1_ps(BK_NAME(half_)(p + 18) * a->d[c + 1]),
                                              _mm_set1_ps(BK_NAME(half_)(p) * a->d[c]));
             acc_lo[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), s, acc_lo[h]);
@@ -1201,8 +1219,7 @@ BK_TARGET static inline float BK_NAME(row32_nibbles_)(const uint8_t *w, const Ac
     __m256 acc1 = _mm256_permute2f128_ps(acc_lo[0], acc_hi[0], 0x31);
     __m256 acc2 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x20);
     __m256 acc3 = _mm256_permute2f128_ps(acc_lo[1], acc_hi[1], 0x31);
-    for (; b < nb; b++, w += 18)
-        acc0 = iq4 ? BK_NAME(iq4_nl_step_)(w, a, b, acc0, grid) : BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
+    for (; b < nb; b++, w += 18) acc0 = BK_NAME(legacy_step_)(w, a, b, acc0, 0, 8);
     return BK_NAME(hsum_)(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
 }
 
@@ -1258,10 +1275,56 @@ BK_TARGET static inline float BK_NAME(row32_legacy4_)(const uint8_t *w, const Ac
 }
 #endif
 
+#if BK_MASKED
 BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
     return BK_NAME(row32_nibbles_)(w, a, nb, 1, grid);
 }
+#else
+/* IQ4_NL on AVX2: four blocks per step as two pairs (a pair's blocks in the 128-bit lanes of one register of low
+ * nibbles and one of high nibbles against ActRow.qn, as Q4_0's above), each block's low- and high-nibble dots added
+ * in int32 before one conversion and one fmadd per pair (lane l: at most 8 * 127 * 127 = 129032, exact in float);
+ * the four blocks' float16 d gathered in a general register, converted by one vcvtph2ps and multiplied by their
+ * activation scales at once, each pair's picked in-lane: 1.07-1.22x the former step (Q4_0's row32_nibbles_, one
+ * float product per nibble half, as the AVX-512 body's) on a Zen 3 (docs/performance.md, eighteenth session). So
+ * another float order than the AVX-512 body's: the two agree within float32 rounding and one bfloat16 step, not bit
+ * for bit (tests/ops/test_isa.py). */
+BK_TARGET static float BK_NAME(row_iq4_nl_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i pick[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4, w += 72) {
+        BK_NAME(stream_ahead_)(w, 72);
+        uint64_t halves = 0;
+        for (int c = 0; c < 4; c++) {
+            uint16_t h;
+            memcpy(&h, w + 18 * c, 2);
+            halves |= (uint64_t)h << 16 * c;
+        }
+        const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)halves)), _mm_loadu_ps(a->d + b));
+        const __m256 d2 = _mm256_set_m128(d, d); /* in both 128-bit lanes: each pair's scales by one in-lane pick */
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = w + 36 * h;
+            const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 20)),
+                                               _mm_loadu_si128((const __m128i *)(p + 2)));
+            const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, low));
+            const __m256i hi = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            const int8_t *xn = a->qn + 32 * b + 32 * h;
+            const __m256i x_lo = _mm256_load_si256((const __m256i *)xn);
+            const __m256i x_hi = _mm256_load_si256((const __m256i *)(xn + 64));
+            const __m256i p_lo = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(x_lo, lo));
+            const __m256i p_hi = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(x_hi, hi));
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
+            const __m256 s = _mm256_permutevar_ps(d2, pick[h]);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[h]);
+        }
+    }
+    for (; b < nb; b++, w += 18) acc[0] = BK_NAME(iq4_nl_step_)(w, a, b, acc[0], grid);
+    return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
+}
+#endif
 
 BK_TARGET static float BK_NAME(row_q4_0_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     return BK_NAME(row32_nibbles_)(w, a, nb, 0, _mm256_setzero_si256());

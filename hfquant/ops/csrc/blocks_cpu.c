@@ -26,7 +26,9 @@
  * multiply; the AVX2 body two blocks per register the same way): the same integers, products and float additions in
  * the same order, so the same bytes as one block at a time or the other body (Q4_K 0.7x the time, Q4_0 0.7-0.8x,
  * Q4_1 0.77x, Q5_0 0.84x and Q5_1 0.91x of two blocks per step; IQ4_XS 0.8-0.85x of its former four-block step:
- * docs/performance.md).
+ * docs/performance.md). But IQ4_XS and IQ4_NL on AVX2: their rows sum a super-block's blocks times their integer
+ * scales (IQ4_XS) or a block's two nibble halves (IQ4_NL) in int32 before one float product, the same integers in
+ * another float order than the AVX-512 body's (within float32 rounding and a bfloat16 step of it; 1.07-1.22x).
  * One OpenMP region per call: the threads split the activation blocks to quantize, then the rows.
  * hfquant_block_gemv_group takes several weights reading the same x (a fused q/k/v or gate/up group; types and block
  * sizes may differ, as a Q4_K_M file's Q4_K q/k and Q6_K v or an IQ4_NL file's IQ4_NL q/k and Q5_K v): x quantized
