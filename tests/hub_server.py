@@ -5,6 +5,8 @@ Endpoints (as in huggingface_hub/hf_api.py, _commit_api.py and lfs.py):
   POST /api/repos/create                            -> {"url": ...}; 409 when the repo exists
   POST /api/models/{repo}/branch/{branch}           -> 200; 409 when the branch exists
   GET  /api/models/{repo}[/revision/{rev}]          -> minimal repo info (create_repo asks it after a 401/403)
+  HEAD /{repo}/resolve/{rev}/{path}                 -> a file's metadata; 404 EntryNotFound / RepoNotFound (as the
+                                                       Hub), which transformers' push_to_hub meets asking for README.md
   POST /api/validate-yaml                           -> {"errors": [], "warnings": []}
   POST /api/models/{repo}/preupload/{rev}           -> upload mode per file: "lfs" for *.safetensors, else "regular"
   POST /{repo}.git/info/lfs/objects/batch           -> basic-transfer actions: PUT to /lfs-upload/{oid}
@@ -109,6 +111,29 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"id": match.group(1), "sha": "0" * 40, "private": repo["private"], "siblings": []})
             return
         self._json(404, {"error": f"no route {self.path}"})
+
+    def do_HEAD(self) -> None:
+        """A file's metadata, what `hf_hub_download` asks first (transformers' push_to_hub: the existing README.md)."""
+        if self._count():
+            return
+        match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/([^?]+)(?:\?.*)?", self.path)
+        repo = self.server.state.repos.get(match.group(1)) if match else None
+        if repo is None:
+            self._head(404, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})
+            return
+        data = repo["branches"].get(match.group(2).replace("%2F", "/"), {}).get(match.group(3))
+        if data is None:
+            self._head(404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"})
+            return
+        digest = hashlib.sha256(data).hexdigest()
+        self._head(200, {"ETag": f'"{digest}"', "X-Repo-Commit": "0" * 40, "Content-Length": str(len(data))})
+
+    def _head(self, status: int, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        headers.setdefault("Content-Length", "0")
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
 
     def do_PUT(self) -> None:
         if self._count():

@@ -29,6 +29,10 @@ def hub(monkeypatch):
 
     with HubServer(lifetime=120) as server:
         monkeypatch.setattr(constants, "ENDPOINT", server.url)
+        # file URLs are built from this template, made from the endpoint when huggingface_hub was imported
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
         monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
         monkeypatch.setenv("HF_TOKEN", "hf_test_token")
         yield server
@@ -216,3 +220,5 @@ def test_push_to_hub_after_dequantize_pushes_the_float_model(hub, float_checkpoi
     remote = hub.state.files("me/dequantized")
     assert b"quantization_config" not in remote["config.json"]
     assert CARD_MARKER not in remote.get("README.md", b"").decode()
+    # transformers asked this server (not huggingface.co, where it waited out 5 retries) for an existing card
+    assert ("HEAD", "/me/dequantized/resolve/main/README.md") in hub.state.requests
