@@ -182,23 +182,26 @@ def test_reloaded_model_runs_batches_of_1_4_17(quantized, tokenizer):
     import hfquant  # noqa: F401
     from hfquant.evaluation import reference_text
 
-    _, out, _ = quantized
+    name, out, _ = quantized
     model = AutoModelForCausalLM.from_pretrained(out)
     words = reference_text(3000).split()
-    single = None
+    first_text = " ".join(words[:12])
+    # The first sequence's reference: three copies in one batch, enough rows (36) for every layer's many-row product
+    # (block formats run up to `plan.block_gemv_max_rows` rows, 24 here, through their one-row GEMV instead)
+    with torch.inference_mode():
+        reference = model(**tokenizer([first_text] * 3, return_tensors="pt")).logits[0].float()
     for batch in (1, 4, 17):
         texts = [" ".join(words[i : i + 12 + i % 5]) for i in range(batch)]
         encoded = tokenizer(texts, return_tensors="pt", padding=True)
         with torch.inference_mode():
             logits = model(**encoded).logits
         assert logits.shape[:2] == encoded.input_ids.shape and torch.isfinite(logits).all()
-        if batch == 1:
-            single = logits[0]
-        else:
-            # Same first sequence in every batch (right padding): the kernels' row blocking must not change it
-            # beyond bf16 rounding of differently ordered sums (3% of the logit range).
-            first = logits[0, : single.shape[0]].float()
-            assert (first - single.float()).abs().max() <= 0.03 * single.float().abs().max()
+        # Same first sequence in every batch (right padding): the kernels' row blocking must not change it beyond
+        # bf16 rounding of differently ordered sums (3% of the logit range); alone, a block format's 12 rows take the
+        # one-row GEMV, whose int8 activations add their rounding at every layer (3.4% measured: bound 6%).
+        first = logits[0, : reference.shape[0]].float()
+        bound = 0.06 if batch == 1 and name == "4bit" else 0.03  # 4bit: IQ4_XS / IQ4_NL, block formats
+        assert (first - reference).abs().max() <= bound * reference.abs().max()
 
 
 QUESTIONS = (
