@@ -100,19 +100,26 @@ def test_a_timing_on_a_busy_machine_decides_for_this_process_only(fresh, monkeyp
     )
 
 
-def test_the_timing_thread_share_of_the_wall_time_is_measured():
-    """`_time_kernels`' `ON_CPU` falls when the timed kernels wait without running (a sleep stands for a core
-    taken by other processes) and stays near 1 when they compute."""
+def test_the_timing_thread_share_of_the_wall_time_is_measured(monkeypatch):
+    """`_time_kernels`' `ON_CPU` is the thread's CPU time over the wall time of the timed passes: it falls when the
+    kernels wait without running (a core taken by other processes) and is 1 when they compute. The clocks are fakes
+    that the kernels advance, so the machine's load cannot move the result."""
+    clock = {"wall": 100.0, "cpu": 7.0}
+    monkeypatch.setattr(choice.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(choice.time, "thread_time", lambda: clock["cpu"])
 
-    def sleeping(w):
-        threading.Event().wait(0.002)
+    def waiting(w):  # 1 ms of wall time, a quarter of it on the CPU
+        clock["wall"] += 1e-3
+        clock["cpu"] += 0.25e-3
 
     def computing(w):
-        torch.mm(w, w)
+        clock["wall"] += 1e-3
+        clock["cpu"] += 1e-3
 
-    idle = choice._time_kernels({"native": sleeping, "aten": sleeping}, [torch.zeros(1)] * 2)
-    busy = choice._time_kernels({"native": computing, "aten": computing}, [torch.randn(256, 256)] * 4)
-    assert idle[choice.ON_CPU] < 0.5 < busy[choice.ON_CPU] <= 1, (idle, busy)
+    idle = choice._time_kernels({"native": waiting, "aten": waiting}, [torch.zeros(1)] * 2)
+    busy = choice._time_kernels({"native": computing, "aten": computing}, [torch.zeros(1)] * 4)
+    assert idle[choice.ON_CPU] == pytest.approx(0.25) and busy[choice.ON_CPU] == pytest.approx(1.0), (idle, busy)
+    assert idle["native"] == pytest.approx(1e-3) and busy["aten"] == pytest.approx(1e-3)
 
 
 def test_a_new_process_reads_the_decision_from_the_cache_file(fresh, monkeypatch):
