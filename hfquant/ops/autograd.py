@@ -10,6 +10,7 @@ of w_hat at a time (`hfquant::quantized_matmul_backward`), so the transient floa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -129,6 +130,12 @@ def quantized_matmul_trainable(plan: KernelPlan, tensors: LayerTensors, x: torch
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
         return kernels.quantized_matmul(plan, tensors, x)
-    if plan.gemv_max_rows > 1:  # a few rows under autograd: the float product the backward's rule is the gradient of
-        plan = dataclasses.replace(plan, gemv_max_rows=1)
-    return _quantized_matmul_op(x, *tensors, plan.key)
+    return _quantized_matmul_op(x, *tensors, _float_product_plan(plan).key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _float_product_plan(plan: KernelPlan) -> KernelPlan:
+    """`plan` without the few-row block GEMV (`gemv_max_rows` 1): under autograd a few rows take the float product,
+    whose gradient the backward's rule is. Cached: a training step asks once per layer call, and a new plan builds
+    its JSON `key`."""
+    return plan if plan.gemv_max_rows <= 1 else dataclasses.replace(plan, gemv_max_rows=1)
