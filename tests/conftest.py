@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -15,6 +16,10 @@ def pytest_configure(config):
     start (which inherit an ignored signal, never a handler)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the README's `-n 2` runs one worker per core: a worker's torch ops on two OpenMP threads would wait for (and
+        # spin against) the other worker's; tests of the threaded kernels set their thread counts themselves
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(

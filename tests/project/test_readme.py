@@ -20,7 +20,7 @@ README = ROOT / "README.md"
 
 COMMANDS = (
     "bash scripts/install.sh && python scripts/run_example.py",
-    "bash scripts/install.sh && python -m pytest -p no:cacheprovider",
+    "bash scripts/install.sh && python -m pytest -p no:cacheprovider -n 2 --dist loadfile",
 )
 """The README's two commands, in this order, before its first section; CI (`.ci/run`) runs the second one's pytest."""
 DOCS = (
@@ -68,7 +68,9 @@ def test_the_two_commands_come_first_and_ci_runs_the_second():
     before_sections = SECTION.split(text, maxsplit=1)[0]
     blocks = [block.strip() for block in CODE_BLOCK.findall(before_sections)]
     assert blocks == list(COMMANDS), "the README must open with exactly its two commands, each in its own code block"
-    assert "python -m pytest -p no:cacheprovider" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python -m pytest -p no:cacheprovider -n 2 --dist loadfile" in (ROOT / ".ci" / "run").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_readme_is_short_in_sections_and_states_few_dates():

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -81,13 +82,17 @@ print(json.dumps({"peak_growth_mib": peak_rss_mib() - before}))
 
 
 def _peak_growth_mib(path) -> float:
-    """Peak RSS growth (MiB) of loading the GGUF file or checkpoint folder `path` in a fresh process, after one load
-    here: the first use of a layer shape on a machine times its kernels on about 64 MiB of random weights, once
-    (`hfquant.ops.choice`, cached in kernel-choices.json), which is not the load's own memory."""
-    warm = hfquant.from_gguf(path) if str(path).endswith(".gguf") else AutoModelForCausalLM.from_pretrained(path)
-    del warm
+    """Peak RSS growth (MiB) of loading the GGUF file or checkpoint folder `path` in a fresh process. Its kernels are
+    hfquant's GEMVs without timing (`HFQUANT_KERNEL_CHOICE=native`): the first use of a layer shape times its kernels
+    on about 64 MiB of random weights (`hfquant.ops.choice`), once per machine, which is not the load's own memory; a
+    warm-up load did not keep it out, since a timing made on a busy machine is not recorded and the next process
+    times again (1.32x the file's size under xdist at a load average of 6)."""
     result = subprocess.run(
-        [sys.executable, "-c", _PEAK_WORKER, str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PEAK_WORKER, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "HFQUANT_KERNEL_CHOICE": "native"},
     )
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_growth_mib"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ _LOAD_WORKER = textwrap.dedent(
     import hfquant
     from benchmarks.memory import import_model_code, peak_rss_mib, rss_mib, tensor_bytes
     from transformers import AutoModelForCausalLM
-    src, out, bits, group_size, ids_path, mode = sys.argv[1:7]
+    src, out, bits, group_size, ids_path = sys.argv[1:6]
     ids = torch.load(ids_path)
     if group_size == "default":  # the 4-bit default: IQ4_XS blocks
         config = hfquant.HfQuantConfig(bits=int(bits))
@@ -37,8 +38,6 @@ _LOAD_WORKER = textwrap.dedent(
     before = rss_mib()
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16, device_map="cpu")
     growth = peak_rss_mib() - before
-    if mode == "warm":  # the kernel timings are made and cached by the load: nothing after it is needed
-        sys.exit(0)
     with torch.inference_mode():
         logits = model(input_ids=ids).logits
     model.save_pretrained(out, max_shard_size="50MB")
@@ -63,13 +62,18 @@ _RELOAD_WORKER = textwrap.dedent(
 
 
 def _run(code: str, *args: str) -> None:
-    # cwd: the repository root, where `-c` code finds benchmarks/ (not installed)
+    # cwd: the repository root, where `-c` code finds benchmarks/ (not installed). The kernels: hfquant's GEMVs
+    # without timing, in every worker alike (their logits are compared bit for bit): the first use of a layer shape
+    # times its kernels on about 64 MiB of random weights (`hfquant.ops.choice`), once per machine, which is not the
+    # load's own memory, and a warm-up load did not keep it out of the measured one on a busy machine (a timing made
+    # there is not recorded: the next process times again; 169 MiB of growth against 89 + 64 under xdist at load 6)
     result = subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=900,
         cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "HFQUANT_KERNEL_CHOICE": "native"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -125,13 +129,8 @@ CONFIGS = {"int8": (8, "none"), "int4-g128": (4, "128"), "4bit": (4, "default")}
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def quantized(request, example_model, token_ids, tmp_path_factory):
     bits, group_size = CONFIGS[request.param]
-    # once unmeasured: the first use of a layer shape on a machine times its kernels on about 64 MiB of random
-    # weights (`hfquant.ops.choice`, cached in kernel-choices.json), not the load's own memory; the load plans every
-    # layer's kernels, so this run stops after it (no forward, no save)
-    warm = tmp_path_factory.mktemp(f"warm-int{bits}") / "model"
-    _run(_LOAD_WORKER, str(example_model), str(warm), str(bits), group_size, str(token_ids), "warm")
     out = tmp_path_factory.mktemp(f"int{bits}") / "model"
-    _run(_LOAD_WORKER, str(example_model), str(out), str(bits), group_size, str(token_ids), "measure")
+    _run(_LOAD_WORKER, str(example_model), str(out), str(bits), group_size, str(token_ids))
     return request.param, out, json.loads((out / "load.json").read_text())
 
 
