@@ -180,6 +180,60 @@ def test_iq4_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extr
     assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
 
 
+Q3_K_PATTERNS = (
+    (0x00, 0x00, 0x00, 0x00),
+    (0xFF, 0xFF, 0xFF, 0xFF),
+    (0x00, 0x00, 0xFF, 0xFF),
+    (0xFF, 0xFF, 0x00, 0x00),
+    (0x0F, 0x33, 0xAA, 0x1B),
+    (0xF0, 0xCC, 0x55, 0xE4),
+    (0x00, 0xFF, 0x0F, 0x33),
+    (0xFF, 0x00, 0xF0, 0xCC),
+)
+"""Q3_K rows of one byte everywhere in each field: scales' low-nibble bytes (0-7), their 2-bit-high bytes (8-11), hmask
+and qs. Scales 6-bit minus 32: all -32, all +31, and mixes of 15 / 0 lows with 0 / 3 / 1 / 2 highs (+31, -17, -32,
++15 ...); codes 0 (w = -4 d s) and 7 (+3 d s), and per 32-code group j of a qs byte and hmask bit every code 0-7."""
+
+
+def _q3_k_rows(k: int, seed: int) -> torch.Tensor:
+    """(len(Q3_K_PATTERNS) + 4, row bytes) uint8 Q3_K rows (110-byte blocks: hmask 0-31, qs 32-95, scales 96-107, d
+    108-109): Q3_K_PATTERNS' with d = +-2**-10 alternating, then 4 rows of random bytes with random finite d."""
+    rows = _random_blocks("q3_k", len(Q3_K_PATTERNS) + 4, k, seed).reshape(-1, k // 256, 110)
+    for r, (lows, highs, hmask, qs) in enumerate(Q3_K_PATTERNS):
+        rows[r, :, 0:32] = hmask
+        rows[r, :, 32:96] = qs
+        rows[r, :, 96:104] = lows
+        rows[r, :, 104:108] = highs
+        rows[r, :, 108:110] = torch.tensor([2.0**-10 * (-1) ** r], dtype=torch.float16).view(torch.uint8)
+    return rows.reshape(len(rows), -1).contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["ones", "signs", "random_signs", "normal"])
+@pytest.mark.parametrize("k", [256, 768, 2048 + 256, 8192])
+# one, three and nine super-blocks (the AVX2 row's steps of two with one left over) and 32
+def test_q3_k_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extremes(k, kind):
+    """Q3_K's rows at their field extremes (blocks_body.h: the AVX2 row takes a super-block's codes two per byte, their
+    bit 2 from a table by hmask's nibble, and its scales by vector instructions; k16_quads_'s int16 quad sums reach
+    4 * 7 * 127 = 3556 with codes 7 against inputs of one sign): the output is the float64 product of the dequantized
+    weight with the quantized row (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32 rounding,
+    (K / 32 + 16) * 2**-23 of sum |w| |x_hat|. A wrong code bit, scale field, sign or sub-block order would be off by
+    a fraction of that sum."""
+    fmt = blocks.layout("q3_k")
+    data = _q3_k_rows(k, seed=k)
+    weight = blocks.dequantize("q3_k", data).double()
+    x = _iq4_activation(kind, k)
+    y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
+    x_hat, _ = _quantized_row(x, fmt.block_size)
+    if kind != "normal":
+        assert ((x_hat.abs() - 1).abs() < 1e-6).all()  # every input quantized to +-127
+    stated = weight @ x_hat
+    magnitude = weight.abs() @ x_hat.abs()
+    bound = 2**-8 * stated.abs() + (k / 32 + 16) * 2**-23 * magnitude
+    assert ((y - stated).abs() <= bound).all(), ((y - stated).abs() - bound).max()
+    assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
 def test_operator_and_ctypes_agree_bit_for_bit(name):

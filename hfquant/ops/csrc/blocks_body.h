@@ -374,10 +374,10 @@ BK_TARGET static inline __m128i BK_NAME(k3_scales_)(const uint8_t *s) {
     return _mm_set_epi64x((long long)(second ^ flip), (long long)(first ^ flip));
 }
 
+#if BK_MASKED
 BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     /* even super-blocks' float terms in acc[0], odd ones' in acc[1] (row_q3_k_gfni's lanes 0-7 and 8-15) */
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#if BK_MASKED
     /* group g = 2h + odd (64 codes, sub-blocks 4g..4g + 3, one per 128-bit lane): codes 128h + 32j + l with j = 2 odd
      * (bytes l) and 2 odd + 1 (bytes 32 + l); bits 0-1 are bits 2j, 2j + 1 of qs[32h + l] (qs's 32 bytes in both
      * halves, one word shift by 4 odd / 4 odd + 2), bit 2 is bit 4h + j of hmask[l] (hmask in both halves, one byte
@@ -388,15 +388,11 @@ BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, 
     __m512i bit[4];
     for (int g = 0; g < 4; g++)
         bit[g] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * g)), _mm256_set1_epi8((char)(2 << 2 * g)), 1);
-#else
-    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-#endif
     for (int64_t b = 0; b < nb; b++, w += 110) {
         BK_NAME(stream_ahead_)(w, 110);
         const int8_t *xq = a->q + b * 256;
         const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_)(w + 96));
         BK_K16 sum = BK_K16_ZERO;
-#if BK_MASKED
         const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
         for (int h = 0; h < 2; h++) {
             const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)));
@@ -407,27 +403,88 @@ BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, 
             }
             sum = BK_NAME(k16_quads_)(sum, u[0], u[1], xq + 128 * h, _mm512_castsi256_si512(scale16), 8 * h);
         }
-#else
-        const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
-                                   _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
-        const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
-        for (int h = 0; h < 2; h++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)), u[4];
-            for (int j = 0; j < 4; j++) {
-                const int bit = 4 * h + j; /* hmask's bit of these codes, moved to bit 2 (one shift, one and) */
-                const __m256i high = bit < 2 ? _mm256_slli_epi16(hm, 2 - bit) : _mm256_srli_epi16(hm, bit - 2);
-                u[j] = _mm256_or_si256(_mm256_and_si256(q, three), _mm256_and_si256(high, four));
-                q = _mm256_srli_epi16(q, 2);
-            }
-            sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
-        }
-#endif
         acc[b & 1] = BK_NAME(k16_finish_)(acc[b & 1], BK_NAME(k16_sum_)(sum),
                                           BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2),
                                           BK_NAME(half_)(w + 108) * a->d[b]);
     }
     return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
 }
+#else
+/* k3_scales_ (the same 16 bytes) by 8 vector instructions and two loads, for the AVX2 row: on a Zen 3 its 30
+ * general-register instructions were a quarter of a super-block's 123 and cost about 10% of its time (a step with the
+ * scales loaded as they are, wrong values, took 0.91x), though the vector ports are busier: the step's time follows
+ * the instructions it issues more than one port's. The lows by one word shift by 4, an unpack and a mask (byte k:
+ * scale k's low nibble); the highs' 32 bits in every dword (a broadcast load), dword i shifted left by 6 - 2i (each
+ * byte's field i to bits 6-7), masked and shifted right by 2 words; or'd, minus 32 */
+BK_TARGET static inline __m128i BK_NAME(k3_scales_vec_)(const uint8_t *s) {
+    const __m128i lows = _mm_loadl_epi64((const __m128i *)s);
+    const __m128i low = _mm_and_si128(_mm_unpacklo_epi64(lows, _mm_srli_epi16(lows, 4)), _mm_set1_epi8(0x0F));
+    const __m128i highs = _mm_castps_si128(_mm_broadcast_ss((const float *)(s + 8)));
+    const __m128i top = _mm_sllv_epi32(highs, _mm_setr_epi32(6, 4, 2, 0));
+    const __m128i high = _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xC0)), 2);
+    return _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+}
+
+/* Q3_K's codes on AVX2: the 128 codes h as k16_quads_'s four registers u[j] of 32 codes (code 128h + 32j + l in byte
+ * l of u[j]; bits 0-1 are bits 2j, 2j + 1 of qs[32h + l], bit 2 is bit 4h + j of hmask[l]). Two registers of two
+ * codes per byte first, pair A codes j = 0 (bits 0-2) and 2 (bits 4-6), pair B j = 1 and 3: qs (pair B: after one
+ * word shift by 2) masked by 0x33 keeps both codes' bits 0-1 in place, and hmask's nibble h (hms: hmask masked, or
+ * shifted by 4 and masked, once per super-block) picks both codes' bit 2, at bits 2 and 6, from a 16-byte table by
+ * one byte shuffle per pair; then each code by a mask (j >= 2: after a word shift by 4). 17 instructions per 128
+ * codes, 5 on the shift ports, where a shift of qs and of hmask to bit 0 per 32 codes took 20, 7 */
+BK_TARGET static inline void BK_NAME(q3_k_codes_)(__m256i *u, __m256i q, __m256i hms) {
+    /* byte n: bit 0 of n at bit 2, bit 2 at bit 6 (pair A), bits 1 and 3 likewise (pair B) */
+    const __m256i table_a = _mm256_setr_epi8(0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68,
+                                             64, 68, 0, 4, 0, 4, 64, 68, 64, 68);
+    const __m256i table_b = _mm256_setr_epi8(0, 0, 4, 4, 0, 0, 4, 4, 64, 64, 68, 68, 64, 64, 68, 68, 0, 0, 4, 4, 0, 0,
+                                             4, 4, 64, 64, 68, 68, 64, 64, 68, 68);
+    const __m256i bits01 = _mm256_set1_epi8(0x33), seven = _mm256_set1_epi8(7);
+    const __m256i pair_a = _mm256_or_si256(_mm256_and_si256(q, bits01), _mm256_shuffle_epi8(table_a, hms));
+    const __m256i pair_b =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2), bits01), _mm256_shuffle_epi8(table_b, hms));
+    u[0] = _mm256_and_si256(pair_a, seven);
+    u[1] = _mm256_and_si256(pair_b, seven);
+    u[2] = _mm256_and_si256(_mm256_srli_epi16(pair_a, 4), seven);
+    u[3] = _mm256_and_si256(_mm256_srli_epi16(pair_b, 4), seven);
+}
+
+/* one super-block's float term added to acc (the AVX-512 body's integer lanes and floats: k16_quads_ of the same
+ * codes, k16_offset_, k16_finish_; d * dx by a broadcast load of the float16 d and one vcvtph2ps, the same product as
+ * half_'s times dx in float32) */
+BK_TARGET BK_INLINE __m256 BK_NAME(q3_k_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    BK_NAME(stream_ahead_)(w, 110);
+    const int8_t *xq = a->q + b * 256;
+    const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_vec_)(w + 96));
+    const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
+                               _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i hms[2] = {_mm256_and_si256(hm, nibble), _mm256_and_si256(_mm256_srli_epi16(hm, 4), nibble)};
+    __m256i sum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i u[4];
+        BK_NAME(q3_k_codes_)(u, _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)), hms[h]);
+        sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
+    }
+    int16_t d16;
+    memcpy(&d16, w + 108, 2);
+    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16(d16)), _mm256_broadcast_ss(a->d + b));
+    const __m256i offset = BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, offset)), d, acc);
+}
+
+BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    /* even super-blocks' float terms in acc0, odd ones' in acc1 (the AVX-512 body's acc[0], acc[1]), in registers */
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 220) {
+        acc0 = BK_NAME(q3_k_step_)(w, a, b, acc0);
+        acc1 = BK_NAME(q3_k_step_)(w + 110, a, b + 1, acc1);
+    }
+    if (b < nb) acc0 = BK_NAME(q3_k_step_)(w, a, b, acc0);
+    return BK_NAME(hsum_)(_mm256_add_ps(acc0, acc1));
+}
+#endif
 
 BK_TARGET static float BK_NAME(row_q3_k_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     return BK_NAME(q3_k_row_)(w, a, nb);
