@@ -125,10 +125,9 @@ class LayerCall:
             self._kv_heads = modules["k_proj"].out_features // attn.head_dim
 
     def holds(self) -> bool:
-        """Whether every object the list was built from is still in place (identity) and unhooked."""
+        """Whether every object the list was built from is still in place (identity; hooks are checked by `step`)."""
         return (
             all(map(operator.is_, map(dict.get, self._dicts, self._keys), self._expected))
-            and not any(map(len, self._hook_dicts))
             and tuple(map(type, self._typed)) == self._types
         )
 
@@ -140,6 +139,7 @@ class LayerCall:
             position_embeddings is None
             or kwargs.get("output_attentions", False)
             or _global_hooks()
+            or any(map(len, self._hook_dicts))
             or input_weight.dtype is not torch.bfloat16
             or post_weight.dtype is not torch.bfloat16
             or (torch.is_grad_enabled() and (input_weight.requires_grad or post_weight.requires_grad))
@@ -229,6 +229,8 @@ def _arguments(layer: nn.Module, modules: dict[str, nn.Module]):
     eval mode, hfquant's, without a sliding window and with a head size the kernel takes."""
     if _DECODE_LAYER_ROW is None or len(modules) != 11:
         return None
+    if any(m._compiled_call_impl is not None or "forward" in m.__dict__ for m in modules.values()):
+        return None  # a compiled call or an instance forward (offloading) runs more than the module's forward
     attn, norms = modules["self_attn"], (modules["input_layernorm"], modules["post_attention_layernorm"])
     hidden = getattr(layer, "hidden_size", None)
     if (
