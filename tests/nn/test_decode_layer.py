@@ -181,12 +181,12 @@ def test_a_swapped_weight_or_norm_rebuilds_the_list(folder, monkeypatch):
     first, second = model.model.layers
     before = first.__dict__[decode_layer.KEY]
     first.self_attn.o_proj._buffers["weight"] = second.self_attn.o_proj._buffers["weight"].clone()
-    first.post_attention_layernorm.weight = nn.Parameter(first.post_attention_layernorm.weight * 2, False)
     _check_fallback(model, monkeypatch, expected_calls=4 * 2)
     after = first.__dict__[decode_layer.KEY]
-    assert after is not before and after.args is not None
-    assert after.args[0][2] is first.self_attn.o_proj._buffers["weight"]
-    assert after.args[0][1] is first.post_attention_layernorm.weight
+    assert after is not before and after.args[0][2] is first.self_attn.o_proj._buffers["weight"]
+    first.post_attention_layernorm.weight = nn.Parameter(first.post_attention_layernorm.weight * 2, False)
+    _check_fallback(model, monkeypatch, expected_calls=4 * 2)
+    assert first.__dict__[decode_layer.KEY].args[0][1] is first.post_attention_layernorm.weight
 
 
 def test_a_new_plan_or_to_rebuilds_the_list(folder, monkeypatch):
@@ -240,6 +240,7 @@ def test_training_mode_and_another_attention_fall_back(folder, monkeypatch):
     model.train()
     _check_fallback(model, monkeypatch, expected_calls=0, steps=2)
     model.eval()
+    _check_fallback(model, monkeypatch, expected_calls=2 * 2, steps=2)
     model.set_attn_implementation("sdpa")
     _check_fallback(model, monkeypatch, expected_calls=0, steps=2)
 
