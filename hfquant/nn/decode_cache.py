@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["RowDynamicLayer", "decode_attention", "takes_row_cache"]
+__all__ = ["RowDynamicLayer", "decode_attention", "takes_row_cache", "step_buffers", "wrote"]
 
 MIN_GROWTH = 64
 """Positions a buffer gains at least when it grows (then 1.5 times the length)."""
@@ -116,6 +116,25 @@ def _room(layer: RowDynamicLayer, kv_heads: int, head_dim: int, like: torch.Tens
     return length
 
 
+def step_buffers(cache, layer_idx: int, kv_heads: int, head_dim: int, like: torch.Tensor):
+    """The buffers a decode step writes layer `layer_idx` of `cache` into (`takes_row_cache(cache, layer_idx)` must
+    hold): (the layer, now a `RowDynamicLayer`, its key buffer, its value buffer, the position to write), each
+    buffer (1, kv_heads, capacity > position, head_dim) bfloat16; None when the cached keys / values are not a batch-1
+    bfloat16 CPU cache of this shape (nothing changed but the layer's class; the caller takes transformers' path).
+    After writing, `wrote(layer, position)` records the position (`decode_attention`, `hfquant.nn.decode_layer`)."""
+    layer = _as_row_layer(cache.layers[layer_idx])
+    position = _room(layer, kv_heads, head_dim, like)
+    if position is None:
+        return None
+    return layer, layer.__dict__["_keys"][0], layer.__dict__["_values"][0], position
+
+
+def wrote(layer: RowDynamicLayer, position: int) -> None:
+    """Record that a decode step wrote `layer`'s buffers (`step_buffers`) at `position`: it holds position + 1."""
+    key_buffer, value_buffer = layer.__dict__["_keys"][0], layer.__dict__["_values"][0]
+    layer.__dict__["_keys"], layer.__dict__["_values"] = (key_buffer, position + 1), (value_buffer, position + 1)
+
+
 def decode_attention(
     cache, layer_idx: int, qkv: torch.Tensor, cos, sin, kv_heads: int, head_dim: int, scaling: float
 ) -> torch.Tensor | None:
@@ -133,13 +152,12 @@ def decode_attention(
         a batch-1 bfloat16 CPU cache of this shape: nothing was written, the caller takes transformers' path).
     """
     global _DECODE_ATTENTION_ROW
-    layer = _as_row_layer(cache.layers[layer_idx])
-    position = _room(layer, kv_heads, head_dim, qkv)
-    if position is None:
+    buffers = step_buffers(cache, layer_idx, kv_heads, head_dim, qkv)
+    if buffers is None:
         return None
+    layer, key_buffer, value_buffer, position = buffers
     if _DECODE_ATTENTION_ROW is None:
         _DECODE_ATTENTION_ROW = torch.ops.hfquant_cpu.decode_attention_row.default
-    key_buffer, value_buffer = layer.__dict__["_keys"][0], layer.__dict__["_values"][0]
     output = _DECODE_ATTENTION_ROW(qkv, cos, sin, key_buffer, value_buffer, position, scaling)
-    layer.__dict__["_keys"], layer.__dict__["_values"] = (key_buffer, position + 1), (value_buffer, position + 1)
+    wrote(layer, position)
     return output

@@ -23,9 +23,12 @@ requiring it; not while torch.compile traces, where inductor fuses these ops its
   call (`hfquant_cpu.silu_mul_halves_row` on the group's unsplit row, else `silu_mul_row` on the two: torch's
   bfloat16 arithmetic, its exp not reproduced: about one output in 10^4 differs by one bfloat16 step), then
   down_proj.
-- decoder layer (`ROW_LAYER_CLASSES`): the residual add after attention and the post-attention RMSNorm in one call
-  (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel (`row_norm.RowRMSNorm`) and no
-  hooks.
+- decoder layer (`ROW_LAYER_CLASSES`): where every projection is a block format bound to the block GEMV, in decode
+  groups, without hooks, on a plain dynamic cache without a mask, the whole step in one operator call
+  (`hfquant.nn.decode_layer`: the kernels below in C, in the same order, bit for bit; its argument list cached on the
+  layer and checked by identity each step); else the residual add after attention and the post-attention RMSNorm in
+  one call (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel
+  (`row_norm.RowRMSNorm`) and no hooks, around the attention and MLP forwards.
 - the list of decoder layers (an `nn.ModuleList` holding them, `RowDecodeLayers`): the model's forward slices it every
   step (`self.layers[: config.num_hidden_layers]`), and nn.ModuleList builds the slice through `add_module`'s checks,
   one layer at a time (100-200 us for SmolLM2's 30 layers on the machine of docs/performance.md's fourteenth
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
-from hfquant.nn import decode_cache, row_attention
+from hfquant.nn import decode_cache, decode_layer, row_attention
 from hfquant.nn.row_norm import RowRMSNorm
 from hfquant.ops import torch_ops
 
@@ -95,13 +98,6 @@ def _one_row(hidden_states: torch.Tensor, size: int) -> bool:
     )
 
 
-def _sliding_window(module: nn.Module):
-    """The layer's sliding window (Qwen2: the module's; Mistral: the config's; Llama: none)."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
-
-
 class RowDecodeAttention:
     """Mixin placed before an attention class of `ROW_ATTENTION_CLASSES` (see the module docstring)."""
 
@@ -117,7 +113,7 @@ class RowDecodeAttention:
             and position_embeddings[0].numel() == self.head_dim
             and position_embeddings[0].is_contiguous()
             and position_embeddings[1].is_contiguous()
-            and not (self._windowed and _sliding_window(self) is not None)
+            and not (self._windowed and decode_layer.sliding_window(self) is not None)
         ):
             return super().forward(
                 hidden_states,
@@ -226,6 +222,15 @@ class RowDecodeLayer:
         position_embeddings=None,
         **kwargs,
     ):
+        if (
+            attention_mask is None
+            and decode_layer._DECODE_LAYER_ROW is not None
+            and _one_row(hidden_states, self.hidden_size)
+            and hidden_states.is_contiguous()
+        ):
+            output = decode_layer.step(self, hidden_states, position_embeddings, cache, kwargs)
+            if output is not None:
+                return output
         modules = self._modules
         norm = modules["post_attention_layernorm"]
         if not (_one_row(hidden_states, self.hidden_size) and hidden_states.is_contiguous() and _plain_row_norm(norm)):
@@ -369,6 +374,9 @@ def _reduce_as_base(module: nn.Module, protocol: int):
     """Pickled (`torch.save(model)`, `copy.deepcopy`) as the module's own transformers class: the subclass is made at
     run time and has no importable name; `use_row_decode` gives the copy the row forward again."""
     _, _, *rest = super(type(module).__bases__[0], module).__reduce_ex__(protocol)
+    if rest and isinstance(rest[0], dict) and decode_layer.KEY in rest[0]:
+        # a layer's cached call (`decode_layer`) holds its projections' bound GEMVs: the copy builds its own
+        rest[0] = {key: value for key, value in rest[0].items() if key != decode_layer.KEY}
     return (copyreg._reconstructor, (type(module).__bases__[1], object, None), *rest)
 
 
@@ -418,6 +426,7 @@ def use_row_decode(model: nn.Module) -> int:
     _SILU_MUL_ROW = torch.ops.hfquant_cpu.silu_mul_row.default
     _SILU_MUL_HALVES_ROW = torch.ops.hfquant_cpu.silu_mul_halves_row.default
     _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
+    decode_layer._DECODE_LAYER_ROW = torch.ops.hfquant_cpu.decode_layer_row.default
     for module, mixin in candidates:
         module.__class__ = _row_class(mixin, type(module))
     for layers in _layer_lists(model):
@@ -432,6 +441,7 @@ def restore_row_decode(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, (RowDecodeAttention, RowDecodeMLP, RowDecodeLayer)):
             module.__class__ = type(module).__bases__[1]
+            module.__dict__.pop(decode_layer.KEY, None)
             changed += 1
         elif type(module) is RowDecodeLayers:
             module.__class__ = nn.ModuleList

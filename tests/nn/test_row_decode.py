@@ -13,7 +13,7 @@ import torch
 from helpers import tiny_model
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from hfquant.nn import decode_cache, row_decode
+from hfquant.nn import decode_cache, decode_layer, row_decode
 from hfquant.nn.row_attention import ATTENTION_NAME
 from hfquant.nn.row_decode import (
     RowDecodeAttention,
@@ -154,8 +154,10 @@ def llama_folder(tmp_path_factory):
 def test_a_quantized_llama_decodes_the_same_tokens_with_the_row_forwards(llama_folder, monkeypatch):
     """The default 4-bit model with and without the decode forwards: prefill logits equal, decode logits within a
     few bfloat16 steps (only the SwiGLU's exp differs, in a few outputs in 10^4), the same greedy tokens, and every
-    decode step of every layer runs the three kernels."""
+    decode step of every layer runs the three kernels (the layer's one call, `decode_layer`, turned off: it runs the
+    same kernels in C, tests/nn/test_decode_layer.py)."""
     model = _quantized(llama_folder)
+    monkeypatch.setattr(decode_layer, "_DECODE_LAYER_ROW", None)  # after the load, which sets it
     layers = model.config.num_hidden_layers
     assert model.config._attn_implementation == ATTENTION_NAME
     assert isinstance(model.model.layers[0], RowDecodeLayer) and isinstance(model.model.layers[0].mlp, RowDecodeMLP)

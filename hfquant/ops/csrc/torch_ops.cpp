@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
 namespace {
@@ -248,6 +249,54 @@ std::tuple<at::Tensor, at::Tensor> rotary_row(const at::Tensor &query, const at:
   return {q_out, k_out};
 }
 
+// one decode step's attention (decode_attention_row below, decode_layer_row): the rotary embedding of the query and
+// key rows of qkv (heads, kv_heads, kv_heads rows of dim values, one after the other), the rotated key and the value
+// written into the caches at `position`, then attention_row over positions 0..position into out (heads * dim
+// values); the caches already checked by the caller
+void decode_attention_into(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, at::Tensor &key_cache,
+                           at::Tensor &value_cache, int64_t position, double scale, int64_t heads, uint16_t *out) {
+  const int64_t kv_heads = key_cache.size(1), dim = key_cache.size(3);
+  const int64_t head_stride = key_cache.stride(1), token_stride = key_cache.stride(2);
+  // the rotated query and key go to this thread's scratch row (no tensor allocated), the key then into the cache
+  thread_local std::vector<uint16_t> rotated;
+  rotated.resize(static_cast<size_t>((heads + kv_heads) * dim));
+  uint16_t *q_rot = rotated.data(), *k_rot = rotated.data() + heads * dim;
+  const uint16_t *k = qkv + heads * dim, *v = k + kv_heads * dim;
+  int status = hfquant_rotary_row(qkv, k, cos, sin, q_rot, k_rot, heads, kv_heads, dim);
+  TORCH_CHECK(status == 0, "hfquant decode attention: rotary refused heads=", heads, ", dim=", dim);
+  uint16_t *keys = static_cast<uint16_t *>(key_cache.mutable_data_ptr());
+  uint16_t *values = static_cast<uint16_t *>(value_cache.mutable_data_ptr());
+  for (int64_t h = 0; h < kv_heads; h++) {
+    std::memcpy(keys + h * head_stride + position * token_stride, k_rot + h * dim, dim * sizeof(uint16_t));
+    std::memcpy(values + h * head_stride + position * token_stride, v + h * dim, dim * sizeof(uint16_t));
+  }
+  status = hfquant_attention_row(q_rot, dim, keys, values, head_stride, token_stride, out, heads, kv_heads,
+                                 position + 1, dim, static_cast<float>(scale));
+  TORCH_CHECK(status == 0, "hfquant decode attention refused heads=", heads, ", kv_heads=", kv_heads, ", tokens=",
+              position + 1, " (status ", status, ")");
+}
+
+// the caches of a decode step's attention and the query heads of a qkv row of `values` values: checks that the
+// caches are (1, kv_heads, capacity > position, head_dim) bfloat16 CPU tensors of one shape and strides with a
+// contiguous last dimension and the row whole heads (a multiple of kv_heads, then 2 * kv_heads); returns the heads
+int64_t check_caches(const at::Tensor &key_cache, const at::Tensor &value_cache, int64_t position, int64_t values,
+                     const at::Tensor &cos, const at::Tensor &sin) {
+  for (const at::Tensor *t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1,
+                "hfquant decode attention: caches must be (1, kv_heads, capacity, head_dim) bfloat16 CPU tensors with",
+                " a contiguous last dimension, got ", t->sizes());
+  const int64_t kv_heads = key_cache.size(1), dim = key_cache.size(3);
+  const int64_t heads = dim > 0 ? values / dim - 2 * kv_heads : 0;
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
+                  key_cache.size(0) == 1 && position >= 0 && position < key_cache.size(2) && dim % 2 == 0 &&
+                  heads > 0 && heads % kv_heads == 0 && values == (heads + 2 * kv_heads) * dim &&
+                  cos.numel() == dim && sin.numel() == dim,
+              "hfquant decode attention: needs caches of one shape and strides with room at position ", position,
+              " and a qkv row of whole heads (a multiple of kv_heads, then 2 * kv_heads), got caches ",
+              key_cache.sizes(), ", a qkv row of ", values, " values, cos ", cos.sizes());
+  return heads;
+}
+
 // one decode step's attention over a cache hfquant owns (hfquant/nn/decode_cache.py): the rotary embedding of query
 // and key (rotary_row's arithmetic), the rotated key and the value written into key_cache and value_cache at
 // `position` (in place: no new cache tensor), then attention_row over positions 0..position. qkv holds the step's
@@ -258,42 +307,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_row(const at::Tensor &query, const at:
 at::Tensor decode_attention_row(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &sin,
                                 at::Tensor &key_cache, at::Tensor &value_cache, int64_t position, double scale) {
   for (const at::Tensor *t : {&qkv, &cos, &sin}) check_bf16_row(*t, "decode attention", "qkv, cos and sin");
-  for (const at::Tensor *t : {&key_cache, &value_cache})
-    TORCH_CHECK(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1,
-                "hfquant decode attention: caches must be (1, kv_heads, capacity, head_dim) bfloat16 CPU tensors with",
-                " a contiguous last dimension, got ", t->sizes());
-  const int64_t kv_heads = key_cache.size(1), dim = key_cache.size(3);
-  const int64_t heads = dim > 0 ? qkv.numel() / dim - 2 * kv_heads : 0;
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
-                  key_cache.size(0) == 1 && position >= 0 && position < key_cache.size(2) && dim % 2 == 0 &&
-                  heads > 0 && heads % kv_heads == 0 && qkv.numel() == (heads + 2 * kv_heads) * dim &&
-                  cos.numel() == dim && sin.numel() == dim,
-              "hfquant decode attention: needs caches of one shape and strides with room at position ", position,
-              " and a qkv row of whole heads (a multiple of kv_heads, then 2 * kv_heads), got caches ",
-              key_cache.sizes(), ", qkv ", qkv.sizes(), ", cos ", cos.sizes());
-  const int64_t head_stride = key_cache.stride(1), token_stride = key_cache.stride(2);
-  at::Tensor out = at::empty({1, 1, heads * dim}, qkv.options());
-  // the rotated query and key go to this thread's scratch row (no tensor allocated), the key then into the cache
-  thread_local std::vector<uint16_t> rotated;
-  rotated.resize(static_cast<size_t>((heads + kv_heads) * dim));
-  uint16_t *q_rot = rotated.data(), *k_rot = rotated.data() + heads * dim;
-  const uint16_t *q = static_cast<const uint16_t *>(qkv.const_data_ptr());
-  const uint16_t *k = q + heads * dim, *v = k + kv_heads * dim;
-  int status = hfquant_rotary_row(q, k, static_cast<const uint16_t *>(cos.const_data_ptr()),
-                                  static_cast<const uint16_t *>(sin.const_data_ptr()), q_rot, k_rot, heads, kv_heads,
-                                  dim);
-  TORCH_CHECK(status == 0, "hfquant decode attention: rotary refused heads=", heads, ", dim=", dim);
-  uint16_t *keys = static_cast<uint16_t *>(key_cache.mutable_data_ptr());
-  uint16_t *values = static_cast<uint16_t *>(value_cache.mutable_data_ptr());
-  for (int64_t h = 0; h < kv_heads; h++) {
-    std::memcpy(keys + h * head_stride + position * token_stride, k_rot + h * dim, dim * sizeof(uint16_t));
-    std::memcpy(values + h * head_stride + position * token_stride, v + h * dim, dim * sizeof(uint16_t));
-  }
-  status = hfquant_attention_row(q_rot, dim, keys, values, head_stride, token_stride,
-                                 static_cast<uint16_t *>(out.mutable_data_ptr()), heads, kv_heads, position + 1, dim,
-                                 static_cast<float>(scale));
-  TORCH_CHECK(status == 0, "hfquant decode attention refused heads=", heads, ", kv_heads=", kv_heads, ", tokens=",
-              position + 1, " (status ", status, ")");
+  const int64_t heads = check_caches(key_cache, value_cache, position, qkv.numel(), cos, sin);
+  at::Tensor out = at::empty({1, 1, heads * key_cache.size(3)}, qkv.options());
+  decode_attention_into(static_cast<const uint16_t *>(qkv.const_data_ptr()),
+                        static_cast<const uint16_t *>(cos.const_data_ptr()),
+                        static_cast<const uint16_t *>(sin.const_data_ptr()), key_cache, value_cache, position, scale,
+                        heads, static_cast<uint16_t *>(out.mutable_data_ptr()));
   return out;
 }
 
@@ -349,6 +368,108 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_row(const at::Tensor &residual, 
   return {sum, y};
 }
 
+// the block GEMVs of `count` weights reading the row x of k values into y, one C call (block_gemv_group's): the weights
+// checked as (N_i, row bytes) contiguous uint8 CPU tensors; returns sum N_i
+int64_t block_rows(const uint16_t *x, const at::Tensor *weights, const int64_t *types, int64_t count, int64_t k,
+                   uint16_t *y, const char *what) {
+  const uint8_t *pointers[8];
+  int64_t rows[8], total = 0;
+  for (int64_t i = 0; i < count; i++) {
+    TORCH_CHECK(weights[i].dim() == 2, "hfquant decode layer: ", what, " weight ", i, " must be (N, row bytes), got ",
+                weights[i].sizes());
+    check_operand(weights[i], at::kByte, what);
+    pointers[i] = static_cast<const uint8_t *>(weights[i].const_data_ptr());
+    rows[i] = weights[i].size(0);
+    total += rows[i];
+  }
+  if (y == nullptr) return total;  // sizing only
+  int status = hfquant_block_gemv_group(x, pointers, types, rows, y, count, k);
+  TORCH_CHECK(status == 0, "hfquant decode layer: the block GEMV of ", what, " refused K=", k,
+              " (needs hfquant's block types, K a multiple of each block size, AVX2 or AVX512-VNNI)");
+  return total;
+}
+
+// One eager decode step of a Llama-family decoder layer whose projections are all block formats, in one call: what
+// hfquant/nn/row_decode.py's layer, attention and MLP forwards call one operator at a time, the same C functions in
+// the same order on the same bytes, so the output is theirs bit for bit:
+//   h = rms_norm_row(hidden, input_norm)                      (rms_norm_row)
+//   qkv = block GEMV group of h over the q/k/v weights         (block_gemv_group: x quantized to int8 blocks once)
+//   a = attention of qkv over the cache, key and value written (decode_attention_row)
+//   o = block GEMV of a over o_proj                            (block_gemv)
+//   s = hidden + o; m = rms_norm_row(s, post_norm)             (add_rms_norm_row)
+//   gu = block GEMV group of m over the gate/up weights        (block_gemv_group)
+//   d = block GEMV of silu(gate) * up over down_proj           (silu_mul_halves_row, block_gemv)
+//   out = s + d                                                (torch's bfloat16 add: float sum rounded once)
+// Why: each operator call from Python costs 2-7 us of dispatch and argument parsing on the Zen 3 of
+// docs/performance.md's nineteenth session, about ten per layer with the Python around them (issue #32); here the
+// intermediates live in this thread's scratch rows and only the output is allocated.
+// Arguments: hidden (1, 1, H) contiguous bfloat16; cos, sin, key_cache, value_cache, position, as
+// decode_attention_row; weights [input norm (H,), post-attention norm (H,), o_proj (H, row bytes), down_proj
+// (H, row bytes), the q/k/v group's weights (qkv_count), the gate/up group's (gate_up_count)]; ints [qkv_count,
+// gate_up_count, o_proj's GGUF type, down_proj's, the q/k/v weights' types, the gate/up weights' types]; floats
+// [input norm eps, post-attention norm eps, attention scale]. The gate/up rows: the gate's I then the up's I.
+// Output (1, 1, H) bfloat16, the layer's output row; key_cache and value_cache written at `position`.
+at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, const at::Tensor &sin,
+                            at::Tensor &key_cache, at::Tensor &value_cache, int64_t position, at::TensorList weights,
+                            at::IntArrayRef ints, at::ArrayRef<double> floats) {
+  TORCH_CHECK(ints.size() >= 4 && floats.size() == 3, "hfquant decode layer: needs 4 + the groups' ints and 3 floats");
+  const int64_t qkv_count = ints[0], gate_up_count = ints[1];
+  TORCH_CHECK(qkv_count >= 1 && qkv_count <= 8 && gate_up_count >= 1 && gate_up_count <= 8 &&
+                  static_cast<int64_t>(weights.size()) == 4 + qkv_count + gate_up_count &&
+                  static_cast<int64_t>(ints.size()) == 4 + qkv_count + gate_up_count,
+              "hfquant decode layer: needs 4 + the groups' weights and types, got ", weights.size(), " weights and ",
+              ints.size(), " ints");
+  for (const at::Tensor *t : {&hidden, &cos, &sin, &weights[0], &weights[1]})
+    check_bf16_row(*t, "decode layer", "hidden, cos, sin and the norm weights");
+  const int64_t n = hidden.numel();
+  TORCH_CHECK(hidden.dim() == 3 && n > 0 && weights[0].dim() == 1 && weights[0].numel() == n &&
+                  weights[1].dim() == 1 && weights[1].numel() == n,
+              "hfquant decode layer: needs hidden (1, 1, H) and norm weights (H,), got ", hidden.sizes(), ", ",
+              weights[0].sizes(), ", ", weights[1].sizes());
+  const at::Tensor *qkv_w = weights.data() + 4, *gate_up_w = qkv_w + qkv_count;
+  const int64_t *qkv_types = ints.data() + 4, *gate_up_types = qkv_types + qkv_count;
+  const int64_t qkv_n = block_rows(nullptr, qkv_w, qkv_types, qkv_count, n, nullptr, "q/k/v");
+  const int64_t gate_up_n = block_rows(nullptr, gate_up_w, gate_up_types, gate_up_count, n, nullptr, "gate/up");
+  const int64_t heads = check_caches(key_cache, value_cache, position, qkv_n, cos, sin);
+  const int64_t attn_n = heads * key_cache.size(3), inter = gate_up_n / 2;
+  TORCH_CHECK(gate_up_n % 2 == 0 && weights[2].dim() == 2 && weights[2].size(0) == n && weights[3].dim() == 2 &&
+                  weights[3].size(0) == n,
+              "hfquant decode layer: needs an even gate/up row and o_proj, down_proj of H=", n, " rows, got ",
+              gate_up_n, ", ", weights[2].sizes(), ", ", weights[3].sizes());
+  // scratch rows, each 64-byte aligned: h, qkv, a, o, s, m, gu, the SwiGLU product, d
+  const int64_t sizes[9] = {n, qkv_n, attn_n, n, n, n, gate_up_n, inter, n};
+  int64_t offsets[9], total = 0;
+  for (int i = 0; i < 9; i++) {
+    offsets[i] = total;
+    total += (sizes[i] + 31) / 32 * 32;
+  }
+  thread_local std::vector<uint16_t> scratch_rows;
+  scratch_rows.resize(static_cast<size_t>(total + 32));
+  uint16_t *base = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(scratch_rows.data()) + 63) & ~uintptr_t(63));
+  uint16_t *h = base + offsets[0], *qkv = base + offsets[1], *a = base + offsets[2], *o = base + offsets[3];
+  uint16_t *s = base + offsets[4], *m = base + offsets[5], *gu = base + offsets[6], *act = base + offsets[7];
+  uint16_t *d = base + offsets[8];
+  const uint16_t *x = static_cast<const uint16_t *>(hidden.const_data_ptr());
+  const uint16_t *input_norm = static_cast<const uint16_t *>(weights[0].const_data_ptr());
+  const uint16_t *post_norm = static_cast<const uint16_t *>(weights[1].const_data_ptr());
+  TORCH_CHECK(hfquant_rms_norm_row(x, input_norm, h, n, static_cast<float>(floats[0])) == 0,
+              "hfquant decode layer: RMSNorm refused n=", n);
+  block_rows(h, qkv_w, qkv_types, qkv_count, n, qkv, "q/k/v");
+  decode_attention_into(qkv, static_cast<const uint16_t *>(cos.const_data_ptr()),
+                        static_cast<const uint16_t *>(sin.const_data_ptr()), key_cache, value_cache, position,
+                        floats[2], heads, a);
+  block_rows(a, &weights[2], &ints[2], 1, attn_n, o, "o_proj");
+  TORCH_CHECK(hfquant_add_rms_norm_row(x, o, post_norm, s, m, n, static_cast<float>(floats[1])) == 0,
+              "hfquant decode layer: add + RMSNorm refused n=", n);
+  block_rows(m, gate_up_w, gate_up_types, gate_up_count, n, gu, "gate/up");
+  TORCH_CHECK(hfquant_silu_mul_row(gu, gu + inter, act, inter) == 0, "hfquant decode layer: SwiGLU refused n=", inter);
+  block_rows(act, &weights[3], &ints[3], 1, inter, d, "down_proj");
+  at::Tensor out = at::empty(hidden.sizes(), hidden.options());
+  uint16_t *y = static_cast<uint16_t *>(out.mutable_data_ptr());
+  for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(bf16_to_float(s[i]) + bf16_to_float(d[i]));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hfquant_cpu, m) {
@@ -368,6 +489,9 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def("silu_mul_row(Tensor gate, Tensor up) -> Tensor");
   m.def("silu_mul_halves_row(Tensor gate_up) -> Tensor");
   m.def("add_rms_norm_row(Tensor residual, Tensor hidden, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "decode_layer_row(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "int position, Tensor[] weights, int[] ints, float[] floats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -385,4 +509,5 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("silu_mul_row", &silu_mul_row);
   m.impl("silu_mul_halves_row", &silu_mul_halves_row);
   m.impl("add_rms_norm_row", &add_rms_norm_row);
+  m.impl("decode_layer_row", &decode_layer_row);
 }
