@@ -222,18 +222,14 @@ class RowDecodeLayer:
         position_embeddings=None,
         **kwargs,
     ):
-        if (
-            attention_mask is None
-            and decode_layer._DECODE_LAYER_ROW is not None
-            and _one_row(hidden_states, self.hidden_size)
-            and hidden_states.is_contiguous()
-        ):
+        one_row = _one_row(hidden_states, self.hidden_size) and hidden_states.is_contiguous()
+        if one_row and attention_mask is None and decode_layer._DECODE_LAYER_ROW is not None:
             output = decode_layer.step(self, hidden_states, position_embeddings, cache, kwargs)
             if output is not None:
                 return output
         modules = self._modules
         norm = modules["post_attention_layernorm"]
-        if not (_one_row(hidden_states, self.hidden_size) and hidden_states.is_contiguous() and _plain_row_norm(norm)):
+        if not (one_row and _plain_row_norm(norm)):
             return super().forward(
                 hidden_states,
                 attention_mask=attention_mask,

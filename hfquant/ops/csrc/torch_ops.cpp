@@ -123,27 +123,38 @@ at::Tensor block_gemv(const at::Tensor &x, const at::Tensor &weight, int64_t in_
 
 // the block GEMVs of several weights reading the same x (a fused decode group: q/k/v, gate/up), in one C call: x
 // quantized once, one OpenMP region; output (1, sum N_i), each weight's rows in order
+// the block GEMVs of `count` weights reading the row x of k values into y, one C call (hfquant_block_gemv_group): the
+// weights checked as (N_i, row bytes) contiguous uint8 CPU tensors, errors prefixed by `who`; returns sum N_i, and
+// with y null checks and sizes only (block_gemv_group, decode_layer_row)
+int64_t block_rows(const uint16_t *x, const at::Tensor *weights, const int64_t *types, int64_t count, int64_t k,
+                   uint16_t *y, const char *who) {
+  const uint8_t *pointers[8];
+  int64_t rows[8], total = 0;
+  for (int64_t i = 0; i < count; i++) {
+    TORCH_CHECK(weights[i].dim() == 2, who, ": weight ", i, " must be (N, row bytes), got shape ", weights[i].sizes());
+    check_operand(weights[i], at::kByte, "weight");
+    pointers[i] = static_cast<const uint8_t *>(weights[i].const_data_ptr());
+    rows[i] = weights[i].size(0);
+    total += rows[i];
+  }
+  if (y == nullptr) return total;  // sizing only
+  int status = hfquant_block_gemv_group(x, pointers, types, rows, y, count, k);
+  TORCH_CHECK(status == 0, who, ": the block GEMV refused K=", k, ", GGUF types ", at::IntArrayRef(types, count),
+              " (needs hfquant's block types, K a multiple of each block size, AVX2 or AVX512-VNNI)");
+  return total;
+}
+
 at::Tensor block_gemv_group(const at::Tensor &x, at::TensorList weights, int64_t in_features, at::IntArrayRef types) {
   const int64_t count = static_cast<int64_t>(weights.size());
   TORCH_CHECK(count >= 1 && count <= 8 && static_cast<int64_t>(types.size()) == count,
               "hfquant block GEMV group: needs 1-8 weights and one GGUF type each, got ", count, " weights and ",
               types.size(), " types");
   check_row(x, in_features);
-  const uint8_t *pointers[8];
-  int64_t rows[8], total = 0;
-  for (int64_t i = 0; i < count; i++) {
-    TORCH_CHECK(weights[i].dim() == 2, "hfquant block GEMV group: weight ", i, " must be (N, row bytes), got shape ",
-                weights[i].sizes());
-    check_operand(weights[i], at::kByte, "weight");
-    pointers[i] = static_cast<const uint8_t *>(weights[i].const_data_ptr());
-    rows[i] = weights[i].size(0);
-    total += rows[i];
-  }
-  at::Tensor y = at::empty({1, total}, x.options());
-  int status = hfquant_block_gemv_group(static_cast<const uint16_t *>(x.const_data_ptr()), pointers, types.data(),
-                                        rows, static_cast<uint16_t *>(y.mutable_data_ptr()), count, in_features);
-  TORCH_CHECK(status == 0, "hfquant native block GEMV group refused K=", in_features, ", GGUF types ", types,
-              " (needs hfquant's block types, K a multiple of each block size, AVX2 or AVX512-VNNI)");
+  const char *who = "hfquant block GEMV group";
+  at::Tensor y = at::empty({1, block_rows(nullptr, weights.data(), types.data(), count, in_features, nullptr, who)},
+                           x.options());
+  block_rows(static_cast<const uint16_t *>(x.const_data_ptr()), weights.data(), types.data(), count, in_features,
+             static_cast<uint16_t *>(y.mutable_data_ptr()), who);
   return y;
 }
 
@@ -368,27 +379,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_row(const at::Tensor &residual, 
   return {sum, y};
 }
 
-// the block GEMVs of `count` weights reading the row x of k values into y, one C call (block_gemv_group's): the weights
-// checked as (N_i, row bytes) contiguous uint8 CPU tensors; returns sum N_i
-int64_t block_rows(const uint16_t *x, const at::Tensor *weights, const int64_t *types, int64_t count, int64_t k,
-                   uint16_t *y, const char *what) {
-  const uint8_t *pointers[8];
-  int64_t rows[8], total = 0;
-  for (int64_t i = 0; i < count; i++) {
-    TORCH_CHECK(weights[i].dim() == 2, "hfquant decode layer: ", what, " weight ", i, " must be (N, row bytes), got ",
-                weights[i].sizes());
-    check_operand(weights[i], at::kByte, what);
-    pointers[i] = static_cast<const uint8_t *>(weights[i].const_data_ptr());
-    rows[i] = weights[i].size(0);
-    total += rows[i];
-  }
-  if (y == nullptr) return total;  // sizing only
-  int status = hfquant_block_gemv_group(x, pointers, types, rows, y, count, k);
-  TORCH_CHECK(status == 0, "hfquant decode layer: the block GEMV of ", what, " refused K=", k,
-              " (needs hfquant's block types, K a multiple of each block size, AVX2 or AVX512-VNNI)");
-  return total;
-}
-
 // One eager decode step of a Llama-family decoder layer whose projections are all block formats, in one call: what
 // hfquant/nn/row_decode.py's layer, attention and MLP forwards call one operator at a time, the same C functions in
 // the same order on the same bytes, so the output is theirs bit for bit:
@@ -428,8 +418,9 @@ at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, con
               weights[0].sizes(), ", ", weights[1].sizes());
   const at::Tensor *qkv_w = weights.data() + 4, *gate_up_w = qkv_w + qkv_count;
   const int64_t *qkv_types = ints.data() + 4, *gate_up_types = qkv_types + qkv_count;
-  const int64_t qkv_n = block_rows(nullptr, qkv_w, qkv_types, qkv_count, n, nullptr, "q/k/v");
-  const int64_t gate_up_n = block_rows(nullptr, gate_up_w, gate_up_types, gate_up_count, n, nullptr, "gate/up");
+  const char *qkv_who = "hfquant decode layer (q/k/v)", *gate_up_who = "hfquant decode layer (gate/up)";
+  const int64_t qkv_n = block_rows(nullptr, qkv_w, qkv_types, qkv_count, n, nullptr, qkv_who);
+  const int64_t gate_up_n = block_rows(nullptr, gate_up_w, gate_up_types, gate_up_count, n, nullptr, gate_up_who);
   const int64_t heads = check_caches(key_cache, value_cache, position, qkv_n, cos, sin);
   const int64_t attn_n = heads * key_cache.size(3), inter = gate_up_n / 2;
   TORCH_CHECK(gate_up_n % 2 == 0 && weights[2].dim() == 2 && weights[2].size(0) == n && weights[3].dim() == 2 &&
@@ -445,7 +436,8 @@ at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, con
   }
   thread_local std::vector<uint16_t> scratch_rows;
   scratch_rows.resize(static_cast<size_t>(total + 32));
-  uint16_t *base = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(scratch_rows.data()) + 63) & ~uintptr_t(63));
+  const uintptr_t aligned = (reinterpret_cast<uintptr_t>(scratch_rows.data()) + 63) & ~uintptr_t(63);
+  uint16_t *base = reinterpret_cast<uint16_t *>(aligned);
   uint16_t *h = base + offsets[0], *qkv = base + offsets[1], *a = base + offsets[2], *o = base + offsets[3];
   uint16_t *s = base + offsets[4], *m = base + offsets[5], *gu = base + offsets[6], *act = base + offsets[7];
   uint16_t *d = base + offsets[8];
@@ -454,16 +446,16 @@ at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, con
   const uint16_t *post_norm = static_cast<const uint16_t *>(weights[1].const_data_ptr());
   TORCH_CHECK(hfquant_rms_norm_row(x, input_norm, h, n, static_cast<float>(floats[0])) == 0,
               "hfquant decode layer: RMSNorm refused n=", n);
-  block_rows(h, qkv_w, qkv_types, qkv_count, n, qkv, "q/k/v");
+  block_rows(h, qkv_w, qkv_types, qkv_count, n, qkv, qkv_who);
   decode_attention_into(qkv, static_cast<const uint16_t *>(cos.const_data_ptr()),
                         static_cast<const uint16_t *>(sin.const_data_ptr()), key_cache, value_cache, position,
                         floats[2], heads, a);
-  block_rows(a, &weights[2], &ints[2], 1, attn_n, o, "o_proj");
+  block_rows(a, &weights[2], &ints[2], 1, attn_n, o, "hfquant decode layer (o_proj)");
   TORCH_CHECK(hfquant_add_rms_norm_row(x, o, post_norm, s, m, n, static_cast<float>(floats[1])) == 0,
               "hfquant decode layer: add + RMSNorm refused n=", n);
-  block_rows(m, gate_up_w, gate_up_types, gate_up_count, n, gu, "gate/up");
+  block_rows(m, gate_up_w, gate_up_types, gate_up_count, n, gu, gate_up_who);
   TORCH_CHECK(hfquant_silu_mul_row(gu, gu + inter, act, inter) == 0, "hfquant decode layer: SwiGLU refused n=", inter);
-  block_rows(act, &weights[3], &ints[3], 1, inter, d, "down_proj");
+  block_rows(act, &weights[3], &ints[3], 1, inter, d, "hfquant decode layer (down_proj)");
   at::Tensor out = at::empty(hidden.sizes(), hidden.options());
   uint16_t *y = static_cast<uint16_t *>(out.mutable_data_ptr());
   for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(bf16_to_float(s[i]) + bf16_to_float(d[i]));
