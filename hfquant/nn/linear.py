@@ -502,7 +502,7 @@ def _quantize_rtn(weight, fmt: StoredFormat, buffers: dict, clipping: str, row_s
     n, k = weight.shape
     stored = buffers["weight"]
     # the C quantizer gives the same bytes as rtn.quantize_weight + pack_int4 in one pass (tests/test_native_rtn.py)
-    in_c = clipping == "minmax" and weight.device.type == "cpu" and native.int4_cpu_library() is not None
+    in_c = clipping == "minmax" and weight.device.type == "cpu" and native.built_library() is not None
     step = max(1, _CHUNK_BYTES // (4 * k))
     if in_c and weight.dtype in (torch.bfloat16, torch.float32):
         step = n  # the C pass reads the weight as it is and writes the outputs in place: no transient memory to bound

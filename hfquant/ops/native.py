@@ -193,7 +193,7 @@ def isa() -> tuple[str, ...]:
 @functools.cache
 def int4_cpu_library() -> ctypes.CDLL | None:
     """The loaded kernel library where its AVX-512 kernels run (AVX512-BF16: the int4 GEMV, the int4
-    dequantization, the RTN quantizer, the repacking), or None (the reason logged at INFO level)."""
+    dequantization, the repacking), or None (the reason logged at INFO level)."""
     library = built_library()
     if library is not None and not library.hfquant_int4_cpu_supported():
         logger.info(
@@ -462,7 +462,7 @@ def rtn_quantize(
         ValueError: the weight holds NaN or Inf values (the message of `hfquant.core.rtn`); `threads` < 1.
         RuntimeError: the library is unavailable, or it refused the arguments (`out` included: naming the tensor).
     """
-    library = _loaded_library()
+    library = _loaded_library(any_x86=True)
     if threads is not None and threads < 1:
         raise ValueError(f"rtn_quantize threads={threads}: give at least 1, or None for OpenMP's default")
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or weight.device.type != "cpu":

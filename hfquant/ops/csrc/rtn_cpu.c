@@ -19,10 +19,6 @@
  * raises). Rows are split over `threads` OpenMP threads (0: OpenMP's default); every output depends on its own row
  * only, so the bytes do not depend on the count.
  */
-#if defined(__x86_64__) && defined(__GNUC__)
-/* the loops below vectorize to 16 floats per instruction; hfquant loads this library only on CPUs with AVX512-BF16 */
-#pragma GCC target("avx512f,avx512bw,avx512vl")
-#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -31,9 +27,15 @@
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(RTN_FORCE_GENERIC) /* -DRTN_FORCE_GENERIC: the loops below */
+/* Three bodies of one row, the same bytes (the same float32 operations per value): AVX-512 for groups of a multiple of
+ * 16, AVX2 for groups of a multiple of 8, the generic loops otherwise; hfquant_isa decides which instructions the CPU
+ * (or HFQUANT_ISA) allows. -DRTN_FORCE_GENERIC: the generic loops only. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(RTN_FORCE_GENERIC)
 #include <immintrin.h>
 #define RTN_AVX512 1
+#define RTN_AVX2 1
+#define RTN_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define RTN_TARGET_AVX2 __attribute__((target("avx2")))
 #endif
 
 /* The group scale from its (lo, hi) as rtn_group makes it (bfloat16 bits into *scale_out, the zero point into
@@ -102,7 +104,7 @@ static int rtn_group(const float *x, int64_t group, int bits, int symmetric, uin
  * zero take the same operand as the scalar ternaries, the bfloat16 rounding is float_to_bf16's, nearbyintf is a
  * round to nearest even. Writes the bfloat16 scale bits, the zero points (asymmetric), the quotient's divisor and
  * shift per lane; returns 1 if a scale is not finite. */
-static inline int group_scales_x16(__m512 lo, __m512 hi, int bits, int symmetric, uint16_t *scale_out,
+RTN_TARGET_AVX512 static inline int group_scales_x16(__m512 lo, __m512 hi, int bits, int symmetric, uint16_t *scale_out,
                                    uint8_t *zero_out, float *sf_out, float *shift_out) {
     const __m512 zero = _mm512_setzero_ps(), levels = _mm512_set1_ps(bits == 4 ? 15.0f : 255.0f);
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
@@ -147,7 +149,7 @@ static inline int group_scales_x16(__m512 lo, __m512 hi, int bits, int symmetric
  * loops of rtn_quantize + rtn_group (IEEE products and quotients, the clamp of non-NaN values, truncation): the same
  * bytes. Work space: xf (k floats), and 5 arrays of `groups` rounded up to 16 floats. Returns 1 on a non-finite
  * value or scale. */
-static int rtn_row_avx512(const void *src, int is_bf16, float a, const float *c, int64_t k, int64_t group, int bits,
+RTN_TARGET_AVX512 static int rtn_row_avx512(const void *src, int is_bf16, float a, const float *c, int64_t k, int64_t group, int bits,
                           int symmetric, float *xf, float *work, uint8_t *out, uint16_t *scale_out,
                           uint8_t *zero_out) {
     const int64_t groups = k / group, padded = (groups + 15) / 16 * 16;
@@ -208,6 +210,103 @@ static int rtn_row_avx512(const void *src, int is_bf16, float a, const float *c,
 }
 #endif
 
+#ifdef RTN_AVX2
+/* rtn_row_avx512's work for groups of a multiple of 8 on AVX2 (Haswell to Zen 3), 8 lanes at a time: the same float32
+ * operations per value (widening, the fold's product and quotient, min / max, the quotient by the scale, its shift,
+ * clamp and truncation), each group's scale by the scalar group_scale. The codes go out as one byte each into out8
+ * (the caller packs them at 4 bits and flips the sign bit at 8 bits symmetric, as after the generic loops). Work
+ * space: xf (k floats). Returns 1 on a non-finite value or scale. */
+RTN_TARGET_AVX2 static int rtn_row_avx2(const void *src, int is_bf16, float a, const float *c, int64_t k, int64_t group,
+                                        int bits, int symmetric, float *xf, uint8_t *out8, uint16_t *scale_out,
+                                        uint8_t *zero_out) {
+    const __m256 va = _mm256_set1_ps(a), big = _mm256_set1_ps(3.402823466e38f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    /* byte 0 of each 32-bit lane to the front of its 128-bit half, then the halves' four bytes side by side */
+    const __m256i first_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                                                 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i halves = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+    for (int64_t g = 0; g < k / group; g++) {
+        const int64_t start = g * group, end = start + group;
+        __m256 vlo = _mm256_set1_ps(INFINITY), vhi = _mm256_set1_ps(-INFINITY);
+        __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (int64_t i = start; i < end; i += 8) {
+            __m256 x;
+            if (is_bf16) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + i));
+                x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            } else {
+                x = _mm256_loadu_ps((const float *)src + i);
+            }
+            if (a != 1.0f) x = _mm256_mul_ps(x, va); /* a product by 1 is exact: 1 stands for no row factors */
+            if (c) x = _mm256_div_ps(x, _mm256_loadu_ps(c + i));
+            _mm256_storeu_ps(xf + i, x);
+            vlo = _mm256_min_ps(vlo, x);
+            vhi = _mm256_max_ps(vhi, x);
+            finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_and_ps(x, absmask), big, _CMP_LE_OQ));
+        }
+        if (_mm256_movemask_ps(finite) != 0xFF) return 1;
+        float lanes_lo[8], lanes_hi[8], lo = INFINITY, hi = -INFINITY;
+        _mm256_storeu_ps(lanes_lo, vlo);
+        _mm256_storeu_ps(lanes_hi, vhi);
+        for (int j = 0; j < 8; j++) { /* in any order: only the sign of a zero could differ (see rtn_group) */
+            lo = lanes_lo[j] < lo ? lanes_lo[j] : lo;
+            hi = lanes_hi[j] > hi ? lanes_hi[j] : hi;
+        }
+        float sf, shift, cmin, cmax;
+        if (group_scale(lo, hi, bits, symmetric, scale_out + g, symmetric ? NULL : zero_out + g, &sf, &shift, &cmin,
+                        &cmax))
+            return 1;
+        const __m256 vsf = _mm256_set1_ps(sf), vshift = _mm256_set1_ps(shift);
+        const __m256 vmin = _mm256_set1_ps(cmin), vmax = _mm256_set1_ps(cmax);
+        for (int64_t i = start; i < end; i += 8) {
+            __m256 q = _mm256_add_ps(vshift, _mm256_div_ps(_mm256_loadu_ps(xf + i), vsf));
+            q = _mm256_min_ps(_mm256_max_ps(q, vmin), vmax); /* q is never NaN here: the ternaries' clamp */
+            const __m256i codes = _mm256_cvttps_epi32(q);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(codes, first_bytes), halves);
+            _mm_storel_epi64((__m128i *)(out8 + i), _mm256_castsi256_si128(bytes));
+        }
+    }
+    return 0;
+}
+#endif
+
+/* the generic loops of one row (any group dividing k): each group widened into xf (group floats), the fold's factors
+ * applied, then rtn_group; codes one byte each into out8. Returns 1 on a non-finite value or scale. */
+static int rtn_row_generic(const void *w, int w_is_bf16, int64_t r, int64_t k, int64_t group, int bits, int symmetric,
+                           const float *row_scale, const float *col_scale, float *xf, uint8_t *out8,
+                           uint16_t *scale_out, uint8_t *zero_out) {
+    for (int64_t g = 0; g < k / group; g++) {
+        const int64_t start = r * k + g * group;
+        if (w_is_bf16) {
+            const uint16_t *src = (const uint16_t *)w + start;
+            for (int64_t i = 0; i < group; i++) xf[i] = bf16_to_float(src[i]);
+        } else {
+            memcpy(xf, (const float *)w + start, (size_t)group * sizeof(float));
+        }
+        if (row_scale) { /* a fold's factors: the float32 product, then the quotient, as torch computes them */
+            const float a = row_scale[r];
+            for (int64_t i = 0; i < group; i++) xf[i] = xf[i] * a;
+        }
+        if (col_scale) {
+            const float *c = col_scale + g * group;
+            for (int64_t i = 0; i < group; i++) xf[i] = xf[i] / c[i];
+        }
+        if (rtn_group(xf, group, bits, symmetric, out8 + g * group, scale_out + g, symmetric ? NULL : zero_out + g))
+            return 1;
+    }
+    return 0;
+}
+
+/* the row body hfquant_isa allows for this group size: 2 AVX-512, 1 AVX2, 0 the generic loops */
+static int rtn_body(int64_t group) {
+#ifdef RTN_AVX512
+    if (group % 16 == 0 && HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512)) return 2;
+    if (group % 8 == 0 && HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2)) return 1;
+#endif
+    (void)group;
+    return 0;
+}
+
 static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int64_t group, int bits, int symmetric,
                         const float *row_scale, const float *col_scale, uint8_t *codes, uint16_t *scale,
                         uint8_t *zero_point, int64_t threads) {
@@ -216,48 +315,39 @@ static int rtn_quantize(const void *w, int w_is_bf16, int64_t n, int64_t k, int6
         return 1;
     const int64_t groups = k / group;
     const int team = threads > 0 ? (int)threads : omp_get_max_threads();
+    const int body = rtn_body(group);
     int bad = 0;
 #pragma omp parallel num_threads(team) reduction(| : bad)
     {
-        float xf[group];
+        float xf[body ? 1 : group];
         uint8_t row_codes[bits == 4 ? k : 1];
-#ifdef RTN_AVX512
-        /* rtn_row_avx512's row of scaled values and per-group scalars (4 float arrays, scale bits, zero points) */
-        float xrow[group % 16 == 0 ? k : 1];
-        float work[group % 16 == 0 ? ((groups + 15) / 16 * 16) * 5 + 16 : 1];
-#endif
+        /* the vector bodies' row of scaled values; AVX-512's per-group scalars (4 float arrays, scale bits, zeros) */
+        float xrow[body ? k : 1];
+        float work[body == 2 ? ((groups + 15) / 16 * 16) * 5 + 16 : 1];
+        (void)work;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
             if (bad) continue;
+            const void *src = (const char *)w + (size_t)(r * k) * (w_is_bf16 ? 2 : 4);
+            const float a = row_scale ? row_scale[r] : 1.0f;
+            uint16_t *row_scales = scale + r * groups;
+            uint8_t *row_zeros = symmetric ? NULL : zero_point + r * groups;
 #ifdef RTN_AVX512
-            if (group % 16 == 0) {
-                bad |= rtn_row_avx512((const char *)w + (size_t)(r * k) * (w_is_bf16 ? 2 : 4), w_is_bf16,
-                                      row_scale ? row_scale[r] : 1.0f, col_scale, k, group, bits, symmetric, xrow,
-                                      work, codes + r * (bits == 4 ? k / 2 : k), scale + r * groups,
-                                      symmetric ? NULL : zero_point + r * groups);
+            if (body == 2) {
+                bad |= rtn_row_avx512(src, w_is_bf16, a, col_scale, k, group, bits, symmetric, xrow, work,
+                                      codes + r * (bits == 4 ? k / 2 : k), row_scales, row_zeros);
                 continue;
             }
 #endif
             uint8_t *out = bits == 4 ? row_codes : codes + r * k;
-            for (int64_t g = 0; g < groups && !bad; g++) {
-                const int64_t start = r * k + g * group;
-                if (w_is_bf16) {
-                    const uint16_t *src = (const uint16_t *)w + start;
-                    for (int64_t i = 0; i < group; i++) xf[i] = bf16_to_float(src[i]);
-                } else {
-                    memcpy(xf, (const float *)w + start, (size_t)group * sizeof(float));
-                }
-                if (row_scale) { /* a fold's factors: the float32 product, then the quotient, as torch computes them */
-                    const float a = row_scale[r];
-                    for (int64_t i = 0; i < group; i++) xf[i] = xf[i] * a;
-                }
-                if (col_scale) {
-                    const float *c = col_scale + g * group;
-                    for (int64_t i = 0; i < group; i++) xf[i] = xf[i] / c[i];
-                }
-                bad |= rtn_group(xf, group, bits, symmetric, out + g * group, scale + r * groups + g,
-                                 symmetric ? NULL : zero_point + r * groups + g);
-            }
+#ifdef RTN_AVX2
+            if (body == 1)
+                bad |= rtn_row_avx2(src, w_is_bf16, a, col_scale, k, group, bits, symmetric, xrow, out, row_scales,
+                                    row_zeros);
+            else
+#endif
+                bad |= rtn_row_generic(w, w_is_bf16, r, k, group, bits, symmetric, row_scale, col_scale, xf, out,
+                                       row_scales, row_zeros);
             if (bits == 4) {
                 uint8_t *packed = codes + r * (k / 2);
 #pragma omp simd
