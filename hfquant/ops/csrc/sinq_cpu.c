@@ -296,32 +296,6 @@ static inline __attribute__((always_inline)) const uint16_t *bf16_row(const Stat
     return to;
 }
 
-/* block_pass for a group size that is a multiple of 16, with AVX-512F: rows in groups of ROW_GROUP, float32 rows
- * rounded to bfloat16 into `conv` (ROW_GROUP * K) first */
-AVX512_TARGET static int block_pass_avx512(const State *st, int64_t start, int64_t stop, int first, float *part,
-                                           uint16_t *conv, float *b) {
-    const int64_t k = st->k, tiles = st->tiles;
-    float *cs = part, *cq = part + k;
-    int bad = 0;
-    memset(part, 0, (size_t)(2 * k) * sizeof(float));
-    for (int64_t n0 = start; n0 < stop; n0 += ROW_GROUP) {
-        const int rows = stop - n0 < ROW_GROUP ? (int)(stop - n0) : ROW_GROUP;
-        const uint16_t *src[ROW_GROUP];
-        for (int r = 0; r < rows; r++) {
-            const int64_t n = n0 + r;
-            /* a row is often a page: the hardware prefetchers stop at its end; row_stats_avx512 asks for this one */
-            const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;
-            src[r] = bf16_row(st, n, first, conv + r * k, &bad);
-            bad |= row_stats_avx512(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles, st->rs + n * tiles,
-                                    b + r * tiles, first, first && st->is_bf16);
-        }
-        if (rows == ROW_GROUP) add_columns_avx512(st, src, b, ROW_GROUP, cs, cq);
-        else
-            for (int r = 0; r < rows; r++) add_columns_avx512(st, src + r, b + r * tiles, 1, cs, cq);
-    }
-    return bad;
-}
-
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 AVX2_TARGET static inline __m256 widen8(const uint16_t *src) {
@@ -456,30 +430,37 @@ AVX2_TARGET static inline __attribute__((always_inline)) void add_columns_avx2(c
     }
 }
 
-/* block_pass_avx512 with AVX2 and FMA (8-lane vectors), for a CPU without AVX-512 (or HFQUANT_ISA=avx2): the same
- * operations in the same order, so the same float32 results */
-AVX2_TARGET static int block_pass_avx2(const State *st, int64_t start, int64_t stop, int first, float *part,
-                                       uint16_t *conv, float *b) {
-    const int64_t k = st->k, tiles = st->tiles;
-    float *cs = part, *cq = part + k;
-    int bad = 0;
-    memset(part, 0, (size_t)(2 * k) * sizeof(float));
-    for (int64_t n0 = start; n0 < stop; n0 += ROW_GROUP) {
-        const int rows = stop - n0 < ROW_GROUP ? (int)(stop - n0) : ROW_GROUP;
-        const uint16_t *src[ROW_GROUP];
-        for (int r = 0; r < rows; r++) {
-            const int64_t n = n0 + r;
-            const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;
-            src[r] = bf16_row(st, n, first, conv + r * k, &bad);
-            bad |= row_stats_avx2(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles, st->rs + n * tiles,
-                                  b + r * tiles, first, first && st->is_bf16);
-        }
-        if (rows == ROW_GROUP) add_columns_avx2(st, src, b, ROW_GROUP, cs, cq);
-        else
-            for (int r = 0; r < rows; r++) add_columns_avx2(st, src + r, b + r * tiles, 1, cs, cq);
+/* block_pass for a group size that is a multiple of 16, rows in groups of ROW_GROUP, float32 rows rounded to bfloat16
+ * into `conv` (ROW_GROUP * K) first: one text for both vector bodies, `block_pass_avx512` (AVX-512F) and
+ * `block_pass_avx2` (AVX2 and FMA: 8-lane vectors for a CPU without AVX-512, or HFQUANT_ISA=avx2), each calling its
+ * own row statistics and column sums; the same operations in the same order, so the same float32 results. A row is
+ * often a page: the hardware prefetchers stop at its end, so the row statistics ask for the row ROW_GROUP ahead. */
+#define BLOCK_PASS_VECTOR(TARGET, ISA)                                                                                 \
+    TARGET static int block_pass_##ISA(const State *st, int64_t start, int64_t stop, int first, float *part,           \
+                                       uint16_t *conv, float *b) {                                                     \
+        const int64_t k = st->k, tiles = st->tiles;                                                                    \
+        float *cs = part, *cq = part + k;                                                                              \
+        int bad = 0;                                                                                                   \
+        memset(part, 0, (size_t)(2 * k) * sizeof(float));                                                             \
+        for (int64_t n0 = start; n0 < stop; n0 += ROW_GROUP) {                                                         \
+            const int rows = stop - n0 < ROW_GROUP ? (int)(stop - n0) : ROW_GROUP;                                     \
+            const uint16_t *src[ROW_GROUP];                                                                            \
+            for (int r = 0; r < rows; r++) {                                                                           \
+                const int64_t n = n0 + r;                                                                              \
+                const char *ahead = n + ROW_GROUP < st->n ? st->row[n + ROW_GROUP] : NULL;                             \
+                src[r] = bf16_row(st, n, first, conv + r * k, &bad);                                                   \
+                bad |= row_stats_##ISA(st, src[r], ahead, st->is_bf16 ? 2 : 4, st->ir + n * tiles,                     \
+                                       st->rs + n * tiles, b + r * tiles, first, first && st->is_bf16);                \
+            }                                                                                                          \
+            if (rows == ROW_GROUP) add_columns_##ISA(st, src, b, ROW_GROUP, cs, cq);                                   \
+            else                                                                                                       \
+                for (int r = 0; r < rows; r++) add_columns_##ISA(st, src + r, b + r * tiles, 1, cs, cq);               \
+        }                                                                                                              \
+        return bad;                                                                                                    \
     }
-    return bad;
-}
+
+BLOCK_PASS_VECTOR(AVX512_TARGET, avx512)
+BLOCK_PASS_VECTOR(AVX2_TARGET, avx2)
 #endif
 
 static float std_of(double total, double squares, int64_t count) {
