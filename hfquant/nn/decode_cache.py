@@ -27,9 +27,9 @@ quantized, not static) of a plain cache (no offloading) to `RowDynamicLayer` in 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
-__all__ = ["RowDynamicLayer", "decode_attention", "takes_row_cache", "step_buffers", "wrote"]
+__all__ = ["RowDynamicLayer", "decode_attention", "takes_row_cache", "step_buffers", "wrote", "static_buffers"]
 
 MIN_GROWTH = 64
 """Positions a buffer gains at least when it grows (then 1.5 times the length)."""
@@ -133,6 +133,36 @@ def wrote(layer: RowDynamicLayer, position: int) -> None:
     """Record that a decode step wrote `layer`'s buffers (`step_buffers`) at `position`: it holds position + 1."""
     key_buffer, value_buffer = layer.__dict__["_keys"][0], layer.__dict__["_values"][0]
     layer.__dict__["_keys"], layer.__dict__["_values"] = (key_buffer, position + 1), (value_buffer, position + 1)
+
+
+def static_buffers(cache, layer_idx: int, kv_heads: int, head_dim: int):
+    """The tensors a compiled decode step writes layer `layer_idx` of a static cache through
+    (`hfquant_cpu.decode_layer_static`, `hfquant.nn.decode_layer.graph_step`): (keys, values, length), the layer's
+    (1, kv_heads, capacity, head_dim) bfloat16 CPU buffers and its one-element int64 `cumulative_length` (the position
+    the step writes, which the operator advances as `StaticLayer.update` does); None unless `cache` is a `Cache`
+    without offloading whose layer is a filled `StaticLayer` (that exact class: not sliding-window, not indexed) of
+    batch 1 and this shape. Called while torch.compile traces: what it reads (classes, shapes) is fixed for a graph."""
+    if not isinstance(cache, Cache) or cache.offloading or layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    if type(layer) is not StaticLayer or not layer.is_initialized:
+        return None
+    keys, values, length = layer.keys, layer.values, layer.cumulative_length
+    if not (
+        keys.dim() == 4
+        and keys.shape[0] == 1
+        and keys.shape[1] == kv_heads
+        and keys.shape[3] == head_dim
+        and values.shape == keys.shape
+        and values.stride() == keys.stride()
+        and keys.stride(3) == 1
+        and keys.dtype == values.dtype == torch.bfloat16
+        and keys.device.type == values.device.type == length.device.type == "cpu"
+        and length.dtype == torch.int64
+        and length.numel() == 1
+    ):
+        return None
+    return keys, values, length
 
 
 def decode_attention(

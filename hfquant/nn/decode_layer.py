@@ -56,7 +56,7 @@ from hfquant.nn import decode_cache, row_attention
 from hfquant.nn.row_norm import RowRMSNorm
 from hfquant.ops.gemv import RowKernel
 
-__all__ = ["KEY", "LayerCall", "step", "sliding_window"]
+__all__ = ["KEY", "LayerCall", "step", "graph_step", "sliding_window"]
 
 KEY = "_hfquant_layer_call"
 """The layer's `__dict__` entry holding its `LayerCall`."""
@@ -68,6 +68,10 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 
 _DECODE_LAYER_ROW = None
 """`torch.ops.hfquant_cpu.decode_layer_row.default`, set by `row_decode.use_row_decode` (None: never the one call)."""
+
+_DECODE_LAYER_STATIC = None
+"""`torch.ops.hfquant_cpu.decode_layer_static.default` (compiled graphs over a static cache), set with
+`_DECODE_LAYER_ROW`."""
 
 
 def sliding_window(module: nn.Module):
@@ -178,6 +182,68 @@ def step(layer: nn.Module, hidden_states: torch.Tensor, position_embeddings, cac
     if call.args is None:
         return None
     return call.step(hidden_states, position_embeddings, cache, kwargs)
+
+
+def graph_step(
+    layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache, kwargs
+) -> torch.Tensor | None:
+    """While torch.compile traces a decode step (`hfquant.compile_decoding`): `layer`'s step as one
+    `hfquant_cpu.decode_layer_static` call in the graph over its static cache layer (`decode_cache.static_buffers`),
+    or None where it does not qualify (the caller traces the forwards). Decided at trace time by `_arguments`, the
+    eager op's rules, and the per-step checks of `LayerCall.step` that a graph fixes (dtypes, shapes, hooks, grad
+    mode); the input one bfloat16 CPU row (1, 1, hidden): prefill and batches keep the forwards; the mask None or the
+    static cache's bool (1, 1, 1, capacity) mask, read by the operator at run time (its true prefix, as the graph's
+    attention reads it: `row_attention`). Nothing is cached on the layer: the graph is the cache, and
+    `compile_decoding`'s per-call check (`module_state`) compiles again when a module changes."""
+    if _DECODE_LAYER_STATIC is None or _global_hooks() or kwargs.get("output_attentions", False):
+        return None
+    hidden = getattr(layer, "hidden_size", None)
+    if not (
+        hidden_states.dtype == torch.bfloat16
+        and hidden_states.device.type == "cpu"
+        and hidden_states.dim() == 3
+        and hidden_states.numel() == hidden
+        and not (torch.is_grad_enabled() and hidden_states.requires_grad)
+        and position_embeddings is not None
+    ):
+        return None
+    modules = _modules_of(layer, [])
+    if any(len(getattr(module, name)) for module in modules.values() for name in _HOOK_DICTS):
+        return None
+    arguments = _arguments(layer, modules)
+    if arguments is None:
+        return None
+    weights, ints, floats = arguments
+    if torch.is_grad_enabled() and (weights[0].requires_grad or weights[1].requires_grad):
+        return None
+    attn = modules["self_attn"]
+    head_dim = attn.head_dim
+    buffers = decode_cache.static_buffers(cache, attn.layer_idx, modules["k_proj"].out_features // head_dim, head_dim)
+    cos, sin = position_embeddings
+    if buffers is None or not (
+        cos.dtype == sin.dtype == torch.bfloat16 and cos.numel() == head_dim and sin.numel() == head_dim
+    ):
+        return None
+    keys, values, length = buffers
+    if attention_mask is not None and not (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.bool
+        and attention_mask.device.type == "cpu"
+        and tuple(attention_mask.shape) == (1, 1, 1, keys.shape[2])
+    ):
+        return None
+    return _DECODE_LAYER_STATIC(
+        hidden_states.contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        keys,
+        values,
+        length,
+        attention_mask,
+        weights,
+        ints,
+        floats,
+    )
 
 
 def _modules_of(layer: nn.Module, checks: list) -> dict[str, nn.Module]:

@@ -222,6 +222,10 @@ class RowDecodeLayer:
         position_embeddings=None,
         **kwargs,
     ):
+        if torch.compiler.is_compiling():
+            output = decode_layer.graph_step(self, hidden_states, attention_mask, position_embeddings, cache, kwargs)
+            if output is not None:
+                return output
         one_row = _one_row(hidden_states, self.hidden_size) and hidden_states.is_contiguous()
         if one_row and attention_mask is None and decode_layer._DECODE_LAYER_ROW is not None:
             output = decode_layer.step(self, hidden_states, position_embeddings, cache, kwargs)
@@ -423,6 +427,7 @@ def use_row_decode(model: nn.Module) -> int:
     _SILU_MUL_HALVES_ROW = torch.ops.hfquant_cpu.silu_mul_halves_row.default
     _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
     decode_layer._DECODE_LAYER_ROW = torch.ops.hfquant_cpu.decode_layer_row.default
+    decode_layer._DECODE_LAYER_STATIC = torch.ops.hfquant_cpu.decode_layer_static.default
     for module, mixin in candidates:
         module.__class__ = _row_class(mixin, type(module))
     for layers in _layer_lists(model):

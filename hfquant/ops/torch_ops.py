@@ -184,6 +184,10 @@ def _register_fakes() -> None:
     def _(hidden, cos, sin, key_cache, value_cache, position, weights, ints, floats):
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("hfquant_cpu::decode_layer_static")
+    def _(hidden, cos, sin, key_cache, value_cache, length, mask, weights, ints, floats):
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("hfquant_cpu::int8_gemv")
     def _(x, weight, scale):
         return x.new_empty((1, weight.shape[0]))

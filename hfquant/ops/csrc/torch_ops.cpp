@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -260,12 +261,15 @@ std::tuple<at::Tensor, at::Tensor> rotary_row(const at::Tensor &query, const at:
   return {q_out, k_out};
 }
 
-// one decode step's attention (decode_attention_row below, decode_layer_row): the rotary embedding of the query and
-// key rows of qkv (heads, kv_heads, kv_heads rows of dim values, one after the other), the rotated key and the value
-// written into the caches at `position`, then attention_row over positions 0..position into out (heads * dim
-// values); the caches already checked by the caller
+// one decode step's attention (decode_attention_row below, decode_layer_row, decode_layer_static): the rotary
+// embedding of the query and key rows of qkv (heads, kv_heads, kv_heads rows of dim values, one after the other), the
+// rotated key and the value written into the caches at `position`, then attention_row over positions 0..position into
+// out (heads * dim values); the caches already checked by the caller. With a mask (a static cache's bool
+// (1, 1, 1, capacity) mask, checked by the caller), the keys read are attention_row_masked's: the mask's true prefix
+// (positions 0..position at batch 1 without padding), or, for any other pattern, PyTorch's SDPA with the mask
 void decode_attention_into(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, at::Tensor &key_cache,
-                           at::Tensor &value_cache, int64_t position, double scale, int64_t heads, uint16_t *out) {
+                           at::Tensor &value_cache, int64_t position, double scale, int64_t heads, uint16_t *out,
+                           const at::Tensor *mask = nullptr) {
   const int64_t kv_heads = key_cache.size(1), dim = key_cache.size(3);
   const int64_t head_stride = key_cache.stride(1), token_stride = key_cache.stride(2);
   // the rotated query and key go to this thread's scratch row (no tensor allocated), the key then into the cache
@@ -281,10 +285,19 @@ void decode_attention_into(const uint16_t *qkv, const uint16_t *cos, const uint1
     std::memcpy(keys + h * head_stride + position * token_stride, k_rot + h * dim, dim * sizeof(uint16_t));
     std::memcpy(values + h * head_stride + position * token_stride, v + h * dim, dim * sizeof(uint16_t));
   }
-  status = hfquant_attention_row(q_rot, dim, keys, values, head_stride, token_stride, out, heads, kv_heads,
-                                 position + 1, dim, static_cast<float>(scale));
+  const int64_t tokens = mask == nullptr ? position + 1 : prefix_length(*mask);
+  if (tokens <= 0) {  // padding or nothing allowed: attention_row_masked's fallback, SDPA over the whole cache
+    at::Tensor query = at::empty({1, heads, 1, dim}, key_cache.options());
+    std::memcpy(query.mutable_data_ptr(), q_rot, heads * dim * sizeof(uint16_t));
+    at::Tensor sdpa = at::scaled_dot_product_attention(query, key_cache, value_cache, *mask, 0.0, false, scale,
+                                                       heads != kv_heads);
+    std::memcpy(out, sdpa.transpose(1, 2).contiguous().const_data_ptr(), heads * dim * sizeof(uint16_t));
+    return;
+  }
+  status = hfquant_attention_row(q_rot, dim, keys, values, head_stride, token_stride, out, heads, kv_heads, tokens,
+                                 dim, static_cast<float>(scale));
   TORCH_CHECK(status == 0, "hfquant decode attention refused heads=", heads, ", kv_heads=", kv_heads, ", tokens=",
-              position + 1, " (status ", status, ")");
+              tokens, " (status ", status, ")");
 }
 
 // the caches of a decode step's attention and the query heads of a qkv row of `values` values: checks that the
@@ -399,9 +412,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_row(const at::Tensor &residual, 
 // gate_up_count, o_proj's GGUF type, down_proj's, the q/k/v weights' types, the gate/up weights' types]; floats
 // [input norm eps, post-attention norm eps, attention scale]. The gate/up rows: the gate's I then the up's I.
 // Output (1, 1, H) bfloat16, the layer's output row; key_cache and value_cache written at `position`.
-at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, const at::Tensor &sin,
-                            at::Tensor &key_cache, at::Tensor &value_cache, int64_t position, at::TensorList weights,
-                            at::IntArrayRef ints, at::ArrayRef<double> floats) {
+// decode_layer_row's and decode_layer_static's body; mask as decode_attention_into's (null: positions 0..position)
+at::Tensor layer_step(const at::Tensor &hidden, const at::Tensor &cos, const at::Tensor &sin, at::Tensor &key_cache,
+                      at::Tensor &value_cache, int64_t position, const at::Tensor *mask, at::TensorList weights,
+                      at::IntArrayRef ints, at::ArrayRef<double> floats) {
   TORCH_CHECK(ints.size() >= 4 && floats.size() == 3, "hfquant decode layer: needs 4 + the groups' ints and 3 floats");
   const int64_t qkv_count = ints[0], gate_up_count = ints[1];
   TORCH_CHECK(qkv_count >= 1 && qkv_count <= 8 && gate_up_count >= 1 && gate_up_count <= 8 &&
@@ -449,7 +463,7 @@ at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, con
   block_rows(h, qkv_w, qkv_types, qkv_count, n, qkv, qkv_who);
   decode_attention_into(qkv, static_cast<const uint16_t *>(cos.const_data_ptr()),
                         static_cast<const uint16_t *>(sin.const_data_ptr()), key_cache, value_cache, position,
-                        floats[2], heads, a);
+                        floats[2], heads, a, mask);
   block_rows(a, &weights[2], &ints[2], 1, attn_n, o, "hfquant decode layer (o_proj)");
   TORCH_CHECK(hfquant_add_rms_norm_row(x, o, post_norm, s, m, n, static_cast<float>(floats[1])) == 0,
               "hfquant decode layer: add + RMSNorm refused n=", n);
@@ -459,6 +473,40 @@ at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, con
   at::Tensor out = at::empty(hidden.sizes(), hidden.options());
   uint16_t *y = static_cast<uint16_t *>(out.mutable_data_ptr());
   for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(bf16_to_float(s[i]) + bf16_to_float(d[i]));
+  return out;
+}
+
+at::Tensor decode_layer_row(const at::Tensor &hidden, const at::Tensor &cos, const at::Tensor &sin,
+                            at::Tensor &key_cache, at::Tensor &value_cache, int64_t position, at::TensorList weights,
+                            at::IntArrayRef ints, at::ArrayRef<double> floats) {
+  return layer_step(hidden, cos, sin, key_cache, value_cache, position, nullptr, weights, ints, floats);
+}
+
+// decode_layer_row over a static cache's layer (transformers' StaticLayer, hfquant/nn/decode_cache.py), for
+// torch.compile graphs (hfquant.compile_decoding): the position is the layer's `length`, a one-element int64 tensor
+// read here at run time (an int argument would be a constant of the graph, or a graph break) and advanced by one
+// after the step, as StaticLayer.update advances its cumulative_length; key_cache and value_cache are the layer's
+// (1, kv_heads, capacity, head_dim) buffers. mask: None, or the step's bool (1, 1, 1, capacity) mask, whose true
+// prefix gives the keys read (positions 0..position at batch 1 without padding: then the same bytes as
+// decode_layer_row's output, which reads 0..position) and any other pattern SDPA with the mask
+// (attention_row_masked's rule, what the graph's attention call did before).
+at::Tensor decode_layer_static(const at::Tensor &hidden, const at::Tensor &cos, const at::Tensor &sin,
+                               at::Tensor &key_cache, at::Tensor &value_cache, at::Tensor &length,
+                               const std::optional<at::Tensor> &mask, at::TensorList weights, at::IntArrayRef ints,
+                               at::ArrayRef<double> floats) {
+  TORCH_CHECK(length.device().is_cpu() && length.scalar_type() == at::kLong && length.numel() == 1,
+              "hfquant decode layer: length must be one int64 CPU value, got ", length.scalar_type(), " ",
+              length.sizes());
+  if (mask.has_value())
+    TORCH_CHECK(mask->dim() == 4 && mask->scalar_type() == at::kBool && mask->device().is_cpu() &&
+                    mask->size(0) == 1 && mask->size(1) == 1 && mask->size(2) == 1 && key_cache.dim() == 4 &&
+                    mask->size(3) == key_cache.size(2),
+                "hfquant decode layer: needs a bool CPU mask (1, 1, 1, capacity) for the cache ", key_cache.sizes(),
+                ", got ", mask->scalar_type(), " ", mask->sizes());
+  int64_t *position = length.mutable_data_ptr<int64_t>();
+  at::Tensor out = layer_step(hidden, cos, sin, key_cache, value_cache, *position,
+                              mask.has_value() ? &*mask : nullptr, weights, ints, floats);
+  *position += 1;
   return out;
 }
 
@@ -484,6 +532,9 @@ TORCH_LIBRARY(hfquant_cpu, m) {
   m.def(
       "decode_layer_row(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "int position, Tensor[] weights, int[] ints, float[] floats) -> Tensor");
+  m.def(
+      "decode_layer_static(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor(c!) length, Tensor? mask, Tensor[] weights, int[] ints, float[] floats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
@@ -502,4 +553,5 @@ TORCH_LIBRARY_IMPL(hfquant_cpu, CPU, m) {
   m.impl("silu_mul_halves_row", &silu_mul_halves_row);
   m.impl("add_rms_norm_row", &add_rms_norm_row);
   m.impl("decode_layer_row", &decode_layer_row);
+  m.impl("decode_layer_static", &decode_layer_static);
 }
