@@ -36,8 +36,17 @@ What is checked per step (`LayerCall.step`), and what is trusted to the cached a
   ineligible, and that is cached the same way, so a layer that does not qualify costs one identity check a step).
 
 Layers that do not qualify keep `row_decode`'s path unchanged: other projections (int4, int8, float), a bias, hooks,
-a mask (batches with padding), sliding windows, other caches (static, quantized, offloaded), gradients, training mode,
-torch.compile (the operator has a fake kernel, but `hfquant.compile_decoding`'s graphs keep their own ops).
+a mask (batches with padding), sliding windows, other caches (static, quantized, offloaded), gradients, training mode.
+
+Compiled graphs (`hfquant.compile_decoding`: transformers' static cache, torch.compile): `graph_step`, called while
+the graph is traced, puts one `hfquant_cpu.decode_layer_static` call in it per qualifying layer: the same C body over
+the static cache layer's buffers, the position read at run time from the layer's `cumulative_length` tensor (and
+advanced by the operator, as `StaticLayer.update` advances it), the step's bool mask read as the graph's attention
+reads it (`attention_row_masked`: its true prefix, positions 0..position at batch 1 without padding, where the output
+is `decode_layer_row`'s bit for bit; any other pattern PyTorch's SDPA with the mask). Eligibility is `_arguments`'
+rules and `LayerCall.step`'s checks, decided once per graph; prefill, batches, other masks and caches keep the traced
+forwards. Why: the compiled step of SmolLM2-135M was slower than eager (0.75x vs 0.78x llama.cpp on the Zen 3, issue
+#32): inductor's code around the GEMV operators and its Python wrapper cost more than eager's one call per layer.
 
 The list lives in the layer's `__dict__` (`KEY`), not pickled or deep-copied (`row_decode._reduce_as_base` drops it:
 a copy's projections bind new GEMVs) and dropped by `row_decode.restore_row_decode`.

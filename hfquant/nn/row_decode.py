@@ -26,7 +26,8 @@ requiring it; not while torch.compile traces, where inductor fuses these ops its
 - decoder layer (`ROW_LAYER_CLASSES`): where every projection is a block format bound to the block GEMV, in decode
   groups, without hooks, on a plain dynamic cache without a mask, the whole step in one operator call
   (`hfquant.nn.decode_layer`: the kernels below in C, in the same order, bit for bit; its argument list cached on the
-  layer and checked by identity each step); else the residual add after attention and the post-attention RMSNorm in
+  layer and checked by identity each step; while torch.compile traces over a static cache, one
+  `hfquant_cpu.decode_layer_static` call in the graph: `decode_layer.graph_step`); else the residual add after attention and the post-attention RMSNorm in
   one call (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel
   (`row_norm.RowRMSNorm`) and no hooks, around the attention and MLP forwards.
 - the list of decoder layers (an `nn.ModuleList` holding them, `RowDecodeLayers`): the model's forward slices it every

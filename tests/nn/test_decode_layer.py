@@ -274,3 +274,60 @@ def test_copies_pickles_and_dequantize_drop_the_list(folder, monkeypatch):
     assert all(copied.__dict__[decode_layer.KEY].args is None for copied in twin.model.layers)
     model.dequantize()
     assert all(decode_layer.KEY not in copied.__dict__ for copied in model.model.layers)
+
+
+def _compiled_calls(model, ids, steps: int, **kwargs):
+    """(outputs, the `hfquant_cpu.decode_layer_static` calls counted by the profiler) of a generate that must not
+    compile (its graph traced before)."""
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.profiler.profile() as profile:
+        outputs = _generate(model, ids, steps, **kwargs)
+    calls = [e.count for e in profile.key_averages() if e.key == "hfquant_cpu::decode_layer_static"]
+    return outputs, sum(calls)
+
+
+def test_compiled_decoding_runs_each_layer_as_one_call_with_the_eager_layer_calls_outputs(folder, monkeypatch):
+    """`compile_decoding` (fullgraph, static cache): every decode step of every layer is one `decode_layer_static`
+    call in the graph, and tokens and logits equal the eager step's (`decode_layer_row` over a dynamic cache) bit for
+    bit; a layer that no longer qualifies (a pre-hook on its MLP: the per-call check compiles again) keeps the traced
+    forwards while the others keep their call, with the same outputs."""
+    from hfquant import compile_decoding
+
+    model = _quantized(folder)
+    layers, ids, steps = model.config.num_hidden_layers, _ids(), 12
+    calls = _counted(monkeypatch)
+    eager = _generate(model, ids, steps)
+    assert calls[0] == steps * layers
+    torch._dynamo.reset()
+    compile_decoding(model, max_cache_len=32)
+    _same(_generate(model, ids, steps), eager)  # compiles
+    compiled, static_calls = _compiled_calls(model, ids, steps)
+    assert static_calls == steps * layers
+    _same(compiled, eager)
+    handle = model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: None)
+    _generate(model, ids, 1)  # compiles again: the modules changed
+    hooked, static_calls = _compiled_calls(model, ids, steps)
+    assert static_calls == steps * (layers - 1)
+    assert torch.equal(hooked.sequences, eager.sequences)
+    handle.remove()
+    torch._dynamo.reset()
+
+
+def test_compiled_decoding_with_a_padded_mask_reads_the_mask(folder):
+    """Batch 1 whose mask hides a prompt position: the graph's layer calls read the mask (not a prefix: PyTorch's
+    SDPA over the static cache with it, as the graph's attention did before), with the outputs of the same static
+    cache decoded eagerly (the forwards, `attention_row_masked`) bit for bit."""
+    from hfquant import compile_decoding
+
+    model = _quantized(folder)
+    layers, ids, steps = model.config.num_hidden_layers, _ids(1, 6), 6
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    settings = dict(attention_mask=mask, cache_implementation="static")
+    eager = _generate(model, ids, steps, disable_compile=True, **settings)
+    torch._dynamo.reset()
+    compile_decoding(model, max_cache_len=32)
+    _generate(model, ids, steps, attention_mask=mask)  # compiles
+    compiled, static_calls = _compiled_calls(model, ids, steps, attention_mask=mask)
+    assert static_calls == steps * layers
+    _same(compiled, eager)
+    torch._dynamo.reset()
