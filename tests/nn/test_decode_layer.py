@@ -2,7 +2,8 @@
 `hfquant_cpu.decode_layer_row`): greedy tokens and logits equal `row_decode`'s forwards bit for bit over dozens of
 steps (one block type, mixed types in a group, bits=3.5); every change the cached argument list depends on makes the
 layer fall back to those forwards or rebuild the list, with their outputs; masks, batches and other attentions keep
-the forwards; copies and pickles do not carry the list."""
+the forwards; copies and pickles do not carry the list. Compiled decoding (`decode_layer_static` in the graph, over
+a static cache) gives the eager layer call's outputs."""
 
 from __future__ import annotations
 
@@ -331,3 +332,44 @@ def test_compiled_decoding_with_a_padded_mask_reads_the_mask(folder):
     assert static_calls == steps * layers
     _same(compiled, eager)
     torch._dynamo.reset()
+
+
+def test_the_static_cache_call_is_the_layer_call_at_the_length_it_reads_and_advances(folder):
+    """`decode_layer_static` on a static cache's buffers: the position read from `length` (then advanced by one),
+    without a mask or with the step's prefix mask, gives `decode_layer_row`'s output and cache writes at that
+    position bit for bit; a mask of another shape or a length of another dtype is refused."""
+    model = _quantized(folder)
+    _warm(model)
+    layer = model.model.layers[1]
+    weights, ints, floats = layer.__dict__[decode_layer.KEY].args
+    attn = layer.self_attn
+    kv_heads, head_dim, capacity, position = attn.k_proj.out_features // attn.head_dim, attn.head_dim, 16, 5
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+    hidden, cos, sin = rand(1, 1, model.config.hidden_size), rand(1, 1, head_dim), rand(1, 1, head_dim)
+    keys, values = rand(1, kv_heads, capacity, head_dim), rand(1, kv_heads, capacity, head_dim)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected = torch.ops.hfquant_cpu.decode_layer_row(
+        hidden, cos, sin, expected_keys, expected_values, position, weights, ints, floats
+    )
+    prefix = torch.zeros(1, 1, 1, capacity, dtype=torch.bool)
+    prefix[..., : position + 1] = True
+    for mask in (None, prefix):
+        ours_keys, ours_values, length = keys.clone(), values.clone(), torch.tensor(position)
+        ours = torch.ops.hfquant_cpu.decode_layer_static(
+            hidden, cos, sin, ours_keys, ours_values, length, mask, weights, ints, floats
+        )
+        assert int(length) == position + 1
+        assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))
+        assert torch.equal(ours_keys, expected_keys) and torch.equal(ours_values, expected_values)
+    with pytest.raises(RuntimeError, match="bool CPU mask"):
+        torch.ops.hfquant_cpu.decode_layer_static(
+            hidden, cos, sin, keys, values, torch.tensor(position), prefix[..., :-1], weights, ints, floats
+        )
+    with pytest.raises(RuntimeError, match="one int64 CPU value"):
+        torch.ops.hfquant_cpu.decode_layer_static(
+            hidden, cos, sin, keys, values, torch.tensor(position, dtype=torch.int32), None, weights, ints, floats
+        )
