@@ -113,13 +113,14 @@ BK_TARGET BK_INLINE void BK_NAME(stream_ahead_)(const uint8_t *p, int bytes) {
  * of every sub-block, each times its scale), so the same floats. The minimums' term comes off once per super-block
  * by one vpmaddwd against the activation's 16-input sums (k4_head_). ---- */
 
-/* a super-block's header: returns its scales and minimums as 16 int16 (k4_unpack_'s order: words 0-3 and 8-11 the
- * scales, 4-7 and 12-15 the minimums); *msum: the minimums' integer term (lane j: minimum j times its 32 inputs'
- * activation sum, one vpmaddwd of each minimum taken twice against the 16-input sums sums16); *dd: d and dmin times
- * the activation scale in lanes 0 and 1 (both fp16 fields by one conversion) */
-BK_TARGET BK_INLINE __m256i BK_NAME(k4_head_)(const uint8_t *w, const ActRow *a, int64_t b, __m256i *msum,
-                                               __m128 *dd) {
-    const __m256i words = _mm256_cvtepu8_epi16(BK_NAME(k4_unpack_)(w + 4));
+/* a super-block's header: returns its scales and minimums (packed: k4_unpack_'s 16 bytes, or k4_unpack_vec_'s, the
+ * same) as 16 int16 (words 0-3 and 8-11 the scales, 4-7 and 12-15 the minimums); *msum: the minimums' integer term
+ * (lane j: minimum j times its 32 inputs' activation sum, one vpmaddwd of each minimum taken twice against the
+ * 16-input sums sums16); *dd: d and dmin times the activation scale in lanes 0 and 1 (both fp16 fields by one
+ * conversion) */
+BK_TARGET BK_INLINE __m256i BK_NAME(k4_head_)(const uint8_t *w, __m128i packed, const ActRow *a, int64_t b,
+                                               __m256i *msum, __m128 *dd) {
+    const __m256i words = _mm256_cvtepu8_epi16(packed);
     const __m256i twice = _mm256_unpackhi_epi16(words, words); /* minimums 0-7, each twice */
     *msum = _mm256_madd_epi16(twice, _mm256_loadu_si256((const __m256i *)(a->sums16 + b * 16)));
     int32_t fields;
@@ -159,35 +160,54 @@ BK_TARGET BK_INLINE __m256i BK_NAME(k4_dots_)(const uint8_t *w, const int8_t *x,
     return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
 }
 #else
-/* sub-blocks 2j, 2j + 1 (codes u0, u1) against their activations at x + 64j: vpmaddubsw's pair sums times the scale
- * (twice: each scale as int16 twice in an int32 lane, vpmaddwd), added to sums[0] / sums[1] */
-BK_TARGET static inline void BK_NAME(k4_pair_)(__m256i *sums, __m256i u0, __m256i u1, const int8_t *x, __m256i twice,
-                                               int j) {
-    const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)(x + 64 * j)));
-    const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32)));
-    const __m256i s0 = _mm256_permutevar8x32_epi32(twice, _mm256_set1_epi32(2 * j));
-    const __m256i s1 = _mm256_permutevar8x32_epi32(twice, _mm256_set1_epi32(2 * j + 1));
-    sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(p0, s0));
-    sums[1] = _mm256_add_epi32(sums[1], _mm256_madd_epi16(p1, s1));
+/* k4_unpack_'s 16 bytes by 9 vector instructions from one load (the AVX2 row; k3_scales_vec_'s reason: on the Zen 3
+ * the step's time follows the instructions it issues, and k4_unpack_'s general-register ones were about 14 of a Q4_K
+ * super-block's 70). Bytes 0-7 masked to 6 bits; bytes 8-11 then their high nibbles (one word shift by 4, a dword
+ * unpack), masked to 4 bits, or'd with bits 6-7 of bytes 0-7 shifted to bits 4-5 (a word shift by 2, a mask) */
+BK_TARGET static inline __m128i BK_NAME(k4_unpack_vec_)(const uint8_t *s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s); /* bytes 12-15: the block's next fields, unused */
+    const __m128i first = _mm_and_si128(v, _mm_set1_epi8(0x3f));
+    const __m128i nibbles = _mm_and_si128(_mm_unpackhi_epi32(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(v, 2), _mm_set1_epi8(0x30));
+    return _mm_unpacklo_epi64(first, _mm_or_si128(nibbles, top));
 }
 
-/* k4_dots_ of the AVX2 body: x in the activation's own order (ActRow.q) */
-BK_TARGET BK_INLINE __m256i BK_NAME(k4_dots_)(const uint8_t *w, const int8_t *x, __m256i words, int five) {
+/* sub-blocks 2j, 2j + 1 (codes u0, u1) against their activations at x + 64j: vpmaddubsw's pair sums times the scale
+ * (each scale as int16 in every word: one in-lane byte shuffle of the packed scales, in both 128-bit lanes, with a
+ * zero high byte, where a vpermd of the scales as words took a cross-lane one), summed in pairs (vpmaddwd), added to
+ * sums[0] / sums[1] */
+BK_TARGET static inline void BK_NAME(k4_pair_)(__m256i *sums, __m256i u0, __m256i u1, const int8_t *x, __m256i packed2,
+                                               int j) {
+    /* scale s at byte s (s < 4) or s + 4 (k4_unpack_'s order) */
+    const int at0 = 2 * j < 4 ? 2 * j : 2 * j + 4, at1 = at0 + 1;
+    const __m256i pick0 = _mm256_set1_epi16((short)(0x8000 | at0)), pick1 = _mm256_set1_epi16((short)(0x8000 | at1));
+    const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)(x + 64 * j)));
+    const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32)));
+    sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(p0, _mm256_shuffle_epi8(packed2, pick0)));
+    sums[1] = _mm256_add_epi32(sums[1], _mm256_madd_epi16(p1, _mm256_shuffle_epi8(packed2, pick1)));
+}
+
+/* k4_dots_ of the AVX2 body: x in the activation's own order (ActRow.q); packed: the super-block's k4_unpack_vec_
+ * bytes. Q5_K's fifth bit of sub-block s is bit s of qh byte l, moved to bit 4 by one word shift of qh (left 4 - s,
+ * or right s - 4) and a mask: 3 instructions per sub-block where shifting qh down by 1 and 2 and back up took 4 */
+BK_TARGET BK_INLINE __m256i BK_NAME(k4_dots_)(const uint8_t *w, const int8_t *x, __m128i packed, int five) {
     /* code byte l of pair j: low nibble sub-block 2j, high 2j + 1; Q5_K: bit 2j / 2j + 1 of qh byte l their 5th */
-    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    const __m256i twice = _mm256_unpacklo_epi16(words, words); /* scales 0-7, each twice */
+    const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i packed2 = _mm256_broadcastsi128_si256(packed);
     const uint8_t *qs = w + (five ? 48 : 16);
-    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : low;
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : low;
     __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int j = 0; j < 4; j++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
         __m256i u0 = _mm256_and_si256(q, low), u1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
         if (five) {
-            u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-            u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-            qh = _mm256_srli_epi16(qh, 2);
+            const int s0 = 2 * j, s1 = 2 * j + 1;
+            const __m256i h0 = s0 <= 4 ? _mm256_slli_epi16(qh, 4 - s0) : _mm256_srli_epi16(qh, s0 - 4);
+            const __m256i h1 = s1 <= 4 ? _mm256_slli_epi16(qh, 4 - s1) : _mm256_srli_epi16(qh, s1 - 4);
+            u0 = _mm256_or_si256(u0, _mm256_and_si256(h0, bit4));
+            u1 = _mm256_or_si256(u1, _mm256_and_si256(h1, bit4));
         }
-        BK_NAME(k4_pair_)(sums, u0, u1, x, twice, j);
+        BK_NAME(k4_pair_)(sums, u0, u1, x, packed2, j);
     }
     return _mm256_add_epi32(sums[0], sums[1]);
 }
@@ -204,7 +224,7 @@ BK_TARGET BK_INLINE float BK_NAME(k4_row_)(const uint8_t *w, const ActRow *a, in
         __m256i msum;
         __m128 dd;
         BK_NAME(stream_ahead_)(w, five ? 176 : 144);
-        const __m256i words = BK_NAME(k4_head_)(w, a, b, &msum, &dd);
+        const __m256i words = BK_NAME(k4_head_)(w, BK_NAME(k4_unpack_)(w + 4), a, b, &msum, &dd);
         const __m256i sumi = BK_NAME(k4_dots_)(w, a->qk + b * 256, words, five);
         const __m512 both = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(sumi), msum, 1));
         acc = _mm512_fmadd_ps(both, _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd)), acc);
@@ -217,9 +237,10 @@ BK_TARGET BK_INLINE float BK_NAME(k4_row_)(const uint8_t *w, const ActRow *a, in
         __m256i msum;
         __m128 dd;
         BK_NAME(stream_ahead_)(w, five ? 176 : 144);
-        const __m256i words = BK_NAME(k4_head_)(w, a, b, &msum, &dd);
+        const __m128i packed = BK_NAME(k4_unpack_vec_)(w + 4);
+        BK_NAME(k4_head_)(w, packed, a, b, &msum, &dd);
         const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k4_dots_)(w, a->q + b * 256, words, five)), d, acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(BK_NAME(k4_dots_)(w, a->q + b * 256, packed, five)), d, acc);
         mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), dmin, mins);
     }
     return BK_NAME(hsum_)(_mm256_sub_ps(acc, mins));
