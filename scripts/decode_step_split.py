@@ -19,7 +19,9 @@ reads), about 0.2 ms of a 1.2B step; eager only (a compiled graph calls the oper
 A folder (a bfloat16 checkpoint, e.g. the benchmark's 1.2B in the cache) is quantized on load with
 `HfQuantConfig(**--config)` (comma-separated field=value pairs; `bits` and `group_size` are read as numbers); its
 int8 lm_head's `int8_gemv` (and an int4 default's `int4_gemv*`) are timed as GEMVs too, each operator on its own line.
-The block GEMVs are also summed per block format (a fused group's formats joined by +), with the weight bytes they
+`--per-module` turns off the decoder layers' one-call step (`decode_layer_row`, csrc/torch_ops.cpp: its GEMVs run
+inside that operator, untimed, so without it the layers' GEMVs show as "rest"): the layers run by their modules'
+row forwards, each GEMV a timed `block_gemv_group` call. The block GEMVs are also summed per block format (a fused group's formats joined by +), with the weight bytes they
 read per step and GB/s.
 
 Not part of the test suite.
@@ -110,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="", help="HfQuantConfig fields for a folder: field=value,field=value")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements after the warm-up")
+    parser.add_argument(
+        "--per-module",
+        action="store_true",
+        help="decoder layers by their modules' forwards, not one decode_layer_row call (whose GEMVs are not timed)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from benchmarks.machine import describe
@@ -122,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         operator = getattr(torch.ops.hfquant_cpu, name).default
         setattr(torch.ops.hfquant_cpu, name, TimedOperator(operator, totals, name))
     model = load(args.model, args.config).eval()
+    if args.per_module:
+        from hfquant.nn import decode_layer
+
+        decode_layer._DECODE_LAYER_ROW = None
     inclusive, inside = collections.Counter(), collections.Counter()
     for cls in {type(module) for module in model.modules()}:
         if cls.__name__ not in NOT_WRAPPED:

@@ -234,6 +234,63 @@ def test_q3_k_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_ext
     assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
 
 
+K4_PATTERNS = (
+    (0x00, 0x00, 0x00, 0x00, 0x00),
+    (0xFF, 0xFF, 0xFF, 0xFF, 0xFF),
+    (0x3F, 0x3F, 0x00, 0x00, 0xFF),
+    (0xC0, 0xC0, 0xFF, 0xFF, 0x0F),
+    (0x3F, 0x00, 0x0F, 0xAA, 0xF0),
+    (0x00, 0x3F, 0xF0, 0x55, 0x0F),
+    (0x95, 0x6A, 0x3C, 0x0F, 0x5A),
+    (0x6A, 0x95, 0xC3, 0xF0, 0xA5),
+)
+"""Q4_K / Q5_K rows of one byte everywhere in each field: the scales' bytes 0-3 (scales 0-3 and bits 4-5 of scales
+4-7) and 4-7 (minimums 0-3, bits 4-5 of minimums 4-7), bytes 8-11 (low nibbles scales 4-7, high minimums 4-7), qh
+(Q5_K) and qs. Scales and minimums 0 and 63 in every combination of the four groups, and mixed bits (21 / 42 with
+highs 2 / 1, ...); codes 0 and 15 (Q5_K: 31) and per sub-block every fifth bit."""
+
+
+def _k4_rows(name: str, k: int, seed: int) -> torch.Tensor:
+    """(len(K4_PATTERNS) + 4, row bytes) uint8 Q4_K (144-byte blocks: d 0-1, dmin 2-3, scales 4-15, qs 16-143) or Q5_K
+    (176: qh 16-47, qs 48-175) rows: K4_PATTERNS' with d = +-2**-10 and dmin = -+2**-11 alternating, then 4 rows of
+    random bytes with random finite d and dmin."""
+    fmt = blocks.layout(name)
+    rows = _random_blocks(name, len(K4_PATTERNS) + 4, k, seed).reshape(-1, k // 256, fmt.type_size)
+    qs = 48 if name == "q5_k" else 16
+    for r, (scales, mins, highs, qh, codes) in enumerate(K4_PATTERNS):
+        rows[r, :, 4:8] = scales
+        rows[r, :, 8:12] = mins
+        rows[r, :, 12:16] = highs
+        rows[r, :, 16:qs] = qh
+        rows[r, :, qs:] = codes
+        fields = torch.tensor([2.0**-10 * (-1) ** r, -(2.0**-11) * (-1) ** r], dtype=torch.float16)
+        rows[r, :, 0:4] = fields.view(torch.uint8)
+    return rows.reshape(len(rows), -1).contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["ones", "signs", "random_signs", "normal"])
+@pytest.mark.parametrize("k", [256, 768, 2048 + 256])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k"])
+def test_k4_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extremes(name, k, kind):
+    """Q4_K / Q5_K's rows at their field extremes (blocks_body.h: the AVX2 row unpacks the 6-bit scales and minimums by
+    vector instructions (k4_unpack_vec_), picks each sub-block's scale by a byte shuffle and moves Q5_K's fifth bit by
+    one shift per sub-block): the output is the float64 product of the dequantized weight with the quantized row
+    (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32 rounding, (K / 32 + 16) * 2**-23 of sum
+    |w| |x_hat|. A wrong scale or minimum bit, fifth bit or sub-block order would be off by a fraction of that sum."""
+    fmt = blocks.layout(name)
+    data = _k4_rows(name, k, seed=k)
+    weight = blocks.dequantize(name, data).double()
+    x = _iq4_activation(kind, k)
+    y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
+    x_hat, _ = _quantized_row(x, fmt.block_size)
+    stated = weight @ x_hat
+    magnitude = weight.abs() @ x_hat.abs()
+    bound = 2**-8 * stated.abs() + (k / 32 + 16) * 2**-23 * magnitude
+    assert ((y - stated).abs() <= bound).all(), ((y - stated).abs() - bound).max()
+    assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
 def test_operator_and_ctypes_agree_bit_for_bit(name):
