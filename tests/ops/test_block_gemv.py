@@ -165,8 +165,15 @@ def test_iq4_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extr
     dequantized weight with the quantized row (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32
     rounding of each block's product and of the sums, (K / 32 + 16) * 2**-23 of sum |w| |x_hat|. A wrong scale, sign,
     block order or an overflow in any row would be off by a fraction of that sum."""
+    _assert_row_is_dequantized_times_quantized_row(name, _iq4_rows(name, k, seed=k), k, kind)
+
+
+def _assert_row_is_dequantized_times_quantized_row(name: str, data: torch.Tensor, k: int, kind: str) -> None:
+    """The block GEMV of `data` (rows of type `name`) with `_iq4_activation(kind, k)` is the float64 product of the
+    dequantized weight with the quantized row (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32
+    rounding of each block's product and of the sums, (K / 32 + 16) * 2**-23 of sum |w| |x_hat|; and not only
+    cancelling sums (the relative bound is tested)."""
     fmt = blocks.layout(name)
-    data = _iq4_rows(name, k, seed=k)
     weight = blocks.dequantize(name, data).double()
     x = _iq4_activation(kind, k)
     y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
@@ -177,7 +184,7 @@ def test_iq4_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extr
     magnitude = weight.abs() @ x_hat.abs()
     bound = 2**-8 * stated.abs() + (k / 32 + 16) * 2**-23 * magnitude
     assert ((y - stated).abs() <= bound).all(), ((y - stated).abs() - bound).max()
-    assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
+    assert (stated.abs() > 0.01 * magnitude).any()
 
 
 Q3_K_PATTERNS = (
@@ -278,17 +285,7 @@ def test_k4_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extre
     one shift per sub-block): the output is the float64 product of the dequantized weight with the quantized row
     (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32 rounding, (K / 32 + 16) * 2**-23 of sum
     |w| |x_hat|. A wrong scale or minimum bit, fifth bit or sub-block order would be off by a fraction of that sum."""
-    fmt = blocks.layout(name)
-    data = _k4_rows(name, k, seed=k)
-    weight = blocks.dequantize(name, data).double()
-    x = _iq4_activation(kind, k)
-    y = native.block_gemv(x, data, k, fmt.ggml_type).double().reshape(-1)
-    x_hat, _ = _quantized_row(x, fmt.block_size)
-    stated = weight @ x_hat
-    magnitude = weight.abs() @ x_hat.abs()
-    bound = 2**-8 * stated.abs() + (k / 32 + 16) * 2**-23 * magnitude
-    assert ((y - stated).abs() <= bound).all(), ((y - stated).abs() - bound).max()
-    assert (stated.abs() > 0.01 * magnitude).any()  # not only cancelling sums: the relative bound is tested
+    _assert_row_is_dequantized_times_quantized_row(name, _k4_rows(name, k, seed=k), k, kind)
 
 
 @needs_kernel
