@@ -9,6 +9,33 @@ import pytest
 import torch
 from helpers import tiny_model
 
+LONGEST_FIRST = (
+    "tests/real_model/test_real_model.py",
+    "tests/reliability/test_interruption.py",
+    "tests/real_model/test_real_model_lora.py",
+    "tests/commands/test_cli.py",
+    "tests/interop/test_export_compressed_tensors.py",
+    "tests/interop/test_export_gguf.py",
+    "tests/real_model/test_gguf_import.py",
+    "tests/project/test_bare_install.py",
+    "tests/interop/test_import_compressed_tensors.py",
+    "tests/reliability/test_untrusted_text.py",
+    "tests/commands/test_gguf_commands.py",
+    "tests/reliability/test_signals_and_names.py",
+    "tests/project/test_paired.py",
+    "tests/project/test_benchmark.py",
+    "tests/commands/test_convert.py",
+    "tests/commands/test_hub.py",
+)
+"""The modules that run longest (seconds of setup and calls on one xdist worker, the nineteenth session's fresh-clone
+run on the 2-core Zen 3: 50-380 s each), longest first. `--dist loadfile` sends a worker a whole module at a time, in
+the order of this list and then in collection order (see `pytest_collection_modifyitems`): started last, one of them
+would leave the other worker idle for up to its length at the end of the run."""
+
+
+def _xdist_distributes_by_module(config) -> bool:
+    return getattr(config.option, "dist", "no") in ("loadfile", "loadscope", "loadgroup")
+
 
 def pytest_configure(config):
     """A test run started as a background job by a non-interactive shell inherits SIGINT ignored (POSIX), and Python
@@ -20,6 +47,21 @@ def pytest_configure(config):
         # the README's `-n 2` runs one worker per core: a worker's torch ops on two OpenMP threads would wait for (and
         # spin against) the other worker's; tests of the threaded kernels set their thread counts themselves
         torch.set_num_threads(1)
+    if _xdist_distributes_by_module(config) and "--loadscope-reorder" not in config.invocation_params.args:
+        # pytest-xdist otherwise sends the modules with the most tests first (`--loadscope-reorder`, its default), which
+        # put the few-test real-model modules of 40-50 s last; the collection order below starts the longest first
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker, the modules of `LONGEST_FIRST` first, in its order (a module's own tests keep their
+    order: module fixtures are set up once): the controller hands out work in the order its workers collected. A run in
+    one process keeps pytest's order. (A worker's `config.option.dist` is always "no".)"""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(
