@@ -171,6 +171,28 @@ def test_perplexity_of_a_bfloat16_model_without_a_bf16_gemm(tok, monkeypatch, bf
     assert all(type(module) is not FloatLinear for module in m.modules())
 
 
+class _WrappedWeight(torch.Tensor):
+    """A tensor subclass standing in for another library's quantized weight (torchao's `Int4OpaqueTensor`, which
+    refuses `.to(dtype)`)."""
+
+
+def test_a_layer_with_a_tensor_subclass_weight_keeps_its_class_during_an_evaluation(tok, monkeypatch):
+    """Without a bfloat16 GEMM the evaluation makes plain Linear layers FloatLinear for its duration; a layer whose
+    weight is a tensor subclass (torchao's quantized layers are plain Linears holding one) keeps its own forward."""
+    from hfquant.nn.float_linear import FloatLinear
+    from hfquant.ops import machine
+
+    m = tiny_model("llama_tied", seed=0, dtype=torch.bfloat16, **TOKENIZER_VOCAB)
+    wrapped = m.model.layers[0].mlp.down_proj
+    wrapped.weight = torch.nn.Parameter(wrapped.weight.detach().as_subclass(_WrappedWeight), requires_grad=False)
+    monkeypatch.setitem(machine._HALF_GEMM, torch.bfloat16, False)
+    swapped = []
+    real = FloatLinear.forward
+    monkeypatch.setattr(FloatLinear, "forward", lambda self, x: swapped.append(self) or real(self, x))
+    assert math.isfinite(perplexity(m, tok, reference_text(300)))
+    assert swapped and all(module is not wrapped for module in swapped)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"max_length": 1}, {"stride": 0}, {"max_length": 64, "stride": 65}, {"max_tokens": 1}],
