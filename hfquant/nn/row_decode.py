@@ -27,9 +27,9 @@ requiring it; not while torch.compile traces, where inductor fuses these ops its
   groups, without hooks, on a plain dynamic cache without a mask, the whole step in one operator call
   (`hfquant.nn.decode_layer`: the kernels below in C, in the same order, bit for bit; its argument list cached on the
   layer and checked by identity each step; while torch.compile traces over a static cache, one
-  `hfquant_cpu.decode_layer_static` call in the graph: `decode_layer.graph_step`); else the residual add after attention and the post-attention RMSNorm in
-  one call (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm has hfquant's row kernel
-  (`row_norm.RowRMSNorm`) and no hooks, around the attention and MLP forwards.
+  `hfquant_cpu.decode_layer_static` call in the graph: `decode_layer.graph_step`); else the residual add after
+  attention and the post-attention RMSNorm in one call (`hfquant_cpu.add_rms_norm_row`: bit for bit), when that norm
+  has hfquant's row kernel (`row_norm.RowRMSNorm`) and no hooks, around the attention and MLP forwards.
 - the list of decoder layers (an `nn.ModuleList` holding them, `RowDecodeLayers`): the model's forward slices it every
   step (`self.layers[: config.num_hidden_layers]`), and nn.ModuleList builds the slice through `add_module`'s checks,
   one layer at a time (100-200 us for SmolLM2's 30 layers on the machine of docs/performance.md's fourteenth
