@@ -33,7 +33,7 @@ from transformers.utils import logging
 
 from hfquant.checkpoint.source import resolve_source
 from hfquant.core.dtypes import dtype_name
-from hfquant.nn.float_linear import FloatLinear
+from hfquant.nn.float_linear import FloatLinear, plain_linear
 from hfquant.ops import machine
 
 logger = logging.get_logger(__name__)
@@ -109,16 +109,14 @@ def _eval_mode(model: torch.nn.Module):
     """Eval mode, and the model's plain `nn.Linear` layers as `FloatLinear` for the duration (restored after): where
     the CPU has no bfloat16 GEMM (`machine.gemm_dtype`), a bfloat16 model's whole-window products then run in float32
     and are rounded back to bfloat16, the same values up to summation order, instead of PyTorch's scalar bfloat16
-    loop (about 20x slower on an AVX2 CPU; a bf16 baseline's perplexity otherwise takes tens of minutes). A layer whose
-    weight is a tensor subclass (another library's quantized tensor, e.g. torchao's `Int4OpaqueTensor`) keeps its
-    class: its forward is that library's, and it may not convert to float32."""
+    loop (about 20x slower on an AVX2 CPU; a bf16 baseline's perplexity otherwise takes tens of minutes). Only
+    `float_linear.plain_linear` layers change (not another library's quantized ones, e.g. torchao's)."""
     was_training = model.training
     model.eval()
     plain = [
         module
         for module in model.modules()
-        if type(module) is torch.nn.Linear
-        and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
+        if plain_linear(module)
         and machine.gemm_dtype(module.weight.dtype, module.weight.device) != module.weight.dtype
     ]
     for module in plain:

@@ -29,7 +29,14 @@ from torch import nn
 from hfquant.ops import machine, native, plan
 from hfquant.ops.gemv import RowKernel
 
-__all__ = ["FloatLinear", "one_row_linear", "takes_one_row_path", "use_float_linear", "restore_nn_linear"]
+__all__ = [
+    "FloatLinear",
+    "one_row_linear",
+    "takes_one_row_path",
+    "plain_linear",
+    "use_float_linear",
+    "restore_nn_linear",
+]
 
 
 def takes_one_row_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -132,14 +139,21 @@ class FloatLinear(nn.Linear):
         return super().forward(x)
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """Whether `module` may become a `FloatLinear`: its type exactly `nn.Linear` (a subclass has its own forward) and
+    its weight a plain tensor (a tensor subclass is another library's quantized weight, e.g. torchao's
+    `Int4OpaqueTensor`, whose forward is that library's and which may not convert to float32)."""
+    return type(module) is nn.Linear and type(module.weight) in (torch.Tensor, nn.Parameter)
+
+
 def use_float_linear(model: nn.Module) -> int:
-    """Make every module of `model` whose type is exactly `nn.Linear` a `FloatLinear` (class swap in place, as
+    """Make every `plain_linear` module of `model` a `FloatLinear` (class swap in place, as
     `torch.nn.utils.parametrize` does: parameters, ties and hooks stay), with the kernel of its single rows planned
-    (`row_kernel`, `plan.plan_bf16_row`: timed per shape for bfloat16 CPU weights). Subclasses with their own forward
-    are left alone. Returns the number of layers changed."""
+    (`row_kernel`, `plan.plan_bf16_row`: timed per shape for bfloat16 CPU weights). Returns the number of layers
+    changed."""
     changed = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if plain_linear(module):
             module.__class__ = FloatLinear
             changed += 1
             module.row_kernel = plan.plan_bf16_row(module.weight)
