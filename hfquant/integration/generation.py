@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
-__all__ = ["compile_decoding", "keep_tensor_guards", "module_state"]
+__all__ = ["compile_decoding", "keep_input_guards", "keep_tensor_guards", "module_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +31,23 @@ def keep_tensor_guards(guard_entries) -> list[bool]:
     quantized model's hundreds of modules those are most of a compiled decode step's guard checks, about 1 ms of
     SmolLM2-135M's 9 ms step on one thread (docs/performance.md, issue #32, fourteenth session). Unsafe as torch's own
     `torch.compiler.skip_guard_on_all_nn_modules_unsafe` (which drops the tensor guards too): a module attribute
-    changed after the first compiled call is not noticed."""
+    changed after the first compiled call is not noticed. `compile_decoding`'s filter until `keep_input_guards`."""
     return [
         not entry.orig_guard.source.is_unspecialized_nn_module() or entry.guard_type == "TENSOR_MATCH"
         for entry in guard_entries
     ]
+
+
+def keep_input_guards(guard_entries) -> list[bool]:
+    """A `torch.compile` `guard_filter_fn`: keep every guard not sourced inside an nn.Module (the step's inputs, its
+    cache's tensors and objects, globals) and drop those inside one, its tensors' guards too (as torch's
+    `torch.compiler.skip_guard_on_all_nn_modules_unsafe`). `compile_decoding`'s default: the module tensors' guards
+    `keep_tensor_guards` keeps were 184 of a compiled SmolLM2 step's 277 tensor guards (six weights a layer; the
+    cache's three a layer are inputs, kept), each a dtype / shape / strides check and five attribute look-ups at
+    every step; what they saw, an in-place change of a weight's dtype, device, shape, strides, offset or
+    `requires_grad` (a `.data` swap keeps the tensor), `module_state` records instead, checked once per `generate`
+    call (docs/performance.md, twenty-first session). Not seen: such a change inside one `generate` call."""
+    return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in guard_entries]
 
 
 _NOT_STATE = frozenset({"_compiled_call", "_last_compile_config", "_cache", "get_compiled_call"})
@@ -64,18 +76,37 @@ def _identity(value) -> object:
     return (id(value), value)  # ints, strings, tuples...: held, so that their id stays theirs while the snapshot lives
 
 
+def _item_state(value) -> object:
+    """`_identity`, for a tensor with what a compiled graph's tensor guard checks of it: dtype, device, layout, shape,
+    strides, storage offset and `requires_grad` (a `.data` swap or `requires_grad_` changes these in place, the
+    identity kept)."""
+    if not isinstance(value, torch.Tensor):
+        return _identity(value)
+    if value.layout is not torch.strided:
+        return (_identity(value), value.dtype, value.device, value.layout, value.shape, value.requires_grad)
+    return (
+        _identity(value),
+        value.dtype,
+        value.device,
+        value.shape,
+        value.stride(),
+        value.storage_offset(),
+        value.requires_grad,
+    )
+
+
 def _value_state(value, configs: dict) -> object:
     """What `module_state` records of one module attribute: a dict (hooks, parameters, buffers, submodules) its keys
-    and the identities (`_identity`) of its values, a list or tuple the identities of its items, a transformers config
-    (`PretrainedConfig`) the identities of its attributes (recorded once per config in `configs`), anything else its
-    identity."""
+    and the states (`_item_state`: identities, a tensor's metadata too) of its values, a list or tuple the states of
+    its items, a transformers config (`PretrainedConfig`) the identities of its attributes (recorded once per config
+    in `configs`), anything else its state."""
     if isinstance(value, dict):
-        return tuple((key, _identity(item)) for key, item in value.items())
+        return tuple((key, _item_state(item)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
-        return tuple(_identity(item) for item in value)
+        return tuple(_item_state(item) for item in value)
     if type(value).__name__.endswith("Config") and hasattr(value, "to_dict") and id(value) not in configs:
         configs[id(value)] = (_identity(value), tuple((key, _identity(item)) for key, item in vars(value).items()))
-    return _identity(value)
+    return _item_state(value)
 
 
 def module_state(model: nn.Module) -> tuple:
@@ -84,10 +115,12 @@ def module_state(model: nn.Module) -> tuple:
     `training` and each attribute's identity (`_value_state`: hooks, parameters, buffers and submodules by key and
     identity, other values by identity, its transformers config's attributes by identity), and
     torch's global module hooks. Equal snapshots: no module was swapped, retyped (`dequantize`, class swaps),
-    switched to training, hooked (adapters, offloading) or given another attribute object since; in-place changes of
-    a tensor's dtype, device or shape are the tensor guards' to see, values changed inside a non-config object are
-    not seen. About 5 ms of CPU for SmolLM2-135M's 397 modules (docs/performance.md, sixteenth session), once per
-    `generate` call; the garbage collector is paused while it is taken."""
+    switched to training, hooked (adapters, offloading) or given another attribute object since, and no parameter,
+    buffer or tensor attribute changed its dtype, device, shape, strides, offset or `requires_grad` in place (what
+    the tensor guards `keep_input_guards` drops checked); values changed inside a non-config object are not seen (a
+    decode group's `_parts` change only with its members' weights, which are seen). About 5 ms of CPU for
+    SmolLM2-135M's 397 modules (docs/performance.md, sixteenth session), once per `generate` call; the garbage
+    collector is paused while it is taken."""
     collecting = gc.isenabled()
     gc.disable()  # thousands of tuples holding weak references: the collections they trigger cost 2-4x the snapshot
     try:
@@ -147,13 +180,14 @@ def compile_decoding(
             written so far, where inductor's code for "eager" attention reads the whole static cache every step;
             otherwise "eager"), "eager" (inductor fuses it into the decode step, faster than PyTorch's CPU SDPA kernel
             at one query row), "sdpa", or None to keep the model's.
-        module_guards: False (the default) drops the compiled step's guards on module attributes
-            (`keep_tensor_guards`; the tensors' guards stay): about 1 ms less per SmolLM2 step (docs/performance.md,
-            issue #32). Instead each `generate` call compares the model's modules with the last call's
-            (`module_state`: modules swapped or retyped as by `dequantize`, `train()`, hooks, adapters, attributes
-            rebound) and compiles again where they changed. Not seen: a change inside one `generate` call (from a
-            streamer or stopping criterion), or a plain value changed inside a non-config object a module holds;
-            True keeps torch's own guards, checked at every step.
+        module_guards: False (the default) drops the compiled step's guards on module attributes and tensors
+            (`keep_input_guards`; the inputs' and the cache's guards stay): about 1 ms less per SmolLM2 step for the
+            attributes (docs/performance.md, issue #32), about as much again for the weights (twenty-first session).
+            Instead each `generate` call compares the model's modules with the last call's (`module_state`: modules
+            swapped or retyped as by `dequantize`, `train()`, hooks, adapters, attributes rebound, a tensor's dtype,
+            shape or strides changed in place) and compiles again where they changed. Not seen: a change inside one
+            `generate` call (from a streamer or stopping criterion), or a plain value changed inside a non-config
+            object a module holds; True keeps torch's own guards, checked at every step.
     Returns:
         `model`, changed in place.
     Raises:
@@ -181,7 +215,7 @@ def compile_decoding(
     if module_guards:
         compile_config = CompileConfig(fullgraph=True, mode="default")
     else:  # torch.compile takes options or a mode, not both: no mode is the default mode
-        compile_config = CompileConfig(fullgraph=True, mode=None, options={"guard_filter_fn": keep_tensor_guards})
+        compile_config = CompileConfig(fullgraph=True, mode=None, options={"guard_filter_fn": keep_input_guards})
         model.get_compiled_call = _CheckedCompiledCall(model)  # an instance attribute: the per-call check
     compile_config._compile_all_devices = True  # transformers compiles on accelerators only without it
     config.cache_implementation = "static"

@@ -203,7 +203,9 @@ def graph_step(
     mode); the input one bfloat16 CPU row (1, 1, hidden): prefill and batches keep the forwards; the mask None or the
     static cache's bool (1, 1, 1, capacity) mask, read by the operator at run time (its true prefix, as the graph's
     attention reads it: `row_attention`). Nothing is cached on the layer: the graph is the cache, and
-    `compile_decoding`'s per-call check (`module_state`) compiles again when a module changes."""
+    `compile_decoding`'s per-call check (`module_state`) compiles again when a module changes. Of the layer's tensors
+    only those the call reads are read here (the norms', o_proj's and down_proj's weights, the groups' `_parts`, the
+    cache's): each tensor read while tracing is a guard checked at every step (`_views_in_place`)."""
     if _DECODE_LAYER_STATIC is None or _global_hooks() or kwargs.get("output_attentions", False):
         return None
     hidden = getattr(layer, "hidden_size", None)
@@ -216,7 +218,7 @@ def graph_step(
         and position_embeddings is not None
     ):
         return None
-    modules = _modules_of(layer, [])
+    modules = _modules_of(layer)
     if any(len(getattr(module, name)) for module in modules.values() for name in _HOOK_DICTS):
         return None
     arguments = _arguments(layer, modules)
@@ -255,24 +257,36 @@ def graph_step(
     )
 
 
-def _modules_of(layer: nn.Module, checks: list) -> dict[str, nn.Module]:
+def _modules_of(layer: nn.Module, checks: list | None = None) -> dict[str, nn.Module]:
     """The modules a layer's step calls, by name (the layer's four children and the projections, those present),
-    appending to `checks` the (dict, key, object) identities the list depends on (see the module docstring)."""
+    appending to `checks` the (dict, key, object) identities the list depends on (see the module docstring). Without
+    `checks` (`graph_step`, while a graph is traced) nothing else is read: a projection's `weight` read here would be
+    a tensor guard of the graph though the graph does not use it (a group member's)."""
     found: dict[str, nn.Module] = {}
     for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
         child = layer._modules.get(name)
-        checks.append((layer._modules, name, child))
         if child is not None:
             found[name] = child
+        if checks is not None:
+            checks.append((layer._modules, name, child))
     for parent_name, names in PROJECTIONS:
         parent = found.get(parent_name)
         if parent is None:
             continue
         for name in names:
             child = parent._modules.get(name)
-            checks.append((parent._modules, name, child))
             if child is not None:
                 found[name] = child
+            if checks is not None:
+                checks.append((parent._modules, name, child))
+    if checks is not None:
+        _identities(found, checks)
+    return found
+
+
+def _identities(found: dict[str, nn.Module], checks: list) -> None:
+    """Appends to `checks` the identities of `LayerCall`'s list held in the modules `found` (see the module
+    docstring)."""
     for name, module in found.items():
         state = module.__dict__
         keys = ["_compiled_call_impl", "forward"]
@@ -293,7 +307,6 @@ def _modules_of(layer: nn.Module, checks: list) -> dict[str, nn.Module]:
                 for key in ("_attn_implementation_internal", "sliding_window"):
                     checks.append((config.__dict__, key, config.__dict__.get(key)))
         checks.extend((state, key, state.get(key)) for key in keys)
-    return found
 
 
 def _arguments(layer: nn.Module, modules: dict[str, nn.Module]):
@@ -325,6 +338,8 @@ def _arguments(layer: nn.Module, modules: dict[str, nn.Module]):
     if qkv is None or gate_up is None or gate.out_features != up.out_features:
         return None
     if o._fused is not None or down._fused is not None:
+        return None
+    if not (_block_weight(o._buffers.get("weight")) and _block_weight(down._buffers.get("weight"))):
         return None
     if not (
         q.in_features == gate.in_features == hidden == o.out_features == down.out_features
@@ -360,16 +375,23 @@ def _row_norm(norm: nn.Module, hidden) -> bool:
 
 def _block_row(layer: nn.Module) -> bool:
     """Whether a decode row's call of `layer` is its bound block GEMV alone (`QuantLinear.forward`'s first branch):
-    `_row` bound for `RowKernel.BLOCK_GEMV`, a contiguous uint8 CPU weight, no bias."""
+    `_row` bound for `RowKernel.BLOCK_GEMV`, no bias. Its weight is not read here: the caller checks the weights the
+    call reads (`_block_weight`: o_proj's and down_proj's own, a group's `_parts`), so that a graph traced through
+    this has tensor guards on those alone (`graph_step`)."""
     plan = getattr(layer, "plan", None)
-    weight = layer._buffers.get("weight")
     return (
         layer.__dict__.get("_row") is not None
         and plan is not None
         and plan.row is RowKernel.BLOCK_GEMV
         and bool(plan.block)
         and layer._parameters.get("bias") is None
-        and weight is not None
+    )
+
+
+def _block_weight(weight) -> bool:
+    """Whether `weight` is what the block GEMV reads: a contiguous uint8 CPU tensor."""
+    return (
+        isinstance(weight, torch.Tensor)
         and weight.dtype == torch.uint8
         and weight.device.type == "cpu"
         and weight.is_contiguous()
@@ -382,12 +404,29 @@ def _ggml_type(layer: nn.Module) -> int:
 
 def _group_parts(*members: nn.Module):
     """(the weights, their GGUF types) of the one C call of the built decode group whose members are exactly
-    `members`, in order (what `DecodeGroup.row` calls), or None."""
+    `members`, in order (what `DecodeGroup.row` calls), or None: also None where a member's weight is no longer its
+    view of the group's tensor (`_views_in_place`) or a part is not what the block GEMV reads."""
     group = members[0]._fused
-    if group is None or group.members != list(members) or not group._views or not group._parts:
+    if group is None or group.members != list(members) or not group._parts:
         return None
     if any(member._fused is not group for member in members):
         return None
-    if any(layer._buffers["weight"] is not view for layer, view in zip(group.members, group._views, strict=True)):
+    if not _views_in_place(group) or not all(_block_weight(part) for part in group._parts):
         return None
     return list(group._parts), list(group._types)
+
+
+@torch.compiler.assume_constant_result
+def _views_in_place(group) -> bool:
+    """Whether each member of the decode `group` still has its rows of the group's tensor as its `weight` (what
+    `DecodeGroup._views_hold` checks before the group's C call computes the members' rows; an offloading hook or a
+    re-plan replaces a member's weight). While a graph is traced (`graph_step`) torch.compile runs this as it is and
+    keeps its answer as a constant of the graph: the members' weights it reads, which the graph does not read (it
+    reads the group's `_parts`), get no tensor guards, five a layer checked at every compiled step
+    (docs/performance.md, twenty-first session). A weight swapped after the trace is seen by `compile_decoding`'s
+    per-call check (`module_state`: the identities in each module's `_buffers`), which compiles again; a tensor guard
+    saw it only where the new weight's shape, dtype or strides differed. False for a group not built (no views)."""
+    views = group._views
+    return len(views) == len(group.members) and all(
+        layer._buffers.get("weight") is view for layer, view in zip(group.members, views, strict=True)
+    )

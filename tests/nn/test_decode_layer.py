@@ -313,6 +313,48 @@ def test_compiled_decoding_runs_each_layer_as_one_call_with_the_eager_layer_call
     torch._dynamo.reset()
 
 
+def test_compiled_layer_calls_guard_only_the_weights_they_read_and_a_swapped_member_weight_compiles_again(
+    folder, monkeypatch
+):
+    """The compiled step's tensor guards on a layer's weights are on those its `decode_layer_static` call reads (the
+    norms', o_proj's and down_proj's, the groups' `_parts`), not on the group members' own `weight` views: the
+    members' weights are checked at trace time alone (`_views_in_place`). A member's weight swapped after compiling
+    (as an offloading hook swaps it; the group then dissolves and the member runs its own GEMV) is still seen: the
+    next call compiles again (`module_state`), that layer keeps the traced forwards, and the tokens are the eager
+    ones."""
+    from hfquant import compile_decoding
+    from hfquant.integration import generation
+
+    model = _quantized(folder)
+    layers, ids, steps = model.config.num_hidden_layers, _ids(), 6
+    eager = _generate(model, ids, steps)
+    torch._dynamo.reset()
+    compile_decoding(model, max_cache_len=32)
+    guarded: list[str] = []
+
+    def recording(entries):
+        keep = generation.keep_tensor_guards(entries)
+        guarded.extend(
+            e.name for e, kept in zip(entries, keep, strict=True) if kept and e.guard_type == "TENSOR_MATCH"
+        )
+        return keep
+
+    monkeypatch.setitem(model.generation_config.compile_config.options, "guard_filter_fn", recording)
+    _generate(model, ids, steps)  # compiles
+    weights = [name for name in guarded if "_modules['layers']._modules['0']" in name]
+    members = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert sum("_parts" in name for name in weights) == 2
+    assert sum("_buffers['weight']" in name for name in weights) == 2  # o_proj's and down_proj's
+    assert not [name for name in weights if any(f"['{member}']._buffers" in name for member in members)]
+    k_proj = model.model.layers[0].self_attn.k_proj
+    k_proj._buffers["weight"] = k_proj._buffers["weight"].clone()
+    _generate(model, ids, 1)  # compiles again: the modules changed
+    compiled, static_calls = _compiled_calls(model, ids, steps)
+    assert static_calls == steps * (layers - 1)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch._dynamo.reset()
+
+
 def test_compiled_decoding_with_a_padded_mask_reads_the_mask(folder):
     """Batch 1 whose mask hides a prompt position: the graph's layer calls read the mask (not a prefix: PyTorch's
     SDPA over the static cache with it, as the graph's attention did before), with the outputs of the same static

@@ -115,16 +115,16 @@ def test_compile_decoding_makes_generate_compile_and_give_the_eager_tokens(float
 
 
 def test_compile_decoding_without_module_guards_gives_the_eager_tokens(float_checkpoint):
-    """`compile_decoding(model, module_guards=False)`: the compile config carries `keep_tensor_guards` (and no mode:
+    """`compile_decoding(model, module_guards=False)`: the compile config carries `keep_input_guards` (and no mode:
     torch takes one or the other), generate compiles and gives the eager tokens."""
     from hfquant import compile_decoding
-    from hfquant.integration.generation import keep_tensor_guards
+    from hfquant.integration.generation import keep_input_guards
 
     model, ids, settings, eager = _int4_llama_and_its_eager_tokens(float_checkpoint)
     torch._dynamo.reset()
     compile_decoding(model, max_cache_len=32, module_guards=False)
     config = model.generation_config.compile_config
-    assert config.options == {"guard_filter_fn": keep_tensor_guards} and config.mode is None and config.fullgraph
+    assert config.options == {"guard_filter_fn": keep_input_guards} and config.mode is None and config.fullgraph
     assert torch.equal(model.generate(ids, **settings), eager)
     assert getattr(model, "_compiled_call", None) is not None
     torch._dynamo.reset()
@@ -161,6 +161,28 @@ def test_compile_decoding_compiles_again_when_the_modules_change(float_checkpoin
     torch._dynamo.reset()
 
 
+def test_compile_decoding_compiles_again_when_a_weight_changes_in_place(float_checkpoint):
+    """The default drops the weights' tensor guards (`keep_input_guards`): the final norm's weight given other strides
+    in place after the first compiled `generate` (a `.data` swap to a strided view of the same values; the graph
+    read it with stride 1) is seen by the next call (`module_state` records each tensor's strides), which compiles
+    again and gives the eager tokens; without that the old graph would read every other value of the new storage."""
+    from hfquant import compile_decoding
+
+    model, ids, settings, eager = _int4_llama_and_its_eager_tokens(float_checkpoint)
+    torch._dynamo.reset()
+    compile_decoding(model, max_cache_len=32)
+    assert torch.equal(model.generate(ids, **settings), eager)
+    first = model._compiled_call
+    weight = model.model.norm.weight
+    spread = torch.full((2 * weight.numel(),), 1e4, dtype=weight.dtype)
+    spread[::2] = weight.data
+    weight.data = spread[::2]
+    assert weight.stride() == (2,)
+    assert torch.equal(model.generate(ids, **settings), eager)
+    assert model._compiled_call is not first
+    torch._dynamo.reset()
+
+
 def test_module_state_sees_hooks_training_retyping_and_rebinding(float_checkpoint):
     from hfquant.integration.generation import module_state
 
@@ -183,6 +205,16 @@ def test_module_state_sees_hooks_training_retyping_and_rebinding(float_checkpoin
     layer.self_attn.o_proj = torch.nn.Identity()
     assert module_state(model) != state
     layer.self_attn.o_proj = original
+    assert module_state(model) == state
+    weight = layer.input_layernorm.weight
+    stored = weight.data
+    weight.data = stored.float()  # the same Parameter, another dtype
+    assert module_state(model) != state
+    weight.data = stored
+    assert module_state(model) == state
+    weight.requires_grad_(not weight.requires_grad)
+    assert module_state(model) != state
+    weight.requires_grad_(not weight.requires_grad)
     assert module_state(model) == state
     model.dequantize()
     assert module_state(model) != state
@@ -223,10 +255,10 @@ def test_module_state_keeps_no_module_alive(float_checkpoint):
     assert module_state(model) != state
 
 
-def test_keep_tensor_guards_drops_only_the_module_attribute_guards():
+def test_the_guard_filters_drop_the_module_guards_they_name():
     from types import SimpleNamespace
 
-    from hfquant.integration.generation import keep_tensor_guards
+    from hfquant.integration.generation import keep_input_guards, keep_tensor_guards
 
     def entry(in_module: bool, guard_type: str):
         source = SimpleNamespace(is_unspecialized_nn_module=lambda: in_module)
@@ -234,6 +266,8 @@ def test_keep_tensor_guards_drops_only_the_module_attribute_guards():
 
     entries = [entry(False, "ID_MATCH"), entry(True, "TENSOR_MATCH"), entry(True, "ID_MATCH"), entry(True, "EQUALS")]
     assert keep_tensor_guards(entries) == [True, True, False, False]
+    entries.append(entry(False, "TENSOR_MATCH"))
+    assert keep_input_guards(entries) == [True, False, False, False, True]
 
 
 @pytest.mark.parametrize(
