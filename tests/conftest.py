@@ -12,12 +12,12 @@ from helpers import tiny_model
 LONGEST_FIRST = (
     "tests/real_model/test_real_model.py",
     "tests/reliability/test_interruption.py",
-    "tests/real_model/test_real_model_lora.py",
     "tests/commands/test_cli.py",
     "tests/interop/test_export_compressed_tensors.py",
     "tests/interop/test_export_gguf.py",
     "tests/real_model/test_gguf_import.py",
     "tests/project/test_bare_install.py",
+    "tests/real_model/test_real_model_lora.py",
     "tests/interop/test_import_compressed_tensors.py",
     "tests/reliability/test_untrusted_text.py",
     "tests/commands/test_gguf_commands.py",
@@ -27,8 +27,10 @@ LONGEST_FIRST = (
     "tests/commands/test_convert.py",
     "tests/commands/test_hub.py",
 )
-"""The modules that run longest (seconds of setup and calls on one xdist worker, the nineteenth session's fresh-clone
-run on the 2-core Zen 3: 50-380 s each), longest first. `--dist loadfile` sends a worker a whole module at a time, in
+"""The modules that run longest (seconds of setup and calls on one xdist worker, the nineteenth and twentieth sessions'
+fresh-clone runs on the 2-core Zen 3: 50-380 s each; the twenty-first session's CPU cuts, measured per module, scaled
+them: test_real_model.py ~280 -> ~205 s, test_interruption.py ~170 -> ~85 s, test_real_model_lora.py ~86 -> ~45 s,
+which moves behind the ~50 s modules), longest first. `--dist loadfile` sends a worker a whole module at a time, in
 the order of this list and then in collection order (see `pytest_collection_modifyitems`): started last, one of them
 would leave the other worker idle for up to its length at the end of the run."""
 

@@ -2,7 +2,8 @@
 disk filling up, two converts racing for one DST. Each must leave DST as it was (absent, or the previous complete
 version, byte for byte) or complete, leave no temporary folder after SIGINT or an error, and a rerun must succeed.
 
-The kill points are exact: a driver process imports hfquant once, then forks one child per trial; the child runs
+The kill points are exact: a driver process imports hfquant once and runs one clean convert (so that every import
+and first-use setup is done before it forks), then forks one child per trial; the child runs
 `hfquant.commands.cli.main(["convert", ...])` with every file-writing operation wrapped (safetensors `save_file`, `open` for
 writing, `shutil.copyfile`, `shutil.rmtree`, `os.replace`, `os.rename`, `tempfile.mkdtemp`, and `hfquant.checkpoint.publish`'
 creation of the temporary folder and its two publishing renames), and sends itself the signal just before or just
@@ -32,7 +33,7 @@ ARGS_OLD = ["--bits", "8", "--max-shard-size", "60KB", "--no-progress"]
 DRIVER_TIMEOUT = 240
 
 DRIVER = r'''
-import builtins, errno, hashlib, io, json, os, shutil, signal, sys, tempfile, time, traceback
+import builtins, contextlib, errno, hashlib, io, json, os, shutil, signal, sys, tempfile, time, traceback
 from pathlib import Path
 
 import hfquant.commands.cli
@@ -217,11 +218,26 @@ def serve(steps):
     return results
 
 
+def warm_up(args):
+    """One clean convert here, unwrapped, before the first fork: what a first convert imports and sets up (the model
+    classes transformers imports lazily, the card's template, scipy; 2 CPU s of a forked child's 2.1) is then
+    inherited by every child, whose convert is left with its own work (0.2 CPU s of the tiny model)."""
+    scratch = DST.parent.parent / "warm-up"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = hfquant.commands.cli.main(["convert", SRC, str(scratch), *args])
+    shutil.rmtree(scratch, ignore_errors=True)
+    assert code == 0, code
+
+
 # One request per line on stdin: {"src", "dst", "steps"}; one line of results per request on stdout.
+warm = False
 for line in sys.stdin:
     request = json.loads(line)
     SRC, DST = request["src"], Path(request["dst"])
     DST.parent.mkdir(parents=True, exist_ok=True)
+    if not warm:
+        warm_up(request["steps"][0]["args"])
+        warm = True
     print(json.dumps(serve(request["steps"])), flush=True)
 '''
 
