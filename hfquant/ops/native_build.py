@@ -10,7 +10,9 @@ the same C sources (compiled to objects with the same flags) and `csrc/torch_ops
 else `c++`; C++20, against the headers and libraries of the installed torch), into a folder whose hash also covers the
 C++ source and flags, both compilers' version lines and torch's version: the library is tied to the torch it was built
 against, so a different torch build gets another hash, so another build. A library is written under a temporary name
-and renamed, so concurrent first uses do not see half a file.
+and renamed, so concurrent first uses do not see half a file, and built under an advisory lock of its folder
+(`.build.lock`, `fcntl.flock`), so that they wait for one build instead of each compiling (pytest-xdist's workers on an
+empty cache each spent about a minute of CPU on the same build).
 
 Loading a library runs its code, so a cached one is used only when it is ours and private: the folders from
 `<cache>/native` down and the file are owned by this user and writable by nobody else, and the file's sha256 equals
@@ -20,6 +22,7 @@ library is built into a private temporary folder for this process instead (logge
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -33,6 +36,11 @@ from pathlib import Path
 import torch
 
 from hfquant.core import paths
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no build lock (the rename still keeps a half-written library out of sight)
+    fcntl = None
 
 __all__ = [
     "SOURCES",
@@ -227,9 +235,31 @@ def cached_library(folder: Path, name: str, build: Callable[[Path, Path], None])
             library.parent,
             folder,
         )
-    elif library.exists():
-        logger.warning("hfquant: %s does not match its recorded sha256 or is not private; building it again", library)
-    return _compile(folder, name, build)
+        return _compile(folder, name, build)
+    with _build_lock(folder):
+        if library.exists() and _trusted(library):
+            return library  # built by another process while this one waited
+        if library.exists():
+            logger.warning(
+                "hfquant: %s does not match its recorded sha256 or is not private; building it again", library
+            )
+        return _compile(folder, name, build)
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """An exclusive advisory lock (`fcntl.flock`) on `folder/.build.lock` for the block: one process (or thread)
+    builds into a cache folder at a time, the others wait and then find its library. Released when the block ends or
+    the process dies. No lock where `fcntl` is missing."""
+    if fcntl is None:
+        yield
+        return
+    handle = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # closing the descriptor releases the lock
 
 
 def build_c_library(compiler: str) -> Path:

@@ -1,15 +1,18 @@
 """Building, caching and trusting hfquant's native libraries (hfquant.ops.native_build): `HFQUANT_NATIVE`, what the
-cache folder's hash covers, which files are compiled, one header for the exported functions, and a library planted in
-the cache is never loaded."""
+cache folder's hash covers, which files are compiled, one header for the exported functions, a library planted in
+the cache is never loaded, and concurrent first uses build once."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,26 @@ def test_the_library_cache_key_covers_the_included_headers(tmp_path, monkeypatch
     (copy / "hfquant_kernels.h").write_bytes((CSRC / "hfquant_kernels.h").read_bytes() + b"\n")
     monkeypatch.setattr(native_build, "_CSRC", copy)
     assert native_build.source_digest() != digest
+
+
+def test_concurrent_first_uses_build_the_library_once(tmp_path):
+    """Four threads asking for one uncached library at once: one builds it, the others wait on the folder's build
+    lock and load that build (pytest-xdist's workers on an empty cache each compiled it before the lock)."""
+    folder = tmp_path / "native" / "digest"
+    builds = []
+    started = threading.Barrier(4)
+
+    def build(output: Path, scratch: Path) -> None:
+        builds.append(output)
+        time.sleep(0.3)  # long enough that the other threads arrive while this build runs
+        output.write_bytes(b"\x7fELF stand-in")
+
+    def first_use() -> Path:
+        started.wait()
+        return native_build.cached_library(folder, "stand-in.so", build)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        libraries = list(pool.map(lambda _: first_use(), range(4)))
+    assert len(builds) == 1, builds
+    assert libraries == [folder / "stand-in.so"] * 4
+    assert (folder / "stand-in.so").read_bytes() == b"\x7fELF stand-in"
