@@ -221,11 +221,12 @@ def _q3_k_rows(k: int, seed: int) -> torch.Tensor:
 # one, three and nine super-blocks (the AVX2 row's steps of two with one left over) and 32
 def test_q3_k_rows_are_the_dequantized_weight_times_the_quantized_row_at_the_extremes(k, kind):
     """Q3_K's rows at their field extremes (blocks_body.h: the AVX2 row takes a super-block's codes two per byte, their
-    bit 2 from a table by hmask's nibble, and its scales by vector instructions; k16_quads_'s int16 quad sums reach
-    4 * 7 * 127 = 3556 with codes 7 against inputs of one sign): the output is the float64 product of the dequantized
-    weight with the quantized row (x_hat) within one bfloat16 rounding (2**-8 relative) of it plus float32 rounding,
-    (K / 32 + 16) * 2**-23 of sum |w| |x_hat|. A wrong code bit, scale field, sign or sub-block order would be off by
-    a fraction of that sum."""
+    bit 2 from a table by hmask's nibble, codes 2 and 3 times 16, each register's pair sums times 256 * its scale:
+    an int32 lane reaches 4 * 2 * 28448 * 32 * 256 = 1864368128 < 2^31 with scales -32, codes 7 and inputs +127, the
+    third pattern row under "ones"; the AVX-512 body's int16 quad sums 4 * 7 * 127 = 3556): the output is the float64
+    product of the dequantized weight with the quantized row (x_hat) within one bfloat16 rounding (2**-8 relative) of
+    it plus float32 rounding, (K / 32 + 16) * 2**-23 of sum |w| |x_hat|. A wrong code bit, scale field, sign or
+    sub-block order would be off by a fraction of that sum."""
     fmt = blocks.layout("q3_k")
     data = _q3_k_rows(k, seed=k)
     weight = blocks.dequantize("q3_k", data).double()

@@ -431,68 +431,107 @@ BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, 
     return BK_NAME(hsum_)(_mm256_add_ps(acc[0], acc[1]));
 }
 #else
-/* k3_scales_ (the same 16 bytes) by 8 vector instructions and two loads, for the AVX2 row: on a Zen 3 its 30
- * general-register instructions were a quarter of a super-block's 123 and cost about 10% of its time (a step with the
- * scales loaded as they are, wrong values, took 0.91x), though the vector ports are busier: the step's time follows
- * the instructions it issues more than one port's. The lows by one word shift by 4, an unpack and a mask (byte k:
- * scale k's low nibble); the highs' 32 bits in every dword (a broadcast load), dword i shifted left by 6 - 2i (each
- * byte's field i to bits 6-7), masked and shifted right by 2 words; or'd, minus 32 */
-BK_TARGET static inline __m128i BK_NAME(k3_scales_vec_)(const uint8_t *s) {
-    const __m128i lows = _mm_loadl_epi64((const __m128i *)s);
-    const __m128i low = _mm_and_si128(_mm_unpacklo_epi64(lows, _mm_srli_epi16(lows, 4)), _mm_set1_epi8(0x0F));
-    const __m128i highs = _mm_castps_si128(_mm_broadcast_ss((const float *)(s + 8)));
-    const __m128i top = _mm_sllv_epi32(highs, _mm_setr_epi32(6, 4, 2, 0));
-    const __m128i high = _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xC0)), 2);
-    return _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+/* The AVX2 Q3_K row's constants (K3_*: byte rows of K3_CONSTS), loaded from memory: as _mm256_set1_* in a loop that
+ * needs more than 16 registers gcc rebuilt some per step from a general register (3 instructions, one a broadcast),
+ * and the scale picks per row call (about 30 instructions) */
+enum { K3_TABLE_A, K3_TABLE_B, K3_BITS01, K3_SEVEN, K3_HIGH, K3_NIBBLE, K3_TOP, K3_32, K3_NATURAL, K3_PICK };
+static const _Alignas(32) uint8_t BK_NAME(K3_CONSTS)[K3_PICK + 8][32] = {
+    /* byte n: bit 0 of n at bit 2, bit 2 at bit 6 (pair A), bits 1 and 3 likewise (pair B) */
+    {0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68, 64, 68},
+    {0, 0, 4, 4, 0, 0, 4, 4, 64, 64, 68, 68, 64, 64, 68, 68, 0, 0, 4, 4, 0, 0, 4, 4, 64, 64, 68, 68, 64, 64, 68, 68},
+#define K3_ROW(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
+    K3_ROW(0x33), K3_ROW(7), K3_ROW(0x70), K3_ROW(0x0F), K3_ROW(0xC0), K3_ROW(32),
+#undef K3_ROW
+    /* word n: scale n's byte into the high byte, zero (0x80) into the low one */
+    {0x80, 0, 0x80, 1, 0x80, 2, 0x80, 3, 0x80, 4, 0x80, 5, 0x80, 6, 0x80, 7,
+     0x80, 8, 0x80, 9, 0x80, 10, 0x80, 11, 0x80, 12, 0x80, 13, 0x80, 14, 0x80, 15},
+    /* pick s = 0, 2, ..., 14: scale s in every word of 128-bit lane 0, s + 1 in lane 1 */
+#define K3_PICK_ROW(s)                                                                                                \
+    {0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s + 1, 0x80, s + 1, 0x80, s + 1,   \
+     0x80, s + 1, 0x80, s + 1, 0x80, s + 1, 0x80, s + 1, 0x80, s + 1}
+    K3_PICK_ROW(0), K3_PICK_ROW(2), K3_PICK_ROW(4), K3_PICK_ROW(6), K3_PICK_ROW(8), K3_PICK_ROW(10), K3_PICK_ROW(12),
+    K3_PICK_ROW(14),
+#undef K3_PICK_ROW
+};
+#define BK_K3(i) _mm256_load_si256((const __m256i *)BK_NAME(K3_CONSTS)[i])
+
+/* Q3_K's sixteen scales minus 32 as int8 in both 128-bit lanes (byte n and 16 + n: scale n; k3_scales_'s values) by 8
+ * vector instructions from two broadcast loads, for the AVX2 row: on a Zen 3 k3_scales_'s 30 general-register
+ * instructions were a quarter of a super-block's 123 and cost about 10% of its time (nineteenth session). The lows by
+ * one word shift by 4, an unpack and a mask (byte k: scale k's low nibble); the highs' 32 bits in every dword, dword i
+ * shifted left by 6 - 2i (each byte's field i to bits 6-7), masked and shifted right by 2 words; or'd, minus 32. Both
+ * lanes alike, so each sub-block's scale is one in-lane byte shuffle away, with no sign extension and no lane
+ * broadcast per super-block. */
+BK_TARGET static inline __m256i BK_NAME(k3_scales_vec_)(const uint8_t *s) {
+    const __m256i lows = _mm256_castpd_si256(_mm256_broadcast_sd((const double *)s));
+    const __m256i low = _mm256_and_si256(_mm256_unpacklo_epi64(lows, _mm256_srli_epi16(lows, 4)), BK_K3(K3_NIBBLE));
+    const __m256i highs = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(s + 8)));
+    const __m256i top = _mm256_sllv_epi32(highs, _mm256_setr_epi32(6, 4, 2, 0, 6, 4, 2, 0));
+    const __m256i high = _mm256_srli_epi16(_mm256_and_si256(top, BK_K3(K3_TOP)), 2);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), BK_K3(K3_32));
 }
 
-/* Q3_K's codes on AVX2: the 128 codes h as k16_quads_'s four registers u[j] of 32 codes (code 128h + 32j + l in byte
- * l of u[j]; bits 0-1 are bits 2j, 2j + 1 of qs[32h + l], bit 2 is bit 4h + j of hmask[l]). Two registers of two
- * codes per byte first, pair A codes j = 0 (bits 0-2) and 2 (bits 4-6), pair B j = 1 and 3: qs (pair B: after one
- * word shift by 2) masked by 0x33 keeps both codes' bits 0-1 in place, and hmask's nibble h (hms: hmask masked, or
- * shifted by 4 and masked, once per super-block) picks both codes' bit 2, at bits 2 and 6, from a 16-byte table by
- * one byte shuffle per pair; then each code by a mask (j >= 2: after a word shift by 4). 17 instructions per 128
- * codes, 5 on the shift ports, where a shift of qs and of hmask to bit 0 per 32 codes took 20, 7 */
+/* Q3_K's codes on AVX2: the 128 codes h as four registers u[j] of 32 codes (code 128h + 32j + l in byte l of u[j],
+ * u[2] and u[3] times 16; bits 0-1 are bits 2j, 2j + 1 of qs[32h + l], bit 2 is bit 4h + j of hmask[l]). Two
+ * registers of two codes per byte first, pair A codes j = 0 (bits 0-2) and 2 (bits 4-6), pair B j = 1 and 3: qs (pair
+ * B: after one word shift by 2) masked by 0x33 keeps both codes' bits 0-1 in place, and hmask's nibble h (hms: hmask
+ * masked, or shifted by 4 and masked, once per super-block) picks both codes' bit 2, at bits 2 and 6, from a 16-byte
+ * table by one byte shuffle per pair; then each code by one mask, codes 2 and 3 left in bits 4-6 (at most 112: their
+ * vpmaddubsw pair sums at most 2 * 112 * 127 = 28448, no saturation; the 16 comes off once per super-block). 11
+ * instructions per 128 codes, where shifting codes 2 and 3 down took 15. */
 BK_TARGET static inline void BK_NAME(q3_k_codes_)(__m256i *u, __m256i q, __m256i hms) {
-    /* byte n: bit 0 of n at bit 2, bit 2 at bit 6 (pair A), bits 1 and 3 likewise (pair B) */
-    const __m256i table_a = _mm256_setr_epi8(0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68, 64, 68, 0, 4, 0, 4, 64, 68,
-                                             64, 68, 0, 4, 0, 4, 64, 68, 64, 68);
-    const __m256i table_b = _mm256_setr_epi8(0, 0, 4, 4, 0, 0, 4, 4, 64, 64, 68, 68, 64, 64, 68, 68, 0, 0, 4, 4, 0, 0,
-                                             4, 4, 64, 64, 68, 68, 64, 64, 68, 68);
-    const __m256i bits01 = _mm256_set1_epi8(0x33), seven = _mm256_set1_epi8(7);
-    const __m256i pair_a = _mm256_or_si256(_mm256_and_si256(q, bits01), _mm256_shuffle_epi8(table_a, hms));
-    const __m256i pair_b =
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2), bits01), _mm256_shuffle_epi8(table_b, hms));
+    const __m256i bits01 = BK_K3(K3_BITS01), seven = BK_K3(K3_SEVEN), high = BK_K3(K3_HIGH);
+    const __m256i pair_a = _mm256_or_si256(_mm256_and_si256(q, bits01), _mm256_shuffle_epi8(BK_K3(K3_TABLE_A), hms));
+    const __m256i pair_b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2), bits01),
+                                           _mm256_shuffle_epi8(BK_K3(K3_TABLE_B), hms));
     u[0] = _mm256_and_si256(pair_a, seven);
     u[1] = _mm256_and_si256(pair_b, seven);
-    u[2] = _mm256_and_si256(_mm256_srli_epi16(pair_a, 4), seven);
-    u[3] = _mm256_and_si256(_mm256_srli_epi16(pair_b, 4), seven);
+    u[2] = _mm256_and_si256(pair_a, high);
+    u[3] = _mm256_and_si256(pair_b, high);
 }
 
-/* one super-block's float term added to acc (the AVX-512 body's integer lanes and floats: k16_quads_ of the same
- * codes, k16_offset_, k16_finish_; d * dx by a broadcast load of the float16 d and one vcvtph2ps, the same product as
- * half_'s times dx in float32) */
+/* one super-block's float term added to acc: the AVX-512 body's 8 int32 lanes (k16_quads_ of the same codes minus
+ * k16_offset_) and its floats (k16_finish_; d * dx by a broadcast load of the float16 d and one vcvtph2ps, the same
+ * product as half_'s times dx in float32). The integer lanes another way, exact, so the same: each register u[j] of
+ * 128 codes h by vpmaddubsw against its 32 inputs (int16 pair sums, 128-bit lane k: sub-block 8h + 2j + k) and
+ * vpmaddwd by its sub-block's scale times 256 (one byte shuffle of k3_scales_vec_'s bytes puts each scale into the
+ * high byte of its words, in place of a sign extension; int32 lane k, i: its quad i times the scale), summed over h
+ * into sum_a (j = 0, 1) and sum_b (j = 2, 3: codes times 16). Lane 4k + m of k16_quads_ (m = 0, 1: quads 0-1 / 2-3
+ * of j = 0, 1; m = 2, 3: of j = 2, 3) is the sum of neighbouring lanes, sum_b / 16 first; the offset term times 256
+ * (the natural scales' words by one more shuffle) comes off and one arithmetic shift by 8 divides exactly. Bounds: a
+ * sum_b lane at most 4 * 2 * 28448 * 32 * 256 = 1864368128 < 2^31, sum_a's 16x less; the offset term at most 4 * 2 *
+ * 32 * 256 * 2032. Per super-block 8 vpmaddwd by scales, 9 byte shuffles of the scales, where k16_quads_ took 4
+ * vpmaddwd by scales, 8 by ones, 4 packs, 4 shuffles and a sign extension and two lane broadcasts of the scales. */
 BK_TARGET BK_INLINE __m256 BK_NAME(q3_k_step_)(const uint8_t *w, const ActRow *a, int64_t b, __m256 acc) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     BK_NAME(stream_ahead_)(w, 110);
     const int8_t *xq = a->q + b * 256;
-    const __m256i scale16 = _mm256_cvtepi8_epi16(BK_NAME(k3_scales_vec_)(w + 96));
-    const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
-                               _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
-    const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i scales8 = BK_NAME(k3_scales_vec_)(w + 96);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)w), nibble = BK_K3(K3_NIBBLE);
     const __m256i hms[2] = {_mm256_and_si256(hm, nibble), _mm256_and_si256(_mm256_srli_epi16(hm, 4), nibble)};
-    __m256i sum = _mm256_setzero_si256();
+    __m256i sum_a = _mm256_setzero_si256(), sum_b = sum_a;
     for (int h = 0; h < 2; h++) {
-        __m256i u[4];
+        __m256i u[4], p[4];
         BK_NAME(q3_k_codes_)(u, _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h)), hms[h]);
-        sum = BK_NAME(k16_quads_)(sum, u, xq + 128 * h, halves[h]);
+        for (int j = 0; j < 4; j++)
+            p[j] = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(u[j], _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j))),
+                _mm256_shuffle_epi8(scales8, BK_K3(K3_PICK + 4 * h + j)));
+        sum_a = _mm256_add_epi32(sum_a, _mm256_add_epi32(p[0], p[1]));
+        sum_b = _mm256_add_epi32(sum_b, _mm256_add_epi32(p[2], p[3]));
     }
+    /* lane k: sum_a's int32 lanes 0 + 1, 2 + 3, then sum_b's: two in-lane shuffles and an add (vphaddd took about
+     * four instructions' time on the Zen 3) */
+    const __m256 fa = _mm256_castsi256_ps(sum_a), fb = _mm256_castsi256_ps(_mm256_srai_epi32(sum_b, 4));
+    const __m256i sum = _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0x88)),
+                                         _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0xDD)));
+    const __m256i natural = _mm256_shuffle_epi8(scales8, BK_K3(K3_NATURAL));
+    const __m256i offset = BK_NAME(k16_offset_)(natural, a->sums16 + b * 16, 2);
     int16_t d16;
     memcpy(&d16, w + 108, 2);
     const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16(d16)), _mm256_broadcast_ss(a->d + b));
-    const __m256i offset = BK_NAME(k16_offset_)(scale16, a->sums16 + b * 16, 2);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, offset)), d, acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sub_epi32(sum, offset), 8)), d, acc);
 }
+#undef BK_K3
 
 BK_TARGET BK_INLINE float BK_NAME(q3_k_row_)(const uint8_t *w, const ActRow *a, int64_t nb) {
     /* even super-blocks' float terms in acc0, odd ones' in acc1 (the AVX-512 body's acc[0], acc[1]), in registers */
