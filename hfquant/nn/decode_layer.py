@@ -60,9 +60,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
-from hfquant.core import blocks
 from hfquant.nn import decode_cache, row_attention
 from hfquant.nn.row_norm import RowRMSNorm
+from hfquant.ops import block_layout
 from hfquant.ops.gemv import RowKernel
 
 __all__ = ["KEY", "LayerCall", "step", "graph_step", "sliding_window"]
@@ -399,7 +399,8 @@ def _block_weight(weight) -> bool:
 
 
 def _ggml_type(layer: nn.Module) -> int:
-    return blocks.layout(layer.plan.block).ggml_type
+    plan = layer.plan
+    return block_layout.kernel_type(plan.block, plan.block_rows)
 
 
 def _group_parts(*members: nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 from hfquant.core import blocks, packing, rtn
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.nn.linear import QuantLinear, StoredWeight, quantize_to_buffers
-from hfquant.ops import native
+from hfquant.ops import block_layout, native
 from hfquant.ops.kernels import INT4_KERNELS, Kernel
 
 __all__ = ["QuantEmbedding", "gather_cpu_int4_rows"]
@@ -124,8 +124,9 @@ class QuantEmbedding(StoredWeight):
             text += f", padding_idx={self.padding_idx}"
         if self.embed_scale is not None:
             text += f", embed_scale={self.embed_scale:g}"
-        if self._kernel_owner is not None:
-            text += f", layout={self._kernel_owner.kernel}"
+        owner = self._kernel_owner
+        if owner is not None:  # a tied lm_head's kernel layout: its int4 kernel, or its block rows interleaved
+            text += f", layout=rows{owner.plan.block_rows}" if self.format.block else f", layout={owner.kernel}"
         return text
 
     # -- sharing with a tied lm_head -------------------------------------------------------------------------------
@@ -137,10 +138,11 @@ class QuantEmbedding(StoredWeight):
         a block format's bytes), "kernel-layout" (rows are gathered from the CPU int4 kernel layout), or "copy" (a
         kernel layout rows cannot be gathered from, e.g. CUDA int4: this module keeps its own stored-layout tensor).
         """
-        if self.format.block is not None:  # the block kernels read the stored bytes: one tensor, nothing repacked
+        if self.format.block is not None:  # one tensor; rows are gathered from the head's R8 layout where it has one
             self.weight = head.weight
-            self.set_kernel_owner(None)
-            return "shared"
+            interleaved = head.plan.block_rows > 1
+            self.set_kernel_owner(head if interleaved else None)
+            return "kernel-layout" if interleaved else "shared"
         self.weight_scale = head.weight_scale
         self.weight_zero_point = head.weight_zero_point
         if head.kernel == Kernel.INT4PACK_MM_CPU and packing.cpu_int4_layout() is not None:
@@ -190,8 +192,17 @@ class QuantEmbedding(StoredWeight):
             row = self._native_row(int(rows.reshape(())))
             if row is not None:
                 return row
-        data = self.weight if rows is None else self.weight.index_select(0, rows)
+        if rows is None:
+            data = self.stored_weight()
+        else:
+            k, block, layout = self.embedding_dim, self.format.block, self._block_layout_rows()
+            data = block_layout.gather_rows(self.weight, k, block, layout, rows.reshape(-1))
         return blocks.dequantize(self.format.block, data).to(dtype)
+
+    def _block_layout_rows(self) -> int:
+        """The rows per group of the layout `weight` is in: its kernel owner's (a tied lm_head in R8), else 1."""
+        owner = self._kernel_owner
+        return 1 if owner is None else owner.plan.block_rows
 
     def _native_row(self, row: int) -> torch.Tensor | None:
         """(1, embedding_dim) bfloat16 row `row` of a block-format table decoded by the C library, or None where it
@@ -202,7 +213,7 @@ class QuantEmbedding(StoredWeight):
         if native.built_library() is None:
             return None
         out = torch.empty((self.embedding_dim, 1), dtype=torch.bfloat16)
-        ggml_type = blocks.layout(self.format.block).ggml_type
+        ggml_type = block_layout.kernel_type(self.format.block, self._block_layout_rows())
         return native.block_dequantize_t(weight, self.embedding_dim, ggml_type, row, row + 1, out).view(1, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -47,8 +47,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hfquant.core import blocks, huge_pages
-from hfquant.ops import native
+from hfquant.core import huge_pages
+from hfquant.ops import block_layout, native
 from hfquant.ops.gemv import INT4_ROWS, RowCall, RowKernel, int4_row
 
 __all__ = ["SIBLINGS", "MAX_MISSES", "DecodeGroup", "link_decode_groups"]
@@ -131,7 +131,7 @@ class DecodeGroup:
         self.weight, self.scale_zero, self._row, self._views = weight, scale_zero, first._row, views
         self._graph_call = (plan.row, plan.group_size, plan.in_features)
         if plan.block:
-            self._parts, self._types = (weight,), (blocks.layout(plan.block).ggml_type,)
+            self._parts, self._types = (weight,), (block_layout.kernel_type(plan.block, plan.block_rows),)
             self.in_graphs = plan.row_call is RowCall.OPERATOR
         else:  # int4: graphs call the members' own GEMV operator once over the group's rows, where that is theirs
             self.in_graphs = (
@@ -149,7 +149,7 @@ class DecodeGroup:
         parts = _bytes_of_one_tensor(weights)
         for member, part in zip(self.members, parts, strict=True):
             member._buffers["weight"] = part
-        types = tuple(blocks.layout(member.plan.block).ggml_type for member in self.members)
+        types = tuple(block_layout.kernel_type(member.plan.block, member.plan.block_rows) for member in self.members)
         in_features = plan.in_features
         if plan.row_call is RowCall.OPERATOR:
             op = torch.ops.hfquant_cpu.block_gemv_group.default
@@ -200,8 +200,9 @@ class DecodeGroup:
             planned = member.planned_row(dtype)
             if planned is None or not planned[1] or member._buffers["weight"].device.type != "cpu":
                 return None
-            if planned[0].block:  # a block format's runtime weight is its stored one: `build` concatenates them
-                return None
+            if planned[0].block:  # a block format's runtime weight is its stored one, interleaved in place where the
+                # load owns it (`block_layout`): `build` concatenates them (no copy when they are rows of one tensor)
+                return tuple(m._buffers["weight"] for m in self.members) if in_place else None
             keys.add(_plan_key(planned[0], torch.uint8))
         if len(keys) != 1:
             return None
@@ -374,7 +375,8 @@ class RowKey(NamedTuple):
 
 def _plan_key(plan, weight_dtype: torch.dtype) -> RowKey:
     """`_row_key` of a layer with this plan and runtime weight dtype, its GEMV bound."""
-    return RowKey(plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, plan.block, weight_dtype)
+    block = (plan.block, plan.block_rows) if plan.block else ""  # concatenated rows share one layout too
+    return RowKey(plan.kernel, plan.row, plan.row_call, plan.in_features, plan.group_size, block, weight_dtype)
 
 
 def _group_format(fmt):

@@ -15,7 +15,7 @@ from hfquant.core.blocks.importance import stored_scale_importance
 from hfquant.core.folding import Transform
 from hfquant.core.format import Method, StoredFormat, require_format
 from hfquant.nn import row_attention
-from hfquant.ops import gemv, kernels, native
+from hfquant.ops import block_layout, gemv, kernels, native
 from hfquant.ops.autograd import quantized_matmul_trainable
 from hfquant.ops.gemv import RowKernel
 from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan, LayerTensors
@@ -199,7 +199,9 @@ class QuantLinear(StoredWeight):
         if self._buffers.get("weight_col_scale") is not None:
             return None
         if plan.row is RowKernel.BLOCK_GEMV:
-            return gemv.row_function(plan.row, plan.row_call, plan.group_size, plan.in_features, plan.block)
+            return gemv.row_function(
+                plan.row, plan.row_call, plan.group_size, plan.in_features, plan.block, plan.block_rows
+            )
         if scale_zero_dtype == torch.bfloat16 and plan.kernel == Kernel.INT4PACK_MM_CPU:
             return gemv.row_function(plan.row, plan.row_call, plan.group_size)
         return None
@@ -281,6 +283,9 @@ class QuantLinear(StoredWeight):
         """The `weight` tensor in the stored (file) layout."""
         if self.kernel in kernels.INT4_KERNELS:
             return kernels.stored_int4(self.kernel, self.weight, self.out_features, self.in_features)
+        plan = self.plan
+        if plan.block_rows > 1:
+            return block_layout.to_storage(self.weight, self.in_features, plan.block, plan.block_rows)
         return self.weight
 
     @torch.no_grad()
@@ -293,8 +298,9 @@ class QuantLinear(StoredWeight):
         (out_features, in_features // 2) uint8 CPU tensor that a `Kernel.INT4PACK_MM_CPU` runtime weight is repacked
         straight into and that becomes `weight` (the layer's rows of its fused decode group's tensor,
         `hfquant.nn.fused.DecodeGroup.prepare`), or the stored `weight` itself: repacked in place (only for a weight
-        nothing else reads, e.g. quantize-on-load's own); unused for the other kernels. RuntimeError when it is not as
-        above.
+        nothing else reads, e.g. quantize-on-load's own; a block format's weight is interleaved in place then, where
+        its plan takes the R8 layout, `hfquant.ops.block_layout`); unused for the other kernels. RuntimeError when it
+        is not as above.
         """
         if self.weight.device.type == "meta":
             return self.kernel
@@ -312,7 +318,9 @@ class QuantLinear(StoredWeight):
             sz_dtype = torch.bfloat16 if kernel == Kernel.INT4PACK_MM_CUDA else self._compute_dtype()
             self.scale_zero = kernels.scale_zero_for_int4(self.weight_scale, self.weight_zero_point, sz_dtype)
         else:
-            self.weight = kernels.prepare_weight(kernel, stored, self.in_features)
+            weight = kernels.prepare_weight(kernel, stored, self.in_features)
+            in_place = out is not None and out.data_ptr() == weight.data_ptr()  # the load's own: nothing else reads it
+            self.weight = block_layout.to_compute(weight, self.in_features, plan.block, plan.block_rows, in_place)
         self.plan = plan
         return kernel
 
@@ -321,7 +329,7 @@ class QuantLinear(StoredWeight):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "weight"
-        if self.kernel != Kernel.DEQUANT and key in destination:
+        if key in destination and (self.kernel != Kernel.DEQUANT or self.plan.block_rows > 1):
             destination[key] = self.stored_weight()
         weight = destination.get(key)
         if weight is not None and weight.untyped_storage().nbytes() > weight.numel() * weight.element_size():
@@ -335,7 +343,7 @@ class QuantLinear(StoredWeight):
         # and its prepared kernel as they are: dropping to the dequantize kernel there changed the model's numerics.
         if not any(prefix + name in state_dict for name in self._buffers):
             return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.kernel in kernels.INT4_KERNELS:
+        if self.kernel in kernels.INT4_KERNELS or self.plan.block_rows > 1:
             self.weight = self.stored_weight()
         self.plan = self._unprepared_plan(self.plan.activations)
         self.scale_zero = None
@@ -346,7 +354,7 @@ class QuantLinear(StoredWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight (out_features, in_features) in `dtype` that this layer multiplies by."""
         if self.format.block is not None:
-            weight = blocks.dequantize(self.format.block, self.weight)
+            weight = blocks.dequantize(self.format.block, self.stored_weight())
             col_scale = self._buffers.get("weight_col_scale")
             return (weight if col_scale is None else weight * col_scale.float()).to(dtype)
         codes = self._codes() if self.bits == 4 else self.weight

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from hfquant.core import blocks, packing, rtn
-from hfquant.ops import kernels, machine
+from hfquant.ops import block_layout, kernels, machine
 from hfquant.ops.kernels import Kernel, KernelPlan, LayerTensors
 
 __all__ = ["quantized_matmul_trainable", "dequantized_rows"]
@@ -40,7 +40,8 @@ def dequantized_rows(
     rows = slice(start, stop)
     weight, kernel = tensors.weight, plan.kernel
     if plan.block:
-        return blocks.dequantize(plan.block, weight[rows]).to(dtype)
+        stored = block_layout.storage_rows(weight, plan.in_features, plan.block, plan.block_rows, start, stop)
+        return blocks.dequantize(plan.block, stored).to(dtype)
     if kernel == Kernel.INT4PACK_MM_CPU:
         codes = packing.from_cpu_int4_layout(weight[rows], stop - start, plan.in_features)
     elif kernel == Kernel.INT4PACK_MM_CUDA:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from hfquant.core import blocks, packing, rtn
-from hfquant.ops import native, torch_ops
+from hfquant.ops import block_layout, native, torch_ops
 
 __all__ = [
     "RowKernel",
@@ -98,7 +98,7 @@ def row_product(row: RowKernel, call: RowCall, x: torch.Tensor, tensors, plan) -
     if row is RowKernel.BLOCK_GEMV:
         if not x.is_contiguous():
             x = x.contiguous()
-        ggml_type = blocks.layout(plan.block).ggml_type
+        ggml_type = block_layout.kernel_type(plan.block, plan.block_rows)
         if call is RowCall.OPERATOR:
             return torch.ops.hfquant_cpu.block_gemv(x, tensors.weight, plan.in_features, ggml_type)
         op = native.block_gemv if call is RowCall.CTYPES else block_gemv_op
@@ -129,13 +129,15 @@ INT4_ROWS = (RowKernel.INT4_GEMV, RowKernel.INT4_GEMV_AVX2, RowKernel.INT4_A8, R
 """The one-row kernels that read PyTorch's CPU int4 layout and a (K / group, N, 2) `scale_zero`."""
 
 
-def row_function(row: RowKernel, call: RowCall, group_size: int, in_features: int = 0, block: str = ""):
+def row_function(
+    row: RowKernel, call: RowCall, group_size: int, in_features: int = 0, block: str = "", block_rows: int = 1
+):
     """The eager call of the GEMV `row` (one of `INT4_ROWS`, or `RowKernel.BLOCK_GEMV`) made `call`s way, bound once
     per plan: f(x, weight, scale_zero) -> (1, N) bfloat16, with x (1, K) or (1, ..., 1, K) contiguous bfloat16 and
     weight / scale_zero as `row_product` takes them (for the int4 GEMVs scale_zero already bfloat16; the block GEMV
     ignores it, None there). It skips `row_product`'s per-call dispatch on the kernel and call (a layer's decode call
-    is a few microseconds of kernel on a small model, docs/performance.md). `in_features` and `block` (the plan's K
-    and block type) are read for `RowKernel.BLOCK_GEMV` only. Returns None for the other kernels, and for
+    is a few microseconds of kernel on a small model, docs/performance.md). `in_features`, `block` and `block_rows`
+    (the plan's K, block type and weight layout) are read for `RowKernel.BLOCK_GEMV` only. Returns None for the other kernels, and for
     `RowCall.CUSTOM_OP` (compiled graphs only).
 
     The function reads x as a flat row (the operators and the ctypes kernels check or read x.numel() / x.shape[-1]),
@@ -147,7 +149,7 @@ def row_function(row: RowKernel, call: RowCall, group_size: int, in_features: in
     # (cached after the first call) keeps its choice, or falls back to ctypes where they cannot be had
     operator = call is RowCall.OPERATOR and torch_ops.loaded()
     if row is RowKernel.BLOCK_GEMV:
-        ggml_type = blocks.layout(block).ggml_type
+        ggml_type = block_layout.kernel_type(block, block_rows)
         block_op = torch.ops.hfquant_cpu.block_gemv.default if operator else native.block_gemv
 
         def block_row(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor | None) -> torch.Tensor:

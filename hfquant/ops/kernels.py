@@ -47,7 +47,7 @@ from hfquant.core import blocks, huge_pages, packing, rtn
 from hfquant.core.choice import Choice
 from hfquant.core.format import StoredFormat
 from hfquant.core.packing import scale_zero_for_int4
-from hfquant.ops import gemv, machine, native
+from hfquant.ops import block_layout, gemv, machine, native
 from hfquant.ops.gemv import RowCall, RowKernel
 
 __all__ = [
@@ -127,6 +127,8 @@ class KernelPlan:
             row (`hfquant.ops.plan.block_gemv_max_rows` for block formats with the block GEMV; 1: single rows only).
         native_dequant: whether that chunked GEMM dequantizes int4 chunks with hfquant's C kernel (eager, bfloat16).
         block: the block type of a block format (`StoredFormat.block`, e.g. "q4_k"), "" for the uniform formats.
+        block_rows: the layout of a block format's runtime weight (`hfquant.ops.block_layout`): 1, its stored rows; 8,
+            its rows interleaved by 8 for the R8 GEMV.
     """
 
     kernel: Kernel
@@ -145,6 +147,7 @@ class KernelPlan:
     gemv_max_rows: int = 1
     native_dequant: bool = False
     block: str = ""
+    block_rows: int = 1
     key: str = dataclasses.field(init=False, repr=False, compare=False)
     """The plan as JSON (`from_key` reads it back): how the autograd custom op receives it."""
 
@@ -487,7 +490,7 @@ def _block_product(plan: KernelPlan, weight: torch.Tensor, x2d: torch.Tensor) ->
         x2d = x2d.contiguous()
     columns = _Columns(x2d, plan.out_features)
     if columns.in_place and x2d.dtype == torch.bfloat16 and x2d.device.type == "cpu" and native.built_library():
-        k, ggml_type = plan.in_features, blocks.layout(plan.block).ggml_type
+        k, ggml_type = plan.in_features, block_layout.kernel_type(plan.block, plan.block_rows)
         chunk = max(1, _GEMM_CHUNK_BYTES // (2 * k))
         # straight to float32 where the GEMM runs in it (`_Columns.gemm_dtype`): no second pass over the chunk
         buffer = torch.empty((k * min(chunk, plan.out_features),), dtype=columns.gemm_dtype)
@@ -499,7 +502,8 @@ def _block_product(plan: KernelPlan, weight: torch.Tensor, x2d: torch.Tensor) ->
     chunk = max(1, _GEMM_CHUNK_BYTES // (4 * plan.in_features))
     for start in range(0, plan.out_features, chunk):
         stop = min(plan.out_features, start + chunk)
-        columns.add(blocks.dequantize(plan.block, weight[start:stop]).to(x2d.dtype).t(), start, stop)
+        rows = block_layout.storage_rows(weight, plan.in_features, plan.block, plan.block_rows, start, stop)
+        columns.add(blocks.dequantize(plan.block, rows).to(x2d.dtype).t(), start, stop)
     return columns.result()
 
 

@@ -17,7 +17,8 @@ layer is prepared, and carried as one immutable value (`kernels.KernelPlan`) tha
 - whether the chunked GEMM of a CPU int4 layer dequantizes in C (`gemv.native_int4_works`, N % 64 == 0);
 - for a block format (`StoredFormat.block`), the block GEMV (`RowKernel.BLOCK_GEMV`) for one bfloat16 row where it
   works for the type (`gemv.native_block_works`) and, on small shapes (`UNTIMED_BLOCK_WEIGHTS`), was timed faster
-  than the torch dequantization path.
+  than the torch dequantization path; with it, the weight's layout (`KernelPlan.block_rows`: rows interleaved by 8
+  where that GEMV runs for the type, `block_layout.rows_for`).
 
 The probes and timings behind these are cached per process behind their functions, so planning many layers of one
 shape measures once.
@@ -30,7 +31,7 @@ import dataclasses
 import torch
 
 from hfquant.core.format import StoredFormat
-from hfquant.ops import choice, gemv, kernels, torch_ops
+from hfquant.ops import block_layout, choice, gemv, kernels, torch_ops
 from hfquant.ops.gemv import RowCall, RowKernel
 from hfquant.ops.kernels import DecodeActivations, Kernel, KernelPlan
 
@@ -124,11 +125,13 @@ def _block_rows(plan: KernelPlan, dtype: torch.dtype) -> KernelPlan:
     """`plan` of a CPU layer in a block format with the block GEMV for one bfloat16 row, and for each row of calls of
     up to `block_gemv_max_rows` rows, where it works for the type here (`gemv.native_block_works`) and, on a
     layer of fewer than `UNTIMED_BLOCK_WEIGHTS` weights, was timed faster than the torch dequantization path on the
-    shape (one row timed: the few-row calls follow it)."""
+    shape (one row timed: the few-row calls follow it). With the block GEMV the weight takes the R8 layout where that
+    GEMV runs for the type here (`block_layout.rows_for`)."""
     name, n, k = plan.block, plan.out_features, plan.in_features
     if dtype != torch.bfloat16 or not gemv.native_block_works(name):
         return plan
-    few_rows = dataclasses.replace(plan, gemv_max_rows=block_gemv_max_rows(n, k))
+    rows = block_layout.rows_for(name, n)
+    few_rows = dataclasses.replace(plan, gemv_max_rows=block_gemv_max_rows(n, k), block_rows=rows)
     if n * k >= UNTIMED_BLOCK_WEIGHTS:
         return _with_row(few_rows, RowKernel.BLOCK_GEMV, True)
     if not choice.block_row_uses_native(name, n, k):
