@@ -58,6 +58,9 @@ __all__ = [
     "block_gemv_supported",
     "block_gemv_group",
     "block_dequantize_t",
+    "BLOCK_ROWS8",
+    "block_interleave",
+    "block_rows8_supported",
     "KQUANT_TYPES",
     "kquant_quantize",
     "BLOCK_QUANTIZE_TYPES",
@@ -98,6 +101,7 @@ _SIGNATURES = {
     "hfquant_block_gemv_group": [_POINTER] * 5 + [_INT64] * 2,
     "hfquant_block_gemv_supported": [_INT64],
     "hfquant_block_dequantize_t": [_POINTER] * 2 + [_INT64] * 6,
+    "hfquant_block_interleave": [_POINTER] * 2 + [_INT64] * 4,
     "hfquant_int4_from_cpu_layout": [_POINTER] * 2 + [_INT64] * 2,
     "hfquant_kquant_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER],
     "hfquant_block_quantize": [_POINTER] * 2 + [_INT64] * 2 + [_INT, _POINTER, _INT64, _POINTER, _INT64, _POINTER],
@@ -802,6 +806,68 @@ def block_gemv_group(
             "hfquant's block types, K a multiple of each block size, and AVX2 or AVX512-VNNI)"
         )
     return y
+
+
+BLOCK_ROWS8 = 1 << 16
+"""Flag of the R8 compute layout (`csrc/blocks_cpu.c`, before r8_offset): `ggml_type | BLOCK_ROWS8` is the type code
+of an IQ4_NL (20) or IQ4_XS (23) weight whose groups of 8 rows `block_interleave` interleaved block by block, accepted
+by `block_gemv`, `block_gemv_group` (where `block_rows8_supported`) and `block_dequantize_t` (any x86-64 CPU)."""
+
+_R8_TYPES = {20: (32, 18), 23: (256, 136)}
+"""The GGUF types with an R8 layout: IQ4_NL and IQ4_XS, their (block size, block bytes)."""
+
+
+def block_rows8_supported(ggml_type: int) -> bool:
+    """Whether the R8 GEMVs run here for the plain GGUF type `ggml_type` (IQ4_NL 20 or IQ4_XS 23): an x86-64 CPU with
+    AVX2 + FMA + F16C and without AVX512-VNNI (there the row kernels are the faster ones and stay; `HFQUANT_ISA=avx2`
+    picks the AVX2 body on such a CPU)."""
+    library = built_library()
+    return (
+        ggml_type in _R8_TYPES
+        and library is not None
+        and bool(library.hfquant_block_gemv_supported(ggml_type | BLOCK_ROWS8))
+    )
+
+
+def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inverse: bool = False) -> torch.Tensor:
+    """The bytes of a GGUF-layout IQ4_NL / IQ4_XS weight permuted into the R8 compute layout (inverse=False), or an R8
+    weight's back into GGUF's layout (inverse=True); `csrc/blocks_cpu.c` documents where each byte goes. An exact
+    permutation: `block_interleave(block_interleave(w, k, t), k, t, inverse=True)` equals w for any bytes.
+
+    Args:
+        weight: (N, K // block_size * type_size) uint8 (made contiguous if it is not), N a multiple of 8.
+        in_features: K, a multiple of the type's block size (32 for IQ4_NL, 256 for IQ4_XS).
+        ggml_type: the plain GGUF type, 20 (IQ4_NL) or 23 (IQ4_XS); the result's type code is `ggml_type |
+            BLOCK_ROWS8` (forward) or `ggml_type` (inverse).
+    Returns:
+        A new contiguous uint8 tensor of weight's shape.
+    Raises:
+        ValueError: a type without an R8 layout, N not a multiple of 8, K not whole blocks, or weight not (N, row bytes)
+            uint8 (the message names the value).
+        RuntimeError: the native library is unavailable.
+    """
+    if ggml_type not in _R8_TYPES:
+        raise ValueError(f"block_interleave: GGUF type {ggml_type} has no R8 layout (IQ4_NL 20 and IQ4_XS 23 have)")
+    block, nbytes = _R8_TYPES[ggml_type]
+    if in_features <= 0 or in_features % block:
+        raise ValueError(f"block_interleave: in_features {in_features} is not a positive multiple of {block}")
+    row_bytes = in_features // block * nbytes
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes:
+        raise ValueError(
+            f"block_interleave: weight must be (N, {row_bytes}) uint8 for K={in_features}, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.shape[0] % 8:
+        raise ValueError(f"block_interleave: N {weight.shape[0]} is not a multiple of 8")
+    library = _loaded_library(any_x86=True)
+    src = weight.contiguous()
+    dst = torch.empty_like(src)
+    status = library.hfquant_block_interleave(
+        src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, ggml_type, int(bool(inverse))
+    )
+    if status:
+        raise ValueError(f"block_interleave refused N={src.shape[0]}, K={in_features}, GGUF type {ggml_type}")
+    return dst
 
 
 def block_dequantize_t(

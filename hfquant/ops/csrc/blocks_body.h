@@ -1495,6 +1495,12 @@ BK_TARGET static float BK_NAME(row_block_)(int type, const uint8_t *w, const Act
  * the former one-weight GEMV, its type a parameter) */
 BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
                                           int64_t row_bytes, int64_t nb) {
+#if !BK_MASKED
+    if (type & BLOCK_ROWS8) { /* groups of 8 interleaved rows (blocks_r8_body.h) */
+        r8_rows_avx2(type, weight, a, y, n, row_bytes, nb);
+        return;
+    }
+#endif
 #if BK_MASKED
     if (type == Q3_K_GFNI) {
         BK_NAME(q3_k_gfni_rows_)(weight, a, y, n, row_bytes, nb);

@@ -73,8 +73,13 @@ enum {
 /* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
 static inline int64_t row_header(int type) { return type == HQ3_R ? 2 : 0; }
 
-/* weights per block and bytes per block of a GGML type (0: not one of ours) */
+/* weights per block and bytes per block of a GGML type (0: not one of ours); an R8 code (type | BLOCK_ROWS8) has its
+ * plain type's shape where the type has an R8 layout (IQ4_NL, IQ4_XS), else none */
 static void block_shape(int type, int64_t *block, int64_t *bytes) {
+    if (type & BLOCK_ROWS8) {
+        type &= ~BLOCK_ROWS8;
+        if (type != GGML_IQ4_NL && type != GGML_IQ4_XS) type = 0;
+    }
     static const int64_t table[][3] = {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
         {GGML_Q8_0, 32, 34},  {GGML_Q2_K, 256, 84},  {GGML_Q3_K, 256, 110}, {GGML_Q4_K, 256, 144},
@@ -88,6 +93,76 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
             *block = table[i][1];
             *bytes = table[i][2];
         }
+}
+
+/* ---- The R8 compute layout (type | BLOCK_ROWS8): 8 rows interleaved block by block, so that one activation broadcast
+ * serves 8 rows and one vector holds the 8 rows' block scales (blocks_r8_body.h's GEMVs; issue #32). The rows stay
+ * where GGUF's layout has their group: rows 8g..8g + 7 own the same 8 * row_bytes bytes, and there block b of all
+ * eight rows lies at 8 * bytes * b as one "R8 block" of 8 * bytes bytes. Inside an R8 block (r: the row in its group,
+ * 0..7; "code byte c" of a 32-weight block: its byte 2 + c, whose low nibble is weight c, high nibble weight 16 + c):
+ *   IQ4_NL (18-byte blocks, 144 bytes): row r's float16 d at 2r; then 4 chunks j = 0..3 of 32 bytes, chunk j at 16 +
+ *     32j holding code bytes 4j..4j + 3 of row r at 16 + 32j + 4r (int32 lane r of a 256-bit load is row r's).
+ *   IQ4_XS (136-byte super-blocks, 1088 bytes): row r's float16 d at 2r; its scales_h (2 bytes) at 16 + 2r; its
+ *     scales_l (4 bytes) at 32 + 4r (lane r of a 256-bit load); then per 32-weight sub-block s = 0..7 (the 16 bytes
+ *     at 8 + 16s of the row's super-block) 128 bytes at 64 + 128s, as IQ4_NL's four chunks: code byte 4j + i of
+ *     row r's sub-block s at 64 + 128s + 32j + 4r + i.
+ * r8_offset below is that map; hfquant_block_interleave and the dequantization read it through R8_MAP. ---- */
+
+/* where byte i (0 <= i < bytes) of row r's block lies in its R8 block (see above); type: IQ4_NL or IQ4_XS */
+static int r8_offset(int type, int r, int i) {
+    if (i < 2) return 2 * r + i; /* d */
+    if (type == GGML_IQ4_NL) {
+        const int c = i - 2;
+        return 16 + 32 * (c / 4) + 4 * r + c % 4;
+    }
+    if (i < 4) return 16 + 2 * r + (i - 2); /* scales_h */
+    if (i < 8) return 32 + 4 * r + (i - 4); /* scales_l */
+    const int s = (i - 8) / 16, c = (i - 8) % 16;
+    return 64 + 128 * s + 32 * (c / 4) + 4 * r + c % 4;
+}
+
+/* R8_MAP_NL[r][i] / R8_MAP_XS[r][i]: r8_offset of the two types, tabled once */
+static int16_t R8_MAP_NL[8][18], R8_MAP_XS[8][136];
+
+__attribute__((constructor)) static void r8_map_init(void) {
+    for (int r = 0; r < 8; r++) {
+        for (int i = 0; i < 18; i++) R8_MAP_NL[r][i] = (int16_t)r8_offset(GGML_IQ4_NL, r, i);
+        for (int i = 0; i < 136; i++) R8_MAP_XS[r][i] = (int16_t)r8_offset(GGML_IQ4_XS, r, i);
+    }
+}
+
+/* the map of a plain type with an R8 layout (NULL: none) */
+static const int16_t *r8_map(int64_t type) {
+    return type == GGML_IQ4_NL ? &R8_MAP_NL[0][0] : type == GGML_IQ4_XS ? &R8_MAP_XS[0][0] : NULL;
+}
+
+/* row `row`'s block b of an R8 weight (rows of row_bytes, blocks of `bytes`) gathered into GGUF's bytes at out */
+static void r8_gather(const uint8_t *weight, int64_t row, int64_t b, int64_t row_bytes, int64_t bytes,
+                      const int16_t *map, uint8_t *out) {
+    const uint8_t *group = weight + (row / 8) * 8 * row_bytes + b * 8 * bytes;
+    const int16_t *m = map + (row % 8) * bytes;
+    for (int64_t i = 0; i < bytes; i++) out[i] = group[m[i]];
+}
+
+int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse) {
+    const int16_t *map = r8_map(type);
+    int64_t block, bytes;
+    block_shape((int)type, &block, &bytes);
+    if (map == NULL || !block || n < 0 || n % 8 || k <= 0 || k % block) return 1;
+    const int64_t nb = k / block, row_bytes = nb * bytes;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < n / 8; g++)
+        for (int64_t r = 0; r < 8; r++) {
+            const int16_t *m = map + r * bytes;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t plain = (8 * g + r) * row_bytes + b * bytes, r8 = 8 * g * row_bytes + b * 8 * bytes;
+                if (inverse)
+                    for (int64_t i = 0; i < bytes; i++) dst[plain + i] = src[r8 + m[i]];
+                else
+                    for (int64_t i = 0; i < bytes; i++) dst[r8 + m[i]] = src[plain + i];
+            }
+        }
+    return 0;
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -161,6 +236,8 @@ typedef struct {
                        * into one lane (the signed dot's lane, as the AVX2 body's) */
     int8_t *q3k;      /* with a Q3_K_GFNI part (else NULL): q in row_q3_k_gfni's order, per 256 inputs for j = 0..3
                        * inputs 32j..32j + 31, then 128 + 32j..128 + 32j + 31 (the codes j of both qs halves) */
+    int8_t *qa;       /* with an R8 part (else NULL): |q| in input order (at most 127), the unsigned operand of the R8
+                       * GEMVs' vpmaddubsw against the grid values with q's signs (blocks_r8_body.h) */
 } ActRow;
 
 static inline float fp16_to_float(const uint8_t *p) {
@@ -367,6 +444,8 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
                 a->startxs[32 * b + 16 * (c / 4) + 4 * (c % 4) + l] =
                     -128 * (s[0] + s[1] + s[2] + s[3] + s[16] + s[17] + s[18] + s[19]);
             }
+    if (a->qa != NULL)
+        for (int64_t i = 0; i < per; i++) a->qa[b * per + i] = (int8_t)(q[i] < 0 ? -q[i] : q[i]);
     if (a->q3k != NULL) /* per = 256 */
         for (int64_t i = 0; i < per; i += 32) memcpy(a->q3k + b * per + 64 * (i % 128 / 32) + i / 128 * 32, q + i, 32);
     if (a->qk != NULL)
@@ -394,6 +473,10 @@ typedef struct {
 #undef BK_DOT
 #undef BK_MASKED
 
+/* the R8 GEMVs (blocks_r8_body.h, after the AVX2 body whose helpers they use), dispatched from its part_rows_ */
+AVX2_ONLY_TARGET static void r8_rows_avx2(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                          int64_t row_bytes, int64_t nb);
+
 #define BK_TARGET AVX2_ONLY_TARGET
 #define BK_SUFFIX avx2
 #define BK_DOT(acc, u, s) \
@@ -404,6 +487,8 @@ typedef struct {
 #undef BK_SUFFIX
 #undef BK_DOT
 #undef BK_MASKED
+
+#include "blocks_r8_body.h"
 
 /* One block of `type` -> its float32 weights (32, 64 or 256), computed as w = d * sc * q - dmin * m etc. in float32
  * (the formulas of hfquant.core.blocks' dequantizers, possibly in another order: within a float32 rounding of them);
@@ -524,6 +609,9 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
     block_shape((int)type, &block, &bytes);
     if (!block || k <= 0 || k % block || start < 0 || stop > n || start >= stop) return 1;
     const int64_t nb = k / block, cols = stop - start, header = row_header((int)type), row_bytes = header + nb * bytes;
+    /* an R8 weight (type | BLOCK_ROWS8): each block gathered back to its plain type's bytes, then decoded as those */
+    const int plain = (int)(type & ~(int64_t)BLOCK_ROWS8);
+    const int16_t *map = type & BLOCK_ROWS8 ? r8_map(plain) : NULL;
     /* A tile of DEQ_TILE rows at a time, block by block: each output row (one input feature) then gets DEQ_TILE
      * adjacent values per write instead of one value per cache line (the transposed writes cost most of the time). */
     enum { DEQ_TILE = 16 };
@@ -531,10 +619,16 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
 #pragma omp parallel for schedule(static) if (cols > DEQ_TILE)
     for (int64_t r0 = start; r0 < stop; r0 += DEQ_TILE) {
         float values[DEQ_TILE][256];
+        uint8_t gathered[256]; /* an R8 weight's block in GGUF's bytes */
         const int64_t rows = stop - r0 < DEQ_TILE ? stop - r0 : DEQ_TILE;
         for (int64_t b = 0; b < nb; b++) {
             for (int64_t t = 0; t < rows; t++) {
                 const uint8_t *row = weight + (r0 + t) * row_bytes;
+                if (map != NULL) {
+                    r8_gather(weight, r0 + t, b, row_bytes, bytes, map, gathered);
+                    decode_block(plain, gathered, 0.0f, values[t]);
+                    continue;
+                }
                 decode_block((int)type, row + header + b * bytes, header ? fp16_to_float(row) : 0.0f, values[t]);
             }
             for (int64_t i = 0; i < block; i++) {
@@ -552,6 +646,8 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
 int hfquant_block_gemv_supported(int64_t type) {
     int64_t block, bytes;
     block_shape((int)type, &block, &bytes);
+    if (type & BLOCK_ROWS8) /* R8 codes: only blocks_r8_body.h's AVX2 GEMVs (on AVX512-VNNI the row kernels stay) */
+        return block > 0 && !cpu_vnni() && cpu_avx2();
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
@@ -564,19 +660,19 @@ int hfquant_block_gemv_supported(int64_t type) {
 enum { ACT_STACK = 65536 };
 
 static int64_t act_layout(int64_t k, int64_t block, int64_t sum_every, int starts, int k4, int nibbles, int xs,
-                          int q3k, int64_t offsets[15]) {
+                          int q3k, int magnitudes, int64_t offsets[16]) {
     const int64_t groups = (k + 255) / 256; /* dxs, qt, bias16: whole groups of 256 inputs */
     const int64_t whole = (k + 127) / 128 * 128, nibble_starts = nibbles && starts; /* qn: whole groups of 128 */
-    const int64_t sizes[15] = {(k / block) * 4,      k,
+    const int64_t sizes[16] = {(k / block) * 4,      k,
                                (k / sum_every) * 4,  (k / 32) * 4,
                                (k / sum_every) * 2,  starts ? k : 0 /* bias4 */,
                                starts ? groups * 64 : 0 /* dxs */, starts ? groups * 256 : 0 /* qt */,
                                starts ? groups * 64 : 0 /* bias16 */, k4 ? k : 0 /* qk */,
                                nibbles ? whole : 0 /* qn */, nibble_starts ? whole : 0 /* biasn */,
                                nibble_starts ? whole / 2 : 0 /* off8n */, xs ? k / 2 : 0 /* startxs */,
-                               q3k ? k : 0 /* q3k */};
+                               q3k ? k : 0 /* q3k */, magnitudes ? k : 0 /* qa */};
     int64_t total = 0;
-    for (int i = 0; i < 15; i++) {
+    for (int i = 0; i < 16; i++) {
         offsets[i] = total;
         total += (sizes[i] + 63) & ~(int64_t)63;
     }
@@ -590,10 +686,11 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     const int starts = vnni && !r; /* the AVX-512 steps of HQ3_R and IQ4_NL read bias4 (HQ3_R also dxs) */
     /* HQ3_R's GFNI step reads qt and bias16; Q4_K and Q5_K's qk; IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL qn (Q4_0,
      * Q5_0 and IQ4_NL with off8n / biasn) */
-    int transposed = 0, k4 = 0, nibbles = 0, xs = 0, q3k = 0;
+    int transposed = 0, k4 = 0, nibbles = 0, xs = 0, q3k = 0, magnitudes = 0;
     for (int64_t p = 0; p < count; p++) {
         const int64_t t = parts[p].type;
         if (parts[p].row != r) continue;
+        magnitudes |= (t & BLOCK_ROWS8) != 0; /* the R8 GEMVs read qa */
         transposed |= t == HQ3_R_GFNI;
         k4 |= vnni && (t == GGML_Q4_K || t == GGML_Q5_K);
         xs |= vnni && t == GGML_IQ4_XS;
@@ -601,8 +698,8 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
         nibbles |= t == GGML_IQ4_XS || t == GGML_Q4_0 || t == GGML_IQ4_NL || t == GGML_Q4_1 || t == GGML_Q5_0 ||
                    t == GGML_Q5_1;
     }
-    int64_t at[15];
-    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, xs, q3k, at);
+    int64_t at[16];
+    const int64_t need = act_layout(k, per, sum_every, starts, k4, nibbles, xs, q3k, magnitudes, at);
     if (base == NULL) return need;
     a->d = (float *)(base + at[0]);
     a->q = (int8_t *)(base + at[1]);
@@ -619,6 +716,7 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     a->off8n = nibbles && starts ? (int32_t *)(base + at[12]) : NULL;
     a->startxs = xs ? (int32_t *)(base + at[13]) : NULL;
     a->q3k = q3k ? (int8_t *)(base + at[14]) : NULL;
+    a->qa = magnitudes ? (int8_t *)(base + at[15]) : NULL;
     return need;
 }
 
@@ -633,6 +731,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         int64_t block, bytes;
         block_shape((int)types[p], &block, &bytes);
         if (!block || !hfquant_block_gemv_supported(types[p]) || ns[p] <= 0 || k % block) return 1;
+        if ((types[p] & BLOCK_ROWS8) && ns[p] % 8) return 1; /* R8: whole groups of 8 rows */
         parts[p].weight = weights[p];
         parts[p].type = row_type(types[p], vnni);
         parts[p].n = ns[p];

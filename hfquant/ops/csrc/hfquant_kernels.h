@@ -54,6 +54,12 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
                              uint16_t *y, int64_t count, int64_t k);
 int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int64_t k, int64_t type, int64_t start,
                                int64_t stop, int64_t out_float32);
+/* The 8-row interleaved compute layout ("R8") of IQ4_NL and IQ4_XS weights: type code t | BLOCK_ROWS8 for a GGUF type
+ * t, accepted by the GEMVs (AVX2 CPUs without AVX512-VNNI, N a multiple of 8) and by hfquant_block_dequantize_t (any
+ * CPU). hfquant_block_interleave permutes the bytes of an (N, row bytes) GGUF weight into it (inverse = 0) or back
+ * (1); returns 1 for N % 8 != 0, a type without an R8 layout or K not whole blocks. */
+#define BLOCK_ROWS8 (1 << 16)
+int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse);
 
 /* blocks_quant_cpu.c: hfquant's k-quant search (Q2_K..Q6_K, types 10..14), GGUF's bytes out */
 int hfquant_kquant_quantize(const float *x, const float *w, int64_t w_period, int64_t nblocks, int type,
