@@ -198,7 +198,7 @@ def test_a_new_plan_or_to_rebuilds_the_list(folder, monkeypatch):
     o_proj = model.model.layers[0].self_attn.o_proj
     planned = o_proj.plan
     assert planned.block == "iq4_nl"
-    o_proj.plan = dataclasses.replace(planned, block="q4_0")  # 18 bytes per 32 weights too: other values
+    o_proj.plan = dataclasses.replace(planned, block="q4_0", block_rows=1)  # 18 bytes per 32 weights: other values
     _check_fallback(model, monkeypatch, expected_calls=4 * 2)  # rebuilt with the plan's type
     o_proj.plan = planned
     before = model.model.layers[1].__dict__[decode_layer.KEY]

@@ -13,7 +13,7 @@ from hfquant.core import blocks
 from hfquant.core.format import StoredFormat
 from hfquant.nn import fused
 from hfquant.nn.linear import QuantLinear
-from hfquant.ops import native
+from hfquant.ops import block_layout, native
 from hfquant.ops.gemv import RowKernel
 from tests.helpers import graph_ops, record_row_kernels
 
@@ -106,7 +106,7 @@ def test_fused_block_outputs_equal_each_layers_own_gemv_bit_for_bit(monkeypatch,
     for g, e, layer in zip(got, own, block.members(), strict=True):
         assert g.shape == e.shape == (*shape, layer.out_features)
         assert torch.equal(g, e)
-        ggml_type = blocks.layout(name).ggml_type
+        ggml_type = block_layout.kernel_type(name, layer.plan.block_rows)  # the R8 layout's code where it runs
         direct = native.block_gemv(x.reshape(1, K), layer.weight, K, ggml_type)  # ctypes, no module around it
         if bias:
             direct = direct + layer.bias
@@ -152,7 +152,7 @@ def test_members_of_different_block_sizes_share_one_call(monkeypatch, names):
     block = _block(monkeypatch, names[0], v_name=names[1])
     group = block.q_proj._fused
     assert group is not None and block.k_proj._fused is group and block.v_proj._fused is group
-    types = tuple(blocks.layout(name).ggml_type for name in (names[0], names[0], names[1]))
+    types = tuple(block_layout.kernel_type(m.plan.block, m.plan.block_rows) for m in block.members())
     assert group.weight is None and group._types == types
     got = _group_against_own(block, group)
     assert len({y.untyped_storage().data_ptr() for y in got}) == 1  # one call: views of one output

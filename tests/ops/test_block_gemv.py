@@ -462,7 +462,7 @@ def test_few_rows_of_a_block_layer_run_its_one_row_gemv_per_row(name):
     most = plan.block_gemv_max_rows(512, 512)
     assert layer.plan.row is RowKernel.BLOCK_GEMV and layer.plan.gemv_max_rows == most
     generator = torch.Generator().manual_seed(8)
-    weight = blocks.dequantize(name, layer.weight).double()
+    weight = blocks.dequantize(name, layer.stored_weight()).double()
     for rows in (2, 9, most):
         x = torch.randn((1, rows, 512), generator=generator).to(torch.bfloat16)
         with torch.inference_mode():
