@@ -11,8 +11,8 @@ calling thread's CPU time (`time.thread_time`), so time other processes hold the
 wall-clock medians (`time.perf_counter`), state the load average with them. Weights: random codes with float16
 scales 0.01 (IQ4_XS: random 6-bit block scales).
 
-    OMP_NUM_THREADS=1 python scripts/block_rows8_ab.py --rounds 9
-    OMP_NUM_THREADS=2 python scripts/block_rows8_ab.py --rounds 9 --threads 2
+    OMP_NUM_THREADS=1 python scripts/block_rows8_ab.py --rounds 15
+    OMP_NUM_THREADS=2 python scripts/block_rows8_ab.py --rounds 15 --threads 2
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _shape(n: int, k: int, rounds: int, wall: bool, llama) -> str:
         native.block_dequantize_t(nl8, k, 20 | native.BLOCK_ROWS8, 0, n, torch.empty(k, n)),
         native.block_dequantize_t(nl, k, 20, 0, n, torch.empty(k, n)),
     )
-    reps = max(5, int(4e7 / (n * k)))
+    reps = max(20, int(1.5e8 / (n * k)))
     for call in calls.values():  # warm up
         _time(call, reps, wall)
     times = {name: [] for name in calls}
@@ -111,7 +111,7 @@ def _shape(n: int, k: int, rounds: int, wall: bool, llama) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
