@@ -212,3 +212,17 @@ def test_r8_gemvs_under_avx2_on_other_cpus():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.split("\n")[-2]
+
+
+@runs_r8
+@pytest.mark.parametrize("name", list(R8))
+def test_a_nan_block_scale_gives_a_nan_output_in_its_row_only(name):
+    """the R8 GEMV's bfloat16 rounding of 8 lanes at once keeps a NaN a NaN (not an infinity or zero) and leaves the
+    group's other rows finite"""
+    t = R8[name]
+    k = blocks.layout(name).block_size * 2
+    w = _random_blocks(name, 16, k, seed=1)
+    w[3, 0:2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    y = native.block_gemv(_row(k, seed=1), native.block_interleave(w, k, t), k, t | native.BLOCK_ROWS8).reshape(-1)
+    assert torch.isnan(y[3])
+    assert torch.isfinite(torch.cat([y[:3], y[4:]])).all()

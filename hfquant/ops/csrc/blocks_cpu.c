@@ -444,8 +444,10 @@ AVX2_ONLY_TARGET static void quantize_block(const uint16_t *x, int64_t b, int64_
                 a->startxs[32 * b + 16 * (c / 4) + 4 * (c % 4) + l] =
                     -128 * (s[0] + s[1] + s[2] + s[3] + s[16] + s[17] + s[18] + s[19]);
             }
-    if (a->qa != NULL)
-        for (int64_t i = 0; i < per; i++) a->qa[b * per + i] = (int8_t)(q[i] < 0 ? -q[i] : q[i]);
+    if (a->qa != NULL) /* |q| <= 127: vpabsb never meets -128 */
+        for (int64_t i = 0; i < per; i += 32)
+            _mm256_storeu_si256((__m256i *)(a->qa + b * per + i),
+                                _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(q + i))));
     if (a->q3k != NULL) /* per = 256 */
         for (int64_t i = 0; i < per; i += 32) memcpy(a->q3k + b * per + 64 * (i % 128 / 32) + i / 128 * 32, q + i, 32);
     if (a->qk != NULL)
