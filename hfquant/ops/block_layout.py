@@ -15,12 +15,13 @@ holds; `QuantLinear` switches at `prepare_kernel` (`to_compute`) and gives the s
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from hfquant.core import blocks, huge_pages
-from hfquant.ops import native
+from hfquant.ops import native, torch_ops
 
 __all__ = ["ROWS", "rows_for", "kernel_type", "to_compute", "to_storage", "storage_rows", "gather_rows"]
 
@@ -28,6 +29,8 @@ ROWS = 8
 """Rows per interleaved group of the R8 layout."""
 
 _ENV = "HFQUANT_BLOCK_ROWS"
+
+logger = logging.getLogger(__name__)
 
 
 def _allowed() -> bool:
@@ -44,7 +47,29 @@ def rows_for(block: str, out_features: int) -> int:
     and `ROWS` divides the rows, else 1 (the stored layout)."""
     if out_features % ROWS or not _allowed():
         return 1
-    return ROWS if native.block_rows8_supported(blocks.layout(block).ggml_type) else 1
+    return ROWS if native.block_rows8_supported(blocks.layout(block).ggml_type) and _rows8_works(block) else 1
+
+
+@functools.cache
+def _rows8_works(block: str) -> bool:
+    """True if the R8 GEMV of `block` agrees on a small random layer (64 x 512 of the type's default quantization)
+    with the row kernel, within float32 summation and a bfloat16 step (2^-7 of each output plus 1% of the output
+    range), through ctypes and the dispatcher operator alike. Cached per type; a disagreement is logged and the type
+    keeps the stored layout."""
+    ggml_type, k = blocks.layout(block).ggml_type, 512
+    generator = torch.Generator().manual_seed(0)
+    data = native.block_codes(block, torch.randn((64, k), generator=generator))
+    x = torch.randn((1, k), generator=generator).to(torch.bfloat16)
+    want = native.block_gemv(x, data, k, ggml_type).float()
+    interleaved, code = native.block_interleave(data, k, ggml_type), ggml_type | native.BLOCK_ROWS8
+    bound = want.abs() / 128 + 0.01 * want.abs().max()
+    got = [native.block_gemv(x, interleaved, k, code).float()]
+    if torch_ops.loaded():
+        got.append(torch_ops.block_gemv(x, interleaved, k, code).float())
+    works = all(bool(((y - want).abs() <= bound).all()) for y in got)
+    if not works:
+        logger.warning("hfquant's R8 GEMV disagrees with the row kernel for %s; keeping the stored layout", block)
+    return works
 
 
 def kernel_type(block: str, rows: int) -> int:

@@ -143,3 +143,19 @@ def test_a_bad_layout_setting_is_named(monkeypatch):
     monkeypatch.setenv("HFQUANT_BLOCK_ROWS", "4")
     with pytest.raises(ValueError, match="HFQUANT_BLOCK_ROWS='4'"):
         block_layout.rows_for("iq4_nl", 64)
+
+
+def test_an_r8_gemv_that_disagrees_with_the_row_kernel_keeps_the_stored_layout(monkeypatch, caplog):
+    real = native.block_gemv
+
+    def wrong(x, weight, k, ggml_type):
+        y = real(x, weight, k, ggml_type)
+        return y * 2 if ggml_type & native.BLOCK_ROWS8 else y
+
+    monkeypatch.setattr(native, "block_gemv", wrong)
+    block_layout._rows8_works.cache_clear()
+    try:
+        assert block_layout.rows_for("iq4_nl", 64) == 1
+        assert "disagrees" in caplog.text
+    finally:
+        block_layout._rows8_works.cache_clear()
