@@ -48,6 +48,15 @@ GEMV_OPERATORS = ("block_gemv", "block_gemv_group", "int8_gemv", "int4_gemv", "i
 GGML_NAMES = {layout.ggml_type: name for name, layout in blocks.LAYOUTS.items()}
 """{GGML type number: hfquant's block format name}, for the block GEMVs' lines per format."""
 
+
+def _type_name(code: int) -> str:
+    """A block GEMV's type code as a name: the format's, "+r8" for the R8 layout (`hfquant.ops.block_layout`)."""
+    from hfquant.ops import native
+
+    plain = code & ~native.BLOCK_ROWS8
+    return GGML_NAMES.get(plain, str(plain)) + ("-r8" if code & native.BLOCK_ROWS8 else "")
+
+
 NOT_WRAPPED = ("ModuleList", "QuantLinear", "SiLUActivation", "SiLU")
 """Module classes whose `forward` is not wrapped (containers; the GEMVs' own layers, timed through the operators)."""
 
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: {totals[name] / args.steps * 1000:.2f} ms")
         for key in sorted(k for k in totals if isinstance(k, tuple)):
             seconds, nbytes = totals[key]
-            names = "+".join(GGML_NAMES.get(t, str(t)) for t in key[1])
+            names = "+".join(_type_name(t) for t in key[1])
             print(
                 f"    {names}: {seconds / args.steps * 1000:.2f} ms, {nbytes / args.steps / 1e6:.1f} MB, "
                 f"{nbytes / seconds / 1e9:.1f} GB/s"
