@@ -50,7 +50,7 @@ GGML_NAMES = {layout.ggml_type: name for name, layout in blocks.LAYOUTS.items()}
 
 
 def _type_name(code: int) -> str:
-    """A block GEMV's type code as a name: the format's, "+r8" for the R8 layout (`hfquant.ops.block_layout`)."""
+    """A block GEMV's type code as a name: the format's, with "-r8" for the R8 layout (`hfquant.ops.block_layout`)."""
     from hfquant.ops import native
 
     plain = code & ~native.BLOCK_ROWS8
