@@ -41,6 +41,8 @@
  * that step's order: qt; bias16 per 16 inputs). IQ4_NL takes the same start for its grid plus 128, in qn's order
  * (biasn; no sign moved onto the activation: 1.27x as fast).
  *
+ * IQ4_NL and IQ4_XS weights may also lie in the R8 compute layout (type | BLOCK_ROWS8: 8 rows interleaved block by
+ * block, r8_offset below), whose GEMVs (blocks_r8_body.h, the AVX2 body only) serve 8 rows per activation broadcast.
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
  */
