@@ -54,6 +54,12 @@ AVX2_ONLY_TARGET static inline void r8k_scales_(const uint8_t *w, __m256i *q) {
     for (int i = 0; i < 4; i++) q[i] = _mm256_sub_epi8(q[i], thirty_two);
 }
 
+/* 4 activation bytes at p in every int32 lane: vbroadcastss (a load alone) where vpbroadcastd from memory may take a
+ * shuffle too */
+#ifndef R8K_BCAST4
+#define R8K_BCAST4(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p)))
+#endif
+
 /* one group of 8 rows (w: its first R8 super-block) -> the 8 rows' float sums; off: r8k_offsets_'s table */
 AVX2_ONLY_TARGET BK_INLINE __m256 r8_q3_k_(const uint8_t *w, const ActRow *a, const int32_t *off, int64_t nb) {
     const __m256i table_a = _mm256_load_si256((const __m256i *)R8K_TABLES[0]);
@@ -67,7 +73,9 @@ AVX2_ONLY_TARGET BK_INLINE __m256 r8_q3_k_(const uint8_t *w, const ActRow *a, co
         const int8_t *q = a->q + 256 * b;
         const int32_t *o = off + 16 * b;
         __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
             for (int half = 0; half < 2; half++) {
                 __m256i part[4]; /* quarter j's sub-block 8h + 2j + half, int16 */
                 for (int j = 0; j < 4; j++) part[j] = _mm256_set1_epi32(o[8 * h + 2 * j + half]);
@@ -85,7 +93,7 @@ AVX2_ONLY_TARGET BK_INLINE __m256 r8_q3_k_(const uint8_t *w, const ActRow *a, co
                                           _mm256_and_si256(_mm256_srli_epi16(pa, 4), seven),
                                           _mm256_and_si256(_mm256_srli_epi16(pb, 4), seven)};
                     for (int j = 0; j < 4; j++)
-                        part[j] = _mm256_add_epi16(part[j], _mm256_maddubs_epi16(u[j], r8_bcast4_(x + 32 * j)));
+                        part[j] = _mm256_add_epi16(part[j], _mm256_maddubs_epi16(u[j], R8K_BCAST4(x + 32 * j)));
                 }
                 for (int j = 0; j < 4; j++) {
                     const int s = 8 * h + 2 * j + half;
