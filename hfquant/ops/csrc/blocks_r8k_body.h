@@ -79,7 +79,7 @@ AVX2_ONLY_TARGET BK_INLINE __m256 r8_q3_k_(const uint8_t *w, const ActRow *a, co
             for (int half = 0; half < 2; half++) {
                 __m256i part[4]; /* quarter j's sub-block 8h + 2j + half, int16 */
                 for (int j = 0; j < 4; j++) part[j] = _mm256_set1_epi32(o[8 * h + 2 * j + half]);
-#pragma GCC unroll 4
+#pragma GCC unroll 1
                 for (int t = 4 * half; t < 4 * half + 4; t++) {
                     const uint8_t *c = w + 112 + 96 * t;
                     const __m256i m = _mm256_loadu_si256((const __m256i *)c);
