@@ -1,18 +1,21 @@
 #!/usr/bin/env python
 """Row kernel vs R8 (8 interleaved rows, csrc/blocks_r8_body.h) vs llama.cpp's ggml_gemv_iq4_nl_8x8_q8_0 for IQ4_NL,
-and row vs R8 for IQ4_XS, on SmolLM2-135M's and the 1.2B's projection shapes (issue #32).
+and row vs R8 for IQ4_XS and Q3_K (csrc/blocks_r8k_body.h), on SmolLM2-135M's and the 1.2B's projection shapes
+(issues #32, #30).
 
 Per shape R rounds, each round a batch of calls of every kernel in turn (interleaved, so a load change of the shared
 machine hits all alike); reported: the median over rounds of the time per call, and the ratios row / R8 (> 1: R8
-faster) and R8 / llama.cpp. hfquant's times are `torch.ops.hfquant_cpu.block_gemv` calls (kernel plus the operator
-call and the activation's quantization, as a decode step pays them); llama.cpp's is its repacked kernel alone through
+faster), R8 / llama.cpp, and IQ4_XS R8 / Q3_K R8 (> 1: Q3_K R8 faster; the bytes' ratio is 136 / 110 = 1.24).
+hfquant's times are `torch.ops.hfquant_cpu.block_gemv` calls (kernel plus the operator call and the activation's
+quantization, as a decode step pays them); llama.cpp's is its repacked kernel alone through
 ctypes on a pre-quantized activation (block_q8_0), as /tmp/m22/r8ref.py timed it. One thread (the default): the
 calling thread's CPU time (`time.thread_time`), so time other processes hold the core is not counted; --threads 2:
 wall-clock medians (`time.perf_counter`), state the load average with them. Weights: random codes with float16
-scales 0.01 (IQ4_XS: random 6-bit block scales).
+scales 0.01 (IQ4_XS, Q3_K: random 6-bit block scales).
 
     OMP_NUM_THREADS=1 python scripts/block_rows8_ab.py --rounds 15
     OMP_NUM_THREADS=2 python scripts/block_rows8_ab.py --rounds 15 --threads 2
+    OMP_NUM_THREADS=1 python scripts/block_rows8_ab.py --rounds 15 --models 1.2B
 """
 
 from __future__ import annotations
@@ -88,6 +91,11 @@ def _shape(n: int, k: int, rounds: int, wall: bool, llama) -> str:
         xs8 = native.block_interleave(xs, k, 23)
         calls["XS row"] = lambda: torch_ops.block_gemv(x, xs, k, 23)
         calls["XS R8"] = lambda: torch_ops.block_gemv(x, xs8, k, 23 | native.BLOCK_ROWS8)
+        q3k = _weight(n, k, 256, 110, generator)
+        q3k.view(n, k // 256, 110)[:, :, 108:110] = q3k.view(n, k // 256, 110)[:, :, 0:2]  # d = 0.01 is last in Q3_K
+        q3k8 = native.block_interleave(q3k, k, 11)
+        calls["Q3K row"] = lambda: torch_ops.block_gemv(x, q3k, k, 11)
+        calls["Q3K R8"] = lambda: torch_ops.block_gemv(x, q3k8, k, 11 | native.BLOCK_ROWS8)
     assert torch.equal(
         native.block_dequantize_t(nl8, k, 20 | native.BLOCK_ROWS8, 0, n, torch.empty(k, n)),
         native.block_dequantize_t(nl, k, 20, 0, n, torch.empty(k, n)),
@@ -106,6 +114,8 @@ def _shape(n: int, k: int, rounds: int, wall: bool, llama) -> str:
         ratios.append(f"{us['NL R8'] / us['NL llama 8x8']:.2f}")
     if "XS R8" in us:
         ratios.append(f"{us['XS row'] / us['XS R8']:.2f}x")
+        ratios.append(f"{us['Q3K row'] / us['Q3K R8']:.2f}x")
+        ratios.append(f"{us['XS R8'] / us['Q3K R8']:.2f}x")
     return f"| {n}x{k} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |", list(calls)
 
 
@@ -113,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.block_rows8_supported(20):
@@ -121,7 +132,8 @@ def main() -> None:
     wall = args.threads > 1
     print(f"threads {args.threads}, {'wall' if wall else 'thread CPU'} us per call, medians of {args.rounds} rounds;")
     print(f"load average {os.getloadavg()}")
-    for model, shapes in SHAPES.items():
+    for model in args.models:
+        shapes = SHAPES[model]
         print(f"\n{model}")
         previous = None
         for n, k in shapes:
@@ -129,7 +141,9 @@ def main() -> None:
             if names != previous:  # the columns (IQ4_XS only where K is whole super-blocks)
                 previous = names
                 ratio = (
-                    ["NL row/R8"] + (["NL R8/llama"] if llama else []) + (["XS row/R8"] if "XS R8" in names else [])
+                    ["NL row/R8"]
+                    + (["NL R8/llama"] if llama else [])
+                    + (["XS row/R8", "Q3K row/R8", "XS R8/Q3K R8"] if "XS R8" in names else [])
                 )
                 print("| N x K | " + " | ".join(names) + " | " + " | ".join(ratio) + " |")
             print(line, flush=True)

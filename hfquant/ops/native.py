@@ -810,17 +810,18 @@ def block_gemv_group(
 
 BLOCK_ROWS8 = 1 << 16
 """Flag of the R8 compute layout (`csrc/blocks_cpu.c`, before r8_offset): `ggml_type | BLOCK_ROWS8` is the type code
-of an IQ4_NL (20) or IQ4_XS (23) weight whose groups of 8 rows `block_interleave` interleaved block by block, accepted
-by `block_gemv`, `block_gemv_group` (where `block_rows8_supported`) and `block_dequantize_t` (any x86-64 CPU)."""
+of an IQ4_NL (20), IQ4_XS (23) or Q3_K (11) weight whose groups of 8 rows `block_interleave` interleaved block by
+block, accepted by `block_gemv`, `block_gemv_group` (where `block_rows8_supported`) and `block_dequantize_t` (any
+x86-64 CPU)."""
 
-_R8_TYPES = {20: (32, 18), 23: (256, 136)}
-"""The GGUF types with an R8 layout: IQ4_NL and IQ4_XS, their (block size, block bytes)."""
+_R8_TYPES = {20: (32, 18), 23: (256, 136), 11: (256, 110)}
+"""The GGUF types with an R8 layout: IQ4_NL, IQ4_XS and Q3_K, their (block size, block bytes)."""
 
 
 def block_rows8_supported(ggml_type: int) -> bool:
-    """Whether the R8 GEMVs run here for the plain GGUF type `ggml_type` (IQ4_NL 20 or IQ4_XS 23): an x86-64 CPU with
-    AVX2 + FMA + F16C and without AVX512-VNNI (there the row kernels are the faster ones and stay; `HFQUANT_ISA=avx2`
-    picks the AVX2 body on such a CPU)."""
+    """Whether the R8 GEMVs run here for the plain GGUF type `ggml_type` (IQ4_NL 20, IQ4_XS 23, Q3_K 11): an x86-64
+    CPU with AVX2 + FMA + F16C and without AVX512-VNNI (there the row kernels are the faster ones and stay;
+    `HFQUANT_ISA=avx2` picks the AVX2 body on such a CPU)."""
     library = built_library()
     return (
         ggml_type in _R8_TYPES
@@ -830,14 +831,14 @@ def block_rows8_supported(ggml_type: int) -> bool:
 
 
 def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inverse: bool = False) -> torch.Tensor:
-    """The bytes of a GGUF-layout IQ4_NL / IQ4_XS weight permuted into the R8 compute layout (inverse=False), or an R8
-    weight's back into GGUF's layout (inverse=True); `csrc/blocks_cpu.c` documents where each byte goes. An exact
+    """The bytes of a GGUF-layout IQ4_NL / IQ4_XS / Q3_K weight permuted into the R8 compute layout (inverse=False), or
+    an R8 weight's back into GGUF's layout (inverse=True); `csrc/blocks_cpu.c` documents where each byte goes. An exact
     permutation: `block_interleave(block_interleave(w, k, t), k, t, inverse=True)` equals w for any bytes.
 
     Args:
         weight: (N, K // block_size * type_size) uint8 (made contiguous if it is not), N a multiple of 8.
-        in_features: K, a multiple of the type's block size (32 for IQ4_NL, 256 for IQ4_XS).
-        ggml_type: the plain GGUF type, 20 (IQ4_NL) or 23 (IQ4_XS); the result's type code is `ggml_type |
+        in_features: K, a multiple of the type's block size (32 for IQ4_NL, 256 for IQ4_XS and Q3_K).
+        ggml_type: the plain GGUF type, 20 (IQ4_NL), 23 (IQ4_XS) or 11 (Q3_K); the result's type code is `ggml_type |
             BLOCK_ROWS8` (forward) or `ggml_type` (inverse).
     Returns:
         A new contiguous uint8 tensor of weight's shape.
@@ -847,7 +848,9 @@ def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inv
         RuntimeError: the native library is unavailable.
     """
     if ggml_type not in _R8_TYPES:
-        raise ValueError(f"block_interleave: GGUF type {ggml_type} has no R8 layout (IQ4_NL 20 and IQ4_XS 23 have)")
+        raise ValueError(
+            f"block_interleave: GGUF type {ggml_type} has no R8 layout (IQ4_NL 20, IQ4_XS 23, Q3_K 11 have)"
+        )
     block, nbytes = _R8_TYPES[ggml_type]
     if in_features <= 0 or in_features % block:
         raise ValueError(f"block_interleave: in_features {in_features} is not a positive multiple of {block}")

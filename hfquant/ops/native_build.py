@@ -87,6 +87,7 @@ HEADERS = (
     _CSRC / "hfquant_kernels.h",
     _CSRC / "blocks_body.h",
     _CSRC / "blocks_r8_body.h",
+    _CSRC / "blocks_r8k_body.h",
     _CSRC / "hq3r_body.h",
     _CSRC / "iq4_search_body.h",
     _CSRC / "swiglu_body.h",

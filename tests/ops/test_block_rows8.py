@@ -15,15 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_block_gemv import _quantized_row, _random_blocks, _row
+from test_block_gemv import HALF_FIELDS, _quantized_row, _random_blocks, _row
 
 from hfquant.core import blocks
 from hfquant.ops import native, torch_ops
 
-R8 = {"iq4_nl": 20, "iq4_xs": 23}
+R8 = {"iq4_nl": 20, "iq4_xs": 23, "q3_k": 11}
 """The types with an R8 layout and their GGUF numbers."""
 
-SHAPES = {"iq4_nl": [(8, 32), (16, 96), (64, 576), (24, 1536)], "iq4_xs": [(8, 256), (16, 768), (40, 1536)]}
+SHAPES = {
+    "iq4_nl": [(8, 32), (16, 96), (64, 576), (24, 1536)],
+    "iq4_xs": [(8, 256), (16, 768), (40, 1536)],
+    "q3_k": [(8, 256), (16, 768), (40, 1536), (8, 8192)],
+}
 """(N, K) per type: one block, a few, SmolLM2's K."""
 
 has_library = pytest.mark.skipif(native.built_library() is None, reason="needs the native library (a C compiler)")
@@ -151,8 +155,8 @@ def test_r8_outputs_do_not_depend_on_threads_or_neighbours(name):
 
 @runs_r8
 def test_a_group_mixes_r8_and_plain_parts():
-    """an IQ4_NL file's q/k in R8 with a Q5_K v (activation rows of 32 and 256), and an IQ4_XS R8 part with a plain
-    IQ4_XS one: each part's outputs are the bytes of its own call"""
+    """an IQ4_NL file's q/k in R8 with a Q5_K v (activation rows of 32 and 256), an IQ4_XS R8 part with a plain IQ4_XS
+    one, a Q3_K R8 part with a plain Q3_K one: each part's outputs are the bytes of its own call"""
     k = 512
     members = [
         ("iq4_nl", 64, True),
@@ -160,6 +164,8 @@ def test_a_group_mixes_r8_and_plain_parts():
         ("iq4_nl", 8, False),
         ("iq4_xs", 24, True),
         ("iq4_xs", 8, False),
+        ("q3_k", 16, True),
+        ("q3_k", 8, False),
     ]
     weights, types = [], []
     for i, (name, n, rows8) in enumerate(members):
@@ -222,7 +228,8 @@ def test_a_nan_block_scale_gives_a_nan_output_in_its_row_only(name):
     t = R8[name]
     k = blocks.layout(name).block_size * 2
     w = _random_blocks(name, 16, k, seed=1)
-    w[3, 0:2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    d = HALF_FIELDS[name][0]  # the float16 d of row 3's first block
+    w[3, d : d + 2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
     y = native.block_gemv(_row(k, seed=1), native.block_interleave(w, k, t), k, t | native.BLOCK_ROWS8).reshape(-1)
     assert torch.isnan(y[3])
     assert torch.isfinite(torch.cat([y[:3], y[4:]])).all()

@@ -76,11 +76,11 @@ enum {
 static inline int64_t row_header(int type) { return type == HQ3_R ? 2 : 0; }
 
 /* weights per block and bytes per block of a GGML type (0: not one of ours); an R8 code (type | BLOCK_ROWS8) has its
- * plain type's shape where the type has an R8 layout (IQ4_NL, IQ4_XS), else none */
+ * plain type's shape where the type has an R8 layout (IQ4_NL, IQ4_XS, Q3_K), else none */
 static void block_shape(int type, int64_t *block, int64_t *bytes) {
     if (type & BLOCK_ROWS8) {
         type &= ~BLOCK_ROWS8;
-        if (type != GGML_IQ4_NL && type != GGML_IQ4_XS) type = 0;
+        if (type != GGML_IQ4_NL && type != GGML_IQ4_XS && type != GGML_Q3_K) type = 0;
     }
     static const int64_t table[][3] = {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
@@ -108,10 +108,28 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
  *     scales_l (4 bytes) at 32 + 4r (lane r of a 256-bit load); then per 32-weight sub-block s = 0..7 (the 16 bytes
  *     at 8 + 16s of the row's super-block) 128 bytes at 64 + 128s, as IQ4_NL's four chunks: code byte 4j + i of
  *     row r's sub-block s at 64 + 128s + 32j + 4r + i.
+ *   Q3_K (110-byte super-blocks: hmask[32], qs[64], scales[12], d; 880 bytes; blocks_r8k_body.h): row r's float16 d
+ *     at 2r; its scale bytes 4g..4g + 3 (g = 0, 1, 2) at 16 + 32g + 4r (three 256-bit loads, lane r row r's); then
+ *     per t = 0..7 96 bytes at 112 + 96t: hmask bytes 4t..4t + 3 of row r at 112 + 96t + 4r, qs bytes 4t..4t + 3
+ *     (codes of weights 32j + 4t..32j + 4t + 3, j = 0..3) at 112 + 96t + 32 + 4r, qs bytes 32 + 4t..35 + 4t (weights
+ *     128 + 32j + 4t..) at 112 + 96t + 64 + 4r: one hmask and two qs loads give all 8 of the rows' codes of 4t..4t + 3
+ *     in each 32-weight quarter.
  * r8_offset below is that map; hfquant_block_interleave and the dequantization read it through R8_MAP. ---- */
 
-/* where byte i (0 <= i < bytes) of row r's block lies in its R8 block (see above); type: IQ4_NL or IQ4_XS */
+/* r8_offset of Q3_K (see above) */
+static int r8_offset_q3_k(int r, int i) {
+    if (i < 32) return 112 + 96 * (i / 4) + 4 * r + i % 4; /* hmask */
+    if (i < 96) {                                          /* qs */
+        const int c = i - 32, l = c % 32;
+        return 112 + 96 * (l / 4) + 32 + 32 * (c / 32) + 4 * r + l % 4;
+    }
+    if (i < 108) return 16 + 32 * ((i - 96) / 4) + 4 * r + (i - 96) % 4; /* scales */
+    return 2 * r + (i - 108);                                              /* d */
+}
+
+/* where byte i (0 <= i < bytes) of row r's block lies in its R8 block (see above); type: IQ4_NL, IQ4_XS or Q3_K */
 static int r8_offset(int type, int r, int i) {
+    if (type == GGML_Q3_K) return r8_offset_q3_k(r, i);
     if (i < 2) return 2 * r + i; /* d */
     if (type == GGML_IQ4_NL) {
         const int c = i - 2;
@@ -123,19 +141,23 @@ static int r8_offset(int type, int r, int i) {
     return 64 + 128 * s + 32 * (c / 4) + 4 * r + c % 4;
 }
 
-/* R8_MAP_NL[r][i] / R8_MAP_XS[r][i]: r8_offset of the two types, tabled once */
-static int16_t R8_MAP_NL[8][18], R8_MAP_XS[8][136];
+/* R8_MAP_NL[r][i] / R8_MAP_XS[r][i] / R8_MAP_Q3K[r][i]: r8_offset of the three types, tabled once */
+static int16_t R8_MAP_NL[8][18], R8_MAP_XS[8][136], R8_MAP_Q3K[8][110];
 
 __attribute__((constructor)) static void r8_map_init(void) {
     for (int r = 0; r < 8; r++) {
         for (int i = 0; i < 18; i++) R8_MAP_NL[r][i] = (int16_t)r8_offset(GGML_IQ4_NL, r, i);
         for (int i = 0; i < 136; i++) R8_MAP_XS[r][i] = (int16_t)r8_offset(GGML_IQ4_XS, r, i);
+        for (int i = 0; i < 110; i++) R8_MAP_Q3K[r][i] = (int16_t)r8_offset(GGML_Q3_K, r, i);
     }
 }
 
 /* the map of a plain type with an R8 layout (NULL: none) */
 static const int16_t *r8_map(int64_t type) {
-    return type == GGML_IQ4_NL ? &R8_MAP_NL[0][0] : type == GGML_IQ4_XS ? &R8_MAP_XS[0][0] : NULL;
+    return type == GGML_IQ4_NL   ? &R8_MAP_NL[0][0]
+           : type == GGML_IQ4_XS ? &R8_MAP_XS[0][0]
+           : type == GGML_Q3_K   ? &R8_MAP_Q3K[0][0]
+                                 : NULL;
 }
 
 /* row `row`'s block b of an R8 weight (rows of row_bytes, blocks of `bytes`) gathered into GGUF's bytes at out */
@@ -480,6 +502,9 @@ typedef struct {
 /* the R8 GEMVs (blocks_r8_body.h, after the AVX2 body whose helpers they use), dispatched from its part_rows_ */
 AVX2_ONLY_TARGET static void r8_rows_avx2(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
                                           int64_t row_bytes, int64_t nb);
+/* Q3_K's (blocks_r8k_body.h), dispatched from r8_rows_avx2 */
+AVX2_ONLY_TARGET static void r8k_rows_avx2(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                           int64_t row_bytes, int64_t nb);
 
 #define BK_TARGET AVX2_ONLY_TARGET
 #define BK_SUFFIX avx2
@@ -493,6 +518,7 @@ AVX2_ONLY_TARGET static void r8_rows_avx2(int type, const uint8_t *weight, const
 #undef BK_MASKED
 
 #include "blocks_r8_body.h"
+#include "blocks_r8k_body.h"
 
 /* One block of `type` -> its float32 weights (32, 64 or 256), computed as w = d * sc * q - dmin * m etc. in float32
  * (the formulas of hfquant.core.blocks' dequantizers, possibly in another order: within a float32 rounding of them);
@@ -694,7 +720,7 @@ static int64_t act_row(ActRow *a, uint8_t *base, int64_t k, int r, const BlockPa
     for (int64_t p = 0; p < count; p++) {
         const int64_t t = parts[p].type;
         if (parts[p].row != r) continue;
-        magnitudes |= (t & BLOCK_ROWS8) != 0; /* the R8 GEMVs read qa */
+        magnitudes |= (t & BLOCK_ROWS8) && t != (GGML_Q3_K | BLOCK_ROWS8); /* the R8 GEMVs of the grids read qa */
         transposed |= t == HQ3_R_GFNI;
         k4 |= vnni && (t == GGML_Q4_K || t == GGML_Q5_K);
         xs |= vnni && t == GGML_IQ4_XS;

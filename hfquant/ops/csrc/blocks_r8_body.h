@@ -120,6 +120,10 @@ AVX2_ONLY_TARGET static inline void r8_store_bf16_(__m256 v, uint16_t *y) {
 /* one R8 part's rows: the groups of 8 split over the threads of the enclosing OpenMP region (part_rows_'s loop) */
 AVX2_ONLY_TARGET static void r8_rows_avx2(int type, const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
                                           int64_t row_bytes, int64_t nb) {
+    if ((type & ~BLOCK_ROWS8) == GGML_Q3_K) { /* blocks_r8k_body.h */
+        r8k_rows_avx2(type, weight, a, y, n, row_bytes, nb);
+        return;
+    }
     const int xs = (type & ~BLOCK_ROWS8) == GGML_IQ4_XS;
 #pragma omp for schedule(static) nowait
     for (int64_t g = 0; g < n / 8; g++) {
