@@ -54,10 +54,15 @@ AVX2_ONLY_TARGET static inline void r8k_scales_(const uint8_t *w, __m256i *q) {
     for (int i = 0; i < 4; i++) q[i] = _mm256_sub_epi8(q[i], thirty_two);
 }
 
-/* 4 activation bytes at p in every int32 lane by vbroadcastss (a load alone), where r8_bcast4_'s vpbroadcastd was
- * 0.8-0.9x as fast here on a Zen 3 (it may take a shuffle too) */
+/* 4 activation bytes at p in every int32 lane by vbroadcastss (a load alone; vpbroadcastd from memory may take a
+ * shuffle too: no difference measured in blocks_r8_body.h's IQ4_XS loop) */
 #ifndef R8K_BCAST4
 #define R8K_BCAST4(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p)))
+#endif
+
+/* the prefetch of the weight stream (blocks_r8_body.h's r8_ahead_; none, -DR8K_AHEAD(w)=: 0.95-0.98x) */
+#ifndef R8K_AHEAD
+#define R8K_AHEAD(w) r8_ahead_((w), 880)
 #endif
 
 /* one group of 8 rows (w: its first R8 super-block) -> the 8 rows' float sums; off: r8k_offsets_'s table */
@@ -67,7 +72,7 @@ AVX2_ONLY_TARGET BK_INLINE __m256 r8_q3_k_(const uint8_t *w, const ActRow *a, co
     const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x33), seven = _mm256_set1_epi8(7);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 880) {
-        r8_ahead_(w, 880);
+        R8K_AHEAD(w);
         __m256i scales[4];
         r8k_scales_(w, scales);
         const int8_t *q = a->q + 256 * b;
