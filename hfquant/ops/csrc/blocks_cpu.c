@@ -168,24 +168,56 @@ static void r8_gather(const uint8_t *weight, int64_t row, int64_t b, int64_t row
     for (int64_t i = 0; i < bytes; i++) out[i] = group[m[i]];
 }
 
+/* The runs of a map: within one row's block, the bytes i0..i0 + len - 1 that go to consecutive R8 offsets (d: 2 bytes,
+ * scales and code bytes: 4 or more), so that the permutation copies runs instead of bytes (0.74 GB/s byte by byte on
+ * one Zen 3 thread: about 0.4 s of a 1.2B model's load). At most `bytes` runs per row. */
+typedef struct {
+    int16_t from, to, len;
+} R8Run;
+
+static int r8_runs(const int16_t *m, int64_t bytes, R8Run *runs) {
+    int count = 0;
+    for (int64_t i = 0; i < bytes; i++) {
+        if (count && runs[count - 1].from + runs[count - 1].len == i && runs[count - 1].to + runs[count - 1].len == m[i])
+            runs[count - 1].len++;
+        else
+            runs[count++] = (R8Run){(int16_t)i, m[i], 1};
+    }
+    return count;
+}
+
+/* one run's bytes: the usual lengths (2, 4) as single moves the compiler inlines, not a memcpy call each */
+static inline void r8_copy(uint8_t *to, const uint8_t *from, int len) {
+    if (len == 4)
+        memcpy(to, from, 4);
+    else if (len == 2)
+        memcpy(to, from, 2);
+    else
+        memcpy(to, from, (size_t)len);
+}
+
 int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse) {
     const int16_t *map = r8_map(type);
     int64_t block, bytes;
     block_shape((int)type, &block, &bytes);
     if (map == NULL || !block || n < 0 || n % 8 || k <= 0 || k % block) return 1;
     const int64_t nb = k / block, row_bytes = nb * bytes;
+    R8Run runs[8][256];
+    int counts[8];
+    for (int r = 0; r < 8; r++) counts[r] = r8_runs(map + r * bytes, bytes, runs[r]);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 8; g++)
-        for (int64_t r = 0; r < 8; r++) {
-            const int16_t *m = map + r * bytes;
+        for (int64_t r = 0; r < 8; r++)
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t plain = (8 * g + r) * row_bytes + b * bytes, r8 = 8 * g * row_bytes + b * 8 * bytes;
-                if (inverse)
-                    for (int64_t i = 0; i < bytes; i++) dst[plain + i] = src[r8 + m[i]];
-                else
-                    for (int64_t i = 0; i < bytes; i++) dst[r8 + m[i]] = src[plain + i];
+                for (int j = 0; j < counts[r]; j++) {
+                    const R8Run run = runs[r][j];
+                    if (inverse)
+                        r8_copy(dst + plain + run.from, src + r8 + run.to, run.len);
+                    else
+                        r8_copy(dst + r8 + run.to, src + plain + run.from, run.len);
+                }
             }
-        }
     return 0;
 }
 
