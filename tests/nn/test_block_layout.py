@@ -1,5 +1,5 @@
 """A block-format layer whose one-row kernel is the block GEMV holds its weight with rows interleaved by 8 where the
-R8 GEMV runs (`hfquant.ops.block_layout`, IQ4_NL and IQ4_XS on the AVX2 body): every path that reads the bytes as
+R8 GEMV runs (`hfquant.ops.block_layout`, IQ4_NL, IQ4_XS and Q3_K on the AVX2 body): every path that reads the bytes as
 stored (save, dequantize, prefill, backward, a tied embedding's lookup, a fused group) gives what the stored layout
 gives, and saving writes the stored bytes exactly."""
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 N = 72
-CASES = [("iq4_nl", 576), ("iq4_xs", 512)]
+CASES = [("iq4_nl", 576), ("iq4_xs", 512), ("q3_k", 512)]
 
 
 def _weight(k: int, n: int = N, seed: int = 0) -> torch.Tensor:
