@@ -1,9 +1,9 @@
 """The compute layout of a block-format layer's weight: its stored rows, or its rows interleaved by 8 ("R8").
 
 Storage is GGUF's row layout (`hfquant.core.blocks`: each row its blocks in input order); files, state dicts and
-exports always hold it. On CPUs whose block GEMVs run the AVX2 body, IQ4_NL, IQ4_XS and Q3_K layers run faster with their
-rows interleaved in groups of 8 (`csrc/blocks_cpu.c`, `hfquant_block_interleave`: within each group of 8 rows a
-fixed permutation of their bytes, so that one activation load serves 8 rows and their block scales are one vector,
+exports always hold it. On CPUs whose block GEMVs run the AVX2 body, IQ4_NL, IQ4_XS and Q3_K layers run faster with
+their rows interleaved in groups of 8 (`csrc/blocks_cpu.c`, `hfquant_block_interleave`: within each group of 8 rows
+a fixed permutation of their bytes, so that one activation load serves 8 rows and their block scales are one vector,
 as llama.cpp's own repacked `IQ4_NL` GEMV does on AVX2). The kernels take such a weight under its R8 type code
 (`kernel_type`). A layer's plan (`KernelPlan.block_rows`, decided by `rows_for`) says which layout its `weight`
 holds; `QuantLinear` switches at `prepare_kernel` (`to_compute`) and gives the stored bytes back for a save
