@@ -11,7 +11,7 @@ import torch
 from hfquant.core import blocks
 from hfquant.core.format import StoredFormat
 from hfquant.nn.linear import QuantLinear
-from hfquant.ops import gemv, machine, native, plan, torch_ops
+from hfquant.ops import block_layout, gemv, machine, native, plan, torch_ops
 from hfquant.ops.gemv import RowKernel
 
 TYPES = list(blocks.LAYOUTS)
@@ -394,7 +394,8 @@ def test_plan_picks_the_block_gemv_for_one_bfloat16_row(name, monkeypatch):
     layer.prepare_kernel(torch.bfloat16)
     assert layer.plan.row is RowKernel.BLOCK_GEMV and layer.plan.compiled_row is RowKernel.BLOCK_GEMV
     x = _row(512, seed=3)
-    expected = native.block_gemv(x, layer.weight, 512, blocks.layout(name).ggml_type)
+    ggml_type = block_layout.kernel_type(name, layer.plan.block_rows)  # the R8 layout's code where it runs
+    expected = native.block_gemv(x, layer.weight, 512, ggml_type)
     with torch.inference_mode():
         assert torch.equal(layer(x), expected)
         several = layer(x.expand(2, -1).contiguous())  # two rows: the GEMV per row (a short prompt's prefill)
