@@ -75,12 +75,14 @@ enum {
 /* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
 static inline int64_t row_header(int type) { return type == HQ3_R ? 2 : 0; }
 
+static const int16_t *r8_map(int64_t type);
+
 /* weights per block and bytes per block of a GGML type (0: not one of ours); an R8 code (type | BLOCK_ROWS8) has its
- * plain type's shape where the type has an R8 layout (IQ4_NL, IQ4_XS, Q3_K), else none */
+ * plain type's shape where the type has an R8 layout (r8_map), else none */
 static void block_shape(int type, int64_t *block, int64_t *bytes) {
     if (type & BLOCK_ROWS8) {
         type &= ~BLOCK_ROWS8;
-        if (type != GGML_IQ4_NL && type != GGML_IQ4_XS && type != GGML_Q3_K) type = 0;
+        if (r8_map(type) == NULL) type = 0;
     }
     static const int64_t table[][3] = {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
