@@ -814,8 +814,8 @@ of an IQ4_NL (20), IQ4_XS (23) or Q3_K (11) weight whose groups of 8 rows `block
 block, accepted by `block_gemv`, `block_gemv_group` (where `block_rows8_supported`) and `block_dequantize_t` (any
 x86-64 CPU)."""
 
-_R8_TYPES = {20: (32, 18), 23: (256, 136), 11: (256, 110)}
-"""The GGUF types with an R8 layout: IQ4_NL, IQ4_XS and Q3_K, their (block size, block bytes)."""
+_R8_LAYOUTS = {blocks.layout(name).ggml_type: blocks.layout(name) for name in ("iq4_nl", "iq4_xs", "q3_k")}
+"""The GGUF types with an R8 layout (IQ4_NL, IQ4_XS, Q3_K) and their block layouts."""
 
 
 def block_rows8_supported(ggml_type: int) -> bool:
@@ -824,7 +824,7 @@ def block_rows8_supported(ggml_type: int) -> bool:
     `HFQUANT_ISA=avx2` picks the AVX2 body on such a CPU)."""
     library = built_library()
     return (
-        ggml_type in _R8_TYPES
+        ggml_type in _R8_LAYOUTS
         and library is not None
         and bool(library.hfquant_block_gemv_supported(ggml_type | BLOCK_ROWS8))
     )
@@ -847,14 +847,16 @@ def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inv
             uint8 (the message names the value).
         RuntimeError: the native library is unavailable.
     """
-    if ggml_type not in _R8_TYPES:
+    if ggml_type not in _R8_LAYOUTS:
         raise ValueError(
             f"block_interleave: GGUF type {ggml_type} has no R8 layout (IQ4_NL 20, IQ4_XS 23, Q3_K 11 have)"
         )
-    block, nbytes = _R8_TYPES[ggml_type]
-    if in_features <= 0 or in_features % block:
-        raise ValueError(f"block_interleave: in_features {in_features} is not a positive multiple of {block}")
-    row_bytes = in_features // block * nbytes
+    layout = _R8_LAYOUTS[ggml_type]
+    if not layout.divides(in_features):
+        raise ValueError(
+            f"block_interleave: in_features {in_features} is not a positive multiple of {layout.block_size}"
+        )
+    row_bytes = layout.row_bytes(in_features)
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes:
         raise ValueError(
             f"block_interleave: weight must be (N, {row_bytes}) uint8 for K={in_features}, got {weight.dtype} "
