@@ -85,10 +85,12 @@ def to_compute(stored: torch.Tensor, in_features: int, block: str, rows: int, in
     new memory (on huge pages where large: a decode step streams it)."""
     if rows == 1:
         return stored
-    interleaved = native.block_interleave(stored, in_features, blocks.layout(block).ggml_type)
-    if in_place:
-        return stored.copy_(interleaved)
-    return huge_pages.empty(tuple(stored.shape), stored.dtype).copy_(interleaved)
+    ggml_type = blocks.layout(block).ggml_type
+    if in_place:  # the C permutation reads and writes distinct memory: through one temporary copy
+        return native.block_interleave(stored.clone(), in_features, ggml_type, out=stored)
+    return native.block_interleave(
+        stored, in_features, ggml_type, out=huge_pages.empty(tuple(stored.shape), stored.dtype)
+    )
 
 
 def to_storage(weight: torch.Tensor, in_features: int, block: str, rows: int) -> torch.Tensor:

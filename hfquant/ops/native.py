@@ -830,7 +830,9 @@ def block_rows8_supported(ggml_type: int) -> bool:
     )
 
 
-def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inverse: bool = False) -> torch.Tensor:
+def block_interleave(
+    weight: torch.Tensor, in_features: int, ggml_type: int, inverse: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The bytes of a GGUF-layout IQ4_NL / IQ4_XS / Q3_K weight permuted into the R8 compute layout (inverse=False), or
     an R8 weight's back into GGUF's layout (inverse=True); `csrc/blocks_cpu.c` documents where each byte goes. An exact
     permutation: `block_interleave(block_interleave(w, k, t), k, t, inverse=True)` equals w for any bytes.
@@ -840,8 +842,10 @@ def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inv
         in_features: K, a multiple of the type's block size (32 for IQ4_NL, 256 for IQ4_XS and Q3_K).
         ggml_type: the plain GGUF type, 20 (IQ4_NL), 23 (IQ4_XS) or 11 (Q3_K); the result's type code is `ggml_type |
             BLOCK_ROWS8` (forward) or `ggml_type` (inverse).
+        out: a contiguous uint8 tensor of weight's shape, not sharing its memory, to write the result into (default:
+            a new one).
     Returns:
-        A new contiguous uint8 tensor of weight's shape.
+        `out`, or a new contiguous uint8 tensor of weight's shape.
     Raises:
         ValueError: a type without an R8 layout, N not a multiple of 8, K not whole blocks, or weight not (N, row bytes)
             uint8 (the message names the value).
@@ -866,7 +870,13 @@ def block_interleave(weight: torch.Tensor, in_features: int, ggml_type: int, inv
         raise ValueError(f"block_interleave: N {weight.shape[0]} is not a multiple of 8")
     library = _loaded_library(any_x86=True)
     src = weight.contiguous()
-    dst = torch.empty_like(src)
+    dst = torch.empty_like(src) if out is None else out
+    if dst.shape != src.shape or dst.dtype != torch.uint8 or not dst.is_contiguous():
+        raise ValueError(
+            f"block_interleave: out must be contiguous uint8 {tuple(src.shape)}, got {dst.dtype} {tuple(dst.shape)}"
+        )
+    if out is not None and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+        raise ValueError("block_interleave: out shares the weight's memory; the permutation needs distinct buffers")
     status = library.hfquant_block_interleave(
         src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, ggml_type, int(bool(inverse))
     )
