@@ -338,6 +338,13 @@ def _read_rows(
     return out
 
 
+def _file_copy(tensor: GgufTensor, fd: int) -> np.ndarray:
+    """A copy of `tensor.data` in this process's memory, read from the file `fd` at `tensor.offset` (`os.preadv`)."""
+    copy = np.empty(tensor.data.shape, dtype=tensor.data.dtype)
+    _pread_into(fd, [memoryview(copy.reshape(-1).view(np.uint8))], tensor.offset)
+    return copy
+
+
 def stored_blocks(
     tensor: GgufTensor, order: torch.Tensor | None = None, fd: int | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -369,15 +376,22 @@ def stored_blocks(
     return _rows(tensor.data.reshape(rows, row_bytes), order, out)
 
 
-def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | None = None) -> torch.Tensor:
+def float_tensor(
+    tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | None = None, fd: int | None = None
+) -> torch.Tensor:
     """The tensor's values in `dtype`, rows in `order` when given: float types are cast, block types dequantized
     (hfquant's codecs for `blocks.LAYOUTS` types, gguf-py's `dequantize` for the others) a chunk of rows at a time.
+    With `fd` (the file open for reading) and a known `tensor.offset` the bytes are read with `os.preadv`, never
+    through the memory map: a read fault there maps the whole folio around it (up to 2 MiB on Linux 6.18 with large
+    folios in the page cache), which the 2 KiB norm vectors of a model cannot drop page by page (62 MiB of the map
+    stayed resident over SmolLM2's import).
 
     Raises:
         ValueError: a type neither hfquant nor gguf-py can decode (named).
     """
+    source = _file_copy(tensor, fd) if fd is not None and tensor.offset >= 0 and hasattr(os, "preadv") else tensor.data
     if tensor.ggml_type in FLOAT_TYPES:
-        array = tensor.data
+        array = source
         if tensor.ggml_type == 30:  # gguf-py maps BF16 as raw bytes
             values = torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
         else:
@@ -386,13 +400,13 @@ def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | N
         if order is not None:
             values = values.index_select(0, order)
         values = values.to(dtype, copy=True)
-        release_pages(tensor.data)
+        release_pages(source)
         return values
     name = block_name(tensor)
     if name is None and not (tensor.known and gguf.GGMLQuantizationType(tensor.ggml_type) in gguf.GGML_QUANT_SIZES):
         raise ValueError(f"{tensor.name}: GGUF type {tensor.type_name} cannot be decoded by hfquant or gguf-py")
     rows, k = tensor.shape if len(tensor.shape) == 2 else (1, tensor.shape[0])
-    data = tensor.data.reshape(rows, -1)
+    data = source.reshape(rows, -1)
     out = torch.empty((rows, k), dtype=dtype)
     step = max(1, _CHUNK_BYTES // (4 * k))
     for start in range(0, rows, step):
@@ -403,7 +417,7 @@ def float_tensor(tensor: GgufTensor, dtype: torch.dtype, order: torch.Tensor | N
         else:
             values = torch.from_numpy(gguf.quants.dequantize(chunk, gguf.GGMLQuantizationType(tensor.ggml_type)))
         out[start : start + step] = values.reshape(-1, k)
-    release_pages(tensor.data)
+    release_pages(source)
     return out.reshape(tensor.shape)
 
 

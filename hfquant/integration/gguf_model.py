@@ -188,7 +188,7 @@ def _state_dict(
 ) -> dict[str, torch.Tensor]:
     """The model's state dict from the GGUF tensors: block weights of the layers and tables `plan` keeps quantized
     read from the file `fd` into place (`gguf_import.stored_blocks`), everything else in `dtype`
-    (`gguf_import.float_tensor`)."""
+    (`gguf_import.float_tensor`, read from `fd` too)."""
     state = {}
     rows_of = _sibling_rows(tensors, names, plan)
     for gguf_name, tensor in tensors.items():
@@ -201,7 +201,7 @@ def _state_dict(
         if key.endswith(".weight") and plan.get(layer) is not None:
             state[key] = gguf_import.stored_blocks(tensor, order, fd, out=rows_of.get(key))
         else:
-            state[key] = gguf_import.float_tensor(tensor, dtype, order)
+            state[key] = gguf_import.float_tensor(tensor, dtype, order, fd)
     return state
 
 

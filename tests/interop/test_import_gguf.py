@@ -312,6 +312,19 @@ def test_stored_blocks_read_from_the_file_equal_the_mapped_ones(tmp_path):
             assert torch.equal(read, gguf_import.stored_blocks(tensor, index))
 
 
+def test_float_tensors_read_from_the_file_equal_the_mapped_ones(tmp_path):
+    # from_gguf reads float tensors and dequantized blocks with os.preadv: a read through the map faulted in whole
+    # folios around each 2 KiB norm vector (62 MiB of SmolLM2's file resident on Linux 6.18)
+    path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q4_k"))
+    _, tensors = gguf_import.read_gguf(path)
+    norm, weight = tensors["blk.0.attn_norm.weight"], tensors["blk.0.attn_q.weight"]
+    order = gguf_import.llama_row_order(weight.shape[0], WIDE["num_attention_heads"])
+    with open(path, "rb") as handle:
+        for tensor, index in ((norm, None), (weight, None), (weight, order)):
+            read = gguf_import.float_tensor(tensor, torch.bfloat16, index, handle.fileno())
+            assert torch.equal(read, gguf_import.float_tensor(tensor, torch.bfloat16, index))
+
+
 def test_read_gguf_refuses_a_truncated_file_in_one_line(tmp_path):
     path, _ = _gguf_of(tmp_path, "llama", HfQuantConfig(format="q8_0"))
     data = path.read_bytes()
