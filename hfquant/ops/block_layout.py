@@ -9,7 +9,8 @@ as llama.cpp's own repacked `IQ4_NL` GEMV does on AVX2). The kernels take such a
 holds; `QuantLinear` switches at `prepare_kernel` (`to_compute`) and gives the stored bytes back for a save
 (`to_storage`), exactly.
 
-`HFQUANT_BLOCK_ROWS=1` keeps the stored layout everywhere (for A/B measurements); unset or 8: R8 where it runs.
+`HFQUANT_BLOCK_ROWS=1` keeps the stored layout everywhere (for A/B measurements), 8 interleaves wherever the R8 GEMVs
+run (any x86-64 CPU with AVX2), unset: R8 where the VNNI row kernels do not run.
 """
 
 from __future__ import annotations
@@ -33,19 +34,30 @@ _ENV = "HFQUANT_BLOCK_ROWS"
 logger = logging.getLogger(__name__)
 
 
-def _allowed() -> bool:
-    """`HFQUANT_BLOCK_ROWS`: unset or "8" allows R8, "1" forbids it; ValueError for anything else."""
+def _requested() -> int | None:
+    """`HFQUANT_BLOCK_ROWS`: "1" (the stored layout), "8" (R8 wherever its GEMVs run) or unset (None: R8 where it is
+    the default); ValueError for anything else."""
     value = os.environ.get(_ENV, "").strip()
     if value not in ("", "1", "8"):
         raise ValueError(f"{_ENV}={value!r} is not understood; use 1 (stored rows) or 8 (rows interleaved by 8)")
-    return value != "1"
+    return int(value) if value else None
+
+
+def _row_kernels_preferred() -> bool:
+    """Whether the block GEMVs' AVX512-VNNI body runs here (`native.isa()`): its row kernels stay the default there.
+    R8's GEMVs are AVX2 bodies (they run on such a CPU too, for a model interleaved elsewhere and pickled); R8 was
+    measured only on an AVX2-only Zen 3, never against the VNNI row kernels (docs/performance.md, twenty-second
+    session)."""
+    return {"avx512", "avx512_vnni"} <= set(native.isa())
 
 
 def rows_for(block: str, out_features: int) -> int:
     """The rows per group of the compute layout of a CPU layer in block type `block` with `out_features` rows whose
-    one-row kernel is the block GEMV: `ROWS` where the R8 GEMV runs here for the type (`native.block_rows8_supported`)
-    and `ROWS` divides the rows, else 1 (the stored layout)."""
-    if out_features % ROWS or not _allowed():
+    one-row kernel is the block GEMV: `ROWS` where the R8 GEMV runs here for the type (`native.block_rows8_supported`),
+    `ROWS` divides the rows and the VNNI row kernels do not run (`_row_kernels_preferred`; `HFQUANT_BLOCK_ROWS=8`
+    overrides that), else 1 (the stored layout)."""
+    requested = _requested()
+    if out_features % ROWS or requested == 1 or (requested is None and _row_kernels_preferred()):
         return 1
     return ROWS if native.block_rows8_supported(blocks.layout(block).ggml_type) and _rows8_works(block) else 1
 

@@ -820,8 +820,8 @@ _R8_LAYOUTS = {blocks.layout(name).ggml_type: blocks.layout(name) for name in ("
 
 def block_rows8_supported(ggml_type: int) -> bool:
     """Whether the R8 GEMVs run here for the plain GGUF type `ggml_type` (IQ4_NL 20, IQ4_XS 23, Q3_K 11): an x86-64
-    CPU with AVX2 + FMA + F16C and without AVX512-VNNI (there the row kernels are the faster ones and stay;
-    `HFQUANT_ISA=avx2` picks the AVX2 body on such a CPU)."""
+    CPU with AVX2 + FMA + F16C (AVX-512 CPUs included: a call with an R8 part runs on the AVX2 bodies). Whether a
+    layer is interleaved is `block_layout.rows_for`'s decision."""
     library = built_library()
     return (
         ggml_type in _R8_LAYOUTS

@@ -18,7 +18,7 @@ from hfquant.ops import block_layout, native
 
 pytestmark = pytest.mark.skipif(
     not (native.block_gemv_supported(20) and native.block_rows8_supported(20)),
-    reason="the R8 GEMVs run on the AVX2 body only (a CPU with AVX2 and without AVX512-VNNI, or HFQUANT_ISA=avx2)",
+    reason="the R8 GEMVs need the AVX2 body (an x86-64 CPU with AVX2 + FMA + F16C)",
 )
 
 N = 72
@@ -143,6 +143,16 @@ def test_a_bad_layout_setting_is_named(monkeypatch):
     monkeypatch.setenv("HFQUANT_BLOCK_ROWS", "4")
     with pytest.raises(ValueError, match="HFQUANT_BLOCK_ROWS='4'"):
         block_layout.rows_for("iq4_nl", 64)
+
+
+@pytest.mark.parametrize(("setting", "vnni", "rows"), [("", False, 8), ("", True, 1), ("8", True, 8), ("1", False, 1)])
+def test_the_vnni_row_kernels_keep_the_stored_layout_unless_r8_is_asked(monkeypatch, setting, vnni, rows):
+    # where the AVX512-VNNI row kernels run, a plan keeps the stored rows; HFQUANT_BLOCK_ROWS=8 interleaves anyway
+    # (the R8 GEMVs run there on their AVX2 bodies, as for a model interleaved on an AVX2 CPU and pickled)
+    monkeypatch.setenv("HFQUANT_BLOCK_ROWS", setting)
+    monkeypatch.setattr(block_layout, "_row_kernels_preferred", lambda: vnni)
+    assert block_layout.rows_for("iq4_nl", 64) == rows
+    assert block_layout.rows_for("iq4_nl", 60) == 1
 
 
 def test_an_r8_gemv_that_disagrees_with_the_row_kernel_keeps_the_stored_layout(monkeypatch, caplog):

@@ -8,11 +8,6 @@ in a child process under `HFQUANT_ISA=avx2` (the AVX2 body, as tests/ops/test_is
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from test_block_gemv import HALF_FIELDS, _quantized_row, _random_blocks, _row
@@ -33,7 +28,7 @@ SHAPES = {
 has_library = pytest.mark.skipif(native.built_library() is None, reason="needs the native library (a C compiler)")
 runs_r8 = pytest.mark.skipif(
     not native.block_rows8_supported(20),
-    reason="the R8 GEMVs run only on AVX2 CPUs without AVX512-VNNI (test_r8_gemvs_under_avx2_on_other_cpus runs them)",
+    reason="the R8 GEMVs need the AVX2 body (an x86-64 CPU with AVX2 + FMA + F16C)",
 )
 
 
@@ -187,37 +182,6 @@ def test_r8_gemv_refuses_rows_not_in_groups_of_8():
         native.block_gemv(x, w[:12], 64, 20 | native.BLOCK_ROWS8)
     with pytest.raises(RuntimeError, match="GGUF type 65556"):
         torch_ops.block_gemv(x, w[:12], 64, 20 | native.BLOCK_ROWS8)
-
-
-@has_library
-def test_r8_gemvs_under_avx2_on_other_cpus():
-    """where this CPU has AVX512-VNNI (the R8 GEMVs refused here), the GEMV tests above in a child under
-    HFQUANT_ISA=avx2, the body that runs them; on an AVX2-only CPU they ran in this process"""
-    if native.block_rows8_supported(20):
-        pytest.skip("the R8 GEMV tests ran in this process")
-    if "avx2" not in native.isa():
-        pytest.skip("no AVX2 here: the R8 GEMVs cannot run")
-    env = dict(os.environ, HFQUANT_ISA="avx2")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "(r8_gemv or r8_outputs or mixes) and not other_cpus",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.split("\n")[-2]
 
 
 @runs_r8

@@ -710,8 +710,10 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
 int hfquant_block_gemv_supported(int64_t type) {
     int64_t block, bytes;
     block_shape((int)type, &block, &bytes);
-    if (type & BLOCK_ROWS8) /* R8 codes: only blocks_r8_body.h's AVX2 GEMVs (on AVX512-VNNI the row kernels stay) */
-        return block > 0 && !cpu_vnni() && cpu_avx2();
+    /* R8 codes: blocks_r8_body.h's AVX2 GEMVs, on AVX-512 CPUs too (a model interleaved on an AVX2 CPU and pickled
+     * must still run there, `hfquant_block_gemv_group` takes the AVX2 parts for a call with an R8 part); the plan
+     * interleaves only where the VNNI row kernels do not run (native.block_rows8_supported) */
+    if (type & BLOCK_ROWS8) return block > 0 && cpu_avx2();
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
@@ -788,7 +790,9 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
                              uint16_t *y, int64_t count, int64_t k) {
     enum { MAX_PARTS = 8 };
     if (count < 1 || count > MAX_PARTS || k <= 0) return 1;
-    const int vnni = cpu_vnni();
+    int rows8 = 0; /* an R8 part: the whole call on the AVX2 parts, whose bodies are the only R8 GEMVs */
+    for (int64_t p = 0; p < count; p++) rows8 |= (types[p] & BLOCK_ROWS8) != 0;
+    const int vnni = cpu_vnni() && !rows8;
     BlockPart parts[MAX_PARTS];
     int64_t offset = 0, act_blocks[2] = {0, 0}; /* activation blocks of 32 and of 256 (0: no part reads that row) */
     for (int64_t p = 0; p < count; p++) {
