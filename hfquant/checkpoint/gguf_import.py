@@ -338,6 +338,12 @@ def _read_rows(
     return out
 
 
+def _reads_file(tensor: GgufTensor, fd: int | None) -> bool:
+    """Whether `tensor`'s bytes are read from the file `fd` with `os.preadv` rather than through the memory map: a file
+    given, the tensor's offset known, and `os.preadv` present (not on every platform)."""
+    return fd is not None and tensor.offset >= 0 and hasattr(os, "preadv")
+
+
 def _file_copy(tensor: GgufTensor, fd: int) -> np.ndarray:
     """A copy of `tensor.data` in this process's memory, read from the file `fd` at `tensor.offset` (`os.preadv`)."""
     copy = np.empty(tensor.data.shape, dtype=tensor.data.dtype)
@@ -371,7 +377,7 @@ def stored_blocks(
         raise ValueError(
             f"out must be a contiguous ({rows}, {row_bytes}) uint8 tensor, got {out.dtype} {tuple(out.shape)}"
         )
-    if fd is not None and tensor.offset >= 0 and hasattr(os, "preadv"):
+    if _reads_file(tensor, fd):
         return _read_rows(fd, tensor.offset, rows, row_bytes, order, out)
     return _rows(tensor.data.reshape(rows, row_bytes), order, out)
 
@@ -389,7 +395,7 @@ def float_tensor(
     Raises:
         ValueError: a type neither hfquant nor gguf-py can decode (named).
     """
-    source = _file_copy(tensor, fd) if fd is not None and tensor.offset >= 0 and hasattr(os, "preadv") else tensor.data
+    source = _file_copy(tensor, fd) if _reads_file(tensor, fd) else tensor.data
     if tensor.ggml_type in FLOAT_TYPES:
         array = source
         if tensor.ggml_type == 30:  # gguf-py maps BF16 as raw bytes
