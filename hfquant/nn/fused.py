@@ -36,7 +36,8 @@ group's bytes). Anything else takes each layer's own path: inputs requiring grad
 with another tensor. A group whose members keep being called with different inputs (its computed rows left unused
 `MAX_MISSES` times) stops fusing; so does one whose member's weight was swapped
 (offloading hooks) or re-planned (`QuantLinear.plan`, `prepare_kernel`, `load_state_dict`, `.to()`), until its members
-are prepared again. A pickled or deep-copied layer leaves its group (its copy runs its own GEMV).
+are prepared again. A pickled or deep-copied layer leaves its group; where its parent is one of `row_decode`'s
+attention / MLP classes the copied parent links its copied projections in a new group (`row_decode._restore`).
 """
 
 from __future__ import annotations

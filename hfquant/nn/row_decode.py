@@ -40,13 +40,13 @@ machinery (a few microseconds a call, about ten calls a layer); a module with ho
 
 How it is installed: as `row_norm` does, the class of each module is swapped in place for a subclass with the forward
 above (`use_row_decode`; `restore_row_decode` swaps back): parameters, state dict, hooks and `save_pretrained` see no
-change, a pickled module is its own transformers class. hfquant's quantizer installs it after loading with the row
-attention; `model.dequantize()` restores the classes.
+change. A pickled module (`torch.save(model)`, `copy.deepcopy`) is rebuilt with the decode forward and its
+projections' decode groups where hfquant's operators load, else as its own transformers class (`_restore`). hfquant's
+quantizer installs it after loading with the row attention; `model.dequantize()` restores the classes.
 """
 
 from __future__ import annotations
 
-import copyreg
 import functools
 
 import torch
@@ -54,6 +54,8 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from hfquant.nn import decode_cache, decode_layer, row_attention
+from hfquant.nn.fused import link_decode_groups
+from hfquant.nn.linear import QuantLinear
 from hfquant.nn.row_norm import RowRMSNorm
 from hfquant.ops import torch_ops
 
@@ -83,7 +85,21 @@ _ROTARY_ROW = None
 _SILU_MUL_ROW = None
 _SILU_MUL_HALVES_ROW = None
 _ADD_RMS_NORM_ROW = None
-"""The `torch.ops.hfquant_cpu` operators' `.default`, set by `use_row_decode` (looked up once)."""
+"""The `torch.ops.hfquant_cpu` operators' `.default`, set by `_operators` (looked up once)."""
+
+
+def _operators() -> bool:
+    """Whether hfquant's operators are loaded (`torch_ops.loaded()`); the forwards' operators set when they are."""
+    global _ROTARY_ROW, _SILU_MUL_ROW, _SILU_MUL_HALVES_ROW, _ADD_RMS_NORM_ROW
+    if not torch_ops.loaded():
+        return False
+    _ROTARY_ROW = torch.ops.hfquant_cpu.rotary_row.default
+    _SILU_MUL_ROW = torch.ops.hfquant_cpu.silu_mul_row.default
+    _SILU_MUL_HALVES_ROW = torch.ops.hfquant_cpu.silu_mul_halves_row.default
+    _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
+    decode_layer._DECODE_LAYER_ROW = torch.ops.hfquant_cpu.decode_layer_row.default
+    decode_layer._DECODE_LAYER_STATIC = torch.ops.hfquant_cpu.decode_layer_static.default
+    return True
 
 
 def _one_row(hidden_states: torch.Tensor, size: int) -> bool:
@@ -180,6 +196,9 @@ class RowDecodeAttention:
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)
 
+    def __setstate__(self, state):
+        _restore(self, state)
+
 
 class RowDecodeMLP:
     """Mixin placed before an MLP class of `ROW_MLP_CLASSES` (see the module docstring)."""
@@ -208,6 +227,9 @@ class RowDecodeMLP:
 
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)
+
+    def __setstate__(self, state):
+        _restore(self, state)
 
 
 class RowDecodeLayer:
@@ -267,6 +289,9 @@ class RowDecodeLayer:
     def __reduce_ex__(self, protocol: int):
         return _reduce_as_base(self, protocol)
 
+    def __setstate__(self, state):
+        _restore(self, state)
+
 
 class RowDecodeLayers(nn.ModuleList):
     """The `nn.ModuleList` of a model's decoder layers, its slices made without `add_module`'s per-layer checks (see
@@ -281,11 +306,6 @@ class RowDecodeLayers(nn.ModuleList):
         sliced = nn.ModuleList()
         sliced._modules.update({str(i): layer for i, layer in enumerate(layers)})
         return sliced
-
-    def __reduce_ex__(self, protocol: int):
-        # pickled as nn.ModuleList, as the layers are pickled as their transformers classes
-        _, _, *rest = super().__reduce_ex__(protocol)
-        return (copyreg._reconstructor, (nn.ModuleList, object, None), *rest)
 
 
 def _layer_lists(model: nn.Module) -> list[nn.ModuleList]:
@@ -372,13 +392,29 @@ def _plain_row_norm(norm: nn.Module) -> bool:
 
 
 def _reduce_as_base(module: nn.Module, protocol: int):
-    """Pickled (`torch.save(model)`, `copy.deepcopy`) as the module's own transformers class: the subclass is made at
-    run time and has no importable name; `use_row_decode` gives the copy the row forward again."""
+    """Pickled (`torch.save(model)`, `copy.deepcopy`) as `_rebuild` of the mixin and the module's own transformers
+    class: the subclass is made at run time and has no importable name; `_restore` decides the copy's class."""
     _, _, *rest = super(type(module).__bases__[0], module).__reduce_ex__(protocol)
     if rest and isinstance(rest[0], dict) and decode_layer.KEY in rest[0]:
         # a layer's cached call (`decode_layer`) holds its projections' bound GEMVs: the copy builds its own
         rest[0] = {key: value for key, value in rest[0].items() if key != decode_layer.KEY}
-    return (copyreg._reconstructor, (type(module).__bases__[1], object, None), *rest)
+    return (_rebuild, type(module).__bases__, *rest)
+
+
+def _rebuild(mixin: type, base: type) -> nn.Module:
+    """The empty module a pickled row-decode module is rebuilt into; its state (`_restore`) decides its class."""
+    return object.__new__(_row_class(mixin, base))
+
+
+def _restore(module: nn.Module, state: dict) -> None:
+    """Set an unpickled row-decode module's `state`; it keeps the decode forward where hfquant's operators load (a
+    pickle may be loaded in another process), and its sibling projections share a decode group again (`fused`:
+    `QuantLinear` does not pickle its group, whose members' parent this is). Else it is its class's own."""
+    nn.Module.__setstate__(module, state)
+    if not _operators():
+        module.__class__ = type(module).__bases__[1]
+    elif isinstance(module, (RowDecodeAttention, RowDecodeMLP)):
+        link_decode_groups(module, QuantLinear)
 
 
 _MIXINS = (
@@ -419,16 +455,9 @@ def use_row_decode(model: nn.Module) -> int:
     docstring), and the lists holding those decoder layers their slicing (`RowDecodeLayers`). Nothing happens where
     hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number of attention, MLP and decoder
     layer modules changed."""
-    global _ROTARY_ROW, _SILU_MUL_ROW, _SILU_MUL_HALVES_ROW, _ADD_RMS_NORM_ROW
     candidates = [(module, mixin) for module in model.modules() if (mixin := _mixin(module)) is not None]
-    if not candidates or not torch_ops.loaded():
+    if not candidates or not _operators():
         return 0
-    _ROTARY_ROW = torch.ops.hfquant_cpu.rotary_row.default
-    _SILU_MUL_ROW = torch.ops.hfquant_cpu.silu_mul_row.default
-    _SILU_MUL_HALVES_ROW = torch.ops.hfquant_cpu.silu_mul_halves_row.default
-    _ADD_RMS_NORM_ROW = torch.ops.hfquant_cpu.add_rms_norm_row.default
-    decode_layer._DECODE_LAYER_ROW = torch.ops.hfquant_cpu.decode_layer_row.default
-    decode_layer._DECODE_LAYER_STATIC = torch.ops.hfquant_cpu.decode_layer_static.default
     for module, mixin in candidates:
         module.__class__ = _row_class(mixin, type(module))
     for layers in _layer_lists(model):

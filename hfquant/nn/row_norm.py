@@ -21,7 +21,6 @@ weight before installing the kernel, and leaves the module alone where it differ
 
 from __future__ import annotations
 
-import copyreg
 import functools
 
 import torch
@@ -75,16 +74,38 @@ class RowRMSNorm:
         return super().forward(hidden_states)
 
     def __reduce_ex__(self, protocol: int):
-        """Pickled (`torch.save(model)`, `copy.deepcopy`, multiprocessing) as the norm's own transformers class: the
-        subclass is made at run time and has no importable name. The copy computes the same outputs through the
-        class's forward; `use_row_rms_norms` gives it the kernel again."""
+        """Pickled (`torch.save(model)`, `copy.deepcopy`, multiprocessing) as `_rebuild` of the norm's own transformers
+        class: the subclass is made at run time and has no importable name."""
         _, _, *rest = super().__reduce_ex__(protocol)
-        return (copyreg._reconstructor, (type(self).__bases__[1], object, None), *rest)
+        return (_rebuild, (type(self).__bases__[1],), *rest)
+
+    def __setstate__(self, state):
+        """A copy takes the kernel again where the operators load and agree with its class's forward (as
+        `use_row_rms_norms` checks), else it is its class's own: a pickle may be loaded in another process."""
+        super().__setstate__(state)
+        norm_class = type(self).__bases__[1]
+        self.__class__ = norm_class
+        if _operators() and _eligible(self) and agrees_with_forward(self):
+            self.__class__ = _row_class(norm_class)
+
+
+def _rebuild(norm_class: type) -> nn.Module:
+    """The empty module a pickled `RowRMSNorm` is rebuilt into; its state (`__setstate__`) decides its class."""
+    return object.__new__(_row_class(norm_class))
 
 
 _RMS_NORM_ROW = None
-"""`torch.ops.hfquant_cpu.rms_norm_row.default`, set when `use_row_rms_norms` first finds the operators loaded
-(looked up once: the attribute chain costs about a microsecond a call)."""
+"""`torch.ops.hfquant_cpu.rms_norm_row.default`, set by `_operators` (looked up once: the attribute chain costs
+about a microsecond a call)."""
+
+
+def _operators() -> bool:
+    """Whether hfquant's operators are loaded (`torch_ops.loaded()`), `_RMS_NORM_ROW` set when they are."""
+    global _RMS_NORM_ROW
+    if not torch_ops.loaded():
+        return False
+    _RMS_NORM_ROW = torch.ops.hfquant_cpu.rms_norm_row.default
+    return True
 
 
 @functools.cache
@@ -128,11 +149,9 @@ def use_row_rms_norms(model: nn.Module) -> int:
     (class swap in place: see the module docstring), where the kernel agrees with its forward (`agrees_with_forward`).
     Nothing happens where hfquant's operators are unavailable (`torch_ops.loaded()`). Returns the number of norms
     changed."""
-    global _RMS_NORM_ROW
     candidates = [module for module in model.modules() if _eligible(module)]
-    if not candidates or not torch_ops.loaded():
+    if not candidates or not _operators():
         return 0
-    _RMS_NORM_ROW = torch.ops.hfquant_cpu.rms_norm_row.default
     changed = 0
     for module in candidates:
         if agrees_with_forward(module):

@@ -17,8 +17,6 @@ from helpers import tiny_model
 from torch import nn
 
 from hfquant.nn import decode_layer
-from hfquant.nn.row_decode import use_row_decode
-from hfquant.nn.row_norm import use_row_rms_norms
 from hfquant.ops import torch_ops
 from hfquant.ops.gemv import RowKernel
 
@@ -258,21 +256,20 @@ def test_generate_with_a_mask_keeps_the_forwards(folder, monkeypatch):
 
 def test_copies_pickles_and_dequantize_drop_the_list(folder, monkeypatch):
     """A deep copy or a pickled layer holds no list (the copy's projections bind their own GEMVs); the copy builds its
-    own (and, its projections out of their groups, takes the forwards, with the original's outputs); `dequantize`
-    drops the list with the classes."""
+    own (its projections in their groups again, it runs each layer as one call, with the original's outputs);
+    `dequantize` drops the list with the classes."""
     model = _quantized(folder)
     _warm(model)
     layer = model.model.layers[0]
     assert decode_layer.KEY not in pickle.loads(pickle.dumps(layer)).__dict__
     twin = copy.deepcopy(model)
     assert all(decode_layer.KEY not in copied.__dict__ for copied in twin.model.layers)
-    use_row_rms_norms(twin), use_row_decode(twin)  # a copy's modules are their transformers classes
     calls = _counted(monkeypatch)
-    _same(_generate(twin, _ids(), 4), _generate(model, _ids(), 4))
-    assert (
-        calls[0] == 4 * 2
-    )  # the original's: a copy's projections leave their groups (`fused`), so it does not qualify
-    assert all(copied.__dict__[decode_layer.KEY].args is None for copied in twin.model.layers)
+    expected = _generate(model, _ids(), 4)
+    original_calls = calls[0]
+    _same(_generate(twin, _ids(), 4), expected)
+    assert original_calls == 4 * 2 and calls[0] == 2 * original_calls  # two layers a step, in both models
+    assert all(copied.__dict__[decode_layer.KEY].args is not None for copied in twin.model.layers)
     model.dequantize()
     assert all(decode_layer.KEY not in copied.__dict__ for copied in model.model.layers)
 
