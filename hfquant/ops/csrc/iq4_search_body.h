@@ -92,7 +92,8 @@ typedef struct {
     __m256i t7, t3, t11;                /* K(mid i) - 1 in every 16-bit lane */
     __m256i t4, t8;                     /* pshufb tables: K(mids[4 p + 1]) - 1 (p < 4), K(mids[2 p]) - 1 (p < 8) */
     __m256i even, odd;                  /* pshufb tables: high halves of float iq4_values[2 p], [2 p + 1] (p < 8) */
-    __m256i bit2, bit1, index_high;     /* 0x0404, 0x0202, 0x0100 in every 16-bit lane */
+    __m256i bit2, step0, step1;         /* 0x0404, 0x0100, 0x0302 in every 16-bit lane */
+    __m256i down, up;                   /* -0x0100, 0x0102 */
 } iq4_keys_avx2_t;
 
 /* K(v): the 16-bit key of a float v whose low 16 bits are 0 (a midpoint or grid value): +-(its magnitude's bits >> 16) */
@@ -126,8 +127,10 @@ IS_TARGET static inline iq4_keys_avx2_t iq4_load_keys_avx2(void) {
     t.even = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)even));
     t.odd = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)odd));
     t.bit2 = _mm256_set1_epi16(0x0404);
-    t.bit1 = _mm256_set1_epi16(0x0202);
-    t.index_high = _mm256_set1_epi16(0x0100);
+    t.step0 = _mm256_set1_epi16(0x0100);
+    t.step1 = _mm256_set1_epi16(0x0302);
+    t.down = _mm256_set1_epi16(-0x0100);
+    t.up = _mm256_set1_epi16(0x0102);
     return t;
 }
 
@@ -140,10 +143,11 @@ IS_TARGET static inline __attribute__((always_inline)) void iq4_values2_avx2(con
     const __m256i w = _mm256_blend_epi16(_mm256_srli_epi32(ka, 16), kb, 0xaa); /* floor(k / 2^16), low: a, high: b */
     const __m256i g1 = _mm256_cmpgt_epi16(w, t->t7);
     const __m256i g2 = _mm256_cmpgt_epi16(w, _mm256_blendv_epi8(t->t3, t->t11, g1));
-    const __m256i z3 = _mm256_or_si256(_mm256_and_si256(g1, t->bit2), _mm256_and_si256(g2, t->bit1)); /* 2 p */
-    const __m256i g3 = _mm256_cmpgt_epi16(w, _mm256_shuffle_epi8(t->t4, _mm256_or_si256(z3, t->index_high)));
-    const __m256i z4 = _mm256_or_si256(_mm256_add_epi16(z3, z3), _mm256_and_si256(g3, t->bit1));
-    const __m256i i4 = _mm256_or_si256(z4, t->index_high);
+    /* index bytes (2 p, 2 p + 1) of step three's p = 2 g1 + g2, then of step four's 2 p + g3: doubled, the high byte
+     * is one too many, so step four adds 0x0102 (g3) or -0x0100 */
+    const __m256i i3 = _mm256_or_si256(_mm256_and_si256(g1, t->bit2), _mm256_blendv_epi8(t->step0, t->step1, g2));
+    const __m256i g3 = _mm256_cmpgt_epi16(w, _mm256_shuffle_epi8(t->t4, i3));
+    const __m256i i4 = _mm256_add_epi16(_mm256_add_epi16(i3, i3), _mm256_blendv_epi8(t->down, t->up, g3));
     const __m256i g4 = _mm256_cmpgt_epi16(w, _mm256_shuffle_epi8(t->t8, i4));
     const __m256i v = _mm256_blendv_epi8(_mm256_shuffle_epi8(t->even, i4), _mm256_shuffle_epi8(t->odd, i4), g4);
     *qa = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
