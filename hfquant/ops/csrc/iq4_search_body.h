@@ -14,7 +14,9 @@
 #if IS_AVX2
 /* The AVX2 body: each group's 16 lanes as two vectors of 8 (lanes 0-7, 8-15), the same float32 operations as the other
  * bodies. Without AVX-512's two-register permutes (a 32-entry table would take four permutes and three blends per
- * lookup) the nearest code is a branch-free binary search over the 15 grid midpoints instead of the bucket rule: four
+ * lookup) the nearest code is a branch-free binary search over the 15 grid midpoints instead of the bucket rule: in the
+ * sums, on 16-bit keys of two rows at once (`iq4_values2_avx2`, 1.2-1.3x the float form's speed on Zen 3,
+ * docs/performance.md, issue #32, twenty-fourth session); in the codes and the sweep, in float32 (below): four
  * compares u >= midpoint, each choosing the next midpoint (a blend, then two in-register permutes of 4 and 8 entries),
  * which counts the midpoints <= u, the code the bucket rule gives for every finite u (the bucket's base counts the
  * midpoints below it, the compare the one inside it; iq4_code's rounding of u / 8 + 16 can move u into a bucket
@@ -62,14 +64,6 @@ IS_TARGET static inline __attribute__((always_inline)) __m256i iq4_code_avx2(con
     return _mm256_sub_epi32(_mm256_add_epi32(pair, pair), _mm256_castps_si256(odd));
 }
 
-/* the grid value nearest to each u (iq4_values[iq4_code(u)]) */
-IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_value_avx2(const iq4_tables_avx2_t *t, __m256 u) {
-    __m256i pair;
-    __m256 odd;
-    iq4_search_avx2(t, u, &pair, &odd);
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t->even, pair), _mm256_permutevar8x32_ps(t->odd, pair), odd);
-}
-
 /* iq4_values[code] of each code in [0, 15] */
 IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_grid_avx2(const iq4_tables_avx2_t *t, __m256i code) {
     const __m256i pair = _mm256_srli_epi32(code, 1);
@@ -96,7 +90,7 @@ typedef struct {
     __m256i down, up;                   /* -0x0100, 0x0102 */
 } iq4_keys_avx2_t;
 
-/* K(v): the 16-bit key of a float v whose low 16 bits are 0 (a midpoint or grid value): +-(its magnitude's bits >> 16) */
+/* K(v): the 16-bit key of a float v whose low 16 bits are 0 (a midpoint or grid value): +-(magnitude bits >> 16) */
 static inline int16_t iq4_key16(float v) {
     uint32_t bits;
     memcpy(&bits, &v, 4);
@@ -162,7 +156,8 @@ IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_avx2(const 
     const __m256 zero = _mm256_setzero_ps();
     __m256 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
     for (int k = 0; k < n; k += 2) {
-        const __m256 x[2] = {_mm256_loadu_ps(xt + k * IS_LANES + half), _mm256_loadu_ps(xt + (k + 1) * IS_LANES + half)};
+        const __m256 x[2] = {_mm256_loadu_ps(xt + k * IS_LANES + half),
+                             _mm256_loadu_ps(xt + (k + 1) * IS_LANES + half)};
         __m256 q[2];
         iq4_values2_avx2(t, _mm256_mul_ps(x[0], vinv), _mm256_mul_ps(x[1], vinv), &q[0], &q[1]);
         for (int h = 0; h < 2; h++) {
