@@ -24,20 +24,22 @@ NAMES = ["iq4_nl", "iq4_xs"]
 GGML_TYPES = {"iq4_nl": 20, "iq4_xs": 23}
 
 
-KINDS = ["normal", "heavy-tailed", "ties", "tiny"]
+KINDS = ["normal", "heavy-tailed", "ties", "tiny", "scaled ties"]
 
 
 def _rows(kind: str, rows: int = 37, k: int = 512) -> torch.Tensor:
     """`rows` rows (not a multiple of 16 blocks: a partial lane group) of normal or heavy-tailed weights, one block all
     of one sign, one zero row. "ties": grid values and midpoints between them over 64, each block's first weight
     -127 / 64, so IQ4_NL's first scale is 1 / 64 and x / d lands on midpoints (ties to the larger value) and values;
-    "tiny": normal weights of standard deviation 3e-5, so the float16 scales are subnormal."""
+    "tiny": normal weights of standard deviation 3e-5, so the float16 scales are subnormal; "scaled ties": `_ties`."""
     generator = torch.Generator().manual_seed(41)
     weight = torch.randn(rows, k, generator=generator) * 0.02
     if kind == "heavy-tailed":
         weight = weight * torch.exp(1.5 * torch.randn(rows, k, generator=generator))
     if kind == "tiny":
         weight = weight * 1.5e-3
+    if kind == "scaled ties":
+        return _ties(rows, k, generator)
     if kind == "ties":
         grid = torch.tensor(iq4.KVALUES, dtype=torch.float32)
         points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
@@ -46,6 +48,41 @@ def _rows(kind: str, rows: int = 37, k: int = 512) -> torch.Tensor:
     weight[0, :32] = weight[0, :32].abs() + 0.1
     weight[1] = 0.0
     return weight
+
+
+def _ties(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Grid values and midpoints, of either sign (zeros and -0.0 among them), times a power of two per row (2^-12 to
+    2^4), each block's first weight -127 or 113 times that power: the searches' scales at factor 1 of either grid end
+    put x / d exactly on midpoints (ties to the larger value), and the other candidates near them, at every
+    magnitude of the keys the AVX2 body compares (csrc/iq4_search_body.h, `iq4_values2_avx2`)."""
+    grid = torch.tensor(iq4.KVALUES, dtype=torch.float32)
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([0.0, -0.0])])
+    weight = points[torch.randint(len(points), (rows, k), generator=generator)]
+    weight = weight * torch.where(torch.rand(rows, k, generator=generator) < 0.5, -1.0, 1.0)
+    ends = torch.tensor([-127.0, 113.0])[torch.randint(2, (rows, k // 32), generator=generator)]
+    weight[:, ::32] = ends
+    return weight * torch.exp2(torch.randint(-12, 5, (rows, 1), generator=generator).float())
+
+
+def test_avx2_body_gives_the_portable_bytes_on_many_rows_of_ties():
+    """The AVX2 body's nearest values in 16-bit keys of the floats' bits (csrc/iq4_search_body.h) against the portable
+    body's float compares, on 512 rows of `_ties` and of normal weights at several scales: the same bytes (this
+    process's AVX2 body here; a CPU with AVX-512 runs it in `test_every_body_gives_the_same_bytes`' child)."""
+    if native.iq4_search_body() != "avx2":
+        pytest.skip("this process runs another body; the AVX2 child covers `_rows('scaled ties')`")
+    generator = torch.Generator().manual_seed(45)
+    normal = torch.randn(256, 1024, generator=generator) * torch.exp2(
+        torch.randint(-20, 10, (256, 1), generator=generator).float()
+    )
+    weights = {"ties": _ties(256, 1024, generator), "normal": normal}
+    for name in NAMES:
+        for kind, weight in weights.items():
+            for search in native.IQ4_SEARCHES:
+                settings = native.IQ4_SEARCHES[search]
+                for importance in (None, torch.rand(1024, generator=generator)):
+                    vector = native.iq4_quantize(name, weight, importance, settings)
+                    portable = native.iq4_quantize(name, weight, importance, settings, portable=True)
+                    assert torch.equal(vector, portable), f"{name} {kind} {search} importance={importance is not None}"
 
 
 def _relative_error(name: str, data: torch.Tensor, weight: torch.Tensor) -> float:

@@ -14,7 +14,9 @@
 #if IS_AVX2
 /* The AVX2 body: each group's 16 lanes as two vectors of 8 (lanes 0-7, 8-15), the same float32 operations as the other
  * bodies. Without AVX-512's two-register permutes (a 32-entry table would take four permutes and three blends per
- * lookup) the nearest code is a branch-free binary search over the 15 grid midpoints instead of the bucket rule: four
+ * lookup) the nearest code is a branch-free binary search over the 15 grid midpoints instead of the bucket rule: in the
+ * sums, on 16-bit keys of two rows at once (`iq4_values2_avx2`, 1.2-1.3x the float form's speed on Zen 3,
+ * docs/performance.md, issue #32, twenty-fourth session); in the codes and the sweep, in float32 (below): four
  * compares u >= midpoint, each choosing the next midpoint (a blend, then two in-register permutes of 4 and 8 entries),
  * which counts the midpoints <= u, the code the bucket rule gives for every finite u (the bucket's base counts the
  * midpoints below it, the compare the one inside it; iq4_code's rounding of u / 8 + 16 can move u into a bucket
@@ -62,14 +64,6 @@ IS_TARGET static inline __attribute__((always_inline)) __m256i iq4_code_avx2(con
     return _mm256_sub_epi32(_mm256_add_epi32(pair, pair), _mm256_castps_si256(odd));
 }
 
-/* the grid value nearest to each u (iq4_values[iq4_code(u)]) */
-IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_value_avx2(const iq4_tables_avx2_t *t, __m256 u) {
-    __m256i pair;
-    __m256 odd;
-    iq4_search_avx2(t, u, &pair, &odd);
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t->even, pair), _mm256_permutevar8x32_ps(t->odd, pair), odd);
-}
-
 /* iq4_values[code] of each code in [0, 15] */
 IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_grid_avx2(const iq4_tables_avx2_t *t, __m256i code) {
     const __m256i pair = _mm256_srli_epi32(code, 1);
@@ -77,20 +71,99 @@ IS_TARGET static inline __attribute__((always_inline)) __m256 iq4_grid_avx2(cons
                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 31)));
 }
 
+/* The sums' nearest grid values in 16-bit lanes: two rows of 8 lanes (16 weights) per compare instead of 8. Each u is
+ * replaced by a 16-bit key, w = floor(k / 2^16) with k = the float's bits as +-magnitude (sign_epi32 of |bits|):
+ * k is monotonic in u (strictly but for +-0), and every midpoint m (and grid value) has at most 8 significant bits,
+ * so its k is a multiple of 2^16, K(m) = k(m) / 2^16 exactly, and u >= m <=> k(u) >= k(m) <=> w >= K(m): the same
+ * compares as the float search, ties to the larger value included. Row k's key sits in the low half of each 32-bit
+ * lane, row k + 1's in the high half; the four steps of the binary search compare w > K - 1 (cmpgt), the thresholds of
+ * steps three and four read by pshufb from 16-byte tables of 16-bit entries (index bytes 2 p, 2 p + 1), and the
+ * value's table holds each grid value's float32 high half (its low half is 0), so a shift or a mask of the 32-bit lane
+ * gives the float q itself. u is NaN only as 0 * inf (an inverse of a subnormal peak): x86's default NaN, negative,
+ * whose key is below every threshold: code 0, as the float compares (all false) give. */
+typedef struct {
+    __m256i abs_bits, high_half;        /* 0x7fffffff; 0xffff0000 */
+    __m256i t7, t3, t11;                /* K(mid i) - 1 in every 16-bit lane */
+    __m256i t4, t8;                     /* pshufb tables: K(mids[4 p + 1]) - 1 (p < 4), K(mids[2 p]) - 1 (p < 8) */
+    __m256i even, odd;                  /* pshufb tables: high halves of float iq4_values[2 p], [2 p + 1] (p < 8) */
+    __m256i bit2, step0, step1;         /* 0x0404, 0x0100, 0x0302 in every 16-bit lane */
+    __m256i down, up;                   /* -0x0100, 0x0102 */
+} iq4_keys_avx2_t;
+
+/* K(v): the 16-bit key of a float v whose low 16 bits are 0 (a midpoint or grid value): +-(magnitude bits >> 16) */
+static inline int16_t iq4_key16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    const int32_t magnitude = (int32_t)((bits & 0x7fffffffu) >> 16);
+    return (int16_t)(bits >> 31 ? -magnitude : magnitude);
+}
+
+IS_TARGET static inline iq4_keys_avx2_t iq4_load_keys_avx2(void) {
+    const float *m = iq4_mids;
+    int16_t t4[8] = {0}, t8[8], even[8], odd[8];
+    for (int p = 0; p < 8; p++) {
+        if (p < 4) t4[p] = (int16_t)(iq4_key16(m[4 * p + 1]) - 1);
+        t8[p] = (int16_t)(iq4_key16(m[2 * p]) - 1);
+        uint32_t e, o;
+        memcpy(&e, &iq4_values[2 * p], 4);
+        memcpy(&o, &iq4_values[2 * p + 1], 4);
+        even[p] = (int16_t)(e >> 16);
+        odd[p] = (int16_t)(o >> 16);
+    }
+    iq4_keys_avx2_t t;
+    t.abs_bits = _mm256_set1_epi32(0x7fffffff);
+    t.high_half = _mm256_set1_epi32((int)0xffff0000u);
+    t.t7 = _mm256_set1_epi16((int16_t)(iq4_key16(m[7]) - 1));
+    t.t3 = _mm256_set1_epi16((int16_t)(iq4_key16(m[3]) - 1));
+    t.t11 = _mm256_set1_epi16((int16_t)(iq4_key16(m[11]) - 1));
+    t.t4 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t4));
+    t.t8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t8));
+    t.even = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)even));
+    t.odd = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)odd));
+    t.bit2 = _mm256_set1_epi16(0x0404);
+    t.step0 = _mm256_set1_epi16(0x0100);
+    t.step1 = _mm256_set1_epi16(0x0302);
+    t.down = _mm256_set1_epi16(-0x0100);
+    t.up = _mm256_set1_epi16(0x0102);
+    return t;
+}
+
+/* the grid values nearest to ua and ub (iq4_values[iq4_code(u)], 8 lanes each) in *qa, *qb: the keys above */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_values2_avx2(const iq4_keys_avx2_t *t, __m256 ua,
+                                                                            __m256 ub, __m256 *qa, __m256 *qb) {
+    const __m256i ba = _mm256_castps_si256(ua), bb = _mm256_castps_si256(ub);
+    const __m256i ka = _mm256_sign_epi32(_mm256_and_si256(ba, t->abs_bits), ba);
+    const __m256i kb = _mm256_sign_epi32(_mm256_and_si256(bb, t->abs_bits), bb);
+    const __m256i w = _mm256_blend_epi16(_mm256_srli_epi32(ka, 16), kb, 0xaa); /* floor(k / 2^16), low: a, high: b */
+    const __m256i g1 = _mm256_cmpgt_epi16(w, t->t7);
+    const __m256i g2 = _mm256_cmpgt_epi16(w, _mm256_blendv_epi8(t->t3, t->t11, g1));
+    /* index bytes (2 p, 2 p + 1) of step three's p = 2 g1 + g2, then of step four's 2 p + g3: doubled, the high byte
+     * is one too many, so step four adds 0x0102 (g3) or -0x0100 */
+    const __m256i i3 = _mm256_or_si256(_mm256_and_si256(g1, t->bit2), _mm256_blendv_epi8(t->step0, t->step1, g2));
+    const __m256i g3 = _mm256_cmpgt_epi16(w, _mm256_shuffle_epi8(t->t4, i3));
+    const __m256i i4 = _mm256_add_epi16(_mm256_add_epi16(i3, i3), _mm256_blendv_epi8(t->down, t->up, g3));
+    const __m256i g4 = _mm256_cmpgt_epi16(w, _mm256_shuffle_epi8(t->t8, i4));
+    const __m256i v = _mm256_blendv_epi8(_mm256_shuffle_epi8(t->even, i4), _mm256_shuffle_epi8(t->odd, i4), g4);
+    *qa = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *qb = _mm256_castsi256_ps(_mm256_and_si256(v, t->high_half));
+}
+
 /* `iq4_sums_`'s AVX2 form for the 8 lanes from `half` at the scales 1 / vinv, its sums returned in registers (*vx,
- * *vq) */
-IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_avx2(const iq4_tables_avx2_t *t, const float *xt,
+ * *vq); rows k and k + 1's values found together (`iq4_values2_avx2`) */
+IS_TARGET static inline __attribute__((always_inline)) void iq4_sums_avx2(const iq4_keys_avx2_t *t, const float *xt,
                                                                          const float *wt, int n, int half,
                                                                          __m256 vinv, __m256 *vx, __m256 *vq) {
     const __m256 zero = _mm256_setzero_ps();
     __m256 acc_x[2] = {zero, zero}, acc_q[2] = {zero, zero};
     for (int k = 0; k < n; k += 2) {
+        const __m256 x[2] = {_mm256_loadu_ps(xt + k * IS_LANES + half),
+                             _mm256_loadu_ps(xt + (k + 1) * IS_LANES + half)};
+        __m256 q[2];
+        iq4_values2_avx2(t, _mm256_mul_ps(x[0], vinv), _mm256_mul_ps(x[1], vinv), &q[0], &q[1]);
         for (int h = 0; h < 2; h++) {
-            const __m256 x = _mm256_loadu_ps(xt + (k + h) * IS_LANES + half);
-            const __m256 q = iq4_value_avx2(t, _mm256_mul_ps(x, vinv));
-            const __m256 wq = wt ? _mm256_mul_ps(_mm256_loadu_ps(wt + (k + h) * IS_LANES + half), q) : q;
-            acc_x[h] = _mm256_fmadd_ps(wq, x, acc_x[h]);
-            acc_q[h] = _mm256_fmadd_ps(wq, q, acc_q[h]);
+            const __m256 wq = wt ? _mm256_mul_ps(_mm256_loadu_ps(wt + (k + h) * IS_LANES + half), q[h]) : q[h];
+            acc_x[h] = _mm256_fmadd_ps(wq, x[h], acc_x[h]);
+            acc_q[h] = _mm256_fmadd_ps(wq, q[h], acc_q[h]);
         }
     }
     *vx = _mm256_add_ps(acc_x[0], acc_x[1]);
@@ -228,7 +301,7 @@ IS_TARGET static void IS_NAME(iq4_sums_)(const float *xt, const float *wt, int n
     _mm512_storeu_ps(sqx, vx);
     _mm512_storeu_ps(sqq, vq);
 #elif IS_AVX2
-    const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+    const iq4_keys_avx2_t t = iq4_load_keys_avx2();
     for (int half = 0; half < IS_LANES; half += 8) {
         __m256 vx, vq;
         iq4_sums_avx2(&t, xt, wt, n, half, _mm256_loadu_ps(inv + half), &vx, &vq);
@@ -674,7 +747,7 @@ IS_TARGET static void IS_NAME(iq4_block_scales_)(const float *xt, const float *w
     }
 #elif IS_AVX2
     if (s->refine == 0) { /* the same scan in registers, 8 lanes at a time */
-        const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+        const iq4_keys_avx2_t t = iq4_load_keys_avx2();
         const __m256 zero = _mm256_setzero_ps();
         for (int half = 0; half < IS_LANES; half += 8) {
             const __m256 inv_peak = iq4_inverse_avx2(_mm256_loadu_ps(peak + half));
@@ -801,7 +874,7 @@ IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const flo
 IS_TARGET static void IS_NAME(iq4_xs_level_options3_)(const float *xb, const float *wb, const float *absmax,
                                                       const float *d, const float *base, float *best, float *level,
                                                       float *sx, float *sq) {
-    const iq4_tables_avx2_t t = iq4_load_tables_avx2();
+    const iq4_keys_avx2_t t = iq4_load_keys_avx2();
     const __m256 lo = _mm256_set1_ps(-32.0f), hi = _mm256_set1_ps(31.0f), two = _mm256_set1_ps(2.0f);
     for (int half = 0; half < IS_LANES; half += 8) {
         const __m256 vd = _mm256_loadu_ps(d + half), vbase = _mm256_loadu_ps(base + half);
