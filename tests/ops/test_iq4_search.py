@@ -24,20 +24,27 @@ NAMES = ["iq4_nl", "iq4_xs"]
 GGML_TYPES = {"iq4_nl": 20, "iq4_xs": 23}
 
 
-KINDS = ["normal", "heavy-tailed", "ties", "tiny", "scaled ties"]
+KINDS = ["normal", "heavy-tailed", "ties", "tiny", "scaled ties", "subnormal"]
 
 
 def _rows(kind: str, rows: int = 37, k: int = 512) -> torch.Tensor:
     """`rows` rows (not a multiple of 16 blocks: a partial lane group) of normal or heavy-tailed weights, one block all
     of one sign, one zero row. "ties": grid values and midpoints between them over 64, each block's first weight
     -127 / 64, so IQ4_NL's first scale is 1 / 64 and x / d lands on midpoints (ties to the larger value) and values;
-    "tiny": normal weights of standard deviation 3e-5, so the float16 scales are subnormal; "scaled ties": `_ties`."""
+    "tiny": normal weights of standard deviation 3e-5, so the float16 scales are subnormal; "scaled ties": `_ties`;
+    "subnormal": rows of zeros but for one subnormal weight (1e-42 to 1e-39, which bfloat16 holds too): the block's
+    scale inverse overflows and a zero weight times it is NaN (this crashed the portable body). Not here: blocks of
+    many subnormal weights, whose zero float16 d the bodies may write as +0.0 or -0.0 (docs/performance.md)."""
     generator = torch.Generator().manual_seed(41)
     weight = torch.randn(rows, k, generator=generator) * 0.02
     if kind == "heavy-tailed":
         weight = weight * torch.exp(1.5 * torch.randn(rows, k, generator=generator))
     if kind == "tiny":
         weight = weight * 1.5e-3
+    if kind == "subnormal":
+        weight = torch.zeros(rows, k)
+        weight[torch.arange(rows), torch.randint(k, (rows,), generator=generator)] = torch.logspace(-42, -39, rows)
+        return weight
     if kind == "scaled ties":
         return _ties(rows, k, generator)
     if kind == "ties":

@@ -60,10 +60,12 @@ static void iq4_tables(void) {
     __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
 }
 
-/* the grid index nearest to u (ties to the larger value): the bucket rule above */
+/* the grid index nearest to u (ties to the larger value): the bucket rule above. A NaN u (0 * inf: a zero weight
+ * under the inverse of a subnormal block peak's scale) is code 0, as the vector bodies give it, never an index out
+ * of the tables (the compare is written so that NaN fails it) */
 static inline int iq4_code(float u) {
     float t = u * 0.125f + 16.0f;
-    t = t < 0.0f ? 0.0f : (t > 31.0f ? 31.0f : t);
+    t = t >= 0.0f ? (t > 31.0f ? 31.0f : t) : 0.0f;
     const int bucket = (int)t;
     return iq4_bucket_base[bucket] + (u >= iq4_bucket_mid[bucket]);
 }
