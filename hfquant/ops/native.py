@@ -1163,8 +1163,11 @@ def _both_ends(factors) -> tuple[float, ...]:
     return tuple([iq4.KVALUES[0] * f for f in factors] + [iq4.KVALUES[-1] * f for f in factors])
 
 
+_FAST_FACTORS = (0.8, 0.8667, 0.9333, 1.0, 1.0667, 1.1333, 1.2)
+
 IQ4_SEARCHES = {
-    "fast": Iq4Search(targets=_both_ends((0.8, 0.8667, 0.9333, 1.0, 1.0667, 1.1333, 1.2))),
+    "fast": Iq4Search(targets=_both_ends(_FAST_FACTORS)),
+    "lean": Iq4Search(targets=_both_ends(_FAST_FACTORS), level_options=1),
     "thorough": Iq4Search(
         targets=_both_ends(iq4._FACTORS.tolist()), super_factors=tuple(iq4._SUPER_FACTORS.tolist()), rounds=3
     ),
@@ -1182,7 +1185,10 @@ block over the same range, one super-block scale at each end, one refit: 0.3-0.4
 1.139x; docs/performance.md, "The IQ4 search at load speed"). "exact": thorough's super-block stage after the exact
 breakpoint sweep of each block's scale over the same 0.8-1.2 (every segment of constant codes; 0.000-0.003% less
 squared error than thorough, about 0.8x its speed, SmolLM2 1.121x, MiniLM 0.9858; docs/performance.md, issues #30 and
-#32, tenth session). "exhaustive" is the torch codec's search (`block_quantize`'s C port of `iq4.quantize_iq4_xs`, its
+#32, tenth session). "lean": fast's candidates with one 6-bit level per block (the nearest to scale / d) instead of
+three: IQ4_XS in 18 passes over each weight instead of 24 (1.30x fast's one-thread speed on AVX2), IQ4_NL's bytes
+unchanged; 0.25-0.27% more squared error on SmolLM2's and MiniLM's IQ4_XS layers, SmolLM2 1.103x (fast 1.107x),
+MiniLM 0.9857 (fast 0.9859; docs/performance.md, twenty-fourth session). "exhaustive" is the torch codec's search (`block_quantize`'s C port of `iq4.quantize_iq4_xs`, its
 bytes bit for bit)."""
 
 

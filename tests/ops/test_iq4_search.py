@@ -6,6 +6,7 @@ breakpoint sweep ("exact") finds what a dense scan finds, its "thorough" candida
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -190,8 +191,8 @@ def test_every_body_gives_the_same_bytes(bodies_by_isa, setting, body):
 
 # The fast search against the exhaustive one (iq4_search="exhaustive", the torch codec's bytes): relative
 # squared error at most this much higher. Measured: SmolLM2 / MiniLM layers +0.3-0.4% (fast), 0.00% (thorough);
-# docs/performance.md, "The IQ4 search at load speed".
-BOUND = {"fast": 1.04, "thorough": 1.005, "exact": 1.005}
+# docs/performance.md, "The IQ4 search at load speed"; lean's IQ4_XS +0.25-0.27% over fast's (twenty-fourth session).
+BOUND = {"fast": 1.04, "lean": 1.045, "thorough": 1.005, "exact": 1.005}
 
 
 def _exhaustive(name, weight):
@@ -199,7 +200,7 @@ def _exhaustive(name, weight):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("search", ["fast", "thorough", "exact"])
+@pytest.mark.parametrize("search", ["fast", "lean", "thorough", "exact"])
 def test_error_within_bound_of_the_exhaustive_search_on_random_rows(name, search):
     weight = _rows("normal", rows=64, k=1024)
     old = _relative_error(name, _exhaustive(name, weight), weight)
@@ -208,7 +209,7 @@ def test_error_within_bound_of_the_exhaustive_search_on_random_rows(name, search
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("search", ["fast", "thorough", "exact"])
+@pytest.mark.parametrize("search", ["fast", "lean", "thorough", "exact"])
 @pytest.mark.slow  # builds the SmolLM2 fixture on first use
 def test_error_within_bound_of_the_exhaustive_search_on_real_rows(name, search):
     from safetensors import safe_open
@@ -256,7 +257,7 @@ def test_block_quantize_takes_the_thorough_search_unless_told():
         HfQuantConfig(format="iq4_xs", iq4_search="quick")
 
 
-@pytest.mark.parametrize("search", ["fast", "exhaustive"])
+@pytest.mark.parametrize("search", ["fast", "lean", "exhaustive"])
 def test_the_config_field_reaches_quantize_on_load(search):
     """`HfQuantConfig(iq4_search=...)` is saved in config.json and decides the bytes a load writes (through the
     transformers quantizer's `quantize_on_load`)."""
@@ -309,3 +310,19 @@ def test_out_threads_and_a_checked_weight_give_the_same_bytes():
         assert torch.equal(native.iq4_quantize(name, weight, importance, threads=2), expected)
         with pytest.raises(ValueError, match=r"\(70, "):
             native.iq4_quantize(name, weight, out=stored[:69])
+
+
+def test_lean_is_fast_with_one_level_per_block():
+    """ "lean" keeps fast's block scales and super-block candidates and tries one 6-bit level per IQ4_XS block (the
+    nearest to scale / d) instead of three: IQ4_NL's bytes are fast's, IQ4_XS's differ and err a little more (on
+    SmolLM2's and MiniLM's layers 0.25-0.27%; on these heavy-tailed random rows 3.4%)."""
+    fast, lean = native.IQ4_SEARCHES["fast"], native.IQ4_SEARCHES["lean"]
+    assert lean == dataclasses.replace(fast, level_options=1)
+    weight = _rows("heavy-tailed", rows=64, k=1024)
+    assert torch.equal(
+        native.iq4_quantize("iq4_nl", weight, search=lean), native.iq4_quantize("iq4_nl", weight, search=fast)
+    )
+    by_fast, by_lean = (native.iq4_quantize("iq4_xs", weight, search=s) for s in (fast, lean))
+    assert not torch.equal(by_fast, by_lean)
+    errors = [_relative_error("iq4_xs", data, weight) for data in (by_fast, by_lean)]
+    assert errors[1] <= 1.05 * errors[0], errors
