@@ -606,17 +606,17 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "iq4_search",
         "how iq4_xs and iq4_nl blocks are searched when quantizing (not stored; the bytes differ, not the format): "
-        "'fast' (the default: 14 scales per block, one super-block scale per grid end; SmolLM2 iq4_xs perplexity "
-        "1.106x bf16 with the default importance, 1.139x with 'weights'), 'thorough' (the exhaustive search's "
-        "candidates in C, 42 scales per block of 32 and 10 super-block scales: about 2.6x slower, 0.996x the squared "
-        "error, SmolLM2 1.102x / 1.120x), 'lean' (fast's scales with one 6-bit level per iq4_xs block instead of "
-        "three: 18 passes over each weight instead of 24, 1.3x fast's search speed, iq4_nl bytes unchanged, 1.0025x "
-        "fast's iq4_xs squared error; SmolLM2 1.103x, MiniLM 0.9857 against fast's 1.107x / 0.9859), 'exact' (thorough's "
+        "'lean' (the default: 14 scales per block, one super-block scale per grid end, the 6-bit level nearest each "
+        "iq4_xs block's scale; SmolLM2 perplexity 1.103x bf16, MiniLM cosine 0.9857), 'fast' (lean with three 6-bit "
+        "levels per iq4_xs block: 24 passes over each weight instead of 18, the quantize-on-load CPU 1.19x lean's, "
+        "0.9975x its squared error, SmolLM2 1.107x, MiniLM 0.9859; iq4_nl bytes the same), 'thorough' (the "
+        "exhaustive search's candidates in C, 42 scales per block of 32 and 10 super-block scales: about 2.6x slower "
+        "than fast, 0.996x its squared error, SmolLM2 1.102x), 'exact' (thorough's "
         "super-block stage after an exact breakpoint sweep of each block's scale: at most 1.00003x less error, "
         "slower) or 'exhaustive' (the torch codec's search, in C: the bytes hfquant writes without its native "
         "library; about 9x slower than thorough); docs/performance.md",
         Iq4SearchMode,
-        Iq4SearchMode.FAST,
+        Iq4SearchMode.LEAN,
         _check_choice,
         legacy=Iq4SearchMode.THOROUGH,
     ),

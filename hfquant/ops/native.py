@@ -1178,8 +1178,8 @@ IQ4_SEARCHES = {
         sweep=(float(iq4._FACTORS[0]), float(iq4._FACTORS[-1])),
     ),
 }
-"""`iq4.SEARCHES`' searches in `csrc/iq4_search_cpu.c` (`HfQuantConfig.iq4_search`): "thorough" (the default: the
-exhaustive search's candidates, 42 scales per block over 0.8-1.2 at both ends of the grid, 10 super-block scales, 3
+"""`iq4.SEARCHES`' searches in `csrc/iq4_search_cpu.c` (`HfQuantConfig.iq4_search`, whose field decides the
+configs' default): "thorough" (`iq4_quantize`'s when none is given: the exhaustive search's candidates, 42 scales per block over 0.8-1.2 at both ends of the grid, 10 super-block scales, 3
 refits; its errors equal the exhaustive search's to 4 digits, SmolLM2 1.120x, MiniLM 0.9859) and "fast" (14 scales per
 block over the same range, one super-block scale at each end, one refit: 0.3-0.4% more squared error but SmolLM2
 1.139x; docs/performance.md, "The IQ4 search at load speed"). "exact": thorough's super-block stage after the exact

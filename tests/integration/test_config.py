@@ -271,7 +271,7 @@ def test_to_json_string_is_unchanged():
     assert HfQuantConfig().to_json_string() == (
         '{\n  "bits": 4,\n  "clipping": "minmax",\n  "compute_dtype": "auto",\n  "decode_activations": "float",\n'
         '  "embedding_dtype": "auto",\n  "fold_column_scales": true,\n  "format": "iq4_xs",\n  "format_version": 1,\n'
-        '  "group_size": 128,\n  "importance": "auto",\n  "iq4_search": "fast",\n'
+        '  "group_size": 128,\n  "importance": "auto",\n  "iq4_search": "lean",\n'
         '  "lm_head": "int8",\n  "method": "sinq",\n  "mixed_precision": "none",\n  "module_overrides": {},\n'
         '  "modules_to_not_convert": [],\n  "norm_dtype": "auto",\n  "quant_method": "hfquant",\n  "symmetric": false\n}\n'
     )
@@ -286,7 +286,7 @@ def test_to_json_string_is_unchanged():
         "format_version": 1,
         "group_size": None,
         "importance": "auto",
-        "iq4_search": "fast",
+        "iq4_search": "lean",
         "lm_head": "keep",
         "method": "rtn",
         "mixed_precision": "none",

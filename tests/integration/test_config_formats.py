@@ -122,7 +122,7 @@ def test_the_4_bit_default_stores_iq4_xs_blocks_an_int8_lm_head_and_reloads_bit_
         "iq4_xs",
         "int8",
         "auto",
-        "fast",
+        "lean",
     )
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -63,7 +63,8 @@ KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 
 SEARCHES = ("thorough", "fast", "lean", "exact", "exhaustive")
 """The IQ4_NL / IQ4_XS searches a quantization may use (`HfQuantConfig(iq4_search=...)`, `hfquant.ops.native`'s
 `block_quantize`): "exhaustive" is this module's (`quantize_iq4_nl` / `quantize_iq4_xs`, ported to C), the others
-are `hfquant.ops.native.IQ4_SEARCHES`' candidates in C. The first is the default."""
+are `hfquant.ops.native.IQ4_SEARCHES`' candidates in C. The first is `native.block_quantize`'s when none is named;
+a quantization config's default is `HfQuantConfig`'s `iq4_search` field's."""
 
 QK_K = 256
 _GRID = Grid(list(KVALUES))
