@@ -1178,18 +1178,18 @@ IQ4_SEARCHES = {
         sweep=(float(iq4._FACTORS[0]), float(iq4._FACTORS[-1])),
     ),
 }
-"""`iq4.SEARCHES`' searches in `csrc/iq4_search_cpu.c` (`HfQuantConfig.iq4_search`, whose field decides the
-configs' default): "thorough" (`iq4_quantize`'s when none is given: the exhaustive search's candidates, 42 scales per block over 0.8-1.2 at both ends of the grid, 10 super-block scales, 3
-refits; its errors equal the exhaustive search's to 4 digits, SmolLM2 1.120x, MiniLM 0.9859) and "fast" (14 scales per
-block over the same range, one super-block scale at each end, one refit: 0.3-0.4% more squared error but SmolLM2
-1.139x; docs/performance.md, "The IQ4 search at load speed"). "exact": thorough's super-block stage after the exact
-breakpoint sweep of each block's scale over the same 0.8-1.2 (every segment of constant codes; 0.000-0.003% less
-squared error than thorough, about 0.8x its speed, SmolLM2 1.121x, MiniLM 0.9858; docs/performance.md, issues #30 and
-#32, tenth session). "lean": fast's candidates with one 6-bit level per block (the nearest to scale / d) instead of
-three: IQ4_XS in 18 passes over each weight instead of 24 (1.30x fast's one-thread speed on AVX2), IQ4_NL's bytes
-unchanged; 0.25-0.27% more squared error on SmolLM2's and MiniLM's IQ4_XS layers, SmolLM2 1.103x (fast 1.107x),
-MiniLM 0.9857 (fast 0.9859; docs/performance.md, twenty-fourth session). "exhaustive" is the torch codec's search (`block_quantize`'s C port of `iq4.quantize_iq4_xs`, its
-bytes bit for bit)."""
+"""`iq4.SEARCHES`' searches in `csrc/iq4_search_cpu.c` (`HfQuantConfig.iq4_search`, whose field decides the configs'
+default): "thorough" (`iq4_quantize`'s when none is given: the exhaustive search's candidates, 42 scales per block over
+0.8-1.2 at both ends of the grid, 10 super-block scales, 3 refits; its errors equal the exhaustive search's to 4 digits,
+SmolLM2 1.120x, MiniLM 0.9859) and "fast" (14 scales per block over the same range, one super-block scale at each end,
+one refit: 0.3-0.4% more squared error but SmolLM2 1.139x; docs/performance.md, "The IQ4 search at load speed").
+"exact": thorough's super-block stage after the exact breakpoint sweep of each block's scale over the same 0.8-1.2
+(every segment of constant codes; 0.000-0.003% less squared error than thorough, about 0.8x its speed, SmolLM2 1.121x,
+MiniLM 0.9858; docs/performance.md, issues #30 and #32, tenth session). "lean": fast's candidates with one 6-bit level
+per block (the nearest to scale / d) instead of three: IQ4_XS in 18 passes over each weight instead of 24 (1.30x fast's
+one-thread speed on AVX2), IQ4_NL's bytes unchanged; 0.25-0.27% more squared error on SmolLM2's and MiniLM's IQ4_XS
+layers, SmolLM2 1.103x (fast 1.107x), MiniLM 0.9857 (fast 0.9859; docs/performance.md, twenty-fourth session).
+"exhaustive" is the torch codec's search (`block_quantize`'s C port of `iq4.quantize_iq4_xs`, its bytes bit for bit)."""
 
 
 IQ4_BODIES = ("portable", "avx2", "avx512")
