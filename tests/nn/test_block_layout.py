@@ -98,6 +98,7 @@ def test_loading_a_state_dict_into_an_interleaved_layer_writes_the_stored_layout
 
 def test_a_tied_embedding_looks_up_rows_in_the_heads_interleaved_weight(monkeypatch):
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    monkeypatch.setenv("HFQUANT_BLOCK_ROWS", "8")  # R8 where the VNNI row kernels would keep the stored rows too
     table = torch.randn(N, 576, generator=torch.Generator().manual_seed(4))
     module = QuantEmbedding.from_float(table, StoredFormat.of_block("iq4_nl"))
     head = QuantLinear(576, N, StoredFormat.of_block("iq4_nl"), bias=False, dtype=torch.bfloat16, device="meta")
@@ -123,6 +124,7 @@ class _QKV(nn.Module):
 
 def test_a_fused_group_of_interleaved_members_gives_each_members_own_bytes(monkeypatch):
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")
+    monkeypatch.setenv("HFQUANT_BLOCK_ROWS", "8")
     block = _QKV()
     assert fused.link_decode_groups(block, QuantLinear) == 1
     for layer in (block.q_proj, block.k_proj, block.v_proj):
@@ -163,6 +165,7 @@ def test_an_r8_gemv_that_disagrees_with_the_row_kernel_keeps_the_stored_layout(m
         return y * 2 if ggml_type & native.BLOCK_ROWS8 else y
 
     monkeypatch.setattr(native, "block_gemv", wrong)
+    monkeypatch.setenv("HFQUANT_BLOCK_ROWS", "8")  # asked for, R8 is still checked first
     block_layout._rows8_works.cache_clear()
     try:
         assert block_layout.rows_for("iq4_nl", 64) == 1
