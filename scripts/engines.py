@@ -20,6 +20,11 @@ Engines:
   worker computes on one core and reserves the other (the "kernel, cores" column, read from its log).
 - `llama.cpp`: `llama-cpp-python` in `<cache>/llama.cpp/.venv-llama`. It builds from source (15-25 minutes on 2 cores),
   so the built wheel is kept in `<cache>/wheels` (or given with `--llama-wheel`) and installed from there afterwards.
+  On a CPU with AMX (Intel Xeon, Sapphire Rapids and later) the default native build's AMX path crashed with a
+  segmentation fault in prompt evaluation (`ggml_backend_amx_mul_mat`, llama.cpp issue 20824; a KVM Xeon,
+  docs/performance.md, twenty-fifth session): build that wheel without it, `CMAKE_ARGS="-DGGML_NATIVE=OFF
+  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON
+  -DGGML_F16C=ON -DGGML_AVX2=ON -DGGML_BMI2=ON"` in the environment of the first run (pip passes it to CMake).
   Each hfquant checkpoint is exported with `hfquant.export_checkpoint(..., format="gguf")` (int8 -> Q8_0, int4
   symmetric -> Q4_0, int4 asymmetric -> Q4_1) and run with `llama_cpp.Llama(model_path=..., n_threads=<cores>)`;
   greedy is `generate(ids, temp=0)` (llama.cpp's greedy sampler). Its own tokenizer's ids for the chat text are
