@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 from benchmarks.methods import BLOCK_TWINS
+from hfquant.ops.machine import isa_flags
 
 __all__ = [
     "TWINS",
@@ -35,6 +37,7 @@ __all__ = [
     "measure",
     "engine_args",
     "engine_env",
+    "crash_hint",
 ]
 
 TWINS = {
@@ -178,6 +181,18 @@ def engine_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+def crash_hint(status: int | None) -> str:
+    """What to add to the error of a llama.cpp worker that exited with `status`: on a CPU with AMX, for a segmentation
+    fault, how to build llama.cpp without it (its native build's AMX matrix product crashed at every prompt of more
+    than one token on an Intel Xeon: llama.cpp issue 20824, docs/performance.md, twenty-fifth session); else ""."""
+    if status != -signal.SIGSEGV or "amx_int8" not in isa_flags():
+        return ""
+    return (
+        "; on this AMX CPU llama.cpp's native build crashes in prompt evaluation (llama.cpp issue 20824): build its "
+        "wheel without AMX as scripts/engines.py's docstring says"
+    )
+
+
 def measure(
     method: str, model: Path, out: Path, python: Path, sizes: dict, quantization_config, timeout: float
 ) -> dict:
@@ -206,7 +221,8 @@ def measure(
     )
     if result is None:
         tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no output)"]
-        return {"error": f"llama.cpp worker exited {done.returncode}: {tail[0][:200]} (see {log})"}
+        hint = crash_hint(done.returncode)
+        return {"error": f"llama.cpp worker exited {done.returncode}: {tail[0][:200]} (see {log}){hint}"}
     result.pop("version", None)
     result.update(
         files_bytes=path.stat().st_size,

@@ -37,10 +37,13 @@ __all__ = ["Worker", "run_rounds", "pair_ratios", "render", "paired_targets", "h
 
 class Worker:
     """One engine in its own process (own session, so that closing it also ends what it started), spoken to by the
-    protocol of the module docstring; its stderr goes to `log`."""
+    protocol of the module docstring; its stderr goes to `log`. `hint(status)` adds to the error of a worker that
+    exited with `status` (e.g. `llama_cpp.crash_hint`)."""
 
-    def __init__(self, name: str, command: list[str], env: dict | None, log: Path):
-        self.name, self.log = name, log
+    def __init__(
+        self, name: str, command: list[str], env: dict | None, log: Path, hint: Callable[[int], str] | None = None
+    ):
+        self.name, self.log, self.hint = name, log, hint
         with open(log, "w") as fh:
             self.proc = subprocess.Popen(
                 command,
@@ -70,7 +73,9 @@ class Worker:
             except queue.Empty:
                 raise TimeoutError(f"{self.name}: no answer within {timeout:g} s (log: {self.log})") from None
             if line is None:
-                raise RuntimeError(f"{self.name}: worker exited with status {self.proc.wait()} (log: {self.log})")
+                status = self.proc.wait()
+                hint = self.hint(status) if self.hint else ""
+                raise RuntimeError(f"{self.name}: worker exited with status {status} (log: {self.log}){hint}")
             if line.startswith("ERROR "):
                 raise RuntimeError(f"{self.name}: {line[6:].strip()} (log: {self.log})")
             if line.startswith(("READY", "TOK_S ")):
@@ -120,6 +125,7 @@ def run_rounds(
     timeout: float,
     log_dir: Path,
     probe: Callable[[], float] | None = None,
+    hints: dict[str, Callable[[int], str]] | None = None,
 ) -> dict:
     """Start every engine (one at a time: a compile takes every core), then `rounds` rounds in which each engine
     decodes once, in `balanced_order`.
@@ -130,6 +136,7 @@ def run_rounds(
         timeout: seconds allowed for a worker's start, and for each of its measurements.
         log_dir: where each worker's stderr goes (`paired-<name>.log`, spaces dropped, '+' as '-').
         probe: called after every round; its value (the memory read bandwidth, GB/s) is kept as `read_gbs`.
+        hints: name -> the `Worker` hint of that engine (what to add when it exits), for those that have one.
 
     Returns:
         {"engines": names, "rounds": [{"order": names, "tok_s": {name: tokens/s}, "read_gbs": float | None}],
@@ -148,7 +155,7 @@ def run_rounds(
     try:
         for name, (command, env) in engines.items():
             log = log_dir / ("paired-" + name.replace(" ", "").replace("+", "-") + ".log")
-            workers[name] = Worker(name, command, env, log)
+            workers[name] = Worker(name, command, env, log, (hints or {}).get(name))
             workers[name].ready(timeout)
         for r in range(rounds):
             order = [names[i] for i in balanced_order(len(names), r)]
@@ -297,7 +304,8 @@ def for_workload(
             server = [str(python), "-c", llama_cpp.SERVER, json.dumps(llama_cpp.engine_args(gguf, sizes))]
             engines[name] = (server, llama_cpp.engine_env())
         print(f"paired rounds: {', '.join(engines)} ...", flush=True)
-        group = run_rounds(engines, args.paired_rounds, args.timeout, Path(args.out) / "logs", probe)
+        hints = dict.fromkeys(ggufs, llama_cpp.crash_hint)
+        group = run_rounds(engines, args.paired_rounds, args.timeout, Path(args.out) / "logs", probe, hints)
         pairs = (pair_ratios(group, m, t) for t in theirs for m in mine)
         group["pairs"] = [pair for pair in pairs if pair is not None]
         groups.append(group)

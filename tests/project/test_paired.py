@@ -4,6 +4,7 @@ hfquant worker itself on a tiny checkpoint. No timing is asserted: the stand-ins
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections import Counter
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from helpers import MERGES_VOCAB, TOKENIZER_VOCAB, tiny_model, tiny_tokenizer
 
-from benchmarks import benchmark, paired
+from benchmarks import benchmark, llama_cpp, paired
 
 
 def _stand_in(rates: list[float], fail_at: int | None = None, error_at_start: bool = False) -> list[str]:
@@ -60,6 +61,21 @@ def test_a_worker_that_dies_keeps_the_rounds_before(tmp_path):
     assert len(result["rounds"]) == 2
     assert "mine: worker exited with status 3" in result["error"]
     assert paired.pair_ratios(result, "mine", "theirs")["median"] == pytest.approx(1.5)
+
+
+def test_a_worker_that_dies_gets_its_engines_hint(tmp_path):
+    engines = {"mine": (_stand_in([30.0], fail_at=1), None), "theirs": (_stand_in([20.0]), None)}
+    hints = {"mine": lambda status: f"; hint for {status}"}
+    result = paired.run_rounds(engines, rounds=3, timeout=60, log_dir=tmp_path, hints=hints)
+    assert result["error"].endswith("; hint for 3")
+
+
+def test_the_llama_cpp_crash_hint_names_amx_only_for_a_segfault_on_an_amx_cpu(monkeypatch):
+    monkeypatch.setattr(llama_cpp, "isa_flags", lambda: ["avx2", "avx512f", "amx_int8"])
+    assert "without AMX" in llama_cpp.crash_hint(-signal.SIGSEGV)
+    assert llama_cpp.crash_hint(1) == "" and llama_cpp.crash_hint(-signal.SIGKILL) == ""
+    monkeypatch.setattr(llama_cpp, "isa_flags", lambda: ["avx2", "avx512f"])
+    assert llama_cpp.crash_hint(-signal.SIGSEGV) == ""
 
 
 def test_a_worker_error_and_a_silent_worker_are_reported(tmp_path):
