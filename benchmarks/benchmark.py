@@ -757,6 +757,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with --compile) in N rounds of back-to-back decodes, each engine loaded once in its own "
         "process (benchmarks/paired.py; the other 4-bit groups also run Q4_0); default 0: off",
     )
+    p.add_argument(
+        "--paired-pause",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="sleep before each paired measurement (default 0: back to back; 5 on AMX CPUs, where a llama.cpp "
+        "decode slows the next one: docs/performance.md)",
+    )
     p.add_argument("--_worker", dest="worker", choices=("eager", "compile"), help=argparse.SUPPRESS)
     p.add_argument("--_method", dest="method", help=argparse.SUPPRESS)
     p.add_argument("--_workload", dest="workload_name", help=argparse.SUPPRESS)
@@ -795,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = _parse_methods(args.methods, parser)
     if args.paired_rounds < 0:
         parser.error(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
+    if not args.paired_pause >= 0:
+        parser.error(f"--paired-pause must be >= 0 seconds, got {args.paired_pause}")
 
     import torch
     import transformers
@@ -901,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
             report += [
                 "",
                 f"Paired decode rounds ({args.paired_rounds} per group; every engine loaded once, one decode "
-                "each per round, back to back, order changing; ratio per round, then the median):",
+                f"each per round, {f'{args.paired_pause:g} s apart' if args.paired_pause else 'back to back'}, "
+                "order changing; ratio per round, then the median):",
                 "",
                 paired.render(entry["paired"]),
             ]

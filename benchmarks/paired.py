@@ -126,6 +126,7 @@ def run_rounds(
     log_dir: Path,
     probe: Callable[[], float] | None = None,
     hints: dict[str, Callable[[int], str]] | None = None,
+    pause: float = 0.0,
 ) -> dict:
     """Start every engine (one at a time: a compile takes every core), then `rounds` rounds in which each engine
     decodes once, in `balanced_order`.
@@ -137,6 +138,10 @@ def run_rounds(
         log_dir: where each worker's stderr goes (`paired-<name>.log`, spaces dropped, '+' as '-').
         probe: called after every round; its value (the memory read bandwidth, GB/s) is kept as `read_gbs`.
         hints: name -> the `Worker` hint of that engine (what to add when it exits), for those that have one.
+        pause: seconds of sleep before each measurement. On an Intel Xeon with AMX a llama.cpp AMX decode slowed the
+            measurement right after it by about 27% for seconds (hfquant's 1.2B default: 26.9 against 36-38 tok/s
+            alone); with 5 s before each, both engines measured at their speed alone (docs/performance.md,
+            twenty-fifth session). 0: back to back.
 
     Returns:
         {"engines": names, "rounds": [{"order": names, "tok_s": {name: tokens/s}, "read_gbs": float | None}],
@@ -159,7 +164,11 @@ def run_rounds(
             workers[name].ready(timeout)
         for r in range(rounds):
             order = [names[i] for i in balanced_order(len(names), r)]
-            tok_s = {name: workers[name].decode(timeout) for name in order}
+            tok_s = {}
+            for name in order:
+                if pause > 0:
+                    time.sleep(pause)
+                tok_s[name] = workers[name].decode(timeout)
             done.append({"order": order, "tok_s": tok_s, "read_gbs": probe() if probe else None})
         error = None
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -305,7 +314,9 @@ def for_workload(
             engines[name] = (server, llama_cpp.engine_env())
         print(f"paired rounds: {', '.join(engines)} ...", flush=True)
         hints = dict.fromkeys(ggufs, llama_cpp.crash_hint)
-        group = run_rounds(engines, args.paired_rounds, args.timeout, Path(args.out) / "logs", probe, hints)
+        group = run_rounds(
+            engines, args.paired_rounds, args.timeout, Path(args.out) / "logs", probe, hints, args.paired_pause
+        )
         pairs = (pair_ratios(group, m, t) for t in theirs for m in mine)
         group["pairs"] = [pair for pair in pairs if pair is not None]
         groups.append(group)

@@ -70,6 +70,17 @@ def test_a_worker_that_dies_gets_its_engines_hint(tmp_path):
     assert result["error"].endswith("; hint for 3")
 
 
+def test_a_pause_comes_before_every_measurement(tmp_path, monkeypatch):
+    slept = []
+    monkeypatch.setattr(paired.time, "sleep", slept.append)
+    engines = {"mine": (_stand_in([30.0]), None), "theirs": (_stand_in([20.0]), None)}
+    result = paired.run_rounds(engines, rounds=3, timeout=60, log_dir=tmp_path, pause=2.5)
+    assert len(result["rounds"]) == 3 and slept == [2.5] * 6
+    slept.clear()
+    paired.run_rounds(engines, rounds=2, timeout=60, log_dir=tmp_path)
+    assert slept == []
+
+
 def test_the_llama_cpp_crash_hint_names_amx_only_for_a_segfault_on_an_amx_cpu(monkeypatch):
     monkeypatch.setattr(llama_cpp, "isa_flags", lambda: ["avx2", "avx512f", "amx_int8"])
     assert "without AMX" in llama_cpp.crash_hint(-signal.SIGSEGV)
