@@ -363,7 +363,7 @@ def test_compiled_decoding_with_a_padded_mask_reads_the_mask(folder):
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     # the eager reference over a static cache of the compiled one's length: SDPA's CPU kernel may split a longer
-    # cache's keys into other blocks (AVX-512 CPUs do), and sum in another order
+    # cache's keys into other blocks and sum in another order (it did on an Intel Xeon with AVX-512)
     settings = dict(attention_mask=mask, cache_implementation="static", max_cache_len=32)
     eager = _generate(model, ids, steps, disable_compile=True, **settings)
     torch._dynamo.reset()
