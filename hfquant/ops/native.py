@@ -59,8 +59,10 @@ __all__ = [
     "block_gemv_group",
     "block_dequantize_t",
     "BLOCK_ROWS8",
+    "BLOCK_ROWS16",
     "block_interleave",
     "block_rows8_supported",
+    "block_rows16_supported",
     "KQUANT_TYPES",
     "kquant_quantize",
     "BLOCK_QUANTIZE_TYPES",
@@ -814,8 +816,17 @@ of an IQ4_NL (20), IQ4_XS (23) or Q3_K (11) weight whose groups of 8 rows `block
 block, accepted by `block_gemv`, `block_gemv_group` (where `block_rows8_supported`) and `block_dequantize_t` (any
 x86-64 CPU)."""
 
+BLOCK_ROWS16 = 1 << 17
+"""Flag of the R16 compute layout (`csrc/blocks_cpu.c`, after r8_offset): `23 | BLOCK_ROWS16` is the type code of an
+IQ4_XS weight whose groups of 16 rows `block_interleave(..., rows=16)` interleaved super-block by super-block,
+accepted by `block_gemv`, `block_gemv_group` (where `block_rows16_supported`: the AVX512-VNNI body) and
+`block_dequantize_t` (any x86-64 CPU)."""
+
 _R8_LAYOUTS = {blocks.layout(name).ggml_type: blocks.layout(name) for name in ("iq4_nl", "iq4_xs", "q3_k")}
 """The GGUF types with an R8 layout (IQ4_NL, IQ4_XS, Q3_K) and their block layouts."""
+
+_R16_LAYOUTS = {blocks.layout("iq4_xs").ggml_type: blocks.layout("iq4_xs")}
+"""The GGUF types with an R16 layout (IQ4_XS) and their block layouts."""
 
 
 def block_rows8_supported(ggml_type: int) -> bool:
@@ -830,32 +841,52 @@ def block_rows8_supported(ggml_type: int) -> bool:
     )
 
 
+def block_rows16_supported(ggml_type: int) -> bool:
+    """Whether the R16 GEMV runs here for the plain GGUF type `ggml_type` (IQ4_XS 23): an x86-64 CPU whose block GEMVs
+    run the AVX512-VNNI body. Whether a layer is interleaved is `block_layout.rows_for`'s decision."""
+    library = built_library()
+    return (
+        ggml_type in _R16_LAYOUTS
+        and library is not None
+        and bool(library.hfquant_block_gemv_supported(ggml_type | BLOCK_ROWS16))
+    )
+
+
 def block_interleave(
-    weight: torch.Tensor, in_features: int, ggml_type: int, inverse: bool = False, out: torch.Tensor | None = None
+    weight: torch.Tensor,
+    in_features: int,
+    ggml_type: int,
+    inverse: bool = False,
+    out: torch.Tensor | None = None,
+    rows: int = 8,
 ) -> torch.Tensor:
-    """The bytes of a GGUF-layout IQ4_NL / IQ4_XS / Q3_K weight permuted into the R8 compute layout (inverse=False), or
-    an R8 weight's back into GGUF's layout (inverse=True); `csrc/blocks_cpu.c` documents where each byte goes. An exact
-    permutation: `block_interleave(block_interleave(w, k, t), k, t, inverse=True)` equals w for any bytes.
+    """The bytes of a GGUF-layout IQ4_NL / IQ4_XS / Q3_K weight permuted into the R8 compute layout (rows=8), or of an
+    IQ4_XS weight into the R16 layout (rows=16) (inverse=False), or such a weight's back into GGUF's layout
+    (inverse=True); `csrc/blocks_cpu.c` documents where each byte goes. An exact permutation:
+    `block_interleave(block_interleave(w, k, t, rows=r), k, t, inverse=True, rows=r)` equals w for any bytes.
 
     Args:
-        weight: (N, K // block_size * type_size) uint8 (made contiguous if it is not), N a multiple of 8.
+        weight: (N, K // block_size * type_size) uint8 (made contiguous if it is not), N a multiple of `rows`.
         in_features: K, a multiple of the type's block size (32 for IQ4_NL, 256 for IQ4_XS and Q3_K).
         ggml_type: the plain GGUF type, 20 (IQ4_NL), 23 (IQ4_XS) or 11 (Q3_K); the result's type code is `ggml_type |
-            BLOCK_ROWS8` (forward) or `ggml_type` (inverse).
+            BLOCK_ROWS8` (R8) or `ggml_type | BLOCK_ROWS16` (R16) forward, `ggml_type` inverse.
         out: a contiguous uint8 tensor of weight's shape, not sharing its memory, to write the result into (default:
             a new one).
+        rows: 8 (R8) or 16 (R16, IQ4_XS only).
     Returns:
         `out`, or a new contiguous uint8 tensor of weight's shape.
     Raises:
-        ValueError: a type without an R8 layout, N not a multiple of 8, K not whole blocks, or weight not (N, row bytes)
-            uint8 (the message names the value).
+        ValueError: rows not 8 or 16, a type without that layout, N not a multiple of `rows`, K not whole blocks, or
+            weight not (N, row bytes) uint8 (the message names the value).
         RuntimeError: the native library is unavailable.
     """
-    if ggml_type not in _R8_LAYOUTS:
-        raise ValueError(
-            f"block_interleave: GGUF type {ggml_type} has no R8 layout (IQ4_NL 20, IQ4_XS 23, Q3_K 11 have)"
-        )
-    layout = _R8_LAYOUTS[ggml_type]
+    layouts = {8: _R8_LAYOUTS, 16: _R16_LAYOUTS}.get(rows)
+    if layouts is None:
+        raise ValueError(f"block_interleave: rows={rows} is not an interleaved layout; use 8 (R8) or 16 (R16)")
+    if ggml_type not in layouts:
+        have = "IQ4_NL 20, IQ4_XS 23, Q3_K 11 have" if rows == 8 else "IQ4_XS 23 has"
+        raise ValueError(f"block_interleave: GGUF type {ggml_type} has no R{rows} layout ({have})")
+    layout = layouts[ggml_type]
     if not layout.divides(in_features):
         raise ValueError(
             f"block_interleave: in_features {in_features} is not a positive multiple of {layout.block_size}"
@@ -866,8 +897,8 @@ def block_interleave(
             f"block_interleave: weight must be (N, {row_bytes}) uint8 for K={in_features}, got {weight.dtype} "
             f"{tuple(weight.shape)}"
         )
-    if weight.shape[0] % 8:
-        raise ValueError(f"block_interleave: N {weight.shape[0]} is not a multiple of 8")
+    if weight.shape[0] % rows:
+        raise ValueError(f"block_interleave: N {weight.shape[0]} is not a multiple of {rows}")
     library = _loaded_library(any_x86=True)
     src = weight.contiguous()
     dst = torch.empty_like(src) if out is None else out
@@ -877,8 +908,9 @@ def block_interleave(
         )
     if out is not None and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
         raise ValueError("block_interleave: out shares the weight's memory; the permutation needs distinct buffers")
+    code = ggml_type | BLOCK_ROWS16 if rows == 16 else ggml_type
     status = library.hfquant_block_interleave(
-        src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, ggml_type, int(bool(inverse))
+        src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, code, int(bool(inverse))
     )
     if status:
         raise ValueError(f"block_interleave refused N={src.shape[0]}, K={in_features}, GGUF type {ggml_type}")

@@ -1,7 +1,7 @@
 """A block-format layer whose one-row kernel is the block GEMV holds its weight with rows interleaved by 8 where the
-R8 GEMV runs (`hfquant.ops.block_layout`, IQ4_NL, IQ4_XS and Q3_K on the AVX2 body): every path that reads the bytes as
-stored (save, dequantize, prefill, backward, a tied embedding's lookup, a fused group) gives what the stored layout
-gives, and saving writes the stored bytes exactly."""
+R8 GEMV runs (`hfquant.ops.block_layout`, IQ4_NL, IQ4_XS and Q3_K on the AVX2 body), or IQ4_XS by 16 where the R16 GEMV
+runs (AVX512-VNNI): every path that reads the bytes as stored (save, dequantize, prefill, backward, a tied embedding's
+lookup, a fused group) gives what the stored layout gives, and saving writes the stored bytes exactly."""
 
 from __future__ import annotations
 
@@ -22,7 +22,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 N = 72
-CASES = [("iq4_nl", 576), ("iq4_xs", 512), ("q3_k", 512)]
+runs_r16 = pytest.mark.skipif(
+    not native.block_rows16_supported(23), reason="the R16 GEMV needs the AVX512-VNNI body of the block GEMVs"
+)
+CASES = [
+    ("iq4_nl", 576, "8", N),
+    ("iq4_xs", 512, "8", N),
+    ("q3_k", 512, "8", N),
+    pytest.param("iq4_xs", 512, "16", 80, marks=runs_r16),
+]
+"""(type, K, HFQUANT_BLOCK_ROWS, N): each interleaved layout of each type that has one."""
 
 
 def _weight(k: int, n: int = N, seed: int = 0) -> torch.Tensor:
@@ -30,7 +39,8 @@ def _weight(k: int, n: int = N, seed: int = 0) -> torch.Tensor:
 
 
 def _layer(monkeypatch, name: str, k: int, rows: str, n: int = N) -> QuantLinear:
-    """A prepared layer of `name`, its layout forced by HFQUANT_BLOCK_ROWS=`rows` ("1" stored, "8" interleaved)."""
+    """A prepared layer of `name`, its layout forced by HFQUANT_BLOCK_ROWS=`rows` ("1" stored, "8" / "16"
+    interleaved)."""
     monkeypatch.setenv("HFQUANT_KERNEL_CHOICE", "native")  # no timing in tests
     monkeypatch.setenv("HFQUANT_BLOCK_ROWS", rows)
     layer = QuantLinear.from_float(_weight(k, n), None, StoredFormat.of_block(name))
@@ -43,20 +53,20 @@ def _rows(k: int, m: int, seed: int = 1) -> torch.Tensor:
     return torch.randn((1, m, k), generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize(("name", "k"), CASES)
-def test_the_interleaved_weight_saves_and_dequantizes_as_stored(monkeypatch, name, k):
-    stored = _layer(monkeypatch, name, k, "1")
-    layer = _layer(monkeypatch, name, k, "8")
+@pytest.mark.parametrize(("name", "k", "rows", "n"), CASES)
+def test_the_interleaved_weight_saves_and_dequantizes_as_stored(monkeypatch, name, k, rows, n):
+    stored = _layer(monkeypatch, name, k, "1", n)
+    layer = _layer(monkeypatch, name, k, rows, n)
     assert not torch.equal(layer.weight, stored.weight)  # the kernel's layout is another byte order
     assert torch.equal(layer.state_dict()["weight"], stored.weight)
     assert torch.equal(layer.stored_weight(), stored.weight)
     assert torch.equal(layer.dequantize(), stored.dequantize())
 
 
-@pytest.mark.parametrize(("name", "k"), CASES)
-def test_one_row_agrees_with_the_row_kernel_and_many_rows_are_the_same_floats(monkeypatch, name, k):
-    stored = _layer(monkeypatch, name, k, "1")
-    layer = _layer(monkeypatch, name, k, "8")
+@pytest.mark.parametrize(("name", "k", "rows", "n"), CASES)
+def test_one_row_agrees_with_the_row_kernel_and_many_rows_are_the_same_floats(monkeypatch, name, k, rows, n):
+    stored = _layer(monkeypatch, name, k, "1", n)
+    layer = _layer(monkeypatch, name, k, rows, n)
     with torch.inference_mode():
         one = _rows(k, 1)
         got, want = layer(one).float(), stored(one).float()
@@ -66,25 +76,25 @@ def test_one_row_agrees_with_the_row_kernel_and_many_rows_are_the_same_floats(mo
         assert torch.equal(layer(many), stored(many))
 
 
-@pytest.mark.parametrize(("name", "k"), CASES)
-def test_the_backward_reads_the_stored_weights(monkeypatch, name, k):
+@pytest.mark.parametrize(("name", "k", "rows", "n"), CASES)
+def test_the_backward_reads_the_stored_weights(monkeypatch, name, k, rows, n):
     grads = []
-    for rows in ("1", "8"):
-        layer = _layer(monkeypatch, name, k, rows)
+    for setting in ("1", rows):
+        layer = _layer(monkeypatch, name, k, setting, n)
         x = _rows(k, 3).requires_grad_(True)
         layer(x).float().square().sum().backward()
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize(("name", "k"), CASES)
-def test_the_torch_readers_of_the_interleaved_bytes_give_the_stored_rows(monkeypatch, name, k):
-    stored = _layer(monkeypatch, name, k, "1").weight
-    weight = _layer(monkeypatch, name, k, "8").weight
-    assert torch.equal(block_layout.storage_rows(weight, k, name, 8, 3, 45), stored[3:45])
-    assert torch.equal(block_layout.storage_rows(weight, k, name, 8, 0, N), stored)
+@pytest.mark.parametrize(("name", "k", "rows", "n"), CASES)
+def test_the_torch_readers_of_the_interleaved_bytes_give_the_stored_rows(monkeypatch, name, k, rows, n):
+    stored = _layer(monkeypatch, name, k, "1", n).weight
+    weight = _layer(monkeypatch, name, k, rows, n).weight
+    assert torch.equal(block_layout.storage_rows(weight, k, name, int(rows), 3, 45), stored[3:45])
+    assert torch.equal(block_layout.storage_rows(weight, k, name, int(rows), 0, n), stored)
     index = torch.tensor([0, 17, 71, 5, 17])
-    assert torch.equal(block_layout.gather_rows(weight, k, name, 8, index), stored[index])
+    assert torch.equal(block_layout.gather_rows(weight, k, name, int(rows), index), stored[index])
 
 
 def test_loading_a_state_dict_into_an_interleaved_layer_writes_the_stored_layout(monkeypatch):
@@ -149,12 +159,25 @@ def test_a_bad_layout_setting_is_named(monkeypatch):
 
 @pytest.mark.parametrize(("setting", "vnni", "rows"), [("", False, 8), ("", True, 1), ("8", True, 8), ("1", False, 1)])
 def test_the_vnni_row_kernels_keep_the_stored_layout_unless_r8_is_asked(monkeypatch, setting, vnni, rows):
-    # where the AVX512-VNNI row kernels run, a plan keeps the stored rows; HFQUANT_BLOCK_ROWS=8 interleaves anyway
+    # where the AVX512-VNNI row kernels run, a plan keeps IQ4_NL's stored rows; HFQUANT_BLOCK_ROWS=8 interleaves anyway
     # (the R8 GEMVs run there on their AVX2 bodies, as for a model interleaved on an AVX2 CPU and pickled)
     monkeypatch.setenv("HFQUANT_BLOCK_ROWS", setting)
     monkeypatch.setattr(block_layout, "_row_kernels_preferred", lambda: vnni)
     assert block_layout.rows_for("iq4_nl", 64) == rows
     assert block_layout.rows_for("iq4_nl", 60) == 1
+
+
+@runs_r16
+@pytest.mark.parametrize(
+    ("setting", "vnni", "rows"), [("", True, 16), ("", False, 8), ("16", False, 16), ("1", True, 1)]
+)
+def test_iq4_xs_takes_r16_where_the_vnni_body_runs(monkeypatch, setting, vnni, rows):
+    # IQ4_XS: R16 by default where the AVX512-VNNI body runs, whole groups of 16 rows only (else the stored rows)
+    monkeypatch.setenv("HFQUANT_BLOCK_ROWS", setting)
+    monkeypatch.setattr(block_layout, "_row_kernels_preferred", lambda: vnni)
+    assert block_layout.rows_for("iq4_xs", 64) == rows
+    assert block_layout.rows_for("iq4_xs", 72) == (8 if rows == 8 else 1)
+    assert block_layout.rows_for("q3_k", 64) == (1 if vnni or setting in ("1", "16") else 8)  # no R16 layout
 
 
 def test_an_r8_gemv_that_disagrees_with_the_row_kernel_keeps_the_stored_layout(monkeypatch, caplog):
@@ -166,9 +189,9 @@ def test_an_r8_gemv_that_disagrees_with_the_row_kernel_keeps_the_stored_layout(m
 
     monkeypatch.setattr(native, "block_gemv", wrong)
     monkeypatch.setenv("HFQUANT_BLOCK_ROWS", "8")  # asked for, R8 is still checked first
-    block_layout._rows8_works.cache_clear()
+    block_layout._rows_work.cache_clear()
     try:
         assert block_layout.rows_for("iq4_nl", 64) == 1
         assert "disagrees" in caplog.text
     finally:
-        block_layout._rows8_works.cache_clear()
+        block_layout._rows_work.cache_clear()

@@ -847,6 +847,80 @@ BK_TARGET static float BK_NAME(row_iq4_xs_)(const uint8_t *w, const ActRow *a, i
     const __m512 sum = _mm512_add_ps(acc[0], acc[1]);
     return BK_NAME(hsum_)(_mm256_add_ps(BK_NAME(half512_)(sum, 0), BK_NAME(half512_)(sum, 1)));
 }
+
+/* IQ4_XS in the R16 layout (blocks_cpu.c, after r8_offset): one group of 16 rows (w: its first R16 block of 2176
+ * bytes) -> the 16 rows' float sums, int32 / float lane r row r's. Per 32-weight sub-block s: four 64-byte chunks of
+ * codes (4 code bytes of each of the 16 rows), their low and high nibbles on the unsigned grid gu (grid + 128) dotted
+ * with one broadcast of 4 activations each by vpdpbusd, the lanes started from -128 times the sub-block's activation
+ * sum (ActRow.sums32: the signed dot, as row_iq4_xs_'s startxs); at most 32 * 127 * 127 in magnitude, exact in float;
+ * converted and times the 16 rows' scale - 32 (one vector per sub-block, from the rows' scales_l and scales_h) into
+ * the super-block's float sums, which are times the rows' d * dx (one vcvtph2ps) into the total. Against the row
+ * kernel: the same integers per sub-block, another float order (within float32 summation and one bfloat16 step).
+ * Why: the row kernel spends per 64 bytes of codes a lane permute of the block scales, a 2-line load and an insert;
+ * here the scales are lanes and the activations broadcasts (memory operands), about 0.7 of its vector instructions:
+ * 1.5x its GB/s in the L2, 1.13-1.16x from memory on the 1.2B's layer shapes at one and two threads (an AVX-512
+ * Xeon, docs/performance.md, issue #32, twenty-sixth session). The stream is asked for one line per 64-byte chunk,
+ * R16_AHEAD bytes ahead, into the L2 (prefetcht1): asking for a super-block's 34 lines at once at its start measured
+ * 0.73-0.92x the row kernel there, whatever the distance or hint. */
+#ifndef R16_HINT
+#define R16_HINT _MM_HINT_T1
+#endif
+#ifndef R16_AHEAD
+#define R16_AHEAD 4096
+#endif
+BK_TARGET BK_INLINE __m512 BK_NAME(r16_iq4_xs_)(const uint8_t *w, const ActRow *a, int64_t nb) {
+    const __m512i gu = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)),
+                                        _mm512_set1_epi8((char)0x80));
+    const __m512i low = _mm512_set1_epi8(0x0F), nibble = _mm512_set1_epi32(0x0F), two_bits = _mm512_set1_epi32(0x30);
+    const __m512i thirty_two = _mm512_set1_epi32(32);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 2176) {
+        _mm_prefetch((const char *)(w + R16_AHEAD), R16_HINT);
+        _mm_prefetch((const char *)(w + R16_AHEAD + 64), R16_HINT);
+        const __m512 dd = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w)),
+                                        _mm512_set1_ps(a->d[b]));
+        const __m512i lows = _mm512_loadu_si512((const void *)(w + 64));
+        const __m512i highs = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 32))), 4);
+        const int8_t *q = a->q + 256 * b;
+        __m512 sums = _mm512_setzero_ps();
+        for (int s = 0; s < 8; s++) {
+            const __m512i six = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lows, 4 * s), nibble),
+                                                _mm512_and_si512(_mm512_srli_epi32(highs, 2 * s), two_bits));
+            const __m512 scale = _mm512_cvtepi32_ps(_mm512_sub_epi32(six, thirty_two));
+            __m512i p = _mm512_set1_epi32(-128 * a->sums32[8 * b + s]);
+            const uint8_t *c = w + 128 + 256 * s;
+            for (int j = 0; j < 4; j++) {
+                _mm_prefetch((const char *)(c + 64 * j + R16_AHEAD), R16_HINT);
+                const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * j));
+                const __m512i lo = _mm512_shuffle_epi8(gu, _mm512_and_si512(v, low));
+                const __m512i hi = _mm512_shuffle_epi8(gu, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                int32_t x_lo, x_hi;
+                memcpy(&x_lo, q + 32 * s + 4 * j, 4);
+                memcpy(&x_hi, q + 32 * s + 16 + 4 * j, 4);
+                p = _mm512_dpbusd_epi32(p, lo, _mm512_set1_epi32(x_lo));
+                p = _mm512_dpbusd_epi32(p, hi, _mm512_set1_epi32(x_hi));
+            }
+            sums = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, sums);
+        }
+        acc = _mm512_fmadd_ps(sums, dd, acc);
+    }
+    return acc;
+}
+
+/* the 16 floats of v rounded to bfloat16 at y (float_to_bf16 lane by lane) */
+BK_TARGET static inline void BK_NAME(store16_bf16_)(__m512 v, uint16_t *y) {
+    float f[16];
+    _mm512_storeu_ps(f, v);
+    for (int i = 0; i < 16; i++) y[i] = float_to_bf16(f[i]);
+}
+
+/* one R16 part's rows: the groups of 16 split over the threads of the enclosing OpenMP region (part_rows_'s loop) */
+BK_TARGET static void BK_NAME(r16_rows_)(const uint8_t *weight, const ActRow *a, uint16_t *y, int64_t n,
+                                         int64_t row_bytes, int64_t nb) {
+#pragma omp for schedule(static) nowait
+    for (int64_t g = 0; g < n / 16; g++)
+        BK_NAME(store16_bf16_)(BK_NAME(r16_iq4_xs_)(weight + g * 16 * row_bytes, a, nb), y + 16 * g);
+}
 #else
 /* IQ4_XS's eight 6-bit block scales minus 32 of the super-block at w as 8 int16 (word j: block j's): the 4-bit lows
  * (bytes 4-7) interleaved with their 16-bit shift by 4 and masked (byte j: nibble j % 2 of byte j / 2), the 2-bit
@@ -1502,6 +1576,10 @@ BK_TARGET static void BK_NAME(part_rows_)(int type, const uint8_t *weight, const
     }
 #endif
 #if BK_MASKED
+    if (type > 0 && (type & BLOCK_ROWS16)) { /* groups of 16 interleaved IQ4_XS rows (the GFNI codes are < 0) */
+        BK_NAME(r16_rows_)(weight, a, y, n, row_bytes, nb);
+        return;
+    }
     if (type == Q3_K_GFNI) {
         BK_NAME(q3_k_gfni_rows_)(weight, a, y, n, row_bytes, nb);
         return;

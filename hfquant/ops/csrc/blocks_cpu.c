@@ -42,7 +42,8 @@
  * (biasn; no sign moved onto the activation: 1.27x as fast).
  *
  * IQ4_NL and IQ4_XS weights may also lie in the R8 compute layout (type | BLOCK_ROWS8: 8 rows interleaved block by
- * block, r8_offset below), whose GEMVs (blocks_r8_body.h, the AVX2 body only) serve 8 rows per activation broadcast.
+ * block, r8_offset below), whose GEMVs (blocks_r8_body.h, the AVX2 body only) serve 8 rows per activation broadcast,
+ * and IQ4_XS weights in the R16 layout (BLOCK_ROWS16: 16 rows, r16_offset), whose GEMV is the AVX512-VNNI body's.
  * Written from the block layouts, not from llama.cpp's kernels. Returns 0, 1 for a refused type / shape / CPU
  * (hfquant_block_gemv_supported), 2 when memory runs out.
  */
@@ -75,14 +76,15 @@ enum {
 /* bytes before a row's blocks (HQ3_R's float16 row scale D; GGUF types have none) */
 static inline int64_t row_header(int type) { return type == HQ3_R ? 2 : 0; }
 
-static const int16_t *r8_map(int64_t type);
+static const int16_t *rows_map(int64_t type, int *rows);
 
-/* weights per block and bytes per block of a GGML type (0: not one of ours); an R8 code (type | BLOCK_ROWS8) has its
- * plain type's shape where the type has an R8 layout (r8_map), else none */
+/* weights per block and bytes per block of a GGML type (0: not one of ours); an R8 or R16 code (type | BLOCK_ROWS8,
+ * type | BLOCK_ROWS16) has its plain type's shape where the type has that layout (rows_map), else none */
 static void block_shape(int type, int64_t *block, int64_t *bytes) {
-    if (type & BLOCK_ROWS8) {
-        type &= ~BLOCK_ROWS8;
-        if (r8_map(type) == NULL) type = 0;
+    if (type & (BLOCK_ROWS8 | BLOCK_ROWS16)) {
+        int rows;
+        if (rows_map(type, &rows) == NULL) type = 0;
+        type &= ~(BLOCK_ROWS8 | BLOCK_ROWS16);
     }
     static const int64_t table[][3] = {
         {GGML_Q4_0, 32, 18},  {GGML_Q4_1, 32, 20},   {GGML_Q5_0, 32, 22},   {GGML_Q5_1, 32, 24},
@@ -116,7 +118,12 @@ static void block_shape(int type, int64_t *block, int64_t *bytes) {
  *     (codes of weights 32j + 4t..32j + 4t + 3, j = 0..3) at 112 + 96t + 32 + 4r, qs bytes 32 + 4t..35 + 4t (weights
  *     128 + 32j + 4t..) at 112 + 96t + 64 + 4r: one hmask and two qs loads give all 8 of the rows' codes of 4t..4t + 3
  *     in each 32-weight quarter.
- * r8_offset below is that map; hfquant_block_interleave and the dequantization read it through R8_MAP. ---- */
+ * r8_offset below is that map; hfquant_block_interleave and the dequantization read it through R8_MAP.
+ *
+ * The R16 layout (type | BLOCK_ROWS16, IQ4_XS only) interleaves 16 rows the same way, super-block by super-block (an
+ * "R16 block" of 16 * 136 = 2176 bytes): row r's float16 d at 2r, its scales_h at 32 + 2r, its scales_l at 64 + 4r
+ * (lane r of a 512-bit load), then per sub-block s 256 bytes at 128 + 256s: code byte 4j + i of row r's sub-block s
+ * at 128 + 256s + 64j + 4r + i, so that int32 lane r of a 512-bit load is row r's (r16_offset). ---- */
 
 /* r8_offset of Q3_K (see above) */
 static int r8_offset_q3_k(int r, int i) {
@@ -143,8 +150,18 @@ static int r8_offset(int type, int r, int i) {
     return 64 + 128 * s + 32 * (c / 4) + 4 * r + c % 4;
 }
 
-/* R8_MAP_NL[r][i] / R8_MAP_XS[r][i] / R8_MAP_Q3K[r][i]: r8_offset of the three types, tabled once */
-static int16_t R8_MAP_NL[8][18], R8_MAP_XS[8][136], R8_MAP_Q3K[8][110];
+/* where byte i (0 <= i < 136) of row r's IQ4_XS super-block lies in its R16 block (see above) */
+static int r16_offset(int r, int i) {
+    if (i < 2) return 2 * r + i;             /* d */
+    if (i < 4) return 32 + 2 * r + (i - 2);  /* scales_h */
+    if (i < 8) return 64 + 4 * r + (i - 4);  /* scales_l */
+    const int s = (i - 8) / 16, c = (i - 8) % 16;
+    return 128 + 256 * s + 64 * (c / 4) + 4 * r + c % 4;
+}
+
+/* R8_MAP_NL[r][i] / R8_MAP_XS[r][i] / R8_MAP_Q3K[r][i]: r8_offset of the three types, R16_MAP_XS r16_offset, tabled
+ * once */
+static int16_t R8_MAP_NL[8][18], R8_MAP_XS[8][136], R8_MAP_Q3K[8][110], R16_MAP_XS[16][136];
 
 __attribute__((constructor)) static void r8_map_init(void) {
     for (int r = 0; r < 8; r++) {
@@ -152,21 +169,31 @@ __attribute__((constructor)) static void r8_map_init(void) {
         for (int i = 0; i < 136; i++) R8_MAP_XS[r][i] = (int16_t)r8_offset(GGML_IQ4_XS, r, i);
         for (int i = 0; i < 110; i++) R8_MAP_Q3K[r][i] = (int16_t)r8_offset(GGML_Q3_K, r, i);
     }
+    for (int r = 0; r < 16; r++)
+        for (int i = 0; i < 136; i++) R16_MAP_XS[r][i] = (int16_t)r16_offset(r, i);
 }
 
-/* the map of a plain type with an R8 layout (NULL: none) */
-static const int16_t *r8_map(int64_t type) {
+/* the map of an interleaved type code and its rows per group (NULL: none): type | BLOCK_ROWS16 the R16 layout (IQ4_XS
+ * only), a plain type or type | BLOCK_ROWS8 the R8 layout (IQ4_NL, IQ4_XS, Q3_K) */
+static const int16_t *rows_map(int64_t type, int *rows) {
+    if (type & BLOCK_ROWS16) {
+        *rows = 16;
+        return (type & ~(int64_t)BLOCK_ROWS16) == GGML_IQ4_XS ? &R16_MAP_XS[0][0] : NULL;
+    }
+    *rows = 8;
+    type &= ~(int64_t)BLOCK_ROWS8;
     return type == GGML_IQ4_NL   ? &R8_MAP_NL[0][0]
            : type == GGML_IQ4_XS ? &R8_MAP_XS[0][0]
            : type == GGML_Q3_K   ? &R8_MAP_Q3K[0][0]
                                  : NULL;
 }
 
-/* row `row`'s block b of an R8 weight (rows of row_bytes, blocks of `bytes`) gathered into GGUF's bytes at out */
-static void r8_gather(const uint8_t *weight, int64_t row, int64_t b, int64_t row_bytes, int64_t bytes,
-                      const int16_t *map, uint8_t *out) {
-    const uint8_t *group = weight + (row / 8) * 8 * row_bytes + b * 8 * bytes;
-    const int16_t *m = map + (row % 8) * bytes;
+/* row `row`'s block b of an interleaved weight (groups of `rows` rows of row_bytes, blocks of `bytes`) gathered into
+ * GGUF's bytes at out */
+static void rows_gather(const uint8_t *weight, int64_t row, int64_t b, int64_t row_bytes, int64_t bytes,
+                        const int16_t *map, int rows, uint8_t *out) {
+    const uint8_t *group = weight + (row / rows) * rows * row_bytes + b * rows * bytes;
+    const int16_t *m = map + (row % rows) * bytes;
     for (int64_t i = 0; i < bytes; i++) out[i] = group[m[i]];
 }
 
@@ -199,19 +226,21 @@ static inline void r8_copy(uint8_t *to, const uint8_t *from, int len) {
 }
 
 int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse) {
-    const int16_t *map = r8_map(type);
+    int rows;
+    const int16_t *map = rows_map(type, &rows);
     int64_t block, bytes;
-    block_shape((int)type, &block, &bytes);
-    if (map == NULL || !block || n < 0 || n % 8 || k <= 0 || k % block) return 1;
+    block_shape((int)(type & ~(int64_t)(BLOCK_ROWS8 | BLOCK_ROWS16)), &block, &bytes);
+    if (map == NULL || !block || n < 0 || n % rows || k <= 0 || k % block) return 1;
     const int64_t nb = k / block, row_bytes = nb * bytes;
-    R8Run runs[8][256];
-    int counts[8];
-    for (int r = 0; r < 8; r++) counts[r] = r8_runs(map + r * bytes, bytes, runs[r]);
+    R8Run runs[16][256];
+    int counts[16];
+    for (int r = 0; r < rows; r++) counts[r] = r8_runs(map + r * bytes, bytes, runs[r]);
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < n / 8; g++)
-        for (int64_t r = 0; r < 8; r++)
+    for (int64_t g = 0; g < n / rows; g++)
+        for (int64_t r = 0; r < rows; r++)
             for (int64_t b = 0; b < nb; b++) {
-                const int64_t plain = (8 * g + r) * row_bytes + b * bytes, r8 = 8 * g * row_bytes + b * 8 * bytes;
+                const int64_t plain = (rows * g + r) * row_bytes + b * bytes;
+                const int64_t r8 = rows * g * row_bytes + b * rows * bytes;
                 for (int j = 0; j < counts[r]; j++) {
                     const R8Run run = runs[r][j];
                     if (inverse)
@@ -673,9 +702,10 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
     block_shape((int)type, &block, &bytes);
     if (!block || k <= 0 || k % block || start < 0 || stop > n || start >= stop) return 1;
     const int64_t nb = k / block, cols = stop - start, header = row_header((int)type), row_bytes = header + nb * bytes;
-    /* an R8 weight (type | BLOCK_ROWS8): each block gathered back to its plain type's bytes, then decoded as those */
-    const int plain = (int)(type & ~(int64_t)BLOCK_ROWS8);
-    const int16_t *map = type & BLOCK_ROWS8 ? r8_map(plain) : NULL;
+    /* an R8 or R16 weight: each block gathered back to its plain type's bytes, then decoded as those */
+    const int plain = (int)(type & ~(int64_t)(BLOCK_ROWS8 | BLOCK_ROWS16));
+    int group_rows = 1;
+    const int16_t *map = type & (BLOCK_ROWS8 | BLOCK_ROWS16) ? rows_map(type, &group_rows) : NULL;
     /* A tile of DEQ_TILE rows at a time, block by block: each output row (one input feature) then gets DEQ_TILE
      * adjacent values per write instead of one value per cache line (the transposed writes cost most of the time). */
     enum { DEQ_TILE = 16 };
@@ -689,7 +719,7 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
             for (int64_t t = 0; t < rows; t++) {
                 const uint8_t *row = weight + (r0 + t) * row_bytes;
                 if (map != NULL) {
-                    r8_gather(weight, r0 + t, b, row_bytes, bytes, map, gathered);
+                    rows_gather(weight, r0 + t, b, row_bytes, bytes, map, group_rows, gathered);
                     decode_block(plain, gathered, 0.0f, values[t]);
                     continue;
                 }
@@ -714,6 +744,7 @@ int hfquant_block_gemv_supported(int64_t type) {
      * must still run there, `hfquant_block_gemv_group` takes the AVX2 parts for a call with an R8 part); the plan
      * interleaves only where the VNNI row kernels do not run (native.block_rows8_supported) */
     if (type & BLOCK_ROWS8) return block > 0 && cpu_avx2();
+    if (type & BLOCK_ROWS16) return block > 0 && cpu_vnni(); /* the VNNI body's GEMV only */
     return block > 0 && (cpu_vnni() || cpu_avx2());
 }
 
@@ -800,6 +831,7 @@ int hfquant_block_gemv_group(const uint16_t *x, const uint8_t *const *weights, c
         block_shape((int)types[p], &block, &bytes);
         if (!block || !hfquant_block_gemv_supported(types[p]) || ns[p] <= 0 || k % block) return 1;
         if ((types[p] & BLOCK_ROWS8) && ns[p] % 8) return 1; /* R8: whole groups of 8 rows */
+        if ((types[p] & BLOCK_ROWS16) && (ns[p] % 16 || !vnni)) return 1; /* R16: 16 rows, the VNNI body */
         parts[p].weight = weights[p];
         parts[p].type = row_type(types[p], vnni);
         parts[p].n = ns[p];

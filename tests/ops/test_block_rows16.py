@@ -1,0 +1,169 @@
+"""The R16 compute layout of IQ4_XS weights (csrc/blocks_cpu.c's r16_offset, the AVX512-VNNI body's r16_iq4_xs_):
+`native.block_interleave(..., rows=16)` is an exact byte permutation both ways; the R16 GEMV agrees with the row kernel
+and with the float reference within the stated tolerance, whatever the thread count or the rows' group neighbours,
+inside a fused group with plain parts too; the dequantization of an R16 weight is its storage's; bad arguments are
+refused by name. The GEMV tests need an AVX512-VNNI CPU (`native.block_rows16_supported`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_block_gemv import HALF_FIELDS, _random_blocks, _row
+from test_block_rows8 import _check_close, _magnitude
+
+from hfquant.core import blocks
+from hfquant.ops import native, torch_ops
+
+XS = 23
+"""IQ4_XS's GGUF number."""
+
+SHAPES = [(16, 256), (32, 768), (48, 2048), (16, 8192)]
+"""(N, K): one super-block, a few, the 1.2B's K, its down projection's K."""
+
+has_library = pytest.mark.skipif(native.built_library() is None, reason="needs the native library (a C compiler)")
+runs_r16 = pytest.mark.skipif(
+    not native.block_rows16_supported(XS), reason="the R16 GEMV needs the AVX512-VNNI body of the block GEMVs"
+)
+
+
+@has_library
+def test_interleave_is_an_exact_permutation_both_ways():
+    """Random bytes (not only valid blocks): forward then inverse gives them back; forward moves bytes (a permutation:
+    the sorted bytes agree) and each group of 16 rows keeps its own bytes; R16 is not R8."""
+    for n, k in SHAPES + [(0, 256)]:
+        generator = torch.Generator().manual_seed(n + k)
+        w = torch.randint(0, 256, (n, k // 256 * 136), dtype=torch.uint8, generator=generator)
+        r16 = native.block_interleave(w, k, XS, rows=16)
+        assert r16.shape == w.shape and r16.is_contiguous()
+        assert torch.equal(native.block_interleave(r16, k, XS, inverse=True, rows=16), w)
+        if n:
+            assert not torch.equal(r16, w) and not torch.equal(r16, native.block_interleave(w, k, XS))
+            group = w.shape[1] * 16
+            for g in range(n // 16):
+                span = slice(g * group, (g + 1) * group)
+                assert torch.equal(r16.reshape(-1)[span].sort().values, w.reshape(-1)[span].sort().values)
+
+
+@has_library
+def test_the_r16_offsets_put_each_rows_fields_in_its_lane():
+    """Row r's float16 d at bytes 2r, 2r + 1 of the group's first R16 block, its first 4 code bytes at 128 + 4r (int32
+    lane r of the first 512-bit load of codes): the layout the kernel reads."""
+    w = _random_blocks("iq4_xs", 16, 256, seed=3)
+    r16 = native.block_interleave(w, 256, XS, rows=16)
+    for r in range(16):
+        assert torch.equal(r16.view(-1)[2 * r : 2 * r + 2], w[r, 0:2])
+        assert torch.equal(r16.view(-1)[128 + 4 * r : 132 + 4 * r], w[r, 8:12])
+
+
+@has_library
+def test_interleave_and_gemv_refuse_by_name():
+    w = _random_blocks("iq4_xs", 24, 256, seed=0)
+    with pytest.raises(ValueError, match="N 24 is not a multiple of 16"):
+        native.block_interleave(w, 256, XS, rows=16)
+    with pytest.raises(ValueError, match="GGUF type 20 has no R16 layout"):
+        native.block_interleave(_random_blocks("iq4_nl", 16, 64, seed=0), 64, 20, rows=16)
+    with pytest.raises(ValueError, match="rows=4"):
+        native.block_interleave(w[:16], 256, XS, rows=4)
+    assert not native.block_rows16_supported(20)
+    assert not native.block_gemv_supported(20 | native.BLOCK_ROWS16)  # IQ4_NL has no R16 layout
+    out = torch.empty(64, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"GGUF type {20 | native.BLOCK_ROWS16}"):
+        native.block_dequantize_t(w[:16], 64, 20 | native.BLOCK_ROWS16, 0, 16, out)
+
+
+@has_library
+def test_dequantize_of_r16_is_that_of_storage():
+    """prefill reads the weight as it lies: rows start..stop of an R16 weight (any start, not a group boundary)
+    dequantize to the storage bytes' floats"""
+    for n, k in SHAPES:
+        w = _random_blocks("iq4_xs", n, k, seed=n)
+        r16 = native.block_interleave(w, k, XS, rows=16)
+        for start, stop, dtype in ((0, n, torch.float32), (3, n - 2, torch.bfloat16), (n - 1, n, torch.float32)):
+            plain = native.block_dequantize_t(w, k, XS, start, stop, torch.empty(k, stop - start, dtype=dtype))
+            mine = native.block_dequantize_t(
+                r16, k, XS | native.BLOCK_ROWS16, start, stop, torch.empty(k, stop - start, dtype=dtype)
+            )
+            assert torch.equal(mine, plain)
+
+
+@runs_r16
+def test_r16_gemv_is_the_row_gemv_and_the_float_reference():
+    """Both kernels: the same integer sub-block dots (the quantized row's), float32 products and sums in another
+    order, rounded once to bfloat16; so each agrees with the float64 reference x_hat @ w_hat.T within one bfloat16
+    rounding plus float32 summation, and with each other within two bfloat16 steps plus that summation."""
+    for n, k in SHAPES:
+        w = _random_blocks("iq4_xs", n, k, seed=k)
+        r16 = native.block_interleave(w, k, XS, rows=16)
+        x = _row(k, seed=n)
+        row = native.block_gemv(x, w, k, XS)
+        mine = native.block_gemv(x, r16, k, XS | native.BLOCK_ROWS16)
+        assert torch.equal(torch_ops.block_gemv(x, r16, k, XS | native.BLOCK_ROWS16), mine)
+        want, size = _magnitude("iq4_xs", x, w, k)
+        _check_close(mine, want, size, 1)
+        _check_close(mine, row.reshape(-1).double(), size, 2)
+        assert len(set(mine.reshape(-1).tolist())) > n // 2  # not all alike: the comparisons can fail
+
+
+@runs_r16
+def test_r16_outputs_do_not_depend_on_threads_or_neighbours():
+    """a row's output is the same bytes at 1 or 2 threads and whatever the other rows of its group of 16 (rows
+    16..31 of a 48-row weight against the same rows alone)"""
+    k = 2048
+    w = _random_blocks("iq4_xs", 48, k, seed=5)
+    x = _row(k, seed=6)
+    code = XS | native.BLOCK_ROWS16
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outputs.append(native.block_gemv(x, native.block_interleave(w, k, XS, rows=16), k, code))
+        assert torch.equal(outputs[0], outputs[1])
+        torch.set_num_threads(1)
+        alone = native.block_gemv(x, native.block_interleave(w[16:32].contiguous(), k, XS, rows=16), k, code)
+        assert torch.equal(alone, outputs[0][:, 16:32])
+    finally:
+        torch.set_num_threads(before)
+
+
+@runs_r16
+def test_a_group_mixes_r16_and_plain_parts():
+    """q/k in R16 beside a plain IQ4_XS part and a Q5_K one (activation rows of 256): each part's outputs are the bytes
+    of its own call, through ctypes and the dispatcher operator"""
+    k = 512
+    members = [("iq4_xs", 32, True), ("iq4_xs", 16, True), ("iq4_xs", 8, False), ("q5_k", 16, False)]
+    weights, types = [], []
+    for i, (name, n, rows16) in enumerate(members):
+        w = _random_blocks(name, n, k, seed=i)
+        t = blocks.layout(name).ggml_type
+        weights.append(native.block_interleave(w, k, t, rows=16) if rows16 else w)
+        types.append(t | native.BLOCK_ROWS16 if rows16 else t)
+    x = _row(k, seed=3)
+    alone = torch.cat([native.block_gemv(x, w, k, t) for w, t in zip(weights, types, strict=True)], dim=1)
+    for call in (native.block_gemv_group, torch_ops.block_gemv_group):
+        assert torch.equal(call(x, weights, k, types), alone)
+
+
+@runs_r16
+def test_r16_gemv_refuses_rows_not_in_groups_of_16_and_a_call_with_r8_parts():
+    w = native.block_interleave(_random_blocks("iq4_xs", 32, 256, seed=0), 256, XS, rows=16)
+    x = _row(256, seed=0)
+    with pytest.raises(RuntimeError, match="N=24"):
+        native.block_gemv(x, w[:24], 256, XS | native.BLOCK_ROWS16)
+    with pytest.raises(RuntimeError, match=f"GGUF type {XS | native.BLOCK_ROWS16}"):
+        torch_ops.block_gemv(x, w[:24], 256, XS | native.BLOCK_ROWS16)
+    r8 = native.block_interleave(_random_blocks("iq4_xs", 8, 256, seed=1), 256, XS)
+    with pytest.raises(RuntimeError, match="refused"):  # an R8 part runs the call on the AVX2 bodies: no R16 there
+        native.block_gemv_group(x, [w[:16], r8], 256, [XS | native.BLOCK_ROWS16, XS | native.BLOCK_ROWS8])
+
+
+@runs_r16
+def test_a_nan_block_scale_gives_a_nan_output_in_its_row_only():
+    """the R16 GEMV keeps a NaN d a NaN in its row and leaves the group's other rows finite"""
+    w = _random_blocks("iq4_xs", 16, 512, seed=1)
+    d = HALF_FIELDS["iq4_xs"][0]  # the float16 d of row 3's first super-block
+    w[3, d : d + 2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    r16 = native.block_interleave(w, 512, XS, rows=16)
+    y = native.block_gemv(_row(512, seed=1), r16, 512, XS | native.BLOCK_ROWS16).reshape(-1)
+    assert torch.isnan(y[3])
+    assert torch.isfinite(torch.cat([y[:3], y[4:]])).all()
