@@ -78,6 +78,7 @@ from hfquant.nn.replace import LayerPlan, plan_layers, restore_kernel_buffers
 from hfquant.nn.row_attention import use_row_attention
 from hfquant.nn.row_decode import use_row_decode
 from hfquant.nn.row_norm import use_row_rms_norms
+from hfquant.ops import block_layout
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "register"]
 
@@ -414,6 +415,7 @@ def _prepare_kernels(model: nn.Module, dtype: torch.dtype | None, own: set[str] 
             counts[kernel] = counts.get(kernel, 0) + 1
             if layer.weight.data_ptr() != source[0]:
                 _release_source(*source, maps)
+    block_layout.release_staging()
     # Once, not per layer: the replaced stored-layout tensors must not stay resident, but a trim per layer hands back
     # the freed pages that the next layer's repack would have reused, and faults them in again (#28: a reload right
     # after `del model` took 0.6-1.0 s against 0.3 s).

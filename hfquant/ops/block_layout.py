@@ -11,9 +11,10 @@ holds; `QuantLinear` switches at `prepare_kernel` (`to_compute`) and gives the s
 (`to_storage`), exactly.
 
 On CPUs whose block GEMVs run the AVX512-VNNI body, IQ4_XS layers take the R16 layout instead (`csrc/blocks_cpu.c`,
-after r8_offset: 16 rows per group, so that int32 lane r of a 512-bit register is row r's): its GEMV read 1.15-1.2x
-the row kernel's GB/s from memory on an AVX-512 Xeon (docs/performance.md, issue #32, twenty-sixth session); the
-other types keep their stored rows there.
+after r8_offset: 16 rows per group, so that int32 lane r of a 512-bit register is row r's): its GEMV read 1.13-1.16x
+the row kernel's GB/s from memory on the 1.2B's layer shapes on an AVX-512 Xeon, and a one-thread decode step took
+1/1.14 of the time (docs/performance.md, issue #32, twenty-sixth session); the other types keep their stored rows
+there.
 
 `HFQUANT_BLOCK_ROWS=1` keeps the stored layout everywhere (for A/B measurements), 8 interleaves wherever the R8 GEMVs
 run (any x86-64 CPU with AVX2), 16 takes R16 wherever its GEMV runs (IQ4_XS on AVX512-VNNI) and the stored layout
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import torch
 
@@ -122,11 +124,30 @@ def to_compute(stored: torch.Tensor, in_features: int, block: str, rows: int, in
     if rows == 1:
         return stored
     ggml_type = blocks.layout(block).ggml_type
-    if in_place:  # the C permutation reads and writes distinct memory: through one temporary copy
-        return native.block_interleave(stored.clone(), in_features, ggml_type, out=stored, rows=rows)
+    if in_place:  # the C permutation reads and writes distinct memory: through one copy (`_staged`)
+        return native.block_interleave(_staged(stored), in_features, ggml_type, out=stored, rows=rows)
     return native.block_interleave(
         stored, in_features, ggml_type, out=huge_pages.empty(tuple(stored.shape), stored.dtype), rows=rows
     )
+
+
+_staging = threading.local()
+"""Per thread, `_staged`'s buffer (`buffer`), kept between in-place interleaves until `release_staging`."""
+
+
+def _staged(stored: torch.Tensor) -> torch.Tensor:
+    """A copy of the contiguous `stored` in this thread's staging buffer (grown to the largest weight asked for): a load
+    interleaves every block weight in place, and a new copy each time faulted in fresh pages (`release_staging`)."""
+    buffer = getattr(_staging, "buffer", None)
+    if buffer is None or buffer.numel() < stored.numel():
+        _staging.buffer = None  # freed before its successor: peak memory is the new size
+        buffer = _staging.buffer = torch.empty(stored.numel(), dtype=torch.uint8)
+    return buffer[: stored.numel()].view(stored.shape).copy_(stored)
+
+
+def release_staging() -> None:
+    """Free this thread's staging buffer (`_staged`), e.g. after a load's last in-place interleave."""
+    _staging.buffer = None
 
 
 def to_storage(weight: torch.Tensor, in_features: int, block: str, rows: int) -> torch.Tensor:

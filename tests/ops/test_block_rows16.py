@@ -44,15 +44,33 @@ def test_interleave_is_an_exact_permutation_both_ways():
                 assert torch.equal(r16.reshape(-1)[span].sort().values, w.reshape(-1)[span].sort().values)
 
 
+def _r16_offset(r: int, i: int) -> int:
+    """Where byte i of row r's IQ4_XS super-block lies in its 2176-byte R16 block (csrc/blocks_cpu.c's comment)."""
+    if i < 2:
+        return 2 * r + i  # d
+    if i < 4:
+        return 32 + 2 * r + (i - 2)  # scales_h
+    if i < 8:
+        return 64 + 4 * r + (i - 4)  # scales_l
+    s, c = divmod(i - 8, 16)
+    return 128 + 256 * s + 64 * (c // 4) + 4 * r + c % 4
+
+
 @has_library
-def test_the_r16_offsets_put_each_rows_fields_in_its_lane():
-    """Row r's float16 d at bytes 2r, 2r + 1 of the group's first R16 block, its first 4 code bytes at 128 + 4r (int32
-    lane r of the first 512-bit load of codes): the layout the kernel reads."""
-    w = _random_blocks("iq4_xs", 16, 256, seed=3)
-    r16 = native.block_interleave(w, 256, XS, rows=16)
-    for r in range(16):
-        assert torch.equal(r16.view(-1)[2 * r : 2 * r + 2], w[r, 0:2])
-        assert torch.equal(r16.view(-1)[128 + 4 * r : 132 + 4 * r], w[r, 8:12])
+def test_every_byte_lies_where_the_layout_says():
+    """Each byte of each row's super-blocks at its documented place (the AVX-512 gather path of an AVX-512 CPU and the
+    permutation by runs elsewhere both): int32 lane r of every 64-byte load of codes is row r's."""
+    n, k = 32, 512
+    w = torch.randint(0, 256, (n, k // 256 * 136), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    r16 = native.block_interleave(w, k, XS, rows=16).view(-1)
+    row_bytes = w.shape[1]
+    want = torch.empty_like(r16)
+    for row in range(n):
+        for b in range(k // 256):
+            for i in range(136):
+                group_start = (row // 16) * 16 * row_bytes + b * 2176
+                want[group_start + _r16_offset(row % 16, i)] = w[row, b * 136 + i]
+    assert torch.equal(r16, want)
 
 
 @has_library

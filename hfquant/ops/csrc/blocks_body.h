@@ -880,7 +880,8 @@ BK_TARGET BK_INLINE __m512 BK_NAME(r16_iq4_xs_)(const uint8_t *w, const ActRow *
         const __m512 dd = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w)),
                                         _mm512_set1_ps(a->d[b]));
         const __m512i lows = _mm512_loadu_si512((const void *)(w + 64));
-        const __m512i highs = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 32))), 4);
+        const __m256i high16 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        const __m512i highs = _mm512_slli_epi32(_mm512_cvtepu16_epi32(high16), 4);
         const int8_t *q = a->q + 256 * b;
         __m512 sums = _mm512_setzero_ps();
         for (int s = 0; s < 8; s++) {

@@ -225,7 +225,12 @@ static inline void r8_copy(uint8_t *to, const uint8_t *from, int len) {
         memcpy(to, from, (size_t)len);
 }
 
+static int r16_interleave_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb);
+
 int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse) {
+    if (!inverse && type == (GGML_IQ4_XS | BLOCK_ROWS16) && n > 0 && n % 16 == 0 && k > 0 && k % 256 == 0 &&
+        r16_interleave_xs(src, dst, n, k / 256))
+        return 0;
     int rows;
     const int16_t *map = rows_map(type, &rows);
     int64_t block, bytes;
@@ -430,6 +435,36 @@ static int cpu_vnni(void) {
     return 0;
 #endif
     return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX512 | HFQUANT_ISA_AVX512_VNNI);
+}
+
+/* The R16 interleave of IQ4_XS (r16_offset) by AVX-512 gathers, where the load's in-place interleave of every layer
+ * took 0.11 s of the 1.2B's load by runs (about 6 GB/s on two threads): per R16 block, each row's first two 32-bit
+ * words (d with scales_h, scales_l) and its 32 words of codes gathered across the 16 rows, one 64-byte store each:
+ * 21-26 GB/s on two threads of the AVX-512 Xeon, the load's interleave 0.11 -> 0.036 s. */
+__attribute__((target("avx512f"))) static void r16_gather_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb) {
+    const int64_t row_bytes = nb * 136;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)row_bytes));
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < n / 16; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *from = src + g * 16 * row_bytes + b * 136;
+            uint8_t *to = dst + g * 16 * row_bytes + b * 2176;
+            const __m512i head = _mm512_i32gather_epi32(rows, (const void *)from, 1); /* d | scales_h << 16 */
+            _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(head));
+            _mm256_storeu_si256((__m256i *)(to + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+            _mm512_storeu_si512((void *)(to + 64), _mm512_i32gather_epi32(rows, (const void *)(from + 4), 1));
+            for (int c = 0; c < 32; c++) /* code word c (bytes 8 + 4c..) of every row */
+                _mm512_storeu_si512((void *)(to + 128 + 64 * c),
+                                    _mm512_i32gather_epi32(rows, (const void *)(from + 8 + 4 * c), 1));
+        }
+}
+
+/* r16_gather_xs where the VNNI body runs (1), else 0: the caller permutes by runs */
+static int r16_interleave_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb) {
+    if (!cpu_vnni() || nb * 136 * 15 > INT32_MAX) return 0; /* gather offsets are int32 */
+    r16_gather_xs(src, dst, n, nb);
+    return 1;
 }
 
 static int cpu_avx2(void) { return HFQUANT_ISA_HAS(HFQUANT_ISA_AVX2); }
@@ -865,6 +900,11 @@ int hfquant_block_gemv(const uint16_t *x, const uint8_t *weight, uint16_t *y, in
 }
 
 #else
+
+static int r16_interleave_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb) {
+    (void)src; (void)dst; (void)n; (void)nb;
+    return 0;
+}
 
 int hfquant_block_gemv_supported(int64_t type) {
     (void)type;
