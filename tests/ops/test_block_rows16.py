@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_block_gemv import HALF_FIELDS, _random_blocks, _row
-from test_block_rows8 import _check_close, _magnitude
+from test_block_rows8 import _check_close, _magnitude, assert_group_is_its_parts
 
-from hfquant.core import blocks
 from hfquant.ops import native, torch_ops
 
 XS = 23
@@ -148,18 +147,8 @@ def test_r16_outputs_do_not_depend_on_threads_or_neighbours():
 def test_a_group_mixes_r16_and_plain_parts():
     """q/k in R16 beside a plain IQ4_XS part and a Q5_K one (activation rows of 256): each part's outputs are the bytes
     of its own call, through ctypes and the dispatcher operator"""
-    k = 512
     members = [("iq4_xs", 32, True), ("iq4_xs", 16, True), ("iq4_xs", 8, False), ("q5_k", 16, False)]
-    weights, types = [], []
-    for i, (name, n, rows16) in enumerate(members):
-        w = _random_blocks(name, n, k, seed=i)
-        t = blocks.layout(name).ggml_type
-        weights.append(native.block_interleave(w, k, t, rows=16) if rows16 else w)
-        types.append(t | native.BLOCK_ROWS16 if rows16 else t)
-    x = _row(k, seed=3)
-    alone = torch.cat([native.block_gemv(x, w, k, t) for w, t in zip(weights, types, strict=True)], dim=1)
-    for call in (native.block_gemv_group, torch_ops.block_gemv_group):
-        assert torch.equal(call(x, weights, k, types), alone)
+    assert_group_is_its_parts(members, 512, rows=16)
 
 
 @runs_r16

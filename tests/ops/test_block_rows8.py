@@ -162,12 +162,19 @@ def test_a_group_mixes_r8_and_plain_parts():
         ("q3_k", 16, True),
         ("q3_k", 8, False),
     ]
+    assert_group_is_its_parts(members, k, rows=8)
+
+
+def assert_group_is_its_parts(members: list[tuple[str, int, bool]], k: int, rows: int) -> None:
+    """One group call over `members` ((type, N, interleaved by `rows`) each, random blocks of K = `k`) gives each part
+    the bytes of its own call, through ctypes and the dispatcher operator."""
+    flag = native.BLOCK_ROWS8 if rows == 8 else native.BLOCK_ROWS16
     weights, types = [], []
-    for i, (name, n, rows8) in enumerate(members):
+    for i, (name, n, interleaved) in enumerate(members):
         w = _random_blocks(name, n, k, seed=i)
         t = blocks.layout(name).ggml_type
-        weights.append(native.block_interleave(w, k, t) if rows8 else w)
-        types.append(t | native.BLOCK_ROWS8 if rows8 else t)
+        weights.append(native.block_interleave(w, k, t, rows=rows) if interleaved else w)
+        types.append(t | flag if interleaved else t)
     x = _row(k, seed=3)
     alone = torch.cat([native.block_gemv(x, w, k, t) for w, t in zip(weights, types, strict=True)], dim=1)
     for call in (native.block_gemv_group, torch_ops.block_gemv_group):
