@@ -60,8 +60,9 @@ int hfquant_block_dequantize_t(const uint8_t *weight, void *out, int64_t n, int6
  * (1); returns 1 for N % 8 != 0, a type without an R8 layout or K not whole blocks. */
 #define BLOCK_ROWS8 (1 << 16)
 /* The 16-row interleaved compute layout ("R16") of IQ4_XS weights: type code GGML_IQ4_XS | BLOCK_ROWS16, accepted by
- * the GEMVs (AVX512-VNNI CPUs, N a multiple of 16) and by hfquant_block_dequantize_t (any CPU). hfquant_block_interleave
- * takes it as its type to permute into (or back from) R16 instead of R8 (N a multiple of 16). */
+ * the GEMVs (AVX512-VNNI CPUs, N a multiple of 16) and by hfquant_block_dequantize_t (any CPU).
+ * hfquant_block_interleave takes it as its type to permute into (or back from) R16 instead of R8 (N a multiple of
+ * 16). */
 #define BLOCK_ROWS16 (1 << 17)
 int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse);
 
