@@ -124,7 +124,11 @@ def to_compute(stored: torch.Tensor, in_features: int, block: str, rows: int, in
     if rows == 1:
         return stored
     ggml_type = blocks.layout(block).ggml_type
-    if in_place:  # the C permutation reads and writes distinct memory: through one copy (`_staged`)
+    if (
+        in_place and rows == ROWS16 and native.block_rows16_supported(ggml_type)
+    ):  # R16's gathers copy 16 rows at a time
+        return native.block_interleave(stored, in_features, ggml_type, out=stored, rows=rows)
+    if in_place:  # the C permutation by runs reads and writes distinct memory: through one copy (`_staged`)
         return native.block_interleave(_staged(stored), in_features, ggml_type, out=stored, rows=rows)
     return native.block_interleave(
         stored, in_features, ggml_type, out=huge_pages.empty(tuple(stored.shape), stored.dtype), rows=rows

@@ -871,7 +871,7 @@ def block_interleave(
         ggml_type: the plain GGUF type, 20 (IQ4_NL), 23 (IQ4_XS) or 11 (Q3_K); the result's type code is `ggml_type |
             BLOCK_ROWS8` (R8) or `ggml_type | BLOCK_ROWS16` (R16) forward, `ggml_type` inverse.
         out: a contiguous uint8 tensor of weight's shape, not sharing its memory, to write the result into (default:
-            a new one).
+            a new one); for R16 forward where `block_rows16_supported`, also the weight itself (interleaved in place).
         rows: 8 (R8) or 16 (R16, IQ4_XS only).
     Returns:
         `out`, or a new contiguous uint8 tensor of weight's shape.
@@ -879,6 +879,7 @@ def block_interleave(
         ValueError: rows not 8 or 16, a type without that layout, N not a multiple of `rows`, K not whole blocks, or
             weight not (N, row bytes) uint8 (the message names the value).
         RuntimeError: the native library is unavailable.
+        MemoryError: no memory for an in-place interleave's copies of 16 rows per thread.
     """
     layouts = {8: _R8_LAYOUTS, 16: _R16_LAYOUTS}.get(rows)
     if layouts is None:
@@ -906,12 +907,20 @@ def block_interleave(
         raise ValueError(
             f"block_interleave: out must be contiguous uint8 {tuple(src.shape)}, got {dst.dtype} {tuple(dst.shape)}"
         )
-    if out is not None and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+    in_place = rows == 16 and not inverse and block_rows16_supported(ggml_type) and dst.data_ptr() == src.data_ptr()
+    if (
+        out is not None
+        and src.numel()
+        and not in_place
+        and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+    ):
         raise ValueError("block_interleave: out shares the weight's memory; the permutation needs distinct buffers")
     code = ggml_type | BLOCK_ROWS16 if rows == 16 else ggml_type
     status = library.hfquant_block_interleave(
         src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, code, int(bool(inverse))
     )
+    if status == 2:
+        raise MemoryError(f"block_interleave: no memory for the in-place copies (K={in_features})")
     if status:
         raise ValueError(f"block_interleave refused N={src.shape[0]}, K={in_features}, GGUF type {ggml_type}")
     return dst

@@ -72,6 +72,23 @@ def test_every_byte_lies_where_the_layout_says():
     assert torch.equal(r16, want)
 
 
+@runs_r16
+def test_in_place_interleave_is_the_out_of_place_one():
+    """The load interleaves its own weights in place (`block_layout.to_compute`): the bytes are those of a copy's
+    interleave; a view overlapping the weight elsewhere is still refused."""
+    for n, k in SHAPES:
+        w = torch.randint(0, 256, (n, k // 256 * 136), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
+        want = native.block_interleave(w, k, XS, rows=16)
+        buffer = w.clone()
+        got = native.block_interleave(buffer, k, XS, out=buffer, rows=16)
+        assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="shares the weight's memory"):
+        native.block_interleave(w, k, XS, out=w)  # R8's permutation by runs needs distinct buffers
+    both = torch.cat([w, w])
+    with pytest.raises(ValueError, match="shares the weight's memory"):
+        native.block_interleave(both[:16], k, XS, out=both[16:32], rows=16)
+
+
 @has_library
 def test_interleave_and_gemv_refuse_by_name():
     w = _random_blocks("iq4_xs", 24, 256, seed=0)

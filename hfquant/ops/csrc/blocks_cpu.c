@@ -48,7 +48,12 @@
  * (hfquant_block_gemv_supported), 2 when memory runs out.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
@@ -228,9 +233,11 @@ static inline void r8_copy(uint8_t *to, const uint8_t *from, int len) {
 static int r16_interleave_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb);
 
 int hfquant_block_interleave(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int64_t type, int64_t inverse) {
-    if (!inverse && type == (GGML_IQ4_XS | BLOCK_ROWS16) && n > 0 && n % 16 == 0 && k > 0 && k % 256 == 0 &&
-        r16_interleave_xs(src, dst, n, k / 256))
-        return 0;
+    if (!inverse && type == (GGML_IQ4_XS | BLOCK_ROWS16) && n > 0 && n % 16 == 0 && k > 0 && k % 256 == 0) {
+        const int done = r16_interleave_xs(src, dst, n, k / 256);
+        if (done) return done < 0 ? 2 : 0;
+    }
+    if (src == dst && n > 0) return 1; /* in place: only the gather path above */
     int rows;
     const int16_t *map = rows_map(type, &rows);
     int64_t block, bytes;
@@ -440,15 +447,28 @@ static int cpu_vnni(void) {
 /* The R16 interleave of IQ4_XS (r16_offset) by AVX-512 gathers, where the load's in-place interleave of every layer
  * took 0.11 s of the 1.2B's load by runs (about 6 GB/s on two threads): per R16 block, each row's first two 32-bit
  * words (d with scales_h, scales_l) and its 32 words of codes gathered across the 16 rows, one 64-byte store each:
- * 21-26 GB/s on two threads of the AVX-512 Xeon, the load's interleave 0.11 -> 0.036 s. */
-__attribute__((target("avx512f"))) static void r16_gather_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb) {
+ * 21-26 GB/s on two threads of the AVX-512 Xeon, the load's interleave 0.11 -> 0.036 s. In place (src == dst) each
+ * thread first copies its group of 16 rows into `copies` (16 row_bytes per thread), where the load copied every
+ * weight whole before. */
+__attribute__((target("avx512f"))) static void r16_gather_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb,
+                                                             uint8_t *copies) {
     const int64_t row_bytes = nb * 136;
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)row_bytes));
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < n / 16; g++)
+    for (int64_t g = 0; g < n / 16; g++) {
+        const uint8_t *group = src + g * 16 * row_bytes;
+        if (copies != NULL) {
+#ifdef _OPENMP
+            uint8_t *copy = copies + omp_get_thread_num() * 16 * row_bytes;
+#else
+            uint8_t *copy = copies;
+#endif
+            memcpy(copy, group, (size_t)(16 * row_bytes));
+            group = copy;
+        }
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *from = src + g * 16 * row_bytes + b * 136;
+            const uint8_t *from = group + b * 136;
             uint8_t *to = dst + g * 16 * row_bytes + b * 2176;
             const __m512i head = _mm512_i32gather_epi32(rows, (const void *)from, 1); /* d | scales_h << 16 */
             _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(head));
@@ -458,12 +478,25 @@ __attribute__((target("avx512f"))) static void r16_gather_xs(const uint8_t *src,
                 _mm512_storeu_si512((void *)(to + 128 + 64 * c),
                                     _mm512_i32gather_epi32(rows, (const void *)(from + 8 + 4 * c), 1));
         }
+    }
 }
 
-/* r16_gather_xs where the VNNI body runs (1), else 0: the caller permutes by runs */
+/* r16_gather_xs where the VNNI body runs: 1 done, -1 out of memory (nothing written), 0 elsewhere (the caller
+ * permutes by runs, or refuses an in-place call) */
 static int r16_interleave_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_t nb) {
     if (!cpu_vnni() || nb * 136 * 15 > INT32_MAX) return 0; /* gather offsets are int32 */
-    r16_gather_xs(src, dst, n, nb);
+    uint8_t *copies = NULL;
+    if (src == dst) {
+#ifdef _OPENMP
+        const int64_t threads = omp_get_max_threads();
+#else
+        const int64_t threads = 1;
+#endif
+        copies = (uint8_t *)malloc((size_t)(threads * 16 * nb * 136));
+        if (copies == NULL) return -1;
+    }
+    r16_gather_xs(src, dst, n, nb, copies);
+    free(copies);
     return 1;
 }
 
