@@ -55,6 +55,20 @@
 #include <omp.h>
 #endif
 
+/* the calling thread's index in its OpenMP team, and the most threads a region may have (0 and 1 without OpenMP) */
+static inline int64_t omp_thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#endif
+    return 0;
+}
+static inline int64_t omp_thread_limit(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#endif
+    return 1;
+}
+
 #include "bf16_bits.h"
 #include "hfquant_kernels.h"
 
@@ -459,11 +473,7 @@ __attribute__((target("avx512f"))) static void r16_gather_xs(const uint8_t *src,
     for (int64_t g = 0; g < n / 16; g++) {
         const uint8_t *group = src + g * 16 * row_bytes;
         if (copies != NULL) {
-#ifdef _OPENMP
-            uint8_t *copy = copies + omp_get_thread_num() * 16 * row_bytes;
-#else
-            uint8_t *copy = copies;
-#endif
+            uint8_t *copy = copies + omp_thread_index() * 16 * row_bytes;
             memcpy(copy, group, (size_t)(16 * row_bytes));
             group = copy;
         }
@@ -487,11 +497,7 @@ static int r16_interleave_xs(const uint8_t *src, uint8_t *dst, int64_t n, int64_
     if (!cpu_vnni() || nb * 136 * 15 > INT32_MAX) return 0; /* gather offsets are int32 */
     uint8_t *copies = NULL;
     if (src == dst) {
-#ifdef _OPENMP
-        const int64_t threads = omp_get_max_threads();
-#else
-        const int64_t threads = 1;
-#endif
+        const int64_t threads = omp_thread_limit();
         copies = (uint8_t *)malloc((size_t)(threads * 16 * nb * 136));
         if (copies == NULL) return -1;
     }
