@@ -828,28 +828,30 @@ _R8_LAYOUTS = {blocks.layout(name).ggml_type: blocks.layout(name) for name in ("
 _R16_LAYOUTS = {blocks.layout("iq4_xs").ggml_type: blocks.layout("iq4_xs")}
 """The GGUF types with an R16 layout (IQ4_XS) and their block layouts."""
 
+_INTERLEAVED = {8: (_R8_LAYOUTS, BLOCK_ROWS8), 16: (_R16_LAYOUTS, BLOCK_ROWS16)}
+"""Rows per group -> (the GGUF types with that interleaved layout and their block layouts, its type-code flag)."""
+
+
+def _interleaved_supported(ggml_type: int, rows: int) -> bool:
+    """Whether the GEMV of the layout of `rows` runs here for the plain GGUF type `ggml_type`."""
+    layouts, flag = _INTERLEAVED[rows]
+    library = built_library()
+    return (
+        ggml_type in layouts and library is not None and bool(library.hfquant_block_gemv_supported(ggml_type | flag))
+    )
+
 
 def block_rows8_supported(ggml_type: int) -> bool:
     """Whether the R8 GEMVs run here for the plain GGUF type `ggml_type` (IQ4_NL 20, IQ4_XS 23, Q3_K 11): an x86-64
     CPU with AVX2 + FMA + F16C (AVX-512 CPUs included: a call with an R8 part runs on the AVX2 bodies). Whether a
     layer is interleaved is `block_layout.rows_for`'s decision."""
-    library = built_library()
-    return (
-        ggml_type in _R8_LAYOUTS
-        and library is not None
-        and bool(library.hfquant_block_gemv_supported(ggml_type | BLOCK_ROWS8))
-    )
+    return _interleaved_supported(ggml_type, 8)
 
 
 def block_rows16_supported(ggml_type: int) -> bool:
     """Whether the R16 GEMV runs here for the plain GGUF type `ggml_type` (IQ4_XS 23): an x86-64 CPU whose block GEMVs
     run the AVX512-VNNI body. Whether a layer is interleaved is `block_layout.rows_for`'s decision."""
-    library = built_library()
-    return (
-        ggml_type in _R16_LAYOUTS
-        and library is not None
-        and bool(library.hfquant_block_gemv_supported(ggml_type | BLOCK_ROWS16))
-    )
+    return _interleaved_supported(ggml_type, 16)
 
 
 def block_interleave(
@@ -881,9 +883,9 @@ def block_interleave(
         RuntimeError: the native library is unavailable.
         MemoryError: no memory for an in-place interleave's copies of 16 rows per thread.
     """
-    layouts = {8: _R8_LAYOUTS, 16: _R16_LAYOUTS}.get(rows)
-    if layouts is None:
+    if rows not in _INTERLEAVED:
         raise ValueError(f"block_interleave: rows={rows} is not an interleaved layout; use 8 (R8) or 16 (R16)")
+    layouts, flag = _INTERLEAVED[rows]
     if ggml_type not in layouts:
         have = "IQ4_NL 20, IQ4_XS 23, Q3_K 11 have" if rows == 8 else "IQ4_XS 23 has"
         raise ValueError(f"block_interleave: GGUF type {ggml_type} has no R{rows} layout ({have})")
@@ -915,7 +917,7 @@ def block_interleave(
         and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
     ):
         raise ValueError("block_interleave: out shares the weight's memory; the permutation needs distinct buffers")
-    code = ggml_type | BLOCK_ROWS16 if rows == 16 else ggml_type
+    code = ggml_type | flag  # R8 also under its plain type: the C map is picked by the flag
     status = library.hfquant_block_interleave(
         src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, code, int(bool(inverse))
     )
