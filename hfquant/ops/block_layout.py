@@ -112,9 +112,7 @@ def _rows_work(block: str, rows: int) -> bool:
 def kernel_type(block: str, rows: int) -> int:
     """The type code the C kernels take for a weight of block type `block` in the layout of `rows` (1, `ROWS` or
     `ROWS16`): the GGUF type number, with `native.BLOCK_ROWS8` set for R8, `native.BLOCK_ROWS16` for R16."""
-    ggml_type = blocks.layout(block).ggml_type
-    flag = {ROWS: native.BLOCK_ROWS8, ROWS16: native.BLOCK_ROWS16}.get(rows, 0)
-    return ggml_type | flag
+    return native.layout_code(blocks.layout(block).ggml_type, rows)
 
 
 def to_compute(stored: torch.Tensor, in_features: int, block: str, rows: int, in_place: bool) -> torch.Tensor:
@@ -124,9 +122,8 @@ def to_compute(stored: torch.Tensor, in_features: int, block: str, rows: int, in
     if rows == 1:
         return stored
     ggml_type = blocks.layout(block).ggml_type
-    if (
-        in_place and rows == ROWS16 and native.block_rows16_supported(ggml_type)
-    ):  # R16's gathers copy 16 rows at a time
+    # R16's gathers copy 16 rows at a time and write them back in place
+    if in_place and rows == ROWS16 and native.block_rows16_supported(ggml_type):
         return native.block_interleave(stored, in_features, ggml_type, out=stored, rows=rows)
     if in_place:  # the C permutation by runs reads and writes distinct memory: through one copy (`_staged`)
         return native.block_interleave(_staged(stored), in_features, ggml_type, out=stored, rows=rows)

@@ -63,6 +63,7 @@ __all__ = [
     "block_interleave",
     "block_rows8_supported",
     "block_rows16_supported",
+    "layout_code",
     "KQUANT_TYPES",
     "kquant_quantize",
     "BLOCK_QUANTIZE_TYPES",
@@ -832,6 +833,12 @@ _INTERLEAVED = {8: (_R8_LAYOUTS, BLOCK_ROWS8), 16: (_R16_LAYOUTS, BLOCK_ROWS16)}
 """Rows per group -> (the GGUF types with that interleaved layout and their block layouts, its type-code flag)."""
 
 
+def layout_code(ggml_type: int, rows: int) -> int:
+    """The type code the C kernels take for a plain GGUF type's weight with `rows` rows per interleaved group: 1 (the
+    stored layout) the type itself, 8 with `BLOCK_ROWS8`, 16 with `BLOCK_ROWS16`; KeyError for another count."""
+    return ggml_type if rows == 1 else ggml_type | _INTERLEAVED[rows][1]
+
+
 def _interleaved_supported(ggml_type: int, rows: int) -> bool:
     """Whether the GEMV of the layout of `rows` runs here for the plain GGUF type `ggml_type`."""
     layouts, flag = _INTERLEAVED[rows]
@@ -885,7 +892,7 @@ def block_interleave(
     """
     if rows not in _INTERLEAVED:
         raise ValueError(f"block_interleave: rows={rows} is not an interleaved layout; use 8 (R8) or 16 (R16)")
-    layouts, flag = _INTERLEAVED[rows]
+    layouts = _INTERLEAVED[rows][0]
     if ggml_type not in layouts:
         have = "IQ4_NL 20, IQ4_XS 23, Q3_K 11 have" if rows == 8 else "IQ4_XS 23 has"
         raise ValueError(f"block_interleave: GGUF type {ggml_type} has no R{rows} layout ({have})")
@@ -917,7 +924,7 @@ def block_interleave(
         and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
     ):
         raise ValueError("block_interleave: out shares the weight's memory; the permutation needs distinct buffers")
-    code = ggml_type | flag  # R8 also under its plain type: the C map is picked by the flag
+    code = layout_code(ggml_type, rows)  # the C map is picked by the flag (R8's also under the plain type)
     status = library.hfquant_block_interleave(
         src.data_ptr(), dst.data_ptr(), src.shape[0], in_features, code, int(bool(inverse))
     )
