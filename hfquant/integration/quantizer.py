@@ -79,6 +79,7 @@ from hfquant.nn.row_attention import use_row_attention
 from hfquant.nn.row_decode import use_row_decode
 from hfquant.nn.row_norm import use_row_rms_norms
 from hfquant.ops import block_layout
+from hfquant.ops.vml_dispatch import resolve_vml_dispatch
 
 __all__ = ["HfQuantQuantizer", "HfQuantQuantize", "plan_model", "register"]
 
@@ -220,6 +221,7 @@ class HfQuantQuantizer(HfQuantizer):
 
     def validate_environment(self, *args, **kwargs):
         self.quantization_config.validate()
+        resolve_vml_dispatch()  # before the model's first forward: logits alike in every process
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         compute = self.quantization_config.compute_dtype
