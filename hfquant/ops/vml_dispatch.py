@@ -51,6 +51,6 @@ def resolve_vml_dispatch() -> None:
     if not torch.backends.mkl.is_available():
         return
     for dtype in (torch.float32, torch.float64):
-        x = torch.full((1,), 0.5, dtype=dtype)
+        x = torch.full((1,), 0.5, dtype=dtype, device="cpu")  # a CPU tensor under any default device
         for name in VML_FUNCTIONS:
             getattr(torch, name)(x)
