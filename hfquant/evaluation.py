@@ -35,6 +35,7 @@ from hfquant.checkpoint.source import resolve_source
 from hfquant.core.dtypes import dtype_name
 from hfquant.nn.float_linear import FloatLinear, plain_linear
 from hfquant.ops import machine
+from hfquant.ops.vml_dispatch import resolve_vml_dispatch
 
 logger = logging.get_logger(__name__)
 
@@ -110,7 +111,10 @@ def _eval_mode(model: torch.nn.Module):
     the CPU has no bfloat16 GEMM (`machine.gemm_dtype`), a bfloat16 model's whole-window products then run in float32
     and are rounded back to bfloat16, the same values up to summation order, instead of PyTorch's scalar bfloat16
     loop (about 20x slower on an AVX2 CPU; a bf16 baseline's perplexity otherwise takes tens of minutes). Only
-    `float_linear.plain_linear` layers change (not another library's quantized ones, e.g. torchao's)."""
+    `float_linear.plain_linear` layers change (not another library's quantized ones, e.g. torchao's). MKL's VML kernels
+    are chosen first (`resolve_vml_dispatch`): a model loaded without hfquant's quantizer (a bf16 baseline) then scores
+    the same in every process."""
+    resolve_vml_dispatch()
     was_training = model.training
     model.eval()
     plain = [

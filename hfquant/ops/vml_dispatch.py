@@ -12,7 +12,8 @@ apart on SmolLM2-135M).
 
 `resolve_vml_dispatch()` calls each of those functions once on a 1-element tensor of each dtype (one thread: ATen
 splits work from 2048 values), so their kernels are chosen before any model runs. hfquant's quantizer calls it in
-every `from_pretrained` that loads or quantizes a model; it costs well under a millisecond after the first time.
+every `from_pretrained` that loads or quantizes a model, and `hfquant.evaluation` before it measures any model (a
+bf16 baseline loaded without hfquant); it costs well under a millisecond after the first time.
 """
 
 from __future__ import annotations

@@ -130,6 +130,27 @@ def test_perplexity_is_deterministic_and_restores_mode(model, tok):
     assert a == b
 
 
+def test_every_measurement_resolves_mkls_vml_kernels_before_the_model_runs(model, tok, monkeypatch):
+    """A model loaded without hfquant's quantizer (a bf16 baseline) gets its first forward's `cos` and `exp` from the
+    kernels of every later one (`hfquant.ops.vml_dispatch`, tested in tests/ops/test_vml_dispatch.py)."""
+    import hfquant.evaluation
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append("forward")
+        raise Stop
+
+    monkeypatch.setattr(hfquant.evaluation, "resolve_vml_dispatch", lambda: calls.append("resolved"))
+    monkeypatch.setattr(model, "forward", forward)
+    with pytest.raises(Stop):
+        perplexity(model, tok, reference_text(300), max_length=128, stride=64)
+    assert calls == ["resolved", "forward"]
+
+
 def test_perplexity_lower_for_a_model_that_learned_the_text(tok):
     """Sanity check of direction: a few SGD steps on the text must lower perplexity."""
     m = tiny_model("llama_tied", seed=1, **TOKENIZER_VOCAB)
