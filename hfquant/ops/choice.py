@@ -16,9 +16,12 @@ best of 3 passes interleaved between the kernels after a warm-up pass (`_time_ke
 kept only when it takes less time than aten's, so hfquant is never slower than the aten kernel on the shapes it
 measured (at one thread).
 
-Decisions are cached in memory, and on disk (unless the timing thread ran under 90% of the timing's wall time: a
-busy machine's answer is this process's only) in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
-the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. The file is data only (a tampered
+Decisions are cached in memory, and on disk in `<cache>/kernel-choices.json` per CPU (model, family/model numbers,
+the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. A timing whose thread ran under 90% of
+its wall time (a busy machine) is recorded as provisional: every process uses it for `_PROVISIONAL_SECONDS`, then the
+next one measures again. The first record of a shape stays (a process that measured beside another uses the record
+it finds): the two kernels' outputs differ in the last bits, and the processes of one job (quantize, save, reload,
+generate) must pick the same ones. The file is data only (a tampered
 entry can only pick the other, equally correct kernel); a malformed one is ignored and rewritten, and so is anything at
 that path but a regular file of this user's of at most `_MAX_CACHE_BYTES` (a FIFO there would block every load).
 `HFQUANT_KERNEL_CHOICE` overrides: "measure" (default), "native" (always the GEMV where it works, no timing) or
@@ -71,10 +74,14 @@ ON_CPU = "on_cpu"
 """Key of `_time_kernels`' result: the share of the timing's wall time that the timing thread ran (thread CPU time
 over wall time, at most 1)."""
 _MIN_ON_CPU = 0.9
-"""A timing whose thread ran less of its wall time than this (other processes took the core) decides for this
-process only and is not written to the cache file: a choice measured on a busy machine would otherwise stay for good
-(the 1.2B benchmark model's int8 lm_head went to aten at a load average of 7, where quiet timings give hfquant's GEMV
-about 1.9x aten's speed; docs/performance.md, sixteenth session)."""
+"""A timing whose thread ran less of its wall time than this (other processes took the core) is recorded as
+provisional (`_PROVISIONAL_SECONDS`): a choice measured on a busy machine would otherwise stay for good (the 1.2B
+benchmark model's int8 lm_head went to aten at a load average of 7, where quiet timings give hfquant's GEMV about 1.9x
+aten's speed; docs/performance.md, sixteenth session)."""
+_PROVISIONAL_SECONDS = 24 * 3600
+"""How long a busy machine's timing decides for every process before the next one measures again. Not at once: the
+int8 GEMV and aten's kernel round differently (one bfloat16 step on about 2% of a layer's outputs), so two processes
+of one job that each timed on a busy machine could decode differently (docs/reliability.md)."""
 
 
 def choice_mode() -> str:
@@ -143,8 +150,16 @@ def _entry(signature: str, key: str) -> dict | None:
 def _cached(signature: str, key: str) -> tuple[bool, tuple[float, float] | None] | None:
     """(uses the GEMV, (GEMV s, aten s) or None) as the cache file records `key` under `signature`, or None."""
     entry = _entry(signature, key)
-    if entry is None or entry.get("kernel") not in ("native", "aten"):
-        return None
+    return _decision(entry) if _live(entry) else None
+
+
+def _live(entry) -> bool:
+    """Whether `entry` is a record that decides: a known kernel, and not a provisional one whose time is over."""
+    return isinstance(entry, dict) and entry.get("kernel") in ("native", "aten") and not _expired(entry)
+
+
+def _decision(entry: dict) -> tuple[bool, tuple[float, float] | None]:
+    """(uses the GEMV, (GEMV s, aten s) or None where the record's timings are malformed) of a live record."""
     try:
         timings = float(entry["native_us"]) * 1e-6, float(entry["aten_us"]) * 1e-6
     except (KeyError, TypeError, ValueError):
@@ -152,12 +167,28 @@ def _cached(signature: str, key: str) -> tuple[bool, tuple[float, float] | None]
     return entry["kernel"] == "native", timings
 
 
-def _store(signature: str, key: str, entry: dict) -> None:
-    """Add `entry` to the cache file (rewritten whole into a temporary file, then renamed over it)."""
+def _expired(entry: dict) -> bool:
+    """Whether a provisional entry's time is over (a malformed time counts as over); False for a final one."""
+    until = entry.get("provisional_until")
+    if until is None:
+        return False
+    try:
+        return time.time() > float(until)
+    except (TypeError, ValueError):
+        return True
+
+
+def _store(signature: str, key: str, entry: dict) -> dict:
+    """Add `entry` to the cache file (rewritten whole into a temporary file, then renamed over it) and return it; where
+    another process recorded `key` while this one measured, its live record stays and is returned instead."""
     path = cache_file()
     data = _read_cache()
     mine = data.get(signature)
-    data[signature] = {**(mine if isinstance(mine, dict) else {}), key: entry}
+    mine = mine if isinstance(mine, dict) else {}
+    found = mine.get(key)
+    if _live(found):
+        return found
+    data[signature] = {**mine, key: entry}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, partial = tempfile.mkstemp(prefix=".kernel-choices-", suffix=".json", dir=path.parent)
@@ -166,6 +197,7 @@ def _store(signature: str, key: str, entry: dict) -> None:
         os.replace(partial, path)
     except OSError as error:  # a read-only cache: the choice stays in memory for this process
         logger.info("hfquant: cannot record the kernel choice in %s: %s", path, error)
+    return entry
 
 
 def measure_int4_row(n: int, k: int, group_size: int) -> dict[str, float]:
@@ -379,15 +411,19 @@ def _measured(kind: str, n: int, k: int, group_size: int | None) -> tuple[bool, 
         "aten_us": round(seconds["aten"] * 1e6, 2),
     }
     on_cpu = seconds.get(ON_CPU, 1.0)
-    if on_cpu >= _MIN_ON_CPU:
-        _store(signature, key, entry)
-    else:  # other processes took the core: this process uses the answer, the next one measures again
+    if on_cpu < _MIN_ON_CPU:  # other processes took the core: every process uses it for a while, then times again
+        entry["provisional_until"] = round(time.time() + _PROVISIONAL_SECONDS)
         logger.info(
-            "hfquant: the kernel timing of %s ran on the CPU %.0f%% of its time (a busy machine): not recorded in %s",
+            "hfquant: the kernel timing of %s ran on the CPU %.0f%% of its time (a busy machine): recorded in %s for "
+            "%d hours, then timed again",
             key,
             on_cpu * 100,
             cache_file(),
+            _PROVISIONAL_SECONDS // 3600,
         )
+    recorded = _store(signature, key, entry)
+    if recorded is not entry:  # another process recorded the shape while this one timed it: its choice holds
+        return _decision(recorded)
     logger.info(
         "hfquant kernel choice for one row of %s on %s: hfquant GEMV %.1f us, aten %.1f us -> %s",
         key,
