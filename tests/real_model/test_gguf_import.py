@@ -84,9 +84,9 @@ print(json.dumps({"peak_growth_mib": peak_rss_mib() - before}))
 def _peak_growth_mib(path) -> float:
     """Peak RSS growth (MiB) of loading the GGUF file or checkpoint folder `path` in a fresh process. Its kernels are
     hfquant's GEMVs without timing (`HFQUANT_KERNEL_CHOICE=native`): the first use of a layer shape times its kernels
-    on about 64 MiB of random weights (`hfquant.ops.choice`), once per machine, which is not the load's own memory; a
-    warm-up load did not keep it out, since a timing made on a busy machine is not recorded and the next process
-    times again (1.32x the file's size under xdist at a load average of 6)."""
+    on about 64 MiB of random weights (`hfquant.ops.choice`), once per machine, which is not the load's own memory (a
+    warm-up load did not keep it out while busy machines' timings were not recorded: 1.32x the file's size under
+    xdist at a load average of 6; they are now recorded for a day, but a fixed choice keeps the measure plain)."""
     result = subprocess.run(
         [sys.executable, "-c", _PEAK_WORKER, str(path)],
         capture_output=True,

@@ -69,8 +69,8 @@ def _run(code: str, *args: str) -> None:
     # cwd: the repository root, where `-c` code finds benchmarks/ (not installed). The kernels: hfquant's GEMVs
     # without timing, in every worker alike (their logits are compared bit for bit): the first use of a layer shape
     # times its kernels on about 64 MiB of random weights (`hfquant.ops.choice`), once per machine, which is not the
-    # load's own memory, and a warm-up load did not keep it out of the measured one on a busy machine (a timing made
-    # there is not recorded: the next process times again; 169 MiB of growth against 89 + 64 under xdist at load 6)
+    # load's own memory (a warm-up load did not keep it out of the measured one while busy machines' timings were not
+    # recorded: 169 MiB of growth against 89 + 64 under xdist at load 6; they are now recorded for a day)
     result = subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
