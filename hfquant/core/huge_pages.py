@@ -24,8 +24,10 @@ huge page freed a moment before.
 
 `Spares` takes that first write off the load's critical path: while a quantize-on-load runs, a thread of low priority
 (nice 19) makes and writes spare maps of the sizes `empty` was asked for more than once (a model's blocks repeat the
-same shapes), at most `budget` bytes of them; `empty` hands out a spare of the size asked for, already resident.
-The load closes it at its end, freeing the spares left.
+same shapes), at most `budget` bytes of them, and first of all one map of each size the load names up front (`first`:
+the stored weights of an lm_head or an embedding, each a size of its own, made while the pre-load hook folds the first
+block on the other core); `empty` hands out a spare of the size asked for, already resident. The load closes it at
+its end, freeing the spares left.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Spares:
     map's own lock: no `mmap_lock` held for long, unlike `MADV_POPULATE_WRITE`).
 
     Args:
-        budget: bytes of spares, made or being made, at most.
+        budget: bytes of spares, made or being made, at most (the `first` maps aside).
     """
 
     def __init__(self, budget: int) -> None:
@@ -104,6 +106,8 @@ class Spares:
         self.taken = 0
         """Maps `empty` took from the spares."""
         self._lock = threading.Lock()
+        self._made = threading.Condition(self._lock)
+        self._first: collections.Counter[int] = collections.Counter()  # `first` maps not taken yet, by size
         self._ready: dict[int, list[tuple[mmap.mmap, int]]] = collections.defaultdict(list)
         self._asked: collections.Counter[int] = collections.Counter()
         self._making: set[int] = set()
@@ -113,36 +117,56 @@ class Spares:
         self._closed = False
 
     @classmethod
-    def start(cls, budget: int) -> Spares | None:
+    def start(cls, budget: int, first: tuple[int, ...] = ()) -> Spares | None:
         """A `Spares` of `budget` bytes that `empty` takes from until it is closed; None where huge pages are not
         used (other platforms) or for a budget under one huge page. One is current at a time: one left current (a
-        load that failed before closing it) is closed first."""
+        load that failed before closing it) is closed first.
+
+        `first`: sizes in bytes the load will ask `empty` for once each (its own output, so outside the budget): one
+        map of each is made before anything else, in this order, and `take` waits for it (sizes under `HUGE_PAGE`
+        are left out: `empty` does not map them)."""
         global _spares
         if _spares is not None:
             _spares.close()
         if not _AVAILABLE or budget < HUGE_PAGE:
             return None
         _spares = cls(budget)
+        for nbytes in first:
+            if nbytes >= HUGE_PAGE:
+                _spares._request(nbytes, first=True)
         return _spares
+
+    def _request(self, nbytes: int, first: bool = False) -> None:
+        """Queue one map of `nbytes` for the thread (started on the first request); `first`: a `first` map, outside
+        the budget. Called with the lock held, or before the thread runs."""
+        self._making.add(nbytes)
+        if first:
+            self._first[nbytes] += 1
+        else:
+            self._held += nbytes
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hfquant-spares", daemon=True)
+            self._thread.start()
+        self._requests.put(nbytes)
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, int] | None:
         """A resident spare map of `nbytes` (as `_huge_map` gives) or None; asks the thread for the next one."""
         with self._lock:
             self._asked[nbytes] += 1
+            first = self._first[nbytes] > 0
+            if first:  # named up front: being made, or made; the load's own write would be no sooner
+                self._first[nbytes] -= 1
+                self._made.wait_for(lambda: self._closed or self._ready.get(nbytes))
             ready = self._ready.get(nbytes)
             spare = ready.pop() if ready else None
             if spare is not None:
-                self._held -= nbytes
                 self.taken += 1
+                if not first:
+                    self._held -= nbytes
             ask = not self._closed and self._asked[nbytes] > 1 and nbytes not in self._making
             ask = ask and not self._ready.get(nbytes) and self._held + nbytes <= self.budget
             if ask:
-                self._making.add(nbytes)
-                self._held += nbytes
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="hfquant-spares", daemon=True)
-                    self._thread.start()
-                self._requests.put(nbytes)
+                self._request(nbytes)
         return spare
 
     def close(self) -> None:
@@ -155,6 +179,7 @@ class Spares:
             left = [region for maps in self._ready.values() for region, _ in maps]
             self._ready.clear()
             self._held = 0
+            self._made.notify_all()  # a `take` waiting for a `first` map maps its own
         self._requests.put(None)
         if self._thread is not None:
             self._thread.join()
@@ -177,3 +202,4 @@ class Spares:
                     region.close()
                 else:
                     self._ready[nbytes].append((region, offset))
+                self._made.notify_all()

@@ -667,9 +667,9 @@ def checkpoint_reader(model: nn.Module, files: Iterable[str | os.PathLike]) -> I
 class FoldStream(Mapping):
     """`plan_folds`'s folds, computed block by block beside the streaming load instead of in a pass before it.
 
-    The first block is folded when the stream is made (so that a model whose head counts do not fit its projections is
-    refused in the pre-load hook, as by `plan_folds`); the first value read then queues blocks 1 .. `FOLD_AHEAD` on one worker
-    thread,
+    The pre-load hook folds the first block in its own thread (`fold_first`, so that a model whose head counts do not
+    fit its projections is refused there, as by `plan_folds`); the first value read then queues blocks 1 ..
+    `FOLD_AHEAD` on one worker thread,
     and reading any value of block i waits for block i (folding it in the caller's thread when nothing started it) and
     queues blocks i + 1 .. i + `FOLD_AHEAD`. So the worker folds the next blocks on the second core while the load
     quantizes this one, and at most `FOLD_AHEAD` blocks beyond the one being loaded are read ahead, one at a time (peak
@@ -690,8 +690,6 @@ class FoldStream(Mapping):
         model, plans, clipping, select, importance, iq4_search: as `plan_folds`.
         files: the checkpoint's safetensors files (`checkpoint_reader`), open until `close`.
 
-    Raises:
-        ValueError: the head counts do not fit the projections (naming the module).
     """
 
     def __init__(
@@ -720,12 +718,21 @@ class FoldStream(Mapping):
         self._folding = threading.Lock()  # one block at a time (the reader's handles, the scratch buffers)
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
-        if self._planner.blocks:
-            try:
-                self._future(0, background=False).result()
-            except BaseException:
-                self._stack.close()
-                raise
+
+    def fold_first(self) -> None:
+        """Fold the first block now, in the caller's thread (the pre-load hook, once the spares of the load's first
+        tensors are being made beside it: `huge_pages.Spares`). The checkpoint files are closed when it raises.
+
+        Raises:
+            ValueError: the head counts do not fit the projections (naming the module).
+        """
+        if not self._planner.blocks:
+            return
+        try:
+            self._future(0, background=False).result()
+        except BaseException:
+            self._stack.close()
+            raise
 
     def __contains__(self, name: object) -> bool:
         return name in self._owner
@@ -861,8 +868,8 @@ class FoldStream(Mapping):
 
     def _fold(self, index: int, here: bool) -> dict[str, Transform] | None:
         # One thread for the C balancing and, in the caller's thread, for torch's operations too: the worker's keeps
-        # the other core for the load's search; the caller's (block 0, in the pre-load hook, before anything else
-        # runs) would spend more time waiting at the barriers of the block's many small parallel regions (the error
+        # the other core for the load's search; the caller's (block 0, `fold_first` in the pre-load hook, beside only
+        # the spares' thread) would spend more time waiting at the barriers of the block's many small parallel regions (the error
         # test's 64 sampled rows, a balancing pass of a few row blocks) than it saved: on the 1.2B at load 9 block 0
         # took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.12-0.13 CPU s and 0.27-0.30 s at one
         # (docs/performance.md, issue #32, thirteenth session). The worker's thread needs no device context: torch's

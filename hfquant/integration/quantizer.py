@@ -25,8 +25,10 @@ they are, with their stored dtypes.
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +61,7 @@ from hfquant.integration.counting import count_quantized_weights
 from hfquant.integration.decode_activations import apply_decode_activations
 from hfquant.integration.dequantize import dequantize_model
 from hfquant.integration.embeddings import share_tied_kernels, tie_buffers
-from hfquant.integration.folding import find_blocks
+from hfquant.integration.folding import FoldStream, find_blocks
 from hfquant.integration.load_plan import (
     LoadPlan,
     apply_plan,
@@ -264,7 +266,9 @@ class HfQuantQuantizer(HfQuantizer):
         on_cpu = not self.pre_quantized and _on_cpu(device_map)
         self.report = LoadReport(pages, rows=GroupRows() if on_cpu else None)
         if on_cpu and files:  # the quantized weights' maps made resident beside the load (`huge_pages.Spares`)
-            self.report.spares = Spares.start(_spare_bytes(files))
+            self.report.spares = Spares.start(_spare_bytes(files), first=_one_off_weight_bytes(model, self.plan))
+        if isinstance(self.plan.folds, FoldStream):
+            self.plan.folds.fold_first()  # on this core, the spares' first maps on the other
         if replaced == 0:
             logger.warning("hfquant found no Linear or Conv1D layer to quantize in %s", type(model).__name__)
         return model
@@ -431,6 +435,24 @@ def _spare_bytes(files: list) -> int:
     7.4B)."""
     total = sum(os.path.getsize(f) for f in map(str, files) if os.path.isfile(f))
     return min(256 * 2**20, max(32 * 2**20, total // 64))
+
+
+def _one_off_weight_bytes(model: nn.Module, plan: LoadPlan) -> tuple[int, ...]:
+    """The bytes of each stored weight of a size no other quantized module's has (an lm_head's, an embedding's), in
+    the plan's order: `Spares` makes their maps first, while the pre-load hook folds the first block. It makes spares
+    only of sizes asked for twice otherwise, and a fresh map's first write is slow where the host backs the guest's
+    pages as they are touched: the 1.2B's int8 lm_head, the first tensor its load quantizes, took 0.35 s of which
+    0.05 s with its map written before (docs/performance.md, twenty-seventh session)."""
+    shapes = [(layer.format, layer.out_features, layer.in_features) for layer in plan.layers if layer.format]
+    for name, fmt in plan.embeddings.items():
+        embedding = model.get_submodule(name)
+        shapes.append((fmt, embedding.num_embeddings, embedding.embedding_dim))
+    sizes = []
+    for fmt, rows, in_features in shapes:
+        dtype, shape = fmt.tensor_specs((rows,), in_features)["weight"]
+        sizes.append(math.prod(shape) * dtype.itemsize)
+    counts = collections.Counter(sizes)
+    return tuple(size for size in sizes if counts[size] == 1)
 
 
 def _on_cpu(device_map) -> bool:

@@ -7,6 +7,7 @@ import copy
 import gc
 import io
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,38 @@ def test_starting_spares_closes_the_ones_a_failed_load_left():
     finally:
         current.close()
     assert huge_pages.Spares.start(HUGE_PAGE - 1) is None and huge_pages._spares is None
+
+
+@linux
+def test_a_size_named_first_is_made_at_once_outside_the_budget_and_handed_out_on_its_first_ask(monkeypatch):
+    """`Spares.start(budget, first=...)`: the one-off sizes a load names up front (an lm_head's stored weight) are made
+    before anything is asked, beyond the budget, and the first `empty` of that size waits for its map and takes it."""
+    large, tiny = 3 * HUGE_PAGE + 4096, HUGE_PAGE - 1
+    made = threading.Event()
+    run = huge_pages.Spares._run
+
+    def slow_run(self):  # the map is not ready when `empty` asks: `take` must wait for it
+        made.wait(5)
+        run(self)
+
+    monkeypatch.setattr(huge_pages.Spares, "_run", slow_run)
+    spares = huge_pages.Spares.start(HUGE_PAGE, first=(large, tiny))
+    try:
+        assert spares._making == {large} and spares._held == 0  # a size under a huge page is not mapped by `empty`
+        threading.Timer(0.2, made.set).start()
+        weight = huge_pages.empty((large,), dtype=torch.uint8)
+        assert spares.taken == 1 and weight.data_ptr() % HUGE_PAGE == 0 and torch.all(weight == 0)
+        assert spares._held == 0 and not spares._ready.get(large) and large not in spares._making  # not made again
+        again = huge_pages.empty((large,), dtype=torch.uint8)
+        assert spares.taken == 1  # a second ask of it is an ordinary one (over the budget here: no spare)
+        del weight, again
+    finally:
+        spares.close()
+
+
+@linux
+def test_a_take_waiting_for_a_first_map_returns_when_the_spares_close(monkeypatch):
+    monkeypatch.setattr(huge_pages.Spares, "_run", lambda self: None)  # never makes the map
+    spares = huge_pages.Spares.start(HUGE_PAGE, first=(2 * HUGE_PAGE,))
+    threading.Timer(0.2, spares.close).start()
+    assert spares.take(2 * HUGE_PAGE) is None

@@ -71,6 +71,7 @@ def test_the_stream_gives_plan_folds_folds_exactly(checkpoint, folded_on):
     expected = plan_folds(model, plans, state.__getitem__, progress=False)
     assert any(t.col_scale is not None for t in expected.values())
     stream = FoldStream(model, plans, files)
+    stream.fold_first()
     try:
         got = {name: stream.get(name) for name in expected}
         assert _equal(got, expected)
@@ -91,6 +92,8 @@ def test_membership_answers_without_folding_and_the_worker_reads_fold_ahead_bloc
     try:
         assert all(name in stream for block in blocks for name in block)  # every group is quantized here
         assert "lm_head" not in stream and stream
+        assert not folded_on  # nothing folded until the pre-load hook asks for the first block
+        stream.fold_first()
         assert set(folded_on) == {0}
         stream.get(blocks[0].q)
         stream._futures[2].result()  # queued by the read of block 0 (blocks 1 and 2), folded in order
@@ -134,6 +137,7 @@ def test_the_callers_thread_folds_at_one_torch_thread_and_restores_the_count(che
     torch.set_num_threads(2)
     try:
         stream = FoldStream(model, plans, files)
+        stream.fold_first()
         assert seen == {0: 1} and torch.get_num_threads() == 2
         stream.get(find_blocks(model)[1].q)
         stream.close()

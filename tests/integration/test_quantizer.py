@@ -118,6 +118,18 @@ def test_conflicting_formats_for_one_tied_tensor_are_refused_while_planning():
         _prepared("llama_tied", HfQuantConfig(bits=8, lm_head="int4", embedding_dtype="int8"))
 
 
+@pytest.mark.parametrize(
+    ("arch", "config", "one_off"),
+    [("llama", "lm_head", "lm_head"), ("llama_tied", "embedding_dtype", "model.embed_tokens")],
+)
+def test_the_spares_first_maps_are_the_stored_weights_of_a_size_of_their_own(arch, config, one_off):
+    """`_one_off_weight_bytes`: the untied lm_head's or the tied embedding's int8 weight, whose size no other module's
+    stored weight has (the decoder layers repeat theirs)."""
+    quantizer, model = _prepared(arch, HfQuantConfig(bits=8, **{config: "int8"}))
+    weight = model.get_submodule(one_off).weight
+    assert quantizer_module._one_off_weight_bytes(model, quantizer.plan) == (weight.numel() * weight.element_size(),)
+
+
 def test_folds_given_to_the_constructor_are_the_plan_s():
     folds = {"model.layers.0.mlp.up_proj": object()}
     quantizer = HfQuantQuantizer(HfQuantConfig(bits=8), folds=folds, pre_quantized=False)
@@ -131,7 +143,9 @@ def test_folds_given_to_the_constructor_are_the_plan_s():
 def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint, monkeypatch):
     started = []
     start = huge_pages.Spares.start
-    monkeypatch.setattr(huge_pages.Spares, "start", lambda budget: started.append(start(budget)) or started[-1])
+    monkeypatch.setattr(
+        huge_pages.Spares, "start", lambda budget, first=(): started.append(start(budget, first)) or started[-1]
+    )
     model = auto_class("llama").from_pretrained(
         float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=8), device_map="cpu"
     )
@@ -147,6 +161,31 @@ def test_the_report_after_a_load_holds_every_quantized_key(float_checkpoint, mon
     assert len(_own_fields(quantizer)) <= 4, _own_fields(quantizer)
     # attention_requested: whether from_pretrained named an attn_implementation (then the one-row attention stays off)
     assert _own_fields(quantizer) == {"plan", "report", "attention_requested"}
+
+
+def test_the_pre_load_hook_starts_the_spares_before_it_folds_the_first_block(float_checkpoint, monkeypatch):
+    """The spares' first maps are made while the first block is folded (`FoldStream.fold_first`, on the hook's
+    thread), and both before the weights stream in."""
+    events = []
+    start, fold_first = huge_pages.Spares.start, quantizer_module.FoldStream.fold_first
+    convert = quantizer_module.HfQuantQuantize.convert
+    monkeypatch.setattr(
+        huge_pages.Spares, "start", lambda *args, **kwargs: events.append("spares") or start(*args, **kwargs)
+    )
+    monkeypatch.setattr(
+        quantizer_module.FoldStream, "fold_first", lambda self: events.append("fold") or fold_first(self)
+    )
+    monkeypatch.setattr(
+        quantizer_module.HfQuantQuantize,
+        "convert",
+        lambda self, *a, **k: events.append("convert") or convert(self, *a, **k),
+    )
+    auto_class("llama").from_pretrained(
+        float_checkpoint("llama"),
+        quantization_config=HfQuantConfig(bits=4, group_size=32, fold_column_scales=True),
+        device_map="cpu",
+    )
+    assert events[:3] == ["spares", "fold", "convert"], events[:5]
 
 
 def test_the_weight_op_records_each_quantized_tensor_and_passes_the_others():
