@@ -689,7 +689,6 @@ class FoldStream(Mapping):
     Args:
         model, plans, clipping, select, importance, iq4_search: as `plan_folds`.
         files: the checkpoint's safetensors files (`checkpoint_reader`), open until `close`.
-
     """
 
     def __init__(
@@ -869,11 +868,11 @@ class FoldStream(Mapping):
     def _fold(self, index: int, here: bool) -> dict[str, Transform] | None:
         # One thread for the C balancing and, in the caller's thread, for torch's operations too: the worker's keeps
         # the other core for the load's search; the caller's (block 0, `fold_first` in the pre-load hook, beside only
-        # the spares' thread) would spend more time waiting at the barriers of the block's many small parallel regions (the error
-        # test's 64 sampled rows, a balancing pass of a few row blocks) than it saved: on the 1.2B at load 9 block 0
-        # took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.12-0.13 CPU s and 0.27-0.30 s at one
-        # (docs/performance.md, issue #32, thirteenth session). The worker's thread needs no device context: torch's
-        # default device and function modes are per thread, and a new thread's are the CPU and none (a
+        # the spares' thread) would spend more time waiting at the barriers of the block's many small parallel
+        # regions (the error test's 64 sampled rows, a balancing pass of a few row blocks) than it saved: on the 1.2B
+        # at load 9 block 0 took 0.34-0.37 CPU s and 1.5-1.9 s wall at two threads, 0.12-0.13 CPU s and 0.27-0.30 s
+        # at one (docs/performance.md, issue #32, thirteenth session). The worker's thread needs no device context:
+        # torch's default device and function modes are per thread, and a new thread's are the CPU and none (a
         # `torch.device("cpu")` there sent each of the fold's torch calls through its Python `__torch_function__`).
         place = _on_cpu_in_float32() if here else nullcontext()
         with self._folding, place, _torch_threads(1 if here else None):

@@ -96,9 +96,9 @@ def plan_checkpoint_folds(
     """`fold_column_scales`: read each decoder block's float weights once from the checkpoint `files`
     (`hfquant.integration.folding`) and return (the folds for the streaming load, the layer plans). The folds are a
     `FoldStream`: the first block's computed by the pre-load hook (`FoldStream.fold_first`), the others on a worker
-    thread while the load runs. The folded
-    layers are stored with RTN: their entries are put first in `config.module_overrides` and the layers planned
-    again. Without a safetensors checkpoint (a GGUF file, a state dict) nothing is folded and a warning says so.
+    thread while the load runs. The folded layers are stored with RTN: their entries are put first in
+    `config.module_overrides` and the layers planned again. Without a safetensors checkpoint (a GGUF file, a state
+    dict) nothing is folded and a warning says so.
 
     Raises:
         ValueError: `device_map` places modules on "disk" (folds are not supported with disk offload).

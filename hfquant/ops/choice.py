@@ -21,9 +21,9 @@ the ISA flags of `hfquant.ops.machine`) and torch version, and logged at INFO. A
 its wall time (a busy machine) is recorded as provisional: every process uses it for `_PROVISIONAL_SECONDS`, then the
 next one measures again. The first record of a shape stays (a process that measured beside another uses the record
 it finds): the two kernels' outputs differ in the last bits, and the processes of one job (quantize, save, reload,
-generate) must pick the same ones. The file is data only (a tampered
-entry can only pick the other, equally correct kernel); a malformed one is ignored and rewritten, and so is anything at
-that path but a regular file of this user's of at most `_MAX_CACHE_BYTES` (a FIFO there would block every load).
+generate) must pick the same ones. The file is data only (a tampered entry can only pick the other, equally correct
+kernel); a malformed one is ignored and rewritten, and so is anything at that path but a regular file of this user's
+of at most `_MAX_CACHE_BYTES` (a FIFO there would block every load).
 `HFQUANT_KERNEL_CHOICE` overrides: "measure" (default), "native" (always the GEMV where it works, no timing) or
 "aten" (never the GEMV).
 """
