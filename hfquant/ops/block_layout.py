@@ -41,9 +41,6 @@ ROWS = 8
 ROWS16 = 16
 """Rows per interleaved group of the R16 layout."""
 
-_R16_BLOCKS = ("iq4_xs",)
-"""The block types with an R16 layout."""
-
 _ENV = "HFQUANT_BLOCK_ROWS"
 
 logger = logging.getLogger(__name__)
@@ -78,7 +75,7 @@ def rows_for(block: str, out_features: int) -> int:
     if requested == 1:
         return 1
     if requested == ROWS16 or (requested is None and _row_kernels_preferred()):
-        supported = block in _R16_BLOCKS and native.block_rows16_supported(blocks.layout(block).ggml_type)
+        supported = native.block_rows16_supported(blocks.layout(block).ggml_type)  # False for a type without R16
         return ROWS16 if supported and out_features % ROWS16 == 0 and _rows_work(block, ROWS16) else 1
     if out_features % ROWS:
         return 1
