@@ -25,7 +25,7 @@ NAMES = ["iq4_nl", "iq4_xs"]
 GGML_TYPES = {"iq4_nl": 20, "iq4_xs": 23}
 
 
-KINDS = ["normal", "heavy-tailed", "ties", "tiny", "scaled ties", "subnormal"]
+KINDS = ["normal", "heavy-tailed", "ties", "tiny", "scaled ties", "subnormal", "all subnormal"]
 
 
 def _rows(kind: str, rows: int = 37, k: int = 512) -> torch.Tensor:
@@ -34,14 +34,17 @@ def _rows(kind: str, rows: int = 37, k: int = 512) -> torch.Tensor:
     -127 / 64, so IQ4_NL's first scale is 1 / 64 and x / d lands on midpoints (ties to the larger value) and values;
     "tiny": normal weights of standard deviation 3e-5, so the float16 scales are subnormal; "scaled ties": `_ties`;
     "subnormal": rows of zeros but for one subnormal weight (1e-42 to 1e-39, which bfloat16 holds too): the block's
-    scale inverse overflows and a zero weight times it is NaN (this crashed the portable body). Not here: blocks of
-    many subnormal weights, whose zero float16 d the bodies may write as +0.0 or -0.0 (docs/performance.md)."""
+    scale inverse overflows and a zero weight times it is NaN (this crashed the portable body); "all subnormal": every
+    weight subnormal (1e-42 to 1e-39 of either sign), so the float16 super-block and block scales are zero, which the
+    bodies reached as +0.0 or -0.0 before every zero d was written as +0.0."""
     generator = torch.Generator().manual_seed(41)
     weight = torch.randn(rows, k, generator=generator) * 0.02
     if kind == "heavy-tailed":
         weight = weight * torch.exp(1.5 * torch.randn(rows, k, generator=generator))
     if kind == "tiny":
         weight = weight * 1.5e-3
+    if kind == "all subnormal":
+        return (torch.rand(rows, k, generator=generator) * 2 - 1) * torch.logspace(-42, -39, rows)[:, None]
     if kind == "subnormal":
         weight = torch.zeros(rows, k)
         weight[torch.arange(rows), torch.randint(k, (rows,), generator=generator)] = torch.logspace(-42, -39, rows)
@@ -267,8 +270,10 @@ def test_the_config_field_reaches_quantize_on_load(search):
 
     config = HfQuantConfig.from_dict(HfQuantConfig(format="iq4_xs", iq4_search=search).to_dict())
     assert config.iq4_search == search and config.to_dict()["iq4_search"] == search
-    weight = _rows("normal", rows=8)
-    layer = QuantLinear(512, 8, StoredFormat.of_block("iq4_xs"), False, torch.float32, "meta")
+    # rows on which every search gives other bytes than block_quantize's default ("thorough", whose choices equal the
+    # exhaustive search's on 8 normal rows: only a zero scale's sign told them apart before it was made +0.0)
+    weight = _rows("heavy-tailed", rows=16)
+    layer = QuantLinear(512, 16, StoredFormat.of_block("iq4_xs"), False, torch.float32, "meta")
     stored, _ = quantize_on_load(layer, "l.weight", weight, None, "minmax", iq4_search=config.iq4_search)
     assert torch.equal(stored["l.weight"], native.block_quantize("iq4_xs", weight, iq4_search=search))
     assert not torch.equal(stored["l.weight"], native.block_quantize("iq4_xs", weight))

@@ -127,9 +127,14 @@ typedef struct {
 #define IS_AVX2 0
 #include "iq4_search_body.h"
 
+/* `value` as float16 into out; a zero (or a value that rounds to zero) as +0.0: the bodies reach a block of subnormal
+ * weights' zero scale with either sign, and the bytes must not depend on the body (tests/ops/test_iq4_search.py) */
 static void put_half16(uint8_t *out, float value) {
     _Float16 h = (_Float16)value;
-    memcpy(out, &h, 2);
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    if ((bits & 0x7FFF) == 0) bits = 0;
+    memcpy(out, &bits, 2);
 }
 
 /* lane l of a group: d f16, scales_h, scales_l[4] (iq4.py's module docstring; qs by `iq4_xs_put_codes_`) */
