@@ -10,6 +10,7 @@ consecutive rows of one tensor (`GroupRows`), which the group's kernels then use
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,7 +25,7 @@ from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import QuantExperts, quantize_experts_tensor
 from hfquant.nn.linear import QuantLinear, quantize_to_buffers
 
-__all__ = ["GroupRows", "quantize_on_load", "quantize_layer_weight", "requantize_disk_offloaded"]
+__all__ = ["GroupRows", "quantize_on_load", "quantize_layer_weight", "requantize_disk_offloaded", "stored_allocations"]
 
 
 class GroupRows:
@@ -47,10 +48,10 @@ class GroupRows:
     def weight_out(self, module: nn.Module, device: torch.device) -> torch.Tensor | None:
         """`module`'s rows of its group's tensor for its stored weight (quantized on `device`), or None."""
         group = getattr(module, "_decode_group", None)
-        if group is None or device.type != "cpu":
+        if group is None or device.type != "cpu" or not _one_tensor(group):
             return None
         if not _same_format(group.members):
-            return self._block_bytes(group, module) if _block_members(group.members) else None
+            return self._block_bytes(group, module)
         index = group.members.index(module)
         fmt, in_features = module.format, module.in_features
         dtype, shape = fmt.tensor_specs((module.out_features,), in_features)["weight"]
@@ -74,6 +75,38 @@ class GroupRows:
     def clear(self) -> None:
         """Forget the tensors (after the load: the layers hold their rows)."""
         self._tensors.clear()
+
+
+def stored_allocations(modules: list[nn.Module]) -> list[int]:
+    """The bytes of each stored tensor that a quantize-on-load on the CPU asks `huge_pages.empty` for, for `modules`
+    (`QuantLinear` / `QuantEmbedding` layers, in load order), as `GroupRows` places them: one tensor for the weights
+    of a decode group that shares one (at its first member: the members' total; their scales are small tensors of
+    their own, `torch.empty`), else each layer's stored tensors (`StoredFormat.empty`)."""
+    sizes, grouped = [], set()
+    for module in modules:
+        group = getattr(module, "_decode_group", None)
+        if group is None or not _one_tensor(group):
+            sizes.extend(_nbytes(*spec) for spec in _stored_specs(module).values())
+        elif id(group) not in grouped:
+            grouped.add(id(group))
+            sizes.append(sum(_nbytes(*_stored_specs(member)["weight"]) for member in group.members))
+    return sizes
+
+
+def _stored_specs(module: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """`module.format.tensor_specs` of a `QuantLinear` (out_features rows) or a `QuantEmbedding` (a row per token)."""
+    if isinstance(module, QuantEmbedding):
+        return module.format.tensor_specs((module.num_embeddings,), module.embedding_dim)
+    return module.format.tensor_specs((module.out_features,), module.in_features)
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _one_tensor(group) -> bool:
+    """Whether `GroupRows` gives the weights of the decode `group`'s members one tensor (rows or byte ranges of it)."""
+    return _same_format(group.members) or _block_members(group.members)
 
 
 def _block_members(members: list[nn.Module]) -> bool:

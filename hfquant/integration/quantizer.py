@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +70,12 @@ from hfquant.integration.load_plan import (
     record_stored_formats,
 )
 from hfquant.integration.load_report import LoadReport
-from hfquant.integration.quantize_weights import GroupRows, quantize_on_load, requantize_disk_offloaded
+from hfquant.integration.quantize_weights import (
+    GroupRows,
+    quantize_on_load,
+    requantize_disk_offloaded,
+    stored_allocations,
+)
 from hfquant.nn.embedding import QuantEmbedding
 from hfquant.nn.experts import EXPERT_PROJECTIONS, QuantExperts
 from hfquant.nn.float_linear import use_float_linear
@@ -438,19 +442,14 @@ def _spare_bytes(files: list) -> int:
 
 
 def _one_off_weight_bytes(model: nn.Module, plan: LoadPlan) -> tuple[int, ...]:
-    """The bytes of each stored weight of a size no other quantized module's has (an lm_head's, an embedding's), in
-    the plan's order: `Spares` makes their maps first, while the pre-load hook folds the first block. It makes spares
-    only of sizes asked for twice otherwise, and a fresh map's first write is slow where the host backs the guest's
-    pages as they are touched: the 1.2B's int8 lm_head, the first tensor its load quantizes, took 0.35 s of which
-    0.05 s with its map written before (docs/performance.md, twenty-seventh session)."""
-    shapes = [(layer.format, layer.out_features, layer.in_features) for layer in plan.layers if layer.format]
-    for name, fmt in plan.embeddings.items():
-        embedding = model.get_submodule(name)
-        shapes.append((fmt, embedding.num_embeddings, embedding.embedding_dim))
-    sizes = []
-    for fmt, rows, in_features in shapes:
-        dtype, shape = fmt.tensor_specs((rows,), in_features)["weight"]
-        sizes.append(math.prod(shape) * dtype.itemsize)
+    """The bytes of each stored tensor the load allocates once in a size of its own (an lm_head's weight, an
+    embedding's; `stored_allocations`, which counts a decode group's weights as the one tensor `GroupRows` gives
+    them), in the plan's order: `Spares` makes their maps first, while the pre-load hook folds the first block. It
+    makes spares only of sizes asked for twice otherwise, and a fresh map's first write is slow where the host backs
+    the guest's pages as they are touched: the 1.2B's int8 lm_head, the first tensor its load quantizes, took 0.35 s
+    of which 0.05 s with its map written before (docs/performance.md, twenty-seventh session)."""
+    names = [layer.name for layer in plan.layers if layer.format] + list(plan.embeddings)
+    sizes = stored_allocations([model.get_submodule(name) for name in names])
     counts = collections.Counter(sizes)
     return tuple(size for size in sizes if counts[size] == 1)
 

@@ -4,9 +4,12 @@ error path (a failure the op records, raised by name once loading is over)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from helpers import auto_class, tiny_config
+from helpers import auto_class, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
 from transformers.quantizers.base import HfQuantizer
 
 import hfquant.integration.quantizer as quantizer_module
@@ -126,8 +129,43 @@ def test_the_spares_first_maps_are_the_stored_weights_of_a_size_of_their_own(arc
     """`_one_off_weight_bytes`: the untied lm_head's or the tied embedding's int8 weight, whose size no other module's
     stored weight has (the decoder layers repeat theirs)."""
     quantizer, model = _prepared(arch, HfQuantConfig(bits=8, **{config: "int8"}))
-    weight = model.get_submodule(one_off).weight
-    assert quantizer_module._one_off_weight_bytes(model, quantizer.plan) == (weight.numel() * weight.element_size(),)
+    module = model.get_submodule(one_off)
+    stored = (module.weight, module.weight_scale)
+    assert quantizer_module._one_off_weight_bytes(model, quantizer.plan) == tuple(t.nbytes for t in stored)
+
+
+def test_the_allocations_counted_for_the_spares_are_those_the_load_makes(tmp_path, monkeypatch):
+    """`stored_allocations`, from which `_one_off_weight_bytes` picks the spares' first maps, gives the sizes that a
+    quantize-on-load asks `huge_pages.empty` for: on a one-layer Llama the weights of q/k and gate/up as one tensor
+    per group (`GroupRows`; their members' own sizes are never asked), every other layer's stored tensors."""
+    tiny_model("llama", num_hidden_layers=1).save_pretrained(tmp_path)
+    counted, asked, loading = [], [], [True]
+    real_empty, real_counted = huge_pages.empty, quantizer_module.stored_allocations
+
+    def empty(shape, dtype, device=None):
+        if loading[0] and torch.device(device or "cpu").type == "cpu":  # not the meta skeleton's
+            asked.append(math.prod(shape) * dtype.itemsize)
+        return real_empty(shape, dtype, device)
+
+    def stored_allocations(modules):
+        counted.extend(real_counted(modules))
+        return counted
+
+    after = HfQuantQuantizer._process_model_after_weight_loading
+
+    def after_loading(self, *args, **kwargs):
+        loading[0] = False  # the kernels' own copies are not the load's stored tensors
+        return after(self, *args, **kwargs)
+
+    monkeypatch.setattr(huge_pages, "empty", empty)
+    monkeypatch.setattr(quantizer_module, "stored_allocations", stored_allocations)
+    monkeypatch.setattr(HfQuantQuantizer, "_process_model_after_weight_loading", after_loading)
+    config = HfQuantConfig(bits=4, format="int", group_size=32, fold_column_scales=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cpu")
+    members = model.model.layers[0].self_attn.q_proj._decode_group.members
+    weights = [math.prod(m.format.tensor_specs((m.out_features,), m.in_features)["weight"][1]) for m in members]
+    assert len(members) > 1 and sum(weights) in counted  # int4: a byte per two codes, one tensor for the group
+    assert sorted(counted) == sorted(asked)
 
 
 def test_folds_given_to_the_constructor_are_the_plan_s():
