@@ -459,6 +459,15 @@ def _tokenizer_folder(folder: Path, tokenizer: str | os.PathLike | None) -> Path
     return folder
 
 
+def _kind(qconfig: dict | None, dtype: str) -> str:
+    """What a measured row's label says a model is: "hfquant int8" / "hfquant int4" for hfquant's integer formats,
+    "hfquant iq4_xs" (the config's `format`) for a block format, else the float `dtype`."""
+    if not qconfig or qconfig.get("quant_method") != "hfquant":
+        return dtype
+    fmt = qconfig.get("format", "int")
+    return f"hfquant int{qconfig['bits']}" if fmt == "int" else f"hfquant {fmt}"
+
+
 def _measured_row(
     source: str | os.PathLike, role: str, text: str, prompt: str, settings: dict
 ) -> tuple[dict[str, Any], int]:
@@ -480,8 +489,7 @@ def _measured_row(
     tokens = int(tokenizer(text, return_tensors="pt")["input_ids"].shape[1])
     tokens = min(tokens, settings["max_tokens"]) if settings["max_tokens"] else tokens
     dtype = dtype_name(model.dtype)
-    kind = f"hfquant int{qconfig['bits']}" if qconfig and qconfig.get("quant_method") == "hfquant" else dtype
-    label = f"{'this model' if role == 'quantized' else Path(str(source)).name} ({kind})"
+    label = f"{'this model' if role == 'quantized' else Path(str(source)).name} ({_kind(qconfig, dtype)})"
     logger.info("measuring %s", label)
     max_length = settings["max_length"]
     row = {

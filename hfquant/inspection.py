@@ -34,7 +34,15 @@ from hfquant.integration.schema_check import check_checkpoint_schema
 from hfquant.integration.skeleton import build_skeleton
 from hfquant.nn.replace import linear_shape, output_embedding
 
-__all__ = ["FOLDED_SINQ", "inspect_checkpoint", "format_report", "layer_kind", "human_bytes", "group_text"]
+__all__ = [
+    "FOLDED_SINQ",
+    "inspect_checkpoint",
+    "format_report",
+    "layer_kind",
+    "human_bytes",
+    "bits_text",
+    "group_text",
+]
 
 FOLDED_SINQ = "sinq (folded)"
 """The method of a layer quantized with SINQ whose column scales were folded into the model (`fold_column_scales`):
@@ -89,6 +97,11 @@ def _shown(field: str, value) -> str:
         return str(value)
     settings = sorted({json.dumps(v, sort_keys=True) for v in value.values()})
     return f"{{{len(value)} layers: {', '.join(settings)}; per layer in the table below}}"
+
+
+def bits_text(row: dict) -> str:
+    """A quantized row's stored width as a reader says it: "4" for an integer format, "4 (iq4_xs)" for a block type."""
+    return str(row["bits"]) if row.get("format", "int") == "int" else f"{row['bits']} ({row['format']})"
 
 
 def group_text(row: dict) -> str:
@@ -376,7 +389,7 @@ def format_report(report: dict[str, Any]) -> str:
             [
                 r["kind"],
                 r["count"],
-                r["bits"] if r.get("format", "int") == "int" else f"{r['bits']} ({r['format']})",
+                bits_text(r),
                 group_text(r),
                 "yes" if r["symmetric"] else "no",
                 r["method"],

@@ -2,7 +2,7 @@
 template `model_cards/hfquant.jinja`, rendered with `ModelCard.from_template`.
 
 The card's YAML metadata has `base_model` (when known), `base_model_relation: quantized`, `library_name:
-transformers`, tags (`hfquant`, `int4` or `int8`, ...), and the license and languages of the base model's own card
+transformers`, tags (`hfquant`, each stored format: `iq4_xs`, `int8`, ...), and the license and languages of the base model's own card
 when it is at hand. Its body shows the quantization config as a table, sizes against the float model
 (`hfquant.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
 usage snippet. Every input is read from the checkpoint folder, so the card can be rendered again at any time (`hfquant
@@ -30,8 +30,9 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from hfquant.checkpoint.files import EVAL_FILE, stays_inside
 from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
+from hfquant.core import blocks
 from hfquant.core.text import terminal_safe
-from hfquant.inspection import FOLDED_SINQ, format_report, group_text, human_bytes, inspect_checkpoint
+from hfquant.inspection import FOLDED_SINQ, bits_text, format_report, group_text, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
 
 __all__ = [
@@ -150,7 +151,7 @@ def _format_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The quantized layers counted per stored format (bits, group, symmetric, method), most common first."""
     counts: Counter = Counter()
     for row in report["quantized"]:
-        counts[(row["bits"], group_text(row), row["symmetric"], row["method"])] += row["count"]
+        counts[(bits_text(row), group_text(row), row["symmetric"], row["method"])] += row["count"]
     return [
         {"bits": bits, "group": group, "symmetric": symmetric, "method": method, "count": count}
         for (bits, group, symmetric, method), count in counts.most_common()
@@ -158,11 +159,12 @@ def _format_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 _METHOD_TEXT = {
-    "rtn": "round-to-nearest with min/max scales",
+    "rtn": "round-to-nearest (integers: min/max scales; block types: each block's scales searched as llama.cpp's "
+    "quantizer does)",
     "sinq": "SINQ (round-to-nearest after a per-input-column scale balanced by Sinkhorn iterations, arXiv "
     "2509.22944, stored as `weight_col_scale`)",
     FOLDED_SINQ: "SINQ with its column scales folded into the model (into the norms and the preceding projections, "
-    "an exact identity), so the layers store plain round-to-nearest codes",
+    "an exact identity), so the layers are stored in their plain format with no extra vector",
 }
 
 
@@ -234,12 +236,14 @@ def build_card(
         raise FileNotFoundError(f"model card template {template} is missing; reinstall hfquant from its source tree")
 
     bits = sorted({row["bits"] for row in report["quantized"]}) or [qconfig["bits"]]
+    formats = _stored_formats(report)
     carried = (
         {k: v for k, v in read_base_model(Path(base_card)).items() if k in _CARRIED_METADATA} if base_card else {}
     )
     carried.update({k: v for k, v in previous.items() if k in _CARRIED_METADATA and k not in carried})
     methods = sorted({row["method"].split()[0] for row in report["quantized"]})  # "sinq (folded)" is sinq
-    tags = ["hfquant", *[f"int{b}" for b in bits], *[f"{b}-bit" for b in bits], "quantized", "weight-only", *methods]
+    names = [_format_name(fmt, width) for fmt, width in formats]
+    tags = ["hfquant", *sorted(names), *[f"{b}-bit" for b in bits], "quantized", "weight-only", *methods]
     card_data = ModelCardData(
         base_model=base_model,
         library_name="transformers",
@@ -254,7 +258,7 @@ def build_card(
         command = previous_command(folder / "README.md") or convert_command(
             base_model or "SRC", name, asked_settings(qconfig, recorded=True)
         )
-    values = _template_values(report, bits, base_model, evaluation)
+    values = _template_values(report, formats, base_model, evaluation)
     values.update(
         model_name=markdown_text(repo_id.split("/")[-1] if repo_id else name),
         repo_id=_python_string(repo_id or f"<your-username>/{name}"),
@@ -265,22 +269,57 @@ def build_card(
     return ModelCard.from_template(card_data, template_path=str(template), **values)
 
 
-def _granularity(qconfig: dict[str, Any], report: dict[str, Any]) -> str:
-    """How many inputs share a scale, as the card says it ("groups of 128 inputs per scale (...)")."""
-    if qconfig.get("group_size") is None:
+def _stored_formats(report: dict[str, Any]) -> list[tuple[str, int]]:
+    """(format, bits) of the quantized layers, most stored bytes first: [("iq4_xs", 4), ("iq4_nl", 4), ("int", 8)]."""
+    stored: Counter = Counter()
+    for row in report["quantized"]:
+        stored[(row.get("format", "int"), row["bits"])] += row["bytes"]
+    return [key for key, _ in stored.most_common()]
+
+
+def _format_name(fmt: str, bits: int) -> str:
+    """A stored format's short name, for tags and the size table: "int8", "iq4_xs"."""
+    return f"int{bits}" if fmt == "int" else fmt
+
+
+def _formats_text(qconfig: dict[str, Any], report: dict[str, Any], formats: list[tuple[str, int]]) -> str:
+    """What the card's first sentence says the weights were quantized to, format by format: "IQ4_XS (llama.cpp's
+    block type: 4.25 bits per weight, its scales inside each block of 256 inputs) and 8-bit integers (one scale per
+    output channel)"."""
+    phrases = []
+    for fmt, bits in formats:
+        if fmt == "int":
+            rows = [r for r in report["quantized"] if r.get("format", "int") == "int" and r["bits"] == bits]
+            phrases.append(f"{bits}-bit integers ({_int_granularity(qconfig, rows)})")
+            continue
+        layout = blocks.LAYOUTS[fmt]
+        owner = "llama.cpp's" if layout.gguf else "hfquant's"
+        phrases.append(
+            f"{fmt.upper()} ({owner} block type: {layout.bits_per_weight:g} bits per weight, its scales inside each "
+            f"block of {layout.block_size} inputs)"
+        )
+    return " and ".join(phrases) if len(phrases) < 3 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+def _int_granularity(qconfig: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """How many inputs share a scale in the integer layers `rows`: "groups of 128 inputs per scale; 64 in some
+    layers; one scale per output channel in others" (the config's group size first where it is an integer one)."""
+    groups = Counter(row["group_size"] for row in rows if not row.get("per_channel"))
+    if not groups:
         return "one scale per output channel"
-    groups = sorted({row["group_size"] for row in report["quantized"] if not row.get("per_channel")})
-    granularity = f"groups of {qconfig['group_size']} inputs per scale"
-    fallback = [g for g in groups if g != qconfig["group_size"]]
-    if fallback:
-        granularity += f" ({' or '.join(map(str, fallback))} in some layers)"
-    if any(row.get("per_channel") for row in report["quantized"]):
-        granularity += ", one scale per output channel in others"
-    return granularity
+    asked = qconfig.get("group_size") if qconfig.get("format", "int") == "int" else None
+    main = asked if asked in groups else groups.most_common(1)[0][0]
+    text = f"groups of {main} inputs per scale"
+    others = sorted(group for group in groups if group != main)
+    if others:
+        text += f"; {' or '.join(map(str, others))} in some layers"
+    if any(row.get("per_channel") for row in rows):
+        text += "; one scale per output channel in others"
+    return text
 
 
 def _template_values(
-    report: dict[str, Any], bits: list[int], base_model: str | None, evaluation: dict | None
+    report: dict[str, Any], formats: list[tuple[str, int]], base_model: str | None, evaluation: dict | None
 ) -> dict[str, Any]:
     """The template's values that come from the checkpoint's files (`inspect_checkpoint`'s report, the evaluation)."""
     qconfig = report["quantization_config"]
@@ -290,13 +329,15 @@ def _template_values(
         marker=f"{CARD_MARKER}: generated from the files of this folder; edit freely, or re-render with hfquant",
         base_model=base_model,
         architecture=markdown_code(architecture),
-        bits_text=" / ".join(f"{b}-bit integers" for b in bits),
-        bits_tag="/".join(f"int{b}" for b in bits),
-        granularity=_granularity(qconfig, report),
+        formats_text=_formats_text(qconfig, report, formats),
+        formats_tag="/".join(_format_name(fmt, bits) for fmt, bits in formats),
+        integer_layers=any(fmt == "int" for fmt, _ in formats),
+        block_layers=any(fmt != "int" for fmt, _ in formats),
+        gguf_blocks=all(blocks.LAYOUTS[fmt].gguf for fmt, _ in formats if fmt != "int"),
         methods_text=_methods_text(report),
         format_rows=_format_rows(report),
         install=install_lines(),
-        symmetric=all(row["symmetric"] for row in report["quantized"]),
+        symmetric=all(row["symmetric"] for row in report["quantized"] if row.get("format", "int") == "int"),
         dtype=report["dtype"],
         config_rows=_config_rows(qconfig),
         float_size=human_bytes(totals["float_bytes"]),
@@ -306,6 +347,7 @@ def _template_values(
         layer_rows=[
             {
                 **row,
+                "bits": bits_text(row),
                 "group": group_text(row),
                 "kind": markdown_code(row["kind"]),
                 "bytes": human_bytes(row["bytes"]),

@@ -43,6 +43,25 @@ def test_metadata(llama_int4):
     assert "int2" not in data["tags"]
 
 
+def test_a_block_format_card_names_its_types_and_how_they_are_stored(float_checkpoint, tmp_path):
+    """The 4-bit default (IQ4_XS; IQ4_NL where 256 does not divide the inputs; an int8 lm_head): the card's tags,
+    first sentence, tables and kernels name llama.cpp's block types, not 4-bit integers and PyTorch's int4 kernel."""
+    out = tmp_path / "default"
+    convert(float_checkpoint("llama", torch.bfloat16, hidden_size=256), out, HfQuantConfig(bits=4), progress=False)
+    card = build_card(out, base_model=BASE)
+    tags = set(card.data.to_dict()["tags"])
+    assert {"iq4_xs", "iq4_nl", "int8", "4-bit", "8-bit"} <= tags and "int4" not in tags
+    content = card.content
+    assert (
+        "IQ4_XS (llama.cpp's block type: 4.25 bits per weight, its scales inside each block of 256 inputs)" in content
+    )
+    assert "IQ4_NL (llama.cpp's block type: 4.5 bits per weight" in content and "4-bit integers" not in content
+    assert "8-bit integers (one scale per output channel)" in content  # the lm_head
+    assert "block-type layers as GGUF's block bytes" in content and "hfquant's C kernels" in content
+    assert "| `model.layers.*.self_attn.q_proj` | 2 | 4 (iq4_xs) | 256 | yes | sinq (folded) |" in content
+    assert "| | bfloat16 | hfquant iq4_xs/" in content and "`hfquant export --format gguf`" in content
+
+
 def test_int8_encoder_card(float_checkpoint, tmp_path):
     out = tmp_path / "bert-int8"
     convert(float_checkpoint("bert"), out, HfQuantConfig(bits=8), progress=False)
@@ -52,6 +71,7 @@ def test_int8_encoder_card(float_checkpoint, tmp_path):
     assert "base_model" not in data and "base_model_relation" not in data  # unknown float model: no broken link
     assert "pipeline_tag" not in data
     assert "AutoModel.from_pretrained" in card.content and "one scale per output channel" in card.content
+    assert "GGUF's block bytes" not in card.content and "hfquant's C kernels" not in card.content
 
 
 def test_body_has_the_config_table_sizes_and_usage(llama_int4):

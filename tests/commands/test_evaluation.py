@@ -316,3 +316,22 @@ def test_generate_answer_uses_chat_template(model):
     finally:
         del model.generate
     assert seen == ["<<Q?>>A:"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind"),
+    [
+        ({"bits": 8}, "hfquant int8"),
+        ({"bits": 4, "format": "int"}, "hfquant int4"),
+        ({"bits": 4}, "hfquant iq4_xs"),
+        ({"bits": 3.5}, "hfquant hq3_r"),
+        ({"format": "q4_k"}, "hfquant q4_k"),
+    ],
+)
+def test_a_measured_row_names_the_stored_format(fields, kind):
+    """The label `hfquant eval` prints and the model card repeats: the 4-bit default is IQ4_XS, not int4."""
+    from hfquant import HfQuantConfig
+    from hfquant.evaluation import _kind
+
+    assert _kind(HfQuantConfig(**fields).to_dict(), "bfloat16") == kind
+    assert _kind(None, "bfloat16") == "bfloat16"
