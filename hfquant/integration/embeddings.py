@@ -111,6 +111,16 @@ def _storage_format(storage: str, config: HfQuantConfig, in_features: int) -> St
     return quantized_format(storage, config, in_features)
 
 
+def _stored_as(storage: str, width: int) -> str:
+    """The storage a table of rows of `width` values gets when asked for `storage`: a block format whose blocks do
+    not divide its rows takes its fallback type (`block_format`: q6_k on rows of 576 is q8_0, which a saved config
+    records for the tied table while `lm_head` keeps "q6_k"), anything else is itself."""
+    if storage not in blocks.LAYOUTS:
+        return storage
+    fmt = block_format(storage, width, Method.RTN)[0]
+    return storage if fmt is None else fmt.block
+
+
 def _head_format(config: HfQuantConfig, head: str | None) -> str | None:
     """The quantized storage asked for the output embedding `head`: its block override, else `lm_head` unless
     "keep"."""
@@ -140,7 +150,8 @@ def embedding_storage(
     head_source = tied.get(head) if head is not None else None
     if head_source is not None and head_source in storage:
         asked = storage[head_source]
-        if head_format is not None and asked != "auto" and asked != head_format:
+        width = model.get_submodule(head_source).embedding_dim
+        if head_format is not None and asked != "auto" and _stored_as(asked, width) != _stored_as(head_format, width):
             raise ValueError(
                 f"lm_head={head_format!r} and embedding_dtype={asked!r} conflict: {head} is tied to "
                 f"{head_source}, so they are one tensor; give both the same int8/int4 value, or untie them "

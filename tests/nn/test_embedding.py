@@ -265,13 +265,16 @@ def test_untied_lm_head_is_quantized_separately(float_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "arch, hidden, block", [("llama", 256, "q6_k"), ("llama_tied", 256, "q6_k"), ("llama", 64, "q8_0")]
+    "arch, hidden, block",
+    [("llama", 256, "q6_k"), ("llama_tied", 256, "q6_k"), ("llama", 64, "q8_0"), ("llama_tied", 64, "q8_0")],
 )
 def test_the_3_5_bit_budget_stores_the_lm_head_in_q6_k_or_q8_0_where_256_does_not_divide_its_rows(
     float_checkpoint, tmp_path, arch, hidden, block
 ):
     """`bits=3.5`'s default lm_head is "q6_k" (config.default_lm_head), llama.cpp's fallback q8_0 on rows of 64; a
-    tied table is the same blocks (one tensor). The head's logits stay within its blocks' error of the float head's."""
+    tied table is the same blocks (one tensor). The head's logits stay within its blocks' error of the float head's,
+    and the checkpoint reloads: a tied table's recorded q8_0 is the q6_k asked, not a second format (SmolLM2's case,
+    refused on reload before)."""
     path = float_checkpoint(arch, hidden_size=hidden)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=HfQuantConfig(bits=3.5), device_map="cpu")
     float_head = AutoModelForCausalLM.from_pretrained(path).lm_head
