@@ -11,7 +11,9 @@ consecutive rows of one tensor (`GroupRows`), which the group's kernels then use
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -194,32 +196,69 @@ def requantize_disk_offloaded(
     save: Callable[[torch.Tensor, str, str, dict], object],
     iq4_search: str = iq4.SEARCHES[0],
 ) -> None:
-    """Write the quantized weight of every disk-offloaded `QuantLinear` / `QuantEmbedding` into the offload folder.
+    """Write what quantize-on-load made of every disk-offloaded tensor into the offload folder: the quantized weight of
+    a `QuantLinear` / `QuantEmbedding`, and the norm weight or bias that a fold rescales (`fold_column_scales`).
 
     transformers (5.x) points the disk offload index of a tensor that is only renamed on load at the checkpoint
     file itself and does not save what the quantization op returned for it: the offloaded layer would read the
-    float weight back as int8. Each such weight is read again, one at a time, cast to `dtype` (float32 when None),
-    quantized as on load (its fold from `folds`, the config's `iq4_search`) and written with
-    `save(tensor, name, folder, index)` (transformers' `offload_weight`); the index entry then names the quantized
-    file (scales were saved on load).
+    float weight back as int8, and a folded norm its unfolded values (wrong logits, with no error). Each such tensor
+    is read again, one at a time, and made as on load: a weight cast to `dtype` (float32 when None) and quantized
+    (its fold from `folds`, the config's `iq4_search`), a folded tensor rescaled as `quantize_on_load` does; it is
+    written with `save(tensor, name, folder, index)` (transformers' `offload_weight`), and the index entry then names
+    the offload folder's file (scales were saved on load).
     """
     for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        weights_map = getattr(hook, "weights_map", None)
-        if not isinstance(module, (QuantLinear, QuantEmbedding)) or weights_map is None:
-            continue
+        weights_map = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
         loader, prefix = getattr(weights_map, "dataset", None), getattr(weights_map, "prefix", "")
         index = getattr(loader, "index", None) or {}
-        entry = index.get(prefix + "weight")
-        if entry is None or entry.get("safetensors_file") is None:
+        if not index:
             continue
-        path, name = entry["safetensors_file"], entry.get("weight_name", prefix + "weight")
-        with open_safetensors(path) as handle:
-            if not SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()].is_floating_point:
-                continue  # already the quantized tensor
-            tensor = read_tensor(handle, path, name).to(dtype or torch.float32)
-        buffers = quantize_layer_weight(module, tensor, clipping, folds.get(prefix[:-1]), iq4_search=iq4_search)
-        del tensor
-        for buffer_name, buffer in buffers.items():
-            save(buffer, prefix + buffer_name, loader.save_folder, index)
-        release_checkpoint_pages()
+        fold = folds.get(prefix[:-1]) if prefix else None
+        quantized = isinstance(module, (QuantLinear, QuantEmbedding))
+        for tensor_name in _checkpoint_entries(index, prefix, loader.save_folder):
+            if quantized and tensor_name == "weight":
+                buffers = _requantized(module, index[prefix + "weight"], prefix, clipping, fold, dtype, iq4_search)
+            elif fold is not None:  # a norm weight or a bias, as `quantize_on_load` rescales it
+                buffers = _refolded(index[prefix + tensor_name], prefix + tensor_name, tensor_name, fold)
+            else:
+                continue
+            for buffer_name, buffer in buffers.items():
+                save(buffer, prefix + buffer_name, loader.save_folder, index)
+            release_checkpoint_pages()
+
+
+def _checkpoint_entries(index: dict, prefix: str, folder: str | os.PathLike) -> list[str]:
+    """The names of the module's own tensors (`prefix` + name, no deeper module) whose offload `index` entry names a
+    checkpoint file (`safetensors_file` outside the offload `folder`, where the op's results are written): what
+    transformers offloaded without the op's result."""
+    folder = Path(folder).resolve()
+    names = []
+    for key, entry in index.items():
+        file = entry.get("safetensors_file")
+        if key.startswith(prefix) and "." not in key[len(prefix) :] and file is not None:
+            if not Path(file).resolve().is_relative_to(folder):
+                names.append(key[len(prefix) :])
+    return names
+
+
+def _read_entry(entry: dict, key: str) -> torch.Tensor | None:
+    """The checkpoint tensor an offload index `entry` names, or None when it is not a float tensor (already stored)."""
+    path, name = entry["safetensors_file"], entry.get("weight_name", key)
+    with open_safetensors(path) as handle:
+        if not SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()].is_floating_point:
+            return None
+        return read_tensor(handle, path, name)
+
+
+def _requantized(module, entry, prefix, clipping, fold, dtype, iq4_search) -> dict[str, torch.Tensor]:
+    tensor = _read_entry(entry, prefix + "weight")
+    if tensor is None:
+        return {}
+    return quantize_layer_weight(module, tensor.to(dtype or torch.float32), clipping, fold, iq4_search=iq4_search)
+
+
+def _refolded(entry: dict, key: str, tensor_name: str, fold: Transform) -> dict[str, torch.Tensor]:
+    tensor = _read_entry(entry, key)
+    if tensor is None:
+        return {}
+    return {tensor_name: folding.apply(tensor, fold).to(tensor.dtype)}

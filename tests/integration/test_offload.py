@@ -96,6 +96,22 @@ def test_quantize_on_load_offloads_quantized_bytes(float_checkpoint, tmp_path, e
     _check_same_answers(resident, model)
 
 
+@pytest.mark.parametrize("config", [{"bits": 4}, {"bits": 4, "group_size": 32}], ids=["iq4", "int4"])
+@pytest.mark.parametrize("offload_buffers", [False, True], ids=["buffers-in-ram", "offload-buffers"])
+def test_folded_norms_of_offloaded_layers_are_the_folded_ones(float_checkpoint, tmp_path, config, offload_buffers):
+    """The 4-bit defaults fold SINQ's column scales into the norms: an offloaded layer's norm must be read back
+    folded, as the resident model has it (transformers' offload index named the checkpoint's unfolded norm, and the
+    logits were wrong by up to 30 on SmolLM2, with no error)."""
+    resident, model = _split_load(float_checkpoint, tmp_path, HfQuantConfig(**config), offload_buffers=offload_buffers)
+    assert "disk" in model.hf_device_map.values()
+    norms = [n for n, m in model.named_modules() if n.endswith("input_layernorm") and m.weight.device.type == "meta"]
+    assert norms, model.hf_device_map
+    for name in norms:
+        weights = model.get_submodule(name)._hf_hook.weights_map
+        assert torch.equal(weights["weight"], resident.get_submodule(name).weight), name
+    _check_same_answers(resident, model)
+
+
 def test_quantized_checkpoint_offloads_from_its_own_file(float_checkpoint, tmp_path):
     config = HfQuantConfig(bits=4, group_size=32, embedding_dtype="int8", mixed_precision="none")
     AutoModelForCausalLM.from_pretrained(float_checkpoint, quantization_config=config).save_pretrained(tmp_path / "q")
