@@ -17,9 +17,11 @@ from hfquant.nn.embedding import QuantEmbedding  # noqa: E402
 from hfquant.nn.linear import QuantLinear  # noqa: E402
 
 
-def _model(float_checkpoint):
+def _model(float_checkpoint, **config):
     return AutoModelForCausalLM.from_pretrained(
-        float_checkpoint("llama"), quantization_config=HfQuantConfig(bits=4, group_size=32), device_map="cpu"
+        float_checkpoint("llama"),
+        quantization_config=HfQuantConfig(**(config or {"bits": 4, "group_size": 32})),
+        device_map="cpu",
     )
 
 
@@ -55,9 +57,16 @@ def test_dora_is_refused(float_checkpoint):
         hfquant.peft.get_peft_model(_model(float_checkpoint), _config(use_dora=True))
 
 
-def test_trainer_lowers_the_loss_and_the_adapter_reloads(float_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    "config",
+    [{"bits": 4, "group_size": 32}, {"bits": 4}, {"bits": 3.5}],
+    ids=["int4", "default-iq4", "3.5-bit-blocks"],
+)
+def test_trainer_lowers_the_loss_and_the_adapter_reloads(float_checkpoint, tmp_path, config):
+    """int4, and the block formats of the 4-bit default (IQ4_NL on these rows of 64) and of bits=3.5 (HQ3_R)."""
     torch.manual_seed(0)
-    model = _model(float_checkpoint)
+    model = _model(float_checkpoint, **config)
+    assert (model.model.layers[0].mlp.down_proj.format.block is None) == ("group_size" in config)
     peft_model = hfquant.peft.get_peft_model(model, _config())
     ids = _batch(model.config.vocab_size)
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -89,7 +98,7 @@ def test_trainer_lowers_the_loss_and_the_adapter_reloads(float_checkpoint, tmp_p
     peft_model.eval()
     with torch.no_grad():
         expected = peft_model(input_ids=ids).logits
-    reloaded = hfquant.peft.load_adapter(_model(float_checkpoint), tmp_path / "adapter")
+    reloaded = hfquant.peft.load_adapter(_model(float_checkpoint, **config), tmp_path / "adapter")
     assert isinstance(reloaded, PeftModel)
     with torch.no_grad():
         reloaded_logits = reloaded(input_ids=ids).logits
