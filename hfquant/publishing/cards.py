@@ -159,8 +159,8 @@ def _format_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 _METHOD_TEXT = {
-    "rtn": "round-to-nearest (integers: min/max scales; block types: each block's scales searched as llama.cpp's "
-    "quantizer does)",
+    "rtn": "round-to-nearest (integers: min/max scales; block types: each block's scales searched for the least "
+    "error, as llama.cpp's quantizer does for its types)",
     "sinq": "SINQ (round-to-nearest after a per-input-column scale balanced by Sinkhorn iterations, arXiv "
     "2509.22944, stored as `weight_col_scale`)",
     FOLDED_SINQ: "SINQ with its column scales folded into the model (into the norms and the preceding projections, "
