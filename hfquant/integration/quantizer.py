@@ -270,7 +270,7 @@ class HfQuantQuantizer(HfQuantizer):
         on_cpu = not self.pre_quantized and _on_cpu(device_map)
         self.report = LoadReport(pages, rows=GroupRows() if on_cpu else None)
         if on_cpu and files:  # the quantized weights' maps made resident beside the load (`huge_pages.Spares`)
-            self.report.spares = Spares.start(_spare_bytes(files), first=_one_off_weight_bytes(model, self.plan))
+            self.report.spares = Spares.start(_spare_bytes(files), first=_one_off_stored_bytes(model, self.plan))
         if isinstance(self.plan.folds, FoldStream):
             self.plan.folds.fold_first()  # on this core, the spares' first maps on the other
         if replaced == 0:
@@ -441,7 +441,7 @@ def _spare_bytes(files: list) -> int:
     return min(256 * 2**20, max(32 * 2**20, total // 64))
 
 
-def _one_off_weight_bytes(model: nn.Module, plan: LoadPlan) -> tuple[int, ...]:
+def _one_off_stored_bytes(model: nn.Module, plan: LoadPlan) -> tuple[int, ...]:
     """The bytes of each stored tensor the load allocates once in a size of its own (an lm_head's weight, an
     embedding's; `stored_allocations`, which counts a decode group's weights as the one tensor `GroupRows` gives
     them), in the plan's order: `Spares` makes their maps first, while the pre-load hook folds the first block. It

@@ -126,16 +126,16 @@ def test_conflicting_formats_for_one_tied_tensor_are_refused_while_planning():
     [("llama", "lm_head", "lm_head"), ("llama_tied", "embedding_dtype", "model.embed_tokens")],
 )
 def test_the_spares_first_maps_are_the_stored_weights_of_a_size_of_their_own(arch, config, one_off):
-    """`_one_off_weight_bytes`: the untied lm_head's or the tied embedding's int8 weight, whose size no other module's
+    """`_one_off_stored_bytes`: the untied lm_head's or the tied embedding's int8 weight, whose size no other module's
     stored weight has (the decoder layers repeat theirs)."""
     quantizer, model = _prepared(arch, HfQuantConfig(bits=8, **{config: "int8"}))
     module = model.get_submodule(one_off)
     stored = (module.weight, module.weight_scale)
-    assert quantizer_module._one_off_weight_bytes(model, quantizer.plan) == tuple(t.nbytes for t in stored)
+    assert quantizer_module._one_off_stored_bytes(model, quantizer.plan) == tuple(t.nbytes for t in stored)
 
 
 def test_the_allocations_counted_for_the_spares_are_those_the_load_makes(tmp_path, monkeypatch):
-    """`stored_allocations`, from which `_one_off_weight_bytes` picks the spares' first maps, gives the sizes that a
+    """`stored_allocations`, from which `_one_off_stored_bytes` picks the spares' first maps, gives the sizes that a
     quantize-on-load asks `huge_pages.empty` for: on a one-layer Llama the weights of q/k and gate/up as one tensor
     per group (`GroupRows`; their members' own sizes are never asked), every other layer's stored tensors."""
     tiny_model("llama", num_hidden_layers=1).save_pretrained(tmp_path)
