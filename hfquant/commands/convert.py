@@ -120,12 +120,8 @@ def _run_gguf(args: argparse.Namespace) -> int:
     from hfquant.config import FIELD_NAMES
     from hfquant.conversion.gguf_import import convert_gguf
 
-    defaults = {"bits": 4, "modules_to_not_convert": [], "symmetric": None}
-    given = [
-        name
-        for name in FIELD_NAMES
-        if name in vars(args) and (name not in defaults or getattr(args, name) != defaults[name])
-    ]
+    defaults = {"modules_to_not_convert": [], "symmetric": None}  # every other option is None unless given
+    given = [name for name in FIELD_NAMES if name in vars(args) and getattr(args, name) != defaults.get(name)]
     if given:
         options = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(

@@ -134,7 +134,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--bits",
         type=_bits,
-        default=4,
+        default=None,  # 4, but None tells a given --bits 4 apart (a GGUF source refuses any quantization option)
         metavar="BITS",
         help=f"{field['bits'].help} (8, 6, 5, 4, 3, 2 or 3.5; default 4)",
     )
@@ -193,7 +193,7 @@ def config_from_args(args: argparse.Namespace):
     from hfquant.config import FIELD_NAMES, HfQuantConfig
 
     kwargs: dict[str, Any] = {
-        "bits": args.bits,
+        "bits": 4 if args.bits is None else args.bits,
         "symmetric": args.symmetric,
         "modules_to_not_convert": list(args.modules_to_not_convert),
     }

@@ -79,3 +79,6 @@ def test_convert_a_gguf_file_to_a_checkpoint_folder(gguf_file, tmp_path):
     assert again.returncode != 0 and "exists" in again.stderr
     options = hfquant("convert", str(gguf_file), str(tmp_path / "other"), "--method", "sinq")
     assert options.returncode != 0 and "--method: a GGUF source keeps its own block types" in options.stderr
+    default = hfquant("convert", str(gguf_file), str(tmp_path / "other"), "--bits", "4")  # the default's value, given
+    assert default.returncode != 0 and "--bits: a GGUF source keeps its own block types" in default.stderr
+    assert not (tmp_path / "other").exists()
