@@ -39,8 +39,9 @@ def resolve_source(src: str | os.PathLike, revision: str | None = None) -> Path:
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
+            hint = "; for a GGUF file, make one with hfquant convert FILE.gguf DST" if path.suffix == ".gguf" else ""
             raise NotADirectoryError(
-                f"SRC {str(src)!r} is a file; pass the folder that holds config.json and the weights"
+                f"SRC {str(src)!r} is a file; pass the folder that holds config.json and the weights{hint}"
             )
         return path
     text = str(src)

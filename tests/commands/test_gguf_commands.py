@@ -82,3 +82,9 @@ def test_convert_a_gguf_file_to_a_checkpoint_folder(gguf_file, tmp_path):
     default = hfquant("convert", str(gguf_file), str(tmp_path / "other"), "--bits", "4")  # the default's value, given
     assert default.returncode != 0 and "--bits: a GGUF source keeps its own block types" in default.stderr
     assert not (tmp_path / "other").exists()
+
+
+def test_eval_of_a_gguf_file_says_to_convert_it_first(gguf_file):
+    done = hfquant("eval", str(gguf_file))
+    assert done.returncode != 0 and "hfquant convert FILE.gguf DST" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
