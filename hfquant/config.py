@@ -338,8 +338,10 @@ def default_symmetric(bits: int) -> bool:
 
 def _check_quant_method(field: ConfigField, value: Any) -> None:
     if value != QUANT_METHOD:
+        hint = " (hfquant import SRC DST makes an hfquant checkpoint of it)" if value == "compressed-tensors" else ""
         raise ValueError(
-            f"quant_method={value!r} is not handled by HfQuantConfig, which reads only quant_method={QUANT_METHOD!r}."
+            f"quant_method={value!r} is not handled by HfQuantConfig, which reads only quant_method={QUANT_METHOD!r}"
+            f"{hint}."
         )
 
 

@@ -365,8 +365,11 @@ def test_choice_error_names_the_value_the_allowed_ones_and_the_field():
 
 
 def test_another_quantizers_config_is_refused_for_its_quant_method_first():
-    with pytest.raises(ValueError, match="quant_method='gptq' is not handled by HfQuantConfig"):
+    with pytest.raises(ValueError, match="quant_method='gptq' is not handled by HfQuantConfig") as gptq:
         HfQuantConfig.from_dict({"quant_method": "gptq", "bits": 4, "desc_act": True})
+    assert "hfquant import" not in str(gptq.value)
+    with pytest.raises(ValueError, match=r"\(hfquant import SRC DST makes an hfquant checkpoint of it\)\.$"):
+        HfQuantConfig.from_dict({"quant_method": "compressed-tensors", "format": "pack-quantized"})
 
 
 def test_config_json_of_earlier_versions_loads_with_what_it_stored():
