@@ -184,8 +184,16 @@ def quantize_on_load(
         buffers = quantize_experts_tensor(tensor, module.formats[tensor_name])
         return {key + suffix: buffer for suffix, buffer in buffers.items()}, True
     if fold is not None:  # a norm weight or a bias that a fold rescales (fold_column_scales)
-        return {key: folding.apply(tensor, fold).to(tensor.dtype)}, False
+        return {key: _folded(module, tensor_name, tensor, fold)}, False
     return None
+
+
+def _folded(module: nn.Module, tensor_name: str, tensor: torch.Tensor, fold: Transform) -> torch.Tensor:
+    """`tensor` rescaled by `fold` (in float32), in the dtype of the parameter of `module` it becomes: a norm kept in
+    `norm_dtype` float32 keeps the fold's float32 values (transformers assigns what the op returns as it is)."""
+    target = getattr(module, tensor_name, None)
+    dtype = target.dtype if isinstance(target, torch.Tensor) and target.is_floating_point() else tensor.dtype
+    return folding.apply(tensor, fold).to(dtype)
 
 
 def requantize_disk_offloaded(
@@ -219,7 +227,7 @@ def requantize_disk_offloaded(
             if quantized and tensor_name == "weight":
                 buffers = _requantized(module, index[prefix + "weight"], prefix, clipping, fold, dtype, iq4_search)
             elif fold is not None:  # a norm weight or a bias, as `quantize_on_load` rescales it
-                buffers = _refolded(index[prefix + tensor_name], prefix + tensor_name, tensor_name, fold)
+                buffers = _refolded(module, index[prefix + tensor_name], prefix + tensor_name, fold, dtype)
             else:
                 continue
             for buffer_name, buffer in buffers.items():
@@ -257,8 +265,9 @@ def _requantized(module, entry, prefix, clipping, fold, dtype, iq4_search) -> di
     return quantize_layer_weight(module, tensor.to(dtype or torch.float32), clipping, fold, iq4_search=iq4_search)
 
 
-def _refolded(entry: dict, key: str, tensor_name: str, fold: Transform) -> dict[str, torch.Tensor]:
+def _refolded(module, entry: dict, key: str, fold: Transform, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     tensor = _read_entry(entry, key)
     if tensor is None:
         return {}
-    return {tensor_name: folding.apply(tensor, fold).to(tensor.dtype)}
+    tensor_name = key.rpartition(".")[2]
+    return {tensor_name: _folded(module, tensor_name, tensor.to(dtype or tensor.dtype), fold)}  # cast as on load

@@ -96,7 +96,11 @@ def test_quantize_on_load_offloads_quantized_bytes(float_checkpoint, tmp_path, e
     _check_same_answers(resident, model)
 
 
-@pytest.mark.parametrize("config", [{"bits": 4}, {"bits": 4, "group_size": 32}], ids=["iq4", "int4"])
+@pytest.mark.parametrize(
+    "config",
+    [{"bits": 4}, {"bits": 4, "group_size": 32}, {"bits": 4, "norm_dtype": "float32"}],
+    ids=["iq4", "int4", "float32-norms"],
+)
 @pytest.mark.parametrize("offload_buffers", [False, True], ids=["buffers-in-ram", "offload-buffers"])
 def test_folded_norms_of_offloaded_layers_are_the_folded_ones(float_checkpoint, tmp_path, config, offload_buffers):
     """The 4-bit defaults fold SINQ's column scales into the norms: an offloaded layer's norm must be read back

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import cosine_similarity, input_ids, model_output
+from helpers import cosine_similarity, input_ids, model_output, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -211,6 +211,33 @@ def test_float32_norms_in_a_bfloat16_model_compute_in_float32(float_checkpoint):
     logits = model_output(model, input_ids())
     assert seen["input"] == torch.float32  # the input was cast up to the norm's dtype ...
     assert logits.dtype == torch.bfloat16  # ... and the output back to the compute dtype
+
+
+def test_folded_norms_keep_norm_dtype_and_the_folds_float32_values(tmp_path):
+    """The 4-bit default folds SINQ's column scales into the norms on their way in: with norm_dtype="float32" the
+    folded norm is float32, holding the fold's float32 values (was: bfloat16, the option ignored, and a disk-offloaded
+    copy of it float32, so the two computed differently)."""
+    source = tiny_model("llama", dtype=torch.bfloat16)
+    with torch.no_grad():  # norms of other weights than 1, whose products with the column scales need float32
+        for name, parameter in source.named_parameters():
+            if name.endswith("layernorm.weight"):
+                parameter.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    source.save_pretrained(tmp_path / "src")
+    config = HfQuantConfig(bits=4, norm_dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "src", quantization_config=config, dtype=torch.bfloat16, device_map="cpu"
+    )
+
+    def norms(m):
+        return {n: p for n, p in m.named_parameters() if n.endswith("layernorm.weight")}
+
+    assert norms(model) and {w.dtype for w in norms(model).values()} == {torch.float32}
+    assert any(not torch.equal(w, w.to(torch.bfloat16).float()) for w in norms(model).values())  # not rounded
+    logits = model_output(model, input_ids())
+    model.save_pretrained(tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert all(torch.equal(w, norms(reloaded)[n]) for n, w in norms(model).items())
+    assert torch.equal(model_output(reloaded, input_ids()), logits)
 
 
 def test_compute_dtype_replaces_the_load_dtype(float_checkpoint, tmp_path):
