@@ -203,6 +203,7 @@ def requantize_disk_offloaded(
     dtype: torch.dtype | None,
     save: Callable[[torch.Tensor, str, str, dict], object],
     iq4_search: str = iq4.SEARCHES[0],
+    changed: Callable[[str], bool] = lambda key: True,
 ) -> None:
     """Write what quantize-on-load made of every disk-offloaded tensor into the offload folder: the quantized weight of
     a `QuantLinear` / `QuantEmbedding`, and the norm weight or bias that a fold rescales (`fold_column_scales`).
@@ -210,43 +211,46 @@ def requantize_disk_offloaded(
     transformers (5.x) points the disk offload index of a tensor that is only renamed on load at the checkpoint
     file itself and does not save what the quantization op returned for it: the offloaded layer would read the
     float weight back as int8, and a folded norm its unfolded values (wrong logits, with no error). Each such tensor
-    is read again, one at a time, and made as on load: a weight cast to `dtype` (float32 when None) and quantized
-    (its fold from `folds`, the config's `iq4_search`), a folded tensor rescaled as `quantize_on_load` does; it is
-    written with `save(tensor, name, folder, index)` (transformers' `offload_weight`), and the index entry then names
-    the offload folder's file (scales were saved on load).
+    is read again, one at a time, cast to `dtype` (the load's; float32 when None) and made by `quantize_on_load`, as
+    the op made it (its fold from `folds`, the config's `clipping` and `iq4_search`); what it gives is written with
+    `save(tensor, name, folder, index)` (transformers' `offload_weight`), and the index entry then names the offload
+    folder's file (scales were saved on load). `changed(key)`: whether the op changes checkpoint tensor `key` (the
+    quantizer's `param_needs_quantization`); the others are not read. `QuantExperts` are left as they are.
     """
     for module in model.modules():
         weights_map = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
         loader, prefix = getattr(weights_map, "dataset", None), getattr(weights_map, "prefix", "")
         index = getattr(loader, "index", None) or {}
-        if not index:
+        if not index or isinstance(module, QuantExperts):
             continue
         fold = folds.get(prefix[:-1]) if prefix else None
-        quantized = isinstance(module, (QuantLinear, QuantEmbedding))
-        for tensor_name in _checkpoint_entries(index, prefix, loader.save_folder):
-            if quantized and tensor_name == "weight":
-                buffers = _requantized(module, index[prefix + "weight"], prefix, clipping, fold, dtype, iq4_search)
-            elif fold is not None:  # a norm weight or a bias, as `quantize_on_load` rescales it
-                buffers = _refolded(module, index[prefix + tensor_name], prefix + tensor_name, fold, dtype)
-            else:
-                continue
-            for buffer_name, buffer in buffers.items():
-                save(buffer, prefix + buffer_name, loader.save_folder, index)
+        for key in filter(changed, _checkpoint_entries(index, prefix, loader.save_folder)):
+            tensor = _read_entry(index[key], key)
+            made = (
+                None
+                if tensor is None
+                else quantize_on_load(
+                    module, key, tensor.to(dtype or torch.float32), fold, clipping, iq4_search=iq4_search
+                )
+            )
+            if made is not None:
+                for name, value in made[0].items():
+                    save(value, name, loader.save_folder, index)
             release_checkpoint_pages()
 
 
 def _checkpoint_entries(index: dict, prefix: str, folder: str | os.PathLike) -> list[str]:
-    """The names of the module's own tensors (`prefix` + name, no deeper module) whose offload `index` entry names a
+    """The keys of the module's own tensors (`prefix` + name, no deeper module) whose offload `index` entry names a
     checkpoint file (`safetensors_file` outside the offload `folder`, where the op's results are written): what
     transformers offloaded without the op's result."""
     folder = Path(folder).resolve()
-    names = []
+    keys = []
     for key, entry in index.items():
         file = entry.get("safetensors_file")
         if key.startswith(prefix) and "." not in key[len(prefix) :] and file is not None:
             if not Path(file).resolve().is_relative_to(folder):
-                names.append(key[len(prefix) :])
-    return names
+                keys.append(key)
+    return keys
 
 
 def _read_entry(entry: dict, key: str) -> torch.Tensor | None:
@@ -256,18 +260,3 @@ def _read_entry(entry: dict, key: str) -> torch.Tensor | None:
         if not SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()].is_floating_point:
             return None
         return read_tensor(handle, path, name)
-
-
-def _requantized(module, entry, prefix, clipping, fold, dtype, iq4_search) -> dict[str, torch.Tensor]:
-    tensor = _read_entry(entry, prefix + "weight")
-    if tensor is None:
-        return {}
-    return quantize_layer_weight(module, tensor.to(dtype or torch.float32), clipping, fold, iq4_search=iq4_search)
-
-
-def _refolded(module, entry: dict, key: str, fold: Transform, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    tensor = _read_entry(entry, key)
-    if tensor is None:
-        return {}
-    tensor_name = key.rpartition(".")[2]
-    return {tensor_name: _folded(module, tensor_name, tensor.to(dtype or tensor.dtype), fold)}  # cast as on load

@@ -355,7 +355,13 @@ class HfQuantQuantizer(HfQuantizer):
         if not self.pre_quantized:
             config = self.quantization_config
             requantize_disk_offloaded(
-                model, self.plan.folds, config.clipping, self.plan.compute_dtype, offload_weight, config.iq4_search
+                model,
+                self.plan.folds,
+                config.clipping,
+                self.plan.compute_dtype,
+                offload_weight,
+                config.iq4_search,
+                changed=lambda key: self.param_needs_quantization(model, key),
             )
         checks.warn_offloaded_buffers(model)
         logger.info("hfquant kernels: %s", counts)
