@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from hfquant.checkpoint.source import resolve_source
 from hfquant.core.dtypes import dtype_name
+from hfquant.core.format import format_name
 from hfquant.nn.float_linear import FloatLinear, plain_linear
 from hfquant.ops import machine
 from hfquant.ops.vml_dispatch import resolve_vml_dispatch
@@ -464,8 +465,7 @@ def _kind(qconfig: dict | None, dtype: str) -> str:
     "hfquant iq4_xs" (the config's `format`) for a block format, else the float `dtype`."""
     if not qconfig or qconfig.get("quant_method") != "hfquant":
         return dtype
-    fmt = qconfig.get("format", "int")
-    return f"hfquant int{qconfig['bits']}" if fmt == "int" else f"hfquant {fmt}"
+    return f"hfquant {format_name(qconfig.get('format', 'int'), qconfig['bits'])}"
 
 
 def _measured_row(

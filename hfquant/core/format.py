@@ -13,7 +13,7 @@ import torch
 from hfquant.core import blocks, huge_pages, rtn
 from hfquant.core.choice import Choice
 
-__all__ = ["Method", "StoredFormat", "SUPPORTED_BITS", "require_format"]
+__all__ = ["Method", "StoredFormat", "SUPPORTED_BITS", "format_name", "require_format"]
 
 SUPPORTED_BITS = (8, 4)
 """Bit widths of the uniform integer formats (a block format has its own, `blocks.BlockLayout.bits`)."""
@@ -200,3 +200,9 @@ def require_format(fmt: object) -> StoredFormat:
             f"StoredFormat(bits=4, group_size=128, symmetric=False); got {fmt!r}"
         )
     return fmt
+
+
+def format_name(fmt: str, bits: int) -> str:
+    """A stored format's short name, as tags and labels give it: "int8" / "int4" for the config's `format` "int" at
+    `bits`, else the block type's own name ("iq4_xs", "q4_k", "hq3_r")."""
+    return f"int{bits}" if fmt == "int" else fmt

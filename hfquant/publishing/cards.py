@@ -2,8 +2,8 @@
 template `model_cards/hfquant.jinja`, rendered with `ModelCard.from_template`.
 
 The card's YAML metadata has `base_model` (when known), `base_model_relation: quantized`, `library_name:
-transformers`, tags (`hfquant`, each stored format: `iq4_xs`, `int8`, ...), and the license and languages of the base model's own card
-when it is at hand. Its body shows the quantization config as a table, sizes against the float model
+transformers`, tags (`hfquant`, each stored format: `iq4_xs`, `int8`, ...), and the license and languages of the base
+model's own card when it is at hand. Its body shows the quantization config as a table, sizes against the float model
 (`hfquant.inspection`), perplexity and decode speed when `hfquant eval` left `hfquant_eval.json` in the folder, and a
 usage snippet. Every input is read from the checkpoint folder, so the card can be rendered again at any time (`hfquant
 push` does, with the repo id in the snippet).
@@ -31,6 +31,7 @@ from hfquant.checkpoint.files import EVAL_FILE, stays_inside
 from hfquant.checkpoint.source import base_model_of
 from hfquant.config import FIELD_NAMES, HfQuantConfig
 from hfquant.core import blocks
+from hfquant.core.format import format_name
 from hfquant.core.text import terminal_safe
 from hfquant.inspection import FOLDED_SINQ, bits_text, format_report, group_text, human_bytes, inspect_checkpoint
 from hfquant.version import __version__
@@ -242,7 +243,7 @@ def build_card(
     )
     carried.update({k: v for k, v in previous.items() if k in _CARRIED_METADATA and k not in carried})
     methods = sorted({row["method"].split()[0] for row in report["quantized"]})  # "sinq (folded)" is sinq
-    names = [_format_name(fmt, width) for fmt, width in formats]
+    names = [format_name(fmt, width) for fmt, width in formats]
     tags = ["hfquant", *sorted(names), *[f"{b}-bit" for b in bits], "quantized", "weight-only", *methods]
     card_data = ModelCardData(
         base_model=base_model,
@@ -275,11 +276,6 @@ def _stored_formats(report: dict[str, Any]) -> list[tuple[str, int]]:
     for row in report["quantized"]:
         stored[(row.get("format", "int"), row["bits"])] += row["bytes"]
     return [key for key, _ in stored.most_common()]
-
-
-def _format_name(fmt: str, bits: int) -> str:
-    """A stored format's short name, for tags and the size table: "int8", "iq4_xs"."""
-    return f"int{bits}" if fmt == "int" else fmt
 
 
 def _formats_text(qconfig: dict[str, Any], report: dict[str, Any], formats: list[tuple[str, int]]) -> str:
@@ -330,7 +326,7 @@ def _template_values(
         base_model=base_model,
         architecture=markdown_code(architecture),
         formats_text=_formats_text(qconfig, report, formats),
-        formats_tag="/".join(_format_name(fmt, bits) for fmt, bits in formats),
+        formats_tag="/".join(format_name(fmt, bits) for fmt, bits in formats),
         integer_layers=any(fmt == "int" for fmt, _ in formats),
         block_layers=any(fmt != "int" for fmt, _ in formats),
         gguf_blocks=all(blocks.LAYOUTS[fmt].gguf for fmt, _ in formats if fmt != "int"),
